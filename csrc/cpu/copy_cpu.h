@@ -1,0 +1,25 @@
+// copy_cpu.h - multi-threaded CPU implementation of the paged <-> contiguous copy.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../kv_layout.h"
+
+namespace kvx::cpu {
+
+// Copy every row described by `p` in `direction` (kGather: paged -> contiguous).
+//   layer_ptrs: [num_layers] base address of each layer's paged cache
+//   ids:        [num_ids] block ids (kBlocks) or slot ids, negative = padding (kSlots)
+//   contig:     base address of the contiguous side
+// Runs on up to `num_threads` threads (<= 0: the pool's default). Call without the GIL held.
+void copy(const CopyParams& p, const int64_t* layer_ptrs, const int64_t* ids, int64_t contig,
+          int32_t direction, int num_threads);
+
+// Plain memcpy split over the same thread pool: the roof the benchmarks compare against.
+void parallel_memcpy(void* dst, const void* src, size_t bytes, int num_threads);
+
+int get_num_threads();
+void set_num_threads(int n);
+
+}  // namespace kvx::cpu

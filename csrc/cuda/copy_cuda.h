@@ -1,0 +1,34 @@
+// copy_cuda.h - CUDA implementation of the paged <-> contiguous copy (torch-free launchers).
+// Compiled by nvcc only when the CUDA toolchain is present (KVX_WITH_CUDA); declared here so the
+// bindings can be built by the host compiler.
+#pragma once
+
+#include <cstdint>
+
+#include "../kv_layout.h"
+
+namespace kvx::cuda {
+
+// Launch the copy kernel on `stream` (a cudaStream_t as an integer; 0 = legacy default stream).
+// One launch covers every layer, plane and id. Returns a cudaError_t (0 = success); never syncs.
+//   layer_ptrs_host: [num_layers] host copy of the layer base addresses (alignment, no deref)
+//   layer_ptrs_dev:  [num_layers] the same table in device-accessible memory
+//   ids_dev:         [num_ids] int64 block or slot ids in device-accessible memory
+//   contig:          device-accessible address of the contiguous side (device or mapped host memory)
+//   max_ctas:        cap on thread blocks (<= 0: enough to fill the device), for background copies
+int copy(const CopyParams& p, const int64_t* layer_ptrs_host, const int64_t* layer_ptrs_dev,
+         const int64_t* ids_dev, int64_t contig, int32_t direction, int64_t stream, int max_ctas);
+
+// Baseline for benchmarks: one cudaMemcpyAsync per (dst, src, bytes) triple, host arrays.
+int memcpy_each(const int64_t* dsts, const int64_t* srcs, const int64_t* sizes, int64_t n,
+                int64_t stream);
+
+// Device alias of a pinned (cudaHostAlloc / cudaHostRegister'ed) host address; *out = 0 on error.
+int host_device_pointer(int64_t host_ptr, int64_t* out);
+
+// Number of visible CUDA devices (0 when there is no driver or device).
+int device_count();
+
+const char* error_string(int err);
+
+}  // namespace kvx::cuda

@@ -1,0 +1,167 @@
+// kv_layout.h - the address math of every paged KV layout kvx copies.
+//
+// One header, included by the CPU implementation (g++) and the CUDA kernels (nvcc), so both execute
+// the same arithmetic. No torch, no CUDA runtime: plain integers and byte offsets.
+//
+// Model
+// -----
+// The paged side is a set of layers with identical geometry. In layer `l` (base pointer
+// `layer_ptrs[l]`), the row of one head of one token of one plane (K, V, or the single MLA plane) is
+// `row_bytes` contiguous bytes starting at
+//
+//     layer_ptrs[l] + plane * plane_stride + block * block_stride + token * token_stride
+//                   + head * head_stride                                               (bytes)
+//
+// Every layout vLLM uses reduces to this (strides in bytes, D = head size, C = K|V content):
+//   vLLM 0.32 LBNHC view [B, H, N, C=2D]: plane_stride = D*isz, token_stride = H*C*isz, head_stride = C*isz
+//   vLLM 0.32 LBHNC view [B, H, N, C=2D]: plane_stride = D*isz, head_stride = N*C*isz, token_stride = C*isz
+//   block-outer (BLNHC/BLHNC): as above, block_stride spans every layer of the allocation
+//   legacy flash [2, B, N, H, D]: plane_stride = B*N*H*D*isz;  FlashInfer [B, 2, N, H, D]: N*H*D*isz
+//   MLA [B, N, C]: one plane, one head, row = C elements
+//   raw pages: one "token", one "head", row = a whole contiguous page (segment) of a block
+//
+// The contiguous side is [layers, planes, tokens, heads, row_bytes] with arbitrary byte strides over
+// the first four dims (rows themselves are contiguous).
+//
+// Iteration space
+// ---------------
+// An *entry* is (layer l, plane p, id index i); entries are numbered (l * P + p) * num_ids + i.
+// Each entry covers `iter_tokens x iter_heads` rows. Block mode: ids are block ids, the entry's
+// contiguous tokens are [i * block_size, (i + 1) * block_size). Slot mode: ids are slot ids
+// (block * block_size + offset), one token per entry, a negative slot is padding and is skipped.
+// collapse_rows() merges adjacent heads (and, in block mode, tokens) into longer rows when both sides
+// are dense, which turns e.g. a legacy-flash block into a single memcpy.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define KVX_HD __host__ __device__ __forceinline__
+#else
+#define KVX_HD inline
+#endif
+
+namespace kvx {
+
+enum Mode : int32_t { kBlocks = 0, kSlots = 1 };
+enum Direction : int32_t { kGather = 0 /* paged -> contiguous */, kScatter = 1 /* contiguous -> paged */ };
+
+// Geometry of the paged side (identical for every layer). Strides in bytes.
+struct PagedDesc {
+  int64_t plane_stride;
+  int64_t block_stride;
+  int64_t token_stride;
+  int64_t head_stride;
+  int64_t num_blocks;
+  int32_t num_planes;  // 2 (K, V) or 1 (MLA, raw pages)
+  int32_t block_size;  // tokens per block
+  int32_t num_heads;
+  int32_t pad_;
+};
+
+// Strides in bytes of the contiguous side over [layers, planes, tokens, heads]; rows are dense.
+struct ContigDesc {
+  int64_t layer_stride;
+  int64_t plane_stride;
+  int64_t token_stride;
+  int64_t head_stride;
+};
+
+struct CopyParams {
+  PagedDesc paged;
+  ContigDesc contig;
+  int64_t row_bytes;    // bytes copied per row (after collapse_rows)
+  int64_t num_ids;      // length of the id list
+  int32_t num_layers;
+  int32_t mode;         // Mode
+  int32_t iter_tokens;  // rows along the token axis per entry (block_size, 1 for slots or merged)
+  int32_t iter_heads;   // rows along the head axis per entry (num_heads, or 1 when merged)
+};
+
+// Fill the iteration fields from the geometry. Host-side helper shared by every backend.
+inline CopyParams make_params(const PagedDesc& paged, const ContigDesc& contig, int64_t row_bytes,
+                              int32_t num_layers, int64_t num_ids, int32_t mode) {
+  CopyParams p{};
+  p.paged = paged;
+  p.contig = contig;
+  p.row_bytes = row_bytes;
+  p.num_ids = num_ids;
+  p.num_layers = num_layers;
+  p.mode = mode;
+  p.iter_tokens = mode == kBlocks ? paged.block_size : 1;
+  p.iter_heads = paged.num_heads;
+  return p;
+}
+
+// Merge rows that are adjacent on both sides into one longer row. Host-side, called once per op.
+inline void collapse_rows(CopyParams& p) {
+  if (p.iter_heads > 1 && p.paged.head_stride == p.row_bytes && p.contig.head_stride == p.row_bytes) {
+    p.row_bytes *= p.iter_heads;
+    p.iter_heads = 1;
+  }
+  if (p.iter_heads == 1 && p.iter_tokens > 1 && p.paged.token_stride == p.row_bytes &&
+      p.contig.token_stride == p.row_bytes) {
+    p.row_bytes *= p.iter_tokens;
+    p.iter_tokens = 1;
+  }
+}
+
+KVX_HD int64_t num_entries(const CopyParams& p) {
+  return static_cast<int64_t>(p.num_layers) * p.paged.num_planes * p.num_ids;
+}
+
+KVX_HD int64_t rows_per_entry(const CopyParams& p) {
+  return static_cast<int64_t>(p.iter_tokens) * p.iter_heads;
+}
+
+// Where entry `e` starts on both sides. Returns false for a padding slot (nothing to copy).
+//   ids: [num_ids] block ids (block mode) or slot ids (slot mode)
+KVX_HD bool entry_offsets(const CopyParams& p, int64_t e, const int64_t* ids, int32_t* layer,
+                          int64_t* paged_off, int64_t* contig_off) {
+  const int64_t i = e % p.num_ids;
+  const int64_t lp = e / p.num_ids;
+  const int32_t plane = static_cast<int32_t>(lp % p.paged.num_planes);
+  *layer = static_cast<int32_t>(lp / p.paged.num_planes);
+  const int64_t id = ids[i];
+  int64_t block, token, contig_token;
+  if (p.mode == kBlocks) {
+    block = id;
+    token = 0;
+    contig_token = i * p.paged.block_size;
+  } else {
+    if (id < 0) return false;
+    block = id / p.paged.block_size;
+    token = id % p.paged.block_size;
+    contig_token = i;
+  }
+  *paged_off = plane * p.paged.plane_stride + block * p.paged.block_stride + token * p.paged.token_stride;
+  *contig_off = *layer * p.contig.layer_stride + plane * p.contig.plane_stride +
+                contig_token * p.contig.token_stride;
+  return true;
+}
+
+// Offsets of row `r` (0 <= r < rows_per_entry) inside an entry, on the paged and contiguous side.
+KVX_HD int64_t row_paged_offset(const CopyParams& p, int64_t r) {
+  const int64_t t = r / p.iter_heads, h = r % p.iter_heads;
+  return t * p.paged.token_stride + h * p.paged.head_stride;
+}
+
+KVX_HD int64_t row_contig_offset(const CopyParams& p, int64_t r) {
+  const int64_t t = r / p.iter_heads, h = r % p.iter_heads;
+  return t * p.contig.token_stride + h * p.contig.head_stride;
+}
+
+// Largest power-of-two width (<= 16) that divides every address and size the copy touches.
+inline int copy_width(const CopyParams& p, const int64_t* layer_ptrs, int64_t contig_ptr) {
+  uint64_t bits = static_cast<uint64_t>(p.row_bytes) | static_cast<uint64_t>(contig_ptr) |
+                  static_cast<uint64_t>(p.paged.plane_stride) | static_cast<uint64_t>(p.paged.block_stride) |
+                  static_cast<uint64_t>(p.paged.token_stride) | static_cast<uint64_t>(p.paged.head_stride) |
+                  static_cast<uint64_t>(p.contig.layer_stride) | static_cast<uint64_t>(p.contig.plane_stride) |
+                  static_cast<uint64_t>(p.contig.token_stride) | static_cast<uint64_t>(p.contig.head_stride);
+  for (int32_t l = 0; l < p.num_layers; ++l) bits |= static_cast<uint64_t>(layer_ptrs[l]);
+  int w = 16;
+  while (w > 1 && (bits & static_cast<uint64_t>(w - 1))) w >>= 1;
+  return w;
+}
+
+}  // namespace kvx

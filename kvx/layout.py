@@ -1,0 +1,326 @@
+"""The layout model: one descriptor for every paged KV layout kvx copies.
+
+A :class:`KVLayout` describes ``L`` layers of a paged KV cache with identical geometry. Whatever the
+physical layout, each layer is seen as ``P`` *plane views* of logical shape ``[B, N, H, D]``
+(blocks, tokens per block, heads, head size): ``P = 2`` (K and V) for standard attention, ``P = 1``
+for MLA. Those views are plain strided torch views, so the pure-torch reference indexes them
+directly, and their byte strides are the descriptor the compiled kernels use (``csrc/kv_layout.h``)::
+
+    row(l, p, b, t, h) = base[l] + p*plane_stride + b*block_stride + t*token_stride + h*head_stride
+
+Supported layout names (``LAYOUTS``):
+
+=============  ===============================  ==================================================
+name           tensor per layer                 meaning
+=============  ===============================  ==================================================
+``LBNHC``      ``[B, H, N, 2D]`` view           vLLM >= 0.32, token-major page, K|V packed in C
+``LBHNC``      ``[B, H, N, 2D]`` view           vLLM >= 0.32, head-major page, K|V packed in C
+``BLNHC``      ``[B, H, N, 2D]`` view           block-outer: layers of a block share one region
+``BLHNC``      ``[B, H, N, 2D]`` view           block-outer, head-major page
+``flash``      ``[2, B, N, H, D]``              legacy vLLM flash-attention (K plane, V plane)
+``flashinfer`` ``[B, 2, N, H, D]``              legacy FlashInfer
+``mla``        ``[B, N, C]`` or ``[B, 1, N, C]``  MLA latent cache (one plane, one head, no V)
+``cpu``        ``[B, H, N, 2D]`` view           vLLM CPU backend: ISA-packed page, opaque bytes
+=============  ===============================  ==================================================
+
+The ``cpu`` layout's page content is packed by the attention kernel for its ISA, so only whole pages
+may be copied; token-granular or canonical copies of it are refused.
+
+Two contiguous formats are defined here (see :meth:`KVLayout.canonical_shape` and
+:meth:`KVLayout.page_shape`): the *canonical* chunk ``[L, P, T, H, D]`` in the cache dtype, which does
+not depend on the layout or block size, and the *raw page* chunk ``[L, S, n, segment_bytes]`` (uint8),
+the fast path when source and destination layouts are identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping, Sequence
+
+import torch
+
+LAYOUTS = ("LBNHC", "LBHNC", "BLNHC", "BLHNC", "flash", "flashinfer", "mla", "cpu")
+_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+_PACKED = ("LBNHC", "LBHNC", "BLNHC", "BLHNC")
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedDesc:
+    """Byte geometry of the paged side, mirrored by ``kvx::PagedDesc`` in ``csrc/kv_layout.h``."""
+
+    plane_stride: int
+    block_stride: int
+    token_stride: int
+    head_stride: int
+    num_blocks: int
+    num_planes: int
+    block_size: int
+    num_heads: int
+
+    def as_tuple(self) -> tuple[int, ...]:
+        return dataclasses.astuple(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class PageGeometry:
+    """How one block of one layer lies in memory: ``segments`` runs of ``segment_bytes`` bytes,
+    ``segment_stride`` bytes apart (one run for every vLLM >= 0.32 layout, K and V runs for ``flash``)."""
+
+    segments: int
+    segment_stride: int
+    segment_bytes: int
+
+    @property
+    def page_bytes(self) -> int:
+        return self.segments * self.segment_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyPlan:
+    """Everything a backend needs for one copy, mirrored by ``kvx::CopyParams`` (before collapsing).
+
+    ``contig_strides`` are byte strides over ``[layers, planes, tokens, heads]``; rows are dense.
+    ``mode`` is 0 for block ids, 1 for slot ids.
+    """
+
+    paged: PagedDesc
+    contig_strides: tuple[int, int, int, int]
+    row_bytes: int
+    num_layers: int
+    num_ids: int
+    mode: int
+
+
+def _dense_page(dims: list[tuple[int, int]], row_bytes: int) -> PageGeometry | None:
+    """Merge (size, stride) dims of a page into one contiguous run plus at most one segment dim."""
+    run = row_bytes
+    rest = []
+    for size, stride in sorted((d for d in dims if d[0] > 1), key=lambda d: d[1]):
+        if not rest and stride == run:
+            run *= size
+        else:
+            rest.append((size, stride))
+    if not rest:
+        return PageGeometry(1, 0, run)
+    if len(rest) == 1 and rest[0][1] >= run:
+        return PageGeometry(rest[0][0], rest[0][1], run)
+    return None
+
+
+def non_overlapping(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    """True when no two index tuples of a strided view address the same element."""
+    extent = 1
+    for size, stride in sorted((d for d in zip(sizes, strides) if d[0] > 1), key=lambda d: abs(d[1])):
+        if abs(stride) < extent:
+            return False
+        extent = abs(stride) * size
+    return True
+
+
+class KVLayout:
+    """Descriptor of ``L`` layers of a paged KV cache (see the module docstring).
+
+    Build it with :meth:`from_tensors` or :meth:`from_vllm`; it keeps the layer tensors alive.
+
+    Attributes:
+        name: layout name (one of ``LAYOUTS``).
+        num_layers, num_planes, num_blocks, block_size, num_heads, head_size: logical geometry;
+            ``head_size`` is the row length in elements (``2D`` content for ``cpu``).
+        dtype, device: of the cache.
+        opaque: page content is backend-packed (``cpu``): only whole pages may be copied.
+        paged: byte geometry for the kernels.
+        page: contiguous runs per block, or ``None`` when a block is not made of at most one kind
+            of run (raw-page copies are then refused).
+    """
+
+    def __init__(self, name: str, layers: Sequence[torch.Tensor], planes: Sequence[Sequence[torch.Tensor]],
+                 layer_names: Sequence[str] | None = None):
+        if not layers:
+            raise ValueError("layers: expected at least one layer tensor, got none")
+        self.name = name
+        self.layers = tuple(layers)
+        self.layer_names = tuple(layer_names) if layer_names is not None else tuple(
+            f"layer.{i}" for i in range(len(layers)))
+        self.opaque = name == "cpu"
+        p0 = planes[0][0]
+        self.dtype = p0.dtype
+        self.device = p0.device
+        self.num_layers = len(layers)
+        self.num_planes = len(planes[0])
+        self.num_blocks, self.block_size, self.num_heads, self.head_size = (int(s) for s in p0.shape)
+        item = p0.element_size()
+        self.itemsize = item
+        if p0.stride(3) != 1 and self.head_size > 1:
+            raise ValueError(f"layers: rows must be contiguous (stride 1 along the head dim), got plane "
+                             f"strides {tuple(p0.stride())} for layout {name!r}")
+        plane_stride = (planes[0][1].data_ptr() - p0.data_ptr()) if self.num_planes == 2 else 0
+        self.paged = PagedDesc(plane_stride, p0.stride(0) * item, p0.stride(1) * item, p0.stride(2) * item,
+                               self.num_blocks, self.num_planes, self.block_size, self.num_heads)
+        self.row_bytes = self.head_size * item
+        for i, (t, ps) in enumerate(zip(layers, planes)):
+            q = ps[0]
+            if (tuple(q.shape) != tuple(p0.shape) or q.stride() != p0.stride() or q.dtype != p0.dtype
+                    or q.device != p0.device or len(ps) != self.num_planes
+                    or (self.num_planes == 2 and ps[1].data_ptr() - q.data_ptr() != plane_stride)):
+                raise ValueError(
+                    f"layers[{i}]: expected the geometry of layers[0] (shape {tuple(layers[0].shape)}, stride "
+                    f"{layers[0].stride()}, {layers[0].dtype}, {layers[0].device}), got shape {tuple(t.shape)}, "
+                    f"stride {t.stride()}, {t.dtype}, {t.device}")
+        sizes = (self.num_planes, self.num_blocks, self.block_size, self.num_heads, self.head_size)
+        strides = (plane_stride // item if self.num_planes == 2 else 0, *p0.stride())
+        if plane_stride % item or not non_overlapping(sizes, strides):
+            raise ValueError(f"layers: the rows of layout {name!r} overlap in memory (shape "
+                             f"{tuple(layers[0].shape)}, stride {layers[0].stride()}); cannot copy into it")
+        self.page = _dense_page([(self.num_planes, plane_stride), (self.block_size, self.paged.token_stride),
+                                 (self.num_heads, self.paged.head_stride)], self.row_bytes)
+        self._planes = tuple(tuple(ps) for ps in planes)
+        self._layer_ptrs = torch.tensor([ps[0].data_ptr() for ps in planes], dtype=torch.int64)
+        self._device_tables: dict[torch.device, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_tensors(cls, tensors: torch.Tensor | Sequence[torch.Tensor], layout: str,
+                     layer_names: Sequence[str] | None = None) -> KVLayout:
+        """Describe one layer tensor, or a sequence of per-layer tensors, in the named layout.
+
+        Args:
+            tensors: per-layer caches, shaped as the table in the module docstring says.
+            layout: one of ``LAYOUTS`` (``NHD``/``HND`` are accepted for ``LBNHC``/``LBHNC``).
+        """
+        name = _ALIASES.get(layout, layout) if isinstance(layout, str) else layout
+        if name not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {LAYOUTS} (or NHD/HND), got {layout!r}")
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        tensors = list(tensors)
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"tensors[{i}]: expected a torch.Tensor, got {type(t).__name__}")
+        planes = [_plane_views(name, t, i) for i, t in enumerate(tensors)]
+        return cls(name, tensors, planes, layer_names)
+
+    @classmethod
+    def from_vllm(cls, kv_caches: Mapping[str, torch.Tensor], layout: object, *, use_mla: bool = False,
+                  backend: str | None = None) -> KVLayout:
+        """Describe the per-layer views vLLM passes to ``register_kv_caches``.
+
+        Args:
+            kv_caches: ``layer_name -> view``: ``[B, H, N, C]`` (``C = 2D`` with K|V packed), or
+                ``[B, N, C]`` / ``[B, 1, N, C]`` for MLA.
+            layout: the resolved ``KVCacheLayout`` (enum or name, e.g. ``"LBNHC"``).
+            use_mla: the model uses MLA (one latent plane, no V).
+            backend: attention backend name; ``"CPU_ATTN"`` (vLLM's CPU backend) makes pages opaque.
+        Layers that alias the same memory (shared KV) are described once, in first-seen order.
+        """
+        if not kv_caches:
+            raise ValueError("kv_caches: expected at least one layer, got an empty mapping")
+        lname = getattr(layout, "name", layout)
+        lname = _ALIASES.get(lname, lname)
+        if use_mla:
+            name = "mla"
+        elif backend is not None and backend.upper().startswith("CPU"):
+            name = "cpu"
+        elif lname in _PACKED:
+            name = lname
+        else:
+            raise ValueError(f"layout: expected a vLLM KVCacheLayout among {_PACKED} (or NHD/HND), got "
+                             f"{layout!r}; head-outer layouts (LHBNC, BHLNC) have no per-block page")
+        seen: dict[tuple, str] = {}
+        names, tensors = [], []
+        for lname_, t in kv_caches.items():
+            key = (t.data_ptr(), tuple(t.shape), t.stride())
+            if key in seen:
+                continue
+            seen[key] = lname_
+            names.append(lname_)
+            tensors.append(t)
+        return cls.from_tensors(tensors, name, names)
+
+    # ------------------------------------------------------------------ geometry
+    def plane_views(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The ``P`` logical views ``[B, N, H, D]`` of one layer (K, V or the MLA plane)."""
+        return self._planes[layer]
+
+    def canonical_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
+        """Shape of the canonical chunk ``[L, P, T, H, D]`` holding ``num_tokens`` tokens."""
+        return (self.num_layers, self.num_planes, num_tokens, self.num_heads, self.head_size)
+
+    def page_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        """Shape of the raw-page chunk ``[L, S, n, segment_bytes]`` (uint8) holding ``num_blocks`` blocks."""
+        if self.page is None:
+            raise ValueError(f"layout: {self.name!r} with strides {self.layers[0].stride()} has no "
+                             "contiguous page per block; use the canonical format")
+        return (self.num_layers, self.page.segments, num_blocks, self.page.segment_bytes)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block of one layer."""
+        return self.num_planes * self.block_size * self.num_heads * self.row_bytes
+
+    def layer_ptrs(self, device: torch.device | None = None) -> torch.Tensor:
+        """int64 base address of each layer, on ``device`` (cached; the CPU table when ``None``)."""
+        if device is None or torch.device(device).type == "cpu":
+            return self._layer_ptrs
+        device = torch.device(device)
+        table = self._device_tables.get(device)
+        if table is None:
+            table = self._layer_ptrs.to(device)
+            self._device_tables[device] = table
+        return table
+
+    def fingerprint(self, extra: str = "") -> str:
+        """A stable identifier of what a chunk saved from this layout contains.
+
+        Canonical chunks depend only on (layers, planes, heads, head size, dtype); opaque pages also on
+        the layout, block size and ``extra`` (e.g. the CPU backend's ISA).
+        """
+        parts = [f"L{self.num_layers}", f"P{self.num_planes}", f"H{self.num_heads}", f"D{self.head_size}",
+                 str(self.dtype).replace("torch.", "")]
+        if self.opaque:
+            parts += [self.name, f"N{self.block_size}", extra]
+        return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return (f"KVLayout({self.name}, layers={self.num_layers}, planes={self.num_planes}, "
+                f"blocks={self.num_blocks}, block_size={self.block_size}, heads={self.num_heads}, "
+                f"head_size={self.head_size}, {self.dtype}, {self.device})")
+
+
+def _plane_views(name: str, t: torch.Tensor, i: int) -> tuple[torch.Tensor, ...]:
+    """Logical ``[B, N, H, D]`` views of one layer tensor in layout ``name``."""
+    def bad(expected: str) -> ValueError:
+        return ValueError(f"tensors[{i}]: layout {name!r} expects {expected}, got shape {tuple(t.shape)} "
+                          f"with stride {t.stride()}")
+
+    if name in _PACKED or name == "cpu":
+        if t.dim() != 4:
+            raise bad("a 4-D [blocks, heads, tokens, content] view")
+        B, H, N, C = t.shape
+        if H > 1 and N > 1:
+            token_major = t.stride(2) > t.stride(1)
+            if token_major != (name in ("LBNHC", "BLNHC")) and name != "cpu":
+                raise bad(f"{'token' if name in ('LBNHC', 'BLNHC') else 'head'}-major pages")
+            if name == "cpu" and token_major:
+                raise bad("head-major pages (the CPU backend supports LBHNC only)")
+        if name == "cpu":
+            return (t.permute(0, 2, 1, 3),)
+        if C % 2:
+            raise bad("an even content dim (K and V packed as [K|V])")
+        D = C // 2
+        return (t[..., :D].permute(0, 2, 1, 3), t[..., D:].permute(0, 2, 1, 3))
+    if name == "flash":
+        if t.dim() != 5 or t.shape[0] != 2:
+            raise bad("[2, blocks, tokens, heads, head_size]")
+        return (t[0], t[1])
+    if name == "flashinfer":
+        if t.dim() != 5 or t.shape[1] != 2:
+            raise bad("[blocks, 2, tokens, heads, head_size]")
+        return (t[:, 0], t[:, 1])
+    if name == "mla":
+        if t.dim() == 4 and t.shape[1] == 1:
+            return (t.permute(0, 2, 1, 3),)
+        if t.dim() != 3:
+            raise bad("[blocks, tokens, latent] or [blocks, 1, tokens, latent]")
+        return (t.unsqueeze(2),)
+    raise AssertionError(name)

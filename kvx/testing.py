@@ -1,0 +1,66 @@
+"""Builders of paged KV caches in every layout, allocated the way their engines allocate them.
+
+Used by the tests and the benchmarks. vLLM >= 0.32 layouts are views of one int8 buffer for all layers
+(as ``vllm.v1.kv_cache_interface.create_kv_cache_views`` makes them); legacy layouts are one tensor
+per layer. ``padded=True`` adds unused bytes to each row / page so the views are non-contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import KVLayout
+
+# physical order of the logical [L, B, H, N, C] dims (as vLLM's KVCacheLayout values)
+_ORDERS = {"LBNHC": (0, 1, 3, 2, 4), "LBHNC": (0, 1, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4),
+           "BLHNC": (1, 0, 2, 3, 4), "cpu": (0, 1, 2, 3, 4)}
+
+
+def random_fill_(t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill any tensor (any dtype, any strides) with random bytes; NaN patterns included on purpose,
+    so comparisons must be bitwise."""
+    if t.numel() == 0:
+        return t
+    if t.is_contiguous():
+        flat = t.view(-1).view(torch.uint8)
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=generator).to(t.device))
+    else:
+        t.copy_(random_fill_(torch.empty(t.shape, dtype=t.dtype), generator).to(t.device))
+    return t
+
+
+def make_kv_caches(layout: str, *, num_layers: int, num_blocks: int, block_size: int, num_heads: int,
+                   head_size: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+                   padded: bool = False, generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """Per-layer cache tensors in ``layout`` (one of :data:`kvx.layout.LAYOUTS`), filled with random bytes.
+
+    ``head_size`` is D (the packed vLLM layouts get ``C = 2D``; ``mla`` gets ``C = D`` and one head).
+    """
+    L, B, N, H, D = num_layers, num_blocks, block_size, num_heads, head_size
+    pad = 3 if padded else 0
+    if layout in _ORDERS:
+        C = 2 * D
+        logical = (L, B, H, N, C + pad)
+        order = _ORDERS[layout]
+        raw = torch.empty([logical[d] for d in order], dtype=dtype, device=device)
+        view5 = raw.permute(*[order.index(d) for d in range(5)])[..., :C]  # logical [L, B, H, N, C]
+        tensors = [view5[l] for l in range(L)]
+    elif layout == "flash":
+        base = torch.empty(L, 2, B, N, H, D + pad, dtype=dtype, device=device)
+        tensors = [base[l, ..., :D] for l in range(L)]
+    elif layout == "flashinfer":
+        base = torch.empty(L, B + (1 if padded else 0), 2, N, H, D, dtype=dtype, device=device)
+        tensors = [base[l, :B] if not padded else base[l, 1:] for l in range(L)]
+    elif layout == "mla":
+        base = torch.empty(B, L, N, D + pad, dtype=dtype, device=device)  # block-outer, like DeepSeek-V4
+        tensors = [base[:, l, :, :D] for l in range(L)]
+    else:
+        raise ValueError(f"layout: expected one of {tuple(_ORDERS) + ('flash', 'flashinfer', 'mla')}, got {layout!r}")
+    for t in tensors:
+        random_fill_(t, generator)
+    return tensors
+
+
+def make_layout(layout: str, **kw) -> KVLayout:
+    """:func:`make_kv_caches` wrapped in a :class:`KVLayout`."""
+    return KVLayout.from_tensors(make_kv_caches(layout, **kw), layout)

@@ -1,0 +1,288 @@
+"""Every copy implementation, bit-exact against the pure-torch reference, for every layout."""
+
+import itertools
+import os
+import zlib
+
+import pytest
+import torch
+
+from kvx import ops
+from kvx.layout import LAYOUTS, KVLayout
+from kvx.testing import make_kv_caches, random_fill_
+
+# Module-level parameter lists (stacked with parametrize).
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]
+BLOCK_SIZES = [16, 32, 128]
+HEAD_SIZES = [64, 5]            # an odd head size exercises the 1- and 2-byte copy widths
+MLA_HEAD_SIZES = [576, 5]
+TOKEN_LAYOUTS = [name for name in LAYOUTS if name != "cpu"]    # the CPU backend's pages are opaque
+IMPLS = ["cpu", "triton"]       # compared with "reference"; CUDA runs in the GPU tests below
+
+
+def _seed(*key) -> int:
+    """A per-case seed that is the same in every process (unlike hash())."""
+    return zlib.crc32(repr(key).encode())
+
+
+def _impl_or_skip(impl, device="cpu"):
+    if impl not in ops.available_impls(device):
+        reason = ("the Triton interpreter needs TRITON_INTERPRET=1" if impl == "triton"
+                  else f"{impl} is not available on {device} in this build")
+        pytest.skip(reason)
+    return impl
+
+
+def _geometry(layout, block_size, head_size, seed):
+    g = torch.Generator().manual_seed(seed)
+    heads = 1 if layout == "mla" else int(torch.randint(1, 4, (1,), generator=g))
+    num_blocks = int(torch.randint(5, 9, (1,), generator=g))
+    return dict(num_layers=int(torch.randint(1, 4, (1,), generator=g)), num_blocks=num_blocks,
+                block_size=block_size, num_heads=heads, head_size=head_size), g
+
+
+def _two_layouts(name, geom, dtype, padded, seed):
+    """Two identical caches (one for the implementation under test, one for the reference)."""
+    a = make_kv_caches(name, **geom, dtype=dtype, padded=padded, generator=torch.Generator().manual_seed(seed))
+    b = make_kv_caches(name, **geom, dtype=dtype, padded=padded, generator=torch.Generator().manual_seed(seed))
+    return KVLayout.from_tensors(a, name), KVLayout.from_tensors(b, name)
+
+
+def _assert_same_bytes(x: torch.Tensor, y: torch.Tensor):
+    assert x.shape == y.shape and x.dtype == y.dtype
+    assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+
+
+def _assert_caches_equal(a: KVLayout, b: KVLayout):
+    for ta, tb in zip(a.layers, b.layers):
+        _assert_same_bytes(ta, tb)
+
+
+def _cases(head_sizes_for):
+    for name, dtype, bs in itertools.product(TOKEN_LAYOUTS, DTYPES, BLOCK_SIZES):
+        for hs in head_sizes_for(name):
+            yield pytest.param(name, dtype, bs, hs, id=f"{name}-{str(dtype)[6:]}-bs{bs}-hs{hs}")
+
+
+CASES = list(_cases(lambda name: MLA_HEAD_SIZES if name == "mla" else HEAD_SIZES))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name,dtype,block_size,head_size", CASES)
+def test_blocks(impl, name, dtype, block_size, head_size):
+    _impl_or_skip(impl)
+    seed = _seed(name, str(dtype), block_size, head_size)
+    geom, g = _geometry(name, block_size, head_size, seed)
+    padded = bool(seed % 2)
+    lay, ref = _two_layouts(name, geom, dtype, padded, seed)
+    n = int(torch.randint(1, geom["num_blocks"], (1,), generator=g))
+    ids = torch.randperm(geom["num_blocks"], generator=g)[:n]
+    # gather: duplicates are fine when reading; the output is poisoned first
+    gids = torch.cat([ids, ids[:1]])
+    shape = lay.canonical_shape(len(gids) * block_size)
+    out = random_fill_(torch.empty(shape, dtype=dtype), g)
+    expected = out.clone()
+    ops.gather_blocks(lay, gids, out, impl=impl)
+    ops.gather_blocks(ref, gids, expected, impl="reference")
+    _assert_same_bytes(out, expected)
+    # scatter new data into distinct blocks; untouched blocks stay as they were
+    src = random_fill_(torch.empty(lay.canonical_shape(n * block_size), dtype=dtype), g)
+    ops.scatter_blocks(lay, ids, src, impl=impl)
+    ops.scatter_blocks(ref, ids, src, impl="reference")
+    _assert_caches_equal(lay, ref)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name,dtype,block_size,head_size", CASES)
+def test_slots(impl, name, dtype, block_size, head_size):
+    _impl_or_skip(impl)
+    seed = _seed("slots", name, str(dtype), block_size, head_size)
+    geom, g = _geometry(name, block_size, head_size, seed)
+    lay, ref = _two_layouts(name, geom, dtype, bool(seed % 2), seed)
+    num_slots = geom["num_blocks"] * block_size
+    n = int(torch.randint(1, 40, (1,), generator=g))
+    slots = torch.randperm(num_slots, generator=g)[: 2 * n]
+    slots[torch.rand(slots.shape, generator=g) < 0.25] = -1          # padding slots
+    slots = slots[::2]                                                # a non-contiguous ids tensor
+    out = random_fill_(torch.empty(lay.canonical_shape(len(slots)), dtype=dtype), g)
+    expected = out.clone()
+    ops.gather_slots(lay, slots, out, impl=impl)
+    ops.gather_slots(ref, slots, expected, impl="reference")
+    _assert_same_bytes(out, expected)                                  # padding rows keep the poison
+    src = random_fill_(torch.empty_like(out), g)
+    ops.scatter_slots(lay, slots, src, impl=impl)
+    ops.scatter_slots(ref, slots, src, impl="reference")
+    _assert_caches_equal(lay, ref)
+
+
+PAGE_CASES = [pytest.param(name, dtype, bs, id=f"{name}-{str(dtype)[6:]}-bs{bs}")
+              for name, dtype, bs in itertools.product(LAYOUTS, [torch.bfloat16, torch.uint8], BLOCK_SIZES)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name,dtype,block_size", PAGE_CASES)
+def test_pages(impl, name, dtype, block_size):
+    _impl_or_skip(impl)
+    seed = _seed("pages", name, str(dtype), block_size)
+    geom, g = _geometry(name, block_size, 576 if name == "mla" else 64, seed)
+    # padding inside rows breaks the page into many runs; padding between blocks (flashinfer) does not
+    lay, ref = _two_layouts(name, geom, dtype, name == "flashinfer", seed)
+    ids = torch.randperm(geom["num_blocks"], generator=g)[:3]
+    out = random_fill_(torch.empty(lay.page_shape(3), dtype=torch.uint8), g)
+    expected = out.clone()
+    ops.gather_pages(lay, ids, out, impl=impl)
+    ops.gather_pages(ref, ids, expected, impl="reference")
+    _assert_same_bytes(out, expected)
+    src = random_fill_(torch.empty_like(out), g)
+    ops.scatter_pages(lay, ids, src, impl=impl)
+    ops.scatter_pages(ref, ids, src, impl="reference")
+    _assert_caches_equal(lay, ref)
+
+
+def clobber(lay, ids):
+    for l in range(lay.num_layers):
+        for plane in lay.plane_views(l):
+            plane[ids] = 0
+
+
+@pytest.mark.parametrize("impl", ["reference"] + IMPLS)
+@pytest.mark.parametrize("name", TOKEN_LAYOUTS)
+def test_round_trip_restores_touched_blocks_only(impl, name):
+    _impl_or_skip(impl)
+    g = torch.Generator().manual_seed(7)
+    lay = KVLayout.from_tensors(make_kv_caches(name, num_layers=2, num_blocks=9, block_size=16, num_heads=1 if name == "mla" else 2,
+                                               head_size=24, dtype=torch.bfloat16, generator=g), name)
+    before = [t.clone() for t in lay.layers]
+    ids = [6, 1, 4]
+    chunk = ops.gather_blocks(lay, ids, impl=impl)
+    clobber(lay, ids)
+    ops.scatter_blocks(lay, ids, chunk, impl=impl)
+    for t, b in zip(lay.layers, before):
+        _assert_same_bytes(t, b)
+    pages = ops.gather_pages(lay, ids, impl=impl)
+    clobber(lay, ids)
+    ops.scatter_pages(lay, ids, pages, impl=impl)
+    for t, b in zip(lay.layers, before):
+        _assert_same_bytes(t, b)
+
+
+@pytest.mark.parametrize("impl", ["reference"] + IMPLS)
+def test_canonical_chunk_moves_between_layouts_and_block_sizes(impl):
+    """A chunk gathered from one layout and block size scatters into another and reads back the same."""
+    _impl_or_skip(impl)
+    g = torch.Generator().manual_seed(3)
+    src = KVLayout.from_tensors(make_kv_caches("LBNHC", num_layers=2, num_blocks=4, block_size=32, num_heads=2,
+                                               head_size=8, dtype=torch.float16, generator=g), "LBNHC")
+    dst = KVLayout.from_tensors(make_kv_caches("flash", num_layers=2, num_blocks=9, block_size=16, num_heads=2,
+                                               head_size=8, dtype=torch.float16, generator=g), "flash")
+    chunk = ops.gather_blocks(src, [2, 0], impl=impl)                   # 64 tokens
+    ops.scatter_blocks(dst, [5, 1, 8, 3], chunk, impl=impl)             # 4 blocks of 16
+    _assert_same_bytes(ops.gather_blocks(dst, [5, 1, 8, 3], impl=impl), chunk)
+    # token (b, t) of the source equals the token it landed on
+    k_src, k_dst = src.plane_views(1)[0], dst.plane_views(1)[0]
+    for b, t in [(2, 0), (2, 31), (0, 5)]:
+        tok = (0 if b == 2 else 32) + t
+        db, dt = [5, 1, 8, 3][tok // 16], tok % 16
+        assert torch.equal(k_src[b, t].view(torch.int16), k_dst[db, dt].view(torch.int16))
+
+
+@pytest.mark.parametrize("impl", ["reference"] + IMPLS)
+def test_strided_contiguous_side(impl):
+    """The contiguous side may be a strided view (e.g. a slot of a larger pool, layers permuted)."""
+    _impl_or_skip(impl)
+    g = torch.Generator().manual_seed(11)
+    lay = KVLayout.from_tensors(make_kv_caches("LBHNC", num_layers=3, num_blocks=6, block_size=16, num_heads=2,
+                                               head_size=16, dtype=torch.bfloat16, generator=g), "LBHNC")
+    pool = random_fill_(torch.empty(2, 2, 3, 48, 2, 16, dtype=torch.bfloat16), g)   # [slot, P, L, T, H, D]
+    out = pool[1].transpose(0, 1)                                                   # [L, P, T, H, D], strided
+    expected = out.clone()
+    ops.gather_blocks(lay, [3, 0, 5], out, impl=impl)
+    ops.gather_blocks(lay, [3, 0, 5], expected, impl="reference")
+    _assert_same_bytes(out, expected)
+    before = pool[0].clone()
+    ops.gather_blocks(lay, [1, 2, 4], out, impl=impl)
+    _assert_same_bytes(pool[0], before)
+
+
+def test_reference_matches_hand_indexing():
+    """The oracle itself, against explicit loops over the vLLM 0.32 LBNHC and legacy flash layouts."""
+    g = torch.Generator().manual_seed(5)
+    for name in ("LBNHC", "flash", "mla"):
+        H = 1 if name == "mla" else 3
+        caches = make_kv_caches(name, num_layers=2, num_blocks=4, block_size=16, num_heads=H, head_size=4,
+                                dtype=torch.float32, generator=g)
+        lay = KVLayout.from_tensors(caches, name)
+        ids = [3, 1]
+        out = ops.gather_blocks(lay, ids, impl="reference")
+        for l, t in enumerate(caches):
+            for i, b in enumerate(ids):
+                for tok in range(16):
+                    for h in range(H):
+                        if name == "LBNHC":        # view [B, H, N, 2D], K = first D of the content
+                            k, v = t[b, h, tok, :4], t[b, h, tok, 4:]
+                        elif name == "flash":      # [2, B, N, H, D]
+                            k, v = t[0, b, tok, h], t[1, b, tok, h]
+                        else:                      # [B, N, C]
+                            k, v = t[b, tok], None
+                        assert torch.equal(out[l, 0, i * 16 + tok, h].view(torch.int32), k.view(torch.int32))
+                        if v is not None:
+                            assert torch.equal(out[l, 1, i * 16 + tok, h].view(torch.int32), v.view(torch.int32))
+
+
+def test_cpu_threads_agree():
+    """The multi-threaded CPU path (big copy) equals the reference; thread count does not change bytes."""
+    _impl_or_skip("cpu")
+    g = torch.Generator().manual_seed(1)
+    lay = KVLayout.from_tensors(make_kv_caches("LBNHC", num_layers=4, num_blocks=64, block_size=16, num_heads=8,
+                                               head_size=128, dtype=torch.bfloat16, generator=g), "LBNHC")
+    ids = torch.randperm(64, generator=g)[:40]
+    expected = ops.gather_blocks(lay, ids, impl="reference")
+    for threads in (1, 2, 3):
+        ops.set_num_threads(threads)
+        _assert_same_bytes(ops.gather_blocks(lay, ids, impl="cpu"), expected)
+    ops.set_num_threads(os.cpu_count() or 1)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none present)")
+GPU_IMPLS = ["cuda", "triton"]
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", GPU_IMPLS)
+@pytest.mark.parametrize("host", [False, True], ids=["hbm", "pinned"])
+@pytest.mark.parametrize("name,dtype,block_size,head_size", CASES)
+def test_gpu_matches_reference(impl, host, name, dtype, block_size, head_size):
+    _impl_or_skip(impl, "cuda")
+    seed = _seed("gpu", name, str(dtype), block_size, head_size)
+    geom, g = _geometry(name, block_size, head_size, seed)
+    a = make_kv_caches(name, **geom, dtype=dtype, device="cuda", generator=torch.Generator().manual_seed(seed))
+    b = make_kv_caches(name, **geom, dtype=dtype, device="cuda", generator=torch.Generator().manual_seed(seed))
+    lay, ref = KVLayout.from_tensors(a, name), KVLayout.from_tensors(b, name)
+    ids = torch.randperm(geom["num_blocks"], generator=g)[:3]
+
+    def buf(shape, dt):
+        t = random_fill_(torch.empty(shape, dtype=dt), g)
+        return t.pin_memory() if host else t.cuda()
+
+    for kind, n in (("blocks", 3 * block_size), ("slots", 37), ("pages", 3)):
+        if kind == "pages":
+            shape, dt = lay.page_shape(3), torch.uint8
+        else:
+            shape, dt = lay.canonical_shape(n), dtype
+        idx = ids if kind != "slots" else torch.randperm(geom["num_blocks"] * block_size, generator=g)[:37]
+        if kind == "slots":
+            idx[::5] = -1
+        gather, scatter = getattr(ops, f"gather_{kind}"), getattr(ops, f"scatter_{kind}")
+        out = buf(shape, dt)
+        expected = out.clone() if not host else out.cuda()
+        gather(lay, idx, out, impl=impl)
+        gather(ref, idx, expected, impl="reference")
+        torch.cuda.synchronize()
+        _assert_same_bytes(out.cuda(), expected)
+        src = buf(shape, dt)
+        scatter(lay, idx, src, impl=impl)
+        scatter(ref, idx, src.cuda(), impl="reference")
+        torch.cuda.synchronize()
+        _assert_caches_equal(lay, ref)
