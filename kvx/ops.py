@@ -72,6 +72,11 @@ def available_impls(device: str | torch.device = "cpu") -> list[str]:
     return impls
 
 
+def get_num_threads() -> int:
+    """Threads used by the ``cpu`` implementation."""
+    return _require_ext().cpu_get_num_threads()
+
+
 def set_num_threads(n: int) -> None:
     """Threads used by the ``cpu`` implementation (default: ``KVX_NUM_THREADS`` or all cores)."""
     if not isinstance(n, int) or n < 1:

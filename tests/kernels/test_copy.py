@@ -1,7 +1,6 @@
 """Every copy implementation, bit-exact against the pure-torch reference, for every layout."""
 
 import itertools
-import os
 import zlib
 
 import pytest
@@ -229,18 +228,28 @@ def test_reference_matches_hand_indexing():
                             assert torch.equal(out[l, 1, i * 16 + tok, h].view(torch.int32), v.view(torch.int32))
 
 
-def test_cpu_threads_agree():
-    """The multi-threaded CPU path (big copy) equals the reference; thread count does not change bytes."""
+def test_cpu_large_copies_and_thread_counts():
+    """Copies above the streaming-store threshold (16 MiB) and any thread count give the reference bytes."""
     _impl_or_skip("cpu")
     g = torch.Generator().manual_seed(1)
-    lay = KVLayout.from_tensors(make_kv_caches("LBNHC", num_layers=4, num_blocks=64, block_size=16, num_heads=8,
+    lay = KVLayout.from_tensors(make_kv_caches("LBNHC", num_layers=4, num_blocks=96, block_size=16, num_heads=8,
                                                head_size=128, dtype=torch.bfloat16, generator=g), "LBNHC")
-    ids = torch.randperm(64, generator=g)[:40]
+    ref = KVLayout.from_tensors([t.clone() for t in lay.layers], "LBNHC")
+    ids = torch.randperm(96, generator=g)[:80]                     # 4 x 80 x 16 KiB x 2 planes = 21 MB
     expected = ops.gather_blocks(lay, ids, impl="reference")
-    for threads in (1, 2, 3):
-        ops.set_num_threads(threads)
-        _assert_same_bytes(ops.gather_blocks(lay, ids, impl="cpu"), expected)
-    ops.set_num_threads(os.cpu_count() or 1)
+    default_threads = ops.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            ops.set_num_threads(threads)
+            _assert_same_bytes(ops.gather_blocks(lay, ids, impl="cpu"), expected)
+        src = random_fill_(torch.empty_like(expected), g)
+        ops.scatter_blocks(lay, ids, src, impl="cpu")
+        ops.scatter_blocks(ref, ids, src, impl="reference")
+        _assert_caches_equal(lay, ref)
+        pages = ops.gather_pages(lay, ids, impl="cpu")
+        _assert_same_bytes(pages, ops.gather_pages(ref, ids, impl="reference"))
+    finally:
+        ops.set_num_threads(default_threads)
 
 
 # ------------------------------------------------------------------------------------------ GPU

@@ -1,0 +1,34 @@
+"""The ``kvx`` command: ``kvx bench`` (copy kernels), ``kvx demo`` (vLLM cold vs warm), ``kvx store``.
+
+Each subcommand imports its module lazily, so ``kvx bench`` does not pay for importing vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "bench": ("kvx.bench", "copy-kernel benchmark: GB/s and % of a memcpy roof, vs torch indexing"),
+    "demo": ("kvx.demo", "tiny local Llama on vLLM: cold run, then a fresh engine warm from the kvx store"),
+    "store": ("kvx.store.cli", "inspect, verify or clear a kvx disk store"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: kvx {" + ",".join(COMMANDS) + "} [args...]\n")
+        for name, (_, text) in COMMANDS.items():
+            print(f"  {name:6s} {text}")
+        return 0 if argv else 2
+    name = argv[0]
+    if name not in COMMANDS:
+        print(f"kvx: unknown command {name!r}; expected one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""``KVXConnector``: the vLLM KV connector. A thin shell: each call goes to the scheduler-side
+(:class:`~kvx.connector.scheduler.KVXScheduler`) or worker-side (:class:`~kvx.connector.worker.KVXWorker`)
+object of its role.
+
+Use it with ``--kv-transfer-config``::
+
+    {"kv_connector": "KVXConnector", "kv_role": "kv_both",
+     "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"chunk_size": 256,
+                                   "tiers": [{"type": "cpu", "size": "4GiB"},
+                                             {"type": "disk", "path": "/mnt/kv", "size": "100GiB"}]}}
+
+``kv_load_failure_policy: "recompute"`` makes vLLM recompute a chunk kvx could not load (missing,
+corrupt); with vLLM's default ("fail") such a request ends with an error instead.
+After ``pip install kvx`` the name resolves through the ``vllm.general_plugins`` entry point; without
+it, add ``"kv_connector_module_path": "kvx.connector"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from .common import chunk_format, engine_geometry, format_fingerprint, namespace, shard_count, worker_shard
+from .config import ConfigError, KVXConfig
+from .metadata import KVXMetadata
+from .scheduler import KVXScheduler
+from .stats import KVXStats
+from .worker import KVXWorker
+
+log = logging.getLogger("kvx")
+
+
+def _layout_name(vllm_config, kv_cache_config) -> str:
+    name = getattr(kv_cache_config, "kv_cache_layout", None)
+    if name is None:
+        try:
+            name = vllm_config.cache_config.get_resolved_kv_cache_layout()
+        except Exception:  # noqa: BLE001 - not resolved in this process
+            name = None
+    name = getattr(name, "name", name)
+    return str(name) if name else "LBNHC"
+
+
+class KVXConnector(KVConnectorBase_V1):
+    """kvx's KV connector (see the module docstring)."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.config = KVXConfig.from_extra_config(ktc.kv_connector_extra_config)
+        if kv_cache_config is None:
+            raise ValueError("kv_cache_config: KVXConnector needs vLLM >= 0.32 (the 3-argument constructor)")
+        geom = engine_geometry(vllm_config, kv_cache_config)
+        if self.config.chunk_size % geom.block_size:
+            raise ConfigError(f"chunk_size: expected a multiple of vLLM's block size {geom.block_size}"
+                              f"{' (the CPU backend uses 128)' if geom.opaque else ''}, got {self.config.chunk_size}")
+        self.geom = geom
+        layout = _layout_name(vllm_config, kv_cache_config)
+        fmt = chunk_format(self.config, geom)
+        fingerprint = format_fingerprint(geom, fmt, layout)
+        ns = namespace(vllm_config, geom, fingerprint)
+        self._layout_name = layout
+        self._scheduler: KVXScheduler | None = None
+        self._worker: KVXWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = KVXScheduler(
+                self.config, geom, ns, fingerprint, shards=shard_count(vllm_config, geom.use_mla),
+                num_workers=int(vllm_config.parallel_config.world_size),
+                producer=bool(ktc.is_kv_producer), consumer=bool(ktc.is_kv_consumer))
+        else:
+            shard, shards, writes = worker_shard(vllm_config, geom.use_mla)
+            self._worker = KVXWorker(self.config, geom, fmt, fingerprint, shard, shards, writes)
+            self._worker.fence_loads_at_start = not self.config.layerwise
+        log.info("kvx: %s ready: chunk %d tokens, format %s, tiers %s", role.name, self.config.chunk_size, fmt,
+                 [t.type for t in self.config.tiers])
+
+    # ------------------------------------------------------------------ class-level hooks
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss, never wrong output
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+        return extra.get("kv_layout")
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # wait_for_layer_load fences each layer's load; FULL graph replay would skip it.
+        return bool((extra_config or {}).get("layerwise", True))
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        return False  # the registered KV tensors would change under us
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVXStats | None:
+        return KVXStats(data=dict(data)) if data else KVXStats()
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches, self._layout_name, self._kv_cache_config.num_blocks)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None:
+            self._worker.handle_preemptions(kv_connector_metadata if isinstance(kv_connector_metadata, KVXMetadata)
+                                            else None)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVXMetadata):
+            self._worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.clear()
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self._worker.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        self._worker.save_kv_layer(layer_name, kv_layer, attn_metadata)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self):
+        return self._worker.build_worker_meta() if self._worker is not None else None
+
+    def get_kv_connector_stats(self) -> KVXStats | None:
+        side = self._worker if self._worker is not None else self._scheduler
+        return KVXStats.from_counts(side.take_stats())
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int):
+        return self._scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler.has_pending_push_work()
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()

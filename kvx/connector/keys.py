@@ -1,0 +1,90 @@
+"""Chunk keys: a hash chain over token ids, stable across processes, machines and restarts.
+
+``key[i] = blake2b(key[i-1] || tokens of chunk i || extras of chunk i)`` with ``key[-1]`` the request's
+*root*: a digest of the engine namespace (model, KV dtype, chunk format fingerprint, tensor-parallel
+size) and the request's own isolation inputs (cache_salt, LoRA adapter). The tensor-parallel rank
+enters last, in :func:`rank_key`, so the scheduler can derive every rank's storage key from one chain;
+MLA chunks (the latent cache is identical on every rank) use the shared key. Multimodal items are mixed into every chunk their
+placeholder tokens overlap, so two prompts with the same placeholder ids but different images never
+share a chunk. No Python ``hash()`` and no vLLM per-process seed are involved.
+
+Keys are 32 lowercase hex digits (128 bits).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+KEY_VERSION = "kvx-key-1"
+
+
+def _digest(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.digest()
+
+
+def namespace_digest(**fields: object) -> bytes:
+    """Digest of the engine namespace; ``fields`` are JSON-serialisable (sorted for stability)."""
+    return _digest(KEY_VERSION.encode(), json.dumps(fields, sort_keys=True, default=str).encode())
+
+
+@dataclass(frozen=True)
+class MMItem:
+    """A multimodal item: its content hash and the placeholder token range it occupies."""
+
+    hash: str
+    offset: int
+    length: int
+
+
+def request_root(namespace: bytes, cache_salt: str | None = None, lora: str | None = None) -> bytes:
+    """The chain root of one request."""
+    return _digest(namespace, (cache_salt or "").encode(), (lora or "").encode())
+
+
+def chunk_keys(root: bytes, token_ids: Sequence[int], chunk_size: int, *, num_chunks: int | None = None,
+               mm_items: Sequence[MMItem] = (), partial_tokens: int = 0) -> list[str]:
+    """Keys of the leading full chunks of ``token_ids`` (at most ``num_chunks``), then, if
+    ``partial_tokens > 0``, one more key for a trailing chunk of exactly that many tokens.
+
+    Args:
+        root: from :func:`request_root`.
+        token_ids: the request's tokens (prompt, or prompt + output).
+        chunk_size: tokens per chunk.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    toks = np.asarray(token_ids, dtype=np.int64)
+    full = len(toks) // chunk_size
+    if num_chunks is not None:
+        full = min(full, num_chunks)
+    keys: list[str] = []
+    prev = root
+    spans = [(i * chunk_size, (i + 1) * chunk_size) for i in range(full)]
+    if partial_tokens > 0:
+        start = full * chunk_size
+        if partial_tokens >= chunk_size or start + partial_tokens > len(toks):
+            raise ValueError(f"partial_tokens: expected < {chunk_size} tokens after the {full} full chunks of a "
+                             f"{len(toks)}-token sequence, got {partial_tokens}")
+        spans.append((start, start + partial_tokens))
+    for start, end in spans:
+        extras = [f"{m.hash}@{m.offset - start}:{m.length}".encode() for m in mm_items
+                  if m.offset < end and m.offset + m.length > start]
+        prev = _digest(prev, toks[start:end].tobytes(), b"|".join(extras), str(end - start).encode())
+        keys.append(prev.hex())
+    return keys
+
+
+def rank_key(key: str, rank: int, world: int) -> str:
+    """The storage key of one tensor-parallel shard of chunk ``key`` (``world == 0``: shared, e.g. MLA)."""
+    if world == 0:
+        return key
+    return _digest(bytes.fromhex(key), f"tp{rank}/{world}".encode()).hex()

@@ -1,0 +1,94 @@
+"""What crosses between the scheduler side and the workers, once per step.
+
+Scheduler -> workers: :class:`KVXMetadata` (loads to start, chunks to save, requests preempted).
+Workers -> scheduler: :class:`KVXWorkerMetadata` (per-key completion counts, summed over workers by
+vLLM's output aggregator; an event counts as complete once every worker reported it).
+Both are plain dataclasses of ints, strings and lists: they pickle/msgpack across processes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+
+@dataclass
+class ChunkLoad:
+    """Fill ``block_ids`` from chunk ``key``, starting at block ``first_block`` of the chunk.
+
+    ``tier`` is where the bytes are ("cpu": pool slot ``slot``; "disk": the chunk file). For a disk
+    load, ``slot`` (if not None) is a CPU slot to promote the chunk into.
+    """
+
+    key: str
+    tier: str
+    slot: int | None
+    block_ids: list[int]
+    first_block: int
+    tokens: int
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    chunks: list[ChunkLoad]
+    is_async: bool
+
+
+@dataclass
+class ChunkSave:
+    """Save the ``tokens`` tokens in ``block_ids`` as chunk ``key``.
+
+    ``slot``: CPU pool slot to gather into (None: no CPU copy). ``to_disk``: also write the chunk file.
+    ``from_slot``: the bytes are already in this CPU slot (no gather; e.g. write-through to disk of a
+    chunk that was loaded from the CPU tier).
+    """
+
+    req_id: str
+    key: str
+    block_ids: list[int]
+    tokens: int
+    slot: int | None
+    to_disk: bool
+    from_slot: int | None = None
+
+
+@dataclass
+class KVXMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[ChunkSave] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves or self.preempted)
+
+
+@dataclass
+class KVXWorkerMetadata(KVConnectorWorkerMetadata):
+    """Completion counts from workers (summed by :meth:`aggregate`).
+
+    stored:    CPU slot written (save or promotion), per key
+    unstored:  CPU slot write failed or skipped, per key
+    disk_done: disk write of a chunk finished (written, or already present / failed), per key
+    loads_done: a request's load finished (successfully or not), per request id
+    """
+
+    stored: dict[str, int] = field(default_factory=dict)
+    unstored: dict[str, int] = field(default_factory=dict)
+    disk_done: dict[str, int] = field(default_factory=dict)
+    loads_done: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KVXWorkerMetadata):
+            return self
+        out = KVXWorkerMetadata()
+        for name in ("stored", "unstored", "disk_done", "loads_done"):
+            merged = Counter(getattr(self, name))
+            merged.update(getattr(other, name))
+            setattr(out, name, dict(merged))
+        return out
+
+    def is_empty(self) -> bool:
+        return not (self.stored or self.unstored or self.disk_done or self.loads_done)

@@ -1,0 +1,393 @@
+"""Scheduler side of the connector: lookups, load plans, save plans. Runs in vLLM's EngineCore
+process, on the scheduler thread only (no locking).
+
+Per request a :class:`RequestTracker` holds the chunk keys (extended lazily over the prompt and, with
+``save_decode``, the output), how far saving has got, and the request's in-flight load. The CPU tier's
+index lives here (:class:`kvx.store.CPUIndex`); the disk tier is looked up by file existence, so several
+engines sharing a path see each other's chunks.
+
+Life of a request:
+
+1. ``get_num_new_matched_tokens`` (maybe several times; side-effect free): walk the chunk keys,
+   each chunk available from the fastest tier that holds it (CPU READY, else every shard file on
+   disk), stop at the first miss; report the hit beyond vLLM's local prefix hit. A full-prompt hit
+   leaves the last block to compute (as vLLM's prefix cache does; a sync load must leave a token, and
+   must not fill a block that receives this step's tokens). ``None`` is never returned.
+2. ``update_state_after_alloc`` with ``num_external_tokens > 0``: build the :class:`LoadSpec`
+   (block ids per chunk; pin CPU slots; allocate CPU slots to promote disk hits into).
+3. ``build_connector_meta`` each step: emit new loads; plan saves of every chunk this step completes
+   (prompt only unless ``save_decode``; minus ``skip_last_n_tokens``; trailing partial chunk only with
+   ``save_partial_chunks``), to every tier that lacks it; note preempted requests.
+4. ``update_connector_output``: worker completion counts commit/abort CPU slots, release pins.
+5. ``request_finished``: drop the tracker (blocks are freed at once: saves are fenced on the workers).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..store import CPUIndex, DiskStore, SlotState
+from .common import EngineGeometry, num_cpu_slots
+from .config import KVXConfig
+from .keys import MMItem, chunk_keys, rank_key, request_root
+from .metadata import ChunkLoad, ChunkSave, KVXMetadata, KVXWorkerMetadata, LoadSpec
+
+log = logging.getLogger("kvx")
+
+
+class Phase(enum.Enum):
+    NEW = "new"
+    LOADING = "loading"       # async load in flight
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+
+
+@dataclass
+class LoadPlan:
+    """Result of the last lookup (kept so update_state_after_alloc loads exactly what was reported)."""
+
+    num_computed: int
+    hit_tokens: int
+    tiers: list[str]          # per chunk: "cpu" or "disk"
+    keys: list[str]           # per chunk (the last may be a partial chunk's key)
+    chunk_tokens: list[int]
+
+
+@dataclass
+class RequestTracker:
+    """What the scheduler knows about one request. Owned by :class:`KVXScheduler`."""
+
+    req_id: str
+    request: object                      # vllm.v1.request.Request (live object, same process)
+    root: bytes
+    mm_items: tuple[MMItem, ...] = ()
+    keys: list[str] = field(default_factory=list)    # keys of full chunks hashed so far
+    saved_chunks: int = 0                 # full chunks handled by the save planner
+    partial_done: bool = False
+    phase: Phase = Phase.NEW
+    plan: LoadPlan | None = None
+    block_ids: list[int] = field(default_factory=list)  # fallback block table (no KVConnectorBlockState)
+
+    def full_keys(self, num_tokens: int, chunk_size: int) -> list[str]:
+        """Keys of the full chunks among the first ``num_tokens`` tokens (extends the chain lazily)."""
+        want = num_tokens // chunk_size
+        if want > len(self.keys):
+            start = len(self.keys) * chunk_size
+            prev = bytes.fromhex(self.keys[-1]) if self.keys else self.root
+            toks = list(self.request.all_token_ids[start: want * chunk_size])
+            mm = tuple(MMItem(m.hash, m.offset - start, m.length) for m in self.mm_items)
+            self.keys += chunk_keys(prev, toks, chunk_size, mm_items=mm)
+        return self.keys[:want]
+
+    def partial_key(self, num_full: int, tokens: int, chunk_size: int) -> str:
+        """Key of a trailing partial chunk of ``tokens`` tokens after ``num_full`` full chunks."""
+        start = num_full * chunk_size
+        prev = bytes.fromhex(self.keys[num_full - 1]) if num_full else self.root
+        toks = list(self.request.all_token_ids[start: start + tokens])
+        mm = tuple(MMItem(m.hash, m.offset - start, m.length) for m in self.mm_items)
+        return chunk_keys(prev, toks, chunk_size, mm_items=mm, num_chunks=0, partial_tokens=tokens)[0]
+
+
+def _mm_items(request) -> tuple[MMItem, ...]:
+    items = []
+    for f in getattr(request, "mm_features", None) or ():
+        pos = getattr(f, "mm_position", None)
+        ident = getattr(f, "identifier", None) or getattr(f, "mm_hash", None)
+        if pos is not None and ident is not None:
+            items.append(MMItem(str(ident), int(pos.offset), int(pos.length)))
+    return tuple(items)
+
+
+class KVXScheduler:
+    """The scheduler-side state machine of :class:`kvx.connector.KVXConnector`."""
+
+    def __init__(self, config: KVXConfig, geom: EngineGeometry, namespace: bytes, fingerprint: str,
+                 shards: int, num_workers: int, producer: bool, consumer: bool):
+        self.config = config
+        self.geom = geom
+        self.namespace = namespace
+        self.shards = shards
+        self.num_workers = num_workers
+        self.producer, self.consumer = producer, consumer
+        self.chunk_size = config.chunk_size
+        self.blocks_per_chunk = config.chunk_size // geom.block_size
+        n_slots = num_cpu_slots(config, geom)
+        if config.cpu_tier is not None and n_slots < 1:
+            raise ValueError(f"tiers: the cpu tier ({config.cpu_tier.size} bytes) cannot hold one chunk "
+                             f"of {config.chunk_size} tokens ({geom.num_layers} layers x {geom.page_bytes} "
+                             f"bytes per block); raise its size or lower chunk_size")
+        self.cpu = CPUIndex(n_slots) if config.cpu_tier is not None else None
+        disk = config.disk_tier
+        self.disk = DiskStore(disk.path, disk.size, fingerprint) if disk is not None else None
+        self.trackers: dict[str, RequestTracker] = {}
+        self._new_loads: list[LoadSpec] = []
+        self._load_pins: dict[str, list[str]] = {}      # req_id -> CPU keys pinned for its load
+        self._disk_inflight: set[str] = set()            # keys being written to disk (held CPU slots)
+        self._counts: dict[str, Counter] = {n: Counter() for n in ("stored", "unstored", "disk_done",
+                                                                    "loads_done")}
+        self.stats = Counter()
+
+    # ------------------------------------------------------------------ helpers
+    def _tracker(self, request) -> RequestTracker:
+        t = self.trackers.get(request.request_id)
+        if t is None or t.request is not request:
+            lora = getattr(request, "lora_request", None)
+            root = request_root(self.namespace, getattr(request, "cache_salt", None),
+                                getattr(lora, "lora_name", None) if lora is not None else None)
+            t = RequestTracker(request.request_id, request, root, _mm_items(request))
+            self.trackers[request.request_id] = t
+        return t
+
+    def _on_disk(self, key: str) -> bool:
+        if self.disk is None:
+            return False
+        if self.shards == 1:
+            return self.disk.contains(key)
+        return all(self.disk.contains(rank_key(key, s, self.shards)) for s in range(self.shards))
+
+    def _tier_of(self, key: str) -> str | None:
+        if self.cpu is not None and key in self.cpu:
+            return "cpu"
+        if self._on_disk(key):
+            return "disk"
+        return None
+
+    # ------------------------------------------------------------------ step 1: lookup
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` (vLLM's block-aligned local hit) that kvx can load."""
+        t = self._tracker(request)
+        t.plan = None
+        if not self.consumer:
+            return 0, False
+        num_tokens = request.num_tokens
+        keys = t.full_keys(num_tokens, self.chunk_size)
+        tiers: list[str] = []
+        for key in keys:
+            tier = self._tier_of(key)
+            if tier is None:
+                break
+            tiers.append(tier)
+        hit_keys = keys[: len(tiers)]
+        chunk_tokens = [self.chunk_size] * len(tiers)
+        hit = len(tiers) * self.chunk_size
+        if self.config.save_partial_chunks and len(tiers) == len(keys):
+            rest = ((num_tokens - hit) // self.geom.block_size) * self.geom.block_size
+            if rest > 0:
+                pkey = t.partial_key(len(keys), rest, self.chunk_size)
+                tier = self._tier_of(pkey)
+                if tier is not None:
+                    tiers.append(tier)
+                    hit_keys = hit_keys + [pkey]
+                    chunk_tokens.append(rest)
+                    hit += rest
+        self.stats["lookups"] += 1
+        if hit <= num_computed_tokens:
+            return 0, False
+        load_async = self.config.load_async
+        if not load_async and hit >= num_tokens:
+            # A sync load must leave a token to compute, and the blocks it fills must not receive this
+            # step's new tokens (vLLM writes them before wait_for_layer_load): stop at the last block
+            # boundary before the final token, as vLLM's own prefix cache does.
+            hit = (num_tokens - 1) // self.geom.block_size * self.geom.block_size
+            if hit <= num_computed_tokens:
+                return 0, False
+        n = hit - num_computed_tokens
+        t.plan = LoadPlan(num_computed_tokens, hit, tiers, hit_keys, chunk_tokens)
+        return n, load_async
+
+    # ------------------------------------------------------------------ step 2: admission
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        t = self._tracker(request)
+        table = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        if table:
+            t.block_ids = table
+        if t.phase is Phase.PREEMPTED:
+            t.phase = Phase.NEW
+        if num_external_tokens == 0:
+            if t.phase is not Phase.LOADING:     # the second call of an async load changes nothing
+                t.plan = None
+                t.phase = Phase.RUNNING
+            return
+        plan = t.plan
+        if plan is None:
+            raise RuntimeError(f"request {request.request_id}: update_state_after_alloc with "
+                               f"{num_external_tokens} external tokens but no lookup plan")
+        bs = self.geom.block_size
+        start, end = plan.num_computed, plan.num_computed + num_external_tokens
+        first_blk, end_blk = start // bs, -(-end // bs)
+        chunks: list[ChunkLoad] = []
+        pins: list[str] = []
+        for c, (key, tier, ntok) in enumerate(zip(plan.keys, plan.tiers, plan.chunk_tokens)):
+            cb0 = c * self.blocks_per_chunk
+            cb1 = cb0 + ntok // bs
+            lo, hi = max(cb0, first_blk), min(cb1, end_blk)
+            if lo >= hi:
+                continue
+            slot = None
+            if tier == "cpu":
+                slot = self.cpu.pin([key])[0]
+                pins.append(key)
+            elif self.cpu is not None and self.config.promote and self.cpu.state(key) is None:
+                slot = self.cpu.allocate(key)          # promote the disk hit into the CPU tier
+            chunks.append(ChunkLoad(key, tier, slot, table[lo:hi], lo - cb0, ntok))
+            self.stats[f"hit_tokens_{tier}"] += (hi - lo) * bs
+        self._load_pins[request.request_id] = pins
+        self._new_loads.append(LoadSpec(request.request_id, chunks, self.config.load_async))
+        t.phase = Phase.LOADING if self.config.load_async else Phase.RUNNING
+        t.plan = None
+        self.stats["loads"] += 1
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict | None:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+        spec = next((s for s in reversed(self._new_loads) if s.req_id == request.request_id), None)
+        if spec is None:
+            return None
+        bs = self.geom.block_size
+        counts = Counter()
+        for ch in spec.chunks:
+            counts[CacheHitSource.HOST if ch.tier == "cpu" else CacheHitSource.DISK] += len(ch.block_ids) * bs
+        total = sum(counts.values())
+        if total > num_external_tokens:   # the full-prompt hit leaves one token to compute
+            last = CacheHitSource.DISK if spec.chunks[-1].tier == "disk" else CacheHitSource.HOST
+            counts[last] -= total - num_external_tokens
+        return {k: v for k, v in counts.items() if v > 0}
+
+    # ------------------------------------------------------------------ step 3: per-step metadata
+    def build_connector_meta(self, so) -> KVXMetadata:
+        meta = KVXMetadata(loads=self._new_loads, preempted=sorted(getattr(so, "preempted_req_ids", None) or ()))
+        self._new_loads = []
+        for rid in meta.preempted:
+            t = self.trackers.get(rid)
+            if t is not None:
+                t.phase = Phase.PREEMPTED
+        # keep fallback block tables current (vLLM < 0.32 has no KVConnectorBlockState)
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for i, rid in enumerate(cached.req_ids):
+            t = self.trackers.get(rid)
+            new = cached.new_block_ids[i] if cached.new_block_ids else None
+            if t is not None and new is not None:
+                t.block_ids = list(new[0]) if rid in resumed else t.block_ids + list(new[0])
+        if self.producer:
+            entries = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
+            entries += list(zip(cached.req_ids, cached.num_computed_tokens))
+            block_state = getattr(so, "kv_connector_block_state", None)
+            for rid, computed in entries:
+                t = self.trackers.get(rid)
+                if t is not None:
+                    self._plan_saves(t, computed + so.num_scheduled_tokens.get(rid, 0),
+                                     len(so.scheduled_spec_decode_tokens.get(rid, ())), block_state, meta)
+        return meta
+
+    def _plan_saves(self, t: RequestTracker, done: int, num_spec: int, block_state, meta: KVXMetadata) -> None:
+        req = t.request
+        prompt = req.num_prompt_tokens
+        if self.config.save_decode:
+            limit = min(done - num_spec, len(req.all_token_ids))
+        else:
+            limit = prompt
+        limit = min(limit, prompt - self.config.skip_last_n_tokens) if self.config.skip_last_n_tokens else limit
+        end = min(done, limit)
+        nfull = max(end, 0) // self.chunk_size
+        table = None
+        if nfull > t.saved_chunks:
+            keys = t.full_keys(nfull * self.chunk_size, self.chunk_size)
+            table = self._table(t, block_state)
+            for c in range(t.saved_chunks, nfull):
+                b0 = c * self.blocks_per_chunk
+                self._plan_one(t, keys[c], table[b0: b0 + self.blocks_per_chunk], self.chunk_size, meta)
+            t.saved_chunks = nfull
+        if (self.config.save_partial_chunks and not t.partial_done and done >= prompt and end > 0
+                and limit < (nfull + 1) * self.chunk_size):
+            t.partial_done = True
+            rest = ((end - nfull * self.chunk_size) // self.geom.block_size) * self.geom.block_size
+            if rest > 0:
+                t.full_keys(nfull * self.chunk_size, self.chunk_size)
+                table = table if table is not None else self._table(t, block_state)
+                b0 = nfull * self.blocks_per_chunk
+                key = t.partial_key(nfull, rest, self.chunk_size)
+                self._plan_one(t, key, table[b0: b0 + rest // self.geom.block_size], rest, meta)
+
+    def _table(self, t: RequestTracker, block_state) -> list[int]:
+        if block_state is not None:
+            ids = block_state.get_block_ids(t.req_id)
+            if ids is not None:
+                return list(ids[0])
+        return t.block_ids
+
+    def _plan_one(self, t: RequestTracker, key: str, block_ids: list[int], tokens: int, meta: KVXMetadata) -> None:
+        if len(block_ids) * self.geom.block_size != tokens:
+            log.warning("kvx: request %s: %d blocks for a %d-token chunk; not saving it", t.req_id,
+                        len(block_ids), tokens)
+            return
+        state = self.cpu.state(key) if self.cpu is not None else None
+        slot = self.cpu.allocate(key) if self.cpu is not None and state is None else None
+        to_disk = self.disk is not None and key not in self._disk_inflight and not self._on_disk(key)
+        from_slot = None
+        if to_disk:
+            if state is SlotState.READY:
+                from_slot = self.cpu.hold(key)        # write the CPU copy through; no gather needed
+            elif slot is not None:
+                self.cpu.hold(key)                    # the disk write reads the slot we gather into
+            self._disk_inflight.add(key)
+        if slot is None and not to_disk:
+            return
+        meta.saves.append(ChunkSave(t.req_id, key, list(block_ids), tokens, slot, to_disk, from_slot))
+        self.stats["saves"] += 1
+
+    # ------------------------------------------------------------------ step 4: worker results
+    def update_connector_output(self, output) -> None:
+        wm = getattr(output, "kv_connector_worker_meta", None)
+        if not isinstance(wm, KVXWorkerMetadata):
+            return
+        c = self._counts
+        for key, n in wm.disk_done.items():
+            c["disk_done"][key] += n
+            if c["disk_done"][key] >= self.num_workers:
+                del c["disk_done"][key]
+                self._disk_inflight.discard(key)
+                if self.cpu is not None and self.cpu.state(key) is not None:
+                    self.cpu.unpin([key])
+        for key in set(wm.stored) | set(wm.unstored):
+            c["stored"][key] += wm.stored.get(key, 0)
+            c["unstored"][key] += wm.unstored.get(key, 0)
+            if c["stored"][key] + c["unstored"][key] >= self.num_workers:
+                ok = c["unstored"][key] == 0
+                del c["stored"][key], c["unstored"][key]
+                if self.cpu is None or self.cpu.state(key) is not SlotState.PENDING:
+                    continue
+                if ok:
+                    self.cpu.commit(key)
+                else:
+                    self.cpu.abort(key)
+                    self.stats["cpu_store_failed"] += 1
+        for rid, n in wm.loads_done.items():
+            c["loads_done"][rid] += n
+            if c["loads_done"][rid] >= self.num_workers:
+                del c["loads_done"][rid]
+                pins = self._load_pins.pop(rid, [])
+                if pins:
+                    self.cpu.unpin(pins)
+
+    # ------------------------------------------------------------------ step 5: end of a request
+    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        self.trackers.pop(request.request_id, None)
+        return False, None
+
+    def take_stats(self) -> dict:
+        stats, self.stats = dict(self.stats), Counter()
+        return stats
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._disk_inflight or self._load_pins
+                    or (self.cpu is not None and any(self._counts[n] for n in ("stored", "unstored"))))
+
+    def reset_cache(self) -> bool:
+        return self.cpu.clear() if self.cpu is not None else True
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()

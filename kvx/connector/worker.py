@@ -1,0 +1,445 @@
+"""Worker side of the connector: moves chunk bytes between the paged KV cache and the tiers.
+
+Runs in each vLLM worker process (one per TP/PP rank). What to move comes from the scheduler's
+:class:`KVXMetadata`; how is :mod:`kvx.ops` on the :class:`kvx.engine.TransferEngine` copy queue.
+
+Loads (``start_load_kv``): each chunk's source is resolved (CPU pool slot, or the chunk file read and
+verified on an I/O thread, promoted into a CPU slot when the scheduler allotted one); then one copy job
+per *layer group* scatters every chunk into its blocks. ``wait_for_layer_load`` fences the group of
+that layer (CUDA: one group per layer, so loading overlaps the forward; CPU: one group, the copy already
+uses every core). A chunk that cannot be read or verified is not written; its blocks are reported by
+``get_block_ids_with_load_errors`` so vLLM recomputes them.
+
+Saves (``wait_for_save``): after the forward wrote the KV (a marker on the compute stream), one gather
+per chunk into its CPU slot (or a staging buffer), then the file write on an I/O thread. On CPU the
+gathers finish before ``wait_for_save`` returns; on CUDA they run on the side stream and the compute
+stream is fenced on them (``handle_preemptions``) before blocks of finished or preempted requests can
+be reused.
+
+Thread ownership: everything here runs on vLLM's worker thread, except the I/O pool (disk reads and
+writes: touches only the tensors handed to it) and the engine's copy thread on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import ops
+from ..engine import Job, TransferEngine
+from ..layout import KVLayout
+from ..store import ChunkError, CPUPool, DiskStore
+from .common import EngineGeometry, num_cpu_slots
+from .config import KVXConfig
+from .keys import rank_key
+from .metadata import ChunkLoad, ChunkSave, KVXMetadata, KVXWorkerMetadata, LoadSpec
+
+log = logging.getLogger("kvx")
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    jobs: list[Job]
+    blocks: dict[str, list[int]]              # chunk key -> its destination blocks
+    failed: set[str] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    keep: list[torch.Tensor] = field(default_factory=list)   # pinned sources the kernels may still read
+
+
+@dataclass
+class _Save:
+    save: ChunkSave
+    job: Job | None
+    disk: Future | None = None
+    staging: int | None = None
+    reported_cpu: bool = False
+
+
+class KVXWorker:
+    """Worker-side half of :class:`kvx.connector.KVXConnector`."""
+
+    def __init__(self, config: KVXConfig, geom: EngineGeometry, fmt: str, fingerprint: str,
+                 shard: int, shards: int, writes: bool, device: torch.device | None = None):
+        self.config = config
+        self.geom = geom
+        self.fmt = fmt
+        self.shard, self.shards, self.writes = shard, shards, writes
+        self.fingerprint = fingerprint
+        self.device = device
+        self.layout: KVLayout | None = None
+        self.groups: list[tuple[int, int, KVLayout]] = []   # (first layer, end layer, sub-layout)
+        self.group_of: dict[str, int] = {}
+        self.pool: CPUPool | None = None
+        self.disk: DiskStore | None = None
+        self.engine: TransferEngine | None = None
+        self.io: ThreadPoolExecutor | None = None
+        self._staging: list[torch.Tensor] = []
+        self._staging_free: list[int] = []
+        self._staging_cv = threading.Condition()
+        self._meta: KVXMetadata | None = None
+        self._sync_loads: list[_Load] = []
+        self._async_loads: dict[str, _Load] = {}
+        self._saves: list[_Save] = []
+        self._fence_reqs: set[str] = set()
+        self._errors: set[int] = set()
+        self._out = KVXWorkerMetadata()
+        self._stats = Counter()
+        self.fence_loads_at_start = False     # fence every load in start_load_kv (no per-layer fences)
+
+    # ------------------------------------------------------------------ setup
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layout_name, num_blocks: int) -> None:
+        """Describe vLLM's per-layer views and allocate the tiers' worker-side resources.
+
+        ``num_blocks`` is vLLM's block count: views whose dim 0 is a multiple of it hold kernel blocks
+        (each vLLM block split in ``ratio`` pieces); block ids are then expanded on the fly.
+        """
+        views = dict(kv_caches)
+        first = next(iter(views.values()))
+        rows = int(first.shape[0])
+        if num_blocks <= 0 or rows % num_blocks:
+            raise ValueError(f"kv_caches: expected views with a multiple of {num_blocks} blocks, got {rows}")
+        self.ratio = rows // num_blocks
+        self.layout = KVLayout.from_vllm(views, layout_name, use_mla=self.geom.use_mla,
+                                         backend="CPU_ATTN" if self.geom.opaque else None)
+        lay = self.layout
+        if lay.block_size * self.ratio != self.geom.block_size or lay.num_heads != self.geom.num_kv_heads:
+            raise ValueError(f"kv_caches: expected blocks of {self.geom.block_size} tokens x "
+                             f"{self.geom.num_kv_heads} heads, got {lay}")
+        if self.fmt == "pages" and lay.page is None:
+            raise ValueError(f"kv_caches: the {lay.name} views have no contiguous page per block; use "
+                             "format 'canonical'")
+        self.device = lay.device
+        # Layer groups: the unit wait_for_layer_load fences. One per layer on CUDA (loads overlap the
+        # forward); one for all layers on CPU (the CPU copy already uses every core).
+        per_layer = lay.device.type == "cuda"
+        bounds = [(i, i + 1) for i in range(lay.num_layers)] if per_layer else [(0, lay.num_layers)]
+        for a, b in bounds:
+            sub = KVLayout.from_tensors(list(lay.layers[a:b]), lay.name, lay.layer_names[a:b])
+            self.groups.append((a, b, sub))
+        ptr_to_layer = {t.data_ptr(): i for i, t in enumerate(lay.layers)}
+        for name, t in views.items():
+            layer = ptr_to_layer.get(t.data_ptr())
+            if layer is not None:
+                self.group_of[name] = next(g for g, (a, b, _) in enumerate(self.groups) if a <= layer < b)
+        pin = lay.device.type == "cuda"
+        n_slots = num_cpu_slots(self.config, self.geom)
+        if n_slots:
+            self.pool = CPUPool(n_slots, self.chunk_shape(self.config.chunk_size), self.chunk_dtype, pin=pin)
+        disk = self.config.disk_tier
+        if disk is not None:
+            self.disk = DiskStore(disk.path, disk.size, self.fingerprint, fsync=disk.fsync)
+            self.io = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvx-io")
+            n_staging = 2 * self.config.io_threads
+            self._staging = [torch.empty(self.chunk_shape(self.config.chunk_size), dtype=self.chunk_dtype,
+                                         pin_memory=pin) for _ in range(n_staging)]
+            self._staging_free = list(range(n_staging))
+        self.engine = TransferEngine(lay.device)
+        log.info("kvx: worker %d/%d registered %s, format %s, %d CPU slots, disk %s", self.shard, self.shards,
+                 lay, self.fmt, n_slots, disk.path if disk else None)
+
+    @property
+    def chunk_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.fmt == "pages" else self.layout.dtype
+
+    def chunk_shape(self, tokens: int) -> tuple[int, ...]:
+        if self.fmt == "pages":
+            return self.layout.page_shape(tokens // self.layout.block_size)
+        return self.layout.canonical_shape(tokens)
+
+    def _blocks_view(self, chunk: torch.Tensor, first_block: int, n_blocks: int, layers=None) -> torch.Tensor:
+        """The part of a chunk tensor that holds vLLM blocks [first_block, first_block + n_blocks)."""
+        unit = self.ratio if self.fmt == "pages" else self.geom.block_size
+        view = chunk.narrow(2, first_block * unit, n_blocks * unit)
+        return view if layers is None else view[layers[0]: layers[1]]
+
+    def _kernel_ids(self, block_ids: list[int]) -> list[int]:
+        if self.ratio == 1:
+            return block_ids
+        return [b * self.ratio + r for b in block_ids for r in range(self.ratio)]
+
+    def _gather(self, layout: KVLayout, block_ids, out: torch.Tensor) -> None:
+        fn = ops.gather_pages if self.fmt == "pages" else ops.gather_blocks
+        fn(layout, self._kernel_ids(block_ids), out, max_ctas=self.config.max_ctas)
+
+    def _scatter(self, layout: KVLayout, block_ids, src: torch.Tensor) -> None:
+        fn = ops.scatter_pages if self.fmt == "pages" else ops.scatter_blocks
+        fn(layout, self._kernel_ids(block_ids), src, max_ctas=self.config.max_ctas)
+
+    def _slot_view(self, slot: int, tokens: int) -> torch.Tensor:
+        return self._blocks_view(self.pool.slot(slot), 0, tokens // self.geom.block_size)
+
+    # ------------------------------------------------------------------ per step
+    def handle_preemptions(self, meta: KVXMetadata | None) -> None:
+        """Fence saves still reading blocks of requests that were preempted or have finished."""
+        if meta is not None:
+            self._fence_reqs.update(meta.preempted)
+        if not self._fence_reqs:
+            return
+        for s in self._saves:
+            if s.job is not None and s.save.req_id in self._fence_reqs:
+                try:
+                    self.engine.fence(s.job)
+                except Exception:  # reported by _poll_saves
+                    pass
+        self._fence_reqs.clear()
+
+    def bind(self, meta: KVXMetadata) -> None:
+        self._meta = meta
+
+    def start_load_kv(self) -> None:
+        meta = self._meta
+        if meta is None or self.layout is None:
+            return
+        for spec in meta.loads:
+            load = self._start_load(spec)
+            if spec.is_async:
+                self._async_loads[spec.req_id] = load
+            else:
+                self._sync_loads.append(load)
+                if self.fence_loads_at_start:
+                    for g in range(len(self.groups)):
+                        self._fence(load, g)
+        meta.loads = []   # started once, even if start_load_kv were called again this step
+
+    def _start_load(self, spec: LoadSpec) -> _Load:
+        t0 = time.perf_counter()
+        sources: list[tuple[ChunkLoad, Future]] = []
+        load = _Load(spec, [], {ch.key: ch.block_ids for ch in spec.chunks})
+        for ch in spec.chunks:
+            if ch.tier == "cpu":
+                f: Future = Future()
+                f.set_result(self._slot_view(ch.slot, ch.tokens))
+                sources.append((ch, f))
+            else:
+                sources.append((ch, self.io.submit(self._read_chunk, ch, load)))
+
+        def run_group(g: int, a: int, b: int, sub: KVLayout) -> None:
+            for ch, fut in sources:
+                try:
+                    src = fut.result()
+                except Exception as e:  # noqa: BLE001 - any read failure means "recompute"
+                    with load.lock:
+                        if ch.key not in load.failed:
+                            load.failed.add(ch.key)
+                            log.warning("kvx: request %s: chunk %s not loaded (%s); vLLM will recompute",
+                                        spec.req_id, ch.key, e)
+                    continue
+                self._scatter(sub, ch.block_ids, self._blocks_view(src, ch.first_block, len(ch.block_ids),
+                                                                   (a, b)))
+            if g == len(self.groups) - 1:
+                self._stats["load_ms"] += (time.perf_counter() - t0) * 1e3
+
+        for g, (a, b, sub) in enumerate(self.groups):
+            load.jobs.append(self.engine.submit(lambda g=g, a=a, b=b, sub=sub: run_group(g, a, b, sub),
+                                                name=f"load {spec.req_id} group {g}"))
+        self._stats["loaded_chunks"] += len(spec.chunks)
+        self._stats["loaded_blocks"] += sum(len(c.block_ids) for c in spec.chunks)
+        return load
+
+    def _read_chunk(self, ch: ChunkLoad, load: _Load) -> torch.Tensor:
+        """Read and verify one chunk file; promote it into its CPU slot; return a copyable source."""
+        data = self.disk.get(rank_key(ch.key, self.shard, self.shards) if self.shards > 1 else ch.key,
+                             self.chunk_shape(ch.tokens), self.chunk_dtype)
+        self._stats["disk_reads"] += 1
+        if ch.slot is not None:
+            dst = self._slot_view(ch.slot, ch.tokens)
+            dst.copy_(data)
+            return dst
+        if self.layout.device.type == "cuda":      # the kernel reads host memory only when pinned
+            pinned = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+            pinned.copy_(data)
+            with load.lock:
+                load.keep.append(pinned)           # alive until the copy jobs finished
+            return pinned
+        return data
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        g = self.group_of.get(layer_name)
+        if g is None:
+            return
+        for load in self._sync_loads:
+            self._fence(load, g)
+
+    def _fence(self, load: _Load, g: int) -> None:
+        try:
+            self.engine.fence(load.jobs[g])
+        except Exception as e:  # noqa: BLE001 - the copy itself failed: recompute every chunk
+            self._fail_all(load, e)
+
+    def _fail_all(self, load: _Load, e: BaseException) -> None:
+        with load.lock:
+            if len(load.failed) < len(load.spec.chunks):
+                log.error("kvx: request %s: load failed (%s); vLLM will recompute", load.spec.req_id, e)
+                load.failed.update(load.blocks)
+
+    def _finish_load(self, load: _Load) -> None:
+        for job in load.jobs:
+            try:
+                job.wait()
+            except Exception as e:  # noqa: BLE001
+                self._fail_all(load, e)
+        for ch in load.spec.chunks:
+            if ch.key in load.failed:
+                self._errors.update(ch.block_ids)
+                self._stats["load_errors"] += 1
+            if ch.tier == "disk" and ch.slot is not None:
+                bucket = self._out.unstored if ch.key in load.failed else self._out.stored
+                bucket[ch.key] = bucket.get(ch.key, 0) + 1
+        load.keep.clear()
+        self._out.loads_done[load.spec.req_id] = self._out.loads_done.get(load.spec.req_id, 0) + 1
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata) -> None:
+        """Nothing per layer: chunks are saved for all layers at once in wait_for_save."""
+
+    def wait_for_save(self) -> None:
+        meta = self._meta
+        for load in self._sync_loads:        # every sync load of this step is complete by now
+            self._finish_load(load)
+        self._sync_loads = []
+        if meta is None or self.layout is None or not meta.saves:
+            return
+        marker = self.engine.marker()
+        t0 = time.perf_counter()
+        for s in meta.saves:
+            rec = _Save(s, None)
+            if s.from_slot is not None:
+                src = self._slot_view(s.from_slot, s.tokens)
+            else:
+                if s.slot is not None:
+                    dest = self._slot_view(s.slot, s.tokens)
+                else:
+                    rec.staging = self._acquire_staging()
+                    dest = self._blocks_view(self._staging[rec.staging], 0, s.tokens // self.geom.block_size)
+                rec.job = self.engine.submit(lambda s=s, dest=dest: self._gather(self.layout, s.block_ids, dest),
+                                             after=marker, name=f"save {s.key}")
+                src = dest
+            if s.to_disk:
+                if self.writes:
+                    rec.disk = self.io.submit(self._write_chunk, s, src, rec.job)
+                else:
+                    self._out.disk_done[s.key] = self._out.disk_done.get(s.key, 0) + 1
+            self._saves.append(rec)
+            self._stats["saved_chunks"] += 1
+        if self.layout.device.type == "cpu":
+            for rec in self._saves:
+                if rec.job is not None:
+                    try:
+                        rec.job.wait()
+                    except Exception:  # noqa: BLE001 - reported by _poll_saves
+                        pass
+            self._stats["save_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def _write_chunk(self, s: ChunkSave, src: torch.Tensor, job: Job | None) -> bool:
+        if job is not None:
+            job.wait()
+        key = rank_key(s.key, self.shard, self.shards) if self.shards > 1 else s.key
+        t0 = time.perf_counter()
+        written = self.disk.put(key, src, {"tokens": str(s.tokens), "format": self.fmt})
+        self._stats["disk_write_ms"] += (time.perf_counter() - t0) * 1e3
+        return written
+
+    def _acquire_staging(self) -> int:
+        with self._staging_cv:
+            while not self._staging_free:
+                self._staging_cv.wait(timeout=0.05)
+                self._poll_saves(block=False)
+            return self._staging_free.pop()
+
+    def _release_staging(self, idx: int) -> None:
+        with self._staging_cv:
+            self._staging_free.append(idx)
+            self._staging_cv.notify_all()
+
+    def _poll_saves(self, block: bool = False) -> None:
+        keep = []
+        for rec in self._saves:
+            s = rec.save
+            if rec.job is not None and not rec.reported_cpu:
+                if block:
+                    try:
+                        rec.job.wait()
+                    except Exception:  # noqa: BLE001
+                        pass
+                if rec.job.done():
+                    rec.reported_cpu = True
+                    err = rec.job.error()
+                    if err is not None:
+                        log.error("kvx: saving chunk %s failed: %s", s.key, err)
+                        self._stats["save_errors"] += 1
+                    if s.slot is not None:
+                        bucket = self._out.unstored if err is not None else self._out.stored
+                        bucket[s.key] = bucket.get(s.key, 0) + 1
+            if rec.disk is not None:
+                if block:
+                    try:
+                        rec.disk.result()
+                    except Exception:  # noqa: BLE001
+                        pass
+                if rec.disk.done():
+                    err = rec.disk.exception()
+                    if err is not None:
+                        log.error("kvx: writing chunk %s to disk failed: %s", s.key, err)
+                        self._stats["disk_write_errors"] += 1
+                    elif rec.disk.result():
+                        self._stats["disk_writes"] += 1
+                    self._out.disk_done[s.key] = self._out.disk_done.get(s.key, 0) + 1
+                    rec.disk = None
+            cpu_pending = rec.job is not None and not rec.reported_cpu
+            if cpu_pending or rec.disk is not None:
+                keep.append(rec)
+            elif rec.staging is not None:
+                self._release_staging(rec.staging)
+        self._saves = keep
+
+    # ------------------------------------------------------------------ results
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._fence_reqs.update(finished_req_ids)
+        done = set()
+        for rid, load in list(self._async_loads.items()):
+            if all(j.done() for j in load.jobs):
+                self._finish_load(load)
+                del self._async_loads[rid]
+                done.add(rid)
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def build_worker_meta(self) -> KVXWorkerMetadata | None:
+        self._poll_saves(block=False)
+        out, self._out = self._out, KVXWorkerMetadata()
+        return None if out.is_empty() else out
+
+    def take_stats(self) -> dict:
+        stats, self._stats = dict(self._stats), Counter()
+        return stats
+
+    def clear(self) -> None:
+        self._meta = None
+
+    def close(self) -> None:
+        """Finish every copy and write (a shutdown must not leave half-written state)."""
+        for load in list(self._async_loads.values()) + self._sync_loads:
+            for j in load.jobs:
+                try:
+                    j.wait()
+                except Exception:  # noqa: BLE001
+                    pass
+        self._poll_saves(block=True)
+        if self.io is not None:
+            self.io.shutdown(wait=True)
+        if self.engine is not None:
+            self.engine.close()
+        if self.pool is not None:
+            self.pool.close()
+        if self.disk is not None:
+            self.disk.close()
+

