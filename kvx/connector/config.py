@@ -13,7 +13,9 @@ was given.
 
 from __future__ import annotations
 
+import math
 import re
+from fractions import Fraction
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -32,11 +34,14 @@ def parse_size(value: Any) -> int:
         raise ValueError(f"expected a size like '4GiB' or a byte count, got {value!r}")
     if isinstance(value, int):
         n = value
+    elif isinstance(value, float) and math.isfinite(value):
+        n = int(value)  # str() would give '1e+16', which the pattern below rejects
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(f"expected a size like '4GiB', '500MB' or a byte count, got {value!r}")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        # exact decimal arithmetic: float('4.1') * 10**9 is 4099999999.9999995, i.e. one byte short
+        n = int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])
     if n <= 0:
         raise ValueError(f"expected a positive size, got {value!r}")
     return n
@@ -101,6 +106,14 @@ class KVXConfig(_Strict):
                             "all loads before the forward")
     io_threads: int = Field(default=2, ge=1, le=64, description="threads for disk reads and writes")
     max_ctas: int = Field(default=8, ge=0, description="CUDA thread-block cap for copies (0 = no cap)")
+
+    @field_validator("chunk_size", "skip_last_n_tokens", "io_threads", "max_ctas", mode="before")
+    @classmethod
+    def _no_bool(cls, v):
+        # pydantic's lax mode turns true/false into 1/0: "chunk_size": true is a typo, not a chunk size
+        if isinstance(v, bool):
+            raise ValueError(f"expected an integer, got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _one_tier_per_type(self):

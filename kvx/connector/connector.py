@@ -32,7 +32,7 @@ from .common import chunk_format, engine_geometry, format_fingerprint, namespace
 from .config import ConfigError, KVXConfig
 from .metadata import KVXMetadata
 from .scheduler import KVXScheduler
-from .stats import KVXStats
+from .stats import KVXStats, build_prom_metrics
 from .worker import KVXWorker
 
 log = logging.getLogger("kvx")
@@ -105,6 +105,10 @@ class KVXConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVXStats | None:
         return KVXStats(data=dict(data)) if data else KVXStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 KEY_VERSION = "kvx-key-1"
+_KEY_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 def _digest(*parts: bytes) -> bytes:
@@ -60,9 +67,17 @@ def chunk_keys(root: bytes, token_ids: Sequence[int], chunk_size: int, *, num_ch
         token_ids: the request's tokens (prompt, or prompt + output).
         chunk_size: tokens per chunk.
     """
-    if chunk_size <= 0:
+    if not _is_int(chunk_size) or chunk_size <= 0:
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
-    toks = np.asarray(token_ids, dtype=np.int64)
+    if num_chunks is not None and (not _is_int(num_chunks) or num_chunks < 0):
+        raise ValueError(f"num_chunks: expected a non-negative int or None, got {num_chunks!r}")
+    if not _is_int(partial_tokens) or partial_tokens < 0:
+        raise ValueError(f"partial_tokens: expected a non-negative int, got {partial_tokens!r}")
+    # explicit little-endian int64: the bytes hashed (hence the keys) are the same on every machine
+    toks = np.asarray(token_ids)
+    if toks.ndim != 1 or (toks.size and toks.dtype.kind not in "iu"):
+        raise ValueError(f"token_ids: expected a flat sequence of ints, got {toks.dtype} of shape {toks.shape}")
+    toks = toks.astype("<i8", copy=False)
     full = len(toks) // chunk_size
     if num_chunks is not None:
         full = min(full, num_chunks)
@@ -85,6 +100,13 @@ def chunk_keys(root: bytes, token_ids: Sequence[int], chunk_size: int, *, num_ch
 
 def rank_key(key: str, rank: int, world: int) -> str:
     """The storage key of one tensor-parallel shard of chunk ``key`` (``world == 0``: shared, e.g. MLA)."""
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+        raise ValueError(f"key: expected 32 lowercase hex digits, got {key!r}")
+    if not _is_int(world) or world < 0:
+        raise ValueError(f"world: expected a non-negative int, got {world!r}")
+    if not _is_int(rank) or rank < 0 or (world > 0 and rank >= world):
+        raise ValueError(f"rank: expected an int in [0, {world}), got {rank!r}" if world else
+                         f"rank: expected a non-negative int, got {rank!r}")
     if world == 0:
         return key
     return _digest(bytes.fromhex(key), f"tp{rank}/{world}".encode()).hex()

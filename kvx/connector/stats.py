@@ -40,3 +40,50 @@ class KVXStats(KVConnectorStats):
     def from_counts(cls, counts: dict[str, Any]) -> KVXStats | None:
         counts = {k: v for k, v in counts.items() if v}
         return cls(data=counts) if counts else None
+
+
+# Counter name -> help text; every key KVXStats may carry, exported as vllm:kvx_<name>_total.
+COUNTERS = {
+    "lookups": "Prefix lookups by the scheduler",
+    "loads": "Requests admitted with a kvx hit",
+    "saves": "Chunk saves planned by the scheduler",
+    "hit_tokens_cpu": "Prompt tokens served from the CPU tier",
+    "hit_tokens_disk": "Prompt tokens served from the disk tier",
+    "cpu_store_failed": "Chunks whose CPU-tier write failed on a worker",
+    "loaded_chunks": "Chunks loaded into the paged KV cache",
+    "loaded_blocks": "vLLM blocks filled from kvx",
+    "load_ms": "Milliseconds spent loading (per worker, summed)",
+    "load_errors": "Chunks that failed to load or verify (recomputed by vLLM)",
+    "disk_reads": "Chunk files read",
+    "saved_chunks": "Chunks gathered from the paged KV cache",
+    "save_ms": "Milliseconds spent gathering chunks (per worker, summed)",
+    "save_errors": "Chunk gathers that failed",
+    "disk_writes": "Chunk files written",
+    "disk_write_ms": "Milliseconds spent writing chunk files",
+    "disk_write_errors": "Chunk file writes that failed",
+}
+
+
+def build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues):
+    """Prometheus counters for :class:`KVXStats` (vLLM calls this through the connector class)."""
+    from prometheus_client import Counter
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+    from vllm.v1.metrics.utils import create_metric_per_engine
+
+    class KVXPromMetrics(KVConnectorPromMetrics):
+        def __init__(self):
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            counter_cls = metric_types[Counter]
+            self._counters = {
+                name: create_metric_per_engine(
+                    counter_cls(name=f"vllm:kvx_{name}_total", documentation=doc, labelnames=labelnames),
+                    per_engine_labelvalues)
+                for name, doc in COUNTERS.items()}
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+            for name, value in (transfer_stats_data or {}).items():
+                per_engine = self._counters.get(name)
+                if per_engine is not None and engine_idx in per_engine and value:
+                    per_engine[engine_idx].inc(value)
+
+    return KVXPromMetrics()

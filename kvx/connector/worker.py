@@ -92,6 +92,7 @@ class KVXWorker:
         self._out = KVXWorkerMetadata()
         self._stats = Counter()
         self.fence_loads_at_start = False     # fence every load in start_load_kv (no per-layer fences)
+        self._loads_started = False
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layout_name, num_blocks: int) -> None:
@@ -192,11 +193,13 @@ class KVXWorker:
 
     def bind(self, meta: KVXMetadata) -> None:
         self._meta = meta
+        self._loads_started = False
 
     def start_load_kv(self) -> None:
         meta = self._meta
-        if meta is None or self.layout is None:
+        if meta is None or self.layout is None or self._loads_started:
             return
+        self._loads_started = True   # start each step's loads once, even if called again
         for spec in meta.loads:
             load = self._start_load(spec)
             if spec.is_async:
@@ -206,7 +209,6 @@ class KVXWorker:
                 if self.fence_loads_at_start:
                     for g in range(len(self.groups)):
                         self._fence(load, g)
-        meta.loads = []   # started once, even if start_load_kv were called again this step
 
     def _start_load(self, spec: LoadSpec) -> _Load:
         t0 = time.perf_counter()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ class CPUIndex:
     """LRU index of ``num_slots`` chunk slots. Scheduler thread only (no locking)."""
 
     def __init__(self, num_slots: int):
-        if not isinstance(num_slots, int) or num_slots < 1:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots: expected a positive int, got {num_slots!r}")
         self.num_slots = num_slots
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
@@ -108,8 +109,8 @@ class CPUIndex:
     def abort(self, key: str) -> None:
         """The write failed or was dropped: free the slot."""
         e = self._entries.get(key)
-        if e is None:
-            return
+        if e is None or e.doomed:
+            return  # nothing to free, or already aborted (freed by the last unpin)
         self.stats["aborted"] += 1
         if e.pins:
             e.doomed = True       # still read by a load or a write elsewhere: free on the last unpin
@@ -120,13 +121,14 @@ class CPUIndex:
 
     def pin(self, keys: Sequence[str]) -> list[int]:
         """Hold READY slots for a load; returns their slot numbers."""
-        slots = []
-        for k in keys:
+        keys = list(keys)
+        for k in keys:  # all or nothing: check every key before pinning (or reordering) any
             e = self._entries.get(k)
             if e is None or e.state is not SlotState.READY:
-                for done in keys[: len(slots)]:
-                    self._entries[done].pins -= 1
                 raise RuntimeError(f"pin({k}): expected a READY slot, got {e.state if e else 'no entry'}")
+        slots = []
+        for k in keys:
+            e = self._entries[k]
             e.pins += 1
             self._entries.move_to_end(k)
             slots.append(e.slot)
@@ -142,10 +144,17 @@ class CPUIndex:
         return e.slot
 
     def unpin(self, keys: Iterable[str]) -> None:
+        """Undo :meth:`pin` / :meth:`hold`. All or nothing: if one key is not pinned (as often as it
+        appears in ``keys``), nothing is unpinned."""
+        keys = list(keys)
+        count: dict[str, int] = {}
         for k in keys:
+            count[k] = count.get(k, 0) + 1
             e = self._entries.get(k)
-            if e is None or e.pins <= 0:
+            if e is None or e.pins < count[k]:
                 raise RuntimeError(f"unpin({k}): the slot is not pinned")
+        for k in keys:
+            e = self._entries[k]
             e.pins -= 1
             if e.doomed and e.pins == 0:
                 del self._entries[k]
@@ -172,10 +181,20 @@ class CPUPool:
     """
 
     def __init__(self, num_slots: int, slot_shape: Sequence[int], dtype: torch.dtype, pin: bool = False):
-        if not isinstance(num_slots, int) or num_slots < 1:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots: expected a positive int, got {num_slots!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype: expected a torch.dtype, got {dtype!r}")
+        try:
+            if any(isinstance(s, bool) for s in slot_shape):
+                raise TypeError
+            shape = tuple(operator.index(s) for s in slot_shape)  # ints, numpy ints; not floats
+        except TypeError:
+            raise ValueError(f"slot_shape: expected a sequence of positive ints, got {slot_shape!r}") from None
+        if any(s < 1 for s in shape):
+            raise ValueError(f"slot_shape: expected a sequence of positive ints, got {slot_shape!r}")
         self.num_slots = num_slots
-        self.slot_shape = tuple(int(s) for s in slot_shape)
+        self.slot_shape = shape
         self.dtype = dtype
         self.data = torch.empty((num_slots, *self.slot_shape), dtype=dtype)  # pages committed on first write
         self.pinned = False
@@ -192,6 +211,13 @@ class CPUPool:
         self.pinned = True
 
     def slot(self, i: int) -> torch.Tensor:
+        """View of slot ``i``: ``slot_shape`` (writes go to the pool)."""
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            i = operator.index(i)  # a float or bool would index/add a dim instead of failing
+        except TypeError:
+            raise ValueError(f"slot: expected an int in [0, {self.num_slots}), got {i!r}") from None
         if not 0 <= i < self.num_slots:
             raise ValueError(f"slot: expected 0 <= slot < {self.num_slots}, got {i}")
         return self.data[i]

@@ -23,12 +23,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 FORMAT_VERSION = "kvx-1"
 _SUFFIX = ".safetensors"
 _TMP_MAX_AGE_S = 3600.0  # temporary files older than this are leftovers of a crashed writer
+_RESERVED_META = ("kvx_format", "key", "fingerprint", "crc32", "created")
 
 
 class ChunkError(RuntimeError):
@@ -72,12 +73,16 @@ class DiskStore:
 
     def __init__(self, path: str, capacity_bytes: int | None = None, fingerprint: str = "",
                  fsync: bool = False, low_watermark: float = 0.9):
-        if not isinstance(path, (str, os.PathLike)) or not str(path):
+        if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str) or not os.fspath(path):
             raise ValueError(f"path: expected a directory path, got {path!r}")
-        if capacity_bytes is not None and (not isinstance(capacity_bytes, int) or capacity_bytes <= 0):
+        if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
+                                           or capacity_bytes <= 0):
             raise ValueError(f"capacity_bytes: expected a positive int or None, got {capacity_bytes!r}")
-        if not 0.0 < low_watermark <= 1.0:
+        if (isinstance(low_watermark, bool) or not isinstance(low_watermark, (int, float))
+                or not 0.0 < low_watermark <= 1.0):
             raise ValueError(f"low_watermark: expected a fraction in (0, 1], got {low_watermark!r}")
+        if not isinstance(fingerprint, str):
+            raise ValueError(f"fingerprint: expected a str, got {type(fingerprint).__name__}")
         self.path = os.path.abspath(os.fspath(path))
         os.makedirs(self.path, exist_ok=True)
         self.capacity_bytes = capacity_bytes
@@ -118,15 +123,26 @@ class DiskStore:
         """Write ``chunk`` (a contiguous CPU tensor) under ``key``. Returns False if already present."""
         self._check_open()
         final = self.file_of(key)
-        if os.path.exists(final):
-            os.utime(final)
-            return False
+        # Validate before the presence check: a bad call must fail the same way whether or not the key
+        # happens to be on disk already.
         if not isinstance(chunk, torch.Tensor) or chunk.device.type != "cpu":
             raise ValueError(f"chunk: expected a CPU tensor, got {type(chunk).__name__} "
                              f"{getattr(chunk, 'device', '')}")
+        if extra is not None and (not isinstance(extra, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in extra.items())):
+            raise ValueError(f"extra: expected a dict of str -> str, got {extra!r}")
+        if extra and any(k in _RESERVED_META for k in extra):
+            # would overwrite the fields get() verifies (key, fingerprint, checksum, ...)
+            raise ValueError(f"extra: keys {sorted(set(extra) & set(_RESERVED_META))} are reserved")
+        if os.path.exists(final):
+            try:
+                os.utime(final)
+                return False
+            except FileNotFoundError:
+                pass  # another engine evicted it just now: write it again
         chunk = chunk.contiguous()
-        meta = {"kvx_format": FORMAT_VERSION, "key": key, "fingerprint": self.fingerprint,
-                "crc32": checksum(chunk), "created": f"{time.time():.3f}", **(extra or {})}
+        meta = {**(extra or {}), "kvx_format": FORMAT_VERSION, "key": key, "fingerprint": self.fingerprint,
+                "crc32": checksum(chunk), "created": f"{time.time():.3f}"}
         d = os.path.dirname(final)
         os.makedirs(d, exist_ok=True)
         tmp = os.path.join(d, f".{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
@@ -166,7 +182,7 @@ class DiskStore:
                 t = f.get_tensor("kv")
         except FileNotFoundError:
             raise ChunkError(f"chunk {key}: not on disk ({path})") from None
-        except (SafetensorError, OSError, ValueError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001 - any unreadable file (SafetensorError, OSError, bad dtype...)
             self._count_error()
             raise ChunkError(f"chunk {key}: unreadable file {path}: {e}") from None
         problems = []
@@ -213,6 +229,10 @@ class DiskStore:
     # ---------------------------------------------------------------- capacity
     def scan(self) -> Iterator[ChunkInfo]:
         """Every chunk file under the path (and removes stale temporary files)."""
+        self._check_open()  # here, not in the generator: a closed store fails at the call
+        return self._scan()
+
+    def _scan(self) -> Iterator[ChunkInfo]:
         now = time.time()
         try:
             subdirs = list(os.scandir(self.path))
@@ -242,10 +262,12 @@ class DiskStore:
 
     def usage(self) -> int:
         """Bytes of chunk files under the path right now (a directory scan)."""
+        self._check_open()
         return sum(c.bytes for c in self.scan())
 
     def evict(self) -> int:
         """Delete least recently used files until usage <= low_watermark * capacity. Returns count."""
+        self._check_open()
         if self.capacity_bytes is None:
             return 0
         chunks = sorted(self.scan(), key=lambda c: c.mtime)
@@ -268,6 +290,7 @@ class DiskStore:
 
     def clear(self) -> int:
         """Delete every chunk file. Returns the count."""
+        self._check_open()
         n = 0
         for c in list(self.scan()):
             try:

