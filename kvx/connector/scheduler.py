@@ -125,7 +125,8 @@ class KVXScheduler:
         self.trackers: dict[str, RequestTracker] = {}
         self._new_loads: list[LoadSpec] = []
         self._load_pins: dict[str, list[str]] = {}      # req_id -> CPU keys pinned for its load
-        self._disk_inflight: set[str] = set()            # keys being written to disk (held CPU slots)
+        self._disk_inflight: set[str] = set()            # keys being written to disk
+        self._disk_holds: set[str] = set()               # of those, keys whose CPU slot the write holds
         self._counts: dict[str, Counter] = {n: Counter() for n in ("stored", "unstored", "disk_done",
                                                                     "loads_done")}
         self.stats = Counter()
@@ -330,8 +331,10 @@ class KVXScheduler:
         if to_disk:
             if state is SlotState.READY:
                 from_slot = self.cpu.hold(key)        # write the CPU copy through; no gather needed
+                self._disk_holds.add(key)
             elif slot is not None:
                 self.cpu.hold(key)                    # the disk write reads the slot we gather into
+                self._disk_holds.add(key)
             self._disk_inflight.add(key)
         if slot is None and not to_disk:
             return
@@ -349,7 +352,8 @@ class KVXScheduler:
             if c["disk_done"][key] >= self.num_workers:
                 del c["disk_done"][key]
                 self._disk_inflight.discard(key)
-                if self.cpu is not None and self.cpu.state(key) is not None:
+                if key in self._disk_holds:
+                    self._disk_holds.discard(key)
                     self.cpu.unpin([key])
         for key in set(wm.stored) | set(wm.unstored):
             c["stored"][key] += wm.stored.get(key, 0)

@@ -5,7 +5,9 @@ Layout: ``<path>/<key[:2]>/<key>.safetensors`` holding one tensor ``"kv"`` (the 
 directory and are renamed into place, so a reader never sees a partial file, and two engines writing
 the same key both produce a complete file (the last rename wins; both are identical chunks). Reads
 check the format version, key, fingerprint, dtype/shape and the CRC32 of the bytes; any mismatch is a
-:class:`ChunkError` (the connector reports it to vLLM, which recomputes).
+:class:`ChunkError` (the connector reports it to vLLM, which recomputes). A corrupt file (unreadable, bad
+checksum, wrong key inside) is deleted, so the recomputed chunk is saved again rather than failing on
+every request.
 
 Capacity: when the bytes this process believes are on disk exceed ``capacity_bytes``, the directory
 is scanned and the least recently used files (mtime; a read touches it) are deleted down to
@@ -183,7 +185,7 @@ class DiskStore:
         except FileNotFoundError:
             raise ChunkError(f"chunk {key}: not on disk ({path})") from None
         except Exception as e:  # noqa: BLE001 - any unreadable file (SafetensorError, OSError, bad dtype...)
-            self._count_error()
+            self._drop_bad(path)
             raise ChunkError(f"chunk {key}: unreadable file {path}: {e}") from None
         problems = []
         if meta.get("kvx_format") != FORMAT_VERSION:
@@ -196,10 +198,17 @@ class DiskStore:
             problems.append(f"shape {tuple(t.shape)} != {tuple(shape)}")
         if dtype is not None and t.dtype != dtype:
             problems.append(f"dtype {t.dtype} != {dtype}")
+        corrupt = meta.get("key") != key      # a file under the wrong name, or mangled metadata
         if not problems and meta.get("crc32") != checksum(t):
             problems.append("checksum mismatch (corrupt bytes)")
+            corrupt = True
         if problems:
-            self._count_error()
+            # A corrupt file can never be served: drop it. A file that is merely not what this reader
+            # expects (fingerprint, format version, shape) may be valid for another engine: keep it.
+            if corrupt:
+                self._drop_bad(path)
+            else:
+                self._count_error()
             raise ChunkError(f"chunk {key}: {path} failed verification: {'; '.join(problems)}")
         try:
             os.utime(path)  # LRU: a read makes the file recent
@@ -221,6 +230,15 @@ class DiskStore:
         with self._lock:
             self._used = max(0, self._used - size)
         return True
+
+    def _drop_bad(self, path: str) -> None:
+        """A file that failed to read or verify can never be served: remove it, so the chunk becomes a
+        miss and the recomputation saves a good copy (instead of failing on every request)."""
+        self._count_error()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
     def _count_error(self):
         with self._lock:

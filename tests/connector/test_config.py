@@ -1,0 +1,251 @@
+"""KVXConfig / parse_size: the documented example, defaults, sizes, and one test per kind of bad input
+(each a ConfigError naming the key, what was expected and what was given)."""
+
+import json
+import re
+
+import pytest
+
+import kvx.connector.config as C
+ConfigError, KVXConfig, parse_size = C.ConfigError, C.KVXConfig, C.parse_size
+CPUTierConfig, DiskTierConfig = C.CPUTierConfig, C.DiskTierConfig
+
+GOOD_SIZES = [
+    ("4GiB", 4 * 2**30),
+    ("4gib", 4 * 2**30),
+    ("512MiB", 512 * 2**20),
+    ("500MB", 500 * 10**6),
+    ("1.5GB", 1_500_000_000),
+    ("4.1GB", 4_100_000_000),          # float("4.1") * 1e9 is 4099999999.9999995
+    ("2.3MB", 2_300_000),
+    (" 2 KiB ", 2048),
+    ("1k", 1000),
+    ("1TiB", 2**40),
+    ("2t", 2 * 10**12),
+    ("100", 100),
+    ("100B", 100),
+    (".5KiB", 512),
+    (1000, 1000),
+    (1, 1),
+    (2**45, 2**45),
+    (1.5e9, 1_500_000_000),
+    (1e16, 10**16),
+]
+BAD_SIZES = [
+    ("abc", "expected a size like"),
+    ("4XB", "expected a size like"),
+    ("4 GiB/s", "expected a size like"),
+    ("", "expected a size like"),
+    ("GiB", "expected a size like"),
+    ("1.5.5GB", "expected a size like"),
+    ("1e9", "expected a size like"),
+    ("-1GB", "expected a size like"),
+    ("0x10", "expected a size like"),
+    ("inf", "expected a size like"),
+    (float("inf"), "expected a size like"),
+    (float("nan"), "expected a size like"),
+    (None, "expected a size like"),
+    ([1], "expected a size like"),
+    (True, "expected a size like"),
+    (False, "expected a size like"),
+    (0, "expected a positive size"),
+    (-1, "expected a positive size"),
+    (-2.0, "expected a positive size"),
+    ("0GB", "expected a positive size"),
+    ("0.0001B", "expected a positive size"),   # rounds down to 0 bytes
+]
+TOP_LEVEL_KEYS = sorted(["chunk_size", "tiers", "save_decode", "save_partial_chunks", "skip_last_n_tokens",
+                         "load_async", "promote", "format", "kv_layout", "layerwise", "io_threads", "max_ctas"])
+BAD_VALUES = [
+    ({"chunk_size": 0}, "chunk_size", "greater than 0"),
+    ({"chunk_size": -256}, "chunk_size", "greater than 0"),
+    ({"chunk_size": 2.5}, "chunk_size", "integer"),
+    ({"chunk_size": "lots"}, "chunk_size", "integer"),
+    ({"chunk_size": True}, "chunk_size", "integer"),
+    ({"chunk_size": None}, "chunk_size", "integer"),
+    ({"skip_last_n_tokens": -1}, "skip_last_n_tokens", "greater than or equal to 0"),
+    ({"io_threads": 0}, "io_threads", "greater than or equal to 1"),
+    ({"io_threads": 65}, "io_threads", "less than or equal to 64"),
+    ({"io_threads": False}, "io_threads", "integer"),
+    ({"max_ctas": -1}, "max_ctas", "greater than or equal to 0"),
+    ({"format": "paged"}, "format", "'auto', 'canonical' or 'pages'"),
+    ({"save_decode": "maybe"}, "save_decode", "boolean"),
+    ({"tiers": []}, "tiers", "at least 1 item"),
+    ({"tiers": "cpu"}, "tiers", "list"),
+    ({"tiers": ["cpu"]}, "tiers.0", "dictionary"),
+    ({"tiers": [{"type": "cpu"}]}, "tiers.0.cpu.size", "Field required"),
+    ({"tiers": [{"type": "disk", "size": "1GB"}]}, "tiers.0.disk.path", "Field required"),
+    ({"tiers": [{"type": "disk", "path": ""}]}, "tiers.0.disk.path", "expected a directory path"),
+    ({"tiers": [{"type": "disk", "path": "   "}]}, "tiers.0.disk.path", "expected a directory path"),
+    ({"tiers": [{"type": "disk", "path": 5}]}, "tiers.0.disk.path", "valid string"),
+    ({"tiers": [{"type": "disk", "path": "/kv", "size": "big"}]}, "tiers.0.disk.size", "expected a size like"),
+    ({"tiers": [{"type": "cpu", "size": 0}]}, "tiers.0.cpu.size", "expected a positive size"),
+    ({"tiers": [{"type": "cpu", "size": "-4GiB"}]}, "tiers.0.cpu.size", "expected a size like"),
+    ({"tiers": [{"type": "cpu", "size": True}]}, "tiers.0.cpu.size", "expected a size like"),
+]
+WRONG_TIER_TYPES = [
+    ({"type": "gpu", "size": "1GB"}, "'gpu'"),
+    ({"type": "CPU", "size": "1GB"}, "'CPU'"),
+    ({"type": 1, "size": "1GB"}, "1"),
+    ({"size": "1GB"}, "Unable to extract tag using discriminator 'type'"),
+]
+DUPLICATE_TIERS = [
+    [{"type": "cpu", "size": "1GB"}, {"type": "cpu", "size": "2GB"}],
+    [{"type": "disk", "path": "/a"}, {"type": "cpu", "size": "1GB"}, {"type": "disk", "path": "/b"}],
+]
+NOT_A_DICT = [[], [("chunk_size", 256)], "chunk_size=256", 256, True]
+
+
+def error_of(extra) -> str:
+    with pytest.raises(ConfigError) as e:
+        KVXConfig.from_extra_config(extra)
+    return str(e.value)
+
+
+def line_of(msg: str, loc: str) -> str:
+    """The one line of a ConfigError message about ``loc``."""
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip().startswith(loc + ":")]
+    assert len(lines) == 1, msg
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------------ good configs
+def test_the_documented_example_parses():
+    doc = C.__doc__
+    example = doc[doc.index("Example::") + len("Example::"): doc.index("Unknown keys")]
+    extra = json.loads(example)
+    cfg = KVXConfig.from_extra_config(extra)
+    assert cfg.chunk_size == 256 and cfg.save_decode is False and cfg.skip_last_n_tokens == 0
+    assert cfg.cpu_tier == CPUTierConfig(type="cpu", size=4 * 2**30)
+    assert cfg.disk_tier == DiskTierConfig(type="disk", path="/mnt/kv", size=100 * 2**30, fsync=False)
+    assert [t.type for t in cfg.tiers] == ["cpu", "disk"]
+
+
+@pytest.mark.parametrize("extra", [None, {}], ids=repr)
+def test_defaults(extra):
+    cfg = KVXConfig.from_extra_config(extra)
+    assert cfg.tiers == [CPUTierConfig(type="cpu", size=4 * 2**30)]
+    assert cfg.cpu_tier.size == 4 * 2**30 and cfg.disk_tier is None
+    assert cfg.chunk_size == 256
+    assert (cfg.save_decode, cfg.save_partial_chunks, cfg.load_async, cfg.promote, cfg.layerwise) == (
+        False, False, False, True, True)
+    assert (cfg.skip_last_n_tokens, cfg.io_threads, cfg.max_ctas, cfg.format, cfg.kv_layout) == (0, 2, 8, "auto", None)
+
+
+def test_default_tiers_are_not_shared_between_configs():
+    a, b = KVXConfig.from_extra_config({}), KVXConfig.from_extra_config({})
+    assert a.tiers == b.tiers and a.tiers is not b.tiers
+
+
+def test_disk_only_and_unbounded_disk():
+    cfg = KVXConfig.from_extra_config({"tiers": [{"type": "disk", "path": "/kv", "fsync": True}]})
+    assert cfg.cpu_tier is None
+    assert cfg.disk_tier == DiskTierConfig(type="disk", path="/kv", size=None, fsync=True)
+
+
+def test_config_is_frozen():
+    cfg = KVXConfig.from_extra_config({})
+    with pytest.raises(Exception, match="frozen"):
+        cfg.chunk_size = 16
+
+
+def test_the_caller_dict_is_not_modified():
+    extra = {"chunk_size": 64, "tiers": [{"type": "cpu", "size": "1GiB"}]}
+    snapshot = json.dumps(extra)
+    KVXConfig.from_extra_config(extra)
+    assert json.dumps(extra) == snapshot
+
+
+# ------------------------------------------------------------------------------------------ sizes
+@pytest.mark.parametrize("value, expected", GOOD_SIZES, ids=[repr(v) for v, _ in GOOD_SIZES])
+def test_parse_size(value, expected):
+    n = parse_size(value)
+    assert n == expected and type(n) is int
+
+
+@pytest.mark.parametrize("value, expected", GOOD_SIZES[:6], ids=[repr(v) for v, _ in GOOD_SIZES[:6]])
+def test_sizes_in_tiers(value, expected):
+    cfg = KVXConfig.from_extra_config({"tiers": [{"type": "cpu", "size": value},
+                                                 {"type": "disk", "path": "/kv", "size": value}]})
+    assert cfg.cpu_tier.size == expected and cfg.disk_tier.size == expected
+
+
+@pytest.mark.parametrize("value, msg", BAD_SIZES, ids=[repr(v) for v, _ in BAD_SIZES])
+def test_parse_size_bad(value, msg):
+    with pytest.raises(ValueError, match=msg):
+        parse_size(value)
+
+
+@pytest.mark.parametrize("value, msg", BAD_SIZES, ids=[repr(v) for v, _ in BAD_SIZES])
+def test_bad_size_in_a_tier_names_the_key(value, msg):
+    line = line_of(error_of({"tiers": [{"type": "cpu", "size": value}]}), "tiers.0.cpu.size")
+    assert msg in line and f"(given: {value!r})" in line
+
+
+# ------------------------------------------------------------------------------------------ bad configs
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("key", ["chunksize", "tier", "Chunk_size", "cpu_size"])
+def test_unknown_top_level_key(key):
+    line = line_of(error_of({key: 1}), key)
+    assert f"unknown key (known: {', '.join(TOP_LEVEL_KEYS)})" in line
+    assert sorted(KVXConfig.model_fields) == TOP_LEVEL_KEYS
+
+
+@pytest.mark.parametrize("tier, key, known", [
+    ({"type": "cpu", "size": "1GiB", "path": "/kv"}, "path", "size, type"),
+    ({"type": "cpu", "size": "1GiB", "pinned": True}, "pinned", "size, type"),
+    ({"type": "disk", "path": "/kv", "capacity": "1TB"}, "capacity", "fsync, path, size, type"),
+])
+def test_unknown_tier_key(tier, key, known):
+    msg = error_of({"tiers": [{"type": "cpu", "size": "1GB"}, tier] if tier["type"] == "disk" else [tier]})
+    i = 1 if tier["type"] == "disk" else 0
+    line = line_of(msg, f"tiers.{i}.{tier['type']}.{key}")
+    assert f"unknown key (known: {known})" in line
+
+
+@pytest.mark.parametrize("tier, expect", WRONG_TIER_TYPES, ids=[repr(t) for t, _ in WRONG_TIER_TYPES])
+def test_wrong_tier_type(tier, expect):
+    line = line_of(error_of({"tiers": [tier]}), "tiers.0")
+    assert expect in line
+    if "type" in tier:
+        assert "'cpu', 'disk'" in line            # says what is expected
+
+
+@pytest.mark.parametrize("tiers", DUPLICATE_TIERS, ids=["cpu,cpu", "disk,cpu,disk"])
+def test_duplicate_tier_types(tiers):
+    msg = error_of({"tiers": tiers})
+    assert "tiers: expected at most one tier of each type, got " + str([t["type"] for t in tiers]) in msg
+
+
+@pytest.mark.parametrize("extra, loc, expect", BAD_VALUES, ids=[f"{loc}={list(e.values())[0]!r}"
+                                                               for e, loc, _ in BAD_VALUES])
+def test_bad_values_name_the_key(extra, loc, expect):
+    msg = error_of(extra)
+    assert msg.startswith("invalid kvx kv_connector_extra_config:")
+    line = line_of(msg, loc)
+    assert expect in line and "(given: " in line
+
+
+@pytest.mark.parametrize("extra", NOT_A_DICT, ids=repr)
+def test_extra_config_must_be_a_dict(extra):
+    msg = error_of(extra)
+    assert msg == f"kv_connector_extra_config: expected a JSON object, got {type(extra).__name__}"
+
+
+def test_every_problem_is_listed():
+    msg = error_of({"chunk_size": 0, "bogus": 1, "tiers": [{"type": "cpu", "size": "lots"}]})
+    assert {ln.split(":")[0].strip() for ln in msg.splitlines()[1:]} == {"chunk_size", "bogus", "tiers.0.cpu.size"}
+
+
+def test_lax_coercions_that_stay_accepted():
+    """JSON-ish spellings that are unambiguous keep working (pydantic lax mode)."""
+    cfg = KVXConfig.from_extra_config({"chunk_size": "128", "io_threads": 4.0, "save_decode": "true"})
+    assert (cfg.chunk_size, cfg.io_threads, cfg.save_decode) == (128, 4, True)
+
+
+def test_messages_quote_what_was_given():
+    line = line_of(error_of({"chunk_size": -3}), "chunk_size")
+    assert re.search(r"\(given: -3\)$", line)
