@@ -151,13 +151,20 @@ KVX_HD int64_t row_contig_offset(const CopyParams& p, int64_t r) {
   return t * p.contig.token_stride + h * p.contig.head_stride;
 }
 
-// Largest power-of-two width (<= 16) that divides every address and size the copy touches.
+// Largest power-of-two width (<= 16) that divides every address and size the copy touches. Call after
+// collapse_rows(). A stride whose index is always 0 never moves an address and is left out: e.g. a
+// raw-page chunk's "head" stride (one head) must not force byte-wide copies of whole pages.
 inline int copy_width(const CopyParams& p, const int64_t* layer_ptrs, int64_t contig_ptr) {
+  const bool token_moves = p.mode == kBlocks ? p.iter_tokens > 1 : p.paged.block_size > 1;
   uint64_t bits = static_cast<uint64_t>(p.row_bytes) | static_cast<uint64_t>(contig_ptr) |
-                  static_cast<uint64_t>(p.paged.plane_stride) | static_cast<uint64_t>(p.paged.block_stride) |
-                  static_cast<uint64_t>(p.paged.token_stride) | static_cast<uint64_t>(p.paged.head_stride) |
-                  static_cast<uint64_t>(p.contig.layer_stride) | static_cast<uint64_t>(p.contig.plane_stride) |
-                  static_cast<uint64_t>(p.contig.token_stride) | static_cast<uint64_t>(p.contig.head_stride);
+                  static_cast<uint64_t>(p.paged.block_stride);
+  if (p.paged.num_planes > 1)
+    bits |= static_cast<uint64_t>(p.paged.plane_stride) | static_cast<uint64_t>(p.contig.plane_stride);
+  if (token_moves) bits |= static_cast<uint64_t>(p.paged.token_stride);
+  if (p.iter_heads > 1)
+    bits |= static_cast<uint64_t>(p.paged.head_stride) | static_cast<uint64_t>(p.contig.head_stride);
+  if (p.num_layers > 1) bits |= static_cast<uint64_t>(p.contig.layer_stride);
+  if (p.num_ids > 1 || p.iter_tokens > 1) bits |= static_cast<uint64_t>(p.contig.token_stride);
   for (int32_t l = 0; l < p.num_layers; ++l) bits |= static_cast<uint64_t>(layer_ptrs[l]);
   int w = 16;
   while (w > 1 && (bits & static_cast<uint64_t>(w - 1))) w >>= 1;

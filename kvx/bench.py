@@ -96,29 +96,29 @@ def gpu_cases(quick: bool) -> list[Case]:
     return cases
 
 
-def _median_time(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
-    fn()
-    sync()
-    times = []
+def _time_interleaved(fns: list[Callable[[], None]], repeats: int, on_gpu: bool) -> list[float]:
+    """Median milliseconds of each fn, timing them in turn within every repeat, so drift of the machine
+    (other load, frequency, page cache) hits the roof and the kernels alike."""
+    for fn in fns:       # warm-up
+        fn()
+    if on_gpu:
+        torch.cuda.synchronize()
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                   for _ in range(repeats)] for _ in fns]
+        for r in range(repeats):
+            for fn, ev in zip(fns, events):
+                ev[r][0].record()
+                fn()
+                ev[r][1].record()
+        torch.cuda.synchronize()
+        return [statistics.median(a.elapsed_time(b) for a, b in ev) for ev in events]
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
-def _cuda_time(fn: Callable[[], None], repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    end = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    for s, e in zip(start, end):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(start, end))
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) * 1e3 for ts in times]
 
 
 def _setup(case: Case, device: str, host: bool, g: torch.Generator):
@@ -167,7 +167,7 @@ def _per_block_memcpy(lay: KVLayout, ids: torch.Tensor, buf: torch.Tensor, gathe
     return lambda: _C.cuda_memcpy_each(d.data_ptr(), s_.data_ptr(), sizes.data_ptr(), len(dsts), stream)
 
 
-def run(device: str = "cpu", quick: bool = False, repeats: int = 5, impls: list[str] | None = None,
+def run(device: str = "cpu", quick: bool = False, repeats: int = 15, impls: list[str] | None = None,
         log: Callable[[str], None] = print) -> list[Row]:
     """Run the benchmark table for ``device`` ("cpu" or "cuda") and return its rows."""
     g = torch.Generator().manual_seed(0)
@@ -175,14 +175,7 @@ def run(device: str = "cpu", quick: bool = False, repeats: int = 5, impls: list[
     on_gpu = device.startswith("cuda")
     avail = ops.available_impls(device)
     impls = [i for i in (impls or ["cuda", "triton", "cpu", "reference"]) if i in avail]
-    if on_gpu:
-        sync = torch.cuda.synchronize
-        timer = lambda fn: _cuda_time(fn, repeats)  # noqa: E731
-        homes = [False, True]   # HBM, pinned host
-    else:
-        sync = lambda: None  # noqa: E731
-        timer = lambda fn: _median_time(fn, repeats, sync)  # noqa: E731
-        homes = [False]
+    homes = [False, True] if on_gpu else [False]   # HBM, pinned host
     for case in (gpu_cases(quick) if on_gpu else cpu_cases(quick)):
         for host in homes:
             lay, ids, buf, nbytes = _setup(case, device, host, g)
@@ -196,29 +189,28 @@ def run(device: str = "cpu", quick: bool = False, repeats: int = 5, impls: list[
             flat_b.fill_(2)
             if on_gpu:
                 src, dst = (flat_a, flat_b) if gather else (flat_b, flat_a)
-                roof_ms = timer(lambda: dst.copy_(src, non_blocking=True))
+                fns = [lambda: dst.copy_(src, non_blocking=True)]
             else:
                 from . import _C
-                roof_ms = timer(lambda: _C.cpu_memcpy(flat_b.data_ptr(), flat_a.data_ptr(), nbytes))
-            roof = nbytes / (roof_ms * 1e-3) / 1e9
-            case_rows = [Row(where, case, "memcpy (roof)", nbytes, roof_ms, roof)]
-            del flat_a, flat_b
+                fns = [lambda: _C.cpu_memcpy(flat_b.data_ptr(), flat_a.data_ptr(), nbytes)]
+            labels = ["memcpy (roof)"]
             fn = getattr(ops, case.op)
             for impl in impls:
                 if impl == "reference" and case.tokens * case.layers > 4096 * 32 and not on_gpu:
                     continue  # torch indexing at 1 GiB takes seconds per repeat; 4k x 32L shows the ratio
-                ms = timer(lambda: fn(lay, ids, buf, impl=impl))
-                case_rows.append(Row(where, case, "torch-index" if impl == "reference" else f"kvx-{impl}",
-                                     nbytes, ms, roof))
+                fns.append(lambda impl=impl: fn(lay, ids, buf, impl=impl))
+                labels.append("torch-index" if impl == "reference" else f"kvx-{impl}")
             if on_gpu and case.op.endswith("pages") and lay.page is not None:
-                stream = torch.cuda.current_stream().cuda_stream
-                ms = timer(_per_block_memcpy(lay, ids, buf, gather, stream))
-                case_rows.append(Row(where, case, "memcpyAsync/block", nbytes, ms, roof))
+                fns.append(_per_block_memcpy(lay, ids, buf, gather, torch.cuda.current_stream().cuda_stream))
+                labels.append("memcpyAsync/block")
+            ms = _time_interleaved(fns, repeats, on_gpu)
+            roof = nbytes / (ms[0] * 1e-3) / 1e9
+            case_rows = [Row(where, case, label, nbytes, t, roof) for label, t in zip(labels, ms)]
             for r in case_rows:
                 log(f"{where:14s} {case.label:58s} {r.impl:18s} {r.ms:9.3f} ms {r.gbs:8.2f} GB/s "
                     f"{r.pct_roof:6.1f}% roof")
             rows += case_rows
-            del lay, buf
+            del lay, buf, flat_a, flat_b
     return rows
 
 
@@ -269,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu or cuda (default: cuda when present)")
     ap.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--impls", default=None, help="comma-separated subset of kvx.ops.IMPLS")
     ap.add_argument("--out", default=None, help="results path stem (default: benchmarks/results/copy_<device>)")
     args = ap.parse_args(argv)

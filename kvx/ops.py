@@ -250,8 +250,10 @@ def _plan(kind: str, layout: KVLayout, buf: torch.Tensor, n: int) -> CopyPlan:
     item = buf.element_size()
     strides = tuple(int(s) * item for s in buf.stride()[:4])
     if kind == "pages":
+        # [L, S, n, segment_bytes]: segments are the planes, ids the tokens, one "head" of one segment
         g = layout.page
         paged = PagedDesc(g.segment_stride, layout.paged.block_stride, 0, 0, layout.num_blocks, g.segments, 1, 1)
+        strides = (strides[0], strides[1], strides[2], g.segment_bytes)
         return CopyPlan(paged, strides, g.segment_bytes, layout.num_layers, n, _BLOCKS)
     return CopyPlan(layout.paged, strides, layout.row_bytes, layout.num_layers, n,
                     _BLOCKS if kind == "blocks" else _SLOTS)

@@ -37,7 +37,8 @@ How it was checked without a GPU (triton 3.9.0, no device on the development mac
 - Compilation: the launches :func:`copy_rows` would issue (:func:`_launch_args`) were specialized with
   the JIT's own binder (``create_function_from_signature`` + ``JITFunction._pack_args``) and compiled
   with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` for sm_80, sm_90 and
-  sm_100, down to cubin (ptxas): no spills, at most 56 registers on sm_90 for 16-byte-aligned rows, and
+  sm_100, down to cubin (ptxas): no spills; on sm_90 at most 58 registers for 16-byte-aligned rows with
+  32-bit index math (96 with int64 index math, 79 for unaligned narrow words), and
   the PTX moves them with ``ld/st.global.v2.b64`` (128-bit) accesses.
 
 Shapes of :func:`copy_rows` (``n = plan.num_ids``):
@@ -157,7 +158,7 @@ def _copy_rows_kernel(
 _INTERPRETED = type(_copy_rows_kernel).__name__ == "InterpretedFunction"
 _INTERP_TILE = 1 << 17     # words per tile in the interpreter (1 MiB of int64): 1 program per MiB
 _GPU_TILE = 1024           # words per tile: 8 per thread at 4 warps (each needs two 64-bit addresses);
-                           # at most 56 registers and no spills for 16-byte-aligned rows on sm_90
+                           # at most 58 registers and no spills for 16-byte-aligned rows on sm_90
 _GPU_MAX_ROWS = 256        # rows per tile: the per-row index math of 8 rows/thread took 96 registers
 _GPU_COL_ITERS = 4         # tiles per program along a long row (32 KiB of int64 per program)
 _GPU_MIN_PROGRAMS = 1024   # below this, give long rows one tile per program (fill ~132 SMs x 8)

@@ -203,7 +203,8 @@ class CPUPool:
 
     def _pin(self):
         nbytes = self.data.numel() * self.data.element_size()
-        err = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 0)
+        # portable (1) | mapped (2): every context may DMA from it, and kernels read/write it through UVA
+        err = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 3)
         if int(err) != 0:
             self.data = self.data.pin_memory()  # fall back to torch's pinned allocator
         else:
