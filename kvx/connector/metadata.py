@@ -19,7 +19,9 @@ class ChunkLoad:
     """Fill ``block_ids`` from chunk ``key``, starting at block ``first_block`` of the chunk.
 
     ``tier`` is where the bytes are ("cpu": pool slot ``slot``; "disk": the chunk file). For a disk
-    load, ``slot`` (if not None) is a CPU slot to promote the chunk into.
+    load, ``slot`` (if not None) is a CPU slot to promote the chunk into. ``before_forward``: the last
+    block also receives this step's first computed token, whose KV vLLM writes before
+    ``wait_for_layer_load``; the chunk must therefore be in place before the forward starts.
     """
 
     key: str
@@ -28,6 +30,7 @@ class ChunkLoad:
     block_ids: list[int]
     first_block: int
     tokens: int
+    before_forward: bool = False
 
 
 @dataclass

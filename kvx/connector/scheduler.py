@@ -11,8 +11,8 @@ Life of a request:
 1. ``get_num_new_matched_tokens`` (maybe several times; side-effect free): walk the chunk keys,
    each chunk available from the fastest tier that holds it (CPU READY, else every shard file on
    disk), stop at the first miss; report the hit beyond vLLM's local prefix hit. A full-prompt hit
-   leaves the last block to compute (as vLLM's prefix cache does; a sync load must leave a token, and
-   must not fill a block that receives this step's tokens). ``None`` is never returned.
+   leaves only the last token to compute (sync loads must leave one); the block it lands in is loaded
+   before the forward. ``None`` is never returned.
 2. ``update_state_after_alloc`` with ``num_external_tokens > 0``: build the :class:`LoadSpec`
    (block ids per chunk; pin CPU slots; allocate CPU slots to promote disk hits into).
 3. ``build_connector_meta`` each step: emit new loads; plan saves of every chunk this step completes
@@ -189,10 +189,11 @@ class KVXScheduler:
             return 0, False
         load_async = self.config.load_async
         if not load_async and hit >= num_tokens:
-            # A sync load must leave a token to compute, and the blocks it fills must not receive this
-            # step's new tokens (vLLM writes them before wait_for_layer_load): stop at the last block
-            # boundary before the final token, as vLLM's own prefix cache does.
-            hit = (num_tokens - 1) // self.geom.block_size * self.geom.block_size
+            # A sync load must leave a token to compute: report all but the last one. The block holding
+            # it is loaded whole before the forward (ChunkLoad.before_forward), which then writes the
+            # last token's KV over the loaded copy; only that one token is recomputed, where vLLM's own
+            # prefix cache recomputes the whole last block.
+            hit = num_tokens - 1
             if hit <= num_computed_tokens:
                 return 0, False
         n = hit - num_computed_tokens
@@ -233,8 +234,9 @@ class KVXScheduler:
                 pins.append(key)
             elif self.cpu is not None and self.config.promote and self.cpu.state(key) is None:
                 slot = self.cpu.allocate(key)          # promote the disk hit into the CPU tier
-            chunks.append(ChunkLoad(key, tier, slot, table[lo:hi], lo - cb0, ntok))
-            self.stats[f"hit_tokens_{tier}"] += (hi - lo) * bs
+            shared = end % bs != 0 and hi == end_blk     # the last block also gets this step's tokens
+            chunks.append(ChunkLoad(key, tier, slot, table[lo:hi], lo - cb0, ntok, before_forward=shared))
+            self.stats[f"hit_tokens_{tier}"] += min(hi * bs, end) - max(lo * bs, start)
         self._load_pins[request.request_id] = pins
         self._new_loads.append(LoadSpec(request.request_id, chunks, self.config.load_async))
         t.phase = Phase.LOADING if self.config.load_async else Phase.RUNNING

@@ -51,6 +51,7 @@ class _Load:
     failed: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     keep: list[torch.Tensor] = field(default_factory=list)   # pinned sources the kernels may still read
+    early: Job | None = None                  # chunks that must land before the forward (see ChunkLoad)
 
 
 @dataclass
@@ -206,9 +207,11 @@ class KVXWorker:
                 self._async_loads[spec.req_id] = load
             else:
                 self._sync_loads.append(load)
+                if load.early is not None:
+                    self._fence_job(load, load.early)
                 if self.fence_loads_at_start:
-                    for g in range(len(self.groups)):
-                        self._fence(load, g)
+                    for job in load.jobs:
+                        self._fence_job(load, job)
 
     def _start_load(self, spec: LoadSpec) -> _Load:
         t0 = time.perf_counter()
@@ -222,8 +225,8 @@ class KVXWorker:
             else:
                 sources.append((ch, self.io.submit(self._read_chunk, ch, load)))
 
-        def run_group(g: int, a: int, b: int, sub: KVLayout) -> None:
-            for ch, fut in sources:
+        def scatter(chunks: list[tuple[ChunkLoad, Future]], a: int, b: int, sub: KVLayout, last: bool) -> None:
+            for ch, fut in chunks:
                 try:
                     src = fut.result()
                 except Exception as e:  # noqa: BLE001 - any read failure means "recompute"
@@ -235,11 +238,19 @@ class KVXWorker:
                     continue
                 self._scatter(sub, ch.block_ids, self._blocks_view(src, ch.first_block, len(ch.block_ids),
                                                                    (a, b)))
-            if g == len(self.groups) - 1:
+            if last:
                 self._stats["load_ms"] += (time.perf_counter() - t0) * 1e3
 
+        # A chunk whose last block also receives this step's tokens goes first, all layers at once, and is
+        # fenced before the forward (start_load_kv); the rest is fenced layer group by layer group.
+        early = [(ch, f) for ch, f in sources if ch.before_forward]
+        rest = [(ch, f) for ch, f in sources if not ch.before_forward]
+        if early:
+            load.early = self.engine.submit(lambda: scatter(early, 0, self.layout.num_layers, self.layout, False),
+                                            name=f"load {spec.req_id} before forward")
         for g, (a, b, sub) in enumerate(self.groups):
-            load.jobs.append(self.engine.submit(lambda g=g, a=a, b=b, sub=sub: run_group(g, a, b, sub),
+            last = g == len(self.groups) - 1
+            load.jobs.append(self.engine.submit(lambda a=a, b=b, sub=sub, last=last: scatter(rest, a, b, sub, last),
                                                 name=f"load {spec.req_id} group {g}"))
         self._stats["loaded_chunks"] += len(spec.chunks)
         self._stats["loaded_blocks"] += sum(len(c.block_ids) for c in spec.chunks)
@@ -270,8 +281,11 @@ class KVXWorker:
             self._fence(load, g)
 
     def _fence(self, load: _Load, g: int) -> None:
+        self._fence_job(load, load.jobs[g])
+
+    def _fence_job(self, load: _Load, job: Job) -> None:
         try:
-            self.engine.fence(load.jobs[g])
+            self.engine.fence(job)
         except Exception as e:  # noqa: BLE001 - the copy itself failed: recompute every chunk
             self._fail_all(load, e)
 
@@ -282,7 +296,7 @@ class KVXWorker:
                 load.failed.update(load.blocks)
 
     def _finish_load(self, load: _Load) -> None:
-        for job in load.jobs:
+        for job in ([load.early] if load.early is not None else []) + load.jobs:
             try:
                 job.wait()
             except Exception as e:  # noqa: BLE001
@@ -405,7 +419,7 @@ class KVXWorker:
         self._fence_reqs.update(finished_req_ids)
         done = set()
         for rid, load in list(self._async_loads.items()):
-            if all(j.done() for j in load.jobs):
+            if all(j.done() for j in load.jobs) and (load.early is None or load.early.done()):
                 self._finish_load(load)
                 del self._async_loads[rid]
                 done.add(rid)

@@ -41,9 +41,11 @@ def tiny_model(tmp_path_factory):
     return make_tiny_llama(str(tmp_path_factory.mktemp("model") / "tiny"))
 
 
-def page_pattern(tokens: list[int], layer: int, page_bytes: int) -> torch.Tensor:
-    """The bytes a block's page holds once the tokens up to its end have been computed."""
-    seed = zlib.crc32(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes()) ^ (layer * 0x9E3779B1)
+def page_pattern(tokens: list[int], layer: int, page_bytes: int, salt: int = 0) -> torch.Tensor:
+    """The bytes a block's page holds once the tokens up to its end have been computed. ``salt``: a
+    step that completes a block another step began writes different bytes (a real recomputation with
+    another batch shape need not be bit-identical), so a load landing after the forward shows up."""
+    seed = zlib.crc32(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes()) ^ (layer * 0x9E3779B1) ^ salt
     g = torch.Generator().manual_seed(seed & 0x7FFFFFFF)
     # finite bf16 values only: stale NaN bytes in a page would be a hazard on the real CPU backend
     return torch.randint(-100, 100, (page_bytes // 2,), dtype=torch.int16, generator=g).to(torch.bfloat16).view(
@@ -52,6 +54,8 @@ def page_pattern(tokens: list[int], layer: int, page_bytes: int) -> torch.Tensor
 
 class Env:
     """A real Scheduler + a worker-role KVXConnector on CPU caches, stepped by hand."""
+
+    pattern = staticmethod(page_pattern)
 
     def __init__(self, model_dir, extra, *, role="kv_both", num_blocks=64, max_batched=4096, policy="recompute"):
         mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=4096)
@@ -114,9 +118,12 @@ class Env:
             w.start_load_kv(None)
         forward = so.total_num_scheduled_tokens > 0
         if forward:
-            for name in LAYERS:
+            # as on vLLM's CPU backend: each layer's new KV is written, then wait_for_layer_load, then
+            # attention would read the layer, then save_kv_layer
+            for layer, name in enumerate(LAYERS):
+                self._simulate_forward(so, layer)
                 w.wait_for_layer_load(name)
-            self._simulate_forward(so)
+                w.save_kv_layer(name, self.caches[layer], None)
         else:
             w.start_load_kv(None)
         if forward and not so.has_sync_kv_loads:
@@ -146,7 +153,7 @@ class Env:
         self.steps += 1
         return so
 
-    def _simulate_forward(self, so):
+    def _simulate_forward(self, so, layer):
         entries = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
         entries += list(zip(cached.req_ids, cached.num_computed_tokens))
@@ -155,9 +162,10 @@ class Env:
             end = start + so.num_scheduled_tokens[rid]
             table = self.sched.kv_cache_manager.get_block_ids(rid)[0]
             for bi in range(start // BLOCK, -(-end // BLOCK)):
-                for layer in range(2):
-                    self.page(layer, table[bi]).copy_(
-                        page_pattern(list(req.all_token_ids[: min((bi + 1) * BLOCK, end)]), layer, self.page_bytes))
+                salt = start if (start % BLOCK and bi == start // BLOCK) else 0
+                self.page(layer, table[bi]).copy_(
+                    page_pattern(list(req.all_token_ids[: min((bi + 1) * BLOCK, end)]), layer, self.page_bytes,
+                                 salt))
 
     def run(self, timeout_s=60.0):
         """Step until vLLM has nothing left (requests, or kvx writes still draining)."""

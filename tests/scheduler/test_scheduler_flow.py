@@ -1,6 +1,7 @@
 """KVXConnector's state machines driven by vLLM's real Scheduler (see conftest.Env)."""
 
 import os
+import time
 
 import pytest
 
@@ -93,16 +94,26 @@ def test_lookup_is_idempotent_and_side_effect_free(make_env, store_dir):
     env.assert_clean()
 
 
-def test_full_prompt_hit_leaves_the_last_block_to_compute(make_env, store_dir):
+def test_full_prompt_hit_leaves_only_the_last_token_to_compute(make_env, store_dir, monkeypatch):
     env = make_env(tiers(store_dir))
     ids = prompt(2 * CHUNK, seed=3)
     env.request("a", ids)
     env.run()
     env.sched.reset_prefix_cache()
-    env.request("b", ids)
+    slow = env.worker._worker._scatter                    # slow loads: a load that is not fenced before
+    monkeypatch.setattr(env.worker._worker, "_scatter",   # the forward would land after its write
+                        lambda *a, **k: (time.sleep(0.05), slow(*a, **k)))
+    r = env.request("b", ids)
     so = env.step()
-    assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK - BLOCK
-    assert so.num_scheduled_tokens["b"] == BLOCK
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK - 1
+    assert so.num_scheduled_tokens["b"] == 1
+    spec = loads(env)[-1]
+    assert [c.before_forward for c in spec.chunks] == [False, True]   # the last block gets the last token
+    table = so.scheduled_new_reqs[0].block_ids[0]
+    assert_pages_match(env, r, table[:3], 0)
+    # the forward's write of the last token (salted: not bit-identical to the cold run's) survived the load
+    for layer in range(2):
+        assert bytes(env.page(layer, table[3])) == bytes(env.pattern(list(ids), layer, env.page_bytes, salt=511))
     env.run()
     env.assert_clean()
 
