@@ -210,7 +210,7 @@ def run(device: str = "cpu", quick: bool = False, repeats: int = 15, impls: list
                 log(f"{where:14s} {case.label:58s} {r.impl:18s} {r.ms:9.3f} ms {r.gbs:8.2f} GB/s "
                     f"{r.pct_roof:6.1f}% roof")
             rows += case_rows
-            del lay, buf, flat_a, flat_b
+            lay = buf = flat_a = flat_b = fns = None   # free this case's buffers before the next
     return rows
 
 

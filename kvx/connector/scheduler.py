@@ -220,19 +220,19 @@ class KVXScheduler:
         bs = self.geom.block_size
         start, end = plan.num_computed, plan.num_computed + num_external_tokens
         first_blk, end_blk = start // bs, -(-end // bs)
-        chunks: list[ChunkLoad] = []
-        pins: list[str] = []
+        spans = []
         for c, (key, tier, ntok) in enumerate(zip(plan.keys, plan.tiers, plan.chunk_tokens)):
             cb0 = c * self.blocks_per_chunk
-            cb1 = cb0 + ntok // bs
-            lo, hi = max(cb0, first_blk), min(cb1, end_blk)
-            if lo >= hi:
-                continue
-            slot = None
-            if tier == "cpu":
-                slot = self.cpu.pin([key])[0]
-                pins.append(key)
-            elif self.cpu is not None and self.config.promote and self.cpu.state(key) is None:
+            lo, hi = max(cb0, first_blk), min(cb0 + ntok // bs, end_blk)
+            if lo < hi:
+                spans.append((key, tier, ntok, cb0, lo, hi))
+        # pin every CPU hit before allocating promotion slots, which may evict unpinned chunks
+        pins = [key for key, tier, *_ in spans if tier == "cpu"]
+        slots = dict(zip(pins, self.cpu.pin(pins))) if pins else {}
+        chunks: list[ChunkLoad] = []
+        for key, tier, ntok, cb0, lo, hi in spans:
+            slot = slots.get(key)
+            if tier == "disk" and self.cpu is not None and self.config.promote and self.cpu.state(key) is None:
                 slot = self.cpu.allocate(key)          # promote the disk hit into the CPU tier
             shared = end % bs != 0 and hi == end_blk     # the last block also gets this step's tokens
             chunks.append(ChunkLoad(key, tier, slot, table[lo:hi], lo - cb0, ntok, before_forward=shared))

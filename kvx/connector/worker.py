@@ -35,7 +35,7 @@ import torch
 from .. import ops
 from ..engine import Job, TransferEngine
 from ..layout import KVLayout
-from ..store import ChunkError, CPUPool, DiskStore
+from ..store import CPUPool, DiskStore
 from .common import EngineGeometry, num_cpu_slots
 from .config import KVXConfig
 from .keys import rank_key

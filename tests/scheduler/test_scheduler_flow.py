@@ -287,3 +287,21 @@ def test_chunk_size_must_be_a_multiple_of_the_block_size(make_env, store_dir):
 def test_cpu_tier_too_small_for_one_chunk(make_env):
     with pytest.raises(ValueError, match="tiers: the cpu tier .* cannot hold one chunk"):
         make_env({"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "100KiB"}]})
+
+
+def test_mixed_tier_hit_pins_cpu_chunks_before_promoting_disk_ones(make_env, store_dir):
+    chunk_bytes = 2 * 2 * 64 * 1024
+    env = make_env(tiers(store_dir, cpu=str(2 * chunk_bytes)), max_batched=CHUNK)  # 2 CPU slots; 1 chunk/step
+    ids = prompt(4 * CHUNK + 10, seed=30)
+    env.request("a", ids)
+    env.run()                                 # 4 chunks on disk; only the newest 2 still in the CPU tier
+    env.sched.reset_prefix_cache()
+    r = env.request("b", ids)
+    so = env.step()
+    spec = loads(env)[-1]
+    tiers_ = [c.tier for c in spec.chunks]
+    assert tiers_[0] == "disk" and "cpu" in tiers_[1:]       # a promotion comes before a CPU hit
+    assert all(c.slot is None for c in spec.chunks if c.tier == "disk")   # no free slot: nothing evicted
+    assert_pages_match(env, r, so.scheduled_new_reqs[0].block_ids[0][:8], 0)
+    env.run()
+    env.assert_clean()
