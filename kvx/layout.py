@@ -175,6 +175,7 @@ class KVLayout:
         self.page = _dense_page([(self.num_planes, plane_stride), (self.block_size, self.paged.token_stride),
                                  (self.num_heads, self.paged.head_stride)], self.row_bytes)
         self._planes = tuple(tuple(ps) for ps in planes)
+        self.spans = tuple((_byte_span(pl), i) for i, ps in enumerate(self._planes) for pl in ps)  # ((lo, hi), layer)
         self._layer_ptrs = torch.tensor([ps[0].data_ptr() for ps in planes], dtype=torch.int64)
         self._device_tables: dict[torch.device, torch.Tensor] = {}
 
@@ -285,6 +286,16 @@ class KVLayout:
         return (f"KVLayout({self.name}, layers={self.num_layers}, planes={self.num_planes}, "
                 f"blocks={self.num_blocks}, block_size={self.block_size}, heads={self.num_heads}, "
                 f"head_size={self.head_size}, {self.dtype}, {self.device})")
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range [lo, hi) a strided tensor touches."""
+    if t.numel() == 0:
+        return (t.data_ptr(), t.data_ptr())
+    item = t.element_size()
+    lo = t.data_ptr() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if st < 0) * item
+    hi = t.data_ptr() + (sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if st > 0) + 1) * item
+    return lo, hi
 
 
 def _plane_views(name: str, t: torch.Tensor, i: int) -> tuple[torch.Tensor, ...]:

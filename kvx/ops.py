@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from . import reference
-from .layout import CopyPlan, KVLayout, PagedDesc, non_overlapping
+from .layout import CopyPlan, KVLayout, PagedDesc, _byte_span, non_overlapping
 
 IMPLS = ("reference", "cpu", "triton", "cuda")
 
@@ -181,16 +181,6 @@ def _check_ids(name: str, ids: torch.Tensor, kind: str, layout: KVLayout, direct
                          "block), got duplicates")
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """Byte range [lo, hi) a strided tensor touches."""
-    if t.numel() == 0:
-        return (t.data_ptr(), t.data_ptr())
-    item = t.element_size()
-    lo = t.data_ptr() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if st < 0) * item
-    hi = t.data_ptr() + (sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if st > 0) + 1) * item
-    return lo, hi
-
-
 def _check_buffer(arg: str, buf: torch.Tensor, kind: str, layout: KVLayout, n: int, direction: int) -> None:
     if not isinstance(buf, torch.Tensor):
         raise TypeError(f"{arg}: expected a torch.Tensor, got {type(buf).__name__}")
@@ -217,13 +207,11 @@ def _check_buffer(arg: str, buf: torch.Tensor, kind: str, layout: KVLayout, n: i
         raise ValueError(f"{arg}: its elements overlap in memory (stride {buf.stride()}); the output must not "
                          "alias itself")
     if buf.numel() and buf.device == dev:
-        lo, hi = _span(buf)
-        for l in range(layout.num_layers):
-            for plane in layout.plane_views(l):
-                plo, phi = _span(plane)
-                if lo < phi and plo < hi:
-                    raise ValueError(f"{arg}: overlaps the paged KV cache ({layout.layer_names[l]}); the "
-                                     "contiguous side must be separate memory")
+        lo, hi = _byte_span(buf)
+        for (plo, phi), l in layout.spans:
+            if lo < phi and plo < hi:
+                raise ValueError(f"{arg}: overlaps the paged KV cache ({layout.layer_names[l]}); the "
+                                 "contiguous side must be separate memory")
 
 
 def _pick_impl(impl: str | None, layout: KVLayout, buf: torch.Tensor) -> str:

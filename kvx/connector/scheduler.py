@@ -377,6 +377,9 @@ class KVXScheduler:
                 pins = self._load_pins.pop(rid, [])
                 if pins:
                     self.cpu.unpin(pins)
+                t = self.trackers.get(rid)
+                if t is not None and t.phase is Phase.LOADING:
+                    t.phase = Phase.RUNNING
 
     # ------------------------------------------------------------------ step 5: end of a request
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:

@@ -63,6 +63,18 @@ def _background_priority() -> None:
         pass
 
 
+def _count(counts: dict[str, int], key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
+
+
+def _settle(wait) -> None:
+    """Block until a job/future is finished; its error, if any, is read and reported later."""
+    try:
+        wait()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 @dataclass
 class _Load:
     spec: LoadSpec
@@ -87,13 +99,12 @@ class KVXWorker:
     """Worker-side half of :class:`kvx.connector.KVXConnector`."""
 
     def __init__(self, config: KVXConfig, geom: EngineGeometry, fmt: str, fingerprint: str,
-                 shard: int, shards: int, writes: bool, device: torch.device | None = None):
+                 shard: int, shards: int, writes: bool):
         self.config = config
         self.geom = geom
         self.fmt = fmt
         self.shard, self.shards, self.writes = shard, shards, writes
         self.fingerprint = fingerprint
-        self.device = device
         self.layout: KVLayout | None = None
         self.groups: list[tuple[int, int, KVLayout]] = []   # (first layer, end layer, sub-layout)
         self.group_of: dict[str, int] = {}
@@ -138,7 +149,6 @@ class KVXWorker:
         if self.fmt == "pages" and lay.page is None:
             raise ValueError(f"kv_caches: the {lay.name} views have no contiguous page per block; use "
                              "format 'canonical'")
-        self.device = lay.device
         # Layer groups: the unit wait_for_layer_load fences. One per layer on CUDA (loads overlap the
         # forward); one for all layers on CPU (the CPU copy already uses every core).
         per_layer = lay.device.type == "cuda"
@@ -328,10 +338,9 @@ class KVXWorker:
                 self._errors.update(ch.block_ids)
                 self._stats["load_errors"] += 1
             if ch.tier == "disk" and ch.slot is not None:
-                bucket = self._out.unstored if ch.key in load.failed else self._out.stored
-                bucket[ch.key] = bucket.get(ch.key, 0) + 1
+                _count(self._out.unstored if ch.key in load.failed else self._out.stored, ch.key)
         load.keep.clear()
-        self._out.loads_done[load.spec.req_id] = self._out.loads_done.get(load.spec.req_id, 0) + 1
+        _count(self._out.loads_done, load.spec.req_id)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata) -> None:
         """Nothing per layer: chunks are saved for all layers at once in wait_for_save."""
@@ -362,7 +371,7 @@ class KVXWorker:
                 if self.writes:
                     rec.disk = self.io.submit(self._write_chunk, s, src, rec.job)
                 else:
-                    self._out.disk_done[s.key] = self._out.disk_done.get(s.key, 0) + 1
+                    _count(self._out.disk_done, s.key)
             self._saves.append(rec)
             self._stats["saved_chunks"] += 1
         if self.layout.device.type == "cpu":
@@ -401,10 +410,7 @@ class KVXWorker:
             s = rec.save
             if rec.job is not None and not rec.reported_cpu:
                 if block:
-                    try:
-                        rec.job.wait()
-                    except Exception:  # noqa: BLE001
-                        pass
+                    _settle(rec.job.wait)
                 if rec.job.done():
                     rec.reported_cpu = True
                     err = rec.job.error()
@@ -412,14 +418,10 @@ class KVXWorker:
                         log.error("kvx: saving chunk %s failed: %s", s.key, err)
                         self._stats["save_errors"] += 1
                     if s.slot is not None:
-                        bucket = self._out.unstored if err is not None else self._out.stored
-                        bucket[s.key] = bucket.get(s.key, 0) + 1
+                        _count(self._out.unstored if err is not None else self._out.stored, s.key)
             if rec.disk is not None:
                 if block:
-                    try:
-                        rec.disk.result()
-                    except Exception:  # noqa: BLE001
-                        pass
+                    _settle(rec.disk.result)
                 if rec.disk.done():
                     err = rec.disk.exception()
                     if err is not None:
@@ -427,7 +429,7 @@ class KVXWorker:
                         self._stats["disk_write_errors"] += 1
                     elif rec.disk.result():
                         self._stats["disk_writes"] += 1
-                    self._out.disk_done[s.key] = self._out.disk_done.get(s.key, 0) + 1
+                    _count(self._out.disk_done, s.key)
                     rec.disk = None
             cpu_pending = rec.job is not None and not rec.reported_cpu
             if cpu_pending or rec.disk is not None:
