@@ -107,7 +107,9 @@ class Env:
         return page_pattern(list(req.all_token_ids[: (block_index + 1) * BLOCK]), layer, self.page_bytes)
 
     # -------------------------------------------------------------- one engine step
-    def step(self):
+    def step(self, settle_writes=False):
+        """One engine step. ``settle_writes`` waits for this step's CPU and disk writes before the worker
+        reports, so the tiers' contents do not depend on how fast the disk is."""
         so = self.sched.schedule()
         meta = so.kv_connector_metadata
         self.metas.append(meta)
@@ -133,6 +135,8 @@ class Env:
         errors = w.get_block_ids_with_load_errors()
         self.load_errors.append(errors)
         stats = w.get_kv_connector_stats()
+        if settle_writes:
+            w._worker._poll_saves(block=True)
         wm = w.build_connector_worker_meta()
         w.clear_connector_metadata()
         if stats is not None:
@@ -167,13 +171,13 @@ class Env:
                     page_pattern(list(req.all_token_ids[: min((bi + 1) * BLOCK, end)]), layer, self.page_bytes,
                                  salt))
 
-    def run(self, timeout_s=60.0):
+    def run(self, timeout_s=60.0, settle_writes=False):
         """Step until vLLM has nothing left (requests, or kvx writes still draining)."""
         deadline = time.monotonic() + timeout_s
         while self.sched.has_requests():
             if time.monotonic() > deadline:
                 raise AssertionError(f"requests still pending after {timeout_s} s")
-            so = self.step()
+            so = self.step(settle_writes)
             if so.total_num_scheduled_tokens == 0:
                 time.sleep(0.001)   # idle steps while disk writes finish, as the engine loop does
 

@@ -294,7 +294,7 @@ def test_mixed_tier_hit_pins_cpu_chunks_before_promoting_disk_ones(make_env, sto
     env = make_env(tiers(store_dir, cpu=str(2 * chunk_bytes)), max_batched=CHUNK)  # 2 CPU slots; 1 chunk/step
     ids = prompt(4 * CHUNK + 10, seed=30)
     env.request("a", ids)
-    env.run()                                 # 4 chunks on disk; only the newest 2 still in the CPU tier
+    env.run(settle_writes=True)               # 4 chunks on disk; only the newest 2 still in the CPU tier
     env.sched.reset_prefix_cache()
     r = env.request("b", ids)
     so = env.step()
