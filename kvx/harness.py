@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import random
 import time
@@ -87,6 +88,22 @@ def kvx_transfer_config(extra: dict | None = None, role: str = "kv_both", module
     return KVTransferConfig(**kw)
 
 
+class _NoChatWarmupWithoutTokenizer(logging.Filter):
+    """vLLM 0.32's ``LLM()`` warms up the chat template even with ``skip_tokenizer_init=True`` and logs
+    the resulting ValueError with a traceback. The harness never chats; drop that one record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (record.getMessage() == "Chat template warmup failed"
+                    and isinstance(exc, ValueError) and "skip_tokenizer_init" in str(exc))
+
+
+def _quiet_chat_warmup() -> None:
+    logger = logging.getLogger("vllm.renderers.base")
+    if not any(isinstance(f, _NoChatWarmupWithoutTokenizer) for f in logger.filters):
+        logger.addFilter(_NoChatWarmupWithoutTokenizer())
+
+
 def build_llm(model_dir: str, kv_transfer_config=None, *, kv_cache_bytes: int = 1 << 30, max_model_len: int = 4608,
               **kw):
     """An offline ``vllm.LLM`` on the local model (eager, prefix caching on, stats on for TTFT)."""
@@ -96,6 +113,8 @@ def build_llm(model_dir: str, kv_transfer_config=None, *, kv_cache_bytes: int = 
     if kv_transfer_config is not None:
         args["kv_transfer_config"] = kv_transfer_config
     args.update(kw)
+    if args["skip_tokenizer_init"]:
+        _quiet_chat_warmup()
     return vllm.LLM(**args)
 
 
