@@ -67,6 +67,17 @@ PYBIND11_MODULE(_C, m) {
       py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("num_threads") = 0,
       "memcpy split over the kvx thread pool (the benchmarks' roof).");
 
+  m.def(
+      "cpu_populate_write",
+      [](int64_t addr, int64_t bytes, int num_threads) {
+        py::gil_scoped_release nogil;
+        return kvx::cpu::populate_write(reinterpret_cast<void*>(addr), static_cast<size_t>(bytes),
+                                        num_threads);
+      },
+      py::arg("addr"), py::arg("bytes"), py::arg("num_threads") = 0,
+      "Commit the whole pages of a host range now (MADV_POPULATE_WRITE on the kvx thread pool; GIL "
+      "released). Returns 0 or an errno.");
+
   m.def("cpu_get_num_threads", &kvx::cpu::get_num_threads);
   m.def("cpu_set_num_threads", &kvx::cpu::set_num_threads, py::arg("n"));
 

@@ -3,6 +3,7 @@
 #include "copy_cpu.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -10,6 +11,11 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -246,6 +252,35 @@ void parallel_memcpy(void* dst, const void* src, size_t bytes, int num_threads) 
     const size_t b = std::min(bytes, pages * w / nw * 4096), e = std::min(bytes, pages * (w + 1) / nw * 4096);
     if (e > b) std::memcpy(static_cast<char*>(dst) + b, static_cast<const char*>(src) + b, e - b);
   });
+}
+
+int populate_write(void* addr, size_t bytes, int num_threads) {
+#if defined(__linux__)
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t b = (reinterpret_cast<uintptr_t>(addr) + page - 1) / page * page;
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(addr) + bytes) / page * page;
+  if (e <= b) return 0;
+  const size_t pages = (e - b) / page;
+  Pool& pool = Pool::get();
+  int n = num_threads > 0 ? num_threads : pool.size();
+  n = static_cast<int>(std::min<size_t>(static_cast<size_t>(n), pages));
+  std::vector<int> errs(static_cast<size_t>(n), 0);
+  pool.run(n, [&](int w, int nw) {
+    const uintptr_t lo = b + pages * w / nw * page, hi = b + pages * (w + 1) / nw * page;
+    if (hi > lo && madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_WRITE) != 0) errs[w] = errno;
+  });
+  for (int err : errs)
+    if (err) return err;
+  return 0;
+#else
+  (void)addr;
+  (void)bytes;
+  (void)num_threads;
+  return ENOSYS;
+#endif
 }
 
 int get_num_threads() { return Pool::get().size(); }

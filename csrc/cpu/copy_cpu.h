@@ -19,6 +19,12 @@ void copy(const CopyParams& p, const int64_t* layer_ptrs, const int64_t* ids, in
 // Plain memcpy split over the same thread pool: the roof the benchmarks compare against.
 void parallel_memcpy(void* dst, const void* src, size_t bytes, int num_threads);
 
+// Commit the pages of [addr, addr + bytes) now (Linux MADV_POPULATE_WRITE, 5.14+), split over the
+// thread pool, so later writes take no page faults; contents are unchanged. Only whole pages inside the
+// range are touched. Returns 0 or an errno (EINVAL: kernel too old; ENOSYS: not Linux). Call without
+// the GIL held.
+int populate_write(void* addr, size_t bytes, int num_threads);
+
 int get_num_threads();
 void set_num_threads(int n);
 

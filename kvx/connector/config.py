@@ -104,7 +104,7 @@ class KVXConfig(_Strict):
     layerwise: bool = Field(default=True, description="CUDA: fence each layer's load in wait_for_layer_load "
                             "(loads overlap the forward; vLLM then uses piecewise CUDA graphs); false: fence "
                             "all loads before the forward")
-    io_threads: int = Field(default=2, ge=1, le=64, description="threads for disk reads and writes")
+    io_threads: int = Field(default=2, ge=1, le=64, description="threads for disk reads, and as many for disk writes")
     max_ctas: int = Field(default=8, ge=0, description="CUDA thread-block cap for copies (0 = no cap)")
 
     @field_validator("chunk_size", "skip_last_n_tokens", "io_threads", "max_ctas", mode="before")

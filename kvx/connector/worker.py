@@ -111,7 +111,8 @@ class KVXWorker:
         self.pool: CPUPool | None = None
         self.disk: DiskStore | None = None
         self.engine: TransferEngine | None = None
-        self.io: ThreadPoolExecutor | None = None
+        self.reader: ThreadPoolExecutor | None = None   # disk reads for loads: on the critical path
+        self.writer: ThreadPoolExecutor | None = None   # disk writes: background (SCHED_IDLE)
         self._staging: list[torch.Tensor] = []
         self._staging_free: list[int] = []
         self._staging_cv = threading.Condition()
@@ -168,8 +169,11 @@ class KVXWorker:
         disk = self.config.disk_tier
         if disk is not None:
             self.disk = DiskStore(disk.path, disk.size, self.fingerprint, fsync=disk.fsync)
-            self.io = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvx-io",
-                                         initializer=_background_priority)
+            # Reads keep normal priority: the forward waits for them (a SCHED_IDLE reader runs only when a
+            # core is idle).
+            self.reader = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvx-read")
+            self.writer = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvx-write",
+                                             initializer=_background_priority)
             n_staging = 2 * self.config.io_threads
             self._staging = [torch.empty(self.chunk_shape(self.config.chunk_size), dtype=self.chunk_dtype,
                                          pin_memory=pin) for _ in range(n_staging)]
@@ -255,7 +259,7 @@ class KVXWorker:
                 f.set_result(self._slot_view(ch.slot, ch.tokens))
                 sources.append((ch, f))
             else:
-                sources.append((ch, self.io.submit(self._read_chunk, ch, load)))
+                sources.append((ch, self.reader.submit(self._read_chunk, ch, load)))
 
         def scatter(chunks: list[tuple[ChunkLoad, Future]], a: int, b: int, sub: KVLayout, last: bool) -> None:
             for ch, fut in chunks:
@@ -369,7 +373,7 @@ class KVXWorker:
                 src = dest
             if s.to_disk:
                 if self.writes:
-                    rec.disk = self.io.submit(self._write_chunk, s, src, rec.job)
+                    rec.disk = self.writer.submit(self._write_chunk, s, src, rec.job)
                 else:
                     _count(self._out.disk_done, s.key)
             self._saves.append(rec)
@@ -476,8 +480,9 @@ class KVXWorker:
                 except Exception:  # noqa: BLE001
                     pass
         self._poll_saves(block=True)
-        if self.io is not None:
-            self.io.shutdown(wait=True)
+        for pool in (self.reader, self.writer):
+            if pool is not None:
+                pool.shutdown(wait=True)
         if self.engine is not None:
             self.engine.close()
         if self.pool is not None:

@@ -1,6 +1,7 @@
 """KVXConnector's state machines driven by vLLM's real Scheduler (see conftest.Env)."""
 
 import os
+import threading
 import time
 
 import pytest
@@ -305,3 +306,43 @@ def test_mixed_tier_hit_pins_cpu_chunks_before_promoting_disk_ones(make_env, sto
     assert_pages_match(env, r, so.scheduled_new_reqs[0].block_ids[0][:8], 0)
     env.run()
     env.assert_clean()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+def test_disk_reads_keep_normal_priority_writes_run_idle(make_env, store_dir, monkeypatch):
+    """A load is waited for by the forward: its reads must not wait for an idle core like the writes do."""
+    from kvx.store.disk import DiskStore
+
+    policy = {"get": set(), "put": set()}
+    for name in policy:
+        orig = getattr(DiskStore, name)
+
+        def spy(self, *a, _orig=orig, _name=name, **k):
+            policy[_name].add(os.sched_getscheduler(0))
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(DiskStore, name, spy)
+    ids = prompt(2 * CHUNK + 10, seed=31)
+    env = make_env(tiers(store_dir, cpu=None))
+    env.request("a", ids)
+    env.run()
+    env2 = make_env(tiers(store_dir, cpu=None))
+    env2.request("b", ids)
+    env2.run()
+    assert policy["get"] and os.SCHED_IDLE not in policy["get"]
+    probe = []
+
+    def try_idle():                       # is SCHED_IDLE permitted here? (asked on a throwaway thread)
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            probe.append(True)
+        except OSError:
+            probe.append(False)
+
+    t = threading.Thread(target=try_idle)
+    t.start()
+    t.join()
+    if probe[0]:
+        assert policy["put"] == {os.SCHED_IDLE}
+    env.assert_clean()
+    env2.assert_clean()

@@ -4,7 +4,9 @@ The index is checked call by call against its documented life cycle, then by a r
 test: a random sequence of allocate/commit/abort/pin/unpin/hold/touch/clear against a small reference
 model of the same rules, checking the invariants after every step."""
 
+import errno
 import random
+import resource
 
 import numpy as np
 import pytest
@@ -591,6 +593,44 @@ def test_pool_bad_slot_shape(shape):
 def test_pool_bad_dtype(dtype):
     with pytest.raises(ValueError, match="^dtype: expected a torch.dtype"):
         CPUPool(2, (2,), dtype)
+
+
+def _populate_supported() -> bool:
+    from kvx import _C
+
+    probe = CPUPool(1, (4096,), torch.uint8, populate=False)
+    return _C.cpu_populate_write(probe.data.data_ptr(), 4096) == 0
+
+
+def _minor_faults_writing(t: torch.Tensor) -> int:
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    t.view(torch.uint8).fill_(0x5A)
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+
+@pytest.mark.skipif(not hasattr(resource, "RUSAGE_THREAD"), reason="needs per-thread fault counts (Linux)")
+def test_pool_pages_are_committed_up_front():
+    if not _populate_supported():
+        pytest.skip("the kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    slot_shape = (2, 2, 256, 2, 64)                          # 256 KiB bf16 slots, 16 of them: 1024 pages
+    pool = CPUPool(16, slot_shape, torch.bfloat16)
+    faults = sum(_minor_faults_writing(pool.slot(i)) for i in range(16))
+    assert faults < 64, f"{faults} page faults writing 1024 pages of a populated pool"
+    lazy = CPUPool(16, slot_shape, torch.bfloat16, populate=False)
+    assert sum(_minor_faults_writing(lazy.slot(i)) for i in range(16)) > faults   # what populate saves
+
+
+@pytest.mark.parametrize("offset,length", [(0, 1), (1, 4095), (1, 4096), (4095, 8193), (3, 3 * 4096 + 5), (0, 0)])
+def test_populate_leaves_contents_alone(offset, length):
+    from kvx import _C
+
+    pool = CPUPool(1, (6 * 4096,), torch.uint8, populate=False)
+    data = pool.data.view(-1)
+    data[: 2 * 4096].copy_(torch.randint(0, 256, (2 * 4096,), dtype=torch.uint8))  # half written, half not
+    before = data.clone()
+    err = _C.cpu_populate_write(data.data_ptr() + offset, length, 3)
+    assert err in (0, errno.EINVAL)
+    assert torch.equal(data, before)
 
 
 @pytest.mark.gpu
