@@ -1,6 +1,8 @@
 """Chunk keys: a hash chain over token ids, stable across processes, machines and restarts.
 
-``key[i] = blake2b(key[i-1] || tokens of chunk i || extras of chunk i)`` with ``key[-1]`` the request's
+``key[i] = blake2b(key[i-1] || tokens of chunk i || extras of chunk i || len)`` (every part length-prefixed;
+extras: the concatenated digests of the chunk's multimodal items, each over its hash, its offset
+relative to the chunk and its length) with ``key[-1]`` the request's
 *root*: a digest of the engine namespace (model, KV dtype, chunk format fingerprint, tensor-parallel
 size) and the request's own isolation inputs (cache_salt, LoRA adapter). The tensor-parallel rank
 enters last, in :func:`rank_key`, so the scheduler can derive every rank's storage key from one chain;
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KEY_VERSION = "kvx-key-1"
+KEY_VERSION = "kvx-key-2"   # 2: multimodal items hashed one by one (1 joined them with "|")
 _KEY_RE = re.compile(r"[0-9a-f]{32}")
 
 
@@ -91,9 +93,10 @@ def chunk_keys(root: bytes, token_ids: Sequence[int], chunk_size: int, *, num_ch
                              f"{len(toks)}-token sequence, got {partial_tokens}")
         spans.append((start, start + partial_tokens))
     for start, end in spans:
-        extras = [f"{m.hash}@{m.offset - start}:{m.length}".encode() for m in mm_items
-                  if m.offset < end and m.offset + m.length > start]
-        prev = _digest(prev, toks[start:end].tobytes(), b"|".join(extras), str(end - start).encode())
+        # one fixed-size digest per item: no content hash can forge an item boundary
+        extras = b"".join(_digest(m.hash.encode(), str(m.offset - start).encode(), str(m.length).encode())
+                          for m in mm_items if m.offset < end and m.offset + m.length > start)
+        prev = _digest(prev, toks[start:end].tobytes(), extras, str(end - start).encode())
         keys.append(prev.hex())
     return keys
 

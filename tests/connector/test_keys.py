@@ -26,10 +26,10 @@ ROOT = request_root(NS)
 # independent re-derivation of the documented formula.
 GOLDEN_INPUT = dict(ns_fields=dict(model="m", tp=2), salt="salt", lora="lora-a", tokens=list(range(10)),
                     chunk_size=4, mm=[("img0", 3, 2)], partial=2, rank=(1, 2))
-GOLDEN = {"ns": "f9bb4075ac413080156b525e5b3d3cb7", "root": "eb9f84ca53862e179a9a502bedb37089",
-          "keys": ["a4e1d3c1a16324364bf5d3cfc4b3344c", "66b1f6feeb4f950330dc5ec3b20a81b7",
-                   "32b4584a94d59db0e4586fc9028faa8c"],
-          "rank": "a0a9d4a519b1ff16c311364f8fdc58e6"}
+GOLDEN = {"ns": "79f01e5e280f5b52b2cfbd0d73e7fa5d", "root": "b86927ad072f6dc8800c78498861bc70",
+          "keys": ["a794df47cc8e2e42850726ede35a9913", "b1d6200b3c25749186beb0cbf1ec1526",
+                   "a9009d2bc54e13193afa6d2f2b33abf2"],
+          "rank": "f6ec9ada0b99b23b3e7c51b80ea66d87"}
 # what the subprocess prints: the golden input, run through the module loaded from its file
 GOLDEN_SCRIPT = """
 import importlib.util, json, sys
@@ -144,11 +144,12 @@ def test_golden_keys_match_the_documented_formula():
         return h.digest()
 
     g = GOLDEN_INPUT
-    ns = digest(b"kvx-key-1", json.dumps(g["ns_fields"], sort_keys=True).encode())
+    ns = digest(b"kvx-key-2", json.dumps(g["ns_fields"], sort_keys=True).encode())
     prev = digest(ns, g["salt"].encode(), g["lora"].encode())
     toks = np.array(g["tokens"], dtype="<i8")
     keys = []
-    for start, end, extras in [(0, 4, b"img0@3:2"), (4, 8, b"img0@-1:2"), (8, 10, b"")]:
+    for start, end, extras in [(0, 4, digest(b"img0", b"3", b"2")), (4, 8, digest(b"img0", b"-1", b"2")),
+                               (8, 10, b"")]:
         prev = digest(prev, toks[start:end].tobytes(), extras, str(end - start).encode())
         keys.append(prev.hex())
     assert [ns.hex(), keys] == [GOLDEN["ns"], GOLDEN["keys"]]
@@ -292,6 +293,13 @@ def test_different_images_at_the_same_placeholders_share_no_chunk_from_there():
     assert_all_differ(a[1:], b[1:])
     assert chunk_keys(ROOT, toks, cs, mm_items=[MMItem("img-a", 8, 16)]) == a
     assert chunk_keys(ROOT, toks, cs, mm_items=[MMItem("img-a", 9, 15)]) != a       # the position matters
+
+
+def test_a_multimodal_hash_cannot_forge_an_item_boundary():
+    toks = list(range(32))
+    two = chunk_keys(ROOT, toks, 16, mm_items=[MMItem("a", 0, 1), MMItem("b", 0, 1)])
+    one = chunk_keys(ROOT, toks, 16, mm_items=[MMItem("a@0:1|b", 0, 1)])   # spells the two items' old join
+    assert two[0] != one[0]
 
 
 # ------------------------------------------------------------------------------------------ partial chunks
