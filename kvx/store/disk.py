@@ -70,11 +70,15 @@ class DiskStore:
         fingerprint: what the chunks' bytes mean (layout/format); a file with another fingerprint is
             never served.
         fsync: fsync each file before the rename (durability across power loss; slower).
+        rescan_s: capacity only: how stale this process's view of the directory's size may get. Other
+            engines on a shared path write too, so a put re-counts the directory when the last count
+            is older than this (0: at every put over the budget check). Without it, N engines could
+            together fill N times the budget before each one's own count reached it.
     Thread-safe: ``put``/``get`` may run on several I/O threads.
     """
 
     def __init__(self, path: str, capacity_bytes: int | None = None, fingerprint: str = "",
-                 fsync: bool = False, low_watermark: float = 0.9):
+                 fsync: bool = False, low_watermark: float = 0.9, rescan_s: float = 5.0):
         if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str) or not os.fspath(path):
             raise ValueError(f"path: expected a directory path, got {path!r}")
         if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
@@ -83,6 +87,8 @@ class DiskStore:
         if (isinstance(low_watermark, bool) or not isinstance(low_watermark, (int, float))
                 or not 0.0 < low_watermark <= 1.0):
             raise ValueError(f"low_watermark: expected a fraction in (0, 1], got {low_watermark!r}")
+        if isinstance(rescan_s, bool) or not isinstance(rescan_s, (int, float)) or not rescan_s >= 0:
+            raise ValueError(f"rescan_s: expected seconds >= 0, got {rescan_s!r}")
         if not isinstance(fingerprint, str):
             raise ValueError(f"fingerprint: expected a str, got {type(fingerprint).__name__}")
         self.path = os.path.abspath(os.fspath(path))
@@ -91,9 +97,11 @@ class DiskStore:
         self.fingerprint = fingerprint
         self.fsync = fsync
         self.low_watermark = low_watermark
+        self.rescan_s = rescan_s
         self._lock = threading.Lock()
         self._closed = False
         self._used = sum(c.bytes for c in self.scan())
+        self._counted_at = time.monotonic()
         self.stats = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "evicted": 0, "errors": 0}
 
     # ---------------------------------------------------------------- paths
@@ -165,6 +173,12 @@ class DiskStore:
             self._used += size
             self.stats["puts"] += 1
             self.stats["put_bytes"] += size
+            stale = time.monotonic() - self._counted_at >= self.rescan_s
+        if self.capacity_bytes is not None and stale:
+            used = sum(c.bytes for c in self.scan())     # what every engine on this path has written
+            with self._lock:
+                self._used, self._counted_at = used, time.monotonic()
+        with self._lock:
             over = self.capacity_bytes is not None and self._used > self.capacity_bytes
         if over:
             self.evict()
@@ -302,7 +316,7 @@ class DiskStore:
                 pass  # another engine evicted it first
             used -= c.bytes
         with self._lock:
-            self._used = used
+            self._used, self._counted_at = used, time.monotonic()
             self.stats["evicted"] += removed
         return removed
 

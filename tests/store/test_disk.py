@@ -39,6 +39,10 @@ BAD_CTOR = [
     (dict(low_watermark="0.5"), "low_watermark"),
     (dict(low_watermark=None), "low_watermark"),
     (dict(low_watermark=True), "low_watermark"),
+    (dict(rescan_s=-1), "rescan_s"),
+    (dict(rescan_s=float("nan")), "rescan_s"),
+    (dict(rescan_s="5"), "rescan_s"),
+    (dict(rescan_s=True), "rescan_s"),
     (dict(fingerprint=None), "fingerprint"),
     (dict(fingerprint=3), "fingerprint"),
 ]
@@ -500,6 +504,22 @@ def test_two_stores_on_one_path_share_chunks(tmp_path):
     assert b.contains(key_of(1)) and b.lookup([key_of(1)]) == 1
     assert_bit_equal(b.get(key_of(1)), chunk)
     assert b.put(key_of(1), chunk) is False
+
+
+@pytest.mark.parametrize("rescan_s", [0, 3600])
+def test_engines_sharing_a_path_keep_it_within_its_budget(tmp_path, rescan_s):
+    """Each engine re-counts the directory (after rescan_s), so together they stay within the budget."""
+    size = one_file_bytes(tmp_path)
+    stores = [DiskStore(tmp_path / "kv", capacity_bytes=6 * size, low_watermark=1.0, rescan_s=rescan_s)
+              for _ in range(3)]
+    peak = 0
+    for i in range(30):
+        stores[i % 3].put(key_of(i), torch.zeros(2, 8, dtype=torch.float16))
+        peak = max(peak, stores[0].usage())
+    if rescan_s == 0:
+        assert peak <= 6 * size
+    else:                         # counts go stale for an hour: each engine sees only its own writes
+        assert peak > 6 * size
 
 
 def test_eviction_by_one_engine_is_a_miss_for_the_other(tmp_path):
