@@ -70,10 +70,10 @@ class DiskStore:
         fingerprint: what the chunks' bytes mean (layout/format); a file with another fingerprint is
             never served.
         fsync: fsync each file before the rename (durability across power loss; slower).
-        rescan_s: capacity only: how stale this process's view of the directory's size may get. Other
-            engines on a shared path write too, so a put re-counts the directory when the last count
-            is older than this (0: at every put over the budget check). Without it, N engines could
-            together fill N times the budget before each one's own count reached it.
+        rescan_s: capacity only: how stale this process's count of the directory's size may get. Other
+            engines on a shared path write too, so a put re-counts the directory when the last count is
+            older than this (0: at every put). Without it, N engines could together fill N times the
+            budget before each one's own count reached it.
     Thread-safe: ``put``/``get`` may run on several I/O threads.
     """
 
@@ -100,8 +100,8 @@ class DiskStore:
         self.rescan_s = rescan_s
         self._lock = threading.Lock()
         self._closed = False
-        self._used = sum(c.bytes for c in self.scan())
-        self._counted_at = time.monotonic()
+        self._used, self._counted_at = 0, 0.0
+        self._recount()
         self.stats = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "evicted": 0, "errors": 0}
 
     # ---------------------------------------------------------------- paths
@@ -174,13 +174,11 @@ class DiskStore:
             self.stats["puts"] += 1
             self.stats["put_bytes"] += size
             stale = time.monotonic() - self._counted_at >= self.rescan_s
-        if self.capacity_bytes is not None and stale:
-            used = sum(c.bytes for c in self.scan())     # what every engine on this path has written
-            with self._lock:
-                self._used, self._counted_at = used, time.monotonic()
-        with self._lock:
-            over = self.capacity_bytes is not None and self._used > self.capacity_bytes
-        if over:
+        if self.capacity_bytes is None:
+            return True
+        if stale:
+            self._recount()
+        if self._used > self.capacity_bytes:
             self.evict()
         return True
 
@@ -291,6 +289,12 @@ class DiskStore:
                     continue
                 if e.name.endswith(_SUFFIX):
                     yield ChunkInfo(e.name[: -len(_SUFFIX)], e.path, st.st_size, st.st_mtime)
+
+    def _recount(self) -> None:
+        """Count what every engine on this path has written (a directory scan)."""
+        used = sum(c.bytes for c in self.scan())
+        with self._lock:
+            self._used, self._counted_at = used, time.monotonic()
 
     def usage(self) -> int:
         """Bytes of chunk files under the path right now (a directory scan)."""
