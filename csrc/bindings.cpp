@@ -1,11 +1,12 @@
 // bindings.cpp - the one pybind11 module, kvx._C. Torch-free: every tensor arrives as an address.
 // Validation lives in kvx/ops.py; these entry points trust their arguments.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>  // std::vector<int64_t> from a list of ints (plan_launch's layer addresses)
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-#include <tuple>
+#include <vector>
 
 #include "cpu/copy_cpu.h"
 #if defined(KVX_WITH_CUDA)
@@ -16,20 +17,24 @@ namespace py = pybind11;
 
 namespace {
 
-using PagedTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int32_t>;
-using ContigTuple = std::tuple<int64_t, int64_t, int64_t, int64_t>;
-
-// paged = (plane_stride, block_stride, token_stride, head_stride, num_blocks, num_planes,
-//          block_size, num_heads); contig = (layer_stride, plane_stride, token_stride, head_stride)
-kvx::CopyParams params_from(const PagedTuple& pg, const ContigTuple& ct, int64_t row_bytes,
+kvx::CopyParams params_from(const kvx::PagedDesc& paged, const kvx::ContigDesc& contig, int64_t row_bytes,
                             int32_t num_layers, int64_t num_ids, int32_t mode) {
-  kvx::PagedDesc paged{};
-  std::tie(paged.plane_stride, paged.block_stride, paged.token_stride, paged.head_stride,
-           paged.num_blocks, paged.num_planes, paged.block_size, paged.num_heads) = pg;
-  kvx::ContigDesc contig{};
-  std::tie(contig.layer_stride, contig.plane_stride, contig.token_stride, contig.head_stride) = ct;
   if (mode != kvx::kBlocks && mode != kvx::kSlots) throw std::invalid_argument("mode: expected 0 or 1");
   return kvx::make_params(paged, contig, row_bytes, num_layers, num_ids, mode);
+}
+
+std::string repr(const kvx::PagedDesc& d) {
+  return "PagedDesc(plane_stride=" + std::to_string(d.plane_stride) + ", block_stride=" +
+         std::to_string(d.block_stride) + ", token_stride=" + std::to_string(d.token_stride) +
+         ", head_stride=" + std::to_string(d.head_stride) + ", num_blocks=" + std::to_string(d.num_blocks) +
+         ", num_planes=" + std::to_string(d.num_planes) + ", block_size=" + std::to_string(d.block_size) +
+         ", num_heads=" + std::to_string(d.num_heads) + ")";
+}
+
+std::string repr(const kvx::ContigDesc& d) {
+  return "ContigDesc(layer_stride=" + std::to_string(d.layer_stride) + ", plane_stride=" +
+         std::to_string(d.plane_stride) + ", token_stride=" + std::to_string(d.token_stride) +
+         ", head_stride=" + std::to_string(d.head_stride) + ")";
 }
 
 template <typename T>
@@ -42,10 +47,89 @@ const T* as_ptr(int64_t addr) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "kvx compiled kernels (torch-free). Use kvx.ops, which validates arguments.";
 
+  // The descriptors of kv_layout.h as named structs: built from kvx.layout.PagedDesc / ContigDesc by
+  // field name (keyword-only constructors), so a reordering of fields on either side cannot swap strides.
+  py::class_<kvx::PagedDesc>(m, "PagedDesc", "kvx::PagedDesc: byte geometry of the paged side (kv_layout.h).")
+      .def(py::init([](int64_t plane_stride, int64_t block_stride, int64_t token_stride, int64_t head_stride,
+                       int64_t num_blocks, int32_t num_planes, int32_t block_size, int32_t num_heads) {
+             kvx::PagedDesc d{};
+             d.plane_stride = plane_stride;
+             d.block_stride = block_stride;
+             d.token_stride = token_stride;
+             d.head_stride = head_stride;
+             d.num_blocks = num_blocks;
+             d.num_planes = num_planes;
+             d.block_size = block_size;
+             d.num_heads = num_heads;
+             return d;
+           }),
+           py::kw_only(), py::arg("plane_stride"), py::arg("block_stride"), py::arg("token_stride"),
+           py::arg("head_stride"), py::arg("num_blocks"), py::arg("num_planes"), py::arg("block_size"),
+           py::arg("num_heads"))
+      .def_readwrite("plane_stride", &kvx::PagedDesc::plane_stride)
+      .def_readwrite("block_stride", &kvx::PagedDesc::block_stride)
+      .def_readwrite("token_stride", &kvx::PagedDesc::token_stride)
+      .def_readwrite("head_stride", &kvx::PagedDesc::head_stride)
+      .def_readwrite("num_blocks", &kvx::PagedDesc::num_blocks)
+      .def_readwrite("num_planes", &kvx::PagedDesc::num_planes)
+      .def_readwrite("block_size", &kvx::PagedDesc::block_size)
+      .def_readwrite("num_heads", &kvx::PagedDesc::num_heads)
+      .def("__repr__", [](const kvx::PagedDesc& d) { return repr(d); });
+
+  py::class_<kvx::ContigDesc>(m, "ContigDesc",
+                              "kvx::ContigDesc: byte strides of the contiguous side over [layers, planes, "
+                              "tokens, heads] (kv_layout.h).")
+      .def(py::init([](int64_t layer_stride, int64_t plane_stride, int64_t token_stride, int64_t head_stride) {
+             kvx::ContigDesc d{};
+             d.layer_stride = layer_stride;
+             d.plane_stride = plane_stride;
+             d.token_stride = token_stride;
+             d.head_stride = head_stride;
+             return d;
+           }),
+           py::kw_only(), py::arg("layer_stride"), py::arg("plane_stride"), py::arg("token_stride"),
+           py::arg("head_stride"))
+      .def_readwrite("layer_stride", &kvx::ContigDesc::layer_stride)
+      .def_readwrite("plane_stride", &kvx::ContigDesc::plane_stride)
+      .def_readwrite("token_stride", &kvx::ContigDesc::token_stride)
+      .def_readwrite("head_stride", &kvx::ContigDesc::head_stride)
+      .def("__repr__", [](const kvx::ContigDesc& d) { return repr(d); });
+
+  py::class_<kvx::CopyParams>(m, "CopyParams", "kvx::CopyParams: one copy's geometry and iteration space.")
+      .def_readonly("paged", &kvx::CopyParams::paged)
+      .def_readonly("contig", &kvx::CopyParams::contig)
+      .def_readonly("row_bytes", &kvx::CopyParams::row_bytes)
+      .def_readonly("num_ids", &kvx::CopyParams::num_ids)
+      .def_readonly("num_layers", &kvx::CopyParams::num_layers)
+      .def_readonly("mode", &kvx::CopyParams::mode)
+      .def_readonly("iter_tokens", &kvx::CopyParams::iter_tokens)
+      .def_readonly("iter_heads", &kvx::CopyParams::iter_heads);
+
+  py::class_<kvx::LaunchPlan>(m, "LaunchPlan",
+                              "kvx::LaunchPlan: params after collapse_rows() with the strides that never move "
+                              "an address set to 0 (moving_strides()), and width = copy_width() in bytes.")
+      .def_readonly("params", &kvx::LaunchPlan::params)
+      .def_readonly("width", &kvx::LaunchPlan::width);
+
+  m.def(
+      "plan_launch",
+      [](const kvx::PagedDesc& paged, const kvx::ContigDesc& contig_strides, int64_t row_bytes, int32_t num_layers,
+         int64_t num_ids, int32_t mode, const std::vector<int64_t>& layer_ptrs, int64_t contig) {
+        if (num_layers < 1 || layer_ptrs.size() != static_cast<size_t>(num_layers))
+          throw std::invalid_argument("layer_ptrs: expected num_layers = " + std::to_string(num_layers) +
+                                      " addresses, got " + std::to_string(layer_ptrs.size()));
+        return kvx::plan_launch(params_from(paged, contig_strides, row_bytes, num_layers, num_ids, mode),
+                                layer_ptrs.data(), contig);
+      },
+      py::arg("paged"), py::arg("contig_strides"), py::arg("row_bytes"), py::arg("num_layers"), py::arg("num_ids"),
+      py::arg("mode"), py::arg("layer_ptrs"), py::arg("contig"),
+      "Row merging and copy width of kv_layout.h (plan_launch) for a copy between layers at `layer_ptrs` and a "
+      "contiguous side at address `contig` (only the addresses' alignment is read): the Triton launcher's plan.");
+
   m.def(
       "cpu_copy",
       [](int64_t layer_ptrs, int32_t num_layers, int64_t ids, int64_t num_ids, int64_t contig,
-         const PagedTuple& paged, const ContigTuple& contig_strides, int64_t row_bytes, int32_t mode,
+         const kvx::PagedDesc& paged, const kvx::ContigDesc& contig_strides, int64_t row_bytes, int32_t mode,
          int32_t direction, int num_threads) {
         const kvx::CopyParams p = params_from(paged, contig_strides, row_bytes, num_layers, num_ids, mode);
         py::gil_scoped_release nogil;
@@ -91,7 +175,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "cuda_copy",
       [check](int64_t layer_ptrs_host, int64_t layer_ptrs_dev, int32_t num_layers, int64_t ids_dev,
-              int64_t num_ids, int64_t contig, const PagedTuple& paged, const ContigTuple& contig_strides,
+              int64_t num_ids, int64_t contig, const kvx::PagedDesc& paged, const kvx::ContigDesc& contig_strides,
               int64_t row_bytes, int32_t mode, int32_t direction, int64_t stream, int max_ctas) {
         const kvx::CopyParams p = params_from(paged, contig_strides, row_bytes, num_layers, num_ids, mode);
         check(kvx::cuda::copy(p, as_ptr<int64_t>(layer_ptrs_host), as_ptr<int64_t>(layer_ptrs_dev),

@@ -34,6 +34,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #if defined(__CUDACC__)
 #define KVX_HD __host__ __device__ __forceinline__
@@ -151,24 +152,53 @@ KVX_HD int64_t row_contig_offset(const CopyParams& p, int64_t r) {
   return t * p.contig.token_stride + h * p.contig.head_stride;
 }
 
-// Largest power-of-two width (<= 16) that divides every address and size the copy touches. Call after
-// collapse_rows(). A stride whose index is always 0 never moves an address and is left out: e.g. a
-// raw-page chunk's "head" stride (one head) must not force byte-wide copies of whole pages.
-inline int copy_width(const CopyParams& p, const int64_t* layer_ptrs, int64_t contig_ptr) {
+// `p` with every stride whose index is always 0 set to 0. Call after collapse_rows(). Such a stride
+// never moves an address, so it must not narrow the copy width (copy_width()) nor be divided into
+// word units (the Triton launcher): e.g. the layer stride of a one-layer chunk cut from a larger
+// pool, or the head strides once collapse_rows() merged the heads into one row, may be odd without
+// forcing byte-wide copies of whole rows. The block stride always moves (block ids are arbitrary).
+// Addresses computed from the result are those computed from `p`.
+inline CopyParams moving_strides(const CopyParams& p) {
+  CopyParams m = p;
   const bool token_moves = p.mode == kBlocks ? p.iter_tokens > 1 : p.paged.block_size > 1;
-  uint64_t bits = static_cast<uint64_t>(p.row_bytes) | static_cast<uint64_t>(contig_ptr) |
-                  static_cast<uint64_t>(p.paged.block_stride);
-  if (p.paged.num_planes > 1)
-    bits |= static_cast<uint64_t>(p.paged.plane_stride) | static_cast<uint64_t>(p.contig.plane_stride);
-  if (token_moves) bits |= static_cast<uint64_t>(p.paged.token_stride);
-  if (p.iter_heads > 1)
-    bits |= static_cast<uint64_t>(p.paged.head_stride) | static_cast<uint64_t>(p.contig.head_stride);
-  if (p.num_layers > 1) bits |= static_cast<uint64_t>(p.contig.layer_stride);
-  if (p.num_ids > 1 || p.iter_tokens > 1) bits |= static_cast<uint64_t>(p.contig.token_stride);
+  if (p.paged.num_planes <= 1) m.paged.plane_stride = m.contig.plane_stride = 0;
+  if (!token_moves) m.paged.token_stride = 0;
+  if (p.iter_heads <= 1) m.paged.head_stride = m.contig.head_stride = 0;
+  if (p.num_layers <= 1) m.contig.layer_stride = 0;
+  if (p.num_ids <= 1 && p.iter_tokens <= 1) m.contig.token_stride = 0;
+  return m;
+}
+
+// Largest power-of-two width (<= 16) that divides every address and size the copy touches: the row
+// length, the contiguous base, every layer base and every stride of moving_strides(p). Call after
+// collapse_rows().
+//   layer_ptrs: [num_layers] layer base addresses (only their alignment is read)
+inline int copy_width(const CopyParams& p, const int64_t* layer_ptrs, int64_t contig_ptr) {
+  const CopyParams m = moving_strides(p);
+  uint64_t bits = static_cast<uint64_t>(m.row_bytes) | static_cast<uint64_t>(contig_ptr);
+  for (int64_t s : {m.paged.plane_stride, m.paged.block_stride, m.paged.token_stride, m.paged.head_stride,
+                    m.contig.layer_stride, m.contig.plane_stride, m.contig.token_stride, m.contig.head_stride})
+    bits |= static_cast<uint64_t>(s);
   for (int32_t l = 0; l < p.num_layers; ++l) bits |= static_cast<uint64_t>(layer_ptrs[l]);
   int w = 16;
   while (w > 1 && (bits & static_cast<uint64_t>(w - 1))) w >>= 1;
   return w;
+}
+
+// What a launcher decides on the host, once per op: the rows after collapse_rows(), the strides of
+// moving_strides() and copy_width(). The Triton launcher (triton_kernels/copy.py) takes its whole plan
+// from here through kvx._C.plan_launch, so Triton and the C++ kernels (which call collapse_rows() and
+// copy_width() themselves) cannot disagree on row merging or alignment.
+struct LaunchPlan {
+  CopyParams params;  // collapsed; strides that never move an address are 0
+  int32_t width;      // bytes: 16, 8, 4, 2 or 1
+};
+
+//   layer_ptrs: [num_layers] layer base addresses (only their alignment is read)
+inline LaunchPlan plan_launch(const CopyParams& params, const int64_t* layer_ptrs, int64_t contig_ptr) {
+  CopyParams p = params;
+  collapse_rows(p);
+  return LaunchPlan{moving_strides(p), copy_width(p, layer_ptrs, contig_ptr)};
 }
 
 }  // namespace kvx

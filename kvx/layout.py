@@ -35,7 +35,6 @@ the fast path when source and destination layouts are identical.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -58,8 +57,16 @@ class PagedDesc:
     block_size: int
     num_heads: int
 
-    def as_tuple(self) -> tuple[int, ...]:
-        return dataclasses.astuple(self)
+
+@dataclasses.dataclass(frozen=True)
+class ContigDesc:
+    """Byte strides of the contiguous side over ``[layers, planes, tokens, heads]`` (rows are dense),
+    mirrored by ``kvx::ContigDesc`` in ``csrc/kv_layout.h``."""
+
+    layer_stride: int
+    plane_stride: int
+    token_stride: int
+    head_stride: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +87,12 @@ class PageGeometry:
 class CopyPlan:
     """Everything a backend needs for one copy, mirrored by ``kvx::CopyParams`` (before collapsing).
 
-    ``contig_strides`` are byte strides over ``[layers, planes, tokens, heads]``; rows are dense.
-    ``mode`` is 0 for block ids, 1 for slot ids.
+    ``mode`` is 0 for block ids, 1 for slot ids. ``kvx.ops`` hands ``paged`` and ``contig`` to the
+    compiled kernels field by field, by name (``kvx._C.PagedDesc`` / ``kvx._C.ContigDesc``).
     """
 
     paged: PagedDesc
-    contig_strides: tuple[int, int, int, int]
+    contig: ContigDesc
     row_bytes: int
     num_layers: int
     num_ids: int
@@ -269,18 +276,6 @@ class KVLayout:
             table = self._layer_ptrs.to(device)
             self._device_tables[device] = table
         return table
-
-    def fingerprint(self, extra: str = "") -> str:
-        """A stable identifier of what a chunk saved from this layout contains.
-
-        Canonical chunks depend only on (layers, planes, heads, head size, dtype); opaque pages also on
-        the layout, block size and ``extra`` (e.g. the CPU backend's ISA).
-        """
-        parts = [f"L{self.num_layers}", f"P{self.num_planes}", f"H{self.num_heads}", f"D{self.head_size}",
-                 str(self.dtype).replace("torch.", "")]
-        if self.opaque:
-            parts += [self.name, f"N{self.block_size}", extra]
-        return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
 
     def __repr__(self) -> str:
         return (f"KVLayout({self.name}, layers={self.num_layers}, planes={self.num_planes}, "

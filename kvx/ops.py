@@ -21,17 +21,21 @@ Implementations (``impl=``): ``"reference"`` (pure torch), ``"cpu"`` (C++ thread
 ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"cuda"``. ``None`` picks the fastest
 available for the cache's device: ``cpu`` on CPU, ``cuda`` then ``triton`` on CUDA.
 :func:`available_impls` lists what this install can run.
+
+Ops launch on the caller's current stream (``with torch.cuda.stream(s):`` to use another) and never
+synchronize the host.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 
 import torch
 
 from . import reference
-from .layout import CopyPlan, KVLayout, PagedDesc, _byte_span, non_overlapping
+from .layout import ContigDesc, CopyPlan, KVLayout, PagedDesc, _byte_span, non_overlapping
 
 IMPLS = ("reference", "cpu", "triton", "cuda")
 
@@ -50,6 +54,8 @@ _BUILD_HINT = ("the compiled extension kvx._C is not available ({err}); build it
 
 
 def _triton_usable(device: torch.device) -> bool:
+    if _C is None:  # the Triton launcher takes its plan (row merging, word width) from kvx._C
+        return False
     try:
         from .triton_kernels import copy as _  # noqa: F401
     except Exception:
@@ -93,42 +99,42 @@ def _require_ext():
 
 # ---------------------------------------------------------------------------------------- ops
 def gather_blocks(layout: KVLayout, block_ids, out: torch.Tensor | None = None, *, impl: str | None = None,
-                  stream=None, max_ctas: int = 0) -> torch.Tensor:
+                  max_ctas: int = 0) -> torch.Tensor:
     """Copy whole blocks of every layer into the canonical chunk ``[L, P, n*N, H, D]`` (returned)."""
-    return _run("blocks", _GATHER, layout, block_ids, out, impl, stream, max_ctas)
+    return _run("blocks", _GATHER, layout, block_ids, out, impl, max_ctas)
 
 
-def scatter_blocks(layout: KVLayout, block_ids, src: torch.Tensor, *, impl: str | None = None, stream=None,
+def scatter_blocks(layout: KVLayout, block_ids, src: torch.Tensor, *, impl: str | None = None,
                    max_ctas: int = 0) -> None:
     """Write the canonical chunk ``src`` ``[L, P, n*N, H, D]`` into blocks ``block_ids`` of every layer."""
-    _run("blocks", _SCATTER, layout, block_ids, src, impl, stream, max_ctas)
+    _run("blocks", _SCATTER, layout, block_ids, src, impl, max_ctas)
 
 
 def gather_slots(layout: KVLayout, slot_ids, out: torch.Tensor | None = None, *, impl: str | None = None,
-                 stream=None, max_ctas: int = 0) -> torch.Tensor:
+                 max_ctas: int = 0) -> torch.Tensor:
     """Copy single tokens (``slot = block * N + offset``) into ``[L, P, n, H, D]`` (returned).
 
     Rows of padding slots (negative ids) are left as they were in ``out``.
     """
-    return _run("slots", _GATHER, layout, slot_ids, out, impl, stream, max_ctas)
+    return _run("slots", _GATHER, layout, slot_ids, out, impl, max_ctas)
 
 
-def scatter_slots(layout: KVLayout, slot_ids, src: torch.Tensor, *, impl: str | None = None, stream=None,
+def scatter_slots(layout: KVLayout, slot_ids, src: torch.Tensor, *, impl: str | None = None,
                   max_ctas: int = 0) -> None:
     """Write ``src`` ``[L, P, n, H, D]`` into the listed slots; negative slots are skipped."""
-    _run("slots", _SCATTER, layout, slot_ids, src, impl, stream, max_ctas)
+    _run("slots", _SCATTER, layout, slot_ids, src, impl, max_ctas)
 
 
 def gather_pages(layout: KVLayout, block_ids, out: torch.Tensor | None = None, *, impl: str | None = None,
-                 stream=None, max_ctas: int = 0) -> torch.Tensor:
+                 max_ctas: int = 0) -> torch.Tensor:
     """Copy the raw bytes of whole pages into ``[L, S, n, segment_bytes]`` uint8 (returned)."""
-    return _run("pages", _GATHER, layout, block_ids, out, impl, stream, max_ctas)
+    return _run("pages", _GATHER, layout, block_ids, out, impl, max_ctas)
 
 
-def scatter_pages(layout: KVLayout, block_ids, src: torch.Tensor, *, impl: str | None = None, stream=None,
+def scatter_pages(layout: KVLayout, block_ids, src: torch.Tensor, *, impl: str | None = None,
                   max_ctas: int = 0) -> None:
     """Write raw pages ``src`` ``[L, S, n, segment_bytes]`` uint8 into blocks ``block_ids``."""
-    _run("pages", _SCATTER, layout, block_ids, src, impl, stream, max_ctas)
+    _run("pages", _SCATTER, layout, block_ids, src, impl, max_ctas)
 
 
 # ---------------------------------------------------------------------------------------- validation
@@ -227,7 +233,7 @@ def _pick_impl(impl: str | None, layout: KVLayout, buf: torch.Tensor) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS} or None, got {impl!r}")
     if impl not in avail:
-        if impl in ("cpu", "cuda") and _C is None:
+        if _C is None:
             raise RuntimeError(_BUILD_HINT.format(err=_C_ERROR))
         raise ValueError(f"impl: {impl!r} cannot run for a cache on {layout.device} here (available: {avail}"
                          f"{'; the Triton interpreter needs TRITON_INTERPRET=1' if impl == 'triton' else ''})")
@@ -236,15 +242,36 @@ def _pick_impl(impl: str | None, layout: KVLayout, buf: torch.Tensor) -> str:
 
 def _plan(kind: str, layout: KVLayout, buf: torch.Tensor, n: int) -> CopyPlan:
     item = buf.element_size()
-    strides = tuple(int(s) * item for s in buf.stride()[:4])
+    layer_stride, plane_stride, token_stride, head_stride = (int(s) * item for s in buf.stride()[:4])
     if kind == "pages":
         # [L, S, n, segment_bytes]: segments are the planes, ids the tokens, one "head" of one segment
         g = layout.page
-        paged = PagedDesc(g.segment_stride, layout.paged.block_stride, 0, 0, layout.num_blocks, g.segments, 1, 1)
-        strides = (strides[0], strides[1], strides[2], g.segment_bytes)
-        return CopyPlan(paged, strides, g.segment_bytes, layout.num_layers, n, _BLOCKS)
-    return CopyPlan(layout.paged, strides, layout.row_bytes, layout.num_layers, n,
+        paged = PagedDesc(plane_stride=g.segment_stride, block_stride=layout.paged.block_stride, token_stride=0,
+                          head_stride=0, num_blocks=layout.num_blocks, num_planes=g.segments, block_size=1,
+                          num_heads=1)
+        contig = ContigDesc(layer_stride=layer_stride, plane_stride=plane_stride, token_stride=token_stride,
+                            head_stride=g.segment_bytes)
+        return CopyPlan(paged, contig, g.segment_bytes, layout.num_layers, n, _BLOCKS)
+    contig = ContigDesc(layer_stride=layer_stride, plane_stride=plane_stride, token_stride=token_stride,
+                        head_stride=head_stride)
+    return CopyPlan(layout.paged, contig, layout.row_bytes, layout.num_layers, n,
                     _BLOCKS if kind == "blocks" else _SLOTS)
+
+
+_PAGED_FIELDS = tuple(f.name for f in dataclasses.fields(PagedDesc))
+_CONTIG_FIELDS = tuple(f.name for f in dataclasses.fields(ContigDesc))
+
+
+def _c_descs(plan: CopyPlan) -> tuple:
+    """``plan``'s descriptors as ``(kvx._C.PagedDesc, kvx._C.ContigDesc)``, built field by field, by name.
+
+    Both constructors are keyword-only, so a field missing or renamed on either side is a TypeError and a
+    reordering of fields cannot swap strides silently. Used by every compiled backend (CPU, CUDA and the
+    Triton launcher's planning).
+    """
+    ext = _require_ext()
+    return (ext.PagedDesc(**{f: getattr(plan.paged, f) for f in _PAGED_FIELDS}),
+            ext.ContigDesc(**{f: getattr(plan.contig, f) for f in _CONTIG_FIELDS}))
 
 
 _REFERENCE = {
@@ -254,7 +281,7 @@ _REFERENCE = {
 }
 
 
-def _run(kind: str, direction: int, layout: KVLayout, ids, buf, impl, stream, max_ctas):
+def _run(kind: str, direction: int, layout: KVLayout, ids, buf, impl, max_ctas):
     if not isinstance(layout, KVLayout):
         raise TypeError(f"layout: expected a kvx.layout.KVLayout, got {type(layout).__name__}")
     if layout.opaque and kind != "pages":
@@ -283,12 +310,13 @@ def _run(kind: str, direction: int, layout: KVLayout, ids, buf, impl, stream, ma
         return buf
     plan = _plan(kind, layout, buf, n)
     if impl == "cpu":
+        paged, contig = _c_descs(plan)
         _C.cpu_copy(layout.layer_ptrs().data_ptr(), plan.num_layers, ids.data_ptr(), n, buf.data_ptr(),
-                    plan.paged.as_tuple(), plan.contig_strides, plan.row_bytes, plan.mode, direction)
+                    paged, contig, plan.row_bytes, plan.mode, direction)
     elif impl == "cuda":
-        _run_cuda(plan, layout, ids, buf, direction, stream, max_ctas)
+        _run_cuda(plan, layout, ids, buf, direction, max_ctas)
     else:
-        _run_triton(plan, layout, ids, buf, direction, stream)
+        _run_triton(plan, layout, ids, buf, direction)
     return buf
 
 
@@ -298,24 +326,25 @@ def _device_ids(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     return ids.pin_memory().to(device, non_blocking=True)
 
 
-def _run_cuda(plan: CopyPlan, layout: KVLayout, ids, buf, direction, stream, max_ctas):
-    stream = stream if stream is not None else torch.cuda.current_stream(layout.device)
+def _run_cuda(plan: CopyPlan, layout: KVLayout, ids, buf, direction, max_ctas):
+    # The caller's current stream on the cache's device; entering it also makes that device current.
+    stream = torch.cuda.current_stream(layout.device)
     with torch.cuda.stream(stream):
         ids_dev = _device_ids(ids, layout.device)
         contig = buf.data_ptr()
         if buf.device.type == "cpu":
             contig = _C.cuda_host_device_pointer(contig)
         _C.cuda_copy(layout.layer_ptrs().data_ptr(), layout.layer_ptrs(layout.device).data_ptr(), plan.num_layers,
-                     ids_dev.data_ptr(), plan.num_ids, contig, plan.paged.as_tuple(), plan.contig_strides,
-                     plan.row_bytes, plan.mode, direction, stream.cuda_stream, max_ctas)
+                     ids_dev.data_ptr(), plan.num_ids, contig, *_c_descs(plan), plan.row_bytes, plan.mode,
+                     direction, stream.cuda_stream, max_ctas)
 
 
-def _run_triton(plan: CopyPlan, layout: KVLayout, ids, buf, direction, stream):
+def _run_triton(plan: CopyPlan, layout: KVLayout, ids, buf, direction):
     from .triton_kernels import copy as tk
 
     if layout.device.type == "cuda":
-        stream = stream if stream is not None else torch.cuda.current_stream(layout.device)
-        with torch.cuda.stream(stream):
+        # The caller's current stream on the cache's device; entering it also makes that device current.
+        with torch.cuda.stream(torch.cuda.current_stream(layout.device)):
             tk.copy_rows(plan, layout.layer_ptrs(), _device_ids(ids, layout.device), buf, direction,
                          anchor=layout.plane_views(0)[0])
     else:

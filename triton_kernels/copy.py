@@ -9,8 +9,12 @@ head ``h``) is ``row_bytes`` contiguous bytes at::
 The contiguous side ``buf`` is ``[L, P, T, H, row_bytes]`` with arbitrary byte strides over the first
 four dims (rows are dense). Entries ``e = (l*P + p)*num_ids + i`` each cover ``iter_tokens x
 iter_heads`` rows (block mode: contiguous tokens ``[i*N, (i+1)*N)``; slot mode: one token, contiguous
-token ``i``, a negative slot is padding and is skipped), after the same row merging as
-``collapse_rows()``.
+token ``i``, a negative slot is padding and is skipped), after the row merging of ``collapse_rows()``.
+
+The host-side plan is not re-implemented here: row merging (``collapse_rows()``), the strides that move an
+address (``moving_strides()``) and the alignment (``copy_width()``) come from ``kv_layout.h`` through
+``kvx._C.plan_launch``, so this launcher and the C++ kernels cannot drift apart. ``kvx._C`` is therefore
+required (it is always built; without it ``kvx.ops`` reports the triton impl unavailable).
 
 How it maps to Triton:
 
@@ -20,10 +24,11 @@ How it maps to Triton:
   host memory seen through UVA on a CUDA cache (a CPU tensor cannot be a Triton pointer argument), and
   it also works in the interpreter, where pointers are plain process addresses.
 - The word is the widest integer type (int64 > int32 > int16 > int8) that divides every address,
-  stride and the row length, chosen on the host; values are moved as integers, so the copy is
+  stride and the row length: ``min(copy_width(), 8)`` bytes; values are moved as integers, so the copy is
   bit-exact for every cache dtype (one compiled kernel per word width, not per dtype).
-- When every address is 16-byte aligned, offsets are passed in 16-byte units and scaled in the kernel
-  by a constexpr, which lets the compiler prove alignment and emit 128-bit loads/stores.
+- When every address is 16-byte aligned (``copy_width() == 16``), offsets are passed in 16-byte units and
+  scaled in the kernel by a constexpr, which lets the compiler prove alignment and emit 128-bit
+  loads/stores.
 - One program copies a tile of ``BLOCK_R`` rows x ``BLOCK_C`` words (a 2-D tile with masks, so rows of
   any length work, from 1 word to 128 KiB pages), up to ``COL_ITERS`` tiles along a row; grid axis 1
   covers the rest of long rows.
@@ -57,6 +62,9 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
+
+from .. import _C  # type: ignore[attr-defined]  # the host-side plan (kv_layout.h); always built
+from ..ops import _c_descs
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvx.layout import CopyPlan
@@ -165,7 +173,9 @@ _GPU_MIN_PROGRAMS = 1024   # below this, give long rows one tile per program (fi
 _GPU_NUM_WARPS = 4
 _IDX32_LIMIT = 1 << 31     # indices below this may be divided in int32
 
-_WORDS = ((8, tl.int64), (4, tl.int32), (2, tl.int16), (1, tl.int8))
+# Word type per word size in bytes. Triton has no 128-bit integer type: a 16-byte copy_width() moves int64
+# words two per 16-byte unit (VEC = 2), which the compiler turns into 128-bit accesses.
+_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 _LAYER_TABLES: dict[tuple, tuple] = {}  # (device, unit, anchor, layer ptrs) -> (table, ready event, host copy)
 _LAYER_TABLES_MAX = 64
 
@@ -174,49 +184,10 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _collapse(plan: CopyPlan) -> tuple[int, int, int]:
-    """``collapse_rows()`` of kv_layout.h: (row_bytes, iter_tokens, iter_heads) after merging rows that are
-    adjacent on both sides (e.g. a legacy-flash block becomes one row, a raw page stays one row)."""
-    pg = plan.paged
-    row_bytes = plan.row_bytes
-    iter_tokens = pg.block_size if plan.mode == _BLOCKS else 1
-    iter_heads = pg.num_heads
-    c_token, c_head = plan.contig_strides[2], plan.contig_strides[3]
-    if iter_heads > 1 and pg.head_stride == row_bytes and c_head == row_bytes:
-        row_bytes *= iter_heads
-        iter_heads = 1
-    if iter_heads == 1 and iter_tokens > 1 and pg.token_stride == row_bytes and c_token == row_bytes:
-        row_bytes *= iter_tokens
-        iter_tokens = 1
-    return row_bytes, iter_tokens, iter_heads
-
-
-def _used_strides(plan: CopyPlan, iter_tokens: int, iter_heads: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Byte strides (paged: plane, block, token, head; contiguous: layer, plane, token, head), with 0 for a
-    stride whose index is always 0 after merging.
-
-    Such a stride never moves an address, so it must not narrow the copy word: e.g. a raw-page chunk
-    ``[L, S, n, segment_bytes]`` reports its byte dim's stride 1 as the "head" stride, which would
-    otherwise force byte-wide copies of whole pages.
-    """
-    pg = plan.paged
-    cl, cp, ct, ch = plan.contig_strides
-    token_moves = iter_tokens > 1 if plan.mode == _BLOCKS else pg.block_size > 1
-    paged = (pg.plane_stride if pg.num_planes > 1 else 0, pg.block_stride,
-             pg.token_stride if token_moves else 0, pg.head_stride if iter_heads > 1 else 0)
-    contig = (cl if plan.num_layers > 1 else 0, cp if pg.num_planes > 1 else 0,
-              ct if plan.num_ids > 1 or iter_tokens > 1 else 0, ch if iter_heads > 1 else 0)
-    return paged, contig
-
-
 def _host_device_pointer(ptr: int) -> int:
     """Device alias of pinned host memory. With UVA, memory from cudaHostAlloc (torch's pinned allocator)
     has the same address on host and device; ask the CUDA runtime when the compiled extension has it, for
     memory that was registered instead."""
-    try:
-        from .. import _C  # type: ignore[attr-defined]
-    except ImportError:
-        return ptr
     if getattr(_C, "has_cuda", False):
         return int(_C.cuda_host_device_pointer(ptr))
     return ptr
@@ -323,27 +294,33 @@ def _launch_args(plan: CopyPlan, ptrs: list[int], ids: torch.Tensor, buf: torch.
 
     Kept apart from :func:`copy_rows` so a compile check can build the exact launch without a GPU.
     """
-    row_bytes, iter_tokens, iter_heads = _collapse(plan)
-    rows_per_entry = iter_tokens * iter_heads
-    total_rows = plan.num_layers * plan.paged.num_planes * plan.num_ids * rows_per_entry
-    if total_rows == 0 or row_bytes == 0:
-        return None
-
     device = anchor.device
     contig_ptr = buf.data_ptr()
     if buf.device.type == "cpu" and device.type == "cuda":
         contig_ptr = _host_device_pointer(contig_ptr)
-    # copy_width() of kv_layout.h, over the strides that move an address (see _used_strides).
-    paged, contig = _used_strides(plan, iter_tokens, iter_heads)
-    bits = row_bytes | contig_ptr
-    for v in (*paged, *contig, *ptrs):
-        bits |= v
-    word, word_dtype = next((w, d) for w, d in _WORDS if bits % w == 0)
-    unit = 16 if bits % 16 == 0 else word  # bytes per unit of the offsets passed to the kernel
+    # plan_launch() of kv_layout.h: collapse_rows(), then the strides whose index is always 0 set to 0
+    # (they must not narrow the word nor be divided into units), and copy_width() over the rest.
+    launch = _C.plan_launch(*_c_descs(plan), plan.row_bytes, plan.num_layers, plan.num_ids, plan.mode, ptrs,
+                            contig_ptr)
+    p = launch.params
+    row_bytes, iter_heads = p.row_bytes, p.iter_heads
+    rows_per_entry = p.iter_tokens * iter_heads
+    total_rows = plan.num_layers * p.paged.num_planes * plan.num_ids * rows_per_entry
+    if total_rows == 0 or row_bytes == 0:
+        return None
+
+    # One alignment, two uses: CUDA moves copy_width() bytes per vector; Triton's widest word is int64, so
+    # it moves min(width, 8)-byte words and, when width == 16, passes offsets in 16-byte units (VEC = 2
+    # words per unit) so that the compiler can prove 128-bit alignment. unit == width in every case.
+    unit = launch.width  # bytes per unit of the offsets passed to the kernel
+    word = min(unit, 8)
+    word_dtype = _WORDS[word]
     row_words = row_bytes // word
     block_r, block_c, col_iters, grid_c = _tiles(total_rows, row_words, unit // word)
     idx32 = total_rows + block_r < _IDX32_LIMIT and (
-        plan.mode == _BLOCKS or plan.paged.num_blocks * plan.paged.block_size < _IDX32_LIMIT)
+        plan.mode == _BLOCKS or p.paged.num_blocks * p.paged.block_size < _IDX32_LIMIT)
+    paged = (p.paged.plane_stride, p.paged.block_stride, p.paged.token_stride, p.paged.head_stride)
+    contig = (p.contig.layer_stride, p.contig.plane_stride, p.contig.token_stride, p.contig.head_stride)
 
     anchor_ptr = ptrs[0]
     # The kernel sees the anchor as bytes: its element type is part of Triton's compile key, so passing the
@@ -352,10 +329,9 @@ def _launch_args(plan: CopyPlan, ptrs: list[int], ids: torch.Tensor, buf: torch.
         anchor.untyped_storage(), anchor.storage_offset() * anchor.element_size(), (1,), (1,))
     table = _layer_table(ptrs, anchor_ptr, unit, device)
     grid = (triton.cdiv(total_rows, block_r), grid_c)
-    pg = plan.paged
     args = (anchor_bytes, table, ids, (contig_ptr - anchor_ptr) // unit,
-            total_rows, row_bytes // unit, plan.num_ids, pg.num_planes, pg.block_size, iter_heads, rows_per_entry,
-            *(s // unit for s in paged), *(s // unit for s in contig))
+            total_rows, row_bytes // unit, plan.num_ids, p.paged.num_planes, p.paged.block_size, iter_heads,
+            rows_per_entry, *(s // unit for s in paged), *(s // unit for s in contig))
     meta = dict(WORD=word_dtype, VEC=unit // word, IDX=tl.int32 if idx32 else tl.int64, MODE=plan.mode,
                 GATHER=direction == _GATHER, BLOCK_R=block_r, BLOCK_C=block_c, COL_ITERS=col_iters)
     if not _INTERPRETED:

@@ -134,7 +134,7 @@ def test_opaque_cpu_backend_pages_refuse_tokens():
     with pytest.raises(ValueError, match="layout: 'cpu' pages are packed by the attention backend"):
         ops.gather_blocks(lay, [0])
     pages = ops.gather_pages(lay, [2, 0])            # whole pages are fine
-    assert pages.shape == lay.page_shape(2)
+    assert torch.equal(pages, ops.gather_pages(lay, [2, 0], impl="reference"))
 
 
 def test_pages_need_a_dense_page():
@@ -144,6 +144,9 @@ def test_pages_need_a_dense_page():
 
 
 def test_empty_ids_are_a_no_op(lay):
+    before = [t.clone() for t in lay.layers]
     out = ops.gather_blocks(lay, [])
     assert out.shape == lay.canonical_shape(0)
     ops.scatter_slots(lay, torch.empty(0, dtype=torch.int64), torch.empty(lay.canonical_shape(0), dtype=torch.float16))
+    for t, b in zip(lay.layers, before):            # bitwise: the random cache bytes include NaNs
+        assert torch.equal(t.view(torch.int16), b.view(torch.int16))

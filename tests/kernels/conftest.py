@@ -1,0 +1,22 @@
+"""The kernel suite needs the compiled extension: a missing or broken ``kvx._C`` fails every test here.
+
+``kvx._C`` is always built (``setup.py``: the CPU kernels need only a C++ compiler), so its absence is a
+broken install, never a reason to skip: skipping would report a green suite that ran no kernel at all.
+Only GPU tests skip (no CUDA device), and Triton tests when triton itself is not installed.
+"""
+
+import pytest
+
+try:
+    import kvx._C  # noqa: F401
+    C_ERROR = None
+except ImportError as e:  # the message names the missing .so or the unresolved symbol
+    C_ERROR = f"{type(e).__name__}: {e}"
+
+
+@pytest.fixture(autouse=True)
+def _require_compiled_extension():
+    if C_ERROR is not None:
+        pytest.fail(f"kvx._C failed to import ({C_ERROR}); the kernel tests need it. Build it with "
+                    "`./scripts/setup.sh` or `pip install -e .` from the kvx source tree (a C++17 compiler on "
+                    "PATH).", pytrace=False)
