@@ -46,7 +46,8 @@ class ChunkSave:
 
     ``slot``: CPU pool slot to gather into (None: no CPU copy). ``to_disk``: also write the chunk file.
     ``from_slot``: the bytes are already in this CPU slot (no gather; e.g. write-through to disk of a
-    chunk that was loaded from the CPU tier).
+    chunk that was loaded from the CPU tier). ``deps``: blocks this chunk's KV depends on whose loads are
+    not verified yet; a worker on which one of them failed drops the save (:mod:`.validity`).
     """
 
     req_id: str
@@ -56,6 +57,7 @@ class ChunkSave:
     slot: int | None
     to_disk: bool
     from_slot: int | None = None
+    deps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -76,12 +78,14 @@ class KVXWorkerMetadata(KVConnectorWorkerMetadata):
     unstored:  CPU slot write failed or skipped, per key
     disk_done: disk write of a chunk finished (written, or already present / failed), per key
     loads_done: a request's load finished (successfully or not), per request id
+    failed_blocks: blocks whose load failed on a worker (union over workers)
     """
 
     stored: dict[str, int] = field(default_factory=dict)
     unstored: dict[str, int] = field(default_factory=dict)
     disk_done: dict[str, int] = field(default_factory=dict)
     loads_done: dict[str, int] = field(default_factory=dict)
+    failed_blocks: list[int] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVXWorkerMetadata):
@@ -91,7 +95,8 @@ class KVXWorkerMetadata(KVConnectorWorkerMetadata):
             merged = Counter(getattr(self, name))
             merged.update(getattr(other, name))
             setattr(out, name, dict(merged))
+        out.failed_blocks = sorted(set(self.failed_blocks) | set(other.failed_blocks))
         return out
 
     def is_empty(self) -> bool:
-        return not (self.stored or self.unstored or self.disk_done or self.loads_done)
+        return not (self.stored or self.unstored or self.disk_done or self.loads_done or self.failed_blocks)

@@ -17,25 +17,30 @@ Life of a request:
    (block ids per chunk; pin CPU slots; allocate CPU slots to promote disk hits into).
 3. ``build_connector_meta`` each step: emit new loads; plan saves of every chunk this step completes
    (prompt only unless ``save_decode``; minus ``skip_last_n_tokens``; trailing partial chunk only with
-   ``save_partial_chunks``), to every tier that lacks it; note preempted requests.
-4. ``update_connector_output``: worker completion counts commit/abort CPU slots, release pins.
+   ``save_partial_chunks``), to every tier that lacks it; note preempted requests. A save whose KV
+   depends on blocks whose loads are not verified yet carries them (:mod:`.validity`): a chunk computed
+   against a failed load is never stored.
+4. ``update_connector_output``: worker completion counts commit/abort CPU slots, release pins; failed
+   loads poison the saves that depend on them and rewind the requests' save cursors, so the chunks vLLM
+   recomputes are stored again.
 5. ``request_finished``: drop the tracker (blocks are freed at once: saves are fenced on the workers).
 """
 
 from __future__ import annotations
 
 import enum
-import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ..log import get_logger
 from ..store import CPUIndex, DiskStore, SlotState
 from .common import EngineGeometry, num_cpu_slots
 from .config import KVXConfig
 from .keys import MMItem, chunk_keys, rank_key, request_root
 from .metadata import ChunkLoad, ChunkSave, KVXMetadata, KVXWorkerMetadata, LoadSpec
+from .validity import BlockValidity
 
-log = logging.getLogger("kvx")
+log = get_logger(__name__)
 
 
 class Phase(enum.Enum):
@@ -127,6 +132,10 @@ class KVXScheduler:
         self._load_pins: dict[str, list[str]] = {}      # req_id -> CPU keys pinned for its load
         self._disk_inflight: set[str] = set()            # keys being written to disk
         self._disk_holds: set[str] = set()               # of those, keys whose CPU slot the write holds
+        self.validity = BlockValidity(self.blocks_per_chunk)
+        self._poisoned: set[str] = set()                 # CPU slots being written with KV of a failed load
+        self._disk_after_commit: dict[str, int] = {}     # key -> tokens: write through once committed
+        self._write_through: list[tuple[str, int]] = []  # committed (key, tokens) to write to disk next step
         self._counts: dict[str, Counter] = {n: Counter() for n in ("stored", "unstored", "disk_done",
                                                                     "loads_done")}
         self.stats = Counter()
@@ -230,14 +239,17 @@ class KVXScheduler:
         pins = [key for key, tier, *_ in spans if tier == "cpu"]
         slots = dict(zip(pins, self.cpu.pin(pins))) if pins else {}
         chunks: list[ChunkLoad] = []
+        loaded: dict[int, int] = {}
         for key, tier, ntok, cb0, lo, hi in spans:
             slot = slots.get(key)
             if tier == "disk" and self.cpu is not None and self.config.promote and self.cpu.state(key) is None:
                 slot = self.cpu.allocate(key)          # promote the disk hit into the CPU tier
             shared = end % bs != 0 and hi == end_blk     # the last block also gets this step's tokens
             chunks.append(ChunkLoad(key, tier, slot, table[lo:hi], lo - cb0, ntok, before_forward=shared))
+            loaded.update((b, cb0 // self.blocks_per_chunk) for b in table[lo:hi])
             self.stats[f"hit_tokens_{tier}"] += min(hi * bs, end) - max(lo * bs, start)
         self._load_pins[request.request_id] = pins
+        self.validity.loading(request.request_id, loaded)
         self._new_loads.append(LoadSpec(request.request_id, chunks, self.config.load_async))
         t.phase = Phase.LOADING if self.config.load_async else Phase.RUNNING
         t.plan = None
@@ -274,16 +286,30 @@ class KVXScheduler:
             new = cached.new_block_ids[i] if cached.new_block_ids else None
             if t is not None and new is not None:
                 t.block_ids = list(new[0]) if rid in resumed else t.block_ids + list(new[0])
+        entries = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
+        entries += list(zip(cached.req_ids, cached.num_computed_tokens))
+        block_state = getattr(so, "kv_connector_block_state", None)
+        if self.validity:
+            self._mark_computed(so, entries, block_state)
         if self.producer:
-            entries = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
-            entries += list(zip(cached.req_ids, cached.num_computed_tokens))
-            block_state = getattr(so, "kv_connector_block_state", None)
             for rid, computed in entries:
                 t = self.trackers.get(rid)
                 if t is not None:
                     self._plan_saves(t, computed + so.num_scheduled_tokens.get(rid, 0),
                                      len(so.scheduled_spec_decode_tokens.get(rid, ())), block_state, meta)
+            self._plan_write_through(meta)
         return meta
+
+    def _mark_computed(self, so, entries, block_state) -> None:
+        """Blocks this step's forward writes from their first token hold verified KV after it."""
+        bs = self.geom.block_size
+        for rid, start in entries:
+            end = start + so.num_scheduled_tokens.get(rid, 0)
+            first, last = -(-start // bs), -(-end // bs)
+            if first < last:
+                t = self.trackers.get(rid)
+                table = self._table(t, block_state) if t is not None else self._state_table(rid, block_state)
+                self.validity.computed(table[first:last])
 
     def _plan_saves(self, t: RequestTracker, done: int, num_spec: int, block_state, meta: KVXMetadata) -> None:
         req = t.request
@@ -301,34 +327,51 @@ class KVXScheduler:
             table = self._table(t, block_state)
             for c in range(t.saved_chunks, nfull):
                 b0 = c * self.blocks_per_chunk
-                self._plan_one(t, keys[c], table[b0: b0 + self.blocks_per_chunk], self.chunk_size, meta)
-            t.saved_chunks = nfull
+                if not self._plan_one(t, keys[c], table, b0, b0 + self.blocks_per_chunk, self.chunk_size, meta):
+                    return      # depends on a failed load: saved from here once vLLM recomputed it
+                t.saved_chunks = c + 1
         if (self.config.save_partial_chunks and not t.partial_done and done >= prompt and end > 0
-                and limit < (nfull + 1) * self.chunk_size):
-            t.partial_done = True
+                and limit < (nfull + 1) * self.chunk_size and t.saved_chunks == nfull):
             rest = ((end - nfull * self.chunk_size) // self.geom.block_size) * self.geom.block_size
             if rest > 0:
                 t.full_keys(nfull * self.chunk_size, self.chunk_size)
                 table = table if table is not None else self._table(t, block_state)
                 b0 = nfull * self.blocks_per_chunk
                 key = t.partial_key(nfull, rest, self.chunk_size)
-                self._plan_one(t, key, table[b0: b0 + rest // self.geom.block_size], rest, meta)
+                if not self._plan_one(t, key, table, b0, b0 + rest // self.geom.block_size, rest, meta):
+                    return
+            t.partial_done = True
 
     def _table(self, t: RequestTracker, block_state) -> list[int]:
-        if block_state is not None:
-            ids = block_state.get_block_ids(t.req_id)
-            if ids is not None:
-                return list(ids[0])
-        return t.block_ids
+        return self._state_table(t.req_id, block_state) or t.block_ids
 
-    def _plan_one(self, t: RequestTracker, key: str, block_ids: list[int], tokens: int, meta: KVXMetadata) -> None:
+    @staticmethod
+    def _state_table(rid: str, block_state) -> list[int]:
+        ids = block_state.get_block_ids(rid) if block_state is not None else None
+        return list(ids[0]) if ids is not None else []
+
+    def _plan_one(self, t: RequestTracker, key: str, table: list[int], b0: int, b1: int, tokens: int,
+                  meta: KVXMetadata) -> bool:
+        """Plan saving ``table[b0:b1]`` as chunk ``key`` to every tier lacking it. Returns False (nothing
+        planned) if its KV depends on a block whose load is known to have failed."""
+        block_ids = table[b0:b1]
         if len(block_ids) * self.geom.block_size != tokens:
             log.warning("kvx: request %s: %d blocks for a %d-token chunk; not saving it", t.req_id,
                         len(block_ids), tokens)
-            return
+            return True
+        deps = self.validity.unverified(table, b1)
+        if deps and self.validity.known_bad(deps):
+            self.stats["saves_deferred"] += 1
+            return False
         state = self.cpu.state(key) if self.cpu is not None else None
         slot = self.cpu.allocate(key) if self.cpu is not None and state is None else None
         to_disk = self.disk is not None and key not in self._disk_inflight and not self._on_disk(key)
+        if to_disk and deps and self.num_workers > 1:
+            # A rank cannot know in time that a load failed on another rank: only the scheduler hears every
+            # worker. Gather into the CPU tier now; write the chunk through to disk once it is committed.
+            to_disk = False
+            if slot is not None:
+                self._disk_after_commit[key] = tokens
         from_slot = None
         if to_disk:
             if state is SlotState.READY:
@@ -339,9 +382,27 @@ class KVXScheduler:
                 self._disk_holds.add(key)
             self._disk_inflight.add(key)
         if slot is None and not to_disk:
-            return
-        meta.saves.append(ChunkSave(t.req_id, key, list(block_ids), tokens, slot, to_disk, from_slot))
+            return True
+        if deps:
+            self.validity.guard(t.req_id, key, deps)
+        meta.saves.append(ChunkSave(t.req_id, key, list(block_ids), tokens, slot, to_disk, from_slot,
+                                    deps=sorted(deps)))
         self.stats["saves"] += 1
+        return True
+
+    def _plan_write_through(self, meta: KVXMetadata) -> None:
+        """Write committed CPU chunks through to disk (saves that depended on loads when planned, with
+        several workers)."""
+        todo, self._write_through = self._write_through, []
+        for key, tokens in todo:
+            if (self.cpu.state(key) is not SlotState.READY or key in self._disk_inflight
+                    or self._on_disk(key)):
+                continue
+            from_slot = self.cpu.hold(key)
+            self._disk_holds.add(key)
+            self._disk_inflight.add(key)
+            meta.saves.append(ChunkSave("", key, [], tokens, None, True, from_slot))
+            self.stats["saves"] += 1
 
     # ------------------------------------------------------------------ step 4: worker results
     def update_connector_output(self, output) -> None:
@@ -349,6 +410,8 @@ class KVXScheduler:
         if not isinstance(wm, KVXWorkerMetadata):
             return
         c = self._counts
+        if wm.failed_blocks:
+            self._on_failed_loads(wm.failed_blocks)
         for key, n in wm.disk_done.items():
             c["disk_done"][key] += n
             if c["disk_done"][key] >= self.num_workers:
@@ -361,12 +424,16 @@ class KVXScheduler:
             c["stored"][key] += wm.stored.get(key, 0)
             c["unstored"][key] += wm.unstored.get(key, 0)
             if c["stored"][key] + c["unstored"][key] >= self.num_workers:
-                ok = c["unstored"][key] == 0
+                ok = c["unstored"][key] == 0 and key not in self._poisoned
+                self._poisoned.discard(key)
+                tokens = self._disk_after_commit.pop(key, None)
                 del c["stored"][key], c["unstored"][key]
                 if self.cpu is None or self.cpu.state(key) is not SlotState.PENDING:
                     continue
                 if ok:
                     self.cpu.commit(key)
+                    if tokens is not None:
+                        self._write_through.append((key, tokens))
                 else:
                     self.cpu.abort(key)
                     self.stats["cpu_store_failed"] += 1
@@ -377,9 +444,24 @@ class KVXScheduler:
                 pins = self._load_pins.pop(rid, [])
                 if pins:
                     self.cpu.unpin(pins)
+                self.validity.load_done(rid)
                 t = self.trackers.get(rid)
                 if t is not None and t.phase is Phase.LOADING:
                     t.phase = Phase.RUNNING
+        self.validity.settle()
+
+    def _on_failed_loads(self, blocks: list[int]) -> None:
+        """Workers could not load these blocks; vLLM recomputes them. Saves computed against them are
+        poisoned, and every request affected saves its chunks again from the first failed one."""
+        verdict = self.validity.failed(blocks)
+        if self.cpu is not None:   # the slots they gather into are aborted when the workers report them
+            self._poisoned |= {k for k in verdict.poisoned if self.cpu.state(k) is SlotState.PENDING}
+        for rid, chunk in verdict.rewind.items():
+            t = self.trackers.get(rid)
+            if t is not None:
+                t.saved_chunks = min(t.saved_chunks, chunk)
+                t.partial_done = False
+        self.stats["saves_poisoned"] += len(verdict.poisoned)
 
     # ------------------------------------------------------------------ step 5: end of a request
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
@@ -391,7 +473,7 @@ class KVXScheduler:
         return stats
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._disk_inflight or self._load_pins
+        return bool(self._disk_inflight or self._load_pins or self._write_through
                     or (self.cpu is not None and any(self._counts[n] for n in ("stored", "unstored"))))
 
     def reset_cache(self) -> bool:

@@ -1,9 +1,9 @@
 """Connector metrics: counters summed over workers and steps, reported through vLLM's stats path.
 
 Keys (all counters): ``loaded_chunks``, ``loaded_blocks``, ``load_ms``, ``load_errors``, ``disk_reads``,
-``saved_chunks``, ``save_ms``, ``save_errors``, ``disk_writes``, ``disk_write_ms``, ``disk_write_errors``
-(workers); ``lookups``, ``loads``, ``saves``, ``hit_tokens_cpu``, ``hit_tokens_disk``,
-``cpu_store_failed`` (scheduler).
+``saved_chunks``, ``save_ms``, ``save_errors``, ``saves_dropped``, ``disk_writes``, ``disk_write_ms``,
+``disk_write_errors`` (workers); ``lookups``, ``loads``, ``saves``, ``hit_tokens_cpu``, ``hit_tokens_disk``,
+``cpu_store_failed``, ``saves_deferred``, ``saves_poisoned`` (scheduler).
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ COUNTERS = {
     "hit_tokens_cpu": "Prompt tokens served from the CPU tier",
     "hit_tokens_disk": "Prompt tokens served from the disk tier",
     "cpu_store_failed": "Chunks whose CPU-tier write failed on a worker",
+    "saves_deferred": "Chunk saves held back because their KV depends on a failed load (saved after recompute)",
+    "saves_poisoned": "In-flight chunk saves discarded because a load they depend on failed",
+    "saves_dropped": "Chunk saves a worker dropped because a load they depend on failed there",
     "loaded_chunks": "Chunks loaded into the paged KV cache",
     "loaded_blocks": "vLLM blocks filled from kvx",
     "load_ms": "Milliseconds spent loading (per worker, summed)",

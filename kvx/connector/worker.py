@@ -11,7 +11,9 @@ uses every core). A chunk that cannot be read or verified is not written; its bl
 ``get_block_ids_with_load_errors`` so vLLM recomputes them.
 
 Saves (``wait_for_save``): after the forward wrote the KV (a marker on the compute stream), one gather
-per chunk into its CPU slot (or a staging buffer), then the file write on an I/O thread. On CPU the
+per chunk into its CPU slot (or a staging buffer), then the file write on an I/O thread. A save whose
+KV depends on a block whose load failed on this worker is dropped before anything is gathered
+(:mod:`.validity`); the failed blocks go back to the scheduler with the step's results. On CPU the
 gathers finish before ``wait_for_save`` returns; on CUDA they run on the side stream and the compute
 stream is fenced on them (``handle_preemptions``) before blocks of finished or preempted requests can
 be reused.
@@ -22,8 +24,8 @@ writes: touches only the tensors handed to it) and the engine's copy thread on C
 
 from __future__ import annotations
 
-import logging
 import os
+import re
 import threading
 import time
 from collections import Counter
@@ -35,13 +37,21 @@ import torch
 from .. import ops
 from ..engine import Job, TransferEngine
 from ..layout import KVLayout
+from ..log import Throttle, get_logger
 from ..store import CPUPool, DiskStore
 from .common import EngineGeometry, num_cpu_slots
 from .config import KVXConfig
 from .keys import rank_key
 from .metadata import ChunkLoad, ChunkSave, KVXMetadata, KVXWorkerMetadata, LoadSpec
+from .validity import LoadOutcomes
 
-log = logging.getLogger("kvx")
+log = get_logger(__name__)
+
+
+def _cause(what: str, e: BaseException) -> str:
+    """What a failure is, without the chunk key or path: the unit :class:`kvx.log.Throttle` counts."""
+    text = re.sub(r"[0-9a-f]{16,}|/\S*|\(.*?\)", "", str(e))
+    return f"{what}: {type(e).__name__}: {' '.join(text.split())[:80]}"
 
 
 def _background_priority() -> None:
@@ -122,6 +132,8 @@ class KVXWorker:
         self._saves: list[_Save] = []
         self._fence_reqs: set[str] = set()
         self._errors: set[int] = set()
+        self.outcomes = LoadOutcomes()
+        self.throttle = Throttle(log)
         self._out = KVXWorkerMetadata()
         self._stats = Counter()
         self.totals = Counter()               # every counter since start (take_stats adds to it)
@@ -254,6 +266,7 @@ class KVXWorker:
         sources: list[tuple[ChunkLoad, Future]] = []
         load = _Load(spec, [], {ch.key: ch.block_ids for ch in spec.chunks})
         for ch in spec.chunks:
+            self.outcomes.started(ch.block_ids)
             if ch.tier == "cpu":
                 f: Future = Future()
                 f.set_result(self._slot_view(ch.slot, ch.tokens))
@@ -269,8 +282,8 @@ class KVXWorker:
                     with load.lock:
                         if ch.key not in load.failed:
                             load.failed.add(ch.key)
-                            log.warning("kvx: request %s: chunk %s not loaded (%s); vLLM will recompute",
-                                        spec.req_id, ch.key, e)
+                            self.throttle.warning(_cause("load", e), "kvx: request %s: chunk %s not loaded (%s); "
+                                                  "vLLM recomputes it", spec.req_id, ch.key, e)
                     continue
                 self._scatter(sub, ch.block_ids, self._blocks_view(src, ch.first_block, len(ch.block_ids),
                                                                    (a, b)))
@@ -328,7 +341,8 @@ class KVXWorker:
     def _fail_all(self, load: _Load, e: BaseException) -> None:
         with load.lock:
             if len(load.failed) < len(load.spec.chunks):
-                log.error("kvx: request %s: load failed (%s); vLLM will recompute", load.spec.req_id, e)
+                self.throttle.error(_cause("copy", e), "kvx: request %s: load failed (%s); vLLM recomputes it",
+                                    load.spec.req_id, e)
                 load.failed.update(load.blocks)
 
     def _finish_load(self, load: _Load) -> None:
@@ -340,6 +354,8 @@ class KVXWorker:
         for ch in load.spec.chunks:
             if ch.key in load.failed:
                 self._errors.update(ch.block_ids)
+                self.outcomes.failed(ch.block_ids)
+                self._out.failed_blocks.extend(ch.block_ids)
                 self._stats["load_errors"] += 1
             if ch.tier == "disk" and ch.slot is not None:
                 _count(self._out.unstored if ch.key in load.failed else self._out.stored, ch.key)
@@ -359,6 +375,15 @@ class KVXWorker:
         marker = self.engine.marker()
         t0 = time.perf_counter()
         for s in meta.saves:
+            if s.deps and self.outcomes.taints(s.deps):
+                # computed against KV that never arrived: vLLM recomputes it, and the scheduler plans the
+                # chunk again once it has
+                if s.slot is not None:
+                    _count(self._out.unstored, s.key)
+                if s.to_disk:
+                    _count(self._out.disk_done, s.key)
+                self._stats["saves_dropped"] += 1
+                continue
             rec = _Save(s, None)
             if s.from_slot is not None:
                 src = self._slot_view(s.from_slot, s.tokens)
@@ -419,7 +444,7 @@ class KVXWorker:
                     rec.reported_cpu = True
                     err = rec.job.error()
                     if err is not None:
-                        log.error("kvx: saving chunk %s failed: %s", s.key, err)
+                        self.throttle.error(_cause("save", err), "kvx: saving chunk %s failed: %s", s.key, err)
                         self._stats["save_errors"] += 1
                     if s.slot is not None:
                         _count(self._out.unstored if err is not None else self._out.stored, s.key)
@@ -429,7 +454,8 @@ class KVXWorker:
                 if rec.disk.done():
                     err = rec.disk.exception()
                     if err is not None:
-                        log.error("kvx: writing chunk %s to disk failed: %s", s.key, err)
+                        self.throttle.error(_cause("disk write", err), "kvx: writing chunk %s to disk failed: %s",
+                                            s.key, err)
                         self._stats["disk_write_errors"] += 1
                     elif rec.disk.result():
                         self._stats["disk_writes"] += 1

@@ -1,8 +1,16 @@
-"""Drive KVXConnector through vLLM's real Scheduler, with a worker-role connector on real CPU caches.
+"""Drive KVXConnector through vLLM's real Scheduler, with worker-role connectors on real CPU caches.
 
-The "model" is simulated: after each step, the page of every block a request has written is filled
-with bytes derived from the request's tokens up to the end of that block (and the layer), so a page
-that kvx loads can be checked against what a cold computation would have produced.
+The "model" is simulated: each step fills the page of every block a request computes with bytes
+derived from the request's tokens up to the end of that block (and the layer), so a page that kvx
+loads can be checked against what a cold computation would have produced. Like attention, a computed
+block depends on every block before it in the request: if one of those does not hold what a cold run
+would have put there (a load that failed and left stale bytes), the block is computed *poisoned*
+(different bytes). :meth:`Env.assert_store_sound` then checks that every chunk kvx holds, in every
+tier, is exactly the cold computation of its tokens.
+
+``tp=2`` runs two worker-role connectors (ranks 0 and 1 of a simulated tensor-parallel group, each with
+its own caches), aggregated as vLLM's executor aggregates them; a rank's computed blocks are poisoned
+if a block they depend on is wrong on *any* rank (the all-reduce mixes every rank's attention).
 """
 
 from __future__ import annotations
@@ -28,12 +36,15 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvx.connector import KVXConnector  # noqa: E402
+from kvx.connector.metadata import KVXMetadata, KVXWorkerMetadata  # noqa: E402
 from kvx.harness import make_tiny_llama  # noqa: E402
+from kvx.store import SlotState  # noqa: E402
 from kvx.testing import make_kv_caches  # noqa: E402
 
 BLOCK = 128
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 HEADS, HEAD = 2, 64
+POISON = 1 << 30     # salt of a block computed against a wrong prefix
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +68,8 @@ class Env:
 
     pattern = staticmethod(page_pattern)
 
-    def __init__(self, model_dir, extra, *, role="kv_both", num_blocks=64, max_batched=4096, policy="recompute"):
+    def __init__(self, model_dir, extra, *, role="kv_both", num_blocks=64, max_batched=4096, policy="recompute",
+                 tp=1, chunks=None):
         mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=4096)
         sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
                              enable_chunked_prefill=True, is_encoder_decoder=False,
@@ -77,13 +89,25 @@ class Env:
                                structured_output_manager=StructuredOutputManager(self.vc), block_size=BLOCK,
                                hash_block_size=BLOCK, log_stats=True)
         self.conn: KVXConnector = self.sched.connector
-        self.worker = KVXConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
-        self.caches = make_kv_caches("cpu", num_layers=2, num_blocks=num_blocks, block_size=BLOCK, num_heads=HEADS,
-                                     head_size=HEAD, dtype=torch.bfloat16)
-        for t in self.caches:
-            t.zero_()
-        self.worker.register_kv_caches(dict(zip(LAYERS, self.caches)))
+        if tp > 1:   # one level below real TP: the scheduler counts tp workers, each stores its own shard
+            self.conn._scheduler.num_workers = self.conn._scheduler.shards = tp
+        self.workers: list[KVXConnector] = []
+        self.rank_caches: list[list[torch.Tensor]] = []
+        for rank in range(tp):
+            w = KVXConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
+            w._worker.shard, w._worker.shards = rank, tp
+            caches = make_kv_caches("cpu", num_layers=2, num_blocks=num_blocks, block_size=BLOCK, num_heads=HEADS,
+                                    head_size=HEAD, dtype=torch.bfloat16)
+            for t in caches:
+                t.zero_()
+            w.register_kv_caches(dict(zip(LAYERS, caches)))
+            self.workers.append(w)
+            self.rank_caches.append(caches)
+        self.worker, self.caches = self.workers[0], self.rank_caches[0]
         self.page_bytes = HEADS * BLOCK * 2 * HEAD * 2
+        self.chunks = chunks if chunks is not None else {}   # key -> (tokens, first block): every chunk planned
+        self.writes: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, block) -> (tokens, salt) last written
+        self._recving: dict[str, int] = {}
         self.metas = []           # scheduler->worker metadata per step
         self.stats = {}
         self.load_errors = []     # invalid block ids reported per step
@@ -100,8 +124,8 @@ class Env:
         self.sched.add_request(r)
         return r
 
-    def page(self, layer, block) -> torch.Tensor:
-        return self.caches[layer][block].reshape(-1).view(torch.uint8)
+    def page(self, layer, block, rank=0) -> torch.Tensor:
+        return self.rank_caches[rank][layer][block].reshape(-1).view(torch.uint8)
 
     def expected_page(self, req, block_index, layer) -> torch.Tensor:
         return page_pattern(list(req.all_token_ids[: (block_index + 1) * BLOCK]), layer, self.page_bytes)
@@ -113,35 +137,47 @@ class Env:
         so = self.sched.schedule()
         meta = so.kv_connector_metadata
         self.metas.append(meta)
-        w = self.worker
-        w.handle_preemptions(meta)
-        w.bind_connector_metadata(meta)
-        if so.has_sync_kv_loads:
-            w.start_load_kv(None)
+        self._note_chunks(meta)
         forward = so.total_num_scheduled_tokens > 0
+        wms, errors, sending = [], set(), set()
+        for w in self.workers:
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
+            if so.has_sync_kv_loads:
+                w.start_load_kv(None)
         if forward:
             # as on vLLM's CPU backend: each layer's new KV is written, then wait_for_layer_load, then
             # attention would read the layer, then save_kv_layer
             for layer, name in enumerate(LAYERS):
                 self._simulate_forward(so, layer)
-                w.wait_for_layer_load(name)
-                w.save_kv_layer(name, self.caches[layer], None)
-        else:
-            w.start_load_kv(None)
-        if forward and not so.has_sync_kv_loads:
-            w.start_load_kv(None)
-        w.wait_for_save()
-        sending, recving = w.get_finished(so.finished_req_ids)
-        errors = w.get_block_ids_with_load_errors()
+                for rank, w in enumerate(self.workers):
+                    w.wait_for_layer_load(name)
+                    w.save_kv_layer(name, self.rank_caches[rank][layer], None)
+        for w in self.workers:
+            if not forward or not so.has_sync_kv_loads:
+                w.start_load_kv(None)
+            w.wait_for_save()
+            s_, r_ = w.get_finished(so.finished_req_ids)
+            sending |= s_ or set()
+            for rid in r_ or ():
+                self._recving[rid] = self._recving.get(rid, 0) + 1
+            errors |= w.get_block_ids_with_load_errors()
+            stats = w.get_kv_connector_stats()
+            if settle_writes:
+                w._worker._poll_saves(block=True)
+            wms.append(w.build_connector_worker_meta())
+            w.clear_connector_metadata()
+            if stats is not None:
+                for k, v in stats.data.items():
+                    self.stats[k] = self.stats.get(k, 0) + v
         self.load_errors.append(errors)
-        stats = w.get_kv_connector_stats()
-        if settle_writes:
-            w._worker._poll_saves(block=True)
-        wm = w.build_connector_worker_meta()
-        w.clear_connector_metadata()
-        if stats is not None:
-            for k, v in stats.data.items():
-                self.stats[k] = self.stats.get(k, 0) + v
+        wm = None
+        for m in wms:              # vLLM's KVOutputAggregator: merge the ranks' metadata
+            wm = m if wm is None else (wm.aggregate(m) if m is not None else wm)
+        # ... and pass a finished id on once every rank reported it
+        finished_recving = {rid for rid, n in self._recving.items() if n >= len(self.workers)}
+        for rid in finished_recving:
+            del self._recving[rid]
         ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
         sampled = []
         for rid in ids:
@@ -151,25 +187,104 @@ class Env:
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=sampled,
                                 kv_connector_output=KVConnectorOutput(
-                                    finished_sending=sending, finished_recving=recving, invalid_block_ids=errors,
-                                    kv_connector_worker_meta=wm))
+                                    finished_sending=sending or None, finished_recving=finished_recving or None,
+                                    invalid_block_ids=errors, kv_connector_worker_meta=wm))
         self.sched.update_from_output(so, out)
         self.steps += 1
         return so
 
     def _simulate_forward(self, so, layer):
+        """Write the KV of this step's tokens at ``layer``. It depends on what the attention of every earlier
+        layer read: the request's earlier blocks, on every rank. If one of them is not what a cold run
+        puts there, the block gets poisoned bytes instead."""
         entries = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
         entries += list(zip(cached.req_ids, cached.num_computed_tokens))
         for rid, start in entries:
             req = self.sched.requests[rid]
+            tokens = list(req.all_token_ids)
             end = start + so.num_scheduled_tokens[rid]
             table = self.sched.kv_cache_manager.get_block_ids(rid)[0]
+            clean = all(self.holds_cold_kv(tokens, bi, table[bi], lower)
+                        for lower in range(layer) for bi in range(start // BLOCK))
             for bi in range(start // BLOCK, -(-end // BLOCK)):
+                n = min((bi + 1) * BLOCK, end)
                 salt = start if (start % BLOCK and bi == start // BLOCK) else 0
-                self.page(layer, table[bi]).copy_(
-                    page_pattern(list(req.all_token_ids[: min((bi + 1) * BLOCK, end)]), layer, self.page_bytes,
-                                 salt))
+                if clean:
+                    self.writes[(layer, table[bi])] = (n, salt)
+                else:
+                    salt = POISON
+                    self.writes.pop((layer, table[bi]), None)
+                for rank in range(len(self.workers)):
+                    self.page(layer, table[bi], rank).copy_(page_pattern(tokens[:n], layer, self.page_bytes, salt))
+
+    def holds_cold_kv(self, tokens, bi, block, layer) -> bool:
+        """Does ``block`` (the request's ``bi``-th) hold, on every rank, what a cold run computes (or what the
+        forward last wrote there for these tokens)?"""
+        want = [page_pattern(tokens[: (bi + 1) * BLOCK], layer, self.page_bytes)]
+        if (layer, block) in self.writes:
+            n, salt = self.writes[(layer, block)]
+            want.append(page_pattern(tokens[:n], layer, self.page_bytes, salt))
+        return all(any(torch.equal(self.page(layer, block, rank), w) for w in want)
+                   for rank in range(len(self.workers)))
+
+    def _note_chunks(self, meta):
+        """Remember which tokens every planned chunk holds (for :meth:`assert_store_sound`)."""
+        if not isinstance(meta, KVXMetadata):
+            return
+        s = self.conn._scheduler
+        for sv in meta.saves:
+            t = s.trackers.get(sv.req_id)
+            if t is None:
+                continue
+            c = t.keys.index(sv.key) if sv.key in t.keys else len(t.keys)   # else the trailing partial chunk
+            chunk = s.chunk_size
+            self.chunks[sv.key] = (list(t.request.all_token_ids[: c * chunk + sv.tokens]), c * chunk // BLOCK)
+
+    def expected_chunk_pages(self, key):
+        """{(layer, i): page} of the cold computation of chunk ``key``'s i-th block."""
+        tokens, b0 = self.chunks[key]
+        n = len(tokens) // BLOCK - b0
+        return {(layer, i): page_pattern(tokens[: (b0 + i + 1) * BLOCK], layer, self.page_bytes)
+                for layer in range(len(LAYERS)) for i in range(n)}
+
+    def assert_store_sound(self) -> int:
+        """Every chunk in every tier (CPU slots on each rank, disk files of each rank) is exactly the cold
+        computation of its tokens. Returns how many chunks were checked."""
+        s = self.conn._scheduler
+        checked = 0
+        if s.cpu is not None:
+            for key, e in list(s.cpu._entries.items()):
+                if e.state is not SlotState.READY:
+                    continue
+                assert key in self.chunks, f"CPU tier holds chunk {key} that no save planned"
+                want = self.expected_chunk_pages(key)
+                for rank, w in enumerate(self.workers):
+                    view = w._worker._slot_view(e.slot, len(want) // len(LAYERS) * BLOCK)
+                    for (layer, i), page in want.items():
+                        assert torch.equal(view[layer, :, i].reshape(-1), page), (
+                            f"CPU tier chunk {key} rank {rank}: block {i} layer {layer} is not the cold KV")
+                checked += 1
+        from kvx.connector.keys import rank_key
+
+        tp = len(self.workers)
+        for w in self.workers:
+            disk = w._worker.disk
+            if disk is None:
+                continue
+            names = {(rank_key(k, w._worker.shard, tp) if tp > 1 else k): k for k in self.chunks}
+            for c in disk.scan():
+                if c.key not in names:
+                    continue   # another rank's shard
+                key = names[c.key]
+                want = self.expected_chunk_pages(key)
+                blocks = len(want) // len(LAYERS)
+                data = disk.get(c.key, w._worker.chunk_shape(blocks * BLOCK), w._worker.chunk_dtype)
+                for (layer, i), page in want.items():
+                    assert torch.equal(data[layer, :, i].reshape(-1), page), (
+                        f"disk chunk {key} rank {w._worker.shard}: block {i} layer {layer} is not the cold KV")
+                checked += 1
+        return checked
 
     def run(self, timeout_s=60.0, settle_writes=False):
         """Step until vLLM has nothing left (requests, or kvx writes still draining)."""
@@ -186,23 +301,27 @@ class Env:
         """No requests, no leaked vLLM blocks, no leaked kvx pins or in-flight bookkeeping."""
         s = self.conn._scheduler
         assert not self.sched.requests
-        assert not s._load_pins and not s._disk_inflight
+        assert not s._load_pins and not s._disk_inflight and not s._poisoned
+        assert not s._disk_after_commit and not s._write_through and not s.validity.num_guards()
         if s.cpu is not None:
             assert s.cpu.pinned() == 0
+            assert not any(e.state is not SlotState.READY for e in s.cpu._entries.values())
         pool = self.sched.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == self.kcc.num_blocks - 1
 
     def close(self):
-        self.worker.shutdown()
+        for w in self.workers:
+            w.shutdown()
         self.conn.shutdown()
 
 
 @pytest.fixture
 def make_env(tiny_model):
     envs = []
+    chunks = {}     # shared by the engines of a test: one may check chunks another one stored
 
     def make(extra, **kw):
-        env = Env(tiny_model, extra, **kw)
+        env = Env(tiny_model, extra, chunks=chunks, **kw)
         envs.append(env)
         return env
 

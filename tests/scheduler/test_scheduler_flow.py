@@ -53,7 +53,7 @@ def test_cold_request_saves_full_prompt_chunks_only(make_env, store_dir):
     assert [s.tokens for s in sv] == [CHUNK, CHUNK]              # 600 tokens: 2 full chunks, no partial
     assert all(s.slot is not None and s.to_disk for s in sv)
     s = env.conn._scheduler
-    assert s.cpu.lookup([x.key for x in sv]) == 2                 # committed after the workers reported
+    assert all(x.key in s.cpu for x in sv)                # committed after the workers reported
     assert sum(1 for _ in s.disk.scan()) == 2
     env.assert_clean()
 
@@ -171,7 +171,7 @@ def test_disk_tier_serves_a_fresh_scheduler(make_env, store_dir):
     assert all(c.slot is not None for c in spec.chunks)          # promoted into the CPU tier
     assert_pages_match(env2, r, so.scheduled_new_reqs[0].block_ids[0][:4], 0)
     env2.run()
-    assert env2.conn._scheduler.cpu.lookup([c.key for c in spec.chunks]) == 2
+    assert all(c.key in env2.conn._scheduler.cpu for c in spec.chunks)
     env2.assert_clean()
 
 
