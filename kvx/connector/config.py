@@ -14,6 +14,7 @@ was given.
 from __future__ import annotations
 
 import math
+import os
 import re
 from fractions import Fraction
 from typing import Annotated, Any, Literal, Union
@@ -156,3 +157,44 @@ def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
             if kind == m.model_fields["type"].annotation.__args__[0]:
                 return list(m.model_fields)
     return list(model.model_fields)
+
+
+def check_paths(config: KVXConfig, writes: bool) -> None:
+    """Check the tiers' paths on this machine: a disk tier's ``path`` is a directory, or can be created
+    as one, and is writable when this engine saves (``writes``: kv_producer or kv_both).
+
+    Raises :class:`ConfigError` naming the key, what was expected and what was given."""
+    problems = []
+    for i, tier in enumerate(config.tiers):
+        if tier.type != "disk":
+            continue
+        where = f"tiers.{i}.path"
+        path = os.path.abspath(os.path.expanduser(tier.path))
+        if os.path.lexists(path) and not os.path.isdir(path):
+            kind = "a file" if os.path.isfile(path) else "not a directory"
+            problems.append(f"{where}: expected a directory (or a path where one can be created), "
+                            f"got {tier.path!r}, which is {kind}")
+            continue
+        probe = path
+        while not os.path.isdir(probe):         # the nearest existing ancestor decides what can be created
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                break
+            if os.path.lexists(parent) and not os.path.isdir(parent):
+                problems.append(f"{where}: expected a directory (or a path where one can be created), "
+                                f"got {tier.path!r}, whose parent {parent!r} is not a directory")
+                probe = None
+                break
+            probe = parent
+        if probe is None:
+            continue
+        if os.access(probe, os.W_OK | os.X_OK):
+            continue
+        if probe != path:
+            problems.append(f"{where}: expected a directory that exists or can be created, got {tier.path!r} "
+                            f"(it does not exist, and {probe!r} is not writable)")
+        elif writes:
+            problems.append(f"{where}: expected a writable directory (this engine saves chunks: kv_role "
+                            f"kv_producer or kv_both), got {tier.path!r}, which this process cannot write")
+    if problems:
+        raise ConfigError("invalid kvx kv_connector_extra_config:\n  " + "\n  ".join(problems))

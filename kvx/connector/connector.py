@@ -18,7 +18,6 @@ it, add ``"kv_connector_module_path": "kvx.connector"``.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -28,14 +27,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from ..log import attach_to_vllm, get_logger
 from .common import chunk_format, engine_geometry, format_fingerprint, namespace, shard_count, worker_shard
-from .config import ConfigError, KVXConfig
+from .config import ConfigError, KVXConfig, check_paths
 from .metadata import KVXMetadata
 from .scheduler import KVXScheduler
 from .stats import KVXStats, build_prom_metrics
 from .worker import KVXWorker
 
-log = logging.getLogger("kvx")
+log = get_logger(__name__)
 
 
 def _layout_name(vllm_config, kv_cache_config) -> str:
@@ -53,9 +53,10 @@ class KVXConnector(KVConnectorBase_V1):
     """kvx's KV connector (see the module docstring)."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        attach_to_vllm()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
-        self.config = KVXConfig.from_extra_config(ktc.kv_connector_extra_config)
+        self.config = self.check_config(ktc)
         if kv_cache_config is None:
             raise ValueError("kv_cache_config: KVXConnector needs vLLM >= 0.32 (the 3-argument constructor)")
         geom = engine_geometry(vllm_config, kv_cache_config)
@@ -83,6 +84,19 @@ class KVXConnector(KVConnectorBase_V1):
                  [t.type for t in self.config.tiers])
 
     # ------------------------------------------------------------------ class-level hooks
+    @classmethod
+    def check_config(cls, kv_transfer_config) -> KVXConfig:
+        """Validate ``kv_connector_extra_config`` and the tiers' paths for this role. Raises
+        :class:`~kvx.connector.config.ConfigError` naming the key, what was expected and what was given.
+
+        Runs as soon as vLLM resolves the connector class while validating its own config (in the
+        front-end process, before any model is loaded; see :mod:`kvx.plugin`), and again in each
+        constructor. The chunk size is checked against the block size in the constructors, the first place
+        the block size is final."""
+        config = KVXConfig.from_extra_config(kv_transfer_config.kv_connector_extra_config)
+        check_paths(config, writes=bool(kv_transfer_config.is_kv_producer))
+        return config
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss, never wrong output
@@ -95,8 +109,9 @@ class KVXConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # wait_for_layer_load fences each layer's load; FULL graph replay would skip it.
-        return bool((extra_config or {}).get("layerwise", True))
+        # wait_for_layer_load fences each layer's load; FULL graph replay would skip it. vLLM asks this while
+        # it validates its config, so a bad extra config fails here, before anything loads.
+        return KVXConfig.from_extra_config(extra_config).layerwise
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config) -> bool:

@@ -8,7 +8,7 @@ import pytest
 
 import kvx.connector.config as C
 ConfigError, KVXConfig, parse_size = C.ConfigError, C.KVXConfig, C.parse_size
-CPUTierConfig, DiskTierConfig = C.CPUTierConfig, C.DiskTierConfig
+CPUTierConfig, DiskTierConfig, check_paths = C.CPUTierConfig, C.DiskTierConfig, C.check_paths
 
 GOOD_SIZES = [
     ("4GiB", 4 * 2**30),
@@ -249,3 +249,47 @@ def test_lax_coercions_that_stay_accepted():
 def test_messages_quote_what_was_given():
     line = line_of(error_of({"chunk_size": -3}), "chunk_size")
     assert re.search(r"\(given: -3\)$", line)
+
+
+# ---------------------------------------------------------------- paths (checked on this machine)
+def _disk(path):
+    return KVXConfig.from_extra_config({"tiers": [{"type": "cpu", "size": "1GiB"}, {"type": "disk", "path": path}]})
+
+
+def test_disk_path_that_is_a_file_is_named_with_what_was_expected(tmp_path):
+    f = tmp_path / "store"
+    f.write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"tiers\.1\.path: expected a directory \(or a path where one can be "
+                                          r"created\), got '.*store', which is a file"):
+        check_paths(_disk(str(f)), writes=True)
+
+
+def test_disk_path_under_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match=r"tiers\.1\.path: .* whose parent '.*file' is not a directory"):
+        check_paths(_disk(str(f / "a" / "b")), writes=False)
+
+
+def test_disk_path_that_does_not_exist_yet_is_fine_and_not_created(tmp_path):
+    p = tmp_path / "a" / "b"
+    check_paths(_disk(str(p)), writes=True)
+    assert not p.exists()
+
+
+def test_read_only_disk_path(tmpfs):
+    from tests.conftest import remount
+
+    mnt = tmpfs("1m")
+    (mnt / "store").mkdir()
+    remount(mnt, "ro")
+    try:
+        with pytest.raises(ConfigError, match=r"tiers\.1\.path: expected a writable directory \(this engine "
+                                              r"saves chunks: kv_role kv_producer or kv_both\), got '.*store'"):
+            check_paths(_disk(str(mnt / "store")), writes=True)
+        check_paths(_disk(str(mnt / "store")), writes=False)       # a kv_consumer only reads
+        with pytest.raises(ConfigError, match=r"tiers\.1\.path: expected a directory that exists or can be "
+                                              r"created, got '.*new' \(it does not exist, and '.*' is not writable\)"):
+            check_paths(_disk(str(mnt / "new")), writes=False)
+    finally:
+        remount(mnt, "rw")

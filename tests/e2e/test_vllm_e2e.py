@@ -147,11 +147,19 @@ def test_child_of_multiconnector(model, reference, tmp_path):
             H.shutdown(llm)
 
 
-def test_config_errors_are_clear(model, tmp_path):
+def test_config_errors_are_clear_and_early(model, tmp_path):
+    """Bad keys, values and paths fail while vLLM builds its config ("validation error for VllmConfig"),
+    before an engine starts or a model loads; the chunk size is checked against the block size as soon as
+    that is known (the connector's constructor)."""
     from kvx.connector.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"chunk_sise: unknown key \(known: .*chunk_size"):
+    with pytest.raises(ValueError, match=r"(?s)VllmConfig.*chunk_sise: unknown key \(known: .*chunk_size"):
         H.build_llm(model, H.kvx_transfer_config({"chunk_sise": 256}), kv_cache_bytes=KV_BYTES)
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    with pytest.raises(ValueError, match=r"(?s)VllmConfig.*tiers\.0\.path: expected a directory .*which is a file"):
+        H.build_llm(model, H.kvx_transfer_config({"tiers": [{"type": "disk", "path": str(f)}]}),
+                    kv_cache_bytes=KV_BYTES)
     with pytest.raises(ConfigError, match="chunk_size: expected a multiple of vLLM's block size 128"):
         H.build_llm(model, H.kvx_transfer_config({"chunk_size": 100, "tiers": [{"type": "cpu", "size": "8MiB"}]}),
                     kv_cache_bytes=KV_BYTES)

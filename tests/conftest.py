@@ -1,0 +1,38 @@
+"""Fixtures shared by every test package."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(size="8m", name="tmpfs") -> path``: a real, small file system mounted for the test (a disk
+    that really fills up, or that can be remounted read-only with :func:`remount`). Needs root and the
+    right to mount; skips with the reason otherwise. Unmounted at teardown."""
+    mounted = []
+
+    def make(size: str = "8m", name: str = "tmpfs"):
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        mnt = tmp_path / name
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"mount -t tmpfs is not permitted here: {r.stderr.strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    yield make
+    for mnt in reversed(mounted):
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def remount(path, mode: str) -> None:
+    """Remount a :func:`tmpfs` ``"ro"`` or ``"rw"`` (a store whose file system turns read-only)."""
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True, capture_output=True)
