@@ -5,6 +5,7 @@
 """
 
 from .cpu import CPUIndex, CPUPool, SlotState
-from .disk import ChunkError, DiskStore, StoreClosedError
+from .disk import ChunkError, DiskStore, StoreClosedError, StoreError, StoreFullError
 
-__all__ = ["CPUIndex", "CPUPool", "SlotState", "DiskStore", "ChunkError", "StoreClosedError"]
+__all__ = ["CPUIndex", "CPUPool", "SlotState", "DiskStore", "StoreError", "ChunkError", "StoreClosedError",
+           "StoreFullError"]

@@ -1,8 +1,12 @@
 """``kvx store``: inspect, verify or clear a kvx disk store.
 
-    kvx store inspect PATH        chunk count, bytes, formats/fingerprints, oldest and newest
-    kvx store verify PATH [--delete-bad]   re-read every chunk, check format, key and checksum
-    kvx store clear PATH [--yes]  delete every chunk file
+    kvx store inspect PATH        chunk count, bytes, formats/fingerprints, oldest and newest, temporary files
+    kvx store verify PATH [--delete-bad]   re-read every chunk, check format, key and checksum; list
+                                  temporary files (--delete-bad also removes the stale ones)
+    kvx store clear PATH [--yes]  delete every chunk file (and stale temporary files)
+
+inspect and verify change nothing (without --delete-bad): they list stale temporary files rather than
+remove them as an engine's store does when it starts.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import time
 
 from safetensors import safe_open
 
-from .disk import FORMAT_VERSION, DiskStore, checksum
+from .disk import FORMAT_VERSION, DiskStore, TempInfo, checksum, survey
 
 
 def _check(path: str, key: str) -> str | None:
@@ -35,6 +39,13 @@ def _check(path: str, key: str) -> str | None:
     return None
 
 
+def _temps_line(temps: list[TempInfo]) -> str:
+    stale = [t for t in temps if t.stale]
+    live = [t for t in temps if not t.stale]
+    return (f"temporary files: {len(live)} in flight ({sum(t.bytes for t in live) / 2**20:.1f} MiB), "
+            f"{len(stale)} stale ({sum(t.bytes for t in stale) / 2**20:.1f} MiB)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvx store", description="Inspect, verify or clear a kvx disk store.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -42,48 +53,75 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("path")
         if name == "verify":
-            p.add_argument("--delete-bad", action="store_true", help="delete chunks that fail verification")
+            p.add_argument("--delete-bad", action="store_true",
+                           help="delete chunks that fail verification, and stale temporary files")
         if name == "clear":
             p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     args = ap.parse_args(argv)
     if not os.path.isdir(args.path):
         print(f"kvx store: path: expected an existing directory, got {args.path!r}", file=sys.stderr)
         return 2
-    store = DiskStore(args.path)
-    chunks = list(store.scan())
-    if args.cmd == "inspect":
-        fps: collections.Counter = collections.Counter()
-        for c in chunks:
-            try:
-                with safe_open(c.path, framework="pt") as f:
-                    meta = f.metadata() or {}
-                fps[(meta.get("fingerprint", "?"), meta.get("format", "?"))] += 1
-            except Exception:  # noqa: BLE001
-                fps[("unreadable", "-")] += 1
-        total = sum(c.bytes for c in chunks)
-        print(f"{args.path}: {len(chunks)} chunks, {total / 2**20:.1f} MiB")
-        for (fp, fmt), n in fps.most_common():
-            print(f"  fingerprint {fp} format {fmt}: {n} chunks")
-        if chunks:
-            times = sorted(c.mtime for c in chunks)
-            print(f"  least recently used {time.ctime(times[0])}, most recent {time.ctime(times[-1])}")
-        return 0
-    if args.cmd == "verify":
-        bad = 0
-        for c in chunks:
-            problem = _check(c.path, c.key)
-            if problem:
-                bad += 1
-                print(f"BAD {c.path}: {problem}")
-                if args.delete_bad:
-                    os.unlink(c.path)
-        print(f"{len(chunks) - bad} good, {bad} bad{' (deleted)' if bad and args.delete_bad else ''}")
-        return 1 if bad and not args.delete_bad else 0
+    return {"inspect": _inspect, "verify": _verify, "clear": _clear}[args.cmd](args)
+
+
+def _inspect(args) -> int:
+    sv = survey(args.path)               # read-only: stale temporary files are listed, not removed
+    fps: collections.Counter = collections.Counter()
+    for c in sv.chunks:
+        try:
+            with safe_open(c.path, framework="pt") as f:
+                meta = f.metadata() or {}
+            fps[(meta.get("fingerprint", "?"), meta.get("format", "?"))] += 1
+        except Exception:  # noqa: BLE001
+            fps[("unreadable", "-")] += 1
+    print(f"{args.path}: {len(sv.chunks)} chunks, {sv.chunk_bytes / 2**20:.1f} MiB")
+    print(f"  {_temps_line(sv.temps)}")
+    for (fp, fmt), n in fps.most_common():
+        print(f"  fingerprint {fp} format {fmt}: {n} chunks")
+    if sv.chunks:
+        times = sorted(c.mtime for c in sv.chunks)
+        print(f"  least recently used {time.ctime(times[0])}, most recent {time.ctime(times[-1])}")
+    return 0
+
+
+def _verify(args) -> int:
+    sv = survey(args.path)
+    bad = 0
+    for c in sv.chunks:
+        problem = _check(c.path, c.key)
+        if problem:
+            bad += 1
+            print(f"BAD {c.path}: {problem}")
+            if args.delete_bad:
+                _remove(c.path)
+    for t in sv.temps:
+        gone = t.stale and args.delete_bad and _remove(t.path)
+        print(f"TMP {t.path}: {t.bytes / 2**20:.1f} MiB, {'stale' if t.stale else 'in flight'} ({t.reason})"
+              f"{' (deleted)' if gone else ''}")
+    print(f"{len(sv.chunks) - bad} good, {bad} bad{' (deleted)' if bad and args.delete_bad else ''}; "
+          f"{_temps_line(sv.temps)}")
+    return 1 if bad and not args.delete_bad else 0
+
+
+def _remove(path: str) -> bool:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass                             # another engine removed it first
+    except OSError as e:
+        print(f"  cannot delete {path}: {e.strerror}")
+        return False
+    return True
+
+
+def _clear(args) -> int:
+    store = DiskStore(args.path)         # removes stale temporary files on start-up
+    n = sum(1 for _ in store.scan())
     if not args.yes:
         if not sys.stdin.isatty():
             print("kvx store clear: refusing without --yes (no terminal to confirm on)", file=sys.stderr)
             return 2
-        if input(f"delete {len(chunks)} chunks under {args.path}? [y/N] ").strip().lower() != "y":
+        if input(f"delete {n} chunks under {args.path}? [y/N] ").strip().lower() != "y":
             return 1
     print(f"deleted {store.clear()} chunks")
     return 0

@@ -17,7 +17,6 @@ written) is never evicted nor served.
 from __future__ import annotations
 
 import enum
-import logging
 import math
 import mmap
 import operator
@@ -27,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger("kvx")
+from ..log import get_logger
+
+log = get_logger(__name__)
 
 
 class SlotState(enum.Enum):
@@ -64,24 +65,6 @@ class CPUIndex:
     def state(self, key: str) -> SlotState | None:
         e = self._entries.get(key)
         return e.state if e else None
-
-    def slot_of(self, key: str) -> int | None:
-        e = self._entries.get(key)
-        return e.slot if e else None
-
-    def lookup(self, keys: Sequence[str]) -> int:
-        """Number of leading keys that are READY."""
-        n = 0
-        for k in keys:
-            if k not in self:
-                break
-            n += 1
-        return n
-
-    def touch(self, keys: Iterable[str]) -> None:
-        for k in keys:
-            if k in self._entries:
-                self._entries.move_to_end(k)
 
     def allocate(self, key: str) -> int | None:
         """Reserve a slot for ``key`` (PENDING), evicting the least recently used unpinned READY chunk

@@ -1,12 +1,15 @@
 """The kvx command: help, bench (smoke), store inspect/verify/clear; the vLLM plugin hook."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from kvx import cli
 from kvx.store import DiskStore
+from kvx.store import disk as disk_mod
 
 
 def test_help_and_unknown(capsys):
@@ -46,6 +49,38 @@ def test_store_inspect_verify_clear(tmp_path, capsys, monkeypatch):
     assert cli.main(["store", "clear", path, "--yes"]) == 0
     assert "deleted 2 chunks" in capsys.readouterr().out
     assert cli.main(["store", "inspect", str(tmp_path / "missing")]) == 2
+
+
+def test_store_inspect_and_verify_show_temporary_files(tmp_path, capsys, monkeypatch):
+    """Temporary files count against the store's size: the tools show them, stale (writer gone) or in
+    flight; inspect and verify remove nothing, verify --delete-bad removes the stale ones."""
+    path = tmp_path / "s"
+    key = "ab" * 16
+    DiskStore(str(path), fingerprint="fp").put(key, torch.ones(64, dtype=torch.float16))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = path / "ab" / f".{key}.{disk_mod._HOST}.{dead.pid}.deadbeef.tmp"
+    stale.write_bytes(b"\0" * (3 << 20))
+    other_host = f"{(int(disk_mod._HOST, 16) + 1) % 2**32:08x}"
+    live = path / "ab" / f".{'ab' * 15}cd.{other_host}.1.cafebabe.tmp"   # another host's write in flight
+    live.write_bytes(b"\0" * (1 << 20))
+    assert cli.main(["store", "inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 chunks" in out and "temporary files: 1 in flight (1.0 MiB), 1 stale (3.0 MiB)" in out
+    assert cli.main(["store", "verify", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"TMP {stale}: 3.0 MiB, stale (writer pid {dead.pid} is gone)\n" in out
+    assert f"TMP {live}: 1.0 MiB, in flight (written by another host or an older kvx" in out
+    assert "1 good, 0 bad; temporary files: 1 in flight (1.0 MiB), 1 stale (3.0 MiB)" in out
+    assert stale.exists() and live.exists()
+    assert cli.main(["store", "verify", str(path), "--delete-bad"]) == 0
+    assert f"TMP {stale}: 3.0 MiB, stale (writer pid {dead.pid} is gone) (deleted)" in capsys.readouterr().out
+    assert not stale.exists() and live.exists()
+    stale.write_bytes(b"\0")
+    assert cli.main(["store", "clear", str(path), "--yes"]) == 0
+    assert "deleted 1 chunks" in capsys.readouterr().out
+    assert not stale.exists() and live.exists()            # another engine's write in flight is left alone
+    assert os.listdir(path / "ab") == [live.name]
 
 
 def test_plugin_registers_once():

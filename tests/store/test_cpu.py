@@ -1,7 +1,7 @@
 """CPUIndex (scheduler-side LRU index of CPU slots) and CPUPool (worker-side bytes).
 
 The index is checked call by call against its documented life cycle, then by a randomized model-based
-test: a random sequence of allocate/commit/abort/pin/unpin/hold/touch/clear against a small reference
+test: a random sequence of allocate/commit/abort/pin/unpin/hold/clear against a small reference
 model of the same rules, checking the invariants after every step."""
 
 import errno
@@ -24,12 +24,9 @@ BAD_DTYPES = ["float16", np.float16, None]
 # (refresh action on the oldest entry "a", expected victim when the full pool needs a slot)
 REFRESH = [
     ("nothing", "a"),
-    ("touch", "b"),
-    ("pin+unpin", "b"),
-    ("touch missing", "a"),
-    ("lookup", "a"),          # lookups are read-only: only a load (pin) or touch makes a chunk recent
-    ("contains", "a"),
-    ("state/slot_of", "a"),
+    ("pin+unpin", "b"),       # only a load (pin) makes a chunk recent
+    ("contains", "a"),        # lookups are read-only
+    ("state", "a"),
     ("hold+unpin", "a"),      # a hold keeps a chunk for a disk write; it is not a use
 ]
 
@@ -43,26 +40,35 @@ def ready(idx: CPUIndex, *keys) -> dict[str, int]:
     return slots
 
 
+def slot_of(idx: CPUIndex, key: str) -> int | None:
+    """The slot an entry holds. Callers learn it from allocate/pin/hold; the tests read it back."""
+    e = idx._entries.get(key)
+    return e.slot if e else None
+
+
+def use(idx: CPUIndex, *keys) -> None:
+    """Make READY entries recent the way the connector does: a load pins them, its end unpins them."""
+    idx.pin(list(keys))
+    idx.unpin(list(keys))
+
+
 def free_slots(idx: CPUIndex) -> int:
     return idx.num_slots - len(idx)
 
 
 # ------------------------------------------------------------------------------------------ life cycle
-def test_allocate_commit_lookup():
+def test_allocate_commit_contains():
     idx = CPUIndex(4)
     slots = [idx.allocate(k) for k in "abc"]
     assert sorted(slots) == sorted(set(slots)) and all(0 <= s < 4 for s in slots)
     assert [idx.state(k) for k in "abc"] == [SlotState.PENDING] * 3
-    assert [idx.slot_of(k) for k in "abc"] == slots
+    assert [slot_of(idx, k) for k in "abc"] == slots
     assert len(idx) == 3
     idx.commit("a")
     idx.commit("b")
     assert idx.state("a") is SlotState.READY and "a" in idx
-    assert idx.lookup(["a", "b", "c"]) == 2
-    assert idx.lookup(["b", "a"]) == 2
-    assert idx.lookup(["c", "a"]) == 0
-    assert idx.lookup([]) == 0
-    assert idx.state("zz") is None and idx.slot_of("zz") is None and "zz" not in idx
+    assert ["a" in idx, "b" in idx, "c" in idx] == [True, True, False]    # c is PENDING: not a hit
+    assert idx.state("zz") is None and slot_of(idx, "zz") is None and "zz" not in idx
     assert idx.stats == {"allocated": 3, "evicted": 0, "committed": 2, "aborted": 0}
 
 
@@ -70,7 +76,6 @@ def test_pending_is_not_a_hit():
     idx = CPUIndex(2)
     idx.allocate("a")
     assert "a" not in idx
-    assert idx.lookup(["a"]) == 0
     with pytest.raises(RuntimeError, match=r"pin\(a\): expected a READY slot"):
         idx.pin(["a"])
 
@@ -108,19 +113,12 @@ def test_slots_are_reused_after_eviction_and_abort():
 def test_lru_eviction_order(action, victim):
     idx = CPUIndex(3)
     ready(idx, "a", "b", "c")                     # a is the least recently used
-    if action == "touch":
-        idx.touch(["a"])
-    elif action == "pin+unpin":
-        idx.pin(["a"])
-        idx.unpin(["a"])
-    elif action == "touch missing":
-        idx.touch(["zz"])
-    elif action == "lookup":
-        assert idx.lookup(["a"]) == 1
+    if action == "pin+unpin":
+        use(idx, "a")
     elif action == "contains":
         assert "a" in idx
-    elif action == "state/slot_of":
-        assert idx.state("a") is SlotState.READY and idx.slot_of("a") is not None
+    elif action == "state":
+        assert idx.state("a") is SlotState.READY
     elif action == "hold+unpin":
         idx.hold("a")
         idx.unpin(["a"])
@@ -141,7 +139,7 @@ def test_commit_makes_a_chunk_recent():
 def test_eviction_follows_full_lru_order():
     idx = CPUIndex(4)
     ready(idx, "a", "b", "c", "d")
-    idx.touch(["b", "a"])                          # order now: c, d, b, a
+    use(idx, "b", "a")                             # order now: c, d, b, a
     evicted = []
     for k in "wxyz":
         before = {x for x in "abcd" if idx.state(x) is not None}
@@ -155,9 +153,9 @@ def test_eviction_follows_full_lru_order():
 def test_pinned_entries_are_never_evicted():
     idx = CPUIndex(3)
     ready(idx, "a", "b", "c")
-    assert idx.pin(["a", "b"]) == [idx.slot_of("a"), idx.slot_of("b")]
-    idx.touch(["c"])
-    assert idx.allocate("d") == idx.slot_of("d")
+    assert idx.pin(["a", "b"]) == [slot_of(idx, "a"), slot_of(idx, "b")]
+    use(idx, "c")
+    assert idx.allocate("d") == slot_of(idx, "d")
     assert idx.state("c") is None                  # the only unpinned READY entry, though most recent
     assert idx.state("a") is SlotState.READY and idx.state("b") is SlotState.READY
     assert idx.pinned() == 2
@@ -166,10 +164,10 @@ def test_pinned_entries_are_never_evicted():
 def test_held_entries_are_never_evicted():
     idx = CPUIndex(2)
     idx.allocate("a")
-    assert idx.hold("a") == idx.slot_of("a")        # held while PENDING (gather + disk write)
+    assert idx.hold("a") == slot_of(idx, "a")       # held while PENDING (gather + disk write)
     idx.commit("a")                                  # READY but still held
     ready(idx, "b")
-    idx.touch(["b"])
+    use(idx, "b")
     assert idx.allocate("c") is not None
     assert idx.state("b") is None and idx.state("a") is SlotState.READY
     idx.unpin(["a"])
@@ -286,7 +284,7 @@ def test_abort_while_pinned_is_deferred_to_the_last_unpin(how):
     idx.abort("a")                                       # a second abort changes nothing
     assert idx.stats["aborted"] == 1
     # doomed: not a hit, not committable, not pinnable, not re-allocatable, slot not free
-    assert "a" not in idx and idx.lookup(["a"]) == 0
+    assert "a" not in idx
     with pytest.raises(RuntimeError, match=r"commit\(a\): expected a PENDING slot, got aborted"):
         idx.commit("a")
     with pytest.raises(RuntimeError, match=r"pin\(a\)"):
@@ -295,9 +293,9 @@ def test_abort_while_pinned_is_deferred_to_the_last_unpin(how):
     ready(idx, "b")
     assert idx.allocate("c") is not None and idx.state("b") is None   # evicts b, never the doomed slot
     idx.abort("c")
-    assert idx.slot_of("a") == s
+    assert slot_of(idx, "a") == s
     idx.unpin(["a"])
-    assert idx.slot_of("a") == s                         # one pin left
+    assert slot_of(idx, "a") == s                        # one pin left
     idx.unpin(["a"])
     assert idx.state("a") is None and len(idx) == 0      # freed by the last unpin
     assert sorted(idx.allocate(k) for k in "xy") == [0, 1]
@@ -334,7 +332,7 @@ def test_clear_keeps_doomed_entries():
     ready(idx, "a")
     idx.hold("a")
     idx.abort("a")
-    assert idx.clear() is False and idx.slot_of("a") is not None
+    assert idx.clear() is False and slot_of(idx, "a") is not None
     idx.unpin(["a"])
     assert idx.clear() is True
 
@@ -417,11 +415,6 @@ class RefIndex:
                 self._drop(k)
         return True
 
-    def touch(self, keys):
-        for k in keys:
-            if k in self.state:
-                self._bump(k)
-
     def clear(self):
         for k in [k for k in self.order if self.state[k] == "ready" and self.pins[k] == 0]:
             self._drop(k)
@@ -429,7 +422,7 @@ class RefIndex:
 
 
 def check_invariants(idx: CPUIndex, ref: RefIndex, keys):
-    live = {k: idx.slot_of(k) for k in keys if idx.state(k) is not None}
+    live = {k: slot_of(idx, k) for k in keys if idx.state(k) is not None}
     assert set(live) == set(ref.state), "index and model disagree on which keys are present"
     slots = list(live.values())
     assert len(slots) == len(set(slots)), "a slot is used twice"
@@ -452,7 +445,7 @@ def test_random_operations_against_a_model(n, seed):
     rng = random.Random(seed * 1000 + n)
     keys = [f"k{i}" for i in range(2 * n + 2)]
     idx, ref = CPUIndex(n), RefIndex(n)
-    ops = ["allocate"] * 4 + ["commit"] * 3 + ["abort", "pin", "pin", "unpin", "unpin", "hold", "touch", "lookup"]
+    ops = ["allocate"] * 4 + ["commit"] * 3 + ["abort", "pin", "pin", "unpin", "unpin", "hold"]
     seen = set()
     for step in range(1500):
         op = rng.choice(ops + (["clear"] if step % 97 == 0 else []))
@@ -460,7 +453,7 @@ def test_random_operations_against_a_model(n, seed):
         many = rng.sample(keys, rng.randint(1, 3))
         seen.add(op)
         if op == "allocate":
-            before = {x: idx.slot_of(x) for x in keys if idx.state(x) is not None}
+            before = {x: slot_of(idx, x) for x in keys if idx.state(x) is not None}
             ok, victim = ref.allocate(k)
             slot = idx.allocate(k)
             assert (slot is not None) == ok, (step, op, k)
@@ -479,7 +472,7 @@ def test_random_operations_against_a_model(n, seed):
             idx.abort(k)
         elif op == "pin":
             if ref.pin(many):
-                assert idx.pin(many) == [idx.slot_of(x) for x in many]
+                assert idx.pin(many) == [slot_of(idx, x) for x in many]
             else:
                 with pytest.raises(RuntimeError):
                     idx.pin(many)
@@ -491,20 +484,10 @@ def test_random_operations_against_a_model(n, seed):
                     idx.unpin(many)
         elif op == "hold":
             if ref.hold(k):
-                assert idx.hold(k) == idx.slot_of(k)
+                assert idx.hold(k) == slot_of(idx, k)
             else:
                 with pytest.raises(RuntimeError):
                     idx.hold(k)
-        elif op == "touch":
-            ref.touch(many)
-            idx.touch(many)
-        elif op == "lookup":
-            expect = 0
-            for x in many:
-                if ref.state.get(x) != "ready":
-                    break
-                expect += 1
-            assert idx.lookup(many) == expect
         elif op == "clear":
             assert idx.clear() == ref.clear()
         check_invariants(idx, ref, keys)
@@ -535,6 +518,14 @@ def test_random_operations_exercise_evictions_and_doomed_entries(n):
                 doomed += idx.state(k) is not None
             idx.unpin([k])
     assert idx.stats["evicted"] > 0 and doomed > 0
+
+
+# ------------------------------------------------------------------------------------------ logging
+def test_store_modules_log_under_kvx_so_vllm_routes_them():
+    """kvx.log.attach_to_vllm hands vLLM's handlers to the "kvx" logger: the stores must log below it."""
+    from kvx.store import cpu, disk
+
+    assert cpu.log.name == "kvx.store.cpu" and disk.log.name == "kvx.store.disk"
 
 
 # ------------------------------------------------------------------------------------------ CPUPool
