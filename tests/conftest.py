@@ -36,3 +36,15 @@ def tmpfs(tmp_path):
 def remount(path, mode: str) -> None:
     """Remount a :func:`tmpfs` ``"ro"`` or ``"rw"`` (a store whose file system turns read-only)."""
     subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True, capture_output=True)
+
+
+@pytest.fixture(autouse=True)
+def _kvx_logger_back_to_root():
+    """An engine started by a test puts the ``kvx`` logger under vLLM's (kvx.log.attach_to_vllm), whose
+    handlers do not propagate: put it back, so a later test's ``caplog`` sees kvx's records."""
+    import logging
+
+    kvx = logging.getLogger("kvx")
+    parent, propagate = kvx.parent, kvx.propagate
+    yield
+    kvx.parent, kvx.propagate = parent, propagate

@@ -2,7 +2,7 @@
 
 Keys (all counters): ``loaded_chunks``, ``loaded_blocks``, ``load_ms``, ``load_errors``, ``disk_reads``,
 ``saved_chunks``, ``save_ms``, ``save_errors``, ``saves_dropped``, ``disk_writes``, ``disk_write_ms``,
-``disk_write_errors`` (workers); ``lookups``, ``loads``, ``saves``, ``hit_tokens_cpu``, ``hit_tokens_disk``,
+``disk_write_errors``, ``disk_full`` (workers); ``lookups``, ``loads``, ``saves``, ``hit_tokens_cpu``, ``hit_tokens_disk``,
 ``cpu_store_failed``, ``saves_deferred``, ``saves_poisoned`` (scheduler).
 """
 
@@ -64,6 +64,7 @@ COUNTERS = {
     "disk_writes": "Chunk files written",
     "disk_write_ms": "Milliseconds spent writing chunk files",
     "disk_write_errors": "Chunk file writes that failed",
+    "disk_full": "Chunk file writes refused for lack of room (full disk, during its back-off, or over size)",
 }
 
 

