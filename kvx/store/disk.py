@@ -14,7 +14,8 @@ complete file (the last rename wins; both are identical chunks). Reads go throug
 library. ``safetensors.torch.save_file`` (0.8) wrote to its own ``.tmpXXXXXX`` name first, which a
 ``kill -9`` leaked where kvx could not recognise it. put() time, median of 20, old -> new (2-core VM,
 kernel 6.18): tmpfs 4 MiB 4.2 -> 4.1 ms, 16 MiB 15.7 -> 15.5 ms; ext4 4 MiB 3.8-11 -> 3.0-4.0 ms,
-16 MiB 48-53 -> 11-12 ms (see ``_WRITE_PIECE``). Neither copies the chunk (safetensors 0.8 writes from
+16 MiB 48-53 -> 11-12 ms while single large writes are slow (see ``_WRITE_PIECE`` and
+benchmarks/bench_disk_put.py). Neither copies the chunk (safetensors 0.8 writes from
 the tensor's pointer too: no growth of peak RSS for a 64 MiB put with either).
 
 Temporary files. A crash can leave a temporary file behind. Every scan of the directory (store
@@ -77,9 +78,11 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # 10% of the store rather than one per chunk, and keeps 90% of the cached chunks.
 _FULL_EVICT_FRACTION = 0.1
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 1.0, 60.0
-# Bytes per write call. On ext4 here (kernel 6.18 VM), a 16 MiB file written with one 16 MiB write took
-# 44-57 ms (median of 20-40); with 1 MiB writes 3.7-6.4 ms, and 40 files 0.8-1.1 s instead of 1.4 s in
-# all (writes of >= 2 MiB each stall in writeback). 4 MiB files and tmpfs: no difference either way.
+# Bytes per write call. On ext4 here (kernel 6.18 VM), a 16 MiB file written with one 16 MiB write call
+# took 38-57 ms for seconds at a time, against ~5 ms in 1 MiB calls; safetensors' save_file writes the
+# tensor in one call. The cause is not identified (no writeback or reclaim was seen during the slow
+# spells). benchmarks/bench_disk_put.py measures both writers in one run: kvx/save_file 0.22-0.24 at
+# 16 MiB on ext4 with files kept, 0.95-1.03 elsewhere at 4-16 MiB, 0.85-0.94 at 1 MiB.
 _WRITE_PIECE = 1 << 20
 _WAIT_S = 0.05  # a put waiting for its own engine's in-flight writes re-checks at least this often
 # torch dtype -> safetensors dtype name: the library's own table (safetensors.torch._TYPES, 0.8), less the
