@@ -48,3 +48,12 @@ def _kvx_logger_back_to_root():
     parent, propagate = kvx.parent, kvx.propagate
     yield
     kvx.parent, kvx.propagate = parent, propagate
+
+
+def flip_byte(path, from_end: int = 100) -> None:
+    """Damage a file the way a bad disk or a stray write does: one byte ``from_end`` bytes before its end."""
+    with open(path, "r+b") as f:
+        f.seek(-from_end, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-from_end, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
