@@ -68,6 +68,9 @@ class DiskTierConfig(_Strict):
     path: str
     size: int | None = Field(default=None, description="capacity in bytes, e.g. '100GiB'; none = unbounded")
     fsync: bool = False
+    rescan_s: float = Field(default=5.0, ge=0, description="with a size: re-count the (shared) directory at most "
+                            "this many seconds apart when writing; engines sharing a path overshoot size by at "
+                            "most what the others write in that time")
 
     @field_validator("size", mode="before")
     @classmethod

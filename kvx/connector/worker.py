@@ -180,7 +180,7 @@ class KVXWorker:
             self.pool = CPUPool(n_slots, self.chunk_shape(self.config.chunk_size), self.chunk_dtype, pin=pin)
         disk = self.config.disk_tier
         if disk is not None:
-            self.disk = DiskStore(disk.path, disk.size, self.fingerprint, fsync=disk.fsync)
+            self.disk = DiskStore(disk.path, disk.size, self.fingerprint, fsync=disk.fsync, rescan_s=disk.rescan_s)
             # Reads keep normal priority: the forward waits for them (a SCHED_IDLE reader runs only when a
             # core is idle).
             self.reader = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvx-read")

@@ -197,7 +197,7 @@ def test_unknown_top_level_key(key):
 @pytest.mark.parametrize("tier, key, known", [
     ({"type": "cpu", "size": "1GiB", "path": "/kv"}, "path", "size, type"),
     ({"type": "cpu", "size": "1GiB", "pinned": True}, "pinned", "size, type"),
-    ({"type": "disk", "path": "/kv", "capacity": "1TB"}, "capacity", "fsync, path, size, type"),
+    ({"type": "disk", "path": "/kv", "capacity": "1TB"}, "capacity", "fsync, path, rescan_s, size, type"),
 ])
 def test_unknown_tier_key(tier, key, known):
     msg = error_of({"tiers": [{"type": "cpu", "size": "1GB"}, tier] if tier["type"] == "disk" else [tier]})
@@ -293,3 +293,10 @@ def test_read_only_disk_path(tmpfs):
             check_paths(_disk(str(mnt / "new")), writes=False)
     finally:
         remount(mnt, "rw")
+
+
+def test_disk_rescan_interval():
+    cfg = KVXConfig.from_extra_config({"tiers": [{"type": "disk", "path": "/x", "size": "1GiB", "rescan_s": 0}]})
+    assert cfg.disk_tier.rescan_s == 0
+    with pytest.raises(ConfigError, match=r"tiers\.0\.disk\.rescan_s: .*greater than or equal to 0"):
+        KVXConfig.from_extra_config({"tiers": [{"type": "disk", "path": "/x", "rescan_s": -1}]})
