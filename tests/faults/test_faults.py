@@ -60,6 +60,7 @@ def test_damaged_prefix_never_poisons_the_chunks_computed_with_it(model, referen
     assert_store_sound(store, min_chunks=len(B) // CHUNK)
     with engine(model, tiers(store, cpu=None)) as llm:   # a fresh engine: everything from disk
         assert H.generate(llm, A, MAX_TOKENS).tokens == ref_a   # (would restore A's chunks if lost)
+        settle(llm)
         llm.reset_prefix_cache()
         fresh = H.generate(llm, B, MAX_TOKENS)
         assert fresh.num_cached_tokens == full_hit(len(B))
@@ -87,6 +88,7 @@ def test_a_chunk_evicted_between_lookup_and_read(model, reference, tmp_path, mon
     with engine(model, tiers(store, cpu=None)) as llm:
         assert H.generate(llm, B, MAX_TOKENS).tokens == ref_b
         monkeypatch.setattr(disk_mod.DiskStore, "get", get)
+        settle(llm)                                        # the disk writes are asynchronous
         llm.reset_prefix_cache()
         again = H.generate(llm, B, MAX_TOKENS)
         assert again.num_cached_tokens == full_hit(len(B)) and again.tokens == ref_b
@@ -182,6 +184,7 @@ def test_abort_mid_prefill(model, reference, tmp_path):
         while eng.has_unfinished_requests():
             eng.step()
         assert H.generate(llm, long_, MAX_TOKENS).tokens == ref_long
+        settle(llm)
         llm.reset_prefix_cache()
         hit = H.generate(llm, long_, MAX_TOKENS)
         assert hit.tokens == ref_long and hit.num_cached_tokens > 0
