@@ -125,8 +125,25 @@ class Result:
     tokens: list[int]
 
 
+def drain(llm, timeout_s: float = 60.0) -> None:
+    """Step an in-process engine while its connector still has work to report (kvx's saves and disk
+    writes), as vLLM's engine loop does by itself between requests. ``LLM.generate`` returns as soon as
+    the outputs are in, and an in-process engine takes no step until the next call: without this, a CPU
+    chunk saved by the last request is committed only during the next request's first step, after its
+    lookup. A multi-process engine drains on its own."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    if scheduler is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while scheduler.has_requests() and not scheduler.has_unfinished_requests() and time.monotonic() < deadline:
+        llm.llm_engine.step()
+        time.sleep(0.001)        # idle steps while disk writes finish, as the engine loop takes them
+
+
 def generate(llm, ids: list[int], max_tokens: int = 8) -> Result:
-    """Greedy generation of one prompt; TTFT from vLLM's request metrics (arrival -> first token)."""
+    """Greedy generation of one prompt; TTFT from vLLM's request metrics (arrival -> first token). The
+    engine is drained afterwards (:func:`drain`)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -136,6 +153,7 @@ def generate(llm, ids: list[int], max_tokens: int = 8) -> Result:
     wall = time.perf_counter() - t0
     m = out.metrics
     ttft = m.first_token_latency if m is not None and m.first_token_latency else wall
+    drain(llm)
     return Result(ttft, int(out.num_cached_tokens or 0), list(out.outputs[0].token_ids))
 
 

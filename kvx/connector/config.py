@@ -108,6 +108,9 @@ class KVXConfig(_Strict):
     layerwise: bool = Field(default=True, description="CUDA: fence each layer's load in wait_for_layer_load "
                             "(loads overlap the forward; vLLM then uses piecewise CUDA graphs); false: fence "
                             "all loads before the forward")
+    save_layerwise: bool = Field(default=True, description="queue each layer group's save gathers as soon as "
+                                 "the forward wrote it (save_kv_layer), so the copies overlap the rest of the "
+                                 "forward; false: all layers at once in wait_for_save")
     io_threads: int = Field(default=2, ge=1, le=64, description="threads for disk reads, and as many for disk writes")
     max_ctas: int = Field(default=8, ge=0, description="CUDA thread-block cap for copies (0 = no cap)")
 

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from ..engine import copy_queue_mode
 from ..log import attach_to_vllm, get_logger
 from .common import chunk_format, engine_geometry, format_fingerprint, namespace, shard_count, worker_shard
 from .config import ConfigError, KVXConfig, check_paths
@@ -95,6 +96,10 @@ class KVXConnector(KVConnectorBase_V1):
         the block size is final."""
         config = KVXConfig.from_extra_config(kv_transfer_config.kv_connector_extra_config)
         check_paths(config, writes=bool(kv_transfer_config.is_kv_producer))
+        try:
+            copy_queue_mode("cpu")      # KVX_COPY_QUEUE: a bad value fails here, not in the worker
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return config
 
     @property

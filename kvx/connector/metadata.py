@@ -11,7 +11,15 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+except ImportError:  # the worker side also runs without vLLM (tests/gpu drive it on a GPU machine without vLLM)
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        def aggregate(self, other):
+            return self
 
 
 @dataclass
@@ -20,8 +28,10 @@ class ChunkLoad:
 
     ``tier`` is where the bytes are ("cpu": pool slot ``slot``; "disk": the chunk file). For a disk
     load, ``slot`` (if not None) is a CPU slot to promote the chunk into. ``before_forward``: the last
-    block also receives this step's first computed token, whose KV vLLM writes before
-    ``wait_for_layer_load``; the chunk must therefore be in place before the forward starts.
+    block also receives this step's first computed token, whose KV vLLM may write before
+    ``wait_for_layer_load``. The worker copies only the chunk's ``shared_tokens`` tokens of that block
+    (so the order against that write does not matter), or, with raw pages (which cannot be split by
+    token), the whole chunk before the forward starts.
     """
 
     key: str
@@ -31,6 +41,7 @@ class ChunkLoad:
     first_block: int
     tokens: int
     before_forward: bool = False
+    shared_tokens: int = 0       # with before_forward: tokens of the last block the chunk provides
 
 
 @dataclass
@@ -62,12 +73,19 @@ class ChunkSave:
 
 @dataclass
 class KVXMetadata(KVConnectorMetadata):
+    """One step's instructions. ``forward_blocks``: the blocks this step's forward writes and the blocks
+    freed since the last step (finished or preempted requests: the next forwards may write them); the
+    worker fences every queued copy of them before the forward (``kvx.engine.BlockOrder``). ``finished``:
+    requests finished since the last step."""
+
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[ChunkSave] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    forward_blocks: list[int] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.preempted)
+        return not (self.loads or self.saves or self.preempted or self.finished or self.forward_blocks)
 
 
 @dataclass

@@ -136,6 +136,7 @@ class KVXScheduler:
         self._poisoned: set[str] = set()                 # CPU slots being written with KV of a failed load
         self._disk_after_commit: dict[str, int] = {}     # key -> tokens: write through once committed
         self._write_through: list[tuple[str, int]] = []  # committed (key, tokens) to write to disk next step
+        self._freed: list[int] = []                      # blocks freed since the last step (for the workers)
         self._counts: dict[str, Counter] = {n: Counter() for n in ("stored", "unstored", "disk_done",
                                                                     "loads_done")}
         self.stats = Counter()
@@ -245,7 +246,8 @@ class KVXScheduler:
             if tier == "disk" and self.cpu is not None and self.config.promote and self.cpu.state(key) is None:
                 slot = self.cpu.allocate(key)          # promote the disk hit into the CPU tier
             shared = end % bs != 0 and hi == end_blk     # the last block also gets this step's tokens
-            chunks.append(ChunkLoad(key, tier, slot, table[lo:hi], lo - cb0, ntok, before_forward=shared))
+            chunks.append(ChunkLoad(key, tier, slot, table[lo:hi], lo - cb0, ntok, before_forward=shared,
+                                    shared_tokens=end % bs if shared else 0))
             loaded.update((b, cb0 // self.blocks_per_chunk) for b in table[lo:hi])
             self.stats[f"hit_tokens_{tier}"] += min(hi * bs, end) - max(lo * bs, start)
         self._load_pins[request.request_id] = pins
@@ -272,12 +274,15 @@ class KVXScheduler:
 
     # ------------------------------------------------------------------ step 3: per-step metadata
     def build_connector_meta(self, so) -> KVXMetadata:
-        meta = KVXMetadata(loads=self._new_loads, preempted=sorted(getattr(so, "preempted_req_ids", None) or ()))
+        meta = KVXMetadata(loads=self._new_loads, preempted=sorted(getattr(so, "preempted_req_ids", None) or ()),
+                           finished=sorted(getattr(so, "finished_req_ids", None) or ()))
         self._new_loads = []
+        freed, self._freed = self._freed, []
         for rid in meta.preempted:
             t = self.trackers.get(rid)
             if t is not None:
                 t.phase = Phase.PREEMPTED
+                freed += t.block_ids          # preemption frees the blocks at once
         # keep fallback block tables current (vLLM < 0.32 has no KVConnectorBlockState)
         cached = so.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
@@ -289,8 +294,10 @@ class KVXScheduler:
         entries = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
         entries += list(zip(cached.req_ids, cached.num_computed_tokens))
         block_state = getattr(so, "kv_connector_block_state", None)
+        written = self._forward_writes(so, entries, block_state)
+        meta.forward_blocks = sorted(set(written).union(freed))
         if self.validity:
-            self._mark_computed(so, entries, block_state)
+            self.validity.computed(self._from_first_token(so, entries, block_state))
         if self.producer:
             for rid, computed in entries:
                 t = self.trackers.get(rid)
@@ -300,16 +307,28 @@ class KVXScheduler:
             self._plan_write_through(meta)
         return meta
 
-    def _mark_computed(self, so, entries, block_state) -> None:
-        """Blocks this step's forward writes from their first token hold verified KV after it."""
-        bs = self.geom.block_size
+    def _forward_writes(self, so, entries, block_state) -> list[int]:
+        """Every block this step's forward writes KV into (the blocks of each request's scheduled tokens)."""
+        bs, out = self.geom.block_size, []
+        for rid, start in entries:
+            end = start + so.num_scheduled_tokens.get(rid, 0)
+            if end > start:
+                out += self._request_table(rid, block_state)[start // bs: -(-end // bs)]
+        return out
+
+    def _from_first_token(self, so, entries, block_state) -> list[int]:
+        """The blocks this step's forward writes from their first token (they hold verified KV after it)."""
+        bs, out = self.geom.block_size, []
         for rid, start in entries:
             end = start + so.num_scheduled_tokens.get(rid, 0)
             first, last = -(-start // bs), -(-end // bs)
             if first < last:
-                t = self.trackers.get(rid)
-                table = self._table(t, block_state) if t is not None else self._state_table(rid, block_state)
-                self.validity.computed(table[first:last])
+                out += self._request_table(rid, block_state)[first:last]
+        return out
+
+    def _request_table(self, rid: str, block_state) -> list[int]:
+        t = self.trackers.get(rid)
+        return self._table(t, block_state) if t is not None else self._state_table(rid, block_state)
 
     def _plan_saves(self, t: RequestTracker, done: int, num_spec: int, block_state, meta: KVXMetadata) -> None:
         req = t.request
@@ -465,7 +484,10 @@ class KVXScheduler:
 
     # ------------------------------------------------------------------ step 5: end of a request
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        """The blocks are freed at once: the workers learn them in the next step's metadata
+        (``forward_blocks``) and fence the saves still reading them before any forward can write them."""
         self.trackers.pop(request.request_id, None)
+        self._freed += list(block_ids or ())
         return False, None
 
     def take_stats(self) -> dict:
@@ -473,8 +495,9 @@ class KVXScheduler:
         return stats
 
     def has_pending_push_work(self) -> bool:
+        # keep the engine stepping while a worker has something to report: the reports ride on steps
         return bool(self._disk_inflight or self._load_pins or self._write_through
-                    or (self.cpu is not None and any(self._counts[n] for n in ("stored", "unstored"))))
+                    or (self.cpu is not None and self.cpu.pending()))
 
     def reset_cache(self) -> bool:
         return self.cpu.clear() if self.cpu is not None else True

@@ -1,25 +1,28 @@
 """Worker side of the connector: moves chunk bytes between the paged KV cache and the tiers.
 
 Runs in each vLLM worker process (one per TP/PP rank). What to move comes from the scheduler's
-:class:`KVXMetadata`; how is :mod:`kvx.ops` on the :class:`kvx.engine.TransferEngine` copy queue.
+:class:`KVXMetadata`; how is :mod:`kvx.ops` on the :class:`kvx.engine.TransferEngine` copy queues; in
+what order against the forwards is :class:`kvx.engine.BlockOrder` (every copy goes through it).
 
-Loads (``start_load_kv``): each chunk's source is resolved (CPU pool slot, or the chunk file read and
-verified on an I/O thread, promoted into a CPU slot when the scheduler allotted one); then one copy job
-per *layer group* scatters every chunk into its blocks. ``wait_for_layer_load`` fences the group of
-that layer (CUDA: one group per layer, so loading overlaps the forward; CPU: one group, the copy already
-uses every core). A chunk that cannot be read or verified is not written; its blocks are reported by
-``get_block_ids_with_load_errors`` so vLLM recomputes them.
+Loads (``start_load_kv``): the copies of chunks in the CPU tier are queued at once, one job per *layer
+group*; chunk files are read and verified on I/O threads (promoted into a CPU slot when the scheduler
+allotted one), and their copies are queued as soon as the read is in, at the latest in
+``wait_for_layer_load`` of the first layer, the only place that waits for a read.
+``wait_for_layer_load`` fences the layer's group (CUDA and the deferred CPU queue: one group per layer,
+so loading overlaps the forward; CPU threads: one group, the copy already uses every core). A chunk that
+cannot be read or verified is not written; its blocks are reported by ``get_block_ids_with_load_errors``
+so vLLM recomputes them, and to the scheduler with the step's results (:mod:`.validity`).
 
-Saves (``wait_for_save``): after the forward wrote the KV (a marker on the compute stream), one gather
-per chunk into its CPU slot (or a staging buffer), then the file write on an I/O thread. A save whose
-KV depends on a block whose load failed on this worker is dropped before anything is gathered
-(:mod:`.validity`); the failed blocks go back to the scheduler with the step's results. On CPU the
-gathers finish before ``wait_for_save`` returns; on CUDA they run on the side stream and the compute
-stream is fenced on them (``handle_preemptions``) before blocks of finished or preempted requests can
-be reused.
+Saves: ``save_kv_layer`` queues a layer group's gathers as soon as the forward wrote its last layer (after
+a marker taken then), so the copies overlap the rest of the forward (``save_layerwise``; otherwise, and
+for groups no layer reported, ``wait_for_save`` queues them). A save whose KV depends on a block whose
+load failed on this worker is dropped before anything is gathered. ``wait_for_save`` starts the file
+writes on I/O threads, which wait for their gathers. Nothing waits for a gather on the per-step path
+(CPU threads excepted: there the copies use the cores the next forward needs, so they finish in
+``wait_for_save``); ``handle_preemptions`` fences the ones whose blocks the next forward writes.
 
-Thread ownership: everything here runs on vLLM's worker thread, except the I/O pool (disk reads and
-writes: touches only the tensors handed to it) and the engine's copy thread on CPU.
+Thread ownership: everything here runs on vLLM's worker thread, except the I/O pools (disk reads and
+writes: they touch only the tensors handed to them) and the copy queues' threads on CPU.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ops
-from ..engine import Job, TransferEngine
+from ..engine import BlockOrder, Job, TransferEngine
 from ..layout import KVLayout
 from ..log import Throttle, get_logger
 from ..store import CPUPool, DiskStore, StoreFullError
@@ -87,22 +90,36 @@ def _settle(wait) -> None:
 
 @dataclass
 class _Load:
+    """One request's load in flight. Worker thread only, except ``failed`` / ``keep`` (I/O threads)."""
+
     spec: LoadSpec
-    jobs: list[Job]
-    blocks: dict[str, list[int]]              # chunk key -> its destination blocks
+    jobs: dict[int, list[Job]] = field(default_factory=dict)   # layer group -> its copy jobs
+    pending: list[tuple[ChunkLoad, Future]] = field(default_factory=list)  # reads not done at submission
     failed: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     keep: list[torch.Tensor] = field(default_factory=list)   # pinned sources the kernels may still read
-    early: Job | None = None                  # chunks that must land before the forward (see ChunkLoad)
+    early: Job | None = None                  # raw pages that must land before the forward (see ChunkLoad)
+    started: float = 0.0
+    reported: bool = False                    # failures reported to vLLM and the scheduler
+
+    def all_jobs(self) -> list[Job]:
+        return ([self.early] if self.early is not None else []) + [j for js in self.jobs.values() for j in js]
 
 
 @dataclass
 class _Save:
     save: ChunkSave
-    job: Job | None
+    jobs: list[Job] = field(default_factory=list)    # one gather per layer group (none: from a CPU slot)
+    dest: torch.Tensor | None = None
     disk: Future | None = None
     staging: int | None = None
     reported_cpu: bool = False
+
+    def copies_done(self) -> bool:
+        return all(j.done() for j in self.jobs)
+
+    def copy_error(self) -> BaseException | None:
+        return next((j.error() for j in self.jobs if j.error() is not None), None)
 
 
 class KVXWorker:
@@ -130,7 +147,11 @@ class KVXWorker:
         self._sync_loads: list[_Load] = []
         self._async_loads: dict[str, _Load] = {}
         self._saves: list[_Save] = []
-        self._fence_reqs: set[str] = set()
+        self.order: BlockOrder | None = None
+        self.layer_of: dict[str, int] = {}      # layer name -> layer index in the layout
+        self._retiring: list[_Load] = []        # loads reported to vLLM, copies maybe still running
+        self._step_saves: list[_Save] | None = None
+        self._submitted_groups: set[int] = set()
         self._errors: set[int] = set()
         self.outcomes = LoadOutcomes()
         self.throttle = Throttle(log)
@@ -162,9 +183,12 @@ class KVXWorker:
         if self.fmt == "pages" and lay.page is None:
             raise ValueError(f"kv_caches: the {lay.name} views have no contiguous page per block; use "
                              "format 'canonical'")
-        # Layer groups: the unit wait_for_layer_load fences. One per layer on CUDA (loads overlap the
-        # forward); one for all layers on CPU (the CPU copy already uses every core).
-        per_layer = lay.device.type == "cuda"
+        self.engine = TransferEngine(lay.device)
+        self.order = BlockOrder(self.engine)
+        # Layer groups: the unit wait_for_layer_load fences and save_kv_layer queues. One per layer on CUDA
+        # (copies overlap the forward) and in the deferred CPU queue (the CUDA code path); one for all layers
+        # on CPU threads (the CPU copy already uses every core).
+        per_layer = self.engine.mode in ("cuda", "deferred")
         bounds = [(i, i + 1) for i in range(lay.num_layers)] if per_layer else [(0, lay.num_layers)]
         for a, b in bounds:
             sub = KVLayout.from_tensors(list(lay.layers[a:b]), lay.name, lay.layer_names[a:b])
@@ -173,6 +197,7 @@ class KVXWorker:
         for name, t in views.items():
             layer = ptr_to_layer.get(t.data_ptr())
             if layer is not None:
+                self.layer_of[name] = layer
                 self.group_of[name] = next(g for g, (a, b, _) in enumerate(self.groups) if a <= layer < b)
         pin = lay.device.type == "cuda"
         n_slots = num_cpu_slots(self.config, self.geom)
@@ -190,7 +215,6 @@ class KVXWorker:
             self._staging = [torch.empty(self.chunk_shape(self.config.chunk_size), dtype=self.chunk_dtype,
                                          pin_memory=pin) for _ in range(n_staging)]
             self._staging_free = list(range(n_staging))
-        self.engine = TransferEngine(lay.device)
         log.info("kvx: worker %d/%d registered %s, format %s, %d CPU slots, disk %s", self.shard, self.shards,
                  lay, self.fmt, n_slots, disk.path if disk else None)
 
@@ -227,22 +251,19 @@ class KVXWorker:
 
     # ------------------------------------------------------------------ per step
     def handle_preemptions(self, meta: KVXMetadata | None) -> None:
-        """Fence saves still reading blocks of requests that were preempted or have finished."""
-        if meta is not None:
-            self._fence_reqs.update(meta.preempted)
-        if not self._fence_reqs:
+        """First hook of every step: before this step's forward writes the blocks the scheduler names
+        (those it computes, and those freed since the last step), every queued copy of them is fenced."""
+        if self.engine is None:
             return
-        for s in self._saves:
-            if s.job is not None and s.save.req_id in self._fence_reqs:
-                try:
-                    self.engine.fence(s.job)
-                except Exception:  # reported by _poll_saves
-                    pass
-        self._fence_reqs.clear()
+        self.engine.step_begin()
+        if meta is not None and meta.forward_blocks:
+            self.order.before_forward(meta.forward_blocks)
 
     def bind(self, meta: KVXMetadata) -> None:
         self._meta = meta
         self._loads_started = False
+        self._step_saves = None
+        self._submitted_groups = set()
 
     def start_load_kv(self) -> None:
         meta = self._meta
@@ -253,57 +274,101 @@ class KVXWorker:
             load = self._start_load(spec)
             if spec.is_async:
                 self._async_loads[spec.req_id] = load
-            else:
-                self._sync_loads.append(load)
-                if load.early is not None:
-                    self._fence_job(load, load.early)
-                if self.fence_loads_at_start:
-                    for job in load.jobs:
+                continue
+            self._sync_loads.append(load)
+            if load.early is not None:
+                self._fence_job(load, load.early)
+            if self.fence_loads_at_start:
+                self._resolve(load)
+                for jobs in load.jobs.values():
+                    for job in jobs:
                         self._fence_job(load, job)
 
     def _start_load(self, spec: LoadSpec) -> _Load:
-        t0 = time.perf_counter()
-        sources: list[tuple[ChunkLoad, Future]] = []
-        load = _Load(spec, [], {ch.key: ch.block_ids for ch in spec.chunks})
+        """Queue the copies of every chunk whose bytes are at hand (CPU tier); start the disk reads, whose
+        copies are queued when the reads are done (at the latest where the first layer needs them)."""
+        load = _Load(spec, started=time.perf_counter())
+        ready: list[tuple[ChunkLoad, torch.Tensor]] = []
         for ch in spec.chunks:
             self.outcomes.started(ch.block_ids)
             if ch.tier == "cpu":
-                f: Future = Future()
-                f.set_result(self._slot_view(ch.slot, ch.tokens))
-                sources.append((ch, f))
+                ready.append((ch, self._slot_view(ch.slot, ch.tokens)))
             else:
-                sources.append((ch, self.reader.submit(self._read_chunk, ch, load)))
-
-        def scatter(chunks: list[tuple[ChunkLoad, Future]], a: int, b: int, sub: KVLayout, last: bool) -> None:
-            for ch, fut in chunks:
-                try:
-                    src = fut.result()
-                except Exception as e:  # noqa: BLE001 - any read failure means "recompute"
-                    with load.lock:
-                        if ch.key not in load.failed:
-                            load.failed.add(ch.key)
-                            self.throttle.warning(_cause("load", e), "kvx: request %s: chunk %s not loaded (%s); "
-                                                  "vLLM recomputes it", spec.req_id, ch.key, e)
-                    continue
-                self._scatter(sub, ch.block_ids, self._blocks_view(src, ch.first_block, len(ch.block_ids),
-                                                                   (a, b)))
-            if last:
-                self._stats["load_ms"] += (time.perf_counter() - t0) * 1e3
-
-        # A chunk whose last block also receives this step's tokens goes first, all layers at once, and is
-        # fenced before the forward (start_load_kv); the rest is fenced layer group by layer group.
-        early = [(ch, f) for ch, f in sources if ch.before_forward]
-        rest = [(ch, f) for ch, f in sources if not ch.before_forward]
+                load.pending.append((ch, self.reader.submit(self._read_chunk, ch, load)))
+        early = [ch for ch, _ in ready + load.pending if ch.before_forward and self.fmt == "pages"]
         if early:
-            load.early = self.engine.submit(lambda: scatter(early, 0, self.layout.num_layers, self.layout, False),
-                                            name=f"load {spec.req_id} before forward")
-        for g, (a, b, sub) in enumerate(self.groups):
-            last = g == len(self.groups) - 1
-            load.jobs.append(self.engine.submit(lambda a=a, b=b, sub=sub, last=last: scatter(rest, a, b, sub, last),
-                                                name=f"load {spec.req_id} group {g}"))
+            # Raw pages cannot be written token by token: the block this step's first token goes to is loaded
+            # whole, before the forward writes that token into it (the one I/O wait in start_load_kv, on the
+            # CPU backend's opaque pages only).
+            self._resolve(load, only={c.key for c in early})
+            ready += self._take_ready(load)
+            srcs = [(ch, src) for ch, src in ready if ch.before_forward]
+            ready = [(ch, src) for ch, src in ready if not ch.before_forward]
+            if srcs:
+                load.early = self.order.load(
+                    [b for ch, _ in srcs for b in ch.block_ids],
+                    lambda srcs=srcs: self._scatter_chunks(srcs, 0, self.layout.num_layers, self.layout),
+                    name=f"load {spec.req_id} before forward")
+        self._queue_chunks(load, ready + self._take_ready(load))
         self._stats["loaded_chunks"] += len(spec.chunks)
         self._stats["loaded_blocks"] += sum(len(c.block_ids) for c in spec.chunks)
         return load
+
+    def _take_ready(self, load: _Load) -> list[tuple[ChunkLoad, torch.Tensor]]:
+        """Pop the disk chunks whose reads are done (failed ones are recorded, not returned)."""
+        out, still = [], []
+        for ch, fut in load.pending:
+            if not fut.done():
+                still.append((ch, fut))
+                continue
+            try:
+                out.append((ch, fut.result()))
+            except Exception as e:  # noqa: BLE001 - any read failure means "recompute"
+                self._fail_chunk(load, ch, e)
+        load.pending = still
+        return out
+
+    def _resolve(self, load: _Load, only: set[str] | None = None) -> None:
+        """Wait for the reads of ``load`` (all, or the chunks in ``only``) and queue their copies."""
+        for ch, fut in load.pending:
+            if only is None or ch.key in only:
+                _settle(fut.result)
+        if only is None:
+            self._queue_chunks(load, self._take_ready(load))
+
+    def _queue_chunks(self, load: _Load, chunks: list[tuple[ChunkLoad, torch.Tensor]]) -> None:
+        """One copy job per layer group for ``chunks`` (group order: the forward reads group 0 first)."""
+        if not chunks:
+            return
+        blocks = [b for ch, _ in chunks for b in ch.block_ids]
+        for g, (a, b, sub) in enumerate(self.groups):
+            job = self.order.load(blocks, lambda a=a, b=b, sub=sub: self._scatter_chunks(chunks, a, b, sub),
+                                  name=f"load {load.spec.req_id} group {g}")
+            load.jobs.setdefault(g, []).append(job)
+
+    def _scatter_chunks(self, chunks, a: int, b: int, sub: KVLayout) -> None:
+        for ch, src in chunks:
+            view = self._blocks_view(src, ch.first_block, len(ch.block_ids), (a, b))
+            if ch.before_forward and self.fmt != "pages":
+                # the last block is shared with this step's first computed token: copy only the tokens the
+                # chunk provides, so the order against the forward's write of that token does not matter
+                n = ch.shared_tokens
+                full = ch.block_ids[:-1]
+                if full:
+                    self._scatter(sub, full, view.narrow(2, 0, len(full) * self.geom.block_size))
+                slots = [ch.block_ids[-1] * self.geom.block_size + t for t in range(n)]
+                ops.scatter_slots(sub, slots, view.narrow(2, len(full) * self.geom.block_size, n),
+                                  max_ctas=self.config.max_ctas)
+            else:
+                self._scatter(sub, ch.block_ids, view)
+
+    def _fail_chunk(self, load: _Load, ch: ChunkLoad, e: BaseException) -> None:
+        with load.lock:
+            if ch.key in load.failed:
+                return
+            load.failed.add(ch.key)
+        self.throttle.warning(_cause("load", e), "kvx: request %s: chunk %s not loaded (%s); vLLM recomputes it",
+                              load.spec.req_id, ch.key, e)
 
     def _read_chunk(self, ch: ChunkLoad, load: _Load) -> torch.Tensor:
         """Read and verify one chunk file; promote it into its CPU slot; return a copyable source."""
@@ -323,14 +388,16 @@ class KVXWorker:
         return data
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        """Rule 4: before attention reads the layer, its loads are fenced. A read still in flight is waited
+        for here, where the forward first needs it, and only here."""
         g = self.group_of.get(layer_name)
         if g is None:
             return
         for load in self._sync_loads:
-            self._fence(load, g)
-
-    def _fence(self, load: _Load, g: int) -> None:
-        self._fence_job(load, load.jobs[g])
+            if load.pending:
+                self._resolve(load)
+            for job in load.jobs.get(g, ()):
+                self._fence_job(load, job)
 
     def _fence_job(self, load: _Load, job: Job) -> None:
         try:
@@ -343,14 +410,18 @@ class KVXWorker:
             if len(load.failed) < len(load.spec.chunks):
                 self.throttle.error(_cause("copy", e), "kvx: request %s: load failed (%s); vLLM recomputes it",
                                     load.spec.req_id, e)
-                load.failed.update(load.blocks)
+                load.failed.update(ch.key for ch in load.spec.chunks)
 
-    def _finish_load(self, load: _Load) -> None:
-        for job in ([load.early] if load.early is not None else []) + load.jobs:
-            try:
-                job.wait()
-            except Exception as e:  # noqa: BLE001
-                self._fail_all(load, e)
+    def _report_failures(self, load: _Load) -> None:
+        """Tell vLLM and the scheduler which chunks of ``load`` did not load (once, when its reads are all
+        in and its jobs fenced or done): vLLM recomputes their blocks, the scheduler and the saves of this
+        worker treat them as unverified (:mod:`.validity`)."""
+        if load.reported:
+            return
+        load.reported = True
+        for job in load.all_jobs():
+            if job.done() and job.error() is not None:
+                self._fail_all(load, job.error())
         for ch in load.spec.chunks:
             if ch.key in load.failed:
                 self._errors.update(ch.block_ids)
@@ -359,22 +430,43 @@ class KVXWorker:
                 self._stats["load_errors"] += 1
             if ch.tier == "disk" and ch.slot is not None:
                 _count(self._out.unstored if ch.key in load.failed else self._out.stored, ch.key)
-        load.keep.clear()
-        _count(self._out.loads_done, load.spec.req_id)
+
+    def _retire_loads(self, block: bool = False) -> None:
+        """A load is done for the scheduler (its CPU slots may be unpinned and reused) once every copy job
+        has finished; polled, never waited for on the per-step path."""
+        keep = []
+        for load in self._retiring:
+            if block:
+                for job in load.all_jobs():
+                    _settle(job.wait)
+            if all(job.done() for job in load.all_jobs()):
+                load.keep.clear()
+                _count(self._out.loads_done, load.spec.req_id)
+                self._stats["load_ms"] += (time.perf_counter() - load.started) * 1e3
+            else:
+                keep.append(load)
+        self._retiring = keep
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata) -> None:
-        """Nothing per layer: chunks are saved for all layers at once in wait_for_save."""
-
-    def wait_for_save(self) -> None:
-        meta = self._meta
-        for load in self._sync_loads:        # every sync load of this step is complete by now
-            self._finish_load(load)
-        self._sync_loads = []
-        if meta is None or self.layout is None or not meta.saves:
+        """Layer-wise saves: once the forward wrote the last layer of a layer group, that group's gathers
+        are queued (after a marker taken now), so they overlap the rest of the forward."""
+        if not self.config.save_layerwise or self._meta is None or not self._meta.saves:
             return
-        marker = self.engine.marker()
-        t0 = time.perf_counter()
-        for s in meta.saves:
+        g = self.group_of.get(layer_name)
+        if g is None or self.layer_of.get(layer_name) != self.groups[g][1] - 1:
+            return
+        self._submit_save_group(g, self.engine.marker())
+
+    def _begin_saves(self) -> list[_Save]:
+        """This step's saves, once: the ones computed against a load that failed here are dropped; the rest
+        get their destination (CPU slot or staging buffer)."""
+        if self._step_saves is not None:
+            return self._step_saves
+        self._step_saves = []
+        for load in self._sync_loads:          # every read of the step is in (the first layer waited for it)
+            self._resolve(load)
+            self._report_failures(load)
+        for s in self._meta.saves:
             if s.deps and self.outcomes.taints(s.deps):
                 # computed against KV that never arrived: vLLM recomputes it, and the scheduler plans the
                 # chunk again once it has
@@ -384,36 +476,83 @@ class KVXWorker:
                     _count(self._out.disk_done, s.key)
                 self._stats["saves_dropped"] += 1
                 continue
-            rec = _Save(s, None)
+            rec = _Save(s)
             if s.from_slot is not None:
-                src = self._slot_view(s.from_slot, s.tokens)
-            else:
-                if s.slot is not None:
-                    dest = self._slot_view(s.slot, s.tokens)
-                else:
-                    rec.staging = self._acquire_staging()
-                    dest = self._blocks_view(self._staging[rec.staging], 0, s.tokens // self.geom.block_size)
-                rec.job = self.engine.submit(lambda s=s, dest=dest: self._gather(self.layout, s.block_ids, dest),
-                                             after=marker, name=f"save {s.key}")
-                src = dest
+                rec.dest = self._slot_view(s.from_slot, s.tokens)
+            elif s.slot is not None:
+                rec.dest = self._slot_view(s.slot, s.tokens)
+            else:      # disk only: a staging buffer if one is free now, else one in wait_for_save
+                self._stage(rec, self._take_staging())
+            self._step_saves.append(rec)
+        return self._step_saves
+
+    def _stage(self, rec: _Save, idx: int | None) -> None:
+        if idx is not None:
+            rec.staging = idx
+            rec.dest = self._blocks_view(self._staging[idx], 0, rec.save.tokens // self.geom.block_size)
+
+    def _submit_save_group(self, g: int, marker) -> None:
+        if g in self._submitted_groups:
+            return
+        self._submitted_groups.add(g)
+        a, b, sub = self.groups[g]
+        for rec in self._begin_saves():
+            s = rec.save
+            if s.from_slot is not None or rec.dest is None:
+                continue
+            dest = rec.dest[a:b]
+            rec.jobs.append(self.order.save(s.block_ids,
+                                            lambda s=s, sub=sub, dest=dest: self._gather(sub, s.block_ids, dest),
+                                            name=f"save {s.key} group {g}", marker=marker))
+
+    def wait_for_save(self) -> None:
+        """End of the step's forward: report the sync loads, queue what save_kv_layer did not, start the
+        disk writes. Nothing here waits for a copy (on CPU the thread queue does: the copies there use the
+        cores the next forward needs)."""
+        meta = self._meta
+        t0 = time.perf_counter()
+        for load in self._sync_loads:
+            self._resolve(load)
+            for jobs in load.jobs.values():    # a group no layer fenced (a step without those layers)
+                for job in jobs:
+                    self._fence_job(load, job)
+            self._report_failures(load)
+            self._retiring.append(load)
+        self._sync_loads = []
+        if self.engine is not None:
+            self.engine.forward_done()
+        if meta is None or self.layout is None or not meta.saves:
+            self._retire_loads()
+            return
+        marker = self.engine.marker()
+        for g in range(len(self.groups)):
+            self._submit_save_group(g, marker)
+        for rec in self._begin_saves():
+            s = rec.save
+            if rec.dest is None and s.from_slot is None:
+                # every staging buffer was taken when the step began: wait for one (earlier disk writes free
+                # them; their gathers are queued) and gather all layers at once
+                self._stage(rec, self._acquire_staging())
+                rec.jobs.append(self.order.save(
+                    s.block_ids, lambda s=s, dest=rec.dest: self._gather(self.layout, s.block_ids, dest),
+                    name=f"save {s.key}", marker=marker))
             if s.to_disk:
                 if self.writes:
-                    rec.disk = self.writer.submit(self._write_chunk, s, src, rec.job)
+                    rec.disk = self.writer.submit(self._write_chunk, s, rec.dest, list(rec.jobs))
                 else:
                     _count(self._out.disk_done, s.key)
             self._saves.append(rec)
             self._stats["saved_chunks"] += 1
-        if self.layout.device.type == "cpu":
-            for rec in self._saves:
-                if rec.job is not None:
-                    try:
-                        rec.job.wait()
-                    except Exception:  # noqa: BLE001 - reported by _poll_saves
-                        pass
+        if self.engine.mode == "thread":
+            for rec in self._step_saves:
+                for job in rec.jobs:
+                    _settle(job.wait)
             self._stats["save_ms"] += (time.perf_counter() - t0) * 1e3
+        self._step_saves = None
+        self._retire_loads()
 
-    def _write_chunk(self, s: ChunkSave, src: torch.Tensor, job: Job | None) -> bool:
-        if job is not None:
+    def _write_chunk(self, s: ChunkSave, src: torch.Tensor, jobs: list[Job]) -> bool:
+        for job in jobs:
             job.wait()
         key = rank_key(s.key, self.shard, self.shards) if self.shards > 1 else s.key
         t0 = time.perf_counter()
@@ -421,11 +560,17 @@ class KVXWorker:
         self._stats["disk_write_ms"] += (time.perf_counter() - t0) * 1e3
         return written
 
+    def _take_staging(self) -> int | None:
+        with self._staging_cv:
+            return self._staging_free.pop() if self._staging_free else None
+
     def _acquire_staging(self) -> int:
         with self._staging_cv:
             while not self._staging_free:
                 self._staging_cv.wait(timeout=0.05)
                 self._poll_saves(block=False)
+                if not self._staging_free and self.engine.mode == "deferred":
+                    self.engine.flush()        # the writers wait for copies only this thread runs
             return self._staging_free.pop()
 
     def _release_staging(self, idx: int) -> None:
@@ -437,12 +582,13 @@ class KVXWorker:
         keep = []
         for rec in self._saves:
             s = rec.save
-            if rec.job is not None and not rec.reported_cpu:
+            if not rec.reported_cpu:
                 if block:
-                    _settle(rec.job.wait)
-                if rec.job.done():
+                    for job in rec.jobs:
+                        _settle(job.wait)
+                if rec.copies_done():
                     rec.reported_cpu = True
-                    err = rec.job.error()
+                    err = rec.copy_error()
                     if err is not None:
                         self.throttle.error(_cause("save", err), "kvx: saving chunk %s failed: %s", s.key, err)
                         self._stats["save_errors"] += 1
@@ -465,8 +611,7 @@ class KVXWorker:
                         self._stats["disk_writes"] += 1
                     _count(self._out.disk_done, s.key)
                     rec.disk = None
-            cpu_pending = rec.job is not None and not rec.reported_cpu
-            if cpu_pending or rec.disk is not None:
+            if not rec.reported_cpu or rec.disk is not None:
                 keep.append(rec)
             elif rec.staging is not None:
                 self._release_staging(rec.staging)
@@ -474,13 +619,17 @@ class KVXWorker:
 
     # ------------------------------------------------------------------ results
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        self._fence_reqs.update(finished_req_ids)
+        """Async loads: finished once their reads are in and their copies have run (polled)."""
         done = set()
         for rid, load in list(self._async_loads.items()):
-            if all(j.done() for j in load.jobs) and (load.early is None or load.early.done()):
-                self._finish_load(load)
+            if load.pending:
+                self._queue_chunks(load, self._take_ready(load))
+            if not load.pending and all(j.done() for j in load.all_jobs()):
+                self._report_failures(load)
+                self._retiring.append(load)
                 del self._async_loads[rid]
                 done.add(rid)
+        self._retire_loads()
         return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -504,11 +653,11 @@ class KVXWorker:
     def close(self) -> None:
         """Finish every copy and write (a shutdown must not leave half-written state)."""
         for load in list(self._async_loads.values()) + self._sync_loads:
-            for j in load.jobs:
-                try:
-                    j.wait()
-                except Exception:  # noqa: BLE001
-                    pass
+            self._resolve(load)
+            self._retiring.append(load)
+        if self.engine is not None:
+            self.engine.flush()
+        self._retire_loads(block=True)
         self._poll_saves(block=True)
         for pool in (self.reader, self.writer):
             if pool is not None:
@@ -519,4 +668,3 @@ class KVXWorker:
             self.pool.close()
         if self.disk is not None:
             self.disk.close()
-

@@ -147,6 +147,10 @@ class CPUIndex:
                 del self._entries[k]
                 self._free.append(e.slot)
 
+    def pending(self) -> int:
+        """Slots being written (PENDING, not aborted): their workers have not all reported yet."""
+        return sum(1 for e in self._entries.values() if e.state is SlotState.PENDING and not e.doomed)
+
     def pinned(self) -> int:
         return sum(1 for e in self._entries.values() if e.pins)
 
