@@ -64,7 +64,7 @@ class Env:
     pattern = staticmethod(page_pattern)
 
     def __init__(self, model_dir, extra, *, role="kv_both", num_blocks=64, max_batched=4096, policy="recompute",
-                 tp=1, chunks=None):
+                 tp=1, chunks=None, copy_queue=None, virtual_forward=False):
         mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=4096)
         sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
                              enable_chunked_prefill=True, is_encoder_decoder=False,
@@ -88,6 +88,12 @@ class Env:
             self.conn._scheduler.num_workers = self.conn._scheduler.shards = tp
         self.workers: list[KVXConnector] = []
         self.rank_caches: list[list[torch.Tensor]] = []
+        if virtual_forward and (copy_queue != "deferred" or tp != 1):
+            raise ValueError("virtual_forward: needs copy_queue='deferred' and tp=1")
+        self.virtual_forward = virtual_forward
+        saved_env = os.environ.get("KVX_COPY_QUEUE")
+        if copy_queue is not None:
+            os.environ["KVX_COPY_QUEUE"] = copy_queue     # read when the worker registers its caches
         for rank in range(tp):
             w = KVXConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
             w._worker.shard, w._worker.shards = rank, tp
@@ -95,7 +101,14 @@ class Env:
                                     head_size=HEAD, dtype=torch.bfloat16)
             for t in caches:
                 t.zero_()
-            w.register_kv_caches(dict(zip(LAYERS, caches)))
+            try:
+                w.register_kv_caches(dict(zip(LAYERS, caches)))
+            finally:
+                if copy_queue is not None and rank == tp - 1:
+                    if saved_env is None:
+                        os.environ.pop("KVX_COPY_QUEUE", None)
+                    else:
+                        os.environ["KVX_COPY_QUEUE"] = saved_env
             self.workers.append(w)
             self.rank_caches.append(caches)
         self.worker, self.caches = self.workers[0], self.rank_caches[0]
@@ -191,15 +204,29 @@ class Env:
     def _simulate_forward(self, so, layer):
         """Write the KV of this step's tokens at ``layer``. It depends on what the attention of every earlier
         layer read: the request's earlier blocks, on every rank. If one of them is not what a cold run
-        puts there, the block gets poisoned bytes instead."""
+        puts there, the block gets poisoned bytes instead. With ``virtual_forward`` this runs on the
+        deferred copy queue's virtual compute stream, as lazily as a GPU's, so it may run after copies the
+        host queued later (what the ordering rule must prevent)."""
         entries = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
         entries += list(zip(cached.req_ids, cached.num_computed_tokens))
+        plan = []
         for rid, start in entries:
             req = self.sched.requests[rid]
-            tokens = list(req.all_token_ids)
-            end = start + so.num_scheduled_tokens[rid]
-            table = self.sched.kv_cache_manager.get_block_ids(rid)[0]
+            plan.append((list(req.all_token_ids), start, start + so.num_scheduled_tokens[rid],
+                         list(self.sched.kv_cache_manager.get_block_ids(rid)[0])))
+        if self.virtual_forward:
+            self.worker._worker.engine.compute(lambda: self._forward_layer(plan, layer), name=f"forward layer {layer}")
+        else:
+            self._forward_layer(plan, layer)
+
+    def flush(self):
+        """Run every queued copy and virtual forward (before reading the caches or the tiers)."""
+        for w in self.workers:
+            w._worker.engine.flush()
+
+    def _forward_layer(self, plan, layer):
+        for tokens, start, end, table in plan:
             clean = all(self.holds_cold_kv(tokens, bi, table[bi], lower)
                         for lower in range(layer) for bi in range(start // BLOCK))
             for bi in range(start // BLOCK, -(-end // BLOCK)):
@@ -246,6 +273,7 @@ class Env:
     def assert_store_sound(self) -> int:
         """Every chunk in every tier (CPU slots on each rank, disk files of each rank) is exactly the cold
         computation of its tokens. Returns how many chunks were checked."""
+        self.flush()
         s = self.conn._scheduler
         checked = 0
         if s.cpu is not None:

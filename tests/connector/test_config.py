@@ -55,7 +55,8 @@ BAD_SIZES = [
     ("0.0001B", "expected a positive size"),   # rounds down to 0 bytes
 ]
 TOP_LEVEL_KEYS = sorted(["chunk_size", "tiers", "save_decode", "save_partial_chunks", "skip_last_n_tokens",
-                         "load_async", "promote", "format", "kv_layout", "layerwise", "io_threads", "max_ctas"])
+                         "load_async", "promote", "format", "kv_layout", "layerwise", "save_layerwise", "io_threads",
+                         "max_ctas"])
 BAD_VALUES = [
     ({"chunk_size": 0}, "chunk_size", "greater than 0"),
     ({"chunk_size": -256}, "chunk_size", "greater than 0"),

@@ -205,8 +205,8 @@ def test_corrupt_chunk_is_reported_and_recomputed(make_env, store_dir):
 def test_preempted_request_resumes_from_the_store(make_env, store_dir):
     env = make_env(tiers(store_dir))
     r = env.request("a", prompt(600, seed=10), max_tokens=6)
-    env.step()                                                    # prefill: 2 chunks saved
-    env.step()
+    env.step(settle_writes=True)                                  # prefill: 2 chunks saved (and reported)
+    env.step(settle_writes=True)
     assert env.sched.reset_prefix_cache(reset_running_requests=True)   # preempt everything
     so = env.step()
     assert "a" in (so.preempted_req_ids or set()) or r.num_preemptions == 1
