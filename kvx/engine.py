@@ -144,6 +144,7 @@ class TransferEngine:
             self._pending: list[Job] = []         # submitted, not run (submission order)
             self._compute_waits: list[Job] = []   # jobs fenced since the last compute op
             self._virtual = False                 # a simulated forward uses compute()
+            self._hold_loads = False              # while forward_done runs virtual compute ops
             self._epoch = 0                       # steps begun
 
     @property
@@ -272,8 +273,7 @@ class TransferEngine:
         if self.mode != "deferred":
             return
         with self._lock:
-            for job in [j for j in self._pending if j.queue == "compute" and j._epoch < self._epoch]:
-                self._force(job)
+            self._run_compute(lambda j: j._epoch < self._epoch)
             for job in [j for j in self._pending if j._epoch < self._epoch - 1]:
                 self._force(job)
 
@@ -288,6 +288,7 @@ class TransferEngine:
                     self.submit(lambda: None, queue=q).wait()
         else:
             with self._lock:
+                self._run_compute(lambda j: True)
                 for job in list(self._pending):
                     self._force(job)
 
@@ -348,6 +349,18 @@ class TransferEngine:
             self._run(j)
         self._loads_asap()
 
+    def _run_compute(self, which: Callable[[Job], bool]) -> None:
+        """Run the pending virtual compute ops ``which`` selects, in order. A load they make ready (its marker
+        ran) waits until they all ran: on a GPU such a load runs beside the next forward, which therefore
+        sees its KV only if it is fenced after it (rule 4)."""
+        self._hold_loads = True
+        try:
+            for job in [j for j in self._pending if j.queue == "compute" and which(j)]:
+                self._force(job)
+        finally:
+            self._hold_loads = False
+        self._loads_asap()
+
     def _run(self, job: Job) -> None:
         fn = job._fn
         try:
@@ -364,7 +377,7 @@ class TransferEngine:
 
     def _loads_asap(self) -> None:
         """Run every load whose edges are all satisfied (loads run as early as allowed)."""
-        while True:
+        while not self._hold_loads:
             ready = next((j for j in self._pending if j.queue == "load" and all(d.done() for d in j._deps)), None)
             if ready is None:
                 return
