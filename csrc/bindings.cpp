@@ -1,5 +1,6 @@
 // bindings.cpp - the one pybind11 module, kvx._C. Torch-free: every tensor arrives as an address.
 // Validation lives in kvx/ops.py; these entry points trust their arguments.
+#include <pybind11/numpy.h>  // plan_runs returns int64 arrays
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>  // std::vector<int64_t> from a list of ints (plan_launch's layer addresses)
 
@@ -40,6 +41,16 @@ std::string repr(const kvx::ContigDesc& d) {
 template <typename T>
 const T* as_ptr(int64_t addr) {
   return reinterpret_cast<const T*>(addr);
+}
+
+int32_t checked_direction(int32_t direction) {
+  if (direction != kvx::kGather && direction != kvx::kScatter)
+    throw std::invalid_argument("direction: expected 0 (gather) or 1 (scatter), got " + std::to_string(direction));
+  return direction;
+}
+
+py::array_t<int64_t> to_array(const std::vector<int64_t>& v) {
+  return py::array_t<int64_t>(static_cast<py::ssize_t>(v.size()), v.data());
 }
 
 }  // namespace
@@ -127,6 +138,35 @@ PYBIND11_MODULE(_C, m) {
       "contiguous side at address `contig` (only the addresses' alignment is read): the Triton launcher's plan.");
 
   m.def(
+      "plan_runs",
+      [](int64_t layer_ptrs, int32_t num_layers, int64_t ids, int64_t num_ids, int64_t contig,
+         const kvx::PagedDesc& paged, const kvx::ContigDesc& contig_strides, int64_t row_bytes, int32_t mode,
+         int32_t direction, int64_t min_run_bytes) -> py::object {
+        const kvx::CopyParams p = params_from(paged, contig_strides, row_bytes, num_layers, num_ids, mode);
+        checked_direction(direction);
+        std::vector<int64_t> dst, src, bytes;
+        bool fits;
+        {
+          py::gil_scoped_release nogil;
+          const int64_t max_runs = kvx::max_runs_for(kvx::payload_bytes(p, as_ptr<int64_t>(ids)), min_run_bytes);
+          fits = kvx::for_each_run(p, as_ptr<int64_t>(layer_ptrs), as_ptr<int64_t>(ids), contig, direction, max_runs,
+                                   [&](int64_t d, int64_t s, int64_t b) {
+                                     dst.push_back(d);
+                                     src.push_back(s);
+                                     bytes.push_back(b);
+                                   });
+        }
+        if (!fits) return py::none();
+        return py::make_tuple(to_array(dst), to_array(src), to_array(bytes));
+      },
+      py::arg("layer_ptrs"), py::arg("num_layers"), py::arg("ids"), py::arg("num_ids"), py::arg("contig"),
+      py::arg("paged"), py::arg("contig_strides"), py::arg("row_bytes"), py::arg("mode"), py::arg("direction"),
+      py::arg("min_run_bytes") = 0,
+      "The copy as maximal runs of contiguous bytes (kv_layout.h for_each_run): int64 arrays (dst, src, bytes) "
+      "of addresses, what the CUDA DMA path issues; None when the runs average fewer than `min_run_bytes` bytes "
+      "(the DMA path then leaves the copy to the kernel). Reads only `ids` (host) and addresses.");
+
+  m.def(
       "cpu_copy",
       [](int64_t layer_ptrs, int32_t num_layers, int64_t ids, int64_t num_ids, int64_t contig,
          const kvx::PagedDesc& paged, const kvx::ContigDesc& contig_strides, int64_t row_bytes, int32_t mode,
@@ -186,6 +226,30 @@ PYBIND11_MODULE(_C, m) {
       py::arg("num_ids"), py::arg("contig"), py::arg("paged"), py::arg("contig_strides"),
       py::arg("row_bytes"), py::arg("mode"), py::arg("direction"), py::arg("stream"),
       py::arg("max_ctas") = 0, "Launch the CUDA copy kernel on `stream` (no sync).");
+  m.def(
+      "cuda_copy_dma",
+      [check](int64_t layer_ptrs_host, int32_t num_layers, int64_t ids_host, int64_t num_ids, int64_t contig,
+              bool contig_on_host, const kvx::PagedDesc& paged, const kvx::ContigDesc& contig_strides,
+              int64_t row_bytes, int32_t mode, int32_t direction, int64_t stream, int64_t min_run_bytes) {
+        const kvx::CopyParams p = params_from(paged, contig_strides, row_bytes, num_layers, num_ids, mode);
+        checked_direction(direction);
+        bool issued = false;
+        int err;
+        {
+          py::gil_scoped_release nogil;  // walking the runs of a large copy takes a while
+          err = kvx::cuda::copy_dma(p, as_ptr<int64_t>(layer_ptrs_host), as_ptr<int64_t>(ids_host), contig,
+                                    contig_on_host, direction, stream, min_run_bytes, &issued);
+        }
+        check(err, "DMA copy");
+        return issued;
+      },
+      py::arg("layer_ptrs_host"), py::arg("num_layers"), py::arg("ids"), py::arg("num_ids"), py::arg("contig"),
+      py::arg("contig_on_host"), py::arg("paged"), py::arg("contig_strides"), py::arg("row_bytes"),
+      py::arg("mode"), py::arg("direction"), py::arg("stream"), py::arg("min_run_bytes") = 0,
+      "Issue the copy as DMA runs on `stream` (no sync) if its runs average at least `min_run_bytes` bytes; "
+      "returns whether it did (False: nothing issued, launch the kernel). Host arrays for layers and ids.");
+  m.def("cuda_batch_memcpy", &kvx::cuda::batch_memcpy_available,
+        "Whether the DMA path batches its runs (cudaMemcpyBatchAsync: CUDA >= 12.8, accepted by the driver).");
   m.def(
       "cuda_memcpy_each",
       [check](int64_t dsts, int64_t srcs, int64_t sizes, int64_t n, int64_t stream) {

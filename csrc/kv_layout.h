@@ -201,4 +201,69 @@ inline LaunchPlan plan_launch(const CopyParams& params, const int64_t* layer_ptr
   return LaunchPlan{moving_strides(p), copy_width(p, layer_ptrs, contig_ptr)};
 }
 
+// Runs (the DMA plan)
+// ------------------
+// For copy engines a copy is a list of runs: (dst, src, bytes) of contiguous bytes on both sides, one DMA
+// each. for_each_run() walks the rows of the copy in the order the kernel numbers them (entry by entry:
+// layer, plane, id; then token, head) after collapse_rows(), and extends the current run while the next
+// row continues it on both sides, so consecutive block ids whose pages are adjacent on both sides (a
+// legacy-flash plane, raw pages of consecutive blocks, a whole cache) become one run. Padding slots
+// are skipped. Host-side only: the CUDA DMA executor (copy_cuda.cu) and kvx._C.plan_runs use it.
+
+// Bytes the copy moves: the rows of every non-padding entry (the same before and after collapse_rows()).
+//   ids: [num_ids] block or slot ids (only slot mode reads them)
+inline int64_t payload_bytes(const CopyParams& p, const int64_t* ids) {
+  int64_t valid = p.num_ids;
+  if (p.mode == kSlots) {
+    valid = 0;
+    for (int64_t i = 0; i < p.num_ids; ++i) valid += ids[i] >= 0;
+  }
+  return static_cast<int64_t>(p.num_layers) * p.paged.num_planes * valid * rows_per_entry(p) * p.row_bytes;
+}
+
+// Most runs a copy of `payload` bytes may have so that its runs average at least `min_run_bytes`
+// (the DMA side of the kernel-or-DMA rule in kvx/ops.py); -1 (no limit) when min_run_bytes <= 0.
+inline int64_t max_runs_for(int64_t payload, int64_t min_run_bytes) {
+  return min_run_bytes > 0 ? payload / min_run_bytes : -1;
+}
+
+// Call emit(dst, src, bytes) (addresses as int64) for every maximal run of the copy, in row order.
+// With max_runs >= 0, stop as soon as the copy turns out to have more than max_runs runs and return
+// false: `emit` has then been called for the first max_runs runs only, which the caller discards.
+//   layer_ptrs: [num_layers] layer base addresses
+//   ids:        [num_ids] block ids (kBlocks) or slot ids, negative = padding (kSlots)
+//   contig:     base address of the contiguous side
+template <typename Emit>
+inline bool for_each_run(const CopyParams& params, const int64_t* layer_ptrs, const int64_t* ids, int64_t contig,
+                         int32_t direction, int64_t max_runs, Emit&& emit) {
+  CopyParams p = params;
+  collapse_rows(p);
+  if (p.row_bytes <= 0) return true;
+  const bool gather = direction == kGather;
+  const int64_t entries = num_entries(p), rpe = rows_per_entry(p);
+  int64_t runs = 0, dst = 0, src = 0, bytes = 0;
+  for (int64_t e = 0; e < entries; ++e) {
+    int32_t layer;
+    int64_t paged_off, contig_off;
+    if (!entry_offsets(p, e, ids, &layer, &paged_off, &contig_off)) continue;
+    const int64_t paged = layer_ptrs[layer] + paged_off, flat = contig + contig_off;
+    for (int64_t r = 0; r < rpe; ++r) {
+      const int64_t a = paged + row_paged_offset(p, r), b = flat + row_contig_offset(p, r);
+      const int64_t d = gather ? b : a, s = gather ? a : b;
+      if (bytes > 0 && d == dst + bytes && s == src + bytes) {
+        bytes += p.row_bytes;
+        continue;
+      }
+      if (bytes > 0) emit(dst, src, bytes);
+      if (max_runs >= 0 && runs == max_runs) return false;
+      ++runs;
+      dst = d;
+      src = s;
+      bytes = p.row_bytes;
+    }
+  }
+  if (bytes > 0) emit(dst, src, bytes);
+  return true;
+}
+
 }  // namespace kvx

@@ -5,6 +5,9 @@ pool); the baseline is torch indexing per layer and plane (what ExampleConnector
 = ``impl="reference"``).
 GPU: roofs are a device-to-device copy and a pinned host copy of the same bytes; baselines are torch
 indexing and one ``cudaMemcpyAsync`` per (layer, block) page.
+GPU, host <-> device sweep (``copy_h2d_cuda.{csv,md}``): raw pages of 2 KiB .. 1 MiB between the cache and
+pinned host memory, through the UVA copy kernel (at most 8 SMs), DMA (batched), the path kvx's measured
+rule picks, and one ``cudaMemcpyAsync`` per page; with the calibration the rule was drawn from.
 
 Bytes moved are counted explicitly: the payload (rows copied), each read once and written once.
 Run ``python benchmarks/bench_copy.py --help`` (or ``kvx bench``).
@@ -214,6 +217,140 @@ def run(device: str = "cpu", quick: bool = False, repeats: int = 15, impls: list
     return rows
 
 
+# ---------------------------------------------------------------------------------------- host <-> device sweep
+KiB, MiB = 1 << 10, 1 << 20
+H2D_PIECES = (2 * KiB, 4 * KiB, 8 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB)
+H2D_PATHS = ("pinned copy (roof)", "kernel (<=8 SMs)", "DMA", "kvx auto", "memcpyAsync/block")
+_H2D_DIRECTIONS = (("device->host", "gather_pages"), ("host->device", "scatter_pages"))
+
+
+@dataclasses.dataclass
+class H2DRow:
+    direction: str       # "device->host" (gather_pages) or "host->device" (scatter_pages)
+    piece_bytes: int     # bytes of one page = one contiguous run
+    pieces: int
+    bytes: int
+    path: str            # one of H2D_PATHS
+    ms: float
+    roof_ms: float
+    each_ms: float       # one cudaMemcpyAsync per page, same bytes
+    auto_path: str       # what the rule picks for this piece size: "kernel" or "dma"
+
+    @property
+    def gbs(self) -> float:
+        return self.bytes / (self.ms * 1e-3) / 1e9
+
+    @property
+    def pct_roof(self) -> float:
+        return 100.0 * self.roof_ms / self.ms
+
+    @property
+    def x_each(self) -> float:
+        return self.each_ms / self.ms
+
+
+def run_h2d(quick: bool = False, repeats: int = 15, log: Callable[[str], None] = print):
+    """The host <-> device sweep on the current CUDA device: returns ``(rows, calibration)``.
+
+    Each piece size is a vLLM >= 0.32 LBNHC cache (bf16, one head of 64: 256 bytes per token) whose block
+    size makes one page of one layer ``piece`` bytes; 8 layers, even block ids only (no two pages adjacent:
+    every page is its own run), ``32 MiB`` per copy (``8 MiB`` with ``quick``), all on a side stream (as
+    kvx's engine copies). The rule's threshold comes from :func:`kvx.ops.calibrate_h2d`, measured first.
+    """
+    g = torch.Generator().manual_seed(0)
+    stream = torch.cuda.Stream()
+    cal = ops.calibrate_h2d()
+    total = (8 if quick else 32) * MiB
+    layers = 8
+    rows: list[H2DRow] = []
+    with torch.cuda.stream(stream):
+        for piece in H2D_PIECES:
+            n = max(1, total // (layers * piece))
+            caches = make_kv_caches("LBNHC", num_layers=layers, num_blocks=2 * n, block_size=piece // 256,
+                                    num_heads=1, head_size=64, dtype=torch.bfloat16, device="cuda", generator=g)
+            lay = KVLayout.from_tensors(caches, "LBNHC")
+            if lay.page is None or lay.page.segments != 1 or lay.page_bytes != piece:
+                raise RuntimeError(f"h2d sweep: expected one {piece}-byte page per block and layer, got {lay.page}")
+            ids = 2 * torch.randperm(n, generator=g)
+            buf = torch.empty(lay.page_shape(n), dtype=torch.uint8, pin_memory=True)
+            buf.fill_(1)
+            nbytes = buf.numel()
+            flat_dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            flat_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            for direction, op in _H2D_DIRECTIONS:
+                gather = op.startswith("gather")
+                fn = getattr(ops, op)
+                src, dst = (flat_dev, flat_host) if gather else (flat_host, flat_dev)
+                rule = ops.h2d_dma_min_bytes(direction="gather" if gather else "scatter")
+                fns = [lambda: dst.copy_(src, non_blocking=True),
+                       lambda: fn(lay, ids, buf, impl="cuda", path="kernel"),
+                       lambda: fn(lay, ids, buf, impl="cuda", path="dma"),
+                       lambda: fn(lay, ids, buf, impl="cuda"),
+                       _per_block_memcpy(lay, ids, buf, gather, stream.cuda_stream)]
+                ms = _time_interleaved(fns, repeats, True)
+                auto = "dma" if piece >= rule else "kernel"
+                for label, t in zip(H2D_PATHS, ms):
+                    r = H2DRow(direction, piece, n * layers, nbytes, label, t, ms[0], ms[-1], auto)
+                    log(f"{direction:13s} {piece // KiB:5d} KiB x {r.pieces:6d}  {label:20s} {t:9.3f} ms "
+                        f"{r.gbs:8.2f} GB/s {r.pct_roof:6.1f}% roof {r.x_each:6.1f}x memcpyAsync/block")
+                    rows.append(r)
+            lay = caches = buf = flat_dev = flat_host = fns = None   # free before the next size
+    return rows, cal
+
+
+def _fmt_bytes(b: int) -> str:
+    if b == ops.DMA_NEVER:
+        return "never"
+    return f"{b // MiB} MiB" if b >= MiB and b % MiB == 0 else f"{b // KiB} KiB" if b % KiB == 0 else f"{b} B"
+
+
+def write_h2d_results(rows: list[H2DRow], cal, path_stem: str, command: str) -> None:
+    """Write ``<stem>.csv`` (every path) and ``<stem>.md`` (a row per direction and piece size, then the
+    calibration sweep the rule was drawn from)."""
+    os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
+    with open(path_stem + ".csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["direction", "piece_bytes", "pieces", "bytes", "path", "ms", "GB/s", "pct_roof",
+                    "x_memcpy_per_block", "rule_picks"])
+        for r in rows:
+            w.writerow([r.direction, r.piece_bytes, r.pieces, r.bytes, r.path, f"{r.ms:.4f}", f"{r.gbs:.3f}",
+                        f"{r.pct_roof:.1f}", f"{r.x_each:.2f}", r.auto_path])
+    thresholds = (f"device->host {_fmt_bytes(cal.dma_min_bytes[0])}, host->device "
+                  f"{_fmt_bytes(cal.dma_min_bytes[1])}")
+    lines = [f"# kvx host <-> device copies on {machine()}", "", f"torch {torch.__version__}. Reproduce: `{command}`",
+             "", "Raw pages (one page of one layer = one piece, no two adjacent) between an LBNHC cache and pinned "
+             "host memory, 8 layers, on a side stream. GB/s = bytes / time (each byte crosses PCIe once); "
+             "`% roof` = over one pinned copy of the same bytes; `x block` = speed-up over one `cudaMemcpyAsync` "
+             f"per page. Kernel: the UVA copy kernel capped at {ops.H2D_MAX_CTAS} CTAs (so <= "
+             f"{ops.H2D_MAX_CTAS} SMs). DMA: "
+             f"{'`cudaMemcpyBatchAsync`' if cal.batched else 'one `cudaMemcpyAsync` per run (no batched API)'}. "
+             f"kvx auto: the rule, DMA from a mean run of {thresholds} (measured by `kvx.ops.calibrate_h2d`, "
+             "below). Targets: the chosen path >= 45 GB/s, and >= 5x per-block `cudaMemcpyAsync` for pieces "
+             "<= 16 KiB.", "",
+             "| direction | piece | pieces | roof GB/s | kernel GB/s | DMA GB/s | per-block GB/s | kernel x block | "
+             "DMA x block | auto: path | auto GB/s | auto x block |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    by = {(r.direction, r.piece_bytes, r.path): r for r in rows}
+    for direction, _ in _H2D_DIRECTIONS:
+        for piece in sorted({r.piece_bytes for r in rows}):
+            if (direction, piece, H2D_PATHS[0]) not in by:
+                continue
+            roof, kern, dma, auto, each = (by[(direction, piece, p)] for p in H2D_PATHS)
+            lines.append(f"| {direction} | {_fmt_bytes(piece)} | {kern.pieces} | {roof.gbs:.1f} | {kern.gbs:.1f} | "
+                         f"{dma.gbs:.1f} | {each.gbs:.1f} | {kern.x_each:.1f}x | {dma.x_each:.1f}x | "
+                         f"{auto.auto_path} | {auto.gbs:.1f} | {auto.x_each:.1f}x |")
+    lines += ["", f"Calibration (`kvx.ops.calibrate_h2d`, {cal.device}): ms per copy of `runs` runs of `run` bytes, "
+              "kernel vs DMA; the threshold is the smallest size from which DMA is at least as fast at every "
+              f"larger size. Threshold: {thresholds}.", "",
+              "| run | runs | d->h kernel ms | d->h DMA ms | h->d kernel ms | h->d DMA ms |",
+              "|---:|---:|---:|---:|---:|---:|"]
+    for i, b in enumerate(cal.run_bytes):
+        lines.append(f"| {_fmt_bytes(b)} | {cal.runs[i]} | {cal.kernel_ms[0][i]:.4f} | {cal.dma_ms[0][i]:.4f} | "
+                     f"{cal.kernel_ms[1][i]:.4f} | {cal.dma_ms[1][i]:.4f} |")
+    with open(path_stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def machine() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
@@ -263,16 +400,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--impls", default=None, help="comma-separated subset of kvx.ops.IMPLS")
-    ap.add_argument("--out", default=None, help="results path stem (default: benchmarks/results/copy_<device>)")
+    ap.add_argument("--out", default=None, help="results path stem (default: benchmarks/results/copy_<device>; "
+                                                "the CUDA host <-> device sweep goes to copy_h2d_cuda beside it)")
+    ap.add_argument("--h2d-only", action="store_true", help="CUDA: only the host <-> device sweep")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats: expected >= 1, got {args.repeats}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    on_gpu = args.device.startswith("cuda")
+    if on_gpu and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is present")
+    if args.h2d_only and not on_gpu:
+        ap.error("--h2d-only: the host <-> device sweep needs --device cuda")
     impls = args.impls.split(",") if args.impls else None
-    rows = run(args.device, args.quick, args.repeats, impls)
     stem = args.out or os.path.join("benchmarks", "results", f"copy_{args.device.split(':')[0]}")
-    cmd = "python benchmarks/bench_copy.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_results(rows, stem, f"kvx copy kernels on {args.device}", cmd.strip())
-    print(f"wrote {stem}.md and {stem}.csv")
+    cmd = ("python benchmarks/bench_copy.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    if not args.h2d_only:
+        rows = run(args.device, args.quick, args.repeats, impls)
+        write_results(rows, stem, f"kvx copy kernels on {args.device}", cmd)
+        print(f"wrote {stem}.md and {stem}.csv")
+    if on_gpu:
+        if args.device != "cuda":
+            torch.cuda.set_device(torch.device(args.device))
+        h2d_rows, cal = run_h2d(args.quick, args.repeats)
+        h2d_stem = os.path.join(os.path.dirname(stem), "copy_h2d_cuda")
+        write_h2d_results(h2d_rows, cal, h2d_stem, cmd)
+        print(f"wrote {h2d_stem}.md and {h2d_stem}.csv")
     return 0

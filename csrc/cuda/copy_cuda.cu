@@ -7,9 +7,16 @@
 // cache hints: the data is touched once, so it should not evict the model's working set from L2.
 // The contiguous side may be pinned host memory mapped into the device address space (UVA): the same
 // kernel then reads/writes over PCIe, which is how small pages beat one DMA per block.
+//
+// copy_dma() is the other host<->device path: the copy as runs of contiguous bytes (for_each_run in
+// kv_layout.h) handed to the copy engines, batched (cudaMemcpyBatchAsync) where the runtime has it. No
+// SM is used; each run costs a DMA descriptor, so it wins once runs are large. kvx/ops.py picks between
+// the two per call by a threshold measured on the device.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
+#include <vector>
 
 #include "copy_cuda.h"
 
@@ -66,7 +73,19 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(CopyParams p, const int6
     char* flat = contig + contig_off + row_contig_offset(p, r);
     const VecT* src = reinterpret_cast<const VecT*>(gather ? paged : flat);
     VecT* dst = reinterpret_cast<VecT*>(gather ? flat : paged);
-    for (int64_t w = lane; w < words; w += TPR) store_stream(dst + w, load_stream(src + w));
+    // Four loads in flight per lane before their stores: a read of mapped host memory waits a PCIe round
+    // trip (~1 us), so with one load per lane a CTA cap of 8 would leave the link mostly idle. Named
+    // values, not an array: an array of uint4 made ptxas spill (sm_90, 40 registers).
+    int64_t w = lane;
+    for (; w + 3 * TPR < words; w += 4 * TPR) {
+      const VecT v0 = load_stream(src + w), v1 = load_stream(src + w + TPR), v2 = load_stream(src + w + 2 * TPR),
+                 v3 = load_stream(src + w + 3 * TPR);
+      store_stream(dst + w, v0);
+      store_stream(dst + w + TPR, v1);
+      store_stream(dst + w + 2 * TPR, v2);
+      store_stream(dst + w + 3 * TPR, v3);
+    }
+    for (; w < words; w += TPR) store_stream(dst + w, load_stream(src + w));
   }
 }
 
@@ -122,6 +141,110 @@ int copy(const CopyParams& params, const int64_t* layer_ptrs_host, const int64_t
     default: return launch<uint8_t>(p, layer_ptrs_dev, ids_dev, base, gather, total_rows, max_ctas, stream);
   }
 }
+
+namespace {
+
+// Copies per cudaMemcpyBatchAsync call. The API documents no limit; chunking bounds the argument arrays
+// one call walks, and 4096 runs of even 4 KiB are 16 MiB, far past where the per-call cost matters.
+constexpr size_t kMaxBatch = 4096;
+
+// Cleared when the driver refuses batched copies (older than the runtime kvx was built with): every
+// later call then goes straight to one cudaMemcpyAsync per run.
+std::atomic<bool> batch_usable{CUDART_VERSION >= 12080};
+
+struct Runs {
+  std::vector<void*> dsts;
+  std::vector<void*> srcs;
+  std::vector<size_t> sizes;
+};
+
+cudaError_t memcpy_runs(const Runs& runs, size_t begin, size_t end, cudaStream_t stream) {
+  for (size_t i = begin; i < end; ++i) {
+    cudaError_t err = cudaMemcpyAsync(runs.dsts[i], runs.srcs[i], runs.sizes[i], cudaMemcpyDefault, stream);
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // returned to the caller; cleared so that no later launch check reports it again
+      return err;
+    }
+  }
+  return cudaSuccess;
+}
+
+#if CUDART_VERSION >= 12080
+cudaError_t memcpy_batch(Runs& runs, size_t begin, size_t end, cudaMemcpyAttributes* attrs, cudaStream_t stream) {
+  size_t attrs_idx = 0;  // attrs[0] applies to every copy of the batch
+#if CUDART_VERSION >= 13000
+  return cudaMemcpyBatchAsync(runs.dsts.data() + begin, const_cast<const void* const*>(runs.srcs.data() + begin),
+                              runs.sizes.data() + begin, end - begin, attrs, &attrs_idx, 1, stream);
+#else  // CUDA 12.8 / 12.9: non-const arrays and a failIdx out-parameter
+  size_t fail_idx = 0;
+  return cudaMemcpyBatchAsync(runs.dsts.data() + begin, runs.srcs.data() + begin, runs.sizes.data() + begin,
+                              end - begin, attrs, &attrs_idx, 1, &fail_idx, stream);
+#endif
+}
+
+// Where one side of the copies lives (a hint: the driver uses it for memory without a fixed home).
+cudaMemLocation location(bool host, int device) {
+  cudaMemLocation loc{};
+  loc.type = host ? cudaMemLocationTypeHost : cudaMemLocationTypeDevice;
+  loc.id = host ? 0 : device;
+  return loc;
+}
+#endif
+
+}  // namespace
+
+int copy_dma(const CopyParams& p, const int64_t* layer_ptrs_host, const int64_t* ids_host, int64_t contig,
+             bool contig_on_host, int32_t direction, int64_t stream_handle, int64_t min_run_bytes, bool* issued) {
+  *issued = false;
+  thread_local Runs runs;  // reused: no allocation once a thread has seen its largest copy
+  runs.dsts.clear();
+  runs.srcs.clear();
+  runs.sizes.clear();
+  const int64_t max_runs = max_runs_for(payload_bytes(p, ids_host), min_run_bytes);
+  const bool fits = for_each_run(p, layer_ptrs_host, ids_host, contig, direction, max_runs,
+                                 [](int64_t dst, int64_t src, int64_t bytes) {
+                                   runs.dsts.push_back(reinterpret_cast<void*>(dst));
+                                   runs.srcs.push_back(reinterpret_cast<void*>(src));
+                                   runs.sizes.push_back(static_cast<size_t>(bytes));
+                                 });
+  if (!fits) return cudaSuccess;  // runs too small on average: the caller launches the kernel instead
+  *issued = true;
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const size_t n = runs.sizes.size();
+  // The batched API refuses the legacy default stream; copies there take one cudaMemcpyAsync per run.
+  const bool legacy = stream == nullptr || stream == cudaStreamLegacy;
+#if CUDART_VERSION >= 12080
+  if (!legacy && batch_usable.load(std::memory_order_relaxed)) {
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    const bool gather = direction == kGather;
+    cudaMemcpyAttributes attrs{};
+    attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // sources are written by earlier stream work
+    attrs.srcLocHint = location(gather ? false : contig_on_host, device);
+    attrs.dstLocHint = location(gather ? contig_on_host : false, device);
+    attrs.flags = cudaMemcpyFlagDefault;
+    for (size_t begin = 0; begin < n; begin += kMaxBatch) {
+      const size_t end = begin + kMaxBatch < n ? begin + kMaxBatch : n;
+      err = memcpy_batch(runs, begin, end, &attrs, stream);
+      if (err == cudaSuccess) continue;
+      cudaGetLastError();  // not sticky; clear it so no later launch check reports it
+      if (err == cudaErrorNotSupported || err == cudaErrorCallRequiresNewerDriver)
+        batch_usable.store(false, std::memory_order_relaxed);
+      // Re-issue this chunk one run at a time (copies already enqueued rewrite the same bytes: no run
+      // reads what another writes). A real error in the runs shows up there.
+      err = memcpy_runs(runs, begin, end, stream);
+      if (err != cudaSuccess) return err;
+    }
+    return cudaSuccess;
+  }
+#endif
+  (void)legacy;
+  (void)contig_on_host;
+  return memcpy_runs(runs, 0, n, stream);
+}
+
+bool batch_memcpy_available() { return batch_usable.load(std::memory_order_relaxed); }
 
 int memcpy_each(const int64_t* dsts, const int64_t* srcs, const int64_t* sizes, int64_t n, int64_t stream) {
   auto s = reinterpret_cast<cudaStream_t>(stream);

@@ -19,6 +19,21 @@ namespace kvx::cuda {
 int copy(const CopyParams& p, const int64_t* layer_ptrs_host, const int64_t* layer_ptrs_dev,
          const int64_t* ids_dev, int64_t contig, int32_t direction, int64_t stream, int max_ctas);
 
+// Issue the copy as DMA on `stream`: its runs of contiguous bytes (for_each_run in kv_layout.h), with
+// cudaMemcpyBatchAsync (CUDA >= 12.8, any stream but the legacy default one; chunks of 4096 runs) or one
+// cudaMemcpyAsync per run. Only when the runs average at least `min_run_bytes` (<= 0: always); otherwise
+// nothing is issued and *issued = false, so the caller launches copy() instead. Returns a cudaError_t;
+// never syncs.
+//   layer_ptrs_host: [num_layers] layer base addresses (device memory), host array
+//   ids_host:        [num_ids] int64 block or slot ids, host array
+//   contig:          address of the contiguous side (pinned host or device memory; not the device alias)
+//   contig_on_host:  whether `contig` is host memory (the location hint of the batched copies)
+int copy_dma(const CopyParams& p, const int64_t* layer_ptrs_host, const int64_t* ids_host, int64_t contig,
+             bool contig_on_host, int32_t direction, int64_t stream, int64_t min_run_bytes, bool* issued);
+
+// Whether copy_dma() batches its runs: built with CUDA >= 12.8 and the driver has not refused it.
+bool batch_memcpy_available();
+
 // Baseline for benchmarks: one cudaMemcpyAsync per (dst, src, bytes) triple, host arrays.
 int memcpy_each(const int64_t* dsts, const int64_t* srcs, const int64_t* sizes, int64_t n,
                 int64_t stream);

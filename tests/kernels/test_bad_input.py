@@ -127,6 +127,20 @@ def test_negative_max_ctas(lay):
         ops.gather_blocks(lay, [0], max_ctas=-1)
 
 
+def test_unknown_path(lay):
+    with pytest.raises(ValueError, match=r"path: expected one of \('kernel', 'dma'\) or None, got 'fast'"):
+        ops.gather_blocks(lay, [0], path="fast")
+
+
+def test_path_needs_the_cuda_impl(lay):
+    src = torch.zeros(lay.canonical_shape(16), dtype=torch.float16)
+    with pytest.raises(ValueError, match="path: 'dma' picks between the CUDA copy kernel and DMA, which only impl "
+                                         "'cuda' has; this copy runs impl 'cpu'"):
+        ops.scatter_blocks(lay, [0], src, path="dma")
+    with pytest.raises(ValueError, match="path: 'kernel' .* runs impl 'reference'"):
+        ops.gather_blocks(lay, [0], impl="reference", path="kernel")
+
+
 def test_opaque_cpu_backend_pages_refuse_tokens():
     lay = make_layout("cpu", **GEOM)
     with pytest.raises(ValueError, match="layout: 'cpu' pages are packed by the attention backend"):

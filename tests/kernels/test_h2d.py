@@ -1,0 +1,315 @@
+"""Host <-> device path of impl "cuda": the UVA copy kernel or DMA, by a threshold measured on the device.
+
+On CPU: the rule that draws the threshold from timings (made-up ones here), and the environment override.
+On a GPU: the DMA path bit-exact against the reference for every layout, both directions, pinned host and
+device memory, padding slots; both paths giving the same bytes; the calibration; which path a call takes.
+"""
+
+import itertools
+import math
+import zlib
+
+import pytest
+import torch
+
+from kvx import ops
+from kvx.layout import LAYOUTS, KVLayout
+from kvx.testing import make_kv_caches, random_fill_
+
+KiB = 1024
+SIZES = [4 * KiB << k for k in range(9)]          # 4 KiB .. 1 MiB, as the calibration sweeps
+
+
+# ------------------------------------------------------------------------------------------ the rule (CPU)
+def _times(per_run_ms, gbs, sizes=SIZES, runs=64):
+    """Time per copy of `runs` runs: a fixed cost per run plus bytes at a bandwidth."""
+    return [runs * (per_run_ms + b / (gbs * 1e6)) for b in sizes]
+
+
+def test_rule_picks_the_crossover():
+    # kernel: no per-run cost, 20 GB/s; DMA: 4 us per run, 50 GB/s -> equal at b = 4e-3 / (1/20e6 - 1/50e6)
+    kernel, dma = _times(0.0, 20), _times(0.004, 50)
+    crossover = 0.004 / (1 / 20e6 - 1 / 50e6)                                  # 133 kB
+    expected = min(b for b in SIZES if b >= crossover)
+    assert ops.choose_dma_min_bytes(SIZES, kernel, dma) == expected == 256 * KiB
+
+
+def test_rule_never_dma_when_the_kernel_always_wins():
+    assert ops.choose_dma_min_bytes(SIZES, _times(0.0, 60), _times(0.004, 50)) == ops.DMA_NEVER
+
+
+def test_rule_dma_from_the_smallest_size_when_dma_always_wins():
+    assert ops.choose_dma_min_bytes(SIZES, _times(0.01, 20), _times(0.0, 50)) == SIZES[0]
+
+
+def test_rule_tie_goes_to_dma():
+    assert ops.choose_dma_min_bytes([4096, 8192], [1.0, 2.0], [1.5, 2.0]) == 8192
+
+
+def test_rule_ignores_a_dma_win_below_a_kernel_win():
+    """Noise near the crossover: a size where the kernel wins moves the threshold above it."""
+    kernel = [1.0, 1.0, 1.0, 1.0]
+    dma = [0.9, 1.1, 0.9, 0.8]
+    assert ops.choose_dma_min_bytes([4096, 8192, 16384, 32768], kernel, dma) == 16384
+
+
+@pytest.mark.parametrize("args,match", [
+    (([], [], []), "run_bytes: expected at least one run size"),
+    (([4096, 8192], [1.0], [1.0, 1.0]), "kernel_ms, dma_ms: expected one time per run size"),
+    (([8192, 4096], [1.0, 1.0], [1.0, 1.0]), "run_bytes: expected strictly increasing positive ints"),
+    (([0, 4096], [1.0, 1.0], [1.0, 1.0]), "run_bytes: expected strictly increasing positive ints"),
+    (([4096.0], [1.0], [1.0]), "run_bytes: expected strictly increasing positive ints"),
+    (([4096], [0.0], [1.0]), "kernel_ms: expected positive finite times"),
+    (([4096], [1.0], [math.nan]), "dma_ms: expected positive finite times"),
+])
+def test_rule_rejects_bad_timings(args, match):
+    with pytest.raises(ValueError, match=match):
+        ops.choose_dma_min_bytes(*args)
+
+
+def test_env_overrides_the_measurement(monkeypatch):
+    """KVX_H2D_DMA_MIN_BYTES replaces the calibration (so nothing touches a device here)."""
+    monkeypatch.setenv(ops.H2D_ENV, "65536")
+    assert ops.h2d_dma_min_bytes("cuda:0", "scatter") == 65536
+    assert ops.h2d_dma_min_bytes("cuda:0", "gather") == 65536
+    monkeypatch.setenv(ops.H2D_ENV, " 0 ")
+    assert ops.h2d_dma_min_bytes("cuda:0", "gather") == 0
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1.5", "64KiB", "0x100"])
+def test_env_must_be_a_non_negative_integer(monkeypatch, value):
+    monkeypatch.setenv(ops.H2D_ENV, value)
+    with pytest.raises(ValueError, match=rf"KVX_H2D_DMA_MIN_BYTES: expected a non-negative integer .* got "
+                                         rf"'{value}'"):
+        ops.h2d_dma_min_bytes("cuda:0", "scatter")
+
+
+def test_threshold_arguments_are_checked(monkeypatch):
+    monkeypatch.setenv(ops.H2D_ENV, "4096")
+    with pytest.raises(ValueError, match="direction: expected 'gather' .* or 'scatter' .* got 'up'"):
+        ops.h2d_dma_min_bytes("cuda:0", "up")
+    with pytest.raises(ValueError, match="device: expected a CUDA device, got cpu"):
+        ops.h2d_dma_min_bytes("cpu", "gather")
+    with pytest.raises(ValueError, match="device: expected a CUDA device, got cpu"):
+        ops.calibrate_h2d("cpu")
+
+
+# ------------------------------------------------------------------------------------------ GPU
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none present)")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]
+BLOCK_SIZES = [16, 32, 128]
+TOKEN_LAYOUTS = [name for name in LAYOUTS if name != "cpu"]
+# (path, contiguous side): the kernel on device memory is test_copy.py's
+ROUTES = [pytest.param("dma", True, id="dma-pinned"), pytest.param("dma", False, id="dma-hbm"),
+          pytest.param("kernel", True, id="kernel-pinned")]
+
+
+def _seed(*key) -> int:
+    return zlib.crc32(repr(key).encode())
+
+
+def _cases():
+    for name, dtype, bs in itertools.product(TOKEN_LAYOUTS, DTYPES, BLOCK_SIZES):
+        for hs in ([576, 5] if name == "mla" else [64, 5]):
+            yield pytest.param(name, dtype, bs, hs, id=f"{name}-{str(dtype)[6:]}-bs{bs}-hs{hs}")
+
+
+CASES = list(_cases())
+
+
+def _assert_same_bytes(x, y):
+    assert x.shape == y.shape and x.dtype == y.dtype
+    assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+
+
+def _twins(name, geom, dtype, seed, padded=False):
+    a = make_kv_caches(name, **geom, dtype=dtype, device="cuda", padded=padded,
+                       generator=torch.Generator().manual_seed(seed))
+    b = make_kv_caches(name, **geom, dtype=dtype, device="cuda", padded=padded,
+                       generator=torch.Generator().manual_seed(seed))
+    return KVLayout.from_tensors(a, name), KVLayout.from_tensors(b, name)
+
+
+def _buf(shape, dtype, host, g):
+    t = random_fill_(torch.empty(shape, dtype=dtype), g)
+    return t.pin_memory() if host else t.cuda()
+
+
+def _check_op(kind, lay, ref, gather_ids, scatter_ids, shape_of, dtype, host, path, g):
+    gather, scatter = getattr(ops, f"gather_{kind}"), getattr(ops, f"scatter_{kind}")
+    out = _buf(shape_of(len(gather_ids)), dtype, host, g)
+    expected = out.cuda() if host else out.clone()
+    gather(lay, gather_ids, out, impl="cuda", path=path)
+    gather(ref, gather_ids, expected, impl="reference")
+    torch.cuda.synchronize()
+    _assert_same_bytes(out.cuda(), expected)
+    src = _buf(shape_of(len(scatter_ids)), dtype, host, g)
+    scatter(lay, scatter_ids, src, impl="cuda", path=path)
+    scatter(ref, scatter_ids, src.cuda(), impl="reference")
+    torch.cuda.synchronize()
+    for ta, tb in zip(lay.layers, ref.layers):
+        _assert_same_bytes(ta, tb)
+
+
+def _need_cuda_impl():
+    if "cuda" not in ops.available_impls("cuda"):
+        pytest.fail(f"impl 'cuda' should run here but is unavailable ({ops.available_impls('cuda')}); "
+                    f"{ops._C_ERROR or 'kvx._C built without CUDA'}", pytrace=False)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("path,host", ROUTES)
+@pytest.mark.parametrize("name,dtype,block_size,head_size", CASES)
+def test_cuda_path_matches_reference(path, host, name, dtype, block_size, head_size):
+    _need_cuda_impl()
+    seed = _seed("h2d", name, str(dtype), block_size, head_size)
+    g = torch.Generator().manual_seed(seed)
+    B = 8
+    geom = dict(num_layers=int(torch.randint(1, 4, (1,), generator=g)), num_blocks=B, block_size=block_size,
+                num_heads=1 if name == "mla" else int(torch.randint(1, 4, (1,), generator=g)), head_size=head_size)
+    lay, ref = _twins(name, geom, dtype, seed, padded=bool(seed % 2))
+    ids = torch.tensor([5, 6, 2, 0])                                  # 5, 6 adjacent: a merged run
+    gather_ids = torch.cat([ids, ids[:1]])                            # a block read twice
+    _check_op("blocks", lay, ref, gather_ids, ids, lambda n: lay.canonical_shape(n * block_size), dtype, host, path,
+              g)
+    run = torch.arange(3 * block_size, 3 * block_size + 8)            # consecutive slots: a merged run
+    rest = torch.randperm(B * block_size, generator=g)
+    rest = rest[(rest < run[0]) | (rest > run[-1])][:29]
+    slots = torch.cat([rest[:4], run, rest[4:]])
+    slots[::5] = -1                                                   # padding
+    _check_op("slots", lay, ref, slots, slots, lay.canonical_shape, dtype, host, path, g)
+    if not lay.opaque and lay.page is not None:
+        _check_op("pages", lay, ref, ids, ids, lay.page_shape, torch.uint8, host, path, g)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ops.PATHS)
+def test_cuda_path_with_strided_pinned_chunk(path):
+    """The contiguous side as a strided view of a pinned pool (a slot of kvx's CPU tier)."""
+    _need_cuda_impl()
+    g = torch.Generator().manual_seed(11)
+    lay, ref = _twins("LBHNC", dict(num_layers=3, num_blocks=6, block_size=16, num_heads=2, head_size=16),
+                      torch.bfloat16, 11)
+    pool = random_fill_(torch.empty(2, 2, 3, 48, 2, 16, dtype=torch.bfloat16), g).pin_memory()  # [slot, P, L, ...]
+    out = pool[1].transpose(0, 1)
+    before = pool[0].clone()
+    ops.gather_blocks(lay, [3, 0, 5], out, impl="cuda", path=path)
+    torch.cuda.synchronize()
+    _assert_same_bytes(out, ops.gather_blocks(ref, [3, 0, 5], impl="reference").cpu())
+    _assert_same_bytes(pool[0], before)
+    ops.scatter_blocks(lay, [1, 2, 4], pool[0].transpose(0, 1), impl="cuda", path=path)
+    ops.scatter_blocks(ref, [1, 2, 4], pool[0].transpose(0, 1).cuda(), impl="reference")
+    torch.cuda.synchronize()
+    for ta, tb in zip(lay.layers, ref.layers):
+        _assert_same_bytes(ta, tb)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("stream", ["default", "side"])
+def test_dma_and_kernel_give_identical_bytes(stream):
+    """A chunk of realistic size (LBNHC pages, legacy-flash blocks), both directions, on the legacy default
+    stream (one cudaMemcpyAsync per run) and on a side stream (batched)."""
+    _need_cuda_impl()
+    g = torch.Generator().manual_seed(3)
+    s = torch.cuda.current_stream() if stream == "default" else torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for name, kind in (("LBNHC", "pages"), ("flash", "blocks"), ("LBNHC", "blocks")):
+            geom = dict(num_layers=4, num_blocks=96, block_size=16, num_heads=8, head_size=128)
+            a, b = _twins(name, geom, torch.bfloat16, 5)
+            rest = torch.randperm(96, generator=g)
+            ids = torch.cat([torch.arange(50, 58), rest[(rest < 50) | (rest >= 58)][:32]])   # 8 adjacent blocks
+            shape = a.page_shape(40) if kind == "pages" else a.canonical_shape(40 * 16)
+            dt = torch.uint8 if kind == "pages" else torch.bfloat16
+            gather, scatter = getattr(ops, f"gather_{kind}"), getattr(ops, f"scatter_{kind}")
+            x = random_fill_(torch.empty(shape, dtype=dt), g).pin_memory()
+            y = x.clone().pin_memory()
+            gather(a, ids, x, impl="cuda", path="dma")
+            gather(a, ids, y, impl="cuda", path="kernel")
+            s.synchronize()
+            _assert_same_bytes(x, y)
+            src = random_fill_(torch.empty(shape, dtype=dt), g).pin_memory()
+            scatter(a, ids, src, impl="cuda", path="dma")
+            scatter(b, ids, src, impl="cuda", path="kernel")
+            s.synchronize()
+            for ta, tb in zip(a.layers, b.layers):
+                _assert_same_bytes(ta, tb)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_calibration_is_sane(monkeypatch):
+    _need_cuda_impl()
+    monkeypatch.delenv(ops.H2D_ENV, raising=False)
+    cal = ops.calibrate_h2d()
+    assert cal.device == torch.device("cuda", torch.cuda.current_device())
+    assert list(cal.run_bytes) == SIZES and len(cal.runs) == len(SIZES)
+    for d in (0, 1):
+        for ts in (cal.kernel_ms[d], cal.dma_ms[d]):
+            assert len(ts) == len(SIZES) and all(math.isfinite(t) and 0 < t < 1000 for t in ts)
+        assert cal.dma_min_bytes[d] in set(SIZES) | {ops.DMA_NEVER}
+        assert cal.dma_min_bytes[d] == ops.choose_dma_min_bytes(cal.run_bytes, cal.kernel_ms[d], cal.dma_ms[d])
+    assert ops.calibrate_h2d() is cal                                  # measured once per device
+    assert ops.h2d_dma_min_bytes(None, "gather") == cal.dma_min_bytes[0]
+    assert ops.h2d_dma_min_bytes(cal.device, "scatter") == cal.dma_min_bytes[1]
+    again = ops.calibrate_h2d(force=True)
+    assert again is not cal and ops.calibrate_h2d() is again
+
+
+class _Spy:
+    """Records the calls of one kvx._C function and forwards them."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __call__(self, *args):
+        result = self.fn(*args)
+        self.calls.append((args, result))
+        return result
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_each_call_takes_the_path_the_rule_says(monkeypatch):
+    """Pages of non-adjacent blocks are runs of exactly one page: DMA from a threshold of one page, the kernel
+    (at most 8 CTAs) above it; an explicit path wins over the rule."""
+    _need_cuda_impl()
+    lay, _ = _twins("LBNHC", dict(num_layers=2, num_blocks=16, block_size=16, num_heads=2, head_size=64),
+                    torch.float16, 1)
+    ids = [1, 5, 9]
+    out = torch.empty(lay.page_shape(3), dtype=torch.uint8).pin_memory()
+    dma, kernel = _Spy(ops._C.cuda_copy_dma), _Spy(ops._C.cuda_copy)
+    monkeypatch.setattr(ops._C, "cuda_copy_dma", dma)
+    monkeypatch.setattr(ops._C, "cuda_copy", kernel)
+
+    def taken(**kw):
+        dma.calls.clear()
+        kernel.calls.clear()
+        ops.gather_pages(lay, ids, out, impl="cuda", **kw)
+        torch.cuda.synchronize()
+        if dma.calls and dma.calls[-1][1]:
+            assert not kernel.calls
+            return "dma", None
+        assert len(kernel.calls) == 1
+        return "kernel", kernel.calls[0][0][-1]                        # max_ctas
+
+    monkeypatch.setenv(ops.H2D_ENV, str(lay.page_bytes))
+    assert taken() == ("dma", None)
+    monkeypatch.setenv(ops.H2D_ENV, str(lay.page_bytes + 1))
+    assert taken() == ("kernel", ops.H2D_MAX_CTAS)
+    assert taken(max_ctas=3) == ("kernel", 3)
+    assert taken(max_ctas=100) == ("kernel", ops.H2D_MAX_CTAS)
+    assert taken(path="dma") == ("dma", None)
+    monkeypatch.setenv(ops.H2D_ENV, "0")
+    assert taken() == ("dma", None)
+    assert taken(path="kernel") == ("kernel", ops.H2D_MAX_CTAS)
+    monkeypatch.setenv(ops.H2D_ENV, str(ops.DMA_NEVER))
+    assert taken() == ("kernel", ops.H2D_MAX_CTAS)
+    # device memory on the contiguous side: the kernel, uncapped, unless DMA is asked for
+    hbm = torch.empty(lay.page_shape(3), dtype=torch.uint8, device="cuda")
+    monkeypatch.setenv(ops.H2D_ENV, "0")
+    kernel.calls.clear()
+    ops.gather_pages(lay, ids, hbm, impl="cuda")
+    assert len(kernel.calls) == 1 and kernel.calls[0][0][-1] == 0
