@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from .. import ops
 from ..engine import copy_queue_mode
 from ..log import attach_to_vllm, get_logger
 from .common import chunk_format, engine_geometry, format_fingerprint, namespace, shard_count, worker_shard
@@ -98,6 +99,7 @@ class KVXConnector(KVConnectorBase_V1):
         check_paths(config, writes=bool(kv_transfer_config.is_kv_producer))
         try:
             copy_queue_mode("cpu")      # KVX_COPY_QUEUE: a bad value fails here, not in the worker
+            ops.h2d_env_min_bytes()     # KVX_H2D_DMA_MIN_BYTES: likewise
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return config

@@ -193,6 +193,13 @@ class KVXWorker:
         for a, b in bounds:
             sub = KVLayout.from_tensors(list(lay.layers[a:b]), lay.name, lay.layer_names[a:b])
             self.groups.append((a, b, sub))
+        if lay.device.type == "cuda":
+            # the kernels' device tables of layer addresses, uploaded now: a first upload inside a step would
+            # make the host wait for the copy stream
+            for layout in [lay] + [sub for _, _, sub in self.groups]:
+                layout.layer_ptrs(lay.device)
+            if not os.environ.get("KVX_H2D_DMA_MIN_BYTES"):
+                ops.calibrate_h2d(lay.device)      # kernel or DMA per piece size, measured now, not in a step
         ptr_to_layer = {t.data_ptr(): i for i, t in enumerate(lay.layers)}
         for name, t in views.items():
             layer = ptr_to_layer.get(t.data_ptr())

