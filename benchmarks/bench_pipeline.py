@@ -1,0 +1,728 @@
+"""Layer-wise loads and saves of the connector's worker against a synthetic forward, on a GPU.
+
+Two targets of the layer-wise pipeline, measured on :class:`kvx.connector.worker.KVXWorker` built by hand
+(as ``tests/gpu/test_worker_pipeline.py`` builds it: an ``EngineGeometry``, a ``KVXConfig`` with a CPU tier,
+per-layer caches as vLLM >= 0.32 hands them over; no vLLM) and driven through vLLM's per-step hooks with
+hand-written ``KVXMetadata``::
+
+    handle_preemptions -> bind -> start_load_kv
+      -> per layer: wait_for_layer_load, compute(), save_kv_layer
+    -> wait_for_save -> get_finished -> get_block_ids_with_load_errors -> build_worker_meta
+
+``compute()`` is a synthetic per-layer kernel on the compute stream (the current stream): a loop of square
+bf16 matmuls (``--compute matmul``: with n >= 2048 its tiles fill every SM of an H100, as a prefill's GEMMs
+do, so the copy kernels compete for SMs; the short targets of small copies get n = 1024 or 512, which leave
+SMs free) or ``torch.cuda._sleep`` (``--compute sleep``: one thread spinning, so the copies compete for
+nothing and only the pipeline's structure shows). Its length is calibrated: one layer's copy of the
+step's chunks (the H2D scatter for loads, the D2H gather for saves, as the worker issues them, per chunk,
+``max_ctas`` from the config) is timed with CUDA events, then the matmul count or the sleep cycles are sized
+to ``factor x`` that time.
+
+**Loads** (target: with ``layerwise: true`` and a per-layer compute of equal length, >= 80% of the copy
+time hidden). One step loading N chunks from CPU-tier slots (pinned) into the cache, timed on the compute
+stream from before ``start_load_kv`` to after ``wait_for_save``: ``T_compute`` (the step without loads),
+``T_copy`` (loads, no compute), ``T_overlap`` (both). hidden = 1 - (T_overlap - T_compute) / T_copy. The
+baseline is ``layerwise: false`` (every load fenced in ``start_load_kv``; KVXConnector sets
+``fence_loads_at_start`` from it, and so does this script), where nothing can be hidden.
+
+**Saves** (target: with ``save_layerwise: true`` the forward slows down by <= 5%; ``save_layerwise:
+false``, all layers' gathers queued in ``wait_for_save``, stays an option where it is faster). K prefill
+steps back to back, each writing and saving N chunks (disjoint blocks, CPU slots), then one step that saves
+nothing, so that the gathers an all-at-once save queues after a forward also have a next forward to
+overlap (and slow down), as they do in an engine. Forward = the sum over the K + 1 steps of the time between
+events around the layers; slowdown = forward with saves / forward without - 1. "saved at" = from the first
+step's start until the last gather landed (an event on the save stream). Run with the compute equal to the
+save copy (``--save-compute 1``, the hard case) and longer (8: about what an 8B model's layer computes for
+2048 tokens on an H100 against its 8 MiB of KV over PCIe, 1.5 ms vs 0.17 ms by a FLOP count; an estimate).
+
+Every run is preceded by a ``torch.cuda._sleep`` pad on the compute stream, 1.5x the longest host time the
+hooks took in a warm-up run: the host queues the whole step before the GPU reaches it, so the events time the GPU
+work (vLLM's async scheduling and CUDA graphs keep its host ahead too). ``host ms`` is reported; a run in
+which the host took longer than its pad is counted (``host behind`` in the CSV, a warning in the markdown).
+Medians of ``--repeats`` runs after ``--warmup`` runs, the variants interleaved within each repeat, the GPU
+idle between runs. After each case the copied bytes are compared (bit-exact) with their sources: the timed
+copies happened.
+
+    python benchmarks/bench_pipeline.py [--device cuda] [--shapes llama3-8b,llama3.2-1b] [--chunks 1,2,4,8]
+        [--compute matmul,sleep] [--save-compute 1,8] [--repeats 10] [--quick]
+
+Writes benchmarks/results/pipeline_cuda.{md,csv} (``--quick``: one shape, 1 and 8 chunks, 5 repeats).
+``--device cpu`` (the tiny shape, 1 and 2 chunks of 32 tokens, 2 repeats, ``--quick`` or not) runs the same
+code path on a CPU cache with the ``thread`` copy queue (``KVX_COPY_QUEUE=thread``) and a small torch matmul as
+the compute, into a temporary directory (or ``--out``), labelled a smoke run: it proves that the script runs
+(``tests/test_bench_pipeline.py``); CPU numbers say nothing about the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvx import engine as kvx_engine
+from kvx import ops
+from kvx.connector.common import EngineGeometry
+from kvx.connector.config import KVXConfig
+from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
+from kvx.connector.worker import KVXWorker
+from kvx.layout import KVLayout
+from kvx.testing import make_kv_caches
+
+LOAD_TARGET = 0.80          # hidden fraction of the load copy time, layerwise, compute of equal length
+SAVE_TARGET = 0.05          # forward slowdown with save_layerwise
+TIE = 0.01                  # differences below 1% of the reference time are ties (noise)
+MAX_PAD_MS = 250.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    layers: int
+    kv_heads: int            # per rank
+    head_size: int
+
+    def label(self) -> str:
+        return f"{self.name} ({self.layers}L x {self.kv_heads}x{self.head_size})"
+
+
+SHAPES = {s.name: s for s in [
+    Shape("llama3-8b", 32, 8, 128),          # Llama-3-8B at TP 1 (Qwen-2.5-7B: 28 x 4 x 128)
+    Shape("llama3.2-1b", 16, 8, 64),         # Llama-3.2-1B
+    Shape("tiny", 4, 2, 64),                 # the CPU smoke run
+]}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _median(xs) -> float:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ------------------------------------------------------------------ clocks and compute
+class Clock:
+    """Points on the compute stream: CUDA events (read after a synchronize), host times on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.cycles_per_ms = self._sleep_rate() if self.cuda else 0.0
+
+    def mark(self, stream=None):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream if stream is not None else torch.cuda.current_stream())
+        return ev
+
+    def ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def pad(self, ms: float) -> None:
+        """Keep the compute stream busy for ``ms`` while the host queues what follows (CUDA)."""
+        if self.cuda and ms > 0:
+            torch.cuda._sleep(int(ms * self.cycles_per_ms))
+
+    def time_ms(self, fn, repeats: int, pad_ms: float = 0.0) -> float:
+        """Median time of ``fn`` on the current stream: events around each call, all calls queued behind a
+        pad (CUDA), so the host's cost of issuing them is not timed; ``perf_counter`` on CPU."""
+        fn()
+        self.sync()
+        self.pad(pad_ms)
+        marks = []
+        for _ in range(repeats):
+            a = self.mark()
+            fn()
+            marks.append((a, self.mark()))
+        self.sync()
+        return _median(self.ms(a, b) for a, b in marks)
+
+    @staticmethod
+    def _sleep_rate() -> float:
+        """``torch.cuda._sleep`` cycles per millisecond on this GPU."""
+        cycles = 2_000_000
+        torch.cuda._sleep(cycles)
+        torch.cuda.synchronize()
+        evs = []
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(cycles)
+            b.record()
+            evs.append((a, b))
+        torch.cuda.synchronize()
+        return cycles / _median(a.elapsed_time(b) for a, b in evs)
+
+
+class Compute:
+    """A synthetic per-layer forward on the current stream, sized to take ``target_ms``.
+
+    ``matmul``: ``k`` square matmuls of size ``n`` (CUDA: bf16, the largest ``n`` of 4096..512 whose one
+    matmul takes <= a third of the target, so rounding to whole matmuls errs by <= ~17%; CPU: float32,
+    n = 64). ``sleep`` (CUDA): ``torch.cuda._sleep`` of the matching cycle count."""
+
+    _unit_ms: dict[tuple, float] = {}
+
+    def __init__(self, kind: str, clock: Clock, device: torch.device, target_ms: float):
+        self.kind, self.clock, self.device = kind, clock, device
+        self.target_ms = target_ms
+        if kind == "sleep":
+            if not clock.cuda:
+                raise ValueError("--compute sleep: torch.cuda._sleep needs --device cuda")
+            self.cycles = max(1, int(target_ms * clock.cycles_per_ms))
+            self.desc = f"sleep {self.cycles} cycles"
+            return
+        if kind != "matmul":
+            raise ValueError(f"--compute: expected matmul or sleep, got {kind!r}")
+        sizes = (4096, 2048, 1024, 512) if clock.cuda else (64,)
+        dtype = torch.bfloat16 if clock.cuda else torch.float32
+        for n in sizes:
+            unit = self._matmul_ms(n, dtype)
+            if unit <= target_ms / 3:
+                break
+        self.n, self.k = n, max(1, round(target_ms / unit))
+        self.a = torch.randn(n, n, dtype=dtype, device=device) / math.sqrt(n)
+        self.b = torch.randn(n, n, dtype=dtype, device=device) / math.sqrt(n)
+        self.c = torch.empty(n, n, dtype=dtype, device=device)
+        self.desc = f"matmul {n}^2 x {self.k}"
+
+    def _matmul_ms(self, n: int, dtype: torch.dtype) -> float:
+        key = (str(self.device), n, dtype)
+        if key not in self._unit_ms:
+            a = torch.randn(n, n, dtype=dtype, device=self.device)
+            c = torch.empty_like(a)
+            reps = 10 if self.clock.cuda else 50
+            per = self.clock.time_ms(lambda: [torch.mm(a, a, out=c) for _ in range(reps)], 5, pad_ms=5.0)
+            self._unit_ms[key] = per / reps
+        return self._unit_ms[key]
+
+    def __call__(self) -> None:
+        if self.kind == "sleep":
+            torch.cuda._sleep(self.cycles)
+        else:
+            for _ in range(self.k):
+                torch.mm(self.a, self.b, out=self.c)
+
+
+# ------------------------------------------------------------------ the worker under test
+@contextlib.contextmanager
+def _copy_queue(value: str | None):
+    """Set ``KVX_COPY_QUEUE`` for the run (read when the worker registers its caches), then restore it."""
+    old = os.environ.get(kvx_engine.ENV)
+    if value is not None:
+        os.environ[kvx_engine.ENV] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(kvx_engine.ENV, None)
+        else:
+            os.environ[kvx_engine.ENV] = old
+
+
+class Bench:
+    """A KVXWorker on per-layer caches of one shape, with the blocks and CPU slots for every case.
+
+    Blocks: 0 is vLLM's null block and never used; a load of n chunks fills blocks [1, 1 + n*bpc) from slots
+    [0, n); save step k writes and saves blocks [1 + k*n*bpc, 1 + (k+1)*n*bpc) into slots [k*n, (k+1)*n)."""
+
+    def __init__(self, shape: Shape, args, device: torch.device, clock: Clock):
+        self.shape, self.args, self.device, self.clock = shape, args, device, clock
+        self.block, self.chunk = args.block_size, args.chunk_size
+        self.bpc = self.chunk // self.block
+        max_n = max(args.chunks)
+        self.num_blocks = 1 + (args.save_steps + 1) * max_n * self.bpc
+        itemsize = torch.empty((), dtype=args.dtype).element_size()
+        page_bytes = 2 * self.block * shape.kv_heads * shape.head_size * itemsize
+        geom = EngineGeometry(block_size=self.block, num_layers=shape.layers, num_kv_heads=shape.kv_heads,
+                              head_size=shape.head_size, dtype=args.dtype, use_mla=False, opaque=False, isa="",
+                              page_bytes=page_bytes)
+        self.chunk_bytes = shape.layers * page_bytes * self.bpc
+        self.layer_chunk_bytes = page_bytes * self.bpc           # one chunk of one layer
+        slots = args.save_steps * max_n
+        self.config = KVXConfig.from_extra_config({
+            "chunk_size": self.chunk, "tiers": [{"type": "cpu", "size": slots * self.chunk_bytes}],
+            "layerwise": True, "save_layerwise": True})
+        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(shape.layers)]
+        self.caches = make_kv_caches(args.layout, num_layers=shape.layers, num_blocks=self.num_blocks,
+                                     block_size=self.block, num_heads=shape.kv_heads, head_size=shape.head_size,
+                                     dtype=args.dtype, device=device)
+        self.worker = KVXWorker(self.config, geom, "canonical", "bench-pipeline", shard=0, shards=1, writes=True)
+        self.worker.register_kv_caches(dict(zip(self.names, self.caches)), args.layout, self.num_blocks)
+        self.engine = self.worker.engine
+        self.pool = self.worker.pool
+        lay = self.worker.layout
+        # one layer, as the worker's per-layer groups see it (CUDA); the thread queue has one group of all
+        self.layer0 = next((sub for a, b, sub in self.worker.groups if (a, b) == (0, 1)), None)
+        if self.layer0 is None:
+            self.layer0 = KVLayout.from_tensors([lay.layers[0]], lay.name, lay.layer_names[:1])
+        self.side = torch.cuda.Stream(device) if clock.cuda else None
+        self.expected_loads = 0
+        self.expected_saves = 0
+
+    def set_mode(self, layerwise: bool = True, save_layerwise: bool = True) -> None:
+        """What KVXConnector does with the config: the worker reads ``save_layerwise`` per step from its
+        config, and ``fence_loads_at_start`` is ``not layerwise``."""
+        self.worker.config = self.config.model_copy(update={"layerwise": layerwise,
+                                                            "save_layerwise": save_layerwise})
+        self.worker.fence_loads_at_start = not layerwise
+
+    def close(self) -> None:
+        self.worker.close()
+
+    # -------------------------------------------------------------- blocks and metadata
+    def chunk_blocks(self, first: int, i: int) -> list[int]:
+        start = first + i * self.bpc
+        return list(range(start, start + self.bpc))
+
+    def load_meta(self, n: int, loads: bool) -> KVXMetadata:
+        """A prefix hit on n chunks (CPU tier); the step computes its last token into the next block."""
+        chunks = [ChunkLoad(key=f"hit{i}", tier="cpu", slot=i, block_ids=self.chunk_blocks(1, i), first_block=0,
+                            tokens=self.chunk) for i in range(n)]
+        spec = [LoadSpec(req_id="hit", chunks=chunks, is_async=False)] if loads else []
+        return KVXMetadata(loads=spec, forward_blocks=[1 + n * self.bpc])
+
+    def save_metas(self, n: int, saves: bool) -> list[KVXMetadata]:
+        """K prefill steps of n chunks each (saved when ``saves``), then one step saving nothing."""
+        metas = []
+        for k in range(self.args.save_steps + 1):
+            first = 1 + k * n * self.bpc
+            blocks = list(range(first, first + n * self.bpc))
+            chunk_saves = [ChunkSave(req_id=f"r{k}", key=f"s{k}c{i}", block_ids=self.chunk_blocks(first, i),
+                                     tokens=self.chunk, slot=k * n + i, to_disk=False)
+                           for i in range(n)] if saves and k < self.args.save_steps else []
+            metas.append(KVXMetadata(saves=chunk_saves, forward_blocks=blocks))
+        return metas
+
+    # -------------------------------------------------------------- one layer's copy (calibration)
+    def layer_copy_ms(self, n: int, direction: str) -> float:
+        """One layer's copy of n chunks as the worker issues it (one op per chunk), on a side stream."""
+        src = [self.pool.slot(i).narrow(0, 0, 1) for i in range(n)]
+        ids = [self.chunk_blocks(1, i) for i in range(n)]
+        mc = self.config.max_ctas
+
+        def copy():
+            for i in range(n):
+                if direction == "h2d":
+                    ops.scatter_blocks(self.layer0, ids[i], src[i], max_ctas=mc)
+                else:
+                    ops.gather_blocks(self.layer0, ids[i], src[i], max_ctas=mc)
+
+        ctx = torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
+        with ctx:
+            ms = self.clock.time_ms(copy, self.args.repeats, pad_ms=20.0)
+        self.clock.sync()
+        return ms
+
+    # -------------------------------------------------------------- steps
+    def _step(self, meta: KVXMetadata, compute) -> tuple:
+        w = self.worker
+        w.handle_preemptions(meta)
+        w.bind(meta)
+        w.start_load_kv()
+        f0 = self.clock.mark()
+        for i, name in enumerate(self.names):
+            w.wait_for_layer_load(name)
+            if compute is not None:
+                compute()
+            w.save_kv_layer(name, self.caches[i], None)
+        f1 = self.clock.mark()
+        w.wait_for_save()
+        end = self.clock.mark()
+        w.get_finished(set())
+        errors = w.get_block_ids_with_load_errors()
+        out = w.build_worker_meta()
+        w.clear()
+        if errors or (out is not None and (out.failed_blocks or out.unstored)):
+            raise RuntimeError(f"the worker reported failed copies: load errors {sorted(errors)[:8]}, "
+                               f"{out}")
+        return f0, f1, end
+
+    def run(self, metas: list[KVXMetadata], compute, pad_ms: float) -> dict:
+        """Steps back to back from an idle GPU, behind a pad; the times of the sequence (ms)."""
+        self.clock.sync()
+        self.clock.pad(pad_ms)
+        t0 = time.perf_counter()
+        start = self.clock.mark()
+        marks = [self._step(m, compute) for m in metas]
+        saves = any(m.saves for m in metas)
+        if saves and self.clock.cuda:
+            saved = self.clock.mark(self.engine.stream_of("save"))   # after every gather queued so far
+        elif saves:
+            self.engine.flush()
+            saved = self.clock.mark()
+        else:
+            saved = None
+        host_ms = (time.perf_counter() - t0) * 1e3
+        self.clock.sync()
+        self.worker.build_worker_meta()                              # collect what finished since
+        self.expected_loads += sum(len(c.chunks) for m in metas for c in m.loads)
+        self.expected_saves += sum(len(m.saves) for m in metas)
+        return {"step": self.clock.ms(start, marks[-1][2]),
+                "fwd": sum(self.clock.ms(f0, f1) for f0, f1, _ in marks),
+                "saved": self.clock.ms(start, saved) if saved is not None else None,
+                "host": host_ms, "behind": self.clock.cuda and host_ms > pad_ms}
+
+    def measure(self, variants: dict, warmup: int, repeats: int) -> tuple[dict, float]:
+        """``variants``: name -> (set_mode kwargs, metas, compute). Warm-up (the first without a pad, which
+        sizes the pad), then the variants interleaved in every repeat. Returns name -> list of runs."""
+        host = []
+        for w in range(max(1, warmup)):
+            for mode, metas, compute in variants.values():
+                self.set_mode(**mode)
+                host.append(self.run(metas, compute, pad_ms=0.0 if w == 0 else pad_ms)["host"])
+            pad_ms = min(MAX_PAD_MS, 1.5 * max(host) + 1.0) if self.clock.cuda else 0.0
+        runs: dict[str, list[dict]] = {name: [] for name in variants}
+        for _ in range(repeats):
+            for name, (mode, metas, compute) in variants.items():
+                self.set_mode(**mode)
+                runs[name].append(self.run(metas, compute, pad_ms))
+        self.set_mode()
+        return runs, pad_ms
+
+    # -------------------------------------------------------------- checks
+    def check_loaded(self, n: int) -> None:
+        """The blocks a load filled hold their slot's bytes."""
+        for i in range(n):
+            got = ops.gather_blocks(self.worker.layout, self.chunk_blocks(1, i)).cpu()
+            if not torch.equal(got.view(torch.int16), self.pool.slot(i).view(torch.int16)):
+                raise RuntimeError(f"{self.shape.name}: blocks of loaded chunk {i} do not hold CPU slot {i}")
+
+    def check_saved(self, n: int) -> None:
+        """Every saved slot holds its blocks' bytes."""
+        for k in range(self.args.save_steps):
+            first = 1 + k * n * self.bpc
+            for i in range(n):
+                got = ops.gather_blocks(self.worker.layout, self.chunk_blocks(first, i)).cpu()
+                if not torch.equal(got.view(torch.int16), self.pool.slot(k * n + i).view(torch.int16)):
+                    raise RuntimeError(f"{self.shape.name}: CPU slot {k * n + i} does not hold the blocks saved "
+                                       "into it")
+
+    def check_counts(self) -> None:
+        """The worker counted every chunk this script asked it to load and save, and no error."""
+        stats = self.worker.take_stats()
+        got = (stats.get("loaded_chunks", 0), stats.get("saved_chunks", 0))
+        if got != (self.expected_loads, self.expected_saves):
+            raise RuntimeError(f"{self.shape.name}: the worker loaded/saved {got} chunks, expected "
+                               f"{(self.expected_loads, self.expected_saves)}")
+        bad = {k: v for k, v in stats.items() if "error" in k and v}
+        if bad:
+            raise RuntimeError(f"{self.shape.name}: the worker counted errors: {bad}")
+
+
+# ------------------------------------------------------------------ the cases
+def bench_loads(b: Bench, n: int, kind: str) -> list[dict]:
+    args = b.args
+    copy_ms = b.layer_copy_ms(n, "h2d")
+    compute = Compute(kind, b.clock, b.device, copy_ms)
+    hit, miss = b.load_meta(n, loads=True), b.load_meta(n, loads=False)
+    lw, start = {"layerwise": True}, {"layerwise": False}
+    runs, pad_ms = b.measure({"compute only": (lw, [miss], compute), "copy only": (lw, [hit], None),
+                              "layerwise": (lw, [hit], compute), "all at start": (start, [hit], compute)},
+                             args.warmup, args.repeats)
+    b.check_loaded(n)
+    med = {name: _median(r["step"] for r in rs) for name, rs in runs.items()}
+    rows = []
+    for name, rs in runs.items():
+        hidden = None
+        if name in ("layerwise", "all at start"):
+            hidden = 1.0 - (med[name] - med["compute only"]) / med["copy only"]
+        rows.append(_row(b, "load", n, compute, 1.0, name, copy_layer_ms=copy_ms, step_ms=med[name],
+                         compute_ms=med["compute only"], copy_ms=med["copy only"], hidden=hidden, runs=rs,
+                         pad_ms=pad_ms))
+    return rows
+
+
+def bench_saves(b: Bench, n: int, kind: str) -> list[dict]:
+    args = b.args
+    copy_ms = b.layer_copy_ms(n, "d2h")
+    rows = []
+    plain, saving = b.save_metas(n, saves=False), b.save_metas(n, saves=True)
+    for factor in args.save_compute:
+        compute = Compute(kind, b.clock, b.device, factor * copy_ms)
+        runs, pad_ms = b.measure({"no saves": ({}, plain, compute),
+                                  "save_layerwise": ({"save_layerwise": True}, saving, compute),
+                                  "all at once": ({"save_layerwise": False}, saving, compute)},
+                                 args.warmup, args.repeats)
+        b.check_saved(n)
+        fwd0 = _median(r["fwd"] for r in runs["no saves"])
+        for name, rs in runs.items():
+            fwd = _median(r["fwd"] for r in rs)
+            saved = _median(r["saved"] for r in rs) if name != "no saves" else None
+            rows.append(_row(b, "save", n, compute, factor, name, copy_layer_ms=copy_ms,
+                             step_ms=_median(r["step"] for r in rs), fwd_ms=fwd, fwd_nosave_ms=fwd0,
+                             slowdown=fwd / fwd0 - 1.0, saved_ms=saved, runs=rs, pad_ms=pad_ms))
+    return rows
+
+
+COLUMNS = ["section", "shape", "layers", "kv_heads", "head_size", "dtype", "layout", "block_size", "chunk_tokens",
+           "chunks", "layer_bytes", "compute", "compute_desc", "compute_factor", "mode", "copy_layer_ms",
+           "step_ms", "compute_ms", "copy_ms", "hidden_frac", "fwd_ms", "fwd_nosave_ms", "slowdown_pct",
+           "saved_ms", "host_ms", "pad_ms", "host_behind", "repeats", "device", "copy_queue", "smoke"]
+
+
+def _row(b: Bench, section: str, n: int, compute: Compute, factor: float, mode: str, *, runs, pad_ms,
+         copy_layer_ms, step_ms, compute_ms=None, copy_ms=None, hidden=None, fwd_ms=None, fwd_nosave_ms=None,
+         slowdown=None, saved_ms=None) -> dict:
+    s, a = b.shape, b.args
+    return {"section": section, "shape": s.name, "layers": s.layers, "kv_heads": s.kv_heads,
+            "head_size": s.head_size, "dtype": str(a.dtype).removeprefix("torch."), "layout": a.layout,
+            "block_size": b.block, "chunk_tokens": b.chunk, "chunks": n, "layer_bytes": n * b.layer_chunk_bytes,
+            "compute": compute.kind, "compute_desc": compute.desc, "compute_factor": factor, "mode": mode,
+            "copy_layer_ms": copy_layer_ms, "step_ms": step_ms, "compute_ms": compute_ms, "copy_ms": copy_ms,
+            "hidden_frac": hidden, "fwd_ms": fwd_ms, "fwd_nosave_ms": fwd_nosave_ms,
+            "slowdown_pct": None if slowdown is None else 100.0 * slowdown, "saved_ms": saved_ms,
+            "host_ms": _median(r["host"] for r in runs), "pad_ms": pad_ms,
+            "host_behind": sum(bool(r["behind"]) for r in runs), "repeats": len(runs), "device": a.device,
+            "copy_queue": b.engine.mode, "smoke": not b.clock.cuda}
+
+
+# ------------------------------------------------------------------ results
+def _mib(b: int) -> str:
+    return f"{b / 2**20:.1f} MiB" if b >= 2**20 else f"{b / 2**10:.0f} KiB"
+
+
+def save_winner(nosave: dict, lw: dict, once: dict) -> str:
+    """The faster save mode of one case: the smaller forward (what the engine's steps wait for), unless the
+    two differ by < 1% of the forward without saves; then the earlier "saved at" (how soon the CPU tier
+    holds the chunks), unless that differs by < 1% too."""
+    ref = nosave["fwd_ms"]
+    if abs(lw["fwd_ms"] - once["fwd_ms"]) >= TIE * ref:
+        return "save_layerwise" if lw["fwd_ms"] < once["fwd_ms"] else "all at once"
+    if abs(lw["saved_ms"] - once["saved_ms"]) >= TIE * max(lw["saved_ms"], once["saved_ms"]):
+        return "save_layerwise (saved sooner)" if lw["saved_ms"] < once["saved_ms"] else "all at once (saved sooner)"
+    return "tie"
+
+
+def write_results(rows: list[dict], stem: str, args, device_name: str, command: str, elapsed: float,
+                  notes: list[str]) -> None:
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    with open(stem + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
+    smoke = not args.device.startswith("cuda")
+    title = (f"# SMOKE RUN, not a measurement: kvx layer-wise pipeline on CPU ({device_name})" if smoke
+             else f"# kvx layer-wise pipeline on {device_name}")
+    lines = [title, ""]
+    if smoke:
+        lines += ["This run proves that `benchmarks/bench_pipeline.py` runs (same code path, the `thread` copy "
+                  "queue, a small float32 matmul as the compute). The targets are GPU targets; CPU numbers say "
+                  "nothing about them (the thread queue has one layer group: nothing is layer-wise).", ""]
+    lines += [f"torch {torch.__version__}; KV {str(args.dtype).removeprefix('torch.')}, layout {args.layout}, block "
+              f"{args.block_size}, chunk {args.chunk_size} tokens; median of {args.repeats} runs after "
+              f"{args.warmup} warm-up; total {elapsed:.0f} s.", "", f"Reproduce: `{command}`", ""]
+    lines += notes
+    loads = [r for r in rows if r["section"] == "load"]
+    if loads:
+        lines += ["## Loads: copy time hidden behind the forward", "",
+                  f"Target: with `layerwise: true` and a per-layer compute of equal length, >= "
+                  f"{100 * LOAD_TARGET:.0f}% of the copy time hidden. One step loading N chunks from the CPU tier "
+                  "(pinned) while the forward runs; step times from before `start_load_kv` to after "
+                  "`wait_for_save` on the compute stream. hidden = 1 - (overlap - compute) / copy. `all at start`: "
+                  "`layerwise: false` (every load fenced in `start_load_kv`), the baseline.", "",
+                  "| shape | chunks | KV per layer | compute | copy ms | compute ms | compute / copy | layerwise ms "
+                  "| hidden | all at start ms | hidden | target |",
+                  "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for key in _keys(loads, ("shape", "chunks", "compute")):
+            case = {r["mode"]: r for r in loads if (r["shape"], r["chunks"], r["compute"]) == key}
+            lw, st = case["layerwise"], case["all at start"]
+            ok = "n/a (CPU smoke)" if smoke else "met" if lw["hidden_frac"] >= LOAD_TARGET else "MISSED"
+            lines.append(f"| {_label(lw)} | {lw['chunks']} | {_mib(lw['layer_bytes'])} | {lw['compute_desc']} | "
+                         f"{lw['copy_ms']:.3f} | {lw['compute_ms']:.3f} | {lw['compute_ms'] / lw['copy_ms']:.2f} | "
+                         f"{lw['step_ms']:.3f} | {100 * lw['hidden_frac']:.0f}% | {st['step_ms']:.3f} | "
+                         f"{100 * st['hidden_frac']:.0f}% | >= {100 * LOAD_TARGET:.0f}%: {ok} |")
+        lines.append("")
+    saves = [r for r in rows if r["section"] == "save"]
+    if saves:
+        lines += ["## Saves: forward slowdown, save_layerwise true vs false", "",
+                  f"Target: with `save_layerwise: true` the forward slows down by <= {100 * SAVE_TARGET:.0f}%. "
+                  f"{args.save_steps} prefill steps back to back, each writing and saving N chunks to the CPU tier, "
+                  "then one step saving nothing; forward = sum over the steps of events around the layers; "
+                  "slowdown = forward / forward without saves - 1; saved at = from the first step's start until "
+                  "the last gather landed. `compute x copy`: the per-layer compute over one layer's save copy, as "
+                  "sized (as measured: the forward without saves per layer over the copy timed alone). "
+                  "`faster`: the smaller forward, or when the forwards are within 1%, the earlier saved at.", "",
+                  "| shape | chunks | KV per layer | compute | compute x copy | forward ms, no saves | "
+                  "save_layerwise: forward ms | slowdown | saved at ms | all at once: forward ms | slowdown | "
+                  "saved at ms | target | faster |",
+                  "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+        wins: dict[str, list[str]] = {}
+        for key in _keys(saves, ("shape", "chunks", "compute", "compute_factor")):
+            case = {r["mode"]: r for r in saves
+                    if (r["shape"], r["chunks"], r["compute"], r["compute_factor"]) == key}
+            n0, lw, once = case["no saves"], case["save_layerwise"], case["all at once"]
+            ok = "n/a (CPU smoke)" if smoke else "met" if lw["slowdown_pct"] <= 100 * SAVE_TARGET else "MISSED"
+            win = save_winner(n0, lw, once)
+            ratio = n0["fwd_ms"] / ((args.save_steps + 1) * lw["layers"]) / lw["copy_layer_ms"]
+            wins.setdefault(win.split(" (")[0], []).append(
+                f"{lw['shape']} x{lw['chunks']} {lw['compute']} x{lw['compute_factor']:g}")
+            lines.append(f"| {_label(lw)} | {lw['chunks']} | {_mib(lw['layer_bytes'])} | {lw['compute_desc']} | "
+                         f"{lw['compute_factor']:g} ({ratio:.2f}) | {n0['fwd_ms']:.3f} | {lw['fwd_ms']:.3f} | "
+                         f"{lw['slowdown_pct']:+.1f}% | {lw['saved_ms']:.3f} | {once['fwd_ms']:.3f} | "
+                         f"{once['slowdown_pct']:+.1f}% | {once['saved_ms']:.3f} | <= {100 * SAVE_TARGET:.0f}%: "
+                         f"{ok} | {win} |")
+        lines += ["", "Which save mode wins (by the rule above):", ""]
+        for win in ("save_layerwise", "all at once", "tie"):
+            if win in wins:
+                lines.append(f"- {win}: {len(wins[win])} case(s): {'; '.join(wins[win])}")
+        lines.append("")
+    behind = [r for r in rows if r["host_behind"]]
+    if behind:
+        lines += [f"Warning: in {sum(r['host_behind'] for r in behind)} run(s) the host took longer than its pad "
+                  "(the hooks blocked the host, or issue more slowly than the GPU runs the step): those times "
+                  "include host time; see `host_ms`, `pad_ms`, `host_behind` in the CSV.", ""]
+    lines += ["Per-case details (the compute's matmul count or sleep cycles, the host time of the hooks, every "
+              f"variant): `{os.path.basename(stem)}.csv`."]
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _label(r: dict) -> str:
+    return f"{r['shape']} ({r['layers']}L x {r['kv_heads']}x{r['head_size']})"
+
+
+def _keys(rows: list[dict], fields: tuple[str, ...]) -> list[tuple]:
+    seen = []
+    for r in rows:
+        k = tuple(r[f] for f in fields)
+        if k not in seen:
+            seen.append(k)
+    return seen
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except OSError:
+        model = "?"
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def _h2d_note(device: torch.device) -> list[str]:
+    try:
+        cal = ops.calibrate_h2d(device)     # cached: the worker calibrated when it registered its caches
+    except Exception as e:  # noqa: BLE001 - informative only
+        return [f"Host <-> device copy path: not known ({e}).", ""]
+    fmt = ["never" if b == ops.DMA_NEVER else _mib(b) for b in cal.dma_min_bytes]
+    env = os.environ.get("KVX_H2D_DMA_MIN_BYTES")
+    return [f"Host <-> device copies: kernel (<= {ops.H2D_MAX_CTAS} CTAs) below, DMA "
+            f"({'cudaMemcpyBatchAsync' if cal.batched else 'cudaMemcpyAsync per run'}) from a mean run of "
+            f"{fmt[0]} device->host, {fmt[1]} host->device"
+            f"{f' (KVX_H2D_DMA_MIN_BYTES={env} fixes the threshold)' if env else ' (measured by calibrate_h2d)'}; "
+            "copies capped at `max_ctas` 8.", ""]
+
+
+# ------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default=None, help="cuda (default when present) or cpu (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="CUDA: one shape, 1 and 8 chunks, 5 repeats")
+    ap.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--chunks", default=None, help="chunks per step, comma-separated (default 1,2,4,8)")
+    ap.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (default 256; CPU 32)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layout", default="LBNHC", help="a vLLM layout kvx.testing.make_kv_caches builds")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--compute", default=None, help="matmul,sleep (CUDA default both; CPU: matmul)")
+    ap.add_argument("--save-compute", default=None, help="per-layer compute over the layer's save copy, "
+                                                         "comma-separated (default 1,8)")
+    ap.add_argument("--save-steps", type=int, default=None, help="prefill steps saving per run (default 3)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per variant (default 10)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up runs per variant (default 2)")
+    ap.add_argument("--out", default=None, help="results path stem (default benchmarks/results/pipeline_cuda; "
+                                                "CPU: a temporary directory)")
+    args = ap.parse_args(argv)
+    command = ("python benchmarks/bench_pipeline.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is present")
+    if not cuda and args.device != "cpu":
+        ap.error(f"--device: expected cuda or cpu, got {args.device!r}")
+    tiny = not cuda          # a CPU run is a smoke run: small defaults
+    args.shapes = [s for s in (args.shapes or ("tiny" if tiny else "llama3-8b" if args.quick
+                                                else "llama3-8b,llama3.2-1b")).split(",") if s]
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown:
+        ap.error(f"--shapes: expected names among {', '.join(SHAPES)}, got {', '.join(unknown)}")
+    args.chunks = _ints(args.chunks or ("1,2" if tiny else "1,8" if args.quick else "1,2,4,8"))
+    args.chunk_size = args.chunk_size or (32 if tiny else 256)
+    args.compute = [c for c in (args.compute or ("matmul,sleep" if cuda else "matmul")).split(",") if c]
+    args.save_compute = _floats(args.save_compute or ("1" if tiny else "1,8"))
+    args.save_steps = args.save_steps or (2 if tiny else 3)
+    args.repeats = args.repeats or (2 if tiny else 5 if args.quick else 10)   # CPU: --quick changes nothing
+    args.warmup = args.warmup if args.warmup is not None else (1 if tiny else 2)
+    try:
+        args.dtype = getattr(torch, args.dtype)
+        assert isinstance(args.dtype, torch.dtype)
+    except (AttributeError, AssertionError):
+        ap.error(f"--dtype: expected a torch dtype name such as bfloat16, got {args.dtype!r}")
+    if args.chunk_size % args.block_size or not args.chunks or min(args.chunks) < 1 or args.repeats < 1 \
+            or args.save_steps < 1 or not args.save_compute or min(args.save_compute) <= 0:
+        ap.error(f"expected --chunk-size a multiple of --block-size, chunks, repeats, save steps and save-compute "
+                 f"factors > 0; got chunk size {args.chunk_size}, block size {args.block_size}, chunks {args.chunks}, "
+                 f"repeats {args.repeats}, save steps {args.save_steps}, save-compute {args.save_compute}")
+    if not cuda and "sleep" in args.compute:
+        ap.error("--compute sleep: torch.cuda._sleep needs --device cuda")
+    stem = args.out or (os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline_cuda") if cuda
+                        else os.path.join(tempfile.mkdtemp(prefix="kvx-bench-pipeline-"), "pipeline_cpu_smoke"))
+
+    device = torch.device(args.device)
+    if cuda and device.index is not None:
+        torch.cuda.set_device(device)
+    t0 = time.perf_counter()
+    rows: list[dict] = []
+    stream = torch.cuda.Stream(device) if cuda else None
+    # the compute stream: markers and fences go on it (a non-default stream: the DMA path's batched copies
+    # do not run on the legacy default stream, and vLLM's forward does not run there either)
+    with _copy_queue(None if cuda else "thread"), \
+            (torch.cuda.stream(stream) if cuda else contextlib.nullcontext()):
+        clock = Clock(device)
+        for name in args.shapes:
+            b = Bench(SHAPES[name], args, device, clock)
+            try:
+                for n in args.chunks:
+                    for kind in args.compute:
+                        print(f"{b.shape.label()}: {n} chunk(s), {kind}: loads", flush=True)
+                        rows += bench_loads(b, n, kind)
+                        print(f"{b.shape.label()}: {n} chunk(s), {kind}: saves", flush=True)
+                        rows += bench_saves(b, n, kind)
+                clock.sync()
+                b.check_counts()
+            finally:
+                b.close()
+    device_name = torch.cuda.get_device_name(device) if cuda else _cpu_name()
+    notes = _h2d_note(device) + [
+        "Every run starts from an idle GPU behind a `torch.cuda._sleep` pad on the compute stream, 1.5x the longest "
+        f"host time the hooks took in a warm-up run (at most {MAX_PAD_MS:.0f} ms): the host has queued the whole run "
+        "before the GPU reaches it, so the events time GPU work, as in an engine whose host runs ahead (async "
+        "scheduling, CUDA graphs). The hooks' own host time per run is `host_ms` in the CSV; where it exceeds the "
+        "step's GPU time, a step of an engine whose host does not run ahead is host-bound.", ""] if cuda else []
+    write_results(rows, stem, args, device_name, command, time.perf_counter() - t0, notes)
+    print(f"wrote {stem}.md and {stem}.csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

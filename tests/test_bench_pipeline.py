@@ -1,0 +1,106 @@
+"""benchmarks/bench_pipeline.py runs: a CPU smoke run (tiny shape, the thread copy queue, a small matmul as the
+compute) writes its results, and every number in them is sane. No timing is asserted: the benchmark's targets
+are GPU targets, measured by ``benchmarks/run_gpu.sh``."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import os
+import pathlib
+import sys
+
+import pytest
+
+from kvx import engine as kvx_engine
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_pipeline.py"
+CHUNKS = ("1", "2")                          # what --quick runs on CPU
+LOAD_MODES = ("compute only", "copy only", "layerwise", "all at start")
+SAVE_MODES = ("no saves", "save_layerwise", "all at once")
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_pipeline", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)     # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _num(row: dict, key: str) -> float:
+    value = float(row[key])
+    assert math.isfinite(value), f"{key} of {row['section']} {row['mode']} x{row['chunks']}: {row[key]!r}"
+    return value
+
+
+def test_cpu_smoke_run_writes_sane_results(bench, tmp_path, monkeypatch):
+    # the script runs the thread queue whatever the environment says, and gives the environment back
+    monkeypatch.setenv(kvx_engine.ENV, "deferred")
+    stem = tmp_path / "pipeline"
+    assert bench.main(["--device", "cpu", "--quick", "--out", str(stem)]) == 0
+    assert os.environ[kvx_engine.ENV] == "deferred"
+
+    md = (tmp_path / "pipeline.md").read_text()
+    assert md.startswith("# SMOKE RUN, not a measurement")
+    assert f"Reproduce: `python benchmarks/bench_pipeline.py --device cpu --quick --out {stem}`" in md
+    assert "## Loads" in md and "## Saves" in md
+    # targets are named but not judged on CPU
+    assert "n/a (CPU smoke)" in md and "MISSED" not in md and ": met |" not in md
+
+    with open(tmp_path / "pipeline.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    loads = [r for r in rows if r["section"] == "load"]
+    saves = [r for r in rows if r["section"] == "save"]
+    assert sorted((r["chunks"], r["mode"]) for r in loads) == sorted((c, m) for c in CHUNKS for m in LOAD_MODES)
+    assert sorted((r["chunks"], r["mode"]) for r in saves) == sorted((c, m) for c in CHUNKS for m in SAVE_MODES)
+    for r in rows:
+        assert (r["device"], r["copy_queue"], r["smoke"], r["shape"]) == ("cpu", "thread", "True", "tiny")
+        assert int(r["repeats"]) == 2 and int(r["host_behind"]) == 0
+        assert _num(r, "step_ms") > 0 and _num(r, "host_ms") > 0 and _num(r, "copy_layer_ms") > 0
+        assert int(r["layer_bytes"]) == int(r["chunks"]) * 2 * 32 * 2 * 64 * 2    # P x T x H x D x bf16
+        assert r["compute_desc"].startswith("matmul 64^2 x ")
+    for r in loads:
+        assert _num(r, "compute_ms") > 0 and _num(r, "copy_ms") > 0
+        if r["mode"] in ("layerwise", "all at start"):
+            hidden = _num(r, "hidden_frac")
+            # 1 - (overlap - compute) / copy, recomputed from the row's own medians
+            assert hidden == pytest.approx(1 - (_num(r, "step_ms") - _num(r, "compute_ms")) / _num(r, "copy_ms"),
+                                           abs=0.01)
+        else:
+            assert r["hidden_frac"] == ""
+    for r in saves:
+        assert _num(r, "fwd_ms") > 0 and _num(r, "fwd_nosave_ms") > 0
+        assert _num(r, "slowdown_pct") == pytest.approx(100 * (_num(r, "fwd_ms") / _num(r, "fwd_nosave_ms") - 1),
+                                                        abs=0.1)
+        if r["mode"] == "no saves":
+            assert r["saved_ms"] == "" and _num(r, "slowdown_pct") == 0
+        else:
+            assert _num(r, "saved_ms") > 0
+
+
+def test_save_winner_rule(bench):
+    nosave = {"fwd_ms": 100.0}
+    assert bench.save_winner(nosave, {"fwd_ms": 103.0, "saved_ms": 150.0},
+                             {"fwd_ms": 108.0, "saved_ms": 120.0}) == "save_layerwise"
+    assert bench.save_winner(nosave, {"fwd_ms": 108.0, "saved_ms": 110.0},
+                             {"fwd_ms": 103.0, "saved_ms": 150.0}) == "all at once"
+    # forwards within 1% of the forward without saves: the earlier saved-at decides
+    assert bench.save_winner(nosave, {"fwd_ms": 103.0, "saved_ms": 110.0},
+                             {"fwd_ms": 103.5, "saved_ms": 150.0}) == "save_layerwise (saved sooner)"
+    assert bench.save_winner(nosave, {"fwd_ms": 103.0, "saved_ms": 110.0},
+                             {"fwd_ms": 103.0, "saved_ms": 110.5}) == "tie"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--compute", "sleep"], "--compute sleep"),
+    (["--shapes", "llama-70b"], "--shapes"),
+    (["--chunk-size", "20"], "--chunk-size"),
+])
+def test_bad_arguments_fail_before_any_work(bench, tmp_path, capsys, argv, expected):
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--quick", "--out", str(tmp_path / "x"), *argv])
+    assert expected in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
