@@ -297,7 +297,7 @@ class KVXScheduler:
         written = self._forward_writes(so, entries, block_state)
         meta.forward_blocks = sorted(set(written).union(freed))
         if self.validity:
-            self.validity.computed(self._from_first_token(so, entries, block_state))
+            self.validity.computed(self._forward_writes(so, entries, block_state, from_first_token=True))
         if self.producer:
             for rid, computed in entries:
                 t = self.trackers.get(rid)
@@ -307,22 +307,14 @@ class KVXScheduler:
             self._plan_write_through(meta)
         return meta
 
-    def _forward_writes(self, so, entries, block_state) -> list[int]:
-        """Every block this step's forward writes KV into (the blocks of each request's scheduled tokens)."""
+    def _forward_writes(self, so, entries, block_state, from_first_token: bool = False) -> list[int]:
+        """The blocks this step's forward writes KV into (the blocks of each request's scheduled tokens);
+        ``from_first_token``: only those it writes from their first token (they hold verified KV after it)."""
         bs, out = self.geom.block_size, []
         for rid, start in entries:
             end = start + so.num_scheduled_tokens.get(rid, 0)
-            if end > start:
-                out += self._request_table(rid, block_state)[start // bs: -(-end // bs)]
-        return out
-
-    def _from_first_token(self, so, entries, block_state) -> list[int]:
-        """The blocks this step's forward writes from their first token (they hold verified KV after it)."""
-        bs, out = self.geom.block_size, []
-        for rid, start in entries:
-            end = start + so.num_scheduled_tokens.get(rid, 0)
-            first, last = -(-start // bs), -(-end // bs)
-            if first < last:
+            first, last = (-(-start // bs) if from_first_token else start // bs), -(-end // bs)
+            if end > start and first < last:
                 out += self._request_table(rid, block_state)[first:last]
         return out
 
