@@ -13,47 +13,23 @@ was given.
 
 from __future__ import annotations
 
-import math
-import os
-import re
-from fractions import Fraction
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
+from ..store import TierConfig, parse_size, parse_tier_config, tier_class
 
 class ConfigError(ValueError):
     """Invalid ``kv_connector_extra_config``."""
-
-
-def parse_size(value: Any) -> int:
-    """``4GiB``, ``512MiB``, ``1.5GB``, ``1000000`` -> bytes."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a size like '4GiB' or a byte count, got {value!r}")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, float) and math.isfinite(value):
-        n = int(value)  # str() would give '1e+16', which the pattern below rejects
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"expected a size like '4GiB', '500MB' or a byte count, got {value!r}")
-        # exact decimal arithmetic: float('4.1') * 10**9 is 4099999999.9999995, i.e. one byte short
-        n = int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise ValueError(f"expected a positive size, got {value!r}")
-    return n
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class CPUTierConfig(_Strict):
-    """A pool of chunk slots in (pinned, on CUDA) host memory."""
+class CPUTierConfig(TierConfig):
+    """A pool of chunk slots in (pinned, on CUDA) host memory: the first level of the stack, and the
+    buffer every other tier reads into and writes from (:mod:`kvx.store.cpu`)."""
 
     type: Literal["cpu"]
     size: int = Field(description="bytes, e.g. '4GiB'")
@@ -61,31 +37,14 @@ class CPUTierConfig(_Strict):
     _size = field_validator("size", mode="before")(parse_size)
 
 
-class DiskTierConfig(_Strict):
-    """One safetensors file per chunk under ``path`` (may be shared by several engines)."""
-
-    type: Literal["disk"]
-    path: str
-    size: int | None = Field(default=None, description="capacity in bytes, e.g. '100GiB'; none = unbounded")
-    fsync: bool = False
-    rescan_s: float = Field(default=5.0, ge=0, description="with a size: re-count the (shared) directory at most "
-                            "this many seconds apart when writing; engines sharing a path overshoot size by at "
-                            "most what the others write in that time")
-
-    @field_validator("size", mode="before")
-    @classmethod
-    def _size(cls, v):
-        return None if v is None else parse_size(v)
-
-    @field_validator("path")
-    @classmethod
-    def _path(cls, v: str):
-        if not v.strip():
-            raise ValueError("expected a directory path, got an empty string")
-        return v
+def _tier_model(kind: str) -> type[TierConfig]:
+    return CPUTierConfig if kind == "cpu" else tier_class(kind).config_model
 
 
-TierConfig = Annotated[Union[CPUTierConfig, DiskTierConfig], Field(discriminator="type")]
+def _parse_tier(raw: Any) -> Any:
+    if isinstance(raw, dict) and raw.get("type") == "cpu":
+        return CPUTierConfig.model_validate(raw)
+    return parse_tier_config(raw) if isinstance(raw, dict) else raw
 
 
 class KVXConfig(_Strict):
@@ -93,7 +52,8 @@ class KVXConfig(_Strict):
 
     chunk_size: int = Field(default=256, gt=0, description="tokens per chunk; a multiple of vLLM's block size")
     tiers: list[TierConfig] = Field(default_factory=lambda: [CPUTierConfig(type="cpu", size=4 * 2**30)],
-                                    min_length=1, description="fastest first")
+                                    min_length=1, description="fastest first: cpu, then any registered tier "
+                                    "type (kvx.store.tier_types()) or 'module:Class'")
     save_decode: bool = Field(default=False, description="also save chunks completed during decode")
     save_partial_chunks: bool = Field(default=False, description="save a request's trailing partial chunk "
                                       "(rounded down to whole blocks) when it finishes its prompt")
@@ -122,6 +82,12 @@ class KVXConfig(_Strict):
             raise ValueError(f"expected an integer, got {v!r}")
         return v
 
+    @field_validator("tiers", mode="before")
+    @classmethod
+    def _tier_models(cls, v):
+        # each entry is validated by its type's model (from_extra_config does it first, for per-key errors)
+        return [_parse_tier(t) for t in v] if isinstance(v, list) else v
+
     @model_validator(mode="after")
     def _one_tier_per_type(self):
         kinds = [t.type for t in self.tiers]
@@ -134,7 +100,12 @@ class KVXConfig(_Strict):
         return next((t for t in self.tiers if t.type == "cpu"), None)
 
     @property
-    def disk_tier(self) -> DiskTierConfig | None:
+    def byte_tiers(self) -> list[TierConfig]:
+        """The tiers after the CPU pool (disk, redis, ...), fastest first."""
+        return [t for t in self.tiers if t.type != "cpu"]
+
+    @property
+    def disk_tier(self) -> TierConfig | None:
         return next((t for t in self.tiers if t.type == "disk"), None)
 
     @classmethod
@@ -142,65 +113,59 @@ class KVXConfig(_Strict):
         """Validate ``kv_connector_extra_config``; raises :class:`ConfigError` with every problem listed."""
         if extra is not None and not isinstance(extra, dict):
             raise ConfigError(f"kv_connector_extra_config: expected a JSON object, got {type(extra).__name__}")
+        raw, lines = dict(extra or {}), []
+        if isinstance(raw.get("tiers"), list):
+            # validate each tier with its type's model first, so errors name "tiers.<i>.<type>.<key>"
+            tiers = []
+            for i, t in enumerate(raw["tiers"]):
+                try:
+                    tiers.append(_parse_tier(t))
+                except ValidationError as e:
+                    lines += _error_lines(e, ("tiers", i, t["type"]))
+                except ValueError as e:
+                    lines.append(f"tiers.{i}: tier type: {e} (given: {t!r})")
+            # with a bad tier, the other keys are still checked (against the default tiers)
+            raw["tiers"] = tiers if not lines else [CPUTierConfig(type="cpu", size=1)]
         try:
-            return cls.model_validate(dict(extra or {}))
+            cfg = cls.model_validate(raw)
         except ValidationError as e:
-            lines = []
-            for err in e.errors():
-                loc = ".".join(str(p) for p in err["loc"]) or "kv_connector_extra_config"
-                given = err.get("input")
-                msg = err["msg"].removeprefix("Value error, ")
-                if err["type"] == "extra_forbidden":
-                    msg = f"unknown key (known: {', '.join(sorted(_known_keys(cls, err['loc'])))})"
-                lines.append(f"{loc}: {msg} (given: {given!r})")
-            raise ConfigError("invalid kvx kv_connector_extra_config:\n  " + "\n  ".join(lines)) from None
+            lines += _error_lines(e)
+        else:
+            if not lines:
+                return cfg
+        raise ConfigError("invalid kvx kv_connector_extra_config:\n  " + "\n  ".join(lines)) from None
 
 
-def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
-    if len(loc) >= 3 and loc[0] == "tiers":
-        kind = loc[2] if isinstance(loc[2], str) else None
-        for m in (CPUTierConfig, DiskTierConfig):
-            if kind == m.model_fields["type"].annotation.__args__[0]:
-                return list(m.model_fields)
-    return list(model.model_fields)
+def _error_lines(e: ValidationError, prefix: tuple = ()) -> list[str]:
+    lines = []
+    for err in e.errors():
+        where = prefix + tuple(err["loc"])
+        loc = ".".join(str(p) for p in where) or "kv_connector_extra_config"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown key (known: {', '.join(sorted(_known_keys(where)))})"
+        lines.append(f"{loc}: {msg} (given: {err.get('input')!r})")
+    return lines
+
+
+def _known_keys(loc: tuple) -> list[str]:
+    if len(loc) >= 3 and loc[0] == "tiers" and isinstance(loc[2], str):
+        try:
+            return list(_tier_model(loc[2]).model_fields)
+        except ValueError:
+            pass
+    return list(KVXConfig.model_fields)
 
 
 def check_paths(config: KVXConfig, writes: bool) -> None:
-    """Check the tiers' paths on this machine: a disk tier's ``path`` is a directory, or can be created
-    as one, and is writable when this engine saves (``writes``: kv_producer or kv_both).
+    """Check the tiers' settings on this machine (a disk tier's path is a directory, or can be created
+    as one, and is writable when this engine saves: ``writes``, kv_producer or kv_both): each tier type's
+    ``check_config``.
 
     Raises :class:`ConfigError` naming the key, what was expected and what was given."""
     problems = []
     for i, tier in enumerate(config.tiers):
-        if tier.type != "disk":
-            continue
-        where = f"tiers.{i}.path"
-        path = os.path.abspath(os.path.expanduser(tier.path))
-        if os.path.lexists(path) and not os.path.isdir(path):
-            kind = "a file" if os.path.isfile(path) else "not a directory"
-            problems.append(f"{where}: expected a directory (or a path where one can be created), "
-                            f"got {tier.path!r}, which is {kind}")
-            continue
-        probe = path
-        while not os.path.isdir(probe):         # the nearest existing ancestor decides what can be created
-            parent = os.path.dirname(probe)
-            if parent == probe:
-                break
-            if os.path.lexists(parent) and not os.path.isdir(parent):
-                problems.append(f"{where}: expected a directory (or a path where one can be created), "
-                                f"got {tier.path!r}, whose parent {parent!r} is not a directory")
-                probe = None
-                break
-            probe = parent
-        if probe is None:
-            continue
-        if os.access(probe, os.W_OK | os.X_OK):
-            continue
-        if probe != path:
-            problems.append(f"{where}: expected a directory that exists or can be created, got {tier.path!r} "
-                            f"(it does not exist, and {probe!r} is not writable)")
-        elif writes:
-            problems.append(f"{where}: expected a writable directory (this engine saves chunks: kv_role "
-                            f"kv_producer or kv_both), got {tier.path!r}, which this process cannot write")
+        if tier.type != "cpu":
+            problems += tier_class(tier.type).check_config(tier, f"tiers.{i}", writes)
     if problems:
         raise ConfigError("invalid kvx kv_connector_extra_config:\n  " + "\n  ".join(problems))

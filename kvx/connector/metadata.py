@@ -26,8 +26,8 @@ except ImportError:  # the worker side also runs without vLLM (tests/gpu drive i
 class ChunkLoad:
     """Fill ``block_ids`` from chunk ``key``, starting at block ``first_block`` of the chunk.
 
-    ``tier`` is where the bytes are ("cpu": pool slot ``slot``; "disk": the chunk file). For a disk
-    load, ``slot`` (if not None) is a CPU slot to promote the chunk into. ``before_forward``: the last
+    ``tier`` is where the bytes are ("cpu": pool slot ``slot``; else the name of the tier to read from).
+    For a load from another tier, ``slot`` (if not None) is a CPU slot to read the chunk into (promotion). ``before_forward``: the last
     block also receives this step's first computed token, whose KV vLLM may write before
     ``wait_for_layer_load``. The worker copies only the chunk's ``shared_tokens`` tokens of that block
     (so the order against that write does not matter), or, with raw pages (which cannot be split by
@@ -55,9 +55,9 @@ class LoadSpec:
 class ChunkSave:
     """Save the ``tokens`` tokens in ``block_ids`` as chunk ``key``.
 
-    ``slot``: CPU pool slot to gather into (None: no CPU copy). ``to_disk``: also write the chunk file.
-    ``from_slot``: the bytes are already in this CPU slot (no gather; e.g. write-through to disk of a
-    chunk that was loaded from the CPU tier). ``deps``: blocks this chunk's KV depends on whose loads are
+    ``slot``: CPU pool slot to gather into (None: no CPU copy). ``to_tiers``: also write the chunk to
+    these tiers (by name). ``from_slot``: the bytes are already in this CPU slot (no gather; e.g.
+    write-through of a chunk that was loaded from the CPU tier). ``deps``: blocks this chunk's KV depends on whose loads are
     not verified yet; a worker on which one of them failed drops the save (:mod:`.validity`).
     """
 
@@ -66,7 +66,7 @@ class ChunkSave:
     block_ids: list[int]
     tokens: int
     slot: int | None
-    to_disk: bool
+    to_tiers: list[str] = field(default_factory=list)
     from_slot: int | None = None
     deps: list[int] = field(default_factory=list)
 
@@ -94,14 +94,15 @@ class KVXWorkerMetadata(KVConnectorWorkerMetadata):
 
     stored:    CPU slot written (save or promotion), per key
     unstored:  CPU slot write failed or skipped, per key
-    disk_done: disk write of a chunk finished (written, or already present / failed), per key
+    tier_done: a tier's write of a chunk finished (written, or already present / failed), per
+               :func:`tier_done_key` (tier, key)
     loads_done: a request's load finished (successfully or not), per request id
     failed_blocks: blocks whose load failed on a worker (union over workers)
     """
 
     stored: dict[str, int] = field(default_factory=dict)
     unstored: dict[str, int] = field(default_factory=dict)
-    disk_done: dict[str, int] = field(default_factory=dict)
+    tier_done: dict[str, int] = field(default_factory=dict)
     loads_done: dict[str, int] = field(default_factory=dict)
     failed_blocks: list[int] = field(default_factory=list)
 
@@ -109,7 +110,7 @@ class KVXWorkerMetadata(KVConnectorWorkerMetadata):
         if not isinstance(other, KVXWorkerMetadata):
             return self
         out = KVXWorkerMetadata()
-        for name in ("stored", "unstored", "disk_done", "loads_done"):
+        for name in ("stored", "unstored", "tier_done", "loads_done"):
             merged = Counter(getattr(self, name))
             merged.update(getattr(other, name))
             setattr(out, name, dict(merged))
@@ -117,4 +118,13 @@ class KVXWorkerMetadata(KVConnectorWorkerMetadata):
         return out
 
     def is_empty(self) -> bool:
-        return not (self.stored or self.unstored or self.disk_done or self.loads_done or self.failed_blocks)
+        return not (self.stored or self.unstored or self.tier_done or self.loads_done or self.failed_blocks)
+
+
+def tier_done_key(*args: str):
+    """``tier_done_key(tier, key)`` -> the string key of :attr:`KVXWorkerMetadata.tier_done` (its dicts
+    cross processes as msgpack: string keys only); ``tier_done_key(s)`` -> (tier, key)."""
+    if len(args) == 2:
+        return f"{args[0]}/{args[1]}"
+    tier, _, key = args[0].rpartition("/")
+    return tier, key

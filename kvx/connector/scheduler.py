@@ -3,18 +3,21 @@ process, on the scheduler thread only (no locking).
 
 Per request a :class:`RequestTracker` holds the chunk keys (extended lazily over the prompt and, with
 ``save_decode``, the output), how far saving has got, and the request's in-flight load. The CPU tier's
-index lives here (:class:`kvx.store.CPUIndex`); the disk tier is looked up by file existence, so several
-engines sharing a path see each other's chunks.
+index lives here (:class:`kvx.store.CPUIndex`); the tiers after it (disk, Redis, any registered type)
+are a :class:`kvx.store.stack.TierStack` of the tiers opened in this process for lookups, so several
+engines sharing a store see each other's chunks. No tier type is named here.
 
 Life of a request:
 
 1. ``get_num_new_matched_tokens`` (maybe several times; side-effect free): walk the chunk keys,
-   each chunk available from the fastest tier that holds it (CPU READY, else every shard file on
-   disk), stop at the first miss; report the hit beyond vLLM's local prefix hit. A full-prompt hit
-   leaves only the last token to compute (sync loads must leave one); the block it lands in is loaded
-   before the forward. ``None`` is never returned.
+   each chunk available from the fastest tier that holds it (CPU READY, else the first tier holding
+   every rank's share), stop at the first miss; report the hit beyond vLLM's local prefix hit. A
+   full-prompt hit leaves only the last token to compute (sync loads must leave one); the block it
+   lands in is loaded before the forward. ``None`` when a tier cannot answer without blocking on the
+   network (vLLM asks again at its next step).
 2. ``update_state_after_alloc`` with ``num_external_tokens > 0``: build the :class:`LoadSpec`
-   (block ids per chunk; pin CPU slots; allocate CPU slots to promote disk hits into).
+   (block ids per chunk; pin CPU slots; allocate CPU slots to promote hits from slower tiers into;
+   once committed there, they are written through to the faster tiers that lack them).
 3. ``build_connector_meta`` each step: emit new loads; plan saves of every chunk this step completes
    (prompt only unless ``save_decode``; minus ``skip_last_n_tokens``; trailing partial chunk only with
    ``save_partial_chunks``), to every tier that lacks it; note preempted requests. A save whose KV
@@ -33,11 +36,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..log import get_logger
-from ..store import CPUIndex, DiskStore, SlotState
+from ..store import CPUIndex, SlotState, TierContext, tier_class
+from ..store.stack import TierStack
 from .common import EngineGeometry, num_cpu_slots
 from .config import KVXConfig
 from .keys import MMItem, chunk_keys, rank_key, request_root
-from .metadata import ChunkLoad, ChunkSave, KVXMetadata, KVXWorkerMetadata, LoadSpec
+from .metadata import ChunkLoad, ChunkSave, KVXMetadata, KVXWorkerMetadata, LoadSpec, tier_done_key
 from .validity import BlockValidity
 
 log = get_logger(__name__)
@@ -56,7 +60,7 @@ class LoadPlan:
 
     num_computed: int
     hit_tokens: int
-    tiers: list[str]          # per chunk: "cpu" or "disk"
+    tiers: list[str]          # per chunk: "cpu" or the name of the tier serving it
     keys: list[str]           # per chunk (the last may be a partial chunk's key)
     chunk_tokens: list[int]
 
@@ -125,19 +129,19 @@ class KVXScheduler:
                              f"of {config.chunk_size} tokens ({geom.num_layers} layers x {geom.page_bytes} "
                              f"bytes per block); raise its size or lower chunk_size")
         self.cpu = CPUIndex(n_slots) if config.cpu_tier is not None else None
-        disk = config.disk_tier
-        self.disk = DiskStore(disk.path, disk.size, fingerprint) if disk is not None else None
+        ctx = TierContext(fingerprint, role="scheduler", writes=producer, io_threads=config.io_threads)
+        self.tiers = {t.type: tier_class(t.type).open(t, ctx) for t in config.byte_tiers}
+        self.stack = TierStack(list(self.tiers.values()), self._shard_keys)
         self.trackers: dict[str, RequestTracker] = {}
         self._new_loads: list[LoadSpec] = []
         self._load_pins: dict[str, list[str]] = {}      # req_id -> CPU keys pinned for its load
-        self._disk_inflight: set[str] = set()            # keys being written to disk
-        self._disk_holds: set[str] = set()               # of those, keys whose CPU slot the write holds
+        self._holds: Counter = Counter()                 # (tier, key) -> CPU holds of writes reading the slot
         self.validity = BlockValidity(self.blocks_per_chunk)
         self._poisoned: set[str] = set()                 # CPU slots being written with KV of a failed load
-        self._disk_after_commit: dict[str, int] = {}     # key -> tokens: write through once committed
-        self._write_through: list[tuple[str, int]] = []  # committed (key, tokens) to write to disk next step
+        self._after_commit: dict[str, tuple[int, list[str]]] = {}   # key -> (tokens, tiers): write through
+        self._write_through: list[tuple[str, int, list[str]]] = []  # committed: write through next step
         self._freed: list[int] = []                      # blocks freed since the last step (for the workers)
-        self._counts: dict[str, Counter] = {n: Counter() for n in ("stored", "unstored", "disk_done",
+        self._counts: dict[str, Counter] = {n: Counter() for n in ("stored", "unstored", "tier_done",
                                                                     "loads_done")}
         self.stats = Counter()
 
@@ -152,48 +156,51 @@ class KVXScheduler:
             self.trackers[request.request_id] = t
         return t
 
-    def _on_disk(self, key: str) -> bool:
-        if self.disk is None:
-            return False
-        if self.shards == 1:
-            return self.disk.contains(key)
-        return all(self.disk.contains(rank_key(key, s, self.shards)) for s in range(self.shards))
+    def _shard_keys(self, key: str) -> list[str]:
+        """The keys of every rank's share of chunk ``key`` in the byte tiers."""
+        return [key] if self.shards == 1 else [rank_key(key, s, self.shards) for s in range(self.shards)]
 
-    def _tier_of(self, key: str) -> str | None:
-        if self.cpu is not None and key in self.cpu:
-            return "cpu"
-        if self._on_disk(key):
-            return "disk"
-        return None
+    def _locate(self, keys: list[str]) -> list[str | None] | None:
+        """Per key, the fastest tier holding it ("cpu" or a tier's name; None: none). None: not known yet."""
+        found: list[str | None] = ["cpu" if self.cpu is not None and k in self.cpu else None for k in keys]
+        rest = [i for i, f in enumerate(found) if f is None]
+        if rest and self.stack:
+            more = self.stack.locate([keys[i] for i in rest])
+            if more is None:
+                return None
+            for i, name in zip(rest, more):
+                found[i] = name
+        return found
 
     # ------------------------------------------------------------------ step 1: lookup
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` (vLLM's block-aligned local hit) that kvx can load."""
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` (vLLM's block-aligned local hit) that kvx can load; None
+        if a tier is still looking (vLLM skips the request this step and asks again)."""
         t = self._tracker(request)
         t.plan = None
         if not self.consumer:
             return 0, False
         num_tokens = request.num_tokens
         keys = t.full_keys(num_tokens, self.chunk_size)
+        rest = ((num_tokens - len(keys) * self.chunk_size) // self.geom.block_size) * self.geom.block_size
+        pkey = t.partial_key(len(keys), rest, self.chunk_size) if self.config.save_partial_chunks and rest else None
+        located = self._locate(keys + ([pkey] if pkey else []))
+        if located is None:
+            self.stats["lookups_pending"] += 1
+            return None, False
         tiers: list[str] = []
-        for key in keys:
-            tier = self._tier_of(key)
+        for tier in located[: len(keys)]:
             if tier is None:
                 break
             tiers.append(tier)
         hit_keys = keys[: len(tiers)]
         chunk_tokens = [self.chunk_size] * len(tiers)
         hit = len(tiers) * self.chunk_size
-        if self.config.save_partial_chunks and len(tiers) == len(keys):
-            rest = ((num_tokens - hit) // self.geom.block_size) * self.geom.block_size
-            if rest > 0:
-                pkey = t.partial_key(len(keys), rest, self.chunk_size)
-                tier = self._tier_of(pkey)
-                if tier is not None:
-                    tiers.append(tier)
-                    hit_keys = hit_keys + [pkey]
-                    chunk_tokens.append(rest)
-                    hit += rest
+        if pkey is not None and len(tiers) == len(keys) and located[-1] is not None:
+            tiers.append(located[-1])
+            hit_keys = hit_keys + [pkey]
+            chunk_tokens.append(rest)
+            hit += rest
         self.stats["lookups"] += 1
         if hit <= num_computed_tokens:
             return 0, False
@@ -243,8 +250,11 @@ class KVXScheduler:
         loaded: dict[int, int] = {}
         for key, tier, ntok, cb0, lo, hi in spans:
             slot = slots.get(key)
-            if tier == "disk" and self.cpu is not None and self.config.promote and self.cpu.state(key) is None:
-                slot = self.cpu.allocate(key)          # promote the disk hit into the CPU tier
+            if tier != "cpu" and self.cpu is not None and self.config.promote and self.cpu.state(key) is None:
+                slot = self.cpu.allocate(key)          # promote the hit into the CPU tier
+                faster = self.stack.lacking(key, self.stack.faster(tier)) if self.producer else []
+                if slot is not None and faster:        # and, once there, into the faster tiers lacking it
+                    self._after_commit[key] = (ntok, faster)
             shared = end % bs != 0 and hi == end_blk     # the last block also gets this step's tokens
             chunks.append(ChunkLoad(key, tier, slot, table[lo:hi], lo - cb0, ntok, before_forward=shared,
                                     shared_tokens=end % bs if shared else 0))
@@ -263,13 +273,20 @@ class KVXScheduler:
         if spec is None:
             return None
         bs = self.geom.block_size
+        def source(tier: str) -> CacheHitSource:
+            if tier == "cpu":
+                return CacheHitSource.HOST
+            try:
+                return CacheHitSource(self.tiers[tier].hit_source)
+            except ValueError:
+                return CacheHitSource.EXTERNAL_UNSPECIFIED
+
         counts = Counter()
         for ch in spec.chunks:
-            counts[CacheHitSource.HOST if ch.tier == "cpu" else CacheHitSource.DISK] += len(ch.block_ids) * bs
+            counts[source(ch.tier)] += len(ch.block_ids) * bs
         total = sum(counts.values())
         if total > num_external_tokens:   # the full-prompt hit leaves one token to compute
-            last = CacheHitSource.DISK if spec.chunks[-1].tier == "disk" else CacheHitSource.HOST
-            counts[last] -= total - num_external_tokens
+            counts[source(spec.chunks[-1].tier)] -= total - num_external_tokens
         return {k: v for k, v in counts.items() if v > 0}
 
     # ------------------------------------------------------------------ step 3: per-step metadata
@@ -376,43 +393,51 @@ class KVXScheduler:
             return False
         state = self.cpu.state(key) if self.cpu is not None else None
         slot = self.cpu.allocate(key) if self.cpu is not None and state is None else None
-        to_disk = self.disk is not None and key not in self._disk_inflight and not self._on_disk(key)
-        if to_disk and deps and self.num_workers > 1:
+        to_tiers = self.stack.lacking(key)
+        if to_tiers and deps and self.num_workers > 1:
             # A rank cannot know in time that a load failed on another rank: only the scheduler hears every
-            # worker. Gather into the CPU tier now; write the chunk through to disk once it is committed.
-            to_disk = False
+            # worker. Gather into the CPU tier now; write the chunk through to the other tiers once it is
+            # committed.
             if slot is not None:
-                self._disk_after_commit[key] = tokens
+                self._after_commit[key] = (tokens, to_tiers)
+            to_tiers = []
         from_slot = None
-        if to_disk:
-            if state is SlotState.READY:
-                from_slot = self.cpu.hold(key)        # write the CPU copy through; no gather needed
-                self._disk_holds.add(key)
-            elif slot is not None:
-                self.cpu.hold(key)                    # the disk write reads the slot we gather into
-                self._disk_holds.add(key)
-            self._disk_inflight.add(key)
-        if slot is None and not to_disk:
+        if to_tiers and (state is SlotState.READY or slot is not None):
+            # the writes read the CPU slot: the READY copy (no gather needed), or the one we gather into
+            from_slot = self._hold(key, to_tiers) if state is SlotState.READY else None
+            if slot is not None:
+                self._hold(key, to_tiers)
+        for name in to_tiers:
+            self.stack.writing(name, key)
+        if slot is None and not to_tiers:
             return True
         if deps:
             self.validity.guard(t.req_id, key, deps)
-        meta.saves.append(ChunkSave(t.req_id, key, list(block_ids), tokens, slot, to_disk, from_slot,
+        meta.saves.append(ChunkSave(t.req_id, key, list(block_ids), tokens, slot, to_tiers, from_slot,
                                     deps=sorted(deps)))
         self.stats["saves"] += 1
         return True
 
+    def _hold(self, key: str, tiers: list[str]) -> int:
+        """Keep ``key``'s CPU slot while each of ``tiers`` writes from it; returns the slot."""
+        slot = None
+        for name in tiers:
+            slot = self.cpu.hold(key)
+            self._holds[(name, key)] += 1
+        return slot
+
     def _plan_write_through(self, meta: KVXMetadata) -> None:
-        """Write committed CPU chunks through to disk (saves that depended on loads when planned, with
-        several workers)."""
+        """Write committed CPU chunks through to the tiers after it (saves that depended on loads when
+        planned, with several workers; hits promoted from a slower tier into the faster ones)."""
         todo, self._write_through = self._write_through, []
-        for key, tokens in todo:
-            if (self.cpu.state(key) is not SlotState.READY or key in self._disk_inflight
-                    or self._on_disk(key)):
+        for key, tokens, tiers in todo:
+            tiers = self.stack.lacking(key, tiers)
+            if self.cpu.state(key) is not SlotState.READY or not tiers:
                 continue
-            from_slot = self.cpu.hold(key)
-            self._disk_holds.add(key)
-            self._disk_inflight.add(key)
-            meta.saves.append(ChunkSave("", key, [], tokens, None, True, from_slot))
+            from_slot = self._hold(key, tiers)
+            for name in tiers:
+                self.stack.writing(name, key)
+            meta.saves.append(ChunkSave("", key, [], tokens, None, tiers, from_slot))
             self.stats["saves"] += 1
 
     # ------------------------------------------------------------------ step 4: worker results
@@ -423,28 +448,29 @@ class KVXScheduler:
         c = self._counts
         if wm.failed_blocks:
             self._on_failed_loads(wm.failed_blocks)
-        for key, n in wm.disk_done.items():
-            c["disk_done"][key] += n
-            if c["disk_done"][key] >= self.num_workers:
-                del c["disk_done"][key]
-                self._disk_inflight.discard(key)
-                if key in self._disk_holds:
-                    self._disk_holds.discard(key)
-                    self.cpu.unpin([key])
+        for tk, n in wm.tier_done.items():
+            c["tier_done"][tk] += n
+            if c["tier_done"][tk] >= self.num_workers:
+                del c["tier_done"][tk]
+                name, key = tier_done_key(tk)
+                self.stack.written(name, key)
+                holds = self._holds.pop((name, key), 0)
+                if holds:
+                    self.cpu.unpin([key] * holds)
         for key in set(wm.stored) | set(wm.unstored):
             c["stored"][key] += wm.stored.get(key, 0)
             c["unstored"][key] += wm.unstored.get(key, 0)
             if c["stored"][key] + c["unstored"][key] >= self.num_workers:
                 ok = c["unstored"][key] == 0 and key not in self._poisoned
                 self._poisoned.discard(key)
-                tokens = self._disk_after_commit.pop(key, None)
+                through = self._after_commit.pop(key, None)
                 del c["stored"][key], c["unstored"][key]
                 if self.cpu is None or self.cpu.state(key) is not SlotState.PENDING:
                     continue
                 if ok:
                     self.cpu.commit(key)
-                    if tokens is not None:
-                        self._write_through.append((key, tokens))
+                    if through is not None:
+                        self._write_through.append((key, *through))
                 else:
                     self.cpu.abort(key)
                     self.stats["cpu_store_failed"] += 1
@@ -488,12 +514,11 @@ class KVXScheduler:
 
     def has_pending_push_work(self) -> bool:
         # keep the engine stepping while a worker has something to report: the reports ride on steps
-        return bool(self._disk_inflight or self._load_pins or self._write_through
+        return bool(self.stack.busy() or self._load_pins or self._write_through
                     or (self.cpu is not None and self.cpu.pending()))
 
     def reset_cache(self) -> bool:
         return self.cpu.clear() if self.cpu is not None else True
 
     def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
+        self.stack.close()

@@ -1,9 +1,10 @@
 """Connector metrics: counters summed over workers and steps, reported through vLLM's stats path.
 
-Keys (all counters): ``loaded_chunks``, ``loaded_blocks``, ``load_ms``, ``load_errors``, ``disk_reads``,
-``saved_chunks``, ``save_ms``, ``save_errors``, ``saves_dropped``, ``disk_writes``, ``disk_write_ms``,
-``disk_write_errors``, ``disk_full`` (workers); ``lookups``, ``loads``, ``saves``, ``hit_tokens_cpu``, ``hit_tokens_disk``,
-``cpu_store_failed``, ``saves_deferred``, ``saves_poisoned`` (scheduler).
+Keys (all counters): ``loaded_chunks``, ``loaded_blocks``, ``load_ms``, ``load_errors``, ``saved_chunks``,
+``save_ms``, ``save_errors``, ``saves_dropped`` and per tier ``<tier>_reads``, ``<tier>_writes``,
+``<tier>_write_ms``, ``<tier>_write_errors``, ``<tier>_full`` (workers); ``lookups``, ``lookups_pending``,
+``loads``, ``saves``, ``hit_tokens_cpu``, ``hit_tokens_<tier>``, ``cpu_store_failed``, ``saves_deferred``,
+``saves_poisoned`` (scheduler). ``<tier>``: every registered tier type (``disk``, ``redis``, ...).
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ class KVXStats(KVConnectorStats):
 # Counter name -> help text; every key KVXStats may carry, exported as vllm:kvx_<name>_total.
 COUNTERS = {
     "lookups": "Prefix lookups by the scheduler",
+    "lookups_pending": "Prefix lookups answered 'not known yet' (a tier was still asking; vLLM asks again)",
     "loads": "Requests admitted with a kvx hit",
     "saves": "Chunk saves planned by the scheduler",
     "hit_tokens_cpu": "Prompt tokens served from the CPU tier",
-    "hit_tokens_disk": "Prompt tokens served from the disk tier",
     "cpu_store_failed": "Chunks whose CPU-tier write failed on a worker",
     "saves_deferred": "Chunk saves held back because their KV depends on a failed load (saved after recompute)",
     "saves_poisoned": "In-flight chunk saves discarded because a load they depend on failed",
@@ -57,15 +58,28 @@ COUNTERS = {
     "loaded_blocks": "vLLM blocks filled from kvx",
     "load_ms": "Milliseconds spent loading (per worker, summed)",
     "load_errors": "Chunks that failed to load or verify (recomputed by vLLM)",
-    "disk_reads": "Chunk files read",
     "saved_chunks": "Chunks gathered from the paged KV cache",
     "save_ms": "Milliseconds spent gathering chunks (per worker, summed)",
     "save_errors": "Chunk gathers that failed",
-    "disk_writes": "Chunk files written",
-    "disk_write_ms": "Milliseconds spent writing chunk files",
-    "disk_write_errors": "Chunk file writes that failed",
-    "disk_full": "Chunk file writes refused for lack of room (full disk, during its back-off, or over size)",
 }
+_PER_TIER = {
+    "hit_tokens_{}": "Prompt tokens served from the {} tier",
+    "{}_reads": "Chunks read from the {} tier",
+    "{}_writes": "Chunks written to the {} tier",
+    "{}_write_ms": "Milliseconds spent writing chunks to the {} tier",
+    "{}_write_errors": "Chunk writes to the {} tier that failed",
+    "{}_full": "Chunk writes refused by the {} tier for lack of room (full, out of memory, or over size)",
+}
+
+
+def counters() -> dict[str, str]:
+    """:data:`COUNTERS` and the per-tier counters of every registered tier type."""
+    from ..store import tier_types
+
+    out = dict(COUNTERS)
+    for tier in tier_types():
+        out.update((name.format(tier), doc.format(tier)) for name, doc in _PER_TIER.items())
+    return out
 
 
 def build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues):
@@ -82,7 +96,7 @@ def build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelva
                 name: create_metric_per_engine(
                     counter_cls(name=f"vllm:kvx_{name}_total", documentation=doc, labelnames=labelnames),
                     per_engine_labelvalues)
-                for name, doc in COUNTERS.items()}
+                for name, doc in counters().items()}
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
             for name, value in (transfer_stats_data or {}).items():

@@ -5,9 +5,10 @@ Runs in each vLLM worker process (one per TP/PP rank). What to move comes from t
 what order against the forwards is :class:`kvx.engine.BlockOrder` (every copy goes through it).
 
 Loads (``start_load_kv``): the copies of chunks in the CPU tier are queued at once, one job per *layer
-group*; chunk files are read and verified on I/O threads (promoted into a CPU slot when the scheduler
-allotted one), and their copies are queued as soon as the read is in, at the latest in
-``wait_for_layer_load`` of the first layer, the only place that waits for a read.
+group*; chunks in the other tiers (disk, Redis, ...: :class:`kvx.store.Tier`) are read and verified on
+I/O threads straight into a CPU slot when the scheduler allotted one (promotion), and their copies are
+queued as soon as the read is in, at the latest in ``wait_for_layer_load`` of the first layer, the only
+place that waits for a read.
 ``wait_for_layer_load`` fences the layer's group (CUDA and the deferred CPU queue: one group per layer,
 so loading overlaps the forward; CPU threads: one group, the copy already uses every core). A chunk that
 cannot be read or verified is not written; its blocks are reported by ``get_block_ids_with_load_errors``
@@ -16,12 +17,13 @@ so vLLM recomputes them, and to the scheduler with the step's results (:mod:`.va
 Saves: ``save_kv_layer`` queues a layer group's gathers as soon as the forward wrote its last layer (after
 a marker taken then), so the copies overlap the rest of the forward (``save_layerwise``; otherwise, and
 for groups no layer reported, ``wait_for_save`` queues them). A save whose KV depends on a block whose
-load failed on this worker is dropped before anything is gathered. ``wait_for_save`` starts the file
-writes on I/O threads, which wait for their gathers. Nothing waits for a gather on the per-step path
+load failed on this worker is dropped before anything is gathered. ``wait_for_save`` starts the tier
+writes on I/O threads (one per tier and chunk, so a slow tier does not hold up the others), which wait
+for their gathers. Nothing waits for a gather on the per-step path
 (CPU threads excepted: there the copies use the cores the next forward needs, so they finish in
 ``wait_for_save``); ``handle_preemptions`` fences the ones whose blocks the next forward writes.
 
-Thread ownership: everything here runs on vLLM's worker thread, except the I/O pools (disk reads and
+Thread ownership: everything here runs on vLLM's worker thread, except the I/O pools (tier reads and
 writes: they touch only the tensors handed to them) and the copy queues' threads on CPU.
 """
 
@@ -41,11 +43,11 @@ from .. import ops
 from ..engine import BlockOrder, Job, TransferEngine
 from ..layout import KVLayout
 from ..log import Throttle, get_logger
-from ..store import CPUPool, DiskStore, StoreFullError
+from ..store import CPUPool, StoreFullError, Tier, TierContext, tier_class
 from .common import EngineGeometry, num_cpu_slots
 from .config import KVXConfig
 from .keys import rank_key
-from .metadata import ChunkLoad, ChunkSave, KVXMetadata, KVXWorkerMetadata, LoadSpec
+from .metadata import ChunkLoad, ChunkSave, KVXMetadata, KVXWorkerMetadata, LoadSpec, tier_done_key
 from .validity import LoadOutcomes
 
 log = get_logger(__name__)
@@ -111,7 +113,7 @@ class _Save:
     save: ChunkSave
     jobs: list[Job] = field(default_factory=list)    # one gather per layer group (none: from a CPU slot)
     dest: torch.Tensor | None = None
-    disk: Future | None = None
+    writes: dict[str, Future] = field(default_factory=dict)   # tier name -> its write in flight
     staging: int | None = None
     reported_cpu: bool = False
 
@@ -136,10 +138,10 @@ class KVXWorker:
         self.groups: list[tuple[int, int, KVLayout]] = []   # (first layer, end layer, sub-layout)
         self.group_of: dict[str, int] = {}
         self.pool: CPUPool | None = None
-        self.disk: DiskStore | None = None
+        self.tiers: dict[str, Tier] = {}               # the tiers after the CPU pool, by name
         self.engine: TransferEngine | None = None
-        self.reader: ThreadPoolExecutor | None = None   # disk reads for loads: on the critical path
-        self.writer: ThreadPoolExecutor | None = None   # disk writes: background (SCHED_IDLE)
+        self.reader: ThreadPoolExecutor | None = None   # tier reads for loads: on the critical path
+        self.writer: ThreadPoolExecutor | None = None   # tier writes: background (SCHED_IDLE)
         self._staging: list[torch.Tensor] = []
         self._staging_free: list[int] = []
         self._staging_cv = threading.Condition()
@@ -210,20 +212,20 @@ class KVXWorker:
         n_slots = num_cpu_slots(self.config, self.geom)
         if n_slots:
             self.pool = CPUPool(n_slots, self.chunk_shape(self.config.chunk_size), self.chunk_dtype, pin=pin)
-        disk = self.config.disk_tier
-        if disk is not None:
-            self.disk = DiskStore(disk.path, disk.size, self.fingerprint, fsync=disk.fsync, rescan_s=disk.rescan_s)
+        ctx = TierContext(self.fingerprint, role="worker", writes=self.writes, io_threads=self.config.io_threads)
+        self.tiers = {t.type: tier_class(t.type).open(t, ctx) for t in self.config.byte_tiers}
+        if self.tiers:
             # Reads keep normal priority: the forward waits for them (a SCHED_IDLE reader runs only when a
-            # core is idle).
+            # core is idle). Writers: as many per tier, so a slow tier does not hold up the others.
             self.reader = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvx-read")
-            self.writer = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvx-write",
+            self.writer = ThreadPoolExecutor(self.config.io_threads * len(self.tiers), thread_name_prefix="kvx-write",
                                              initializer=_background_priority)
             n_staging = 2 * self.config.io_threads
             self._staging = [torch.empty(self.chunk_shape(self.config.chunk_size), dtype=self.chunk_dtype,
                                          pin_memory=pin) for _ in range(n_staging)]
             self._staging_free = list(range(n_staging))
-        log.info("kvx: worker %d/%d registered %s, format %s, %d CPU slots, disk %s", self.shard, self.shards,
-                 lay, self.fmt, n_slots, disk.path if disk else None)
+        log.info("kvx: worker %d/%d registered %s, format %s, %d CPU slots, tiers %s", self.shard, self.shards,
+                 lay, self.fmt, n_slots, list(self.tiers) or "none")
 
     @property
     def chunk_dtype(self) -> torch.dtype:
@@ -292,8 +294,8 @@ class KVXWorker:
                         self._fence_job(load, job)
 
     def _start_load(self, spec: LoadSpec) -> _Load:
-        """Queue the copies of every chunk whose bytes are at hand (CPU tier); start the disk reads, whose
-        copies are queued when the reads are done (at the latest where the first layer needs them)."""
+        """Queue the copies of every chunk whose bytes are at hand (CPU tier); start the other tiers' reads,
+        whose copies are queued when the reads are done (at the latest where the first layer needs them)."""
         load = _Load(spec, started=time.perf_counter())
         ready: list[tuple[ChunkLoad, torch.Tensor]] = []
         for ch in spec.chunks:
@@ -322,7 +324,7 @@ class KVXWorker:
         return load
 
     def _take_ready(self, load: _Load) -> list[tuple[ChunkLoad, torch.Tensor]]:
-        """Pop the disk chunks whose reads are done (failed ones are recorded, not returned)."""
+        """Pop the chunks whose reads are done (failed ones are recorded, not returned)."""
         out, still = [], []
         for ch, fut in load.pending:
             if not fut.done():
@@ -378,21 +380,24 @@ class KVXWorker:
                               load.spec.req_id, ch.key, e)
 
     def _read_chunk(self, ch: ChunkLoad, load: _Load) -> torch.Tensor:
-        """Read and verify one chunk file; promote it into its CPU slot; return a copyable source."""
-        data = self.disk.get(rank_key(ch.key, self.shard, self.shards) if self.shards > 1 else ch.key,
-                             self.chunk_shape(ch.tokens), self.chunk_dtype)
-        self._stats["disk_reads"] += 1
-        if ch.slot is not None:
-            dst = self._slot_view(ch.slot, ch.tokens)
-            dst.copy_(data)
-            return dst
-        if self.layout.device.type == "cuda":      # the kernel reads host memory only when pinned
-            pinned = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
-            pinned.copy_(data)
+        """Read and verify one chunk from its tier, into its CPU slot if it has one (promotion); return a
+        copyable source."""
+        key = rank_key(ch.key, self.shard, self.shards) if self.shards > 1 else ch.key
+        shape = self.chunk_shape(ch.tokens)
+        dst = self._slot_view(ch.slot, ch.tokens) if ch.slot is not None else None
+        if dst is not None and dst.is_contiguous():
+            out = dst
+        else:   # a partial chunk's slot view is strided; the kernels read host memory only when pinned
+            out = torch.empty(shape, dtype=self.chunk_dtype, pin_memory=self.layout.device.type == "cuda")
+        self.tiers[ch.tier].get_into(key, out)
+        self._stats[f"{ch.tier}_reads"] += 1
+        if dst is not None and out is not dst:
+            dst.copy_(out)
+            out = dst
+        elif dst is None and self.layout.device.type == "cuda":
             with load.lock:
-                load.keep.append(pinned)           # alive until the copy jobs finished
-            return pinned
-        return data
+                load.keep.append(out)              # alive until the copy jobs finished
+        return out
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Rule 4: before attention reads the layer, its loads are fenced. A read still in flight is waited
@@ -435,7 +440,7 @@ class KVXWorker:
                 self.outcomes.failed(ch.block_ids)
                 self._out.failed_blocks.extend(ch.block_ids)
                 self._stats["load_errors"] += 1
-            if ch.tier == "disk" and ch.slot is not None:
+            if ch.tier != "cpu" and ch.slot is not None:
                 _count(self._out.unstored if ch.key in load.failed else self._out.stored, ch.key)
 
     def _retire_loads(self, block: bool = False) -> None:
@@ -479,8 +484,8 @@ class KVXWorker:
                 # chunk again once it has
                 if s.slot is not None:
                     _count(self._out.unstored, s.key)
-                if s.to_disk:
-                    _count(self._out.disk_done, s.key)
+                for name in s.to_tiers:
+                    _count(self._out.tier_done, tier_done_key(name, s.key))
                 self._stats["saves_dropped"] += 1
                 continue
             rec = _Save(s)
@@ -488,7 +493,7 @@ class KVXWorker:
                 rec.dest = self._slot_view(s.from_slot, s.tokens)
             elif s.slot is not None:
                 rec.dest = self._slot_view(s.slot, s.tokens)
-            else:      # disk only: a staging buffer if one is free now, else one in wait_for_save
+            else:      # other tiers only: a staging buffer if one is free now, else one in wait_for_save
                 self._stage(rec, self._take_staging())
             self._step_saves.append(rec)
         return self._step_saves
@@ -514,7 +519,7 @@ class KVXWorker:
 
     def wait_for_save(self) -> None:
         """End of the step's forward: report the sync loads, queue what save_kv_layer did not, start the
-        disk writes. Nothing here waits for a copy (on CPU the thread queue does: the copies there use the
+        tier writes. Nothing here waits for a copy (on CPU the thread queue does: the copies there use the
         cores the next forward needs)."""
         meta = self._meta
         t0 = time.perf_counter()
@@ -543,11 +548,11 @@ class KVXWorker:
                 rec.jobs.append(self.order.save(
                     s.block_ids, lambda s=s, dest=rec.dest: self._gather(self.layout, s.block_ids, dest),
                     name=f"save {s.key}", marker=marker))
-            if s.to_disk:
+            for name in s.to_tiers:
                 if self.writes:
-                    rec.disk = self.writer.submit(self._write_chunk, s, rec.dest, list(rec.jobs))
+                    rec.writes[name] = self.writer.submit(self._write_chunk, name, s, rec.dest, list(rec.jobs))
                 else:
-                    _count(self._out.disk_done, s.key)
+                    _count(self._out.tier_done, tier_done_key(name, s.key))
             self._saves.append(rec)
             self._stats["saved_chunks"] += 1
         if self.engine.mode == "thread":
@@ -558,13 +563,13 @@ class KVXWorker:
         self._step_saves = None
         self._retire_loads()
 
-    def _write_chunk(self, s: ChunkSave, src: torch.Tensor, jobs: list[Job]) -> bool:
+    def _write_chunk(self, name: str, s: ChunkSave, src: torch.Tensor, jobs: list[Job]) -> bool:
         for job in jobs:
             job.wait()
         key = rank_key(s.key, self.shard, self.shards) if self.shards > 1 else s.key
         t0 = time.perf_counter()
-        written = self.disk.put(key, src, {"tokens": str(s.tokens), "format": self.fmt})
-        self._stats["disk_write_ms"] += (time.perf_counter() - t0) * 1e3
+        written = self.tiers[name].put(key, src, {"tokens": str(s.tokens), "format": self.fmt})
+        self._stats[f"{name}_write_ms"] += (time.perf_counter() - t0) * 1e3
         return written
 
     def _take_staging(self) -> int | None:
@@ -601,24 +606,25 @@ class KVXWorker:
                         self._stats["save_errors"] += 1
                     if s.slot is not None:
                         _count(self._out.unstored if err is not None else self._out.stored, s.key)
-            if rec.disk is not None:
+            for name, fut in list(rec.writes.items()):
                 if block:
-                    _settle(rec.disk.result)
-                if rec.disk.done():
-                    err = rec.disk.exception()
-                    if isinstance(err, StoreFullError):     # expected under pressure: the chunk stays uncached
-                        self.throttle.warning(_cause("disk full", err), "kvx: chunk %s not written to disk: %s",
-                                              s.key, err)
-                        self._stats["disk_full"] += 1
-                    elif err is not None:
-                        self.throttle.error(_cause("disk write", err), "kvx: writing chunk %s to disk failed: %s",
-                                            s.key, err)
-                        self._stats["disk_write_errors"] += 1
-                    elif rec.disk.result():
-                        self._stats["disk_writes"] += 1
-                    _count(self._out.disk_done, s.key)
-                    rec.disk = None
-            if not rec.reported_cpu or rec.disk is not None:
+                    _settle(fut.result)
+                if not fut.done():
+                    continue
+                err = fut.exception()
+                if isinstance(err, StoreFullError):     # expected under pressure: the chunk stays uncached
+                    self.throttle.warning(_cause(f"{name} full", err), "kvx: chunk %s not written to %s: %s",
+                                          s.key, name, err)
+                    self._stats[f"{name}_full"] += 1
+                elif err is not None:
+                    self.throttle.error(_cause(f"{name} write", err), "kvx: writing chunk %s to %s failed: %s",
+                                        s.key, name, err)
+                    self._stats[f"{name}_write_errors"] += 1
+                elif fut.result():
+                    self._stats[f"{name}_writes"] += 1
+                _count(self._out.tier_done, tier_done_key(name, s.key))
+                del rec.writes[name]
+            if not rec.reported_cpu or rec.writes:
                 keep.append(rec)
             elif rec.staging is not None:
                 self._release_staging(rec.staging)
@@ -673,5 +679,5 @@ class KVXWorker:
             self.engine.close()
         if self.pool is not None:
             self.pool.close()
-        if self.disk is not None:
-            self.disk.close()
+        for tier in self.tiers.values():
+            tier.close()

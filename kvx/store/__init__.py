@@ -1,11 +1,19 @@
 """Storage tiers for KV chunks.
 
-- :mod:`kvx.store.cpu`: CPU pool of chunk slots (worker bytes) + LRU index (scheduler).
-- :mod:`kvx.store.disk`: one safetensors file per chunk; shareable between engines.
+- :mod:`kvx.store.tier`: the tier interface (:class:`Tier`) and the registry of tier types.
+- :mod:`kvx.store.codec`: the one chunk codec of every byte-oriented tier.
+- :mod:`kvx.store.cpu`: the CPU pool of chunk slots (worker bytes) + its LRU index (scheduler): the
+  stack's first level, and the buffer every other tier reads into and writes from.
+- :mod:`kvx.store.disk`: one safetensors file per chunk; shareable between engines (``"disk"``).
+- :mod:`kvx.store.stack`: the scheduler's view of the stack: read-first-hit, write-to-all, promotion.
 """
 
 from .cpu import CPUIndex, CPUPool, SlotState
-from .disk import ChunkError, DiskStore, StoreClosedError, StoreError, StoreFullError
+from .errors import ChunkError, StoreClosedError, StoreError, StoreFullError, StoreUnavailableError
+from .tier import (REMOVED, STORED, Tier, TierConfig, TierContext, parse_size, parse_tier_config, register_tier,
+                   tier_class, tier_types)
+from .disk import DiskStore, DiskTierConfig  # noqa: E402 - registers "disk"
 
-__all__ = ["CPUIndex", "CPUPool", "SlotState", "DiskStore", "StoreError", "ChunkError", "StoreClosedError",
-           "StoreFullError"]
+__all__ = ["CPUIndex", "CPUPool", "SlotState", "DiskStore", "DiskTierConfig", "StoreError", "ChunkError",
+           "StoreClosedError", "StoreFullError", "StoreUnavailableError", "Tier", "TierConfig", "TierContext",
+           "register_tier", "tier_class", "tier_types", "parse_tier_config", "parse_size", "STORED", "REMOVED"]

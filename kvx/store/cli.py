@@ -19,7 +19,8 @@ import time
 
 from safetensors import safe_open
 
-from .disk import FORMAT_VERSION, DiskStore, TempInfo, checksum, survey
+from .codec import FORMAT_VERSION, crc32 as checksum
+from .disk import DiskStore, TempInfo, survey
 
 
 def _check(path: str, key: str) -> str | None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..log import get_logger
+from .tier import REMOVED, STORED, Listener
 
 log = get_logger(__name__)
 
@@ -54,6 +55,19 @@ class CPUIndex:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
         self._free = list(range(num_slots - 1, -1, -1))
         self.stats = {"allocated": 0, "evicted": 0, "committed": 0, "aborted": 0}
+        self._listeners: list[Listener] = []
+
+    def subscribe(self, listener: Listener) -> None:
+        """As :meth:`kvx.store.Tier.subscribe`: ``listener("cpu", STORED | REMOVED, keys)`` when a chunk
+        is committed (becomes a hit) or a committed chunk leaves the pool."""
+        self._listeners.append(listener)
+
+    def _emit(self, event: str, keys: list[str]) -> None:
+        for fn in self._listeners:
+            fn("cpu", event, keys)
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return [k in self for k in keys]
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -78,6 +92,7 @@ class CPUIndex:
                 return None
             self._free.append(self._entries.pop(victim).slot)
             self.stats["evicted"] += 1
+            self._emit(REMOVED, [victim])
         slot = self._free.pop()
         self._entries[key] = _Entry(slot, SlotState.PENDING)
         self.stats["allocated"] += 1
@@ -92,6 +107,7 @@ class CPUIndex:
         e.state = SlotState.READY
         self._entries.move_to_end(key)
         self.stats["committed"] += 1
+        self._emit(STORED, [key])
 
     def abort(self, key: str) -> None:
         """The write failed or was dropped: free the slot."""
@@ -99,6 +115,8 @@ class CPUIndex:
         if e is None or e.doomed:
             return  # nothing to free, or already aborted (freed by the last unpin)
         self.stats["aborted"] += 1
+        if e.state is SlotState.READY:
+            self._emit(REMOVED, [key])
         if e.pins:
             e.doomed = True       # still read by a load or a write elsewhere: free on the last unpin
             e.state = SlotState.PENDING
@@ -156,8 +174,11 @@ class CPUIndex:
 
     def clear(self) -> bool:
         """Drop every unpinned, READY entry (reset_cache). Returns False if something stayed."""
-        for k in [k for k, e in self._entries.items() if e.state is SlotState.READY and e.pins == 0]:
+        gone = [k for k, e in self._entries.items() if e.state is SlotState.READY and e.pins == 0]
+        for k in gone:
             self._free.append(self._entries.pop(k).slot)
+        if gone:
+            self._emit(REMOVED, gone)
         return not self._entries
 
 

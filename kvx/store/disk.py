@@ -47,30 +47,30 @@ put) raise it at once without touching the disk.
 from __future__ import annotations
 
 import errno
-import json
 import math
 import os
 import socket
-import struct
-import sys
 import threading
 import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
-from safetensors import safe_open
+from pydantic import Field, field_validator
 
 from ..log import Throttle, get_logger
+from . import codec
+from .codec import FORMAT_VERSION, crc32 as checksum
+from .errors import ChunkError, StoreClosedError, StoreError, StoreFullError
+from .tier import STORED, REMOVED, Tier, TierConfig, TierContext, parse_size, register_tier
 
 log = get_logger(__name__)
 
-FORMAT_VERSION = "kvx-1"
 _SUFFIX = ".safetensors"
 _TMP_MAX_AGE_S = 3600.0  # a write takes milliseconds: a temporary file this old has no live writer
-_RESERVED_META = ("kvx_format", "key", "fingerprint", "crc32", "created")
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # On ENOSPC/EDQUOT: evict this fraction of the store's chunk bytes (LRU), at least the chunk being
 # written. The store cannot know how much room the rest of the file system needs; 10% makes room for
@@ -85,32 +85,58 @@ _BACKOFF_MIN_S, _BACKOFF_MAX_S = 1.0, 60.0
 # 16 MiB on ext4 with files kept, 0.95-1.03 elsewhere at 4-16 MiB, 0.85-0.94 at 1 MiB.
 _WRITE_PIECE = 1 << 20
 _WAIT_S = 0.05  # a put waiting for its own engine's in-flight writes re-checks at least this often
-# torch dtype -> safetensors dtype name: the library's own table (safetensors.torch._TYPES, 0.8), less the
-# dtypes this torch lacks
-_ST_DTYPES = {getattr(torch, t): name for t, name in (
-    ("float64", "F64"), ("float32", "F32"), ("float16", "F16"), ("bfloat16", "BF16"), ("int64", "I64"),
-    ("int32", "I32"), ("int16", "I16"), ("int8", "I8"), ("uint8", "U8"), ("bool", "BOOL"),
-    ("float8_e4m3fn", "F8_E4M3"), ("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2", "F8_E5M2"),
-    ("float8_e5m2fnuz", "F8_E5M2FNUZ"), ("complex64", "C64"), ("uint64", "U64"), ("uint32", "U32"),
-    ("uint16", "U16")) if hasattr(torch, t)}
 
 
-class StoreError(RuntimeError):
-    """Base of the disk store's errors."""
+class DiskTierConfig(TierConfig):
+    """One chunk file per chunk under ``path`` (may be shared by several engines)."""
+
+    type: Literal["disk"]
+    path: str
+    size: int | None = Field(default=None, description="capacity in bytes, e.g. '100GiB'; none = unbounded")
+    fsync: bool = False
+    rescan_s: float = Field(default=5.0, ge=0, description="with a size: re-count the (shared) directory at most "
+                            "this many seconds apart when writing; engines sharing a path overshoot size by at "
+                            "most what the others write in that time")
+
+    @field_validator("size", mode="before")
+    @classmethod
+    def _size(cls, v):
+        return None if v is None else parse_size(v)
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str):
+        if not v.strip():
+            raise ValueError("expected a directory path, got an empty string")
+        return v
 
 
-class ChunkError(StoreError):
-    """A chunk could not be read back correctly (missing, corrupt, or not what was asked for)."""
-
-
-class StoreClosedError(StoreError):
-    """An operation on a store after :meth:`DiskStore.close`."""
-
-
-class StoreFullError(StoreError):
-    """A put found no room: the disk is full (ENOSPC/EDQUOT even after an eviction, or during the
-    back-off that follows), or the chunk cannot fit in ``capacity_bytes``. Nothing was written; the
-    chunk stays uncached (vLLM recomputes it when needed)."""
+def check_path(config: DiskTierConfig, where: str, writes: bool) -> list[str]:
+    """``config.path`` is a directory, or can be created as one, and is writable if this engine saves."""
+    where = f"{where}.path"
+    path = os.path.abspath(os.path.expanduser(config.path))
+    if os.path.lexists(path) and not os.path.isdir(path):
+        kind = "a file" if os.path.isfile(path) else "not a directory"
+        return [f"{where}: expected a directory (or a path where one can be created), "
+                f"got {config.path!r}, which is {kind}"]
+    probe = path
+    while not os.path.isdir(probe):         # the nearest existing ancestor decides what can be created
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        if os.path.lexists(parent) and not os.path.isdir(parent):
+            return [f"{where}: expected a directory (or a path where one can be created), "
+                    f"got {config.path!r}, whose parent {parent!r} is not a directory"]
+        probe = parent
+    if os.access(probe, os.W_OK | os.X_OK):
+        return []
+    if probe != path:
+        return [f"{where}: expected a directory that exists or can be created, got {config.path!r} "
+                f"(it does not exist, and {probe!r} is not writable)"]
+    if writes:
+        return [f"{where}: expected a writable directory (this engine saves chunks: kv_role "
+                f"kv_producer or kv_both), got {config.path!r}, which this process cannot write"]
+    return []
 
 
 @dataclass(frozen=True)
@@ -146,16 +172,6 @@ class Survey:
     @property
     def temp_bytes(self) -> int:
         return sum(t.bytes for t in self.temps)
-
-
-def checksum(t: torch.Tensor) -> str:
-    """CRC32 of a contiguous CPU tensor's bytes, as 8 hex digits (zlib runs at ~6 GB/s here)."""
-    return f"{zlib.crc32(_byte_view(t)):08x}"
-
-
-def _byte_view(t: torch.Tensor):
-    """The bytes of a contiguous CPU tensor as a flat uint8 numpy array sharing its memory (no copy)."""
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def _valid_key(key: str) -> str:
@@ -256,17 +272,6 @@ def survey(path: str, remove_stale: bool = False) -> Survey:
 
 
 # ------------------------------------------------------------------------------------------ file format
-def _header(chunk: torch.Tensor, meta: dict[str, str]) -> bytes:
-    """safetensors header of a file holding ``chunk`` as ``"kv"``: u64 length (little-endian), then JSON
-    padded with spaces to a multiple of 8 (so the data starts aligned, as the library writes it)."""
-    nbytes = chunk.numel() * chunk.element_size()
-    head = json.dumps({"__metadata__": meta, "kv": {"dtype": _ST_DTYPES[chunk.dtype], "shape": list(chunk.shape),
-                                                    "data_offsets": [0, nbytes]}},
-                      separators=(",", ":"), ensure_ascii=False).encode()
-    head += b" " * (-len(head) % 8)
-    return struct.pack("<Q", len(head)) + head
-
-
 def _write_all(fd: int, bufs: Sequence) -> None:
     """Write every byte of ``bufs`` (bytes-like objects, not copied) at the file's position, at most
     ``_WRITE_PIECE`` bytes per call; a signal or a nearly full disk may cut a write short."""
@@ -280,8 +285,9 @@ def _write_all(fd: int, bufs: Sequence) -> None:
 
 
 # ------------------------------------------------------------------------------------------ the store
-class DiskStore:
-    """Chunks as safetensors files under ``path`` (see the module docstring).
+@register_tier
+class DiskStore(Tier):
+    """Chunks as safetensors files under ``path`` (see the module docstring): the ``"disk"`` tier.
 
     Args:
         path: directory (created if missing); may be shared by several engines.
@@ -302,9 +308,15 @@ class DiskStore:
     Thread-safe: ``put``/``get`` may run on several I/O threads.
     """
 
+    type = "disk"
+    config_model = DiskTierConfig
+    hit_source = "disk"
+    local_lookup = True
+
     def __init__(self, path: str, capacity_bytes: int | None = None, fingerprint: str = "",
                  fsync: bool = False, low_watermark: float = 0.9, rescan_s: float = 5.0, *,
                  clock: Callable[[], float] = time.monotonic):
+        super().__init__()
         if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str) or not os.fspath(path):
             raise ValueError(f"path: expected a directory path, got {path!r}")
         if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
@@ -319,8 +331,6 @@ class DiskStore:
             raise ValueError(f"fingerprint: expected a str, got {type(fingerprint).__name__}")
         if not callable(clock):
             raise ValueError(f"clock: expected a callable returning seconds, got {clock!r}")
-        if sys.byteorder != "little":  # the raw bytes are written as they lie in memory
-            raise RuntimeError("kvx disk store: safetensors files are little-endian; this host is big-endian")
         self.path = os.path.abspath(os.fspath(path))
         os.makedirs(self.path, exist_ok=True)
         self.capacity_bytes = capacity_bytes
@@ -345,10 +355,25 @@ class DiskStore:
         self._relief = 0           # evictions for a full disk so far (a put that fails after one retries)
         self._backoff_s = 0.0      # current full-disk back-off; 0 = none
         self._full_until = -math.inf
-        self.stats = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "evicted": 0, "errors": 0,
+        self.counters = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "evicted": 0, "errors": 0,
                       "full": 0, "tmp_removed": 0}
         with self._room:
             self._recount_locked()     # also removes what crashed writers left behind
+
+    @classmethod
+    def open(cls, config: DiskTierConfig, ctx: TierContext) -> DiskStore:
+        return cls(config.path, config.size, ctx.fingerprint, fsync=config.fsync, rescan_s=config.rescan_s)
+
+    @classmethod
+    def check_config(cls, config: DiskTierConfig, where: str, writes: bool) -> list[str]:
+        return check_path(config, where, writes)
+
+    def capacity(self) -> int | None:
+        return self.capacity_bytes
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counters)
 
     # ---------------------------------------------------------------- paths
     def file_of(self, key: str) -> str:
@@ -364,6 +389,10 @@ class DiskStore:
         self._check_open()
         return os.path.exists(self.file_of(key))
 
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
+        return [os.path.exists(self.file_of(k)) for k in keys]
+
     # ---------------------------------------------------------------- put / get
     def put(self, key: str, chunk: torch.Tensor, extra: dict[str, str] | None = None) -> bool:
         """Write ``chunk`` (a CPU tensor) under ``key``. Returns False if already present.
@@ -376,21 +405,12 @@ class DiskStore:
         final = self.file_of(key)
         # Validate before the presence check: a bad call must fail the same way whether or not the key
         # happens to be on disk already.
-        if not isinstance(chunk, torch.Tensor) or chunk.device.type != "cpu":
-            raise ValueError(f"chunk: expected a CPU tensor, got {type(chunk).__name__} "
-                             f"{getattr(chunk, 'device', '')}")
-        if chunk.dtype not in _ST_DTYPES:
-            raise ValueError(f"chunk: expected a dtype in {sorted(str(d) for d in _ST_DTYPES)}, got {chunk.dtype}")
-        if extra is not None and (not isinstance(extra, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in extra.items())):
-            raise ValueError(f"extra: expected a dict of str -> str, got {extra!r}")
-        if extra and any(k in _RESERVED_META for k in extra):
-            # would overwrite the fields get() verifies (key, fingerprint, checksum, ...)
-            raise ValueError(f"extra: keys {sorted(set(extra) & set(_RESERVED_META))} are reserved")
+        codec.check_chunk(chunk)
+        codec.check_extra(extra)
         full_for = self._full_until - self._clock()
         if full_for > 0:   # a full disk: fail at once rather than write (and evict) for every chunk
             with self._lock:
-                self.stats["full"] += 1
+                self.counters["full"] += 1
             raise StoreFullError(f"disk store {self.path}: no space left on device; puts refused during a "
                                  f"back-off ({self._backoff_s:.0f} s, {full_for:.1f} s left)")
         if os.path.exists(final):
@@ -399,11 +419,7 @@ class DiskStore:
                 return False
             except FileNotFoundError:
                 pass  # another engine evicted it just now: write it again
-        chunk = chunk.contiguous()
-        data = _byte_view(chunk)
-        meta = {**(extra or {}), "kvx_format": FORMAT_VERSION, "key": key, "fingerprint": self.fingerprint,
-                "crc32": checksum(chunk), "created": f"{time.time():.3f}"}
-        header = _header(chunk, meta)
+        header, data = codec.encode(chunk, key, self.fingerprint, extra, created=time.time())
         size = len(header) + data.nbytes
         if self.capacity_bytes is not None:
             self._reserve(key, size)
@@ -428,6 +444,7 @@ class DiskStore:
                               final) from e
             raise
         self._settle(size, True, final)
+        self._emit(STORED, [key])
         return True
 
     def _write(self, key: str, final: str, bufs) -> None:
@@ -470,7 +487,7 @@ class DiskStore:
         cap = self.capacity_bytes
         if size > cap:
             with self._lock:
-                self.stats["full"] += 1
+                self.counters["full"] += 1
             raise StoreFullError(f"chunk {key}: a file of {size} bytes cannot fit in capacity_bytes={cap}")
         with self._room:
             while True:
@@ -484,7 +501,7 @@ class DiskStore:
                 if not inflight:
                     # what is left is other writers' files in flight, or files that cannot be deleted
                     with self._lock:
-                        self.stats["full"] += 1
+                        self.counters["full"] += 1
                     raise StoreFullError(
                         f"chunk {key}: no room under {self.path} ({self._used} of {cap} bytes used by files "
                         f"this store cannot evict, {size} needed)")
@@ -511,8 +528,8 @@ class DiskStore:
             elif written:
                 self._used += size
             if written:
-                self.stats["puts"] += 1
-                self.stats["put_bytes"] += size
+                self.counters["puts"] += 1
+                self.counters["put_bytes"] += size
                 self._backoff_s, self._full_until = 0.0, -math.inf   # there was room: the disk is not full
             waiting = self._waiting
         if waiting:
@@ -542,60 +559,84 @@ class DiskStore:
                 self._backoff_s = min(max(2 * self._backoff_s, _BACKOFF_MIN_S), _BACKOFF_MAX_S)
                 self._full_until = now + self._backoff_s
             backoff = self._backoff_s
-            self.stats["full"] += 1
+            self.counters["full"] += 1
         self._throttle.warning("full-backoff", "kvx: disk store %s: still no space left on device after evicting "
                                "%d chunks; refusing writes for %.0f s", self.path, evicted, backoff)
         return StoreFullError(f"disk store {self.path}: no space left on device for chunk {key} even after "
                               f"evicting ({evicted} chunks); puts refused for a back-off ({backoff:.0f} s)")
 
     def get(self, key: str, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Read and verify chunk ``key``. The result is backed by the file's page cache (mmap).
+        """Read and verify chunk ``key`` into a new tensor (of ``shape`` / ``dtype`` if given, else the
+        file's).
 
         Raises:
             ChunkError: missing, unreadable, wrong format/key/fingerprint/shape/dtype, or bad checksum.
         """
+        return self._read(key, None, shape, dtype)
+
+    def get_into(self, key: str, out: torch.Tensor) -> None:
+        """Read and verify chunk ``key`` straight into ``out`` (one copy: the page cache to ``out``)."""
+        if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous CPU tensor, got {type(out).__name__} "
+                             f"{getattr(out, 'device', '')}")
+        self._read(key, out, tuple(out.shape), out.dtype)
+
+    def _read(self, key: str, out: torch.Tensor | None, shape, dtype) -> torch.Tensor:
         self._check_open()
         path = self.file_of(key)
         try:
-            with safe_open(path, framework="pt") as f:
-                meta = f.metadata() or {}
-                t = f.get_tensor("kv")
+            f = open(path, "rb", buffering=0)
         except FileNotFoundError:
             raise ChunkError(f"chunk {key}: not on disk ({path})") from None
-        except Exception as e:  # noqa: BLE001 - any unreadable file (SafetensorError, OSError, bad dtype...)
-            self._drop_bad(path)
-            raise ChunkError(f"chunk {key}: unreadable file {path}: {e}") from None
-        problems = []
-        if meta.get("kvx_format") != FORMAT_VERSION:
-            problems.append(f"format {meta.get('kvx_format')!r} != {FORMAT_VERSION!r}")
-        if meta.get("key") != key:
-            problems.append(f"key {meta.get('key')!r}")
-        if meta.get("fingerprint") != self.fingerprint:
-            problems.append(f"fingerprint {meta.get('fingerprint')!r} != {self.fingerprint!r}")
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            problems.append(f"shape {tuple(t.shape)} != {tuple(shape)}")
-        if dtype is not None and t.dtype != dtype:
-            problems.append(f"dtype {t.dtype} != {dtype}")
-        corrupt = meta.get("key") != key      # a file under the wrong name, or mangled metadata
-        if not problems and meta.get("crc32") != checksum(t):
-            problems.append("checksum mismatch (corrupt bytes)")
-            corrupt = True
-        if problems:
-            # A corrupt file can never be served: drop it. A file that is merely not what this reader
-            # expects (fingerprint, format version, shape) may be valid for another engine: keep it.
-            if corrupt:
+        except OSError as e:
+            self._count_error()
+            raise ChunkError(f"chunk {key}: cannot open {path}: {e}") from None
+        with f:
+            try:
+                prefix = f.read(codec.PREFIX_BYTES)
+                h = codec.decode_header(prefix + f.read(codec.header_length(prefix)))
+                if h.dtype is None:
+                    raise ChunkError(f"dtype not supported by this torch: {h}")
+            except (ChunkError, OSError) as e:
                 self._drop_bad(path)
-            else:
+                raise ChunkError(f"chunk {key}: unreadable file {path}: {e}") from None
+            problems = codec.check(h, key, self.fingerprint, shape, dtype)
+            if problems:
+                # A file under the wrong name (or with mangled metadata) can never be served: drop it. A file
+                # that is merely not what this reader expects (fingerprint, format version, shape) may be
+                # valid for another engine: keep it.
+                if h.key != key:
+                    self._drop_bad(path)
+                else:
+                    self._count_error()
+                raise ChunkError(f"chunk {key}: {path} failed verification: {'; '.join(problems)}")
+            if out is None:
+                out = torch.empty(h.shape, dtype=h.dtype)
+            dst = memoryview(codec.byte_view(out))
+            got = 0
+            try:
+                while got < h.nbytes:
+                    n = f.readinto(dst[got:])
+                    if not n:
+                        break
+                    got += n
+            except OSError as e:
                 self._count_error()
-            raise ChunkError(f"chunk {key}: {path} failed verification: {'; '.join(problems)}")
+                raise ChunkError(f"chunk {key}: cannot read {path}: {e}") from None
+        if got != h.nbytes:
+            self._drop_bad(path)
+            raise ChunkError(f"chunk {key}: unreadable file {path}: truncated ({got} of {h.nbytes} payload bytes)")
+        if not codec.check_crc(h, out):
+            self._drop_bad(path)
+            raise ChunkError(f"chunk {key}: {path} failed verification: checksum mismatch (corrupt bytes)")
         try:
             os.utime(path)  # LRU: a read makes the file recent
         except OSError:
             pass
         with self._lock:
-            self.stats["gets"] += 1
-            self.stats["get_bytes"] += t.numel() * t.element_size()
-        return t
+            self.counters["gets"] += 1
+            self.counters["get_bytes"] += h.nbytes
+        return out
 
     def delete(self, key: str) -> bool:
         self._check_open()
@@ -607,6 +648,7 @@ class DiskStore:
             return False
         with self._lock:
             self._used = max(0, self._used - size)
+        self._emit(REMOVED, [key])
         return True
 
     def _drop_bad(self, path: str) -> None:
@@ -620,7 +662,7 @@ class DiskStore:
 
     def _count_error(self):
         with self._lock:
-            self.stats["errors"] += 1
+            self.counters["errors"] += 1
 
     # ---------------------------------------------------------------- capacity
     def scan(self) -> Iterator[ChunkInfo]:
@@ -638,7 +680,7 @@ class DiskStore:
         sv = survey(self.path, remove_stale=True)
         if sv.removed:
             with self._lock:
-                self.stats["tmp_removed"] += len(sv.removed)
+                self.counters["tmp_removed"] += len(sv.removed)
             log.info("kvx: disk store %s: removed %d stale temporary files (%.1f MiB) left by crashed writers",
                      self.path, len(sv.removed), sum(t.bytes for t in sv.removed) / 2**20)
         return sv
@@ -671,7 +713,7 @@ class DiskStore:
         with self._lock:
             self._used = used
             self._counted_at = self._clock()
-            self.stats["evicted"] += evicted
+            self.counters["evicted"] += evicted
 
     def _recount_locked(self) -> None:
         """Under ``_room``: count what every engine on this path has written (a directory scan)."""
@@ -680,18 +722,21 @@ class DiskStore:
     def _unlink_lru(self, chunks: list[ChunkInfo], done: Callable[[int], bool]) -> tuple[int, int]:
         """Delete chunk files, least recently used first, until ``done(bytes freed)``. Returns (files
         deleted, bytes freed); a file another engine deleted first counts as freed, not as deleted."""
-        removed = freed = 0
+        removed, freed, keys = 0, 0, []
         for c in sorted(chunks, key=lambda c: c.mtime):
             if done(freed):
                 break
             try:
                 os.unlink(c.path)
                 removed += 1
+                keys.append(c.key)
             except FileNotFoundError:
                 pass               # another engine evicted it first
             except OSError:
                 continue           # cannot be deleted (read-only): still there
             freed += c.bytes
+        if keys:
+            self._emit(REMOVED, keys)
         return removed, freed
 
     def _evict_locked(self, target: int) -> tuple[int, int]:

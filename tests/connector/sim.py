@@ -292,7 +292,7 @@ class Env:
 
         tp = len(self.workers)
         for w in self.workers:
-            disk = w._worker.disk
+            disk = w._worker.tiers.get("disk")
             if disk is None:
                 continue
             names = {(rank_key(k, w._worker.shard, tp) if tp > 1 else k): k for k in self.chunks}
@@ -324,8 +324,8 @@ class Env:
         """No requests, no leaked vLLM blocks, no leaked kvx pins or in-flight bookkeeping."""
         s = self.conn._scheduler
         assert not self.sched.requests
-        assert not s._load_pins and not s._disk_inflight and not s._poisoned
-        assert not s._disk_after_commit and not s._write_through and not s.validity.num_guards()
+        assert not s._load_pins and not s.stack.busy() and not s._poisoned
+        assert not s._after_commit and not s._write_through and not s.validity.num_guards()
         if s.cpu is not None:
             assert s.cpu.pinned() == 0
             assert not any(e.state is not SlotState.READY for e in s.cpu._entries.values())

@@ -8,7 +8,8 @@ import pytest
 
 import kvx.connector.config as C
 ConfigError, KVXConfig, parse_size = C.ConfigError, C.KVXConfig, C.parse_size
-CPUTierConfig, DiskTierConfig, check_paths = C.CPUTierConfig, C.DiskTierConfig, C.check_paths
+from kvx.store.disk import DiskTierConfig  # noqa: E402
+CPUTierConfig, check_paths = C.CPUTierConfig, C.check_paths
 
 GOOD_SIZES = [
     ("4GiB", 4 * 2**30),
@@ -88,7 +89,7 @@ WRONG_TIER_TYPES = [
     ({"type": "gpu", "size": "1GB"}, "'gpu'"),
     ({"type": "CPU", "size": "1GB"}, "'CPU'"),
     ({"type": 1, "size": "1GB"}, "1"),
-    ({"size": "1GB"}, "Unable to extract tag using discriminator 'type'"),
+    ({"size": "1GB"}, "expected a 'type' naming a tier"),
 ]
 DUPLICATE_TIERS = [
     [{"type": "cpu", "size": "1GB"}, {"type": "cpu", "size": "2GB"}],

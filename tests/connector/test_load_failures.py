@@ -20,7 +20,7 @@ DAMAGES = ["flip", "truncate", "swap", "missing", "vanish"]
 
 
 def chunk_file(env, key):
-    return env.conn._scheduler.disk.file_of(key)
+    return env.conn._scheduler.tiers["disk"].file_of(key)
 
 
 def damage(env, keys, how, monkeypatch):
@@ -51,8 +51,8 @@ def test_failed_load_never_poisons_chunks_computed_in_the_same_step(make_env, st
     b = a[: 2 * CHUNK] + prompt(3 * CHUNK + 20, seed=41)     # A's two chunks, then three of its own
     env2 = make_env(tiers(store_dir))
     if vanish:
-        disk = env2.worker._worker.disk
-        get = disk.get
+        disk = env2.worker._worker.tiers["disk"]
+        get_into = disk.get_into
 
         gone = []
 
@@ -60,9 +60,9 @@ def test_failed_load_never_poisons_chunks_computed_in_the_same_step(make_env, st
             if key == keys[1] and not gone:
                 os.unlink(vanish)             # another engine evicted it between lookup and read
                 gone.append(key)
-            return get(key, *a, **k)
+            return get_into(key, *a, **k)
 
-        monkeypatch.setattr(disk, "get", get_after_eviction)
+        monkeypatch.setattr(disk, "get_into", get_after_eviction)
     env2.request("b", b)
     so = env2.step()
     new = so.scheduled_new_reqs[0]
@@ -134,10 +134,10 @@ def test_tensor_parallel_a_failure_on_one_rank_keeps_every_rank_from_storing(mak
     env.request("a", a)
     env.run()
     keys = [s.key for s in saves(env)]
-    assert sum(1 for _ in env.conn._scheduler.disk.scan()) == 4        # 2 chunks x 2 ranks
+    assert sum(1 for _ in env.conn._scheduler.tiers["disk"].scan()) == 4        # 2 chunks x 2 ranks
     env2 = make_env(tiers(store_dir), tp=2)
-    rank0 = env2.workers[0]._worker.disk
-    get = rank0.get
+    rank0 = env2.workers[0]._worker.tiers["disk"]
+    get = rank0.get_into
     bad = rank_key(keys[1], 0, 2)
 
     def fail_once(key, *args, **kw):
@@ -147,17 +147,17 @@ def test_tensor_parallel_a_failure_on_one_rank_keeps_every_rank_from_storing(mak
         return get(key, *args, **kw)
 
     fail_once.done = False
-    monkeypatch.setattr(rank0, "get", fail_once)
+    monkeypatch.setattr(rank0, "get_into", fail_once)
     b = a[: 2 * CHUNK] + prompt(3 * CHUNK + 20, seed=46)
     env2.request("b", b)
     so = env2.step()
     table = so.scheduled_new_reqs[0].block_ids[0]
     assert env2.load_errors[-1] == set(table[2:4])
     planned = [s for s in saves(env2) if s.deps]
-    assert planned and not any(s.to_disk for s in planned)           # with deps: CPU tier first, disk later
+    assert planned and not any(s.to_tiers for s in planned)           # with deps: CPU tier first, disk later
     env2.run()
     assert env2.stats.get("saves_dropped") == 3                       # rank 0 knew at once; rank 1 could not
-    assert sum(1 for _ in env2.conn._scheduler.disk.scan()) == 2 * 5   # every shard of B's 5 chunks on disk
+    assert sum(1 for _ in env2.conn._scheduler.tiers["disk"].scan()) == 2 * 5   # every shard of B's 5 chunks on disk
     # and all sound; the CPU tier holds at least A's 2 (a recomputed chunk whose poisoned slot was still
     # being reported by the other rank when it was planned again is not in the CPU tier: a miss, not a
     # wrong load)

@@ -54,10 +54,10 @@ def test_cold_request_saves_full_prompt_chunks_only(make_env, store_dir):
     env.run()
     sv = saves(env)
     assert [s.tokens for s in sv] == [CHUNK, CHUNK]              # 600 tokens: 2 full chunks, no partial
-    assert all(s.slot is not None and s.to_disk for s in sv)
+    assert all(s.slot is not None and s.to_tiers for s in sv)
     s = env.conn._scheduler
     assert all(x.key in s.cpu for x in sv)                # committed after the workers reported
-    assert sum(1 for _ in s.disk.scan()) == 2
+    assert sum(1 for _ in s.tiers["disk"].scan()) == 2
     env.assert_clean()
 
 
@@ -182,7 +182,7 @@ def test_corrupt_chunk_is_reported_and_recomputed(make_env, store_dir):
     env = make_env(tiers(store_dir, cpu=None))
     env.request("a", ids)
     env.run()
-    files = sorted(c.path for c in env.conn._scheduler.disk.scan())
+    files = sorted(c.path for c in env.conn._scheduler.tiers["disk"].scan())
     assert len(files) == 2
     # flip a byte in the data of the second chunk file (the first chunk stays good)
     chunk1 = [f for f in files if os.path.basename(f).startswith(saves(env)[1].key)][0]
@@ -311,7 +311,7 @@ def test_disk_reads_keep_normal_priority_writes_run_idle(make_env, store_dir, mo
     """A load is waited for by the forward: its reads must not wait for an idle core like the writes do."""
     from kvx.store.disk import DiskStore
 
-    policy = {"get": set(), "put": set()}
+    policy = {"get_into": set(), "put": set()}
     for name in policy:
         orig = getattr(DiskStore, name)
 
@@ -327,7 +327,7 @@ def test_disk_reads_keep_normal_priority_writes_run_idle(make_env, store_dir, mo
     env2 = make_env(tiers(store_dir, cpu=None))
     env2.request("b", ids)
     env2.run()
-    assert policy["get"] and os.SCHED_IDLE not in policy["get"]
+    assert policy["get_into"] and os.SCHED_IDLE not in policy["get_into"]
     probe = []
 
     def try_idle():                       # is SCHED_IDLE permitted here? (asked on a throwaway thread)

@@ -75,7 +75,7 @@ def test_a_chunk_evicted_between_lookup_and_read(model, reference, tmp_path, mon
     ref_b = reference(B)
     with engine(model, tiers(store, cpu=None)) as llm:
         H.generate(llm, A, MAX_TOKENS)
-    get, gone = disk_mod.DiskStore.get, []
+    get, gone = disk_mod.DiskStore.get_into, []
 
     def get_after_eviction(self, key, *a, **k):
         if not gone:
@@ -84,10 +84,10 @@ def test_a_chunk_evicted_between_lookup_and_read(model, reference, tmp_path, mon
             gone.append(path)
         return get(self, key, *a, **k)
 
-    monkeypatch.setattr(disk_mod.DiskStore, "get", get_after_eviction)
+    monkeypatch.setattr(disk_mod.DiskStore, "get_into", get_after_eviction)
     with engine(model, tiers(store, cpu=None)) as llm:
         assert H.generate(llm, B, MAX_TOKENS).tokens == ref_b
-        monkeypatch.setattr(disk_mod.DiskStore, "get", get)
+        monkeypatch.setattr(disk_mod.DiskStore, "get_into", get)
         settle(llm)                                        # the disk writes are asynchronous
         llm.reset_prefix_cache()
         again = H.generate(llm, B, MAX_TOKENS)
@@ -108,7 +108,7 @@ def test_store_on_a_full_file_system(model, reference, tmp_path, tmpfs):
                 llm.reset_prefix_cache()
                 assert H.generate(llm, p, MAX_TOKENS).tokens == ref
         _, worker = connector_sides(llm)
-        stats = worker.disk.stats
+        stats = worker.tiers["disk"].stats()
         assert stats["evicted"] > 0                         # ENOSPC relieved by evicting, not just failing
     files = chunk_files(store)
     assert 0 < len(files) < 4 * 4                          # some of the 16 chunks, not all: the disk filled up

@@ -192,16 +192,16 @@ def test_kill_9_mid_write_then_restart_on_the_same_store(model, reference, tmp_p
         assert not os.path.exists(tmp), "the store's start-up did not remove the killed writer's temporary file"
         assert not any(os.path.exists(t) for t in left), "stale temporary files survived the start-up"
         sched, worker = connector_sides(llm)
-        assert worker.disk.stats["tmp_removed"] + sched.disk.stats["tmp_removed"] >= 1
+        assert worker.tiers["disk"].stats()["tmp_removed"] + sched.tiers["disk"].stats()["tmp_removed"] >= 1
         # chunks the killed engine completed: a prompt hits its leading chunks present on disk
         root = request_root(sched.namespace)
         leading = []
         for prompt in KILL_PROMPTS:
-            on_disk = [sched._on_disk(k) for k in chunk_keys(root, prompt, CHUNK)]
+            on_disk = [all(sched.tiers["disk"].contains_many(sched._shard_keys(k))) for k in chunk_keys(root, prompt, CHUNK)]
             leading.append(on_disk.index(False) if False in on_disk else len(on_disk))
         keys = {k for prompt in KILL_PROMPTS for k in chunk_keys(root, prompt, CHUNK)}
         assert {os.path.basename(f)[: -len(".safetensors")] for f in present} <= keys
-        assert key in keys and not sched._on_disk(key)       # the chunk being written when killed: a miss
+        assert key in keys and not all(sched.tiers["disk"].contains_many(sched._shard_keys(key)))       # the chunk being written when killed: a miss
         assert len(present) >= sum(leading)
         assert max(leading) == 8, f"no prompt had all its chunks on disk at the kill: {leading}"
         for prompt, ref, lead in zip(KILL_PROMPTS, refs, leading):

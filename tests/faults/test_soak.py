@@ -49,7 +49,7 @@ def test_soak_under_eviction_and_damaged_files(model, reference, tmp_path):
             files = chunk_files(store)
             if files and chunk_file_bytes is None:
                 chunk_file_bytes = os.path.getsize(files[0])
-                worker.disk.capacity_bytes = sched.disk.capacity_bytes = 10 * chunk_file_bytes
+                worker.tiers["disk"].capacity_bytes = sched.tiers["disk"].capacity_bytes = 10 * chunk_file_bytes
             if files and rng.random() < 0.25:           # damage a stored chunk: a flipped byte ...
                 f = rng.choice(files)
                 try:
@@ -82,7 +82,7 @@ def test_soak_under_eviction_and_damaged_files(model, reference, tmp_path):
     print(f"soak: {served} requests, {len(wrong)} wrong; {damages} damaged files, {deleted} deleted; "
           f"{totals.get('load_errors', 0)} failed chunk loads, {totals.get('loaded_chunks', 0)} chunks loaded, "
           f"{totals.get('saves_dropped', 0)} saves dropped; evictions: CPU {sched.cpu.stats['evicted']}, "
-          f"disk {worker.disk.stats['evicted']}")
+          f"disk {worker.tiers['disk'].stats()['evicted']}")
     assert not wrong, f"{len(wrong)} of {served} requests got wrong tokens: {wrong[:10]}"
     # the soak did what it claims: hits from both tiers, failed loads, evictions
     assert totals.get("load_errors", 0) > 0 and damages > 10 and deleted > 0
@@ -95,7 +95,7 @@ def test_soak_under_eviction_and_damaged_files(model, reference, tmp_path):
             os.unlink(f)
     assert totals.get("loaded_chunks", 0) > 50
     assert sched.cpu.stats["evicted"] > 0
-    assert worker.disk.stats["evicted"] > 0
+    assert worker.tiers["disk"].stats()["evicted"] > 0
     n = assert_store_sound(store)                        # no stray or temporary files, every chunk verifies
     assert n * chunk_file_bytes <= 10 * chunk_file_bytes
     assert all(f.endswith(".safetensors") for f in store_files(store))

@@ -158,7 +158,7 @@ class Step:
 
 
 def save(r: Req, key: str, blocks, slot: int) -> ChunkSave:
-    return ChunkSave(req_id=r.name, key=key, block_ids=list(blocks), tokens=CHUNK, slot=slot, to_disk=False)
+    return ChunkSave(req_id=r.name, key=key, block_ids=list(blocks), tokens=CHUNK, slot=slot, to_tiers=[])
 
 
 def load(r: Req, *chunks: ChunkLoad) -> LoadSpec:

@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 
 import kvx.store.disk as disk_mod
 from kvx.store import StoreError, StoreFullError
-from kvx.store.disk import FORMAT_VERSION, ChunkError, DiskStore, StoreClosedError, checksum, survey
+from kvx.store.codec import FORMAT_VERSION, ST_DTYPES, crc32 as checksum
+from kvx.store.disk import ChunkError, DiskStore, StoreClosedError, survey
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn]
 SHAPES = [(1,), (7,), (3, 5), (2, 3, 17, 2, 8), (4, 1, 16, 2, 8)]  # odd sizes; the last two: [L, P, T, H, D]
@@ -138,8 +139,8 @@ def test_round_trip_bit_exact(store, dtype, shape):
     out = store.get(key, shape, dtype)
     assert_bit_equal(out, chunk)
     assert_bit_equal(store.get(key), chunk)  # shape/dtype checks are optional
-    assert store.stats["puts"] == 1 and store.stats["gets"] == 2 and store.stats["errors"] == 0
-    assert store.stats["get_bytes"] == 2 * chunk.numel() * chunk.element_size()
+    assert store.stats()["puts"] == 1 and store.stats()["gets"] == 2 and store.stats()["errors"] == 0
+    assert store.stats()["get_bytes"] == 2 * chunk.numel() * chunk.element_size()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -188,7 +189,7 @@ def test_extra_metadata_is_stored_next_to_the_verified_fields(store):
     assert meta["crc32"] == checksum(torch.ones(4))
 
 
-FILE_DTYPES = sorted(disk_mod._ST_DTYPES, key=str)
+FILE_DTYPES = sorted(ST_DTYPES, key=str)
 FILE_SHAPES = [(), (0, 3), (7,), (2, 3, 17, 2, 8)]
 
 
@@ -208,12 +209,13 @@ def test_file_is_a_standard_safetensors_file(tmp_path, dtype, shape):
         meta = f.metadata()
         assert list(f.keys()) == ["kv"]
     assert meta == {**extra, "kvx_format": FORMAT_VERSION, "key": key, "fingerprint": "fp",
-                    "crc32": checksum(chunk), "created": meta["created"]}
+                    "crc32": checksum(chunk), "created": meta["created"],
+                    "length": str(chunk.numel() * chunk.element_size())}
     raw = open(path, "rb").read()
     (n,) = struct.unpack("<Q", raw[:8])
     nbytes = chunk.numel() * chunk.element_size()
     assert n % 8 == 0 and len(raw) == 8 + n + nbytes
-    assert json.loads(raw[8:8 + n])["kv"] == {"dtype": disk_mod._ST_DTYPES[dtype], "shape": list(shape),
+    assert json.loads(raw[8:8 + n])["kv"] == {"dtype": ST_DTYPES[dtype], "shape": list(shape),
                                               "data_offsets": [0, nbytes]}
     # the library's own file of the same chunk holds the same tensor and metadata
     ref = str(tmp_path / "ref.safetensors")
@@ -253,7 +255,7 @@ def test_checksum_is_crc32_of_the_bytes():
 def test_get_missing_is_chunk_error_not_counted_as_corruption(store):
     with pytest.raises(ChunkError, match="not on disk"):
         store.get(key_of("missing"))
-    assert store.stats["errors"] == 0
+    assert store.stats()["errors"] == 0
 
 
 @pytest.mark.parametrize("cut", TRUNCATE_TO)
@@ -267,7 +269,7 @@ def test_get_truncated_file(store, cut):
         f.truncate(n)
     with pytest.raises(ChunkError, match="unreadable"):
         store.get(key)
-    assert store.stats["errors"] == 1
+    assert store.stats()["errors"] == 1
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -310,7 +312,7 @@ def test_get_flipped_byte_in_data_is_checksum_error(store, where, dtype):
         f.write(bytes([b[0] ^ 0x01]))
     with pytest.raises(ChunkError, match="checksum"):
         store.get(key, chunk.shape, dtype)
-    assert store.stats["errors"] == 1
+    assert store.stats()["errors"] == 1
     # a corrupt file is dropped: the chunk is now a miss, and the next save writes a good copy
     assert not store.contains(key)
     assert store.put(key, chunk)
@@ -334,7 +336,7 @@ def test_get_with_another_fingerprint(tmp_path):
     writer.put(key_of(1), torch.ones(4))
     with pytest.raises(ChunkError, match="fingerprint 'layout=LBNHC' != 'layout=BLNHC'"):
         reader.get(key_of(1))
-    assert reader.stats["errors"] == 1
+    assert reader.stats()["errors"] == 1
     assert_bit_equal(writer.get(key_of(1)), torch.ones(4))   # valid for its own engine: kept
 
 
@@ -382,7 +384,7 @@ def test_crash_in_write_leaves_no_file(store, monkeypatch, exc):
     assert not os.path.exists(tmp)
     assert not store.contains(key)
     assert files_in(store.path) == []
-    assert store.usage() == 0 and store.stats["puts"] == 0
+    assert store.usage() == 0 and store.stats()["puts"] == 0
     monkeypatch.undo()
     assert store.put(key, torch.ones(8))      # a later put works
     assert_bit_equal(store.get(key), torch.ones(8))
@@ -446,7 +448,7 @@ def test_put_existing_returns_false_touches_mtime_and_keeps_bytes(store):
     assert store.put(key, second) is False
     assert os.path.getmtime(store.file_of(key)) > old + 900
     assert_bit_equal(store.get(key), first)
-    assert store.stats["puts"] == 1
+    assert store.stats()["puts"] == 1
     assert store.usage() == os.path.getsize(store.file_of(key))
 
 
@@ -493,7 +495,7 @@ def test_eviction_removes_least_recently_used_down_to_low_watermark(tmp_path, or
     keys = [key_of(i) for i in range(5)]
     for k in keys:
         assert s.put(k, torch.zeros(2, 8, dtype=torch.float16))
-    assert s.stats["evicted"] == 0          # at capacity, not over
+    assert s.stats()["evicted"] == 0          # at capacity, not over
     base = time.time() - 10 * 3600
     for rank, i in enumerate(order):        # order[0] is the oldest
         set_mtime(s, keys[i], base + rank * 3600)
@@ -501,7 +503,7 @@ def test_eviction_removes_least_recently_used_down_to_low_watermark(tmp_path, or
     s.put(new, torch.zeros(2, 8, dtype=torch.float16))   # 6 files > 5: evict down to 3
     survivors = {keys[order[3]], keys[order[4]], new}
     assert {c.key for c in s.scan()} == survivors
-    assert s.stats["evicted"] == 3
+    assert s.stats()["evicted"] == 3
     assert s.usage() == 3 * size
 
 
@@ -598,7 +600,7 @@ def test_eviction_by_one_engine_is_a_miss_for_the_other(tmp_path):
     assert not b.contains(key_of("b"))
     with pytest.raises(ChunkError, match="not on disk"):
         b.get(key_of("b"))
-    assert b.stats["errors"] == 0
+    assert b.stats()["errors"] == 0
     assert b.delete(key_of("b")) is False
     assert b.put(key_of("b"), torch.zeros(2, 8, dtype=torch.float16)) is True
 
@@ -682,7 +684,7 @@ def test_concurrent_puts_and_gets_of_many_keys(store):
     for t in ts:
         t.join()
     assert errors == []
-    assert store.stats["puts"] == 32 and store.stats["gets"] == 32
+    assert store.stats()["puts"] == 32 and store.stats()["gets"] == 32
     assert all(store.contains(k) for k in chunks)
 
 
@@ -777,7 +779,7 @@ def test_concurrent_puts_never_exceed_the_capacity(tmp_path, monkeypatch, thread
     results = put_from_threads([s], threads, 10, LOAD_SHAPE, meter)
     assert results == [True] * threads * 10
     assert meter.peak <= chunks * size, f"{meter.peak} bytes of {chunks * size}: {meter.at_peak}"
-    assert meter.peak >= (chunks - 1) * size and s.stats["evicted"] > 0   # the test did reach the limit
+    assert meter.peak >= (chunks - 1) * size and s.stats()["evicted"] > 0   # the test did reach the limit
     assert s.usage() <= chunks * size
 
 
@@ -791,7 +793,7 @@ def test_engines_sharing_a_path_overshoot_at_most_the_others_writes_in_flight(tm
     meter = DirMeter(path, monkeypatch)
     put_from_threads(stores, threads, 8, LOAD_SHAPE, meter)
     assert meter.peak <= chunks * size + (n - 1) * (threads + 1) * size
-    assert sum(s.stats["evicted"] for s in stores) > 0
+    assert sum(s.stats()["evicted"] for s in stores) > 0
 
 
 def test_chunk_larger_than_the_capacity_is_refused(tmp_path):
@@ -799,7 +801,7 @@ def test_chunk_larger_than_the_capacity_is_refused(tmp_path):
     s = DiskStore(tmp_path / "kv", capacity_bytes=size - 1)
     with pytest.raises(StoreFullError, match=f"a file of {size} bytes cannot fit in capacity_bytes={size - 1}"):
         s.put(key_of(0), torch.zeros(2, 8, dtype=torch.float16))
-    assert files_in(s.path) == [] and s.stats["full"] == 1
+    assert files_in(s.path) == [] and s.stats()["full"] == 1
 
 
 def test_put_waits_for_its_own_writes_in_flight_when_they_fill_the_capacity(tmp_path, monkeypatch):
@@ -832,7 +834,7 @@ def test_put_waits_for_its_own_writes_in_flight_when_they_fill_the_capacity(tmp_
     first.join()
     t.join()
     assert second["result"] is True
-    assert [c.key for c in s.scan()] == [key_of(2)] and s.stats["evicted"] == 1
+    assert [c.key for c in s.scan()] == [key_of(2)] and s.stats()["evicted"] == 1
 
 
 # ------------------------------------------------------------------------------------------ full disk
@@ -883,7 +885,7 @@ def test_full_disk_evicts_least_recently_used_and_retries_once(tmp_path, monkeyp
     assert len(calls) == 2
     # 10% of the bytes of 20 equal chunks: the 2 least recently used
     assert {c.key for c in s.scan()} == set(keys[2:]) | {key_of("new")}
-    assert s.stats["evicted"] == 2 and s.stats["full"] == 0
+    assert s.stats()["evicted"] == 2 and s.stats()["full"] == 0
     assert temps_in(s.path) == []
 
 
@@ -915,7 +917,7 @@ def test_full_disk_backs_off_then_recovers(tmp_path, monkeypatch):
     with pytest.raises(StoreFullError, match=r"no space left on device .* back-off \(1 s\)") as e:
         s.put(key_of("first"), chunk)
     assert isinstance(e.value, StoreError) and isinstance(e.value.__cause__, OSError)
-    assert disk["writes"] == 2 and s.stats["evicted"] == 3      # one eviction (10%), one retry
+    assert disk["writes"] == 2 and s.stats()["evicted"] == 3      # one eviction (10%), one retry
     assert temps_in(path) == []
     for backoff, following in zip(BACKOFFS, BACKOFFS[1:]):
         failed_at = clock.t
@@ -957,7 +959,7 @@ def test_writers_hitting_a_full_disk_together_evict_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(disk_mod, "_write_all", write)
     assert s.put(key_of("a"), torch.ones(2, 8, dtype=torch.float16))
-    assert n["writes"] == 4 and s.stats["evicted"] == 2
+    assert n["writes"] == 4 and s.stats()["evicted"] == 2
     assert {c.key for c in s.scan()} == set(keys[2:]) | {key_of("a"), key_of("b")}
 
 
@@ -992,7 +994,7 @@ def test_full_tmpfs_is_relieved_by_eviction_and_backs_off_when_nothing_is_left(s
         set_mtime(s, key_of(i), base + i)
     kept = sorted(c.key for c in s.scan())
     assert 5 <= len(kept) <= 7 and kept == sorted(key_of(i) for i in range(20 - len(kept), 20))   # the newest
-    assert s.stats["evicted"] >= 20 - 7 and s.stats["full"] == 0
+    assert s.stats()["evicted"] >= 20 - 7 and s.stats()["full"] == 0
     assert temps_in(s.path) == []
     # Now something the store cannot evict takes the whole disk: puts fail, leave nothing, back off.
     s.clear()
@@ -1065,7 +1067,7 @@ def test_put_to_a_read_only_directory_fails_clearly_and_leaves_nothing(read_only
         s.put(key, torch.ones(4))
     assert e.value.errno in (errno.EROFS, errno.EACCES) and e.value.filename == s.file_of(key)
     assert not isinstance(e.value, StoreFullError)
-    assert files_in(s.path) == before and s.stats["puts"] == 1
+    assert files_in(s.path) == before and s.stats()["puts"] == 1
     assert_bit_equal(s.get(key_of("old")), torch.ones(4))     # reads still work
     assert s.usage() == os.path.getsize(s.file_of(key_of("old")))
     assert s.evict() == 0
@@ -1083,7 +1085,7 @@ def test_store_directory_deleted_while_serving(tmp_path):
         s.get(key_of(0))
     assert list(s.scan()) == [] and s.temp_files() == [] and s.usage() == 0
     assert s.evict() == 0 and s.clear() == 0 and s.delete(key_of(0)) is False
-    assert s.stats["errors"] == 0
+    assert s.stats()["errors"] == 0
     assert s.put(key_of(0), chunk) is True                      # recreates the directory
     assert_bit_equal(s.get(key_of(0)), chunk)
     for i in range(1, 5):                                       # and the count starts from what is there
@@ -1095,41 +1097,33 @@ def test_file_deleted_between_contains_and_get_is_a_miss(store, monkeypatch):
     key = key_of("gone")
     store.put(key, torch.ones(4))
     assert store.contains(key)
-    real = disk_mod.safe_open
+    real = open
 
     def evicted_first(path, *args, **kwargs):
         os.unlink(path)                                         # another engine evicts it just now
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(disk_mod, "safe_open", evicted_first)
+    monkeypatch.setattr(disk_mod, "open", evicted_first, raising=False)
     with pytest.raises(ChunkError, match="not on disk"):
         store.get(key)
-    assert store.stats["errors"] == 0
+    assert store.stats()["errors"] == 0
 
 
 def test_file_deleted_while_being_read_is_still_served(store, monkeypatch):
-    """Once open, the bytes stay readable (the mapping holds the file) and verify."""
+    """Once open, the bytes stay readable (the open file holds them) and verify."""
     key = key_of("reading")
     chunk = rand_chunk((16, 16), torch.bfloat16, 3)
     store.put(key, chunk)
-    real = disk_mod.safe_open
+    real = open
 
-    class OpenThenEvicted:
-        def __init__(self, path, *args, **kwargs):
-            self.f = real(path, *args, **kwargs)
-            self.path = path
+    def open_then_evicted(path, *args, **kwargs):
+        f = real(path, *args, **kwargs)
+        os.unlink(path)                                         # another engine evicts it once it is open
+        return f
 
-        def __enter__(self):
-            f = self.f.__enter__()
-            os.unlink(self.path)
-            return f
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-    monkeypatch.setattr(disk_mod, "safe_open", OpenThenEvicted)
+    monkeypatch.setattr(disk_mod, "open", open_then_evicted, raising=False)
     assert_bit_equal(store.get(key, chunk.shape, chunk.dtype), chunk)
-    assert not store.contains(key) and store.stats["errors"] == 0
+    assert not store.contains(key) and store.stats()["errors"] == 0
 
 
 # ------------------------------------------------------------------------------------------ temporary files
@@ -1215,7 +1209,7 @@ def test_temporary_files_are_removed_only_when_their_writer_is_gone(tmp_path, pi
     assert os.path.exists(p)
     s = DiskStore(tmp_path)                      # start-up removes the stale ones
     assert os.path.exists(p) is not stale
-    assert s.stats["tmp_removed"] == int(stale)
+    assert s.stats()["tmp_removed"] == int(stale)
     assert s.usage() == (0 if stale else 1000)   # counted until removed
     assert [t.path for t in s.temp_files()] == ([] if stale else [p])
 
@@ -1229,7 +1223,7 @@ def test_a_live_writers_temporary_file_is_removed_once_it_dies(tmp_path):
     writer.stdin.close()
     writer.wait()
     assert s.usage() == 0 and not os.path.exists(p)       # the next scan removes it
-    assert s.stats["tmp_removed"] == 1
+    assert s.stats()["tmp_removed"] == 1
 
 
 def test_files_that_are_not_kvx_files_are_left_alone(tmp_path):
@@ -1325,7 +1319,7 @@ def test_kill_9_leaves_only_a_temporary_file_that_the_next_start_removes(tmp_pat
     assert store_cli.main(["inspect", str(path)]) == 0
     assert "0 in flight (0.0 MiB), 1 stale" in capsys.readouterr().out
     s = DiskStore(path)
-    assert files_in(path) == [] and s.stats["tmp_removed"] == 1 and s.usage() == 0
+    assert files_in(path) == [] and s.stats()["tmp_removed"] == 1 and s.usage() == 0
 
 
 def test_temporary_files_count_against_the_capacity(tmp_path):
@@ -1341,7 +1335,7 @@ def test_temporary_files_count_against_the_capacity(tmp_path):
         set_mtime(s, key_of(i), base + i)
     assert {c.key for c in s.scan()} == {key_of(1), key_of(2), key_of(3)}   # 3 chunks + the temp = 5
     assert s.usage() == 5 * size and os.path.exists(tmp)
-    assert s.stats["evicted"] == 1
+    assert s.stats()["evicted"] == 1
 
 
 def test_removing_stale_files_is_logged_by_the_modules_logger(tmp_path, caplog):
@@ -1414,7 +1408,7 @@ def test_bad_chunk(store, name, make, expected, exists):
         store.put(key, torch.ones(2))
     with pytest.raises(ValueError, match=f"^chunk: expected {expected}"):
         store.put(key, make())
-    assert store.stats["puts"] == int(exists)
+    assert store.stats()["puts"] == int(exists)
 
 
 @pytest.mark.parametrize("name, extra", BAD_EXTRA, ids=[n for n, _ in BAD_EXTRA])

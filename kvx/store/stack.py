@@ -1,0 +1,102 @@
+"""The scheduler's view of the tiers after the CPU pool: read-first-hit, write-to-all and promotion.
+
+The CPU pool's index stays with the scheduler (:class:`kvx.store.CPUIndex`); this stack holds the byte
+tiers in config order (fastest first) and answers, for the connector's scheduler:
+
+- :meth:`TierStack.locate`: which tier serves each chunk: the fastest one holding every tensor-parallel
+  rank's share of it (a chunk one rank lacks is a miss);
+- :meth:`TierStack.lacking`: which tiers a chunk is written to (write-to-all: every tier not known to
+  hold it and not being written already);
+- :meth:`TierStack.faster`: which tiers a hit from a slower tier is promoted into;
+- the writes in flight, so a chunk is not written twice at once.
+
+Scheduler thread only (no locking).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from .tier import Tier
+
+
+class TierStack:
+    def __init__(self, tiers: Sequence[Tier], shard_keys: Callable[[str], list[str]]):
+        names = [t.type for t in tiers]     # a tier is named by its type: one tier per type
+        if len(set(names)) != len(names):
+            raise ValueError(f"tiers: expected at most one tier of each type, got {names}")
+        self.tiers = list(tiers)
+        self.by_name = {t.type: t for t in self.tiers}
+        self._shard_keys = shard_keys
+        self._inflight: set[tuple[str, str]] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.tiers)
+
+    def names(self) -> list[str]:
+        return list(self.by_name)
+
+    # ---------------------------------------------------------------- reads
+    def locate(self, keys: Sequence[str]) -> list[str | None] | None:
+        """Per key, the name of the fastest tier holding every shard of it (None: no tier does).
+
+        None: a tier does not know yet without blocking on the network; ask again later."""
+        found: list[str | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for tier in self.tiers:
+            if not todo:
+                break
+            per = [self._shard_keys(keys[i]) for i in todo]
+            answers = tier.contains_many([k for ks in per for k in ks])
+            if answers is None:
+                return None
+            rest, at = [], 0
+            for i, ks in zip(todo, per):
+                if all(answers[at: at + len(ks)]):
+                    found[i] = tier.type
+                else:
+                    rest.append(i)
+                at += len(ks)
+            todo = rest
+        return found
+
+    # ---------------------------------------------------------------- writes
+    def lacking(self, key: str, among: Sequence[str] | None = None) -> list[str]:
+        """The tiers (of ``among``; default all) to write chunk ``key`` to: those not writing it already and
+        not holding it. Only a tier whose lookups are local (``Tier.local_lookup``: a stat of a file) is
+        asked here; the others are not asked on the scheduler's path (a network round trip per chunk):
+        their puts check for the key before sending the bytes, and never overwrite."""
+        out = []
+        for name in (self.names() if among is None else among):
+            if (name, key) in self._inflight:
+                continue
+            tier = self.by_name[name]
+            if tier.local_lookup:
+                ks = self._shard_keys(key)
+                answers = tier.contains_many(ks)
+                if answers is not None and all(answers):
+                    continue
+            out.append(name)
+        return out
+
+    def faster(self, name: str) -> list[str]:
+        """The byte tiers before ``name`` (a hit from ``name`` is promoted into them)."""
+        names = self.names()
+        return names[: names.index(name)] if name in names else []
+
+    def writing(self, name: str, key: str) -> None:
+        self._inflight.add((name, key))
+
+    def written(self, name: str, key: str) -> None:
+        """The write of ``key`` to ``name`` ended (written, present already, or failed)."""
+        self._inflight.discard((name, key))
+
+    def in_flight(self, name: str, key: str) -> bool:
+        return (name, key) in self._inflight
+
+    def busy(self) -> bool:
+        return bool(self._inflight)
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()

@@ -1,0 +1,248 @@
+"""The tier interface: what the connector asks of a store of chunks, and the registry of tier types.
+
+The CPU pool is the stack's first level and its buffer: its index lives with vLLM's scheduler and its
+bytes in each worker (:mod:`kvx.store.cpu`). Every level after it is a :class:`Tier`: a byte-oriented
+store of encoded chunks (:mod:`kvx.store.codec`), opened once in the scheduler process (lookups) and
+once in each worker (gets and puts). The connector names no tier type: it finds the class of each
+``tiers`` entry of the config in the registry, so a third-party tier is a class, not a fork::
+
+    from kvx.store import Tier, TierConfig, register_tier
+
+    class S3Config(TierConfig):
+        type: Literal["s3"]
+        bucket: str
+
+    @register_tier
+    class S3Tier(Tier):
+        type = "s3"
+        config_model = S3Config
+        ...
+
+and ``{"type": "s3", "bucket": "kv"}`` in ``kv_connector_extra_config`` once the module is imported,
+or ``{"type": "mypkg.s3:S3Tier", ...}`` to have kvx import it.
+
+Keys passed to a tier are chunk keys (lowercase hex; a tensor-parallel rank's share of a chunk has its
+own key). Every operation may be called from several threads at once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+# tier events (the serving work turns them into vLLM KV events): a chunk became readable / was removed
+STORED, REMOVED = "stored", "removed"
+Listener = Callable[[str, str, Sequence[str]], None]     # (tier name, STORED | REMOVED, keys)
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: Any) -> int:
+    """``4GiB``, ``512MiB``, ``1.5GB``, ``1000000`` -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size like '4GiB' or a byte count, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and math.isfinite(value):
+        n = int(value)  # str() would give '1e+16', which the pattern below rejects
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"expected a size like '4GiB', '500MB' or a byte count, got {value!r}")
+        # exact decimal arithmetic: float('4.1') * 10**9 is 4099999999.9999995, i.e. one byte short
+        n = int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"expected a positive size, got {value!r}")
+    return n
+
+
+class TierConfig(BaseModel):
+    """Base of every tier's config model: strict (unknown keys are errors), immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    type: str
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a tier is opened with.
+
+    fingerprint: what the chunks' bytes mean (model, layout, dtype, format): a chunk with another
+        fingerprint is never served.
+    role: "scheduler" (lookups only) or "worker" (gets and puts of this rank's chunks).
+    writes: this engine saves chunks (kv_producer or kv_both).
+    io_threads: how many threads will call the tier at once (size connection pools to it).
+    """
+
+    fingerprint: str
+    role: Literal["scheduler", "worker"] = "worker"
+    writes: bool = True
+    io_threads: int = 2
+
+
+class Tier(ABC):
+    """A store of encoded chunks below the CPU pool (disk, Redis, ...).
+
+    Subclasses set ``type`` (the config's ``"type"``), ``config_model`` (a :class:`TierConfig`) and
+    ``hit_source`` (how vLLM's metrics name hits from it: a ``CacheHitSource`` value), and implement
+    :meth:`open` and the operations below. Errors are the ones of :mod:`kvx.store.errors`.
+    """
+
+    type: ClassVar[str]
+    config_model: ClassVar[type[TierConfig]]
+    hit_source: ClassVar[str] = "external_unspecified"
+    # contains_many answers from local state (a file system stat), cheaply enough for the scheduler to
+    # ask before planning each save
+    local_lookup: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._listeners: list[Listener] = []
+        self._listeners_lock = threading.Lock()
+
+    @classmethod
+    @abstractmethod
+    def open(cls, config: TierConfig, ctx: TierContext) -> Tier:
+        """Open the tier. A store that cannot be reached now must not fail the engine: open anyway, warn,
+        answer misses and retry in the background."""
+
+    @classmethod
+    def check_config(cls, config: TierConfig, where: str, writes: bool) -> list[str]:
+        """Problems with ``config`` on this machine, checked when the engine starts (each a line naming
+        ``where`` and the key, what was expected and what was given). ``writes``: this engine saves."""
+        return []
+
+    @property
+    def name(self) -> str:
+        return self.type
+
+    # ---------------------------------------------------------------- lookups
+    @abstractmethod
+    def contains_many(self, keys: Sequence[str]) -> list[bool] | None:
+        """Which of ``keys`` can be read now (a batched lookup).
+
+        ``None``: the answer is not known yet and getting it would block the caller on the network; the
+        tier gets it in the background, and the caller asks again (vLLM's scheduler asks at its next
+        step). A store that is down answers all False."""
+
+    # ---------------------------------------------------------------- bytes
+    @abstractmethod
+    def get_into(self, key: str, out: torch.Tensor) -> None:
+        """Read chunk ``key`` into ``out`` (a contiguous CPU tensor: a CPU-pool slot or a pinned buffer),
+        verified: format, key, fingerprint, dtype, shape and checksum.
+
+        Raises :class:`ChunkError` if it is missing, torn, corrupt, not what ``out`` expects, or the store
+        did not answer in time; ``out`` may then hold anything (it is not served)."""
+
+    @abstractmethod
+    def put(self, key: str, chunk: torch.Tensor, extra: dict[str, str] | None = None) -> bool:
+        """Store ``chunk`` (a contiguous CPU tensor) as ``key``, atomically: readers see all of it or
+        nothing. Returns False if the key was present already (nothing written).
+
+        Raises :class:`StoreFullError` (no room), :class:`StoreUnavailableError` (unreachable) or
+        another :class:`StoreError` / ``OSError``: nothing readable was left behind."""
+
+    @abstractmethod
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; False if it was not there."""
+
+    # ---------------------------------------------------------------- capacity and stats
+    def capacity(self) -> int | None:
+        """Bytes this tier may hold (None: no limit kvx knows of)."""
+        return None
+
+    @abstractmethod
+    def usage(self) -> int:
+        """Bytes held now (as far as the tier can tell cheaply)."""
+
+    def stats(self) -> dict[str, int]:
+        """Counters since open (gets, puts, bytes, errors, ...)."""
+        return {}
+
+    def close(self) -> None:
+        """Release connections, files and threads. Idempotent."""
+
+    # ---------------------------------------------------------------- events
+    def subscribe(self, listener: Listener) -> None:
+        """Call ``listener(tier name, STORED | REMOVED, keys)`` when chunks this process wrote become
+        readable, or chunks it knows of are removed (evicted, deleted). Listeners run on the thread that
+        made the change, maybe under the tier's locks: they must be quick and not call the tier."""
+        with self._listeners_lock:
+            self._listeners.append(listener)
+
+    def _emit(self, event: str, keys: Sequence[str]) -> None:
+        with self._listeners_lock:
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn(self.name, event, list(keys))
+
+
+# ------------------------------------------------------------------------------------------ registry
+_REGISTRY: dict[str, type[Tier]] = {}
+
+
+def register_tier(cls: type[Tier]) -> type[Tier]:
+    """Make a :class:`Tier` subclass available under ``cls.type`` (usable as a decorator)."""
+    if not (isinstance(cls, type) and issubclass(cls, Tier)):
+        raise TypeError(f"register_tier: expected a Tier subclass, got {cls!r}")
+    kind = getattr(cls, "type", None)
+    if not isinstance(kind, str) or not kind or kind == "cpu":
+        raise ValueError(f"register_tier: {cls.__name__}.type must be a name other than 'cpu', got {kind!r}")
+    model = getattr(cls, "config_model", None)
+    if not (isinstance(model, type) and issubclass(model, TierConfig)):
+        raise TypeError(f"register_tier: {cls.__name__}.config_model must be a TierConfig subclass")
+    old = _REGISTRY.get(kind)
+    if old is not None and old is not cls and (old.__module__, old.__qualname__) != (cls.__module__,
+                                                                                     cls.__qualname__):
+        raise ValueError(f"register_tier: type {kind!r} is taken by {old.__module__}.{old.__qualname__}")
+    _REGISTRY[kind] = cls
+    return cls
+
+
+def tier_types() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def tier_class(kind: str) -> type[Tier]:
+    """The class of tier type ``kind``: a registered name, or ``"package.module:Class"`` (imported)."""
+    cls = _REGISTRY.get(kind)
+    if cls is not None:
+        return cls
+    if ":" in kind:
+        mod, _, attr = kind.partition(":")
+        try:
+            cls = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"expected an importable 'module:Class', got {kind!r} ({e})") from None
+        if not (isinstance(cls, type) and issubclass(cls, Tier)):
+            raise ValueError(f"expected {kind!r} to name a kvx.store.Tier subclass, got {cls!r}")
+        return cls
+    raise ValueError(f"expected one of {['cpu'] + tier_types()} or 'module:Class', got {kind!r}")
+
+
+def parse_tier_config(raw: Any) -> TierConfig:
+    """Validate one ``tiers`` entry with its type's model (raises ``ValueError`` / pydantic's
+    ``ValidationError``)."""
+    if isinstance(raw, TierConfig):
+        return raw
+    if not isinstance(raw, dict):
+        raise ValueError(f"expected a JSON object with a 'type', got {raw!r}")
+    kind = raw.get("type")
+    if not isinstance(kind, str):
+        raise ValueError(f"expected a 'type' naming a tier (one of {['cpu'] + tier_types()} or 'module:Class'), "
+                         f"got {kind!r}")
+    cls = tier_class(kind)
+    if ":" in kind:     # the model's type field names the registered type; accept the import path too
+        raw = {**raw, "type": cls.type}
+    return cls.config_model.model_validate(raw)
