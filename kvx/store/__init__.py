@@ -5,6 +5,7 @@
 - :mod:`kvx.store.cpu`: the CPU pool of chunk slots (worker bytes) + its LRU index (scheduler): the
   stack's first level, and the buffer every other tier reads into and writes from.
 - :mod:`kvx.store.disk`: one safetensors file per chunk; shareable between engines (``"disk"``).
+- :mod:`kvx.store.redis`: chunks in Redis / Redis Cluster, shared by many instances (``"redis"``).
 - :mod:`kvx.store.stack`: the scheduler's view of the stack: read-first-hit, write-to-all, promotion.
 """
 
@@ -13,7 +14,8 @@ from .errors import ChunkError, StoreClosedError, StoreError, StoreFullError, St
 from .tier import (REMOVED, STORED, Tier, TierConfig, TierContext, parse_size, parse_tier_config, register_tier,
                    tier_class, tier_types)
 from .disk import DiskStore, DiskTierConfig  # noqa: E402 - registers "disk"
+from .redis import RedisConfig, RedisTier  # noqa: E402 - registers "redis"
 
 __all__ = ["CPUIndex", "CPUPool", "SlotState", "DiskStore", "DiskTierConfig", "StoreError", "ChunkError",
-           "StoreClosedError", "StoreFullError", "StoreUnavailableError", "Tier", "TierConfig", "TierContext",
+           "StoreClosedError", "StoreFullError", "RedisConfig", "RedisTier", "StoreUnavailableError", "Tier", "TierConfig", "TierContext",
            "register_tier", "tier_class", "tier_types", "parse_tier_config", "parse_size", "STORED", "REMOVED"]

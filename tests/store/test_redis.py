@@ -1,0 +1,805 @@
+"""RedisTier against real redis-server processes (no mocks): bit-exact round trips over TCP, a unix socket
+and a 3-node cluster (single values, values exactly at the part size, multi-part chunks), NX semantics,
+verification (missing, wrong fingerprint / shape / dtype, torn and corrupt parts), batched and
+non-blocking lookups, faults (SIGSTOP, SIGKILL and restart, down at open, wrong password, out of memory
+under noeviction, eviction under allkeys-lru, a cluster node killed), MOVED / ASK redirections from a
+real slot migration, TTLs, events, and config validation."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from kvx.redis_server import RedisClusterServers, RedisServer, redis_cli_binary, redis_server_binary
+from kvx.store import codec
+from kvx.store.errors import ChunkError, StoreClosedError, StoreFullError, StoreUnavailableError
+from kvx.store.redis import RedisConfig, RedisTier, redact
+from kvx.store.tier import REMOVED, STORED, TierContext, parse_tier_config
+
+FP = "fp-test-1"
+MVS = 64 << 10                     # max_value_size of most tests: small, so multi-part is cheap to exercise
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn]
+SIZES = ["odd", "below", "equal", "above", "multi", "5d"]
+TRANSPORTS = ["tcp", "unix", "cluster"]
+SLACK_S = 0.5                      # timing bounds are generous: a busy 2-core CI box
+
+
+def start_server(**kwargs) -> RedisServer:
+    """A RedisServer; skips the test where redis-server is not installed."""
+    try:
+        redis_server_binary()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    return RedisServer(**kwargs)
+
+
+def start_cluster(nodes: int = 3) -> RedisClusterServers:
+    try:
+        redis_server_binary()
+        redis_cli_binary()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    return RedisClusterServers(nodes)
+
+
+def new_key() -> str:
+    return uuid.uuid4().hex
+
+
+def random_chunk(shape, dtype, seed: int) -> torch.Tensor:
+    """Random bytes viewed as ``dtype`` (every bit pattern, NaNs included: compared as bytes)."""
+    g = torch.Generator().manual_seed(seed)
+    es = torch.empty((), dtype=dtype).element_size()
+    n = math.prod(shape)
+    return torch.randint(0, 256, (n * es,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact (NaN payloads included)."""
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and np.array_equal(codec.byte_view(a.contiguous()), codec.byte_view(b.contiguous())))
+
+
+def encoded_size(numel: int, dtype, key: str) -> int:
+    header, payload = codec.encode(torch.zeros(numel, dtype=dtype), key, FP, created=time.time())
+    return len(header) + payload.nbytes
+
+
+def numel_for_total(total: int, dtype, key: str) -> int:
+    """Elements of a 1-D chunk whose encoding (header + payload) is exactly ``total`` bytes."""
+    es = torch.empty((), dtype=dtype).element_size()
+    n = total // es
+    for _ in range(10):
+        h = encoded_size(n, dtype, key) - n * es
+        n = (total - h) // es
+    assert encoded_size(n, dtype, key) == total
+    return n
+
+
+def n_parts(x: torch.Tensor, key: str) -> int:
+    """Redis values of a chunk stored with max_value_size=MVS (1: a single value)."""
+    total = encoded_size(x.numel(), x.dtype, key)
+    return 1 if total <= MVS else -(-total // MVS)
+
+
+def shape_for(size: str, dtype, key: str) -> tuple[int, ...]:
+    if size == "odd":
+        return (7,)
+    if size == "5d":
+        return (2, 3, 17, 2, 8)        # [L, P, T, H, D]
+    n = numel_for_total(MVS, dtype, key)
+    return {"below": (n - 1,), "equal": (n,), "above": (n + 1,), "multi": (3 * n + 5,)}[size]
+
+
+def poisoned(like: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(like)
+    codec.byte_view(out)[:] = 0xA5
+    return out
+
+
+def wait_until(fn, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        r = fn()
+        if r:
+            return r
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.02)
+
+
+def works(tier: RedisTier) -> bool:
+    """A put and a get round trip succeed now."""
+    x = random_chunk((100,), torch.float32, 0)
+    k = new_key()
+    try:
+        assert tier.put(k, x)
+        out = poisoned(x)
+        tier.get_into(k, out)
+        return same_bytes(out, x)
+    except (ChunkError, StoreUnavailableError):
+        return False
+
+
+def part_keys(client, key: str) -> list[bytes]:
+    return sorted(client.scan_iter(match=f"kvx:1:{{{key}}}:*"))
+
+
+@pytest.fixture
+def open_tier():
+    """``open_tier(url, fingerprint=FP, **config) -> RedisTier``, closed at teardown."""
+    tiers = []
+
+    def make(url: str, fingerprint: str = FP, **cfg) -> RedisTier:
+        cfg.setdefault("max_value_size", MVS)
+        cfg.setdefault("lookup_wait_ms", 1000)   # tests want answers; test_contains_many_none_then_answer sets 0
+        t = RedisTier.open(RedisConfig(type="redis", url=url, **cfg), TierContext(fingerprint=fingerprint))
+        tiers.append(t)
+        return t
+
+    yield make
+    for t in tiers:
+        t.close()
+
+
+def url_of(transport: str, request) -> str:
+    if transport == "cluster":
+        return request.getfixturevalue("redis_cluster").url
+    server = request.getfixturevalue("redis_server")
+    return server.url if transport == "tcp" else server.unix_url
+
+
+# ------------------------------------------------------------------------------------------ round trips
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_round_trip_is_bit_exact(transport, dtype, size, request, open_tier):
+    tier = open_tier(url_of(transport, request), cluster=transport == "cluster")
+    key = new_key()
+    x = random_chunk(shape_for(size, dtype, key), dtype, seed=zlib.crc32(f"{transport}/{dtype}/{size}".encode()))
+    assert tier.put(key, x) is True
+    out = poisoned(x)
+    tier.get_into(key, out)
+    assert same_bytes(out, x)
+    assert tier.contains_many([key]) == [True]
+    st = tier.stats()
+    assert (st["gets"], st["puts"], st["get_bytes"], st["errors"]) == (1, 1, x.numel() * x.element_size(), 0)
+    assert tier.delete(key) and tier.contains_many([key]) == [False]
+
+
+def test_value_layout_single_and_parts(redis_server, open_tier):
+    """A value of max_value_size bytes is one key; one byte more is split into parts under a manifest."""
+    tier = open_tier(redis_server.url)
+    c = redis_server.client()
+    k1, k2 = new_key(), new_key()
+    n = numel_for_total(MVS, torch.uint8, k1)
+    assert tier.put(k1, random_chunk((n,), torch.uint8, 1))
+    assert c.strlen(f"kvx:1:{{{k1}}}") == MVS and part_keys(c, k1) == []
+    n2 = numel_for_total(MVS, torch.uint8, k2) + 1
+    assert tier.put(k2, random_chunk((n2,), torch.uint8, 2))
+    manifest = c.get(f"kvx:1:{{{k2}}}")
+    assert manifest.startswith(b"kvxparts:1:") and len(manifest) < 128
+    parts = part_keys(c, k2)
+    assert sorted(c.strlen(p) for p in parts) == [MVS // 2, MVS // 2 + 1]     # equal parts
+    assert all(c.pttl(p) == -1 for p in parts)       # published: persistent, like the chunk
+    with pytest.raises(ChunkError, match="kvx header"):
+        codec.header_length(manifest)                # a manifest never reads as a codec header
+
+
+def test_large_chunk_default_part_size(redis_server, open_tier):
+    """A 9 MiB chunk with the default 4 MiB parts (3 parts) over the unix socket."""
+    tier = open_tier(redis_server.unix_url, max_value_size="4MiB")
+    x = random_chunk((9 << 20,), torch.uint8, 3)
+    key = new_key()
+    assert tier.put(key, x)
+    out = poisoned(x)
+    tier.get_into(key, out)
+    assert same_bytes(out, x)
+    assert len(part_keys(redis_server.client(), key)) == 3
+
+
+@pytest.mark.parametrize("size", ["odd", "multi"])
+def test_put_of_an_existing_key_returns_false(size, redis_server, open_tier):
+    tier = open_tier(redis_server.url)
+    key = new_key()
+    shape = shape_for(size, torch.float16, key)
+    x, y = random_chunk(shape, torch.float16, 4), random_chunk(shape, torch.float16, 5)
+    assert tier.put(key, x) is True
+    assert tier.put(key, y) is False
+    other = open_tier(redis_server.url)              # another engine: SET NX / the publish script refuse too
+    assert other.put(key, y) is False
+    out = poisoned(x)
+    tier.get_into(key, out)
+    assert same_bytes(out, x)
+    assert tier.stats()["puts"] == 1
+    n = n_parts(x, key)
+    assert len(part_keys(redis_server.client(), key)) == (0 if n == 1 else n)   # the losers' parts are gone
+
+
+# ------------------------------------------------------------------------------------------ verification
+@pytest.mark.parametrize("size", ["odd", "multi"])
+def test_get_errors(size, redis_server, open_tier):
+    tier = open_tier(redis_server.url)
+    key = new_key()
+    x = random_chunk(shape_for(size, torch.float32, key), torch.float32, 6)
+    assert tier.put(key, x)
+    with pytest.raises(ChunkError, match="not in redis"):
+        tier.get_into(new_key(), poisoned(x))
+    assert tier.stats()["misses"] == 1
+    with pytest.raises(ChunkError, match="fingerprint"):
+        open_tier(redis_server.url, fingerprint="another-model").get_into(key, poisoned(x))
+    with pytest.raises(ChunkError, match="shape"):
+        tier.get_into(key, torch.empty(x.numel() + 1, dtype=torch.float32))
+    with pytest.raises(ChunkError, match="dtype"):
+        tier.get_into(key, torch.empty(x.shape, dtype=torch.int32))
+    # a mismatch is not damage: the chunk stays for the readers it fits
+    out = poisoned(x)
+    tier.get_into(key, out)
+    assert same_bytes(out, x)
+    with pytest.raises(ValueError, match="out: expected a contiguous CPU tensor"):
+        tier.get_into(key, torch.empty(2 * x.numel(), dtype=torch.float32)[::2])
+    with pytest.raises(ValueError, match="key: expected a lowercase hex"):
+        tier.get_into("NOT-HEX", out)
+
+
+@pytest.mark.parametrize("damage", ["delete_part", "grow_part", "flip_byte", "garbage_value"])
+def test_torn_or_corrupt_chunk_is_a_miss_and_dropped(damage, redis_server, open_tier):
+    tier = open_tier(redis_server.url)
+    c = redis_server.client()
+    key = new_key()
+    x = random_chunk(shape_for("multi", torch.bfloat16, key), torch.bfloat16, 7)
+    assert tier.put(key, x)
+    parts = part_keys(c, key)
+    assert len(parts) == n_parts(x, key) == 3
+    if damage == "delete_part":
+        c.delete(parts[1])
+    elif damage == "grow_part":
+        c.append(parts[1], b"x")
+    elif damage == "flip_byte":
+        v = c.getrange(parts[2], 10, 10)
+        c.setrange(parts[2], 10, bytes([v[0] ^ 0xFF]))
+    else:
+        c.set(f"kvx:1:{{{key}}}", b"\x00" * 64)
+    out = poisoned(x)
+    with pytest.raises(ChunkError):
+        tier.get_into(key, out)
+    assert tier.contains_many([key]) == [False]      # dropped: lookups stop reporting it
+    if damage != "garbage_value":
+        assert part_keys(c, key) == []
+    assert tier.put(key, x) is True                  # the recomputed chunk can be stored again
+    tier.get_into(key, out)
+    assert same_bytes(out, x)
+    assert tier.stats()["errors"] == 1
+
+
+def test_single_value_corrupt_byte(redis_server, open_tier):
+    tier = open_tier(redis_server.url)
+    c = redis_server.client()
+    key = new_key()
+    x = random_chunk((1000,), torch.float16, 8)
+    assert tier.put(key, x)
+    ck = f"kvx:1:{{{key}}}"
+    v = c.getrange(ck, c.strlen(ck) - 5, c.strlen(ck) - 5)
+    c.setrange(ck, c.strlen(ck) - 5, bytes([v[0] ^ 1]))
+    with pytest.raises(ChunkError, match="checksum"):
+        tier.get_into(key, poisoned(x))
+    assert not c.exists(ck)
+
+
+# ------------------------------------------------------------------------------------------ lookups
+def test_contains_many_batched(redis_server, open_tier):
+    tier = open_tier(redis_server.url, lookup_wait_ms=1000)
+    keys = [new_key() for _ in range(300)]
+    x = random_chunk((16,), torch.uint8, 9)
+    for k in keys[::3]:
+        assert tier.put(k, x)
+    t0 = time.monotonic()
+    assert tier.contains_many(keys) == [i % 3 == 0 for i in range(300)]
+    print(f"\ncontains_many of 300 keys: {1e3 * (time.monotonic() - t0):.2f} ms")
+    assert tier.contains_many([]) == []
+
+
+def test_contains_many_none_then_answer(redis_server, open_tier):
+    tier = open_tier(redis_server.url, lookup_wait_ms=0)
+    keys = [new_key() for _ in range(5)]
+    assert tier.put(keys[1], random_chunk((8,), torch.uint8, 10))
+    assert tier.contains_many(keys) is None          # lookup_wait_ms=0: never blocks the caller
+    answer = wait_until(lambda: tier.contains_many(keys), 5, "the lookup's answer")
+    assert answer == [False, True, False, False, False]
+    assert tier.put(keys[3], random_chunk((8,), torch.uint8, 10))
+    assert tier.contains_many(keys) is None          # an answer is served once: a new lookup starts
+    assert wait_until(lambda: tier.contains_many(keys), 5, "the new answer") == [False, True, False, True, False]
+
+
+def test_contains_many_cluster_spread(redis_cluster, open_tier):
+    tier = open_tier(redis_cluster.url, cluster=True, lookup_wait_ms=1000)
+    keys = [new_key() for _ in range(60)]
+    x = random_chunk((16,), torch.uint8, 11)
+    for k in keys[::2]:
+        assert tier.put(k, x)
+    ports = {redis_cluster.node_of(f"kvx:1:{{{k}}}").port for k in keys[::2]}
+    assert len(ports) == 3                           # the stored chunks live on every node
+    assert tier.contains_many(keys) == [i % 2 == 0 for i in range(60)]
+
+
+# ------------------------------------------------------------------------------------------ faults
+def test_sigstop_mid_get_fails_within_the_deadline(redis_server, open_tier):
+    timeout_ms = 300
+    tier = open_tier(redis_server.url, timeout_ms=timeout_ms, retry_s=0.2)
+    key = new_key()
+    x = random_chunk(shape_for("multi", torch.float32, key), torch.float32, 12)
+    assert tier.put(key, x)
+    redis_server.pause()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ChunkError, match="did not answer within 300 ms"):
+            tier.get_into(key, poisoned(x))
+        took = time.monotonic() - t0
+        print(f"\nSIGSTOP: get_into failed after {1e3 * took:.0f} ms (timeout_ms={timeout_ms})")
+        assert timeout_ms / 1e3 - 0.05 <= took <= timeout_ms / 1e3 + SLACK_S
+        t0 = time.monotonic()                        # known down: everything answers at once
+        with pytest.raises(ChunkError):
+            tier.get_into(key, poisoned(x))
+        with pytest.raises(StoreUnavailableError):
+            tier.put(new_key(), x)
+        assert tier.contains_many([key]) == [False]
+        assert time.monotonic() - t0 < 0.1
+        assert tier.stats()["timeouts"] == 1
+    finally:
+        redis_server.resume()
+    wait_until(lambda: works(tier), 5, "the tier is back after SIGCONT")
+    out = poisoned(x)
+    tier.get_into(key, out)
+    assert same_bytes(out, x)
+
+
+def test_lookup_on_a_stopped_server_never_blocks(redis_server, open_tier):
+    """SIGSTOP before a lookup: the caller gets None at once (the lookup thread waits out the deadline),
+    then all False once the server is known to be down."""
+    tier = open_tier(redis_server.url, timeout_ms=300, retry_s=0.2, lookup_wait_ms=5)
+    keys = [new_key() for _ in range(3)]
+    assert tier.put(keys[0], torch.zeros(4))
+    redis_server.pause()
+    try:
+        t0 = time.monotonic()
+        assert tier.contains_many(keys) is None
+        assert time.monotonic() - t0 < 0.1
+        assert wait_until(lambda: tier.contains_many(keys), 0.3 + SLACK_S + 0.5, "an answer") == [False] * 3
+    finally:
+        redis_server.resume()
+    assert wait_until(lambda: tier.contains_many(keys) == [True, False, False], 5, "the server is back")
+
+
+def test_sigstop_mid_put_fails_within_the_deadline(redis_server, open_tier):
+    tier = open_tier(redis_server.url, timeout_ms=300, retry_s=0.2)
+    x = random_chunk((300_000,), torch.uint8, 13)    # 5 parts
+    redis_server.pause()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailableError):
+            tier.put(new_key(), x)
+        took = time.monotonic() - t0
+        print(f"\nSIGSTOP: put failed after {1e3 * took:.0f} ms")
+        assert took <= 0.3 + SLACK_S
+    finally:
+        redis_server.resume()
+    wait_until(lambda: works(tier), 5, "the tier is back after SIGCONT")
+
+
+def test_sigkill_then_restart_reconnects(redis_server, open_tier):
+    tier = open_tier(redis_server.url, timeout_ms=500, retry_s=0.1, connections=2)
+    key = new_key()
+    x = random_chunk(shape_for("multi", torch.float16, key), torch.float16, 14)
+    assert tier.put(key, x)
+    redis_server.kill()
+    t0 = time.monotonic()
+    with pytest.raises(ChunkError):
+        tier.get_into(key, poisoned(x))
+    with pytest.raises(StoreUnavailableError):
+        tier.put(key, x)
+    assert tier.contains_many([key]) == [False]
+    assert time.monotonic() - t0 < 0.5
+    redis_server.restart()                            # same port, data lost
+    wait_until(lambda: works(tier), 5, "the tier reconnects after the restart")
+    with pytest.raises(ChunkError, match="not in redis"):
+        tier.get_into(key, poisoned(x))               # the restart lost it: a miss, not an error
+    assert tier.put(key, x) is True
+    out = poisoned(x)
+    tier.get_into(key, out)
+    assert same_bytes(out, x)
+    assert tier.stats()["reconnects"] >= 1
+
+
+def test_restart_while_idle_needs_no_downtime(redis_server, open_tier):
+    """Idle pooled connections to a restarted server are seen to be closed and replaced, not used."""
+    tier = open_tier(redis_server.url, retry_s=60)
+    assert works(tier)
+    redis_server.restart()
+    assert works(tier)          # retry_s=60: had the node been marked down, this would fail
+
+
+def test_restart_while_idle_tls(tmp_path, open_tier):
+    """TLS connections cannot be checked while idle (session tickets make them readable): a dead one is
+    found on use and the operation is run again on a fresh connection."""
+    cert, key_file, tls_port = _tls_files(tmp_path)
+    with start_server(extra_args=_tls_args(tls_port, cert, key_file)) as server:
+        tier = open_tier(f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}", retry_s=60)
+        assert works(tier)
+        server.restart()
+        assert works(tier)
+
+
+def test_down_at_open_then_up(caplog, open_tier):
+    server = start_server()
+    try:
+        server.stop()
+        caplog.set_level(logging.WARNING, logger="kvx")
+        tier = open_tier(server.url, retry_s=0.1, lookup_wait_ms=1000)
+        assert any("cannot reach" in r.getMessage() for r in caplog.records)
+        t0 = time.monotonic()
+        assert tier.contains_many([new_key(), new_key()]) == [False, False]
+        with pytest.raises(ChunkError):
+            tier.get_into(new_key(), torch.empty(4))
+        with pytest.raises(StoreUnavailableError):
+            tier.put(new_key(), torch.zeros(4))
+        assert time.monotonic() - t0 < 0.1
+        server.start()
+        wait_until(lambda: works(tier), 5, "the tier connects once the server is up")
+    finally:
+        server.cleanup()
+
+
+def test_wrong_password_is_down_with_a_clear_redacted_error(caplog, open_tier):
+    with start_server(password="s3cret") as server:
+        caplog.set_level(logging.WARNING, logger="kvx")
+        bad = server.url.replace("s3cret", "wrong-pw")
+        tier = open_tier(bad, retry_s=0.1)
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert "WRONGPASS" in text and "redis://:***@127.0.0.1" in text and "wrong-pw" not in text
+        assert tier.contains_many([new_key()]) == [False]
+        with pytest.raises(ChunkError):
+            tier.get_into(new_key(), torch.empty(4))
+        noauth = open_tier(f"redis://127.0.0.1:{server.port}/0")
+        assert noauth.contains_many([new_key()]) == [False]
+        assert works(open_tier(server.url))
+        assert redact("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
+
+
+@pytest.mark.parametrize("size", ["odd", "multi"])
+def test_noeviction_oom_raises_full_and_leaves_nothing(size, open_tier):
+    with start_server(maxmemory="4mb", policy="noeviction") as server:
+        c = server.client()
+        tier = open_tier(server.url)
+        shape = (40_000,) if size == "odd" else (150_000,)      # one value / 3 parts of 64 KiB
+        stored, failed = [], None
+        for i in range(200):
+            k = new_key()
+            try:
+                assert tier.put(k, random_chunk(shape, torch.uint8, i))
+                stored.append(k)
+            except StoreFullError:
+                failed = k
+                break
+        assert failed is not None and stored, "the server never ran out of memory"
+        assert tier.stats()["full"] == 1
+        assert tier.contains_many([failed]) == [False]
+        with pytest.raises(ChunkError, match="not in redis"):
+            tier.get_into(failed, torch.empty(shape, dtype=torch.uint8))
+        assert part_keys(c, failed) == []             # no part of the refused chunk is left
+        out = torch.empty(shape, dtype=torch.uint8)
+        tier.get_into(stored[0], out)
+        assert same_bytes(out, random_chunk(shape, torch.uint8, 0))
+        assert tier.capacity() == 4 << 20 and tier.usage() > 0
+
+
+def test_allkeys_lru_soak_never_serves_wrong_bytes(open_tier):
+    """Many multi-part chunks through 4 MiB of allkeys-lru: the server evicts parts and manifests in any
+    order; every get either returns the exact bytes or raises ChunkError."""
+    with start_server(maxmemory="4mb", policy="allkeys-lru") as server:
+        tier = open_tier(server.url, max_value_size="256KiB")
+        shape = (700_000,)                            # 3 parts
+        keys = [new_key() for _ in range(40)]
+        stored = []
+        ok = torn = full = 0
+        for i, k in enumerate(keys):
+            try:
+                if tier.put(k, random_chunk(shape, torch.uint8, i)):
+                    stored.append((i, k))
+            except StoreFullError:
+                full += 1
+            for j, kk in stored[-6:]:                 # read recent and older chunks while writing
+                out = poisoned(torch.empty(shape, dtype=torch.uint8))
+                try:
+                    tier.get_into(kk, out)
+                except ChunkError:
+                    torn += 1
+                    continue
+                assert same_bytes(out, random_chunk(shape, torch.uint8, j)), f"wrong bytes for chunk {j}"
+                ok += 1
+        print(f"\nallkeys-lru soak: {len(stored)} stored, {full} puts refused, {ok} exact gets, {torn} misses")
+        assert ok > 0 and torn > 0 and len(stored) > 10
+        assert server.client().info("stats")["evicted_keys"] > 0
+
+
+# ------------------------------------------------------------------------------------------ cluster
+def test_cluster_node_killed(open_tier):
+    with start_cluster() as cl:
+        tier = open_tier(cl.url, cluster=True, timeout_ms=400, retry_s=0.2, lookup_wait_ms=1000)
+        x = random_chunk(shape_for("multi", torch.uint8, new_key()), torch.uint8, 15)
+        keys = [new_key() for _ in range(30)]
+        for k in keys:
+            assert tier.put(k, x)
+        victim = cl.node_of(f"kvx:1:{{{keys[0]}}}")
+        on_victim = [cl.node_of(f"kvx:1:{{{k}}}") is victim for k in keys]
+        victim.kill()
+        t0 = time.monotonic()
+        for k, dead in zip(keys, on_victim):
+            if dead:
+                with pytest.raises(ChunkError):
+                    tier.get_into(k, poisoned(x))
+            else:
+                out = poisoned(x)
+                try:                                 # the other nodes answer until the cluster declares FAIL
+                    tier.get_into(k, out)
+                    assert same_bytes(out, x)
+                except ChunkError:
+                    pass
+        took = time.monotonic() - t0
+        answer = tier.contains_many(keys)
+        assert answer is not None and not any(a for a, dead in zip(answer, on_victim) if dead)
+        print(f"\ncluster node killed: 30 gets in {1e3 * took:.0f} ms")
+        assert took < 0.4 + SLACK_S
+        victim.restart()
+        cl.wait_ok()
+        k = next(k for k, dead in zip(keys, on_victim) if dead)
+        wait_until(lambda: _put_ok(tier, k, x), 10, "the restarted node serves again")
+        out = poisoned(x)
+        tier.get_into(k, out)
+        assert same_bytes(out, x)
+
+
+def _put_ok(tier, key, x) -> bool:
+    try:
+        return tier.put(key, x)
+    except StoreUnavailableError:
+        return False
+
+
+def _node_id(server) -> str:
+    return server.client().execute_command("CLUSTER", "MYID").decode()
+
+
+def _migrate(cl, slot: int, src, dst, finish: bool = True, keys: list[bytes] | None = None) -> None:
+    """Move ``slot`` from ``src`` to ``dst`` as redis-cli --cluster reshard does (IMPORTING / MIGRATING,
+    MIGRATE of its keys, SETSLOT NODE everywhere); ``finish=False`` stops mid-migration."""
+    sc, dc = src.client(), dst.client()
+    dc.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", _node_id(src))
+    sc.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", _node_id(dst))
+    if keys is None:
+        keys = sc.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+    if keys:
+        sc.execute_command("MIGRATE", dst.host, dst.port, "", 0, 5000, "KEYS", *keys)
+    if finish:
+        for n in cl.nodes:
+            n.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", _node_id(dst))
+
+
+@pytest.mark.parametrize("size", ["odd", "multi"])
+def test_cluster_moved_after_a_slot_migration(size, redis_cluster, open_tier):
+    from redis.crc import key_slot
+
+    tier = open_tier(redis_cluster.url, cluster=True)
+    key = new_key()
+    x = random_chunk(shape_for(size, torch.float16, key), torch.float16, 16)
+    assert tier.put(key, x)
+    ck = f"kvx:1:{{{key}}}"
+    src = redis_cluster.node_of(ck)
+    dst = next(n for n in redis_cluster.nodes if n is not src)
+    _migrate(redis_cluster, key_slot(ck.encode()), src, dst)   # the tier's slot map is now stale
+    assert redis_cluster.node_of(ck) is dst
+    out = poisoned(x)
+    tier.get_into(key, out)                          # MOVED -> the new node, once
+    assert same_bytes(out, x)
+    assert tier.stats()["redirects"] == 1
+    assert tier.contains_many([key]) == [True]
+    tier.get_into(key, poisoned(x))                  # the slot map was updated: no second redirection
+    assert tier.stats()["redirects"] == 1
+
+
+def test_cluster_ask_during_a_slot_migration(redis_cluster, open_tier):
+    from redis.crc import key_slot
+
+    tier = open_tier(redis_cluster.url, cluster=True, lookup_wait_ms=1000)
+    key = new_key()
+    x = random_chunk((500,), torch.float32, 17)
+    assert tier.put(key, x)
+    ck = f"kvx:1:{{{key}}}"
+    slot = key_slot(ck.encode())
+    src = redis_cluster.node_of(ck)
+    dst = next(n for n in redis_cluster.nodes if n is not src)
+    _migrate(redis_cluster, slot, src, dst, finish=False)     # the key moved; the slot is still src's
+    try:
+        out = poisoned(x)
+        tier.get_into(key, out)                      # src answers ASK -> ASKING + GET on dst
+        assert same_bytes(out, x)
+        assert tier.contains_many([key]) == [True]
+        assert tier.stats()["redirects"] >= 2
+    finally:
+        for n in redis_cluster.nodes:
+            n.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", _node_id(dst))
+    tier.get_into(key, poisoned(x))
+
+
+# ------------------------------------------------------------------------------------------ the rest
+def test_scripts_flushed_on_the_server(redis_server, open_tier):
+    """NOSCRIPT (SCRIPT FLUSH, or a restart the pool did not notice): the script is sent again."""
+    tier = open_tier(redis_server.url)
+    redis_server.client().script_flush()
+    key = new_key()
+    x = random_chunk(shape_for("multi", torch.uint8, key), torch.uint8, 21)
+    assert tier.put(key, x)
+    out = poisoned(x)
+    tier.get_into(key, out)
+    assert same_bytes(out, x)
+    redis_server.client().script_flush()
+    assert tier.delete(key)
+
+
+def _tls_files(tmp_path):
+    """(certificate, key, a free port) for a TLS server on 127.0.0.1; skips without openssl."""
+    import shutil
+    import socket
+    import subprocess
+
+    if not shutil.which("openssl"):
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key_file), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return cert, key_file, s.getsockname()[1]
+
+
+def _tls_args(port, cert, key_file) -> list:
+    return ["--tls-port", port, "--tls-cert-file", cert, "--tls-key-file", key_file, "--tls-ca-cert-file", cert,
+            "--tls-auth-clients", "no"]
+
+
+@pytest.mark.parametrize("verify", ["ca", "none"])
+def test_tls(verify, tmp_path, open_tier):
+    cert, key_file, tls_port = _tls_files(tmp_path)
+    with start_server(password="pw", extra_args=_tls_args(tls_port, cert, key_file)):
+        query = f"ssl_ca_certs={cert}" if verify == "ca" else "ssl_cert_reqs=none"
+        tier = open_tier(f"rediss://:pw@127.0.0.1:{tls_port}/0?{query}")
+        key = new_key()
+        x = random_chunk(shape_for("multi", torch.float32, key), torch.float32, 22)
+        assert tier.put(key, x) and tier.contains_many([key]) == [True]
+        for _ in range(3):                            # pooled TLS connections are reused
+            out = poisoned(x)
+            tier.get_into(key, out)
+            assert same_bytes(out, x)
+        assert tier.usage() > 0
+    if verify == "ca":                                # a certificate nobody vouches for: refused, tier down
+        with start_server(extra_args=_tls_args(tls_port, cert, key_file)):
+            tier = open_tier(f"rediss://127.0.0.1:{tls_port}/0")
+            assert tier.contains_many([new_key()]) == [False]
+
+
+def test_ttl_applies_to_chunks_and_parts(redis_server, open_tier):
+    tier = open_tier(redis_server.url, ttl_s=0.4)
+    c = redis_server.client()
+    k1, k2 = new_key(), new_key()
+    x1 = random_chunk((10,), torch.uint8, 18)
+    x2 = random_chunk(shape_for("multi", torch.uint8, k2), torch.uint8, 19)
+    assert tier.put(k1, x1) and tier.put(k2, x2)
+    for k in (f"kvx:1:{{{k1}}}", f"kvx:1:{{{k2}}}", *part_keys(c, k2)):
+        assert 0 < c.pttl(k) <= 400
+    time.sleep(0.6)
+    assert tier.contains_many([k1, k2]) == [False, False]
+    assert part_keys(c, k2) == []
+
+
+def test_events_and_delete(redis_server, open_tier):
+    tier = open_tier(redis_server.url)
+    events = []
+    tier.subscribe(lambda name, ev, keys: events.append((ev, keys)))
+    k1, k2 = new_key(), new_key()
+    x2 = random_chunk(shape_for("multi", torch.uint8, k2), torch.uint8, 20)
+    assert tier.put(k1, torch.zeros(3)) and tier.put(k2, x2)
+    assert not tier.put(k1, torch.zeros(3))
+    assert tier.delete(k1) and tier.delete(k2) and not tier.delete(k2)
+    assert events == [(STORED, [k1]), (STORED, [k2]), (REMOVED, [k1]), (REMOVED, [k2])]
+    assert part_keys(redis_server.client(), k2) == []
+    assert tier.contains_many([k1, k2]) == [False, False]
+
+
+def test_close_is_idempotent_and_final(redis_server, open_tier):
+    tier = open_tier(redis_server.url)
+    assert works(tier)
+    tier.close()
+    tier.close()
+    assert not tier._maint.is_alive()
+    for op in (lambda: tier.put(new_key(), torch.zeros(1)), lambda: tier.get_into(new_key(), torch.zeros(1)),
+               lambda: tier.contains_many([new_key()]), lambda: tier.delete(new_key()), tier.usage):
+        with pytest.raises(StoreClosedError):
+            op()
+
+
+def test_concurrent_gets_and_puts(redis_server, open_tier):
+    tier = open_tier(redis_server.url, connections=2)
+    items = [(new_key(), random_chunk((50_000 + i,), torch.uint8, i)) for i in range(24)]
+    errors = []
+
+    def work(part):
+        try:
+            for k, x in part:
+                assert tier.put(k, x)
+                out = poisoned(x)
+                tier.get_into(k, out)
+                assert same_bytes(out, x)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(items[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_config_accepts_sizes_and_registry(redis_server):
+    cfg = parse_tier_config({"type": "redis", "url": redis_server.url, "max_value_size": "4MiB"})
+    assert isinstance(cfg, RedisConfig) and cfg.max_value_size == 4 << 20
+    assert RedisConfig(type="redis", url="rediss://:pw@h:6380/0?ssl_cert_reqs=none").url.startswith("rediss")
+
+
+def test_check_config_names_missing_tls_files(tmp_path):
+    cfg = RedisConfig(type="redis", url=f"rediss://:pw@h:6380/0?ssl_ca_certs={tmp_path}/ca.pem")
+    problems = RedisTier.check_config(cfg, "tiers.1", writes=True)
+    assert len(problems) == 1 and "tiers.1.url" in problems[0] and "ssl_ca_certs" in problems[0]
+    assert "pw@" not in problems[0]
+    (tmp_path / "ca.pem").write_text("x")
+    assert RedisTier.check_config(cfg, "tiers.1", writes=True) == []
+    assert RedisTier.check_config(RedisConfig(type="redis", url="redis://h:1/0"), "tiers.1", True) == []
+
+
+BAD_CONFIG = [
+    ({"url": "http://127.0.0.1:6379"}, "url"),
+    ({"url": "redis://:pw@"}, "url"),
+    ({"url": "unix://"}, "url"),
+    ({"url": 6379}, "url"),
+    ({"cluster": True, "url": "unix:///tmp/x.sock"}, "cluster"),
+    ({"cluster": True, "url": "redis://h:1/3"}, "cluster"),
+    ({"timeout_ms": 0}, "timeout_ms"),
+    ({"timeout_ms": True}, "timeout_ms"),
+    ({"ttl_s": 0}, "ttl_s"),
+    ({"ttl_s": float("nan")}, "ttl_s"),
+    ({"connections": 0}, "connections"),
+    ({"connections": 1000}, "connections"),
+    ({"max_value_size": "1KiB"}, "max_value_size"),
+    ({"max_value_size": "1GB"}, "max_value_size"),
+    ({"max_value_size": "lots"}, "max_value_size"),
+    ({"lookup_wait_ms": -1}, "lookup_wait_ms"),
+    ({"retry_s": 0}, "retry_s"),
+    ({"pool": 3}, "pool"),
+]
+
+
+@pytest.mark.parametrize("bad,name", BAD_CONFIG, ids=[f"{n}-{i}" for i, (_, n) in enumerate(BAD_CONFIG)])
+def test_bad_config_names_the_key(bad, name):
+    raw = {"type": "redis", "url": "redis://127.0.0.1:6379/0", **bad}
+    with pytest.raises(ValidationError, match=name) as e:
+        RedisConfig.model_validate(raw)
+    assert "pw@" not in str(e.value)
