@@ -19,7 +19,7 @@ import time
 
 from safetensors import safe_open
 
-from .codec import FORMAT_VERSION, crc32 as checksum
+from . import codec
 from .disk import DiskStore, TempInfo, survey
 
 
@@ -31,11 +31,12 @@ def _check(path: str, key: str) -> str | None:
             t = f.get_tensor("kv")
     except Exception as e:  # noqa: BLE001 - any read failure is a bad chunk
         return f"unreadable: {e}"
-    if meta.get("kvx_format") != FORMAT_VERSION:
-        return f"format {meta.get('kvx_format')!r}, expected {FORMAT_VERSION!r}"
+    if meta.get("kvx_format") not in codec.READABLE_VERSIONS:
+        return f"format {meta.get('kvx_format')!r}, expected one of {codec.READABLE_VERSIONS}"
     if meta.get("key") != key:
         return f"key {meta.get('key')!r} does not match the file name"
-    if meta.get("crc32") != checksum(t):
+    header = codec.Header(meta, t.dtype, tuple(t.shape), t.numel() * t.element_size(), 0)
+    if not codec.check_crc(header, t.contiguous()):
         return "checksum mismatch"
     return None
 

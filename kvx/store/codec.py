@@ -4,7 +4,11 @@ A chunk's bytes are a safetensors file holding one tensor ``"kv"``: an 8-byte li
 length, a JSON header padded with spaces to a multiple of 8, then the payload (the chunk's bytes as
 they lie in memory). The header's ``__metadata__`` carries the format version (``kvx_format``), the
 chunk ``key``, the engine ``fingerprint`` (what the bytes mean: layout, dtype, format), the payload
-``length`` and its ``crc32``; the tensor entry carries dtype and shape. So a value copied out of any
+``length`` and its checksum; the tensor entry carries dtype and shape.
+
+Checksum: CRC32C (``crc32c``, hardware-accelerated by google-crc32c: 0.15 ms per 4 MiB here, against
+1.0 ms for zlib's CRC32, which was a third of a 4 MiB Redis GET). Format ``kvx-2``; ``kvx-1`` chunks
+(zlib ``crc32``) are still read. So a value copied out of any
 tier is a file the safetensors library (and ``kvx store verify``) reads.
 
 Readers check everything before a byte is served: :func:`decode_header` then :func:`check` (version,
@@ -19,6 +23,8 @@ import json
 import struct
 import sys
 import zlib
+
+import google_crc32c
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,10 +33,11 @@ import torch
 
 from .errors import ChunkError
 
-FORMAT_VERSION = "kvx-1"
+FORMAT_VERSION = "kvx-2"
+READABLE_VERSIONS = ("kvx-1", "kvx-2")   # kvx-1: zlib crc32
 PREFIX_BYTES = 8
 _MAX_HEADER = 1 << 20          # a kvx header is a few hundred bytes; a larger length is not a chunk
-RESERVED_META = ("kvx_format", "key", "fingerprint", "crc32", "length", "created")
+RESERVED_META = ("kvx_format", "key", "fingerprint", "crc32", "crc32c", "length", "created")
 # torch dtype -> safetensors dtype name: the library's own table (safetensors.torch._TYPES, 0.8), less the
 # dtypes this torch lacks
 ST_DTYPES = {getattr(torch, t): name for t, name in (
@@ -73,8 +80,13 @@ def byte_view(t: torch.Tensor):
 
 
 def crc32(t: torch.Tensor) -> str:
-    """CRC32 of a contiguous CPU tensor's bytes, as 8 hex digits (zlib runs at ~6 GB/s here)."""
+    """zlib CRC32 of a contiguous CPU tensor's bytes, as 8 hex digits (format kvx-1)."""
     return f"{zlib.crc32(byte_view(t)):08x}"
+
+
+def crc32c(t: torch.Tensor) -> str:
+    """CRC32C of a contiguous CPU tensor's bytes, as 8 hex digits (~25 GB/s here)."""
+    return f"{google_crc32c.value(byte_view(t)):08x}"
 
 
 def check_chunk(chunk) -> None:
@@ -101,7 +113,7 @@ def encode_header(chunk: torch.Tensor, key: str, fingerprint: str, extra: dict[s
     check_extra(extra)
     nbytes = chunk.numel() * chunk.element_size()
     meta = {**(extra or {}), "kvx_format": FORMAT_VERSION, "key": key, "fingerprint": fingerprint,
-            "length": str(nbytes), "crc32": crc32(chunk.contiguous())}
+            "length": str(nbytes), "crc32c": crc32c(chunk.contiguous())}
     if created is not None:
         meta["created"] = f"{created:.3f}"
     head = json.dumps({"__metadata__": meta, "kv": {"dtype": ST_DTYPES[chunk.dtype], "shape": list(chunk.shape),
@@ -153,8 +165,8 @@ def check(h: Header, key: str, fingerprint: str, shape: Sequence[int] | None = N
           dtype: torch.dtype | None = None) -> list[str]:
     """What is wrong with a chunk's header for this reader (empty: nothing)."""
     problems = []
-    if h.meta.get("kvx_format") != FORMAT_VERSION:
-        problems.append(f"format {h.meta.get('kvx_format')!r} != {FORMAT_VERSION!r}")
+    if h.meta.get("kvx_format") not in READABLE_VERSIONS:
+        problems.append(f"format {h.meta.get('kvx_format')!r} not in {READABLE_VERSIONS}")
     if h.meta.get("key") != key:
         problems.append(f"key {h.meta.get('key')!r}")
     if h.meta.get("fingerprint") != fingerprint:
@@ -178,7 +190,10 @@ def _numel(shape) -> int:
 
 
 def check_crc(h: Header, payload: torch.Tensor) -> bool:
-    return h.meta.get("crc32") == crc32(payload)
+    """The payload's checksum is the header's (CRC32C; zlib CRC32 in kvx-1 chunks)."""
+    if "crc32c" in h.meta:
+        return h.meta["crc32c"] == crc32c(payload)
+    return h.meta.get("kvx_format") == "kvx-1" and h.meta.get("crc32") == crc32(payload)
 
 
 def verified_header(buf, key: str, fingerprint: str, out: torch.Tensor, where: str) -> Header:

@@ -1,8 +1,8 @@
 """Disk tier: one safetensors file per chunk, safe to share between engines on one path.
 
 Layout: ``<path>/<key[:2]>/<key>.safetensors`` holding one tensor ``"kv"`` (the chunk) and metadata
-``{"kvx_format", "key", "fingerprint", "crc32", ...}``. Reads check the format version, key,
-fingerprint, dtype/shape and the CRC32 of the bytes; any mismatch is a :class:`ChunkError` (the
+``{"kvx_format", "key", "fingerprint", "length", "crc32c", ...}`` (:mod:`kvx.store.codec`). Reads check
+the format version, key, fingerprint, dtype/shape and the checksum of the bytes; any mismatch is a :class:`ChunkError` (the
 connector reports it to vLLM, which recomputes). A corrupt file (unreadable, bad checksum, wrong key
 inside) is deleted, so the recomputed chunk is saved again rather than failing on every request.
 

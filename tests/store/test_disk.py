@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 import kvx.store.disk as disk_mod
 from kvx.store import StoreError, StoreFullError
-from kvx.store.codec import FORMAT_VERSION, ST_DTYPES, crc32 as checksum
+from kvx.store.codec import FORMAT_VERSION, ST_DTYPES, crc32, crc32c as checksum
 from kvx.store.disk import ChunkError, DiskStore, StoreClosedError, survey
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn]
@@ -186,7 +186,7 @@ def test_extra_metadata_is_stored_next_to_the_verified_fields(store):
         meta = f.metadata()
     assert meta["tokens"] == "16" and meta["format"] == "canonical"
     assert meta["key"] == key and meta["fingerprint"] == "fp-test" and meta["kvx_format"] == FORMAT_VERSION
-    assert meta["crc32"] == checksum(torch.ones(4))
+    assert meta["crc32c"] == checksum(torch.ones(4))
 
 
 FILE_DTYPES = sorted(ST_DTYPES, key=str)
@@ -209,7 +209,7 @@ def test_file_is_a_standard_safetensors_file(tmp_path, dtype, shape):
         meta = f.metadata()
         assert list(f.keys()) == ["kv"]
     assert meta == {**extra, "kvx_format": FORMAT_VERSION, "key": key, "fingerprint": "fp",
-                    "crc32": checksum(chunk), "created": meta["created"],
+                    "crc32c": checksum(chunk), "created": meta["created"],
                     "length": str(chunk.numel() * chunk.element_size())}
     raw = open(path, "rb").read()
     (n,) = struct.unpack("<Q", raw[:8])
@@ -243,12 +243,27 @@ def test_put_writes_the_chunk_from_its_own_memory(store, monkeypatch):
     assert data.__array_interface__["data"][0] == pool[1].data_ptr() and data.nbytes == pool[1].nbytes
 
 
-def test_checksum_is_crc32_of_the_bytes():
-    # "123456789" is the CRC-32 check string: its CRC is 0xcbf43926
-    assert checksum(torch.tensor(list(b"123456789"), dtype=torch.uint8)) == "cbf43926"
+def test_checksum_is_crc32c_of_the_bytes():
+    # "123456789" is the CRC check string: its CRC-32C is 0xe3069283, its zlib CRC-32 0xcbf43926 (kvx-1)
+    assert checksum(torch.tensor(list(b"123456789"), dtype=torch.uint8)) == "e3069283"
+    assert crc32(torch.tensor(list(b"123456789"), dtype=torch.uint8)) == "cbf43926"
     assert checksum(torch.empty(0, dtype=torch.uint8)) == "00000000"
-    t = torch.arange(6, dtype=torch.float32)
-    assert checksum(t) == f"{zlib.crc32(t.numpy().tobytes()):08x}"
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_chunks_of_format_kvx_1_are_still_read(store, damaged):
+    """kvx-1 files (zlib CRC32) written by earlier versions stay hits; a damaged one is still caught."""
+    key = key_of("v1")
+    path = store.file_of(key)
+    os.makedirs(os.path.dirname(path))
+    t = torch.arange(64, dtype=torch.float32)
+    crc = crc32(t) if not damaged else crc32(t + 1)
+    save_file({"kv": t}, path, metadata={"kvx_format": "kvx-1", "key": key, "fingerprint": "fp-test", "crc32": crc})
+    if damaged:
+        with pytest.raises(ChunkError, match="checksum mismatch"):
+            store.get(key)
+    else:
+        assert_bit_equal(store.get(key, t.shape, t.dtype), t)
 
 
 # ------------------------------------------------------------------------------------------ verification
@@ -347,7 +362,7 @@ def test_get_with_another_format_version(store):
     t = torch.ones(4)
     save_file({"kv": t}, path, metadata={"kvx_format": "kvx-0", "key": key, "fingerprint": "fp-test",
                                          "crc32": checksum(t)})
-    with pytest.raises(ChunkError, match="format 'kvx-0'"):
+    with pytest.raises(ChunkError, match="format 'kvx-0' not in"):
         store.get(key)
 
 
