@@ -166,8 +166,8 @@ class RedisConfig(TierConfig):
     ttl_s: float | None = Field(default=None, description="expiry of stored chunks (None: none; eviction "
                                                           "by the server's maxmemory-policy)")
     connections: int = Field(default=4, description="data connections per server node")
-    max_value_size: int = Field(default=4 << 20, description="bytes per Redis value; larger chunks are split "
-                                "into parts (1-4 MiB values moved fastest here)")
+    max_value_size: int = Field(default=4 << 20, description="chunk bytes per Redis value (the codec header "
+                                "rides along); larger chunks are split into parts (1-4 MiB values moved fastest here)")
     lookup_wait_ms: float = Field(default=2.0, description="how long a lookup may block the caller before "
                                   "answering 'not known yet'")
     retry_s: float = Field(default=2.0, description="interval of reconnection attempts while a server is down")
@@ -904,7 +904,9 @@ class RedisTier(Tier):
         ck = _chunk_key(key)
         total = len(header) + payload.nbytes
         deadline = time.monotonic() + self._timeout
-        write = self._put_value if total <= self.config.max_value_size else self._put_parts
+        # max_value_size counts chunk bytes: the header (a few hundred bytes) rides along, so a 4 MiB chunk
+        # is one 4 MiB value, not two parts of 2 MiB
+        write = self._put_value if payload.nbytes <= self.config.max_value_size else self._put_parts
         try:
             stored = self._op(ck, lambda c, ask: write(c, ask, ck, header, payload, deadline), deadline)
         except StoreFullError as e:
@@ -939,7 +941,7 @@ class RedisTier(Tier):
             return False
         hv, pv = memoryview(header), memoryview(payload)
         total = len(hv) + len(pv)
-        n = -(-total // self.config.max_value_size)
+        n = -(-len(pv) // self.config.max_value_size)
         # equal parts: a 32 MiB chunk (+ its header) is 9 parts of 3.6 MiB, not 8 of 4 MiB and one of 300 B
         psize = -(-total // n)
         n = -(-total // psize)          # every part non-empty, whatever the rounding
