@@ -189,6 +189,25 @@ def _numel(shape) -> int:
     return n
 
 
+class RunningChecksum:
+    """The header's checksum over a payload that arrives in pieces (``update`` in order, then
+    ``matches``): a reader checks each piece while the next one is still on the wire."""
+
+    def __init__(self, h: Header):
+        self.h = h
+        self.kind = "crc32c" if "crc32c" in h.meta else ("crc32" if h.meta.get("kvx_format") == "kvx-1" else None)
+        self.value = 0
+
+    def update(self, data) -> None:
+        if self.kind == "crc32c":
+            self.value = google_crc32c.extend(self.value, np.frombuffer(data, dtype=np.uint8))  # no copy
+        elif self.kind == "crc32":
+            self.value = zlib.crc32(data, self.value)
+
+    def matches(self) -> bool:
+        return self.kind is not None and self.h.meta.get(self.kind) == f"{self.value:08x}"
+
+
 def check_crc(h: Header, payload: torch.Tensor) -> bool:
     """The payload's checksum is the header's (CRC32C; zlib CRC32 in kvx-1 chunks)."""
     if "crc32c" in h.meta:

@@ -394,8 +394,9 @@ class _ChunkSink:
         self.pos += n
         self.received += n
         if self.phase == self._PAYLOAD:
-            # the checksum runs once at the end: checksumming each block as it landed measured no faster
-            # here (3 and 16 MiB, TCP and unix socket, interleaved A/B: within 2%)
+            # each piece is checksummed as it lands, while the next one is on the wire (CRC32C runs at
+            # ~25 GB/s: hidden behind the socket)
+            self.crc.update(self.payload[self.pos - n: self.pos])
             if self.pos == len(self.payload):
                 self.phase = self._DONE
             return
@@ -428,6 +429,7 @@ class _ChunkSink:
                 # another key inside is (a value written under the wrong name): dropped
                 raise self._error(f"failed verification: {'; '.join(problems)}", torn=h.key != self.key)
             self.header = h
+            self.crc = codec.RunningChecksum(h)
             if self.header.nbytes != len(self.payload):
                 raise self._error(f"header says {self.header.nbytes} payload bytes, out holds {len(self.payload)}")
             self.phase, self.pos = (self._PAYLOAD, 0) if self.header.nbytes else (self._DONE, 0)
@@ -458,7 +460,7 @@ class _ChunkSink:
             raise self._error(f"value ended after {self.received} bytes, before the chunk did", torn=True)
         if self.received != self.header.total or self.received != self.value_len:
             raise self._error(f"{self.received} bytes received, header says {self.header.total}", torn=True)
-        if not codec.check_crc(self.header, self.out):
+        if not self.crc.matches():
             raise self._error("failed verification: checksum mismatch (corrupt bytes)", torn=True)
         return self.header
 
