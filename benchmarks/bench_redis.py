@@ -1,0 +1,1027 @@
+"""Redis tier: kvx's ``RedisTier`` against redis-py + hiredis, in the same run.
+
+Why this exists: kvx's Redis tier (:mod:`kvx.store.redis`) speaks RESP itself and reads a value straight
+into the caller's CPU-pool slot, instead of letting redis-py build a ``bytes`` object and copying it out.
+This benchmark is the measurement behind that choice, and behind the tier's default part size
+(``max_value_size``). It starts its own ``redis-server`` processes (:mod:`kvx.redis_server`: one
+standalone server listening on loopback TCP and on a unix socket; a 3-node cluster for the lookups) and
+stops them at the end. Every method moves the same chunk: a bf16 KV chunk (8 layers x K/V x tokens x 8
+heads x 128, 32 KiB per token) of 1, 4 or 16 MiB, encoded by :mod:`kvx.store.codec` (a ~250-byte
+safetensors header + the payload; bytes counted = the payload).
+
+GET (into a preallocated destination: a slot of a :class:`kvx.store.CPUPool`), interleaved per repeat::
+
+  redis-py GET + verify (baseline)   r.get(k), then codec.decode_into: decode + check the header, copy the
+                                     payload into the slot, CRC32C over it (the checks kvx does)
+  kvx get_into                       RedisTier.get_into(key, slot): the same checks
+  redis-py GET + copy                r.get(k) + copy of the payload into the slot, no checks
+  redis-py GET only                  r.get(k): bytes built, nothing copied or checked
+  socket GET into slot (roof)        one plain socket: GET, the value received (recv_into) into a header
+                                     buffer and the slot, nothing parsed beyond the length, nothing checked
+
+PUT (from a slot; every put a new key, deleted untimed after it)::
+
+  redis-py SET + encode (baseline)   codec.encode (header + CRC32C), b"".join(header, payload),
+                                     r.set(k, value, nx=True)
+  kvx put                            RedisTier.put(key, slot): the same encoding
+  redis-py SET only                  r.set(k, value, nx=True) of a value encoded beforehand
+  socket SET (roof)                  one plain socket: SET NX, the header (built beforehand) and the slot's
+                                     memory sent with sendall, no CRC
+
+The destinations (GET) and sources (PUT) rotate over ``--rotate-mib`` of slots and keys (default 64 MiB,
+twice the L3 of the machine this was written on), so no method reads a cache-warm chunk. Each repeat runs
+every method once, the order rotated every repeat (drift of the machine hits every method alike); the
+median of ``--repeats`` after ``--warmup`` is a run's value, and the whole measurement is done ``--runs``
+times. ``x baseline`` = the baseline's median time over the method's (> 1: faster than redis-py); ``% roof``
+= the roof's over the method's (what is left to win at all).
+
+Part-size sweep: 4 and 16 MiB chunks through ``RedisTier`` opened with ``max_value_size`` = 512 KiB .. 8 MiB
+(GET and PUT as above, interleaved), to back the tier's default. Lookups: ``contains_many`` of a 256-chunk prefix
+(``lookup_wait_ms`` 1000, so it answers) against a redis-py pipeline of 256 ``EXISTS``, every repeat on
+keys not asked for before (a tier that remembers answers is timed asking the server), on the standalone
+server and on a 3-node cluster (``RedisClusterServers``). Also measured in the same run, for the "where the
+time goes" note: memcpy and CRC32C of a 4 MiB chunk.
+
+    python benchmarks/bench_redis.py [--quick] [--out DIR] [--runs 5] [--repeats N] [--sizes 1,4,16]
+
+Writes ``redis_cpu.md`` and ``redis_cpu.csv`` into ``--out`` (default benchmarks/results). ``--quick``:
+1 MiB chunks, a 2 MiB sweep, 1 run of a few repeats (a smoke run, ``tests/test_bench_redis.py``, ~10 s).
+Under pytest-benchmark: ``pytest benchmarks/bench_redis.py --benchmark-only`` (the ``test_*`` functions at
+the end: kvx and redis-py at 4 MiB, and the lookup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import google_crc32c
+import numpy as np
+import torch
+
+from kvx.bench import cpu_name
+from kvx.store import CPUPool, codec
+from kvx.store.redis import RedisConfig, RedisTier, _chunk_key
+from kvx.store.tier import TierContext
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KiB, MiB = 1 << 10, 1 << 20
+FINGERPRINT = "bench-redis-0123456789abcdef"
+TOKEN_BYTES = 8 * 2 * 8 * 128 * 2          # one token of the chunk: 8 layers x K/V x 8 heads x 128 x bf16
+
+GET_METHODS = ("redis-py GET + verify (baseline)", "kvx get_into", "redis-py GET + copy", "redis-py GET only",
+               "socket GET into slot (roof)")
+PUT_METHODS = ("redis-py SET + encode (baseline)", "kvx put", "redis-py SET only", "socket SET (roof)")
+GET_BASE, GET_KVX, GET_ROOF = GET_METHODS[0], GET_METHODS[1], GET_METHODS[-1]
+PUT_BASE, PUT_KVX, PUT_ROOF = PUT_METHODS[0], PUT_METHODS[1], PUT_METHODS[-1]
+LOOKUP_METHODS = ("redis-py pipelined EXISTS (baseline)", "kvx contains_many")
+LOOKUP_BASE, LOOKUP_KVX = LOOKUP_METHODS
+
+PART_SIZES = (512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB)
+LOOKUP_KEYS = 256
+LOOKUP_WAIT_MS = 1000
+
+# targets (4 MiB values): stated next to the numbers, judged, never asserted
+TARGET_MIB = 4
+GET_TARGET_GBS = 2.0
+PUT_TARGET_GBS = 1.2
+X_TARGET = 1.5
+LOOKUP_TARGET_MS = 2.0
+
+CSV_FIELDS = ["section", "transport", "deployment", "chunk_bytes", "part_bytes", "method", "baseline", "run",
+              "repeats", "median_ms", "p90_ms", "p99_ms", "mean_ms", "GB/s", "baseline_median_ms", "x_baseline",
+              "roof_median_ms", "pct_roof"]
+ROOF_OF = {"get": GET_ROOF, "put": PUT_ROOF}      # sections with a roof measured in the same case and run
+
+
+def _g(x: float) -> str:
+    """6 significant digits: enough that ratios recomputed from the CSV agree with the ones in it."""
+    return f"{x:.6g}"
+
+
+def _pct(xs: list[float], p: int) -> float:
+    """The p-th percentile (inclusive method) of ``xs``."""
+    return statistics.quantiles(xs, n=100, method="inclusive")[p - 1] if len(xs) > 1 else xs[0]
+
+
+def l3_size() -> str:
+    """The last-level cache of CPU 0, as sysfs says (e.g. ``32 MiB``)."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+
+    def read(path: str) -> str:
+        with open(path) as f:
+            return f.read().strip()
+    try:
+        _, size = max((int(read(f"{base}/{d}/level")), read(f"{base}/{d}/size"))
+                      for d in os.listdir(base) if d.startswith("index"))
+        return f"{int(size[:-1]) // 1024} MiB" if size.endswith("K") and int(size[:-1]) % 1024 == 0 else size
+    except (OSError, ValueError):
+        return "unknown"
+
+
+def _key() -> str:
+    return os.urandom(16).hex()
+
+
+# ------------------------------------------------------------------------------------------ servers and clients
+def open_tier(url: str, part: int | None = None, **kw):
+    """A ``RedisTier`` on ``url`` (``part``: its ``max_value_size``; None: the tier's default)."""
+    fields = {"type": "redis", "url": url, **kw}
+    if part is not None:
+        fields["max_value_size"] = part
+    return RedisTier.open(RedisConfig(**fields), TierContext(fingerprint=FINGERPRINT))
+
+
+def default_part() -> int | None:
+    f = RedisConfig.model_fields.get("max_value_size")
+    return None if f is None or f.default is None else int(f.default)
+
+
+def redis_py(url: str):
+    """A redis-py client (hiredis parses the replies when it is installed, as it is here)."""
+    import redis
+    return redis.Redis.from_url(url)
+
+
+def server_version() -> str:
+    try:
+        out = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, timeout=10).stdout
+        return next(w.split("=", 1)[1] for w in out.split() if w.startswith("v="))
+    except (OSError, StopIteration, subprocess.SubprocessError):
+        return "?"
+
+
+# ------------------------------------------------------------------------------------------ the chunk
+def chunk_shape(nbytes: int) -> tuple[int, ...]:
+    """A bf16 KV chunk of ``nbytes``: 8 layers x K/V x tokens x 8 KV heads x 128 (32 KiB per token)."""
+    if nbytes % TOKEN_BYTES:
+        raise ValueError(f"chunk: expected a multiple of {TOKEN_BYTES} bytes, got {nbytes}")
+    return (8, 2, nbytes // TOKEN_BYTES, 8, 128)
+
+
+def make_pool(nbytes: int, slots: int, g: torch.Generator) -> CPUPool:
+    """``slots`` CPU-pool slots of one chunk each, every slot random data (the PUT sources; GET destinations)."""
+    pool = CPUPool(slots, chunk_shape(nbytes), torch.bfloat16)
+    for i in range(slots):
+        pool.data[i].copy_(torch.randn(chunk_shape(nbytes), generator=g).to(torch.bfloat16))
+    return pool
+
+
+def n_rotate(nbytes: int, rotate_bytes: int) -> int:
+    return max(2, math.ceil(rotate_bytes / nbytes))
+
+
+# ------------------------------------------------------------------------------------------ timing
+def time_interleaved(fns: dict[str, Callable[[int], None]], repeats: int, warmup: int,
+                     after: Callable[[str, int], None] | None = None) -> dict[str, list[float]]:
+    """Milliseconds of every call of every method; call ``i`` of a method is ``fn(i)``; repeat ``r`` runs the
+    methods rotated by ``r``. ``after(method, i)`` runs untimed after each call (e.g. a delete)."""
+    names = list(fns)
+    times: dict[str, list[float]] = {m: [] for m in names}
+    for r in range(-warmup, repeats):
+        i = r + warmup
+        order = names[r % len(names):] + names[:r % len(names)]
+        for m in order:
+            t0 = time.perf_counter()
+            fns[m](i)
+            dt = time.perf_counter() - t0
+            if after is not None:
+                after(m, i)
+            if r >= 0:
+                times[m].append(dt * 1e3)
+    return times
+
+
+@dataclass
+class Result:
+    """One method of one case in one run."""
+
+    section: str            # get, put, sweep-get, sweep-put, lookup
+    transport: str          # tcp, unix
+    deployment: str         # standalone, cluster
+    chunk_bytes: int        # payload bytes per op (lookup: keys asked)
+    part_bytes: int | None  # the tier's max_value_size (None: its default / not a kvx tier)
+    method: str
+    baseline: str | None    # the method this one is compared with in the same case and run
+    run: int
+    times: list[float] = field(repr=False)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def gbs(self) -> float:
+        return self.chunk_bytes / (self.median * 1e-3) / 1e9
+
+    def case(self) -> tuple:
+        """What a method is compared within (the sweep's part sizes are its methods)."""
+        return (self.section, self.transport, self.deployment, self.chunk_bytes)
+
+
+def _attach(results: list[Result]) -> dict[tuple, Result]:
+    """Index results by (case, method, run)."""
+    return {(r.case(), r.method, r.run): r for r in results}
+
+
+# ------------------------------------------------------------------------------------------ GET and PUT
+class Values:
+    """The chunks GET reads, stored once per size: ``n`` under kvx keys (through the tier) and ``n`` under
+    redis-py keys (``r.set`` of the codec's encoding), so every method reads a value written its own way."""
+
+    def __init__(self, tier, r, pool: CPUPool):
+        self.pool = pool
+        self.n = pool.num_slots
+        self.nbytes = pool.data[0].numel() * pool.data.element_size()
+        self.kvx_keys = [_key() for _ in range(self.n)]
+        self.py_keys = [_key() for _ in range(self.n)]
+        self.tier, self.r = tier, r
+        for i in range(self.n):
+            if not tier.put(self.kvx_keys[i], pool.slot(i)):
+                raise RuntimeError(f"kvx put of a new key {self.kvx_keys[i]} answered 'already present'")
+            h, p = codec.encode(pool.slot(i), self.py_keys[i], FINGERPRINT)
+            r.set(self.py_keys[i], b"".join((h, p)))
+        self.header_bytes = len(h)
+
+    def close(self) -> None:
+        for k in self.kvx_keys:
+            self.tier.delete(k)
+        self.r.delete(*self.py_keys)
+
+
+class RawSocket:
+    """The roof: one plain socket speaking just enough RESP for one GET or SET of a known value, the bytes
+    received into / sent from the slot's memory (``recv_into`` / ``sendall`` of memoryviews), nothing parsed
+    beyond the length line, nothing checked. Default socket buffers, TCP_NODELAY (as kvx and redis-py)."""
+
+    def __init__(self, url: str):
+        from urllib.parse import urlsplit
+        u = urlsplit(url)
+        if u.scheme == "unix":
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(u.path)
+        else:
+            self.sock = socket.create_connection((u.hostname, u.port))
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.small = bytearray(64 * KiB)
+
+    def _recv_line(self) -> tuple[bytes, memoryview]:
+        """The reply's first line and the bytes received after it."""
+        got = 0
+        while True:
+            n = self.sock.recv_into(memoryview(self.small)[got:])
+            if n == 0:
+                raise ConnectionError("redis closed the connection")
+            got += n
+            i = self.small.find(b"\r\n", 0, got)
+            if i >= 0:
+                return bytes(self.small[:i]), memoryview(self.small)[i + 2:got]
+
+    def get_into(self, key: str, views: list[memoryview]) -> None:
+        """GET ``key`` whose value is exactly the concatenation of ``views`` (header buffer, slot)."""
+        k = key.encode()
+        self.sock.sendall(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k))
+        line, rest = self._recv_line()
+        if line != b"$%d" % sum(len(v) for v in views):
+            raise RuntimeError(f"roof GET {key}: unexpected reply {line[:40]!r}")
+        for v in [*views, memoryview(bytearray(2))]:        # the value, then its CRLF
+            k = min(len(rest), len(v))
+            v[:k] = rest[:k]
+            rest = rest[k:]
+            while k < len(v):
+                n = self.sock.recv_into(v[k:])
+                if n == 0:
+                    raise ConnectionError("redis closed the connection")
+                k += n
+
+    def set_nx(self, key: str, bufs: list) -> None:
+        k = key.encode()
+        total = sum(memoryview(b).nbytes for b in bufs)
+        self.sock.sendall(b"*4\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, total))
+        for b in bufs:
+            self.sock.sendall(b)
+        self.sock.sendall(b"\r\n$2\r\nNX\r\n")
+        line, _ = self._recv_line()
+        if line != b"+OK":
+            raise RuntimeError(f"roof SET {key}: unexpected reply {line[:40]!r}")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def get_fns(tier, r, vals: Values, raw: RawSocket) -> dict[str, Callable[[int], None]]:
+    n, nb, hsize = vals.n, vals.nbytes, vals.header_bytes
+    views = [codec.byte_view(vals.pool.slot(i)) for i in range(n)]
+    head = memoryview(bytearray(hsize))
+
+    def base(i):
+        k = vals.py_keys[i % n]
+        codec.decode_into(r.get(k), k, FINGERPRINT, vals.pool.slot(i % n))
+
+    def kvx(i):
+        tier.get_into(vals.kvx_keys[i % n], vals.pool.slot(i % n))
+
+    def copy(i):
+        views[i % n][:] = np.frombuffer(r.get(vals.py_keys[i % n]), np.uint8, count=nb, offset=hsize)
+
+    def only(i):
+        r.get(vals.py_keys[i % n])
+
+    def roof(i):
+        raw.get_into(vals.py_keys[i % n], [head, memoryview(views[i % n])])
+
+    return dict(zip(GET_METHODS, (base, kvx, copy, only, roof)))
+
+
+def put_fns(tier, r, pool: CPUPool, written: dict[str, list[str]], raw: RawSocket):
+    """PUT methods writing slot ``i % n`` under a new key (recorded in ``written`` for the untimed delete)."""
+    n = pool.num_slots
+    encoded = [b"".join(codec.encode(pool.slot(i), _key(), FINGERPRINT)) for i in range(n)]
+
+    def new(m):
+        k = _key()
+        written[m].append(k)
+        return k
+
+    def base(i):
+        k = new(PUT_BASE)
+        h, p = codec.encode(pool.slot(i % n), k, FINGERPRINT)
+        if not r.set(k, b"".join((h, p)), nx=True):
+            raise RuntimeError(f"redis-py SET NX of a new key {k} wrote nothing")
+
+    def kvx(i):
+        k = new(PUT_KVX)
+        if not tier.put(k, pool.slot(i % n)):
+            raise RuntimeError(f"kvx put of a new key {k} answered 'already present'")
+
+    def only(i):
+        k = new(PUT_METHODS[2])
+        if not r.set(k, encoded[i % n], nx=True):
+            raise RuntimeError(f"redis-py SET NX of a new key {k} wrote nothing")
+
+    def roof(i):
+        # the header the value needs, built untimed: the roof is the transfer alone
+        raw.set_nx(new(PUT_ROOF), [headers[i % n], codec.byte_view(pool.slot(i % n))])
+
+    headers = [e[:len(e) - pool.data[0].numel() * pool.data.element_size()] for e in encoded]
+    return dict(zip(PUT_METHODS, (base, kvx, only, roof)))
+
+
+def deleter(tier, r, written: dict[str, list[str]]) -> Callable[[str, int], None]:
+    def after(m: str, i: int) -> None:
+        k = written[m].pop()
+        if m == PUT_KVX:
+            tier.delete(k)
+        else:
+            r.delete(k)
+    return after
+
+
+def check_get(tier, r, vals: Values, raw: RawSocket) -> None:
+    """The timed reads happened: each GET method's destination holds the chunk, bit-exact (not timed)."""
+    src = vals.pool.data[0].clone()
+    fns = get_fns(tier, r, vals, raw)
+    for m in (GET_BASE, GET_KVX, GET_METHODS[2], GET_ROOF):
+        vals.pool.data[0].fill_(float("nan"))      # poisoned first
+        fns[m](0)
+        if not torch.equal(vals.pool.data[0].view(torch.uint8), src.view(torch.uint8)):
+            raise AssertionError(f"{m}: the slot does not hold the chunk after the read")
+    vals.pool.data[0].copy_(src)
+
+
+def check_put(tier, r, pool: CPUPool) -> None:
+    """A chunk kvx put reads back through the tier, and one redis-py SET where the tier keeps chunks reads
+    back through the tier too: both write the same encoding (not timed)."""
+    slot = pool.slot(0)
+    out = torch.empty_like(slot)
+    k = _key()
+    tier.put(k, slot)
+    try:
+        tier.get_into(k, out)
+        if not torch.equal(out.view(torch.uint8), slot.view(torch.uint8)):
+            raise AssertionError("kvx put then get_into: the chunk differs")
+    finally:
+        tier.delete(k)
+    k = _key()      # a redis-py SET where the tier keeps chunk k (one value)
+    r.set(_chunk_key(k), b"".join(codec.encode(slot, k, FINGERPRINT)))
+    try:
+        out.fill_(float("nan"))
+        tier.get_into(k, out)
+        if not torch.equal(out.view(torch.uint8), slot.view(torch.uint8)):
+            raise AssertionError("redis-py SET then kvx get_into: the chunk differs")
+    finally:
+        r.delete(_chunk_key(k))
+
+
+def bench_get_put(urls: dict[str, str], sizes: list[int], runs: int, repeats: dict[int, int], warmup: int,
+                  rotate_bytes: int, g: torch.Generator, log) -> tuple[list[Result], dict]:
+    results: list[Result] = []
+    info = {}
+    tiers = {t: open_tier(u) for t, u in urls.items()}
+    clients = {t: redis_py(u) for t, u in urls.items()}
+    raws = {t: RawSocket(u) for t, u in urls.items()}
+    any_t = next(iter(urls))
+    try:
+        pools = {mib: make_pool(mib * MiB, n_rotate(mib * MiB, rotate_bytes), g) for mib in sizes}
+        stored = {mib: Values(tiers[any_t], clients[any_t], pools[mib]) for mib in sizes}
+        info["header_bytes"] = {mib: v.header_bytes for mib, v in stored.items()}
+        info["rotate"] = {mib: p.num_slots for mib, p in pools.items()}
+        try:
+            for t in urls:
+                for mib in sizes:
+                    check_get(tiers[t], clients[t], stored[mib], raws[t])
+                    check_put(tiers[t], clients[t], pools[mib])
+            for run in range(1, runs + 1):
+                for t in urls:
+                    for mib in sizes:
+                        nb = mib * MiB
+                        times = time_interleaved(get_fns(tiers[t], clients[t], stored[mib], raws[t]), repeats[mib],
+                                                 warmup)
+                        for m in GET_METHODS:
+                            results.append(Result("get", t, "standalone", nb, None, m, GET_BASE if m != GET_BASE
+                                                  else None, run, times[m]))
+                        written = {m: [] for m in PUT_METHODS}
+                        times = time_interleaved(put_fns(tiers[t], clients[t], pools[mib], written, raws[t]),
+                                                 repeats[mib],
+                                                 warmup, deleter(tiers[t], clients[t], written))
+                        for m in PUT_METHODS:
+                            results.append(Result("put", t, "standalone", nb, None, m, PUT_BASE if m != PUT_BASE
+                                                  else None, run, times[m]))
+                        _log_case(log, run, runs, results[-len(GET_METHODS) - len(PUT_METHODS):])
+        finally:
+            for v in stored.values():
+                v.close()
+    finally:
+        for tier in tiers.values():
+            tier.close()
+        for c in [*clients.values(), *raws.values()]:
+            c.close()
+    return results, info
+
+
+def _log_case(log, run, runs, rs: list[Result]) -> None:
+    base = {r.section: r for r in rs if r.baseline is None}
+    for r in rs:
+        log(f"run {run}/{runs} {r.transport:4s} {r.chunk_bytes // MiB:2d} MiB {r.section:3s} {r.method:33s} "
+            f"median {r.median:7.3f} ms {r.gbs:6.2f} GB/s {base[r.section].median / r.median:5.2f}x baseline")
+
+
+# ------------------------------------------------------------------------------------------ part-size sweep
+def bench_sweep(urls: dict[str, str], mib: int, parts: list[int], runs: int, repeats: int, warmup: int,
+                rotate_bytes: int, g: torch.Generator, log, info: dict) -> list[Result]:
+    """GET and PUT of one chunk size through tiers opened with each ``max_value_size``, interleaved."""
+    nb = mib * MiB
+    pool = make_pool(nb, n_rotate(nb, rotate_bytes), g)
+    info.setdefault("sweep_header_bytes", {})[nb] = len(codec.encode_header(pool.slot(0), _key(), FINGERPRINT))
+    results = []
+    dflt = default_part()
+    base_name = f"part {_fmt(dflt)}" if dflt in parts else None
+    for t, url in urls.items():
+        tiers = {p: open_tier(url, p) for p in parts}
+        try:
+            keys = {p: [_key() for _ in range(pool.num_slots)] for p in parts}
+            for p in parts:
+                for i, k in enumerate(keys[p]):
+                    tiers[p].put(k, pool.slot(i))
+            try:
+                for run in range(1, runs + 1):
+                    gets = {f"part {_fmt(p)}": (lambda i, p=p: tiers[p].get_into(keys[p][i % pool.num_slots],
+                                                                               pool.slot(i % pool.num_slots)))
+                            for p in parts}
+                    times = time_interleaved(gets, repeats, warmup)
+                    part_of = {f"part {_fmt(p)}": p for p in parts}
+                    written: dict[str, list[str]] = {m: [] for m in part_of}
+
+                    def put(i, p):
+                        k = _key()
+                        written[f"part {_fmt(p)}"].append(k)
+                        if not tiers[p].put(k, pool.slot(i % pool.num_slots)):
+                            raise RuntimeError(f"kvx put of a new key {k} answered 'already present'")
+
+                    def after(m, i):
+                        tiers[part_of[m]].delete(written[m].pop())
+
+                    puts = {f"part {_fmt(p)}": (lambda i, p=p: put(i, p)) for p in parts}
+                    ptimes = time_interleaved(puts, repeats, warmup, after)
+                    for p in parts:
+                        m = f"part {_fmt(p)}"
+                        b = base_name if m != base_name else None
+                        results.append(Result("sweep-get", t, "standalone", nb, p, m, b, run, times[m]))
+                        results.append(Result("sweep-put", t, "standalone", nb, p, m, b, run, ptimes[m]))
+                        log(f"run {run}/{runs} {t:4s} {mib:2d} MiB max_value_size {_fmt(p):>7s}: GET "
+                            f"{statistics.median(times[m]):7.3f} ms {results[-2].gbs:5.2f} GB/s, PUT "
+                            f"{statistics.median(ptimes[m]):7.3f} ms {results[-1].gbs:5.2f} GB/s")
+            finally:
+                for p in parts:
+                    for k in keys[p]:
+                        tiers[p].delete(k)
+        finally:
+            for tier in tiers.values():
+                tier.close()
+    return results
+
+
+def n_values(payload: int, header: int, part: int) -> int:
+    """Redis values the tier writes for a chunk: one if header + payload fit in ``part``, else the parts (the
+    manifest under the chunk key not counted)."""
+    total = payload + header
+    return 1 if total <= part else math.ceil(total / part)
+
+
+def _fmt(b: int | None) -> str:
+    if b is None:
+        return "default"
+    return f"{b // MiB} MiB" if b % MiB == 0 else f"{b // KiB} KiB"
+
+
+# ------------------------------------------------------------------------------------------ lookups
+def bench_lookup(deployment: str, tier, r, repeats: int, warmup: int, log) -> list[Result]:
+    """``contains_many`` of 256 stored keys vs a redis-py pipeline of 256 EXISTS; every repeat and method asks
+    for keys nobody asked for before (so neither a cache in the tier nor one anywhere else answers)."""
+    tiny = torch.zeros(8, 2, 1, 8, 4, dtype=torch.bfloat16)        # 1 KiB chunks: only the keys matter
+    kvx_sets = [[_key() for _ in range(LOOKUP_KEYS)] for _ in range(repeats + warmup)]
+    py_sets = [[_key() for _ in range(LOOKUP_KEYS)] for _ in range(repeats + warmup)]
+    enc = b"".join(codec.encode(tiny, "0" * 32, FINGERPRINT))
+    for ks in kvx_sets:
+        for k in ks:
+            tier.put(k, tiny)
+    for ks in py_sets:
+        pipe = r.pipeline(transaction=False)
+        for k in ks:
+            pipe.set(k, enc)
+        pipe.execute()
+    try:
+        def kvx(i):
+            got = tier.contains_many(kvx_sets[i])
+            if got is None or not all(got):
+                raise RuntimeError(f"kvx contains_many of {LOOKUP_KEYS} stored keys answered "
+                                   f"{'None' if got is None else f'{sum(got)} present'} "
+                                   f"(lookup_wait_ms {LOOKUP_WAIT_MS})")
+
+        def base(i):
+            pipe = r.pipeline(transaction=False)
+            for k in py_sets[i]:
+                pipe.exists(k)
+            got = pipe.execute()
+            if sum(got) != LOOKUP_KEYS:
+                raise RuntimeError(f"redis-py EXISTS of {LOOKUP_KEYS} stored keys: {sum(got)} present")
+
+        times = time_interleaved({LOOKUP_BASE: base, LOOKUP_KVX: kvx}, repeats, warmup)
+    finally:
+        for ks in kvx_sets:
+            for k in ks:
+                tier.delete(k)
+        for ks in py_sets:
+            pipe = r.pipeline(transaction=False)
+            for k in ks:
+                pipe.delete(k)
+            pipe.execute()
+    out = [Result("lookup", "tcp", deployment, LOOKUP_KEYS, None, m, LOOKUP_BASE if m != LOOKUP_BASE else None,
+                  1, times[m]) for m in LOOKUP_METHODS]
+    for x in out:
+        log(f"lookup {deployment:10s} {x.method:37s} p50 {x.median:7.3f} ms p90 {_pct(x.times, 90):7.3f} ms "
+            f"p99 {_pct(x.times, 99):7.3f} ms")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ memory roofs
+def cpu_costs(nbytes: int, repeats: int = 20) -> dict[str, float]:
+    """GB/s of a memcpy (numpy copy into a preallocated array) and of CRC32C (the codec's checksum) over
+    ``nbytes``, here."""
+    n = n_rotate(nbytes, 64 * MiB)
+    src = [np.random.default_rng(i).integers(0, 255, nbytes, dtype=np.uint8) for i in range(n)]
+    dst = [np.ones(nbytes, np.uint8) for _ in range(n)]      # written now (np.zeros is calloc: untouched pages)
+    t_copy, t_crc = [], []
+    for i in range(repeats + n):                               # the first n: warm-up, one pass over every array
+        t0 = time.perf_counter()
+        dst[i % n][:] = src[i % n]
+        t1 = time.perf_counter()
+        google_crc32c.value(src[(i + 1) % n])
+        t2 = time.perf_counter()
+        if i >= n:
+            t_copy.append(t1 - t0)
+            t_crc.append(t2 - t1)
+    return {"memcpy": nbytes / statistics.median(t_copy) / 1e9, "crc32": nbytes / statistics.median(t_crc) / 1e9}
+
+
+# ------------------------------------------------------------------------------------------ results
+def per_run(index, case, method, runs, stat=lambda r: r.median) -> list[float]:
+    return [stat(index[(case, method, run)]) for run in range(1, runs + 1) if (case, method, run) in index]
+
+
+def ratios(index, case, method, base, runs) -> list[float]:
+    return [b / a for a, b in zip(per_run(index, case, method, runs), per_run(index, case, base, runs))]
+
+
+def cell(xs: list[float], fmt: str = ".2f") -> str:
+    """The median over the runs, then [every run]."""
+    if not xs:
+        return ""
+    return f"{statistics.median(xs):{fmt}}" + (f" [{' / '.join(f'{x:{fmt}}' for x in xs)}]" if len(xs) > 1 else "")
+
+
+def write_csv(path: str, results: list[Result]) -> None:
+    index = _attach(results)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_FIELDS)
+        for r in results:
+            base = index.get((r.case(), r.baseline, r.run)) if r.baseline else None
+            roof = index.get((r.case(), ROOF_OF[r.section], r.run)) if r.section in ROOF_OF else None
+            is_bytes = r.section != "lookup"
+            w.writerow([r.section, r.transport, r.deployment, r.chunk_bytes,
+                        "" if r.part_bytes is None else r.part_bytes, r.method, r.baseline or "", r.run,
+                        len(r.times), _g(r.median), _g(_pct(r.times, 90)), _g(_pct(r.times, 99)),
+                        _g(statistics.fmean(r.times)),
+                        _g(r.chunk_bytes / (float(_g(r.median)) * 1e-3) / 1e9) if is_bytes else "",
+                        _g(base.median) if base else "",
+                        _g(float(_g(base.median)) / float(_g(r.median))) if base else "",
+                        _g(roof.median) if roof else "",
+                        _g(100 * float(_g(roof.median)) / float(_g(r.median))) if roof else ""])
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick: bool) -> dict:
+    """The markdown report; returns the judged targets (also for the caller's summary)."""
+    index = _attach(results)
+    runs = max(r.run for r in results)
+    med = statistics.median
+    gp = [r for r in results if r.section in ("get", "put")]
+    transports = list(dict.fromkeys(r.transport for r in gp))
+    sizes = sorted({r.chunk_bytes for r in gp})
+    lines = (["# SMOKE RUN, not a measurement (--quick): kvx Redis tier vs redis-py + hiredis", ""] if quick else
+             ["# kvx Redis tier vs redis-py + hiredis", ""])
+    lines += [f"Machine: {cpu_name()}; kernel {platform.release()}; redis-server {info['server_version']}; "
+              f"redis-py {info['redis_py']} with hiredis {info['hiredis']}; torch {torch.__version__}; "
+              f"Python {platform.python_version()}. {info['date']}. {runs} run(s), {info['repeats_desc']} after "
+              f"{args.warmup} warm-up, interleaved (the order rotates every repeat); load average at start "
+              f"{info['load']:.2f}, at the end {info.get('load_end', float('nan')):.2f} (other work on the machine "
+              f"shows here); total {info['elapsed']:.0f} s.", "",
+              f"Reproduce: `{cmd}`", "",
+              "One local `redis-server` (started by the benchmark through `kvx.redis_server`: no persistence, "
+              "noeviction), the client on the same 2-core VM (the server takes one core). GB/s = payload bytes "
+              "(the chunk; the ~"
+              f"{max(info['header_bytes'].values()) if info.get('header_bytes') else 300}-byte codec header is "
+              "not counted) / median time. GET: into a CPU-pool slot, verified (header, key, fingerprint, shape, "
+              "CRC32C); PUT: encoded (header with CRC32C), every put a new key. `% roof` = the time of the roof "
+              "(`socket GET into slot` / `socket SET`: one plain socket, the same value received into / sent "
+              "from the slot's memory, nothing parsed or checked) over the method's, same run. `x baseline` = "
+              "the baseline's median time / the method's in the same run (> 1: faster than redis-py + hiredis "
+              "doing the same work). Each cell: the median over the runs, then [every run]; GB/s from the "
+              f"median over the runs. Destinations and sources rotate over {args.rotate_mib} MiB of slots and keys "
+              f"(L3: {l3_size()}).", ""]
+
+    # ---- targets
+    tgt = {}
+    lines += ["## Targets", "", f"{TARGET_MIB} MiB values; lookup = `contains_many` of {LOOKUP_KEYS} keys.", "",
+              "| target | transport | measured | verdict |", "|---|---|---:|---|"]
+    tb = TARGET_MIB * MiB
+    for t in transports:
+        if tb not in sizes:
+            continue
+        g_case, p_case = ("get", t, "standalone", tb), ("put", t, "standalone", tb)
+        g = med(per_run(index, g_case, GET_KVX, runs, lambda r: r.gbs))
+        p = med(per_run(index, p_case, PUT_KVX, runs, lambda r: r.gbs))
+        gx = med(ratios(index, g_case, GET_KVX, GET_BASE, runs))
+        px = med(ratios(index, p_case, PUT_KVX, PUT_BASE, runs))
+        for name, val, ok, unit in ((f"GET >= {GET_TARGET_GBS} GB/s into the slot", g, g >= GET_TARGET_GBS, "GB/s"),
+                                    (f"PUT >= {PUT_TARGET_GBS} GB/s", p, p >= PUT_TARGET_GBS, "GB/s"),
+                                    (f"GET >= {X_TARGET}x redis-py + hiredis", gx, gx >= X_TARGET, "x"),
+                                    (f"PUT >= {X_TARGET}x redis-py + hiredis", px, px >= X_TARGET, "x")):
+            tgt[(name, t)] = (val, ok)
+            lines.append(f"| {name} | {t} | {val:.2f} {unit} | {'n/a (smoke run)' if quick else verdict(ok)} |")
+    for r in results:
+        if r.section == "lookup" and r.method == LOOKUP_KVX:
+            ok = r.median <= LOOKUP_TARGET_MS
+            tgt[(f"lookup <= {LOOKUP_TARGET_MS} ms p50", r.deployment)] = (r.median, ok)
+            lines.append(f"| {LOOKUP_KEYS}-chunk lookup <= {LOOKUP_TARGET_MS:g} ms p50 | {r.transport} "
+                         f"({r.deployment}) | {r.median:.3f} ms | {'n/a (smoke run)' if quick else verdict(ok)} |")
+
+    # ---- get / put
+    lines += ["", "## GET into a slot and PUT", "",
+              "| transport | chunk | op | method | median ms | p90 ms | GB/s | % roof | x baseline |",
+              "|---|---:|---|---|---:|---:|---:|---:|---|"]
+    for t in transports:
+        for nb in sizes:
+            for sec, methods, base in (("get", GET_METHODS, GET_BASE), ("put", PUT_METHODS, PUT_BASE)):
+                case = (sec, t, "standalone", nb)
+                for m in methods:
+                    ms = med(per_run(index, case, m, runs))
+                    p90 = med(per_run(index, case, m, runs, lambda r: _pct(r.times, 90)))
+                    x = cell(ratios(index, case, m, base, runs))
+                    roof = med(ratios(index, case, m, ROOF_OF[sec], runs))
+                    lines.append(f"| {t} | {nb // MiB} MiB | {sec.upper()} | {m} | {ms:.3f} | {p90:.3f} | "
+                                 f"{nb / (ms * 1e-3) / 1e9:.2f} | {100 * roof:.0f}% | {x}{'x' if x else ''} |")
+
+    over = sorted({r.chunk_bytes // MiB for r in gp if r.method in (GET_KVX, PUT_KVX)
+                   and med(ratios(index, r.case(), r.method, ROOF_OF[r.section], runs)) > 1.0})
+    if over:
+        lines += ["", f"`% roof` above 100 ({', '.join(f'{m} MiB' for m in over)}): the roof moves the chunk as one "
+                  "Redis value, kvx as parts of `max_value_size` (below); Redis serves one large value more slowly "
+                  "than several smaller ones (see the part-size sweep)."]
+    dflt = info.get("default_part")
+    if dflt and info.get("header_bytes"):
+        per = [f"{mib} MiB: {n_values(mib * MiB, h, dflt)}" for mib, h in sorted(info["header_bytes"].items())]
+        lines += ["", f"Redis values kvx writes per chunk at its default `max_value_size` ({_fmt(dflt)}; the limit "
+                  f"counts the codec header, and a chunk of several values also has a manifest under its key and "
+                  f"is published by a script): {', '.join(per)}."]
+
+    # ---- sweep
+    sw = [r for r in results if r.section.startswith("sweep")]
+    if sw:
+        parts = sorted({r.part_bytes for r in sw})
+        chunks = sorted({r.chunk_bytes for r in sw})
+        bname = f"part {_fmt(dflt)}"
+        lines += ["", "## Part size (`max_value_size`)", "",
+                  f"`RedisTier` opened with each part size, the same chunks; the tier's default is {_fmt(dflt)}. "
+                  "`values` = Redis values per chunk (header + payload cut into parts; a chunk of several also has "
+                  "a manifest). `x default` = the default's median time / this one's (same run). Best = the least "
+                  "GET + PUT time, summed over the transports.", "",
+                  "| chunk | transport | part | values | GET ms | GET GB/s | GET x default | PUT ms | PUT GB/s | "
+                  "PUT x default | GET + PUT ms |", "|---:|---|---:|---:|---:|---:|---|---:|---:|---|---:|"]
+        score: dict[int, float] = {}
+        verdicts = []
+        for nb in chunks:
+            total: dict[int, float] = {}
+            for t in dict.fromkeys(r.transport for r in sw):
+                for p in parts:
+                    m = f"part {_fmt(p)}"
+                    gc, pc = ("sweep-get", t, "standalone", nb), ("sweep-put", t, "standalone", nb)
+                    gms, pms = med(per_run(index, gc, m, runs)), med(per_run(index, pc, m, runs))
+                    total[p] = total.get(p, 0.0) + gms + pms
+                    gx = cell(ratios(index, gc, m, bname, runs)) if dflt in parts else ""
+                    px = cell(ratios(index, pc, m, bname, runs)) if dflt in parts else ""
+                    lines.append(f"| {nb // MiB} MiB | {t} | {_fmt(p)} | "
+                                 f"{n_values(nb, info['sweep_header_bytes'][nb], p)} | {gms:.3f} | "
+                                 f"{nb / (gms * 1e-3) / 1e9:.2f} | {gx}{'x' if gx else ''} | {pms:.3f} | "
+                                 f"{nb / (pms * 1e-3) / 1e9:.2f} | {px}{'x' if px else ''} | {gms + pms:.3f} |")
+            best = min(total, key=total.get)
+            close = sorted(p for p in total if p != best and total[p] <= total[best] * 1.05)
+            line = (f"{nb // MiB} MiB chunk: best **{_fmt(best)}** (GET + PUT {total[best]:.2f} ms over the "
+                    f"transports" + (f"; within 5%: {', '.join(_fmt(p) for p in close)}" if close else "") + ")")
+            if dflt in total and dflt != best:
+                line += f"; the default takes {total[dflt] / total[best]:.2f}x the best time"
+            verdicts.append(line + ".")
+            for p in parts:
+                score[p] = score.get(p, 0.0) + total[p] / total[best] / len(chunks)
+        overall = min(score, key=score.get)
+        info["best_part"] = overall
+        lines += ["", *[f"- {v}" for v in verdicts],
+                  "- Over the chunk sizes (each part size's time over the best one's, averaged): "
+                  + ", ".join(f"{_fmt(p)} {score[p]:.2f}" for p in parts) + f"; best **{_fmt(overall)}**."]
+
+    # ---- lookups
+    lk = [r for r in results if r.section == "lookup"]
+    if lk:
+        lines += ["", f"## Lookup of a {LOOKUP_KEYS}-chunk prefix", "",
+                  f"`contains_many({LOOKUP_KEYS} keys)` (`lookup_wait_ms` {LOOKUP_WAIT_MS}) vs a redis-py pipeline "
+                  f"(transaction=False) of {LOOKUP_KEYS} `EXISTS`, every key present; each repeat asks for keys "
+                  "not asked for before. Loopback TCP. `x baseline` = the baseline's p50 / this one's.", "",
+                  "| deployment | method | repeats | p50 ms | p90 ms | p99 ms | x baseline (p50) |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        lix = _attach(lk)
+        for r in lk:
+            b = lix.get((r.case(), r.baseline, r.run)) if r.baseline else None
+            lines.append(f"| {r.deployment} | {r.method} | {len(r.times)} | {r.median:.3f} | {_pct(r.times, 90):.3f} "
+                         f"| {_pct(r.times, 99):.3f} | {f'{b.median / r.median:.2f}x' if b else ''} |")
+    if info.get("cluster_skipped"):
+        lines += ["", f"Cluster lookup not measured: {info['cluster_skipped']}"]
+
+    # ---- where the time goes
+    cc = info.get("cpu_costs")
+    if cc:
+        lines += ["", "## Where the time goes (same run)", "",
+                  f"memcpy {cc['memcpy']:.2f} GB/s and CRC32C {cc['crc32']:.2f} GB/s over a {TARGET_MIB} MiB "
+                  "chunk (cache-cold, single thread): the verified GET and the encoding PUT each pay one CRC32 "
+                  "pass over the payload (kvx's GET piece by piece as the bytes land, its PUT before the first is "
+                  "sent), redis-py's GET one more copy (bytes -> slot) and its SET one more (the join)."]
+        if tb in sizes:
+            crc_ms = tb / (cc["crc32"] * 1e9) * 1e3
+            lines += ["", f"{TARGET_MIB} MiB: what kvx adds to the bare transfer (kvx - roof), next to one cold "
+                      "CRC32C pass over the payload (an upper bound of the checksum's share: data just received is "
+                      "partly still in cache).", "",
+                      "| transport | op | kvx ms | roof ms | kvx - roof ms | CRC32C pass ms |",
+                      "|---|---|---:|---:|---:|---:|"]
+            for t in transports:
+                for sec, kvx_m in (("get", GET_KVX), ("put", PUT_KVX)):
+                    case = (sec, t, "standalone", tb)
+                    k_ms = med(per_run(index, case, kvx_m, runs))
+                    r_ms = med(per_run(index, case, ROOF_OF[sec], runs))
+                    lines.append(f"| {t} | {sec.upper()} | {k_ms:.3f} | {r_ms:.3f} | {k_ms - r_ms:.3f} | "
+                                 f"{crc_ms:.3f} |")
+    if info.get("notes"):
+        lines += ["", *info["notes"]]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return tgt
+
+
+# ------------------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 1 MiB chunks, a 2 MiB sweep, 1 run of 3 repeats, 20 lookups")
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"),
+                    help="directory for redis_cpu.md and redis_cpu.csv")
+    ap.add_argument("--sizes", default=None, help="chunk sizes in MiB, comma-separated (default 1,4,16)")
+    ap.add_argument("--runs", type=int, default=None,
+                    help="whole measurements back to back (default 5: on a shared machine a busy stretch spoils a "
+                         "run, not the median of five; quick 1)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed ops per method, case and run (default 50 up to 1 MiB, 30 up to 4 MiB, 15 above; "
+                         "quick 3)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed ops per method, case and run")
+    ap.add_argument("--sweep-mib", default=None,
+                    help="chunk sizes of the part-size sweep, MiB, comma-separated (default 4,16; quick 2; '' = none)")
+    ap.add_argument("--lookup-repeats", type=int, default=None, help="lookups per method (default 300; quick 20)")
+    ap.add_argument("--rotate-mib", type=int, default=None,
+                    help="slots and keys rotated over per size (default 64 MiB; quick 4)")
+    ap.add_argument("--no-cluster", action="store_true", help="skip the 3-node cluster lookup")
+    args = ap.parse_args(argv)
+    try:
+        sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([1] if args.quick else [1, 4, 16])
+    except ValueError:
+        ap.error(f"--sizes: expected MiB as integers, comma-separated, got {args.sizes!r}")
+    runs = args.runs if args.runs is not None else (1 if args.quick else 5)
+    try:
+        sweep = ([int(x) for x in args.sweep_mib.split(",") if x.strip()] if args.sweep_mib is not None
+                 else ([2] if args.quick else [4, 16]))
+    except ValueError:
+        ap.error(f"--sweep-mib: expected MiB as integers, comma-separated, got {args.sweep_mib!r}")
+    lookups = args.lookup_repeats if args.lookup_repeats is not None else (20 if args.quick else 300)
+    args.rotate_mib = args.rotate_mib if args.rotate_mib is not None else (4 if args.quick else 64)
+    if args.repeats is not None:
+        repeats = {mib: args.repeats for mib in set(sizes) | set(sweep)}
+    else:
+        repeats = {mib: 3 if args.quick else (50 if mib <= 1 else 30 if mib <= 4 else 15)
+                   for mib in set(sizes) | set(sweep)}
+    if runs < 1 or args.warmup < 0 or lookups < 1 or args.rotate_mib < 1 or \
+            any(x < 1 for x in sizes + sweep) or any(x < 1 for x in repeats.values()):
+        ap.error("--runs, --repeats, --sizes, --sweep-mib, --lookup-repeats and --rotate-mib must be >= 1, "
+                 "--warmup >= 0")
+    try:
+        import hiredis
+        import redis
+        from kvx import redis_server
+    except ImportError as e:
+        print(f"bench_redis: needs redis-py and hiredis ({e})", file=sys.stderr)
+        return 2
+
+    load1 = os.getloadavg()[0]
+    if load1 > 1.0:
+        print(f"warning: load average {load1:.2f}: timings will be noisy", file=sys.stderr)
+    cmd = ("python benchmarks/bench_redis.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    log = lambda s: print(s, flush=True)    # noqa: E731
+    g = torch.Generator().manual_seed(0)
+    t_start = time.perf_counter()
+    info: dict = {"server_version": server_version(), "redis_py": redis.__version__,
+                  "hiredis": hiredis.__version__, "load": load1, "notes": [],
+                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "default_part": default_part()}
+    rotate = args.rotate_mib * MiB
+    results: list[Result] = []
+    with redis_server.RedisServer(unix_socket=True) as srv:
+        urls = {"tcp": srv.url, "unix": srv.unix_url}
+        rs, more = bench_get_put(urls, sizes, runs, repeats, args.warmup, rotate, g, log)
+        results += rs
+        info.update(more)
+        for mib in sweep:
+            results += bench_sweep(urls, mib, list(PART_SIZES), runs, repeats[mib], args.warmup, rotate, g, log, info)
+        tier, r = open_tier(srv.url, lookup_wait_ms=LOOKUP_WAIT_MS), redis_py(srv.url)
+        try:
+            results += bench_lookup("standalone", tier, r, lookups, args.warmup, log)
+        finally:
+            tier.close()
+            r.close()
+    if args.no_cluster:
+        info["cluster_skipped"] = "--no-cluster."
+    else:
+        results += run_cluster_lookup(lookups, args.warmup, log, info)
+    info["cpu_costs"] = cpu_costs(TARGET_MIB * MiB)
+    info["elapsed"] = time.perf_counter() - t_start
+    info["load_end"] = os.getloadavg()[0]
+    info["repeats_desc"] = ", ".join(f"{repeats[m]} repeats at {m} MiB" for m in sorted(repeats)) + \
+        f", {lookups} lookups"
+    os.makedirs(args.out, exist_ok=True)
+    md, csv_path = os.path.join(args.out, "redis_cpu.md"), os.path.join(args.out, "redis_cpu.csv")
+    write_csv(csv_path, results)
+    tgt = write_md(md, results, info, args, cmd, args.quick)
+    with open(md) as f:
+        print(f.read())
+    for (name, where), (val, ok) in tgt.items():
+        log(f"target {name} ({where}): {val:.3f} {'met' if ok else 'MISSED'}")
+    log(f"wrote {md} and {csv_path}")
+    return 0
+
+
+def run_cluster_lookup(lookups: int, warmup: int, log, info: dict) -> list[Result]:
+    """The lookup on a 3-node cluster, if ``RedisClusterServers`` and the tier's cluster mode work here."""
+    from kvx import redis_server
+    try:
+        cluster_cm = redis_server.RedisClusterServers(nodes=3)
+        cl = cluster_cm.__enter__()
+    except Exception as e:  # noqa: BLE001 - a cluster that does not start is reported, not fatal
+        info["cluster_skipped"] = f"RedisClusterServers(nodes=3) did not start ({type(e).__name__}: {e})."
+        log(f"cluster skipped: {info['cluster_skipped']}")
+        return []
+    try:
+        tier = open_tier(cl.url, lookup_wait_ms=LOOKUP_WAIT_MS, cluster=True)
+        r = cl.client()
+        try:
+            return bench_lookup("cluster (3 nodes)", tier, r, lookups, warmup, log)
+        except Exception as e:  # noqa: BLE001 - the standalone results stand; say why this one is missing
+            info["cluster_skipped"] = f"the lookup on the 3-node cluster failed ({type(e).__name__}: {e})."
+            log(f"cluster lookup failed: {info['cluster_skipped']}")
+            return []
+        finally:
+            tier.close()
+            r.close()
+    finally:
+        cluster_cm.__exit__(None, None, None)
+
+
+# ------------------------------------------------------------------------------------------ pytest-benchmark
+# ``pytest benchmarks/bench_redis.py --benchmark-only``: kvx and redis-py at 4 MiB over TCP, and the lookup.
+# (``pytest benchmarks`` collects this file once pytest's python_files includes ``bench_*.py``.)
+try:
+    import pytest
+except ImportError:      # the script does not need pytest
+    pytest = None
+
+if pytest is not None:
+    @pytest.fixture(scope="module")
+    def _redis():
+        pytest.importorskip("redis")
+        pytest.importorskip("kvx.store.redis")
+        redis_server = pytest.importorskip("kvx.redis_server")
+        with redis_server.RedisServer() as srv:
+            tier, r = open_tier(srv.url, lookup_wait_ms=LOOKUP_WAIT_MS), redis_py(srv.url)
+            pool = make_pool(TARGET_MIB * MiB, n_rotate(TARGET_MIB * MiB, 64 * MiB), torch.Generator().manual_seed(0))
+            vals = Values(tier, r, pool)
+            yield tier, r, vals
+            vals.close()
+            tier.close()
+            r.close()
+
+    def _rotating(fn):
+        state = {"i": 0}
+
+        def call():
+            fn(state["i"])
+            state["i"] += 1
+        return call
+
+    @pytest.mark.parametrize("method", [GET_KVX, GET_BASE])
+    def test_get_4mib(benchmark, _redis, method):
+        tier, r, vals = _redis
+        raw = RawSocket(tier.config.url)
+        benchmark(_rotating(get_fns(tier, r, vals, raw)[method]))
+        raw.close()
+
+    @pytest.mark.parametrize("method", [PUT_KVX, PUT_BASE])
+    def test_put_4mib(benchmark, _redis, method):
+        tier, r, vals = _redis
+        written = {m: [] for m in PUT_METHODS}
+        raw = RawSocket(tier.config.url)
+        fn, after = put_fns(tier, r, vals.pool, written, raw)[method], deleter(tier, r, written)
+        state = {"i": 0}
+
+        def setup():
+            if written[method]:
+                after(method, 0)
+
+        def call():
+            fn(state["i"])
+            state["i"] += 1
+        benchmark.pedantic(call, setup=setup, rounds=20, warmup_rounds=2)
+        setup()
+        raw.close()
+
+    def test_lookup_256(benchmark, _redis):
+        tier, r, _ = _redis
+        keys = [_key() for _ in range(LOOKUP_KEYS)]
+        tiny = torch.zeros(8, 2, 1, 8, 4, dtype=torch.bfloat16)
+        for k in keys:
+            tier.put(k, tiny)
+        try:
+            got = benchmark(tier.contains_many, keys)
+            assert got is not None and all(got)
+        finally:
+            for k in keys:
+                tier.delete(k)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""benchmarks/bench_redis.py runs: a quick run starts its own servers, writes its results, stops the servers,
+and every ratio and GB/s in the CSV recomputes from the row's own columns. No timing is asserted."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import os
+import pathlib
+import shutil
+import sys
+
+import pytest
+
+pytest.importorskip("redis")
+pytest.importorskip("hiredis")
+pytest.importorskip("kvx.store.redis")
+if shutil.which("redis-server") is None and not os.access(
+        pathlib.Path(__file__).resolve().parents[1] / ".deps" / "redis" / "usr" / "bin" / "redis-server", os.X_OK):
+    pytest.skip("redis-server is not installed", allow_module_level=True)
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_redis.py"
+MiB = 1 << 20
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_redis", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)     # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _num(row: dict, key: str) -> float:
+    value = float(row[key])
+    assert math.isfinite(value) and value > 0, f"{key} of {row['section']} {row['method']}: {row[key]!r}"
+    return value
+
+
+def _redis_servers() -> set[int]:
+    """Pids of the redis-server processes of this user."""
+    pids = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/comm") as f:
+                    if f.read().strip() == "redis-server" and os.stat(f"/proc/{d}").st_uid == os.getuid():
+                        pids.add(int(d))
+            except OSError:
+                pass
+    return pids
+
+
+def test_quick_run_writes_consistent_results(bench, tmp_path):
+    before = _redis_servers()
+    assert bench.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert _redis_servers() <= before, "the benchmark left redis-server processes behind"
+
+    md = (tmp_path / "redis_cpu.md").read_text()
+    assert md.startswith("# SMOKE RUN, not a measurement")
+    assert f"Reproduce: `python benchmarks/bench_redis.py --quick --out {tmp_path}`" in md
+    assert "## Targets" in md and "## GET into a slot and PUT" in md and "## Lookup of a 256-chunk prefix" in md
+    assert "MISSED" not in md and "| met |" not in md       # targets are named, not judged, in a smoke run
+
+    with open(tmp_path / "redis_cpu.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and list(rows[0]) == bench.CSV_FIELDS
+    sections = {r["section"] for r in rows}
+    assert {"get", "put", "sweep-get", "sweep-put", "lookup"} <= sections
+    # every method of every GET / PUT case, over TCP and the unix socket, at 1 MiB
+    got = {(r["section"], r["transport"], r["method"]) for r in rows if r["section"] in ("get", "put")}
+    assert got == {(s, t, m) for t in ("tcp", "unix") for s, ms in (("get", bench.GET_METHODS),
+                                                                   ("put", bench.PUT_METHODS)) for m in ms}
+    assert {int(r["chunk_bytes"]) for r in rows if r["section"] in ("get", "put")} == {1 * MiB}
+    assert {int(r["part_bytes"]) for r in rows if r["section"].startswith("sweep")} == set(bench.PART_SIZES)
+
+    by_case = {}
+    for r in rows:
+        case = (r["section"], r["transport"], r["deployment"], r["chunk_bytes"], r["run"])   # sweep: parts = methods
+        by_case.setdefault(case, {})[r["method"]] = r
+    for case, methods in by_case.items():
+        for m, r in methods.items():
+            assert int(r["repeats"]) >= 3
+            ms = _num(r, "median_ms")
+            assert _num(r, "p90_ms") >= ms and _num(r, "p99_ms") >= _num(r, "p90_ms")
+            if r["section"] == "lookup":
+                assert r["GB/s"] == "" and int(r["chunk_bytes"]) == bench.LOOKUP_KEYS
+            else:
+                assert _num(r, "GB/s") == pytest.approx(int(r["chunk_bytes"]) / (ms * 1e-3) / 1e9, rel=1e-4)
+            if r["baseline"]:
+                # the baseline is a method of the same case and run, and the ratio recomputes from its time
+                base = methods[r["baseline"]]
+                assert not base["baseline"]
+                assert _num(r, "baseline_median_ms") == pytest.approx(_num(base, "median_ms"), rel=1e-5)
+                assert _num(r, "x_baseline") == pytest.approx(_num(base, "median_ms") / ms, rel=1e-4)
+            else:
+                assert r["baseline_median_ms"] == "" and r["x_baseline"] == ""
+            if r["section"] in ("get", "put"):
+                # so is the share of the roof (a plain socket moving the same value), measured in the same run
+                roof = methods[bench.ROOF_OF[r["section"]]]
+                assert _num(r, "roof_median_ms") == pytest.approx(_num(roof, "median_ms"), rel=1e-5)
+                assert _num(r, "pct_roof") == pytest.approx(100 * _num(roof, "median_ms") / ms, rel=1e-4)
+            else:
+                assert r["roof_median_ms"] == "" and r["pct_roof"] == ""
+        if case[0] in ("get", "put", "lookup"):
+            base = {"get": bench.GET_BASE, "put": bench.PUT_BASE, "lookup": bench.LOOKUP_BASE}[case[0]]
+            assert sum(1 for r in methods.values() if not r["baseline"]) == 1 and not methods[base]["baseline"]
+    lookups = {r["deployment"] for r in rows if r["section"] == "lookup"}
+    assert "standalone" in lookups
+
+
+def test_bad_arguments_fail_before_any_work(bench, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--out", str(tmp_path / "x"), "--sizes", "4,big"])
+    assert "--sizes" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
