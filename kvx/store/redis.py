@@ -504,6 +504,8 @@ class RedisTier(Tier):
         self._lookups: OrderedDict[tuple[str, ...], _Lookup] = OrderedDict()
         self._lookup_lock = threading.Lock()
         self._executor = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvx-redis-lookup")
+        # a cluster lookup's per-node pipelines (separate from the lookups, which wait for them)
+        self._fanout = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvx-redis-fanout")
         self._wake = threading.Event()
         if not config.cluster:
             p = self._params
@@ -803,8 +805,9 @@ class RedisTier(Tier):
             node = self._route(ck)
             if node is not None and node.up:
                 groups.setdefault(node.name, (node, []))[1].append(i)
-        redirected: list[int] = []
-        for node, idx in groups.values():
+
+        def ask_node(node: _Node, idx: list[int]) -> list[tuple[int, Any]]:
+            out = []
             for lo in range(0, len(idx), _LOOKUP_BATCH):
                 batch = idx[lo:lo + _LOOKUP_BATCH]
                 deadline = time.monotonic() + self._timeout
@@ -813,11 +816,20 @@ class RedisTier(Tier):
                         [("EXISTS", cks[i]) for i in b], d, raise_errors=False), deadline, node=node)
                 except StoreError:
                     break               # node down or busy: its keys stay False
-                for i, r in zip(batch, replies):
-                    if isinstance(r, RedirectError):
-                        redirected.append(i)
-                    elif isinstance(r, int):
-                        found[i] = r > 0
+                out += zip(batch, replies)
+            return out
+
+        # the nodes of a cluster are asked at once (measured: 3 nodes one after another 2.0 ms, standalone 1.1)
+        if len(groups) > 1:
+            answers = [a for part in self._fanout.map(lambda g: ask_node(*g), list(groups.values())) for a in part]
+        else:
+            answers = [a for g in groups.values() for a in ask_node(*g)]
+        redirected: list[int] = []
+        for i, r in answers:
+            if isinstance(r, RedirectError):
+                redirected.append(i)
+            elif isinstance(r, int):
+                found[i] = r > 0
         for i in redirected:          # a slot on the move: one key at a time, following the redirection
             deadline = time.monotonic() + self._timeout
             try:
@@ -1054,6 +1066,7 @@ class RedisTier(Tier):
         if self._maint.is_alive() and self._maint is not threading.current_thread():
             self._maint.join(timeout=self._timeout + 1.0)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._fanout.shutdown(wait=False, cancel_futures=True)
         for node in list(self._nodes.values()):
             node.closed = True
             node.clear()
