@@ -55,8 +55,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kvx.store import codec
 from kvx.store import disk as kvx_disk
-from kvx.store.disk import DiskStore, checksum
+from kvx.store.disk import DiskStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FINGERPRINT = "0123456789abcdef"
@@ -140,8 +141,8 @@ class Target:
 
 def _meta(key: str, t: torch.Tensor, extra: dict[str, str]) -> dict[str, str]:
     # what DiskStore.put stores (and what kvx's put stored before it wrote its own files)
-    return {**extra, "kvx_format": kvx_disk.FORMAT_VERSION, "key": key, "fingerprint": FINGERPRINT,
-            "crc32": checksum(t), "created": f"{time.time():.3f}"}
+    return {**extra, "kvx_format": codec.FORMAT_VERSION, "key": key, "fingerprint": FINGERPRINT,
+            "length": str(t.numel() * t.element_size()), "crc32c": codec.crc32c(t), "created": f"{time.time():.3f}"}
 
 
 def put_save_file(tg: Target, key: str, t: torch.Tensor, extra: dict[str, str]) -> str:
@@ -171,14 +172,12 @@ def _write_one_call(fd: int, bufs) -> None:
 
 def _put_raw(write: Callable[[int, tuple], None]):
     def put(tg: Target, key: str, t: torch.Tensor, extra: dict[str, str]) -> str:
-        header = kvx_disk._header(t, {**extra, "kvx_format": kvx_disk.FORMAT_VERSION, "key": key,
-                                      "fingerprint": FINGERPRINT, "crc32": "00000000",
-                                      "created": f"{time.time():.3f}"})
+        header, payload = codec.encode(t, key, FINGERPRINT, extra, created=time.time())
         final = tg.final(key)
         tmp = os.path.join(os.path.dirname(final), f".{key}.raw.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
-            write(fd, (header, kvx_disk._byte_view(t)))
+            write(fd, (header, payload))
         finally:
             os.close(fd)
         os.replace(tmp, final)
@@ -249,7 +248,7 @@ def check_readback(tg: Target, t: torch.Tensor, extra: dict[str, str]) -> tuple[
         same = "not byte-identical: save_file orders the metadata keys differently in the JSON header"
     else:
         same = "not byte-identical: the JSON headers differ in length (equal once parsed)"
-    # and kvx's own reader accepts both (format, key, fingerprint, CRC32)
+    # and kvx's own reader accepts both (format, key, fingerprint, checksum)
     tg.store.get(key, t.shape, t.dtype)
     DiskStore(tg.other, fingerprint=FINGERPRINT).get(key, t.shape, t.dtype)
     tg.store.delete(key)
@@ -431,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
              "`deleted`: each file is deleted (untimed) right after its put. Bytes = the file's size (safetensors "
              "header + bf16 chunk), the same for every method. `save_file` = kvx's put before it wrote its own "
              "files (metadata + CRC32, `save_file` to a temporary name, `os.replace`); `kvx DiskStore.put` = the "
-             f"same metadata and CRC32, {kvx_disk._WRITE_PIECE >> 20} MiB per `os.write`, rename; the two "
+             f"same metadata and checksum, {kvx_disk._WRITE_PIECE >> 20} MiB per `os.write`, rename; the two "
              "`os.write` rows write the same bytes with no CRC32 and no library, in one call or in 1 MiB calls "
              "(they show where a difference comes from). `/ save_file` = that statistic over save_file's in the "
              "same run (< 1: faster). Each cell: the median over the runs, then [every run]; GB/s from the "

@@ -308,7 +308,7 @@ class Bench:
             first = 1 + k * n * self.bpc
             blocks = list(range(first, first + n * self.bpc))
             chunk_saves = [ChunkSave(req_id=f"r{k}", key=f"s{k}c{i}", block_ids=self.chunk_blocks(first, i),
-                                     tokens=self.chunk, slot=k * n + i, to_disk=False)
+                                     tokens=self.chunk, slot=k * n + i)
                            for i in range(n)] if saves and k < self.args.save_steps else []
             metas.append(KVXMetadata(saves=chunk_saves, forward_blocks=blocks))
         return metas

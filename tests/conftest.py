@@ -57,3 +57,31 @@ def flip_byte(path, from_end: int = 100) -> None:
         b = f.read(1)
         f.seek(-from_end, os.SEEK_END)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+def load_benchmark(monkeypatch, name: str):
+    """``benchmarks/<name>.py`` as a module (benchmarks are scripts, not a package)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)     # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def need_redis() -> None:
+    """Skip without redis-server / redis-cli on a developer's machine; in CI (CI=true), where
+    scripts/setup.sh installs them, their absence is a broken setup and fails."""
+    from kvx.redis_server import redis_cli_binary, redis_server_binary
+
+    try:
+        redis_server_binary()
+        redis_cli_binary()
+    except RuntimeError as e:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI: {e}")
+        pytest.skip(str(e))

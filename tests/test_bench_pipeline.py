@@ -5,17 +5,16 @@ are GPU targets, measured by ``benchmarks/run_gpu.sh``."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
 import os
-import pathlib
-import sys
+
 
 import pytest
 
+from tests.conftest import load_benchmark
+
 from kvx import engine as kvx_engine
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_pipeline.py"
 CHUNKS = ("1", "2")                          # what --quick runs on CPU
 LOAD_MODES = ("compute only", "copy only", "layerwise", "all at start")
 SAVE_MODES = ("no saves", "save_layerwise", "all at once")
@@ -23,11 +22,7 @@ SAVE_MODES = ("no saves", "save_layerwise", "all at once")
 
 @pytest.fixture
 def bench(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_pipeline", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)     # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark(monkeypatch, "bench_pipeline")
 
 
 def _num(row: dict, key: str) -> float:

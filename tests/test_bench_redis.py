@@ -4,33 +4,22 @@ and every ratio and GB/s in the CSV recomputes from the row's own columns. No ti
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
 import os
-import pathlib
-import shutil
-import sys
+
 
 import pytest
 
-pytest.importorskip("redis")
-pytest.importorskip("hiredis")
-pytest.importorskip("kvx.store.redis")
-if shutil.which("redis-server") is None and not os.access(
-        pathlib.Path(__file__).resolve().parents[1] / ".deps" / "redis" / "usr" / "bin" / "redis-server", os.X_OK):
-    pytest.skip("redis-server is not installed", allow_module_level=True)
+from tests.conftest import load_benchmark, need_redis
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_redis.py"
+need_redis()
+
 MiB = 1 << 20
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_redis", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)     # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark(monkeypatch, "bench_redis")
 
 
 def _num(row: dict, key: str) -> float:
