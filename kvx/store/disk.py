@@ -63,8 +63,7 @@ from pydantic import Field, field_validator
 
 from ..log import Throttle, get_logger
 from . import codec
-from .codec import FORMAT_VERSION, crc32 as checksum
-from .errors import ChunkError, StoreClosedError, StoreError, StoreFullError
+from .errors import ChunkError, StoreClosedError, StoreFullError
 from .tier import STORED, REMOVED, Tier, TierConfig, TierContext, parse_size, register_tier
 
 log = get_logger(__name__)

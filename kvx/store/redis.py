@@ -916,7 +916,6 @@ class RedisTier(Tier):
         _valid_key(key)
         header, payload = codec.encode(chunk, key, self.ctx.fingerprint, extra, created=time.time())
         ck = _chunk_key(key)
-        total = len(header) + payload.nbytes
         deadline = time.monotonic() + self._timeout
         # max_value_size counts chunk bytes: the header (a few hundred bytes) rides along, so a 4 MiB chunk
         # is one 4 MiB value, not two parts of 2 MiB
