@@ -7,6 +7,8 @@ All measured in one run, on the same prompts (random tokens), one engine at a ti
   kvx cold             KVXConnector (CPU + disk tiers), first time: computes and saves
   kvx warm cpu         same engine after reset_prefix_cache(): loaded from kvx's CPU tier
   kvx warm disk        a fresh engine on the same disk store (disk tier only)
+  kvx cold/warm redis  Redis tier only (a redis-server this run starts on loopback TCP): computes and
+                       saves, then a fresh engine loads every chunk from Redis (``--no-redis`` skips it)
   example cold/warm    vLLM's ExampleConnector, cold, then a fresh engine on its store
 
 The kvx cases run once per copy queue (``--copy-queues``: ``thread``, the CPU default, and
@@ -14,7 +16,7 @@ The kvx cases run once per copy queue (``--copy-queues``: ``thread``, the CPU de
 more with ``save_layerwise: false`` (every layer's gather queued in ``wait_for_save``).
 
 Targets: kvx warm cpu <= 1.15x vllm prefix hit; kvx warm disk <= 0.75x example warm; kvx cold <=
-1.05x vllm cold; deferred warm within 5% of thread warm. TTFT = vLLM's first_token_latency (arrival ->
+1.05x vllm cold; deferred warm within 5% of thread warm; kvx warm redis <= 0.1x cold. TTFT = vLLM's first_token_latency (arrival ->
 first token).
 
     python benchmarks/bench_ttft.py [--prompts 5] [--tokens 4096] [--hidden 1024] [--layers 8]
@@ -53,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--chunk-size", type=int, default=256)
     ap.add_argument("--copy-queues", default="thread,deferred", help="KVX_COPY_QUEUE values to compare")
+    ap.add_argument("--no-redis", action="store_true", help="skip the Redis tier's cases")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "ttft_cpu"))
     args = ap.parse_args(argv)
 
@@ -131,6 +134,20 @@ def main(argv=None) -> int:
             for ids in prompts:
                 record(f"kvx cold{tag}, save_layerwise off", H.generate(llm, ids, 4))
             H.shutdown(llm)
+
+            if not args.no_redis and mode == "thread":
+                from kvx.redis_server import RedisServer
+
+                with RedisServer() as server:
+                    tiers = [{"type": "redis", "url": server.url}]
+                    llm = engine(kvx_cfg(tiers))
+                    for ids in prompts:
+                        record("kvx cold redis", H.generate(llm, ids, 4))
+                    H.shutdown(llm)              # finishes every write
+                    llm = engine(kvx_cfg(tiers))     # a fresh engine: only Redis has the chunks
+                    for ids in prompts:
+                        record("kvx warm redis", H.generate(llm, ids, 4))
+                    H.shutdown(llm)
         os.environ.pop("KVX_COPY_QUEUE", None)
 
         llm = engine(example_cfg())
@@ -151,6 +168,10 @@ def main(argv=None) -> int:
         ("kvx warm disk / example warm", med["kvx warm disk"] / med["example warm"], "<= 0.75"),
         ("kvx cold / vllm cold", med["kvx cold"] / med["vllm cold"], "<= 1.05"),
     ]
+    if "kvx warm redis" in med:
+        ratios += [("kvx warm redis / kvx cold redis", med["kvx warm redis"] / med["kvx cold redis"], "<= 0.1"),
+                   ("kvx warm redis / kvx warm disk", med["kvx warm redis"] / med["kvx warm disk"], ""),
+                   ("kvx warm redis / vllm prefix hit", med["kvx warm redis"] / med["vllm prefix hit"], "")]
     for mode in args.copy_queues.split(","):
         if mode != "thread" and f"kvx warm cpu [{mode}]" in med:
             for case in ("kvx warm cpu", "kvx warm disk", "kvx cold"):
@@ -170,7 +191,8 @@ def main(argv=None) -> int:
              f"{args.tokens} tokens; chunk {args.chunk_size}; {args.prompts} prompts per case; load average "
              f"at start {load1:.2f}; total {elapsed:.0f} s.", "",
              f"Reproduce: `python benchmarks/bench_ttft.py --prompts {args.prompts} --tokens {args.tokens} "
-             f"--hidden {args.hidden} --layers {args.layers} --dtype {args.dtype} --copy-queues {args.copy_queues}`", "",
+             f"--hidden {args.hidden} --layers {args.layers} --dtype {args.dtype} --copy-queues {args.copy_queues}"
+             f"{' --no-redis' if args.no_redis else ''}`", "",
              "| case | median TTFT (s) | min (s) | cached tokens | same 4 greedy tokens as vllm cold | "
              "as vllm prefix hit |", "|---|---:|---:|---:|---:|---:|"]
     for k, v in rows.items():
