@@ -507,6 +507,7 @@ class RedisTier(Tier):
         # a cluster lookup's per-node pipelines (separate from the lookups, which wait for them)
         self._fanout = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvx-redis-fanout")
         self._wake = threading.Event()
+        self._suspects: set[_Node] = set()    # nodes an operation timed out on: the maintenance thread checks
         if not config.cluster:
             p = self._params
             node = (_Node(self, None, None, p["path"]) if p.get("path")
@@ -651,10 +652,35 @@ class RedisTier(Tier):
                                    self.config.retry_s)
         self._wake.set()
 
+    def _suspect(self, node: _Node) -> None:
+        with self._lock:
+            self._suspects.add(node)
+        self._wake.set()
+
+    def _check_suspects(self) -> None:
+        """PING every node an operation timed out on, on a fresh connection: no answer within
+        ``timeout_ms`` marks it down."""
+        with self._lock:
+            suspects, self._suspects = self._suspects, set()
+        for node in suspects:
+            if not node.up or self._closed:
+                continue
+            deadline = time.monotonic() + self._timeout
+            try:
+                conn = node.connect(deadline)
+                try:
+                    conn.pipeline([("PING",)], deadline)
+                finally:
+                    conn.close()
+            except StoreError as e:
+                self._node_failed(node, e)
+
     def _maintain(self) -> None:
-        """Background: probe down nodes every ``retry_s``; reload the cluster slot map when asked."""
+        """Background: check nodes an operation timed out on; probe down nodes every ``retry_s``; reload the
+        cluster slot map when asked."""
         while not self._closed:
             self._wake.clear()
+            self._check_suspects()
             now = time.monotonic()
             due = [n for n in list(self._nodes.values()) if not n.up and n.retry_at <= now]
             if self.config.cluster and (not self._topology_ok or self._refresh.is_set() or due):
@@ -734,7 +760,13 @@ class RedisTier(Tier):
                     refreshed = True
                     node.clear()         # its idle siblings are as dead as it was
                     continue
-                self._node_failed(node, e)
+                if e.timeout:
+                    # Out of time: the server, or this thread, was stalled (a writer runs at idle priority and
+                    # a busy host can keep it off the CPU past the deadline). The maintenance thread (normal
+                    # priority) asks the node; only if it does not answer either is the node down.
+                    self._suspect(node)
+                else:
+                    self._node_failed(node, e)
                 raise
             finally:
                 used.release(conn)

@@ -346,6 +346,9 @@ def test_sigstop_mid_get_fails_within_the_deadline(redis_server, open_tier):
         took = time.monotonic() - t0
         print(f"\nSIGSTOP: get_into failed after {1e3 * took:.0f} ms (timeout_ms={timeout_ms})")
         assert timeout_ms / 1e3 - 0.05 <= took <= timeout_ms / 1e3 + SLACK_S
+        # a timeout alone may be this client stalling: the maintenance thread's PING (another timeout_ms)
+        # decides that the server is down
+        wait_until(lambda: tier.stats()["nodes_down"] == 1, timeout_ms / 1e3 + 2, "the node is marked down")
         t0 = time.monotonic()                        # known down: everything answers at once
         with pytest.raises(ChunkError):
             tier.get_into(key, poisoned(x))
@@ -803,3 +806,30 @@ def test_bad_config_names_the_key(bad, name):
     with pytest.raises(ValidationError, match=name) as e:
         RedisConfig.model_validate(raw)
     assert "pw@" not in str(e.value)
+
+
+def test_a_stalled_client_does_not_mark_a_live_server_down(redis_server, open_tier, monkeypatch):
+    """A put that runs out of time because its own thread was kept off the CPU (writers run at idle
+    priority) is a failed put, not a dead server: the maintenance thread's PING answers, the node stays up,
+    and loads keep being served."""
+    from kvx.store import resp
+
+    tier = open_tier(redis_server.url, timeout_ms=300, retry_s=0.2)
+    key = new_key()
+    x = random_chunk((1000,), torch.float32, 5)
+    assert tier.put(key, x)
+    real = resp.RespConnection.set_value
+
+    def stalled(self, *a, **k):
+        time.sleep(0.35)                     # past the deadline, with the server answering all along
+        raise resp.ConnectionLost("no answer in time (SET)", timeout=True)
+
+    monkeypatch.setattr(resp.RespConnection, "set_value", stalled)
+    with pytest.raises(StoreUnavailableError):
+        tier.put(new_key(), x)
+    monkeypatch.setattr(resp.RespConnection, "set_value", real)
+    time.sleep(0.5)                          # the maintenance thread has pinged the node by now
+    assert tier.stats()["nodes_down"] == 0
+    out = poisoned(x)
+    tier.get_into(key, out)
+    assert same_bytes(out, x)
