@@ -324,7 +324,7 @@ class TransferEngine:
                 job._finish(e)
             else:
                 job._finish()
-
+            del item, fn, job     # the closure holds a load's buffers: not until the next job arrives
     # ---------------------------------------------------------------- deferred mode
     def _force_from(self, job: Job) -> None:
         """A host wait: on the engine's thread run the job now; elsewhere (an I/O thread) leave it to the

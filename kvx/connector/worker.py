@@ -376,8 +376,10 @@ class KVXWorker:
             if ch.key in load.failed:
                 return
             load.failed.add(ch.key)
+        # log the text, not the exception: a handler that keeps records (a QueueHandler, pytest's capture)
+        # would keep its traceback, and the frames' chunk buffers with it
         self.throttle.warning(_cause("load", e), "kvx: request %s: chunk %s not loaded (%s); vLLM recomputes it",
-                              load.spec.req_id, ch.key, e)
+                              load.spec.req_id, ch.key, str(e))
 
     def _read_chunk(self, ch: ChunkLoad, load: _Load) -> torch.Tensor:
         """Read and verify one chunk from its tier, into its CPU slot if it has one (promotion); return a
@@ -421,7 +423,7 @@ class KVXWorker:
         with load.lock:
             if len(load.failed) < len(load.spec.chunks):
                 self.throttle.error(_cause("copy", e), "kvx: request %s: load failed (%s); vLLM recomputes it",
-                                    load.spec.req_id, e)
+                                    load.spec.req_id, str(e))
                 load.failed.update(ch.key for ch in load.spec.chunks)
 
     def _report_failures(self, load: _Load) -> None:
@@ -602,7 +604,7 @@ class KVXWorker:
                     rec.reported_cpu = True
                     err = rec.copy_error()
                     if err is not None:
-                        self.throttle.error(_cause("save", err), "kvx: saving chunk %s failed: %s", s.key, err)
+                        self.throttle.error(_cause("save", err), "kvx: saving chunk %s failed: %s", s.key, str(err))
                         self._stats["save_errors"] += 1
                     if s.slot is not None:
                         _count(self._out.unstored if err is not None else self._out.stored, s.key)
@@ -614,11 +616,11 @@ class KVXWorker:
                 err = fut.exception()
                 if isinstance(err, StoreFullError):     # expected under pressure: the chunk stays uncached
                     self.throttle.warning(_cause(f"{name} full", err), "kvx: chunk %s not written to %s: %s",
-                                          s.key, name, err)
+                                          s.key, name, str(err))
                     self._stats[f"{name}_full"] += 1
                 elif err is not None:
                     self.throttle.error(_cause(f"{name} write", err), "kvx: writing chunk %s to %s failed: %s",
-                                        s.key, name, err)
+                                        s.key, name, str(err))
                     self._stats[f"{name}_write_errors"] += 1
                 elif fut.result():
                     self._stats[f"{name}_writes"] += 1
