@@ -44,6 +44,7 @@ get 0.9 / 1.6 GB/s (TCP / unix), as fast as or faster than the raw client on one
 from __future__ import annotations
 
 import concurrent.futures as cf
+from binascii import crc_hqx
 import math
 import os
 import ssl
@@ -134,6 +135,15 @@ def _valid_key(key: str) -> str:
     if not isinstance(key, str) or len(key) < 8 or any(c not in "0123456789abcdef" for c in key):
         raise ValueError(f"key: expected a lowercase hex string of >= 8 digits, got {key!r}")
     return key
+
+
+def _slot(chunk_key: str) -> int:
+    """Cluster slot of a kvx key: CRC16 of its hash tag (the chunk key between the braces), as Redis
+    computes it (redis.crc.key_slot, without its general-case parsing: 1 us instead of 4 per key)."""
+    lo = chunk_key.find("{")
+    if lo < 0:
+        return crc_hqx(chunk_key.encode(), 0) & 16383
+    return crc_hqx(chunk_key[lo + 1: chunk_key.index("}", lo)].encode(), 0) & 16383
 
 
 def _chunk_key(key: str) -> str:
@@ -706,9 +716,7 @@ class RedisTier(Tier):
             return self._node
         if not self._topology_ok:
             return None
-        from redis.crc import key_slot
-
-        return self._slots[key_slot(chunk_key.encode())]
+        return self._slots[_slot(chunk_key)]
 
     # ---------------------------------------------------------------- running commands
     def _op(self, chunk_key: str, fn: Callable[[RespConnection, bool], Any], deadline: float,

@@ -833,3 +833,14 @@ def test_a_stalled_client_does_not_mark_a_live_server_down(redis_server, open_ti
     out = poisoned(x)
     tier.get_into(key, out)
     assert same_bytes(out, x)
+
+
+def test_cluster_slots_are_the_ones_redis_computes():
+    """kvx's shortcut for a key's cluster slot agrees with redis-py's (and so with the servers)."""
+    from redis.crc import key_slot
+
+    from kvx.store.redis import _chunk_key, _part_key, _slot
+
+    for i in range(500):
+        ck = _chunk_key(f"{i:08x}{'ab' * 8}")
+        assert _slot(ck) == key_slot(ck.encode()) == key_slot(_part_key(ck, "0a1b2c", i).encode())
