@@ -532,10 +532,9 @@ def bench_sweep(urls: dict[str, str], mib: int, parts: list[int], runs: int, rep
 
 
 def n_values(payload: int, header: int, part: int) -> int:
-    """Redis values the tier writes for a chunk: one if header + payload fit in ``part``, else the parts (the
-    manifest under the chunk key not counted)."""
-    total = payload + header
-    return 1 if total <= part else math.ceil(total / part)
+    """Redis values the tier writes for a chunk: one if the payload fits in ``part`` (the header rides
+    along), else ceil(payload / part) parts (the manifest under the chunk key not counted)."""
+    return 1 if payload <= part else math.ceil(payload / part)
 
 
 def _fmt(b: int | None) -> str:
@@ -736,7 +735,7 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
     if dflt and info.get("header_bytes"):
         per = [f"{mib} MiB: {n_values(mib * MiB, h, dflt)}" for mib, h in sorted(info["header_bytes"].items())]
         lines += ["", f"Redis values kvx writes per chunk at its default `max_value_size` ({_fmt(dflt)}; the limit "
-                  f"counts the codec header, and a chunk of several values also has a manifest under its key and "
+                  f"counts chunk bytes, the codec header rides along; a chunk of several values also has a manifest under its key and "
                   f"is published by a script): {', '.join(per)}."]
 
     # ---- sweep
