@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -69,6 +70,20 @@ class Reference:
 @pytest.fixture(scope="session")
 def reference(model):
     return Reference(model)
+
+
+def shared_prefix_prompts(rng_seed: int, prefix_seed: int, tail_seed: int, tails: int,
+                          tail_chunks: tuple[int, int]) -> list[list[int]]:
+    """Prompts over 4 shared prefixes of 1-3 chunks, ``tails`` per prefix, each tail of
+    ``randrange(*tail_chunks)`` full chunks and an odd remainder (the soaks' workloads)."""
+    rng = random.Random(rng_seed)
+    prompts = []
+    for root in range(4):
+        prefix = H.prompt_ids((1 + root % 3) * CHUNK, seed=prefix_seed + root)
+        for tail in range(tails):
+            prompts.append(prefix + H.prompt_ids(rng.randrange(*tail_chunks) * CHUNK + rng.randrange(1, 200),
+                                                 seed=tail_seed + 10 * root + tail))
+    return prompts
 
 
 def tiers(store=None, cpu="64MiB", disk_size=None):

@@ -23,7 +23,7 @@ import pytest
 
 from kvx import harness as H
 
-from .conftest import CHUNK, MAX_TOKENS, connector_sides, engine, engine_process, full_hit, results, settle
+from .conftest import CHUNK, MAX_TOKENS, shared_prefix_prompts, connector_sides, engine, engine_process, full_hit, results, settle
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -56,14 +56,7 @@ CLUSTER_PROMPTS = [H.prompt_ids(3 * CHUNK + 20 + i, seed=530 + i) for i in range
 def soak_pool() -> list[list[int]]:
     """16 prompts over 4 shared prefixes of 1-3 chunks, with tails of 0-2 chunks and odd lengths (26
     distinct chunks, 13 MiB: more than the soak's server holds)."""
-    rng = random.Random(17)
-    prompts = []
-    for root in range(4):
-        prefix = H.prompt_ids((1 + root % 3) * CHUNK, seed=540 + root)
-        for tail in range(4):
-            prompts.append(prefix + H.prompt_ids(rng.randrange(0, 3) * CHUNK + rng.randrange(1, 200),
-                                                 seed=550 + 10 * root + tail))
-    return prompts
+    return shared_prefix_prompts(17, prefix_seed=540, tail_seed=550, tails=4, tail_chunks=(0, 3))
 
 
 SOAK_PROMPTS = soak_pool()

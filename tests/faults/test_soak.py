@@ -8,9 +8,8 @@ import random
 
 import pytest
 
-from kvx import harness as H
-
-from .conftest import CHUNK, CHUNK_BYTES, assert_store_sound, chunk_files, connector_sides, engine, store_files, tiers
+from .conftest import (CHUNK_BYTES, assert_store_sound, chunk_files, connector_sides, engine, shared_prefix_prompts,
+                       store_files, tiers)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -19,15 +18,8 @@ MAX_TOKENS = 4
 
 
 def pool() -> list[list[int]]:
-    """12 prompts over 4 shared prefixes of 1-3 chunks, with tails of 0-3 chunks and odd lengths."""
-    rng = random.Random(7)
-    prompts = []
-    for root in range(4):
-        prefix = H.prompt_ids((1 + root % 3) * CHUNK, seed=200 + root)
-        for tail in range(3):
-            prompts.append(prefix + H.prompt_ids(rng.randrange(1, 4) * CHUNK + rng.randrange(1, 200),
-                                                 seed=300 + 10 * root + tail))
-    return prompts
+    """12 prompts over 4 shared prefixes of 1-3 chunks, with tails of 1-3 chunks and odd lengths."""
+    return shared_prefix_prompts(7, prefix_seed=200, tail_seed=300, tails=3, tail_chunks=(1, 4))
 
 
 def test_soak_under_eviction_and_damaged_files(model, reference, tmp_path):
