@@ -141,13 +141,15 @@ def drain(llm, timeout_s: float = 60.0) -> None:
         time.sleep(0.001)        # idle steps while disk writes finish, as the engine loop takes them
 
 
-def generate(llm, ids: list[int], max_tokens: int = 8) -> Result:
+def generate(llm, ids: list[int], max_tokens: int = 8, kv_transfer_params: dict | None = None) -> Result:
     """Greedy generation of one prompt; TTFT from vLLM's request metrics (arrival -> first token). The
-    engine is drained afterwards (:func:`drain`)."""
+    engine is drained afterwards (:func:`drain`). ``kv_transfer_params``: the request's connector
+    parameters (``SamplingParams.extra_args["kv_transfer_params"]``, as the OpenAI server passes them)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(temperature=0, ignore_eos=True, detokenize=False, max_tokens=max_tokens)
+    extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params is not None else None
+    sp = SamplingParams(temperature=0, ignore_eos=True, detokenize=False, max_tokens=max_tokens, extra_args=extra)
     t0 = time.perf_counter()
     out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
     wall = time.perf_counter() - t0
