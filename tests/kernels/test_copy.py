@@ -14,6 +14,10 @@ from kvx.testing import make_kv_caches, random_fill_
 
 # Module-level parameter lists (stacked with parametrize).
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+# Every KV cache dtype vLLM allocates: the model dtypes, float8 (kv_cache_dtype "fp8_inc", and what a
+# uint8 fp8 cache holds) and uint8 (kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2" are stored as uint8).
+VLLM_DTYPES = [torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES, torch.uint8]
 BLOCK_SIZES = [16, 32, 128]
 HEAD_SIZES = [64, 5]            # an odd head size exercises the 1- and 2-byte copy widths
 MLA_HEAD_SIZES = [576, 5]
@@ -82,8 +86,20 @@ def _cases(head_sizes_for):
 CASES = list(_cases(lambda name: MLA_HEAD_SIZES if name == "mla" else HEAD_SIZES))
 
 
+def _fp8_cases():
+    """float8 on every layout and head size; one block size per layout, in turn (the kernels move bytes, so
+    a float8 copy runs the 1-byte uint8 code, which CASES covers at every block size)."""
+    for i, (name, dtype) in enumerate(itertools.product(TOKEN_LAYOUTS, FP8_DTYPES)):
+        bs = BLOCK_SIZES[i % len(BLOCK_SIZES)]
+        for hs in (MLA_HEAD_SIZES if name == "mla" else HEAD_SIZES):
+            yield pytest.param(name, dtype, bs, hs, id=f"{name}-{str(dtype)[6:]}-bs{bs}-hs{hs}")
+
+
+FP8_CASES = list(_fp8_cases())
+
+
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("name,dtype,block_size,head_size", CASES)
+@pytest.mark.parametrize("name,dtype,block_size,head_size", CASES + FP8_CASES)
 def test_blocks(impl, name, dtype, block_size, head_size):
     _impl_or_skip(impl)
     seed = _seed(name, str(dtype), block_size, head_size)
@@ -108,7 +124,7 @@ def test_blocks(impl, name, dtype, block_size, head_size):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("name,dtype,block_size,head_size", CASES)
+@pytest.mark.parametrize("name,dtype,block_size,head_size", CASES + FP8_CASES)
 def test_slots(impl, name, dtype, block_size, head_size):
     _impl_or_skip(impl)
     seed = _seed("slots", name, str(dtype), block_size, head_size)
@@ -201,14 +217,15 @@ def test_canonical_chunk_moves_between_layouts_and_block_sizes(impl):
         assert torch.equal(k_src[b, t].view(torch.int16), k_dst[db, dt].view(torch.int16))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("impl", ["reference"] + IMPLS)
-def test_strided_contiguous_side(impl):
+def test_strided_contiguous_side(impl, dtype):
     """The contiguous side may be a strided view (e.g. a slot of a larger pool, layers permuted)."""
     _impl_or_skip(impl)
     g = torch.Generator().manual_seed(11)
     lay = KVLayout.from_tensors(make_kv_caches("LBHNC", num_layers=3, num_blocks=6, block_size=16, num_heads=2,
-                                               head_size=16, dtype=torch.bfloat16, generator=g), "LBHNC")
-    pool = random_fill_(torch.empty(2, 2, 3, 48, 2, 16, dtype=torch.bfloat16), g)   # [slot, P, L, T, H, D]
+                                               head_size=16, dtype=dtype, generator=g), "LBHNC")
+    pool = random_fill_(torch.empty(2, 2, 3, 48, 2, 16, dtype=dtype), g)   # [slot, P, L, T, H, D]
     out = pool[1].transpose(0, 1)                                                   # [L, P, T, H, D], strided
     ops.gather_blocks(lay, [3, 0, 5], out, impl=impl)
     _assert_same_bytes(out, ops.gather_blocks(lay, [3, 0, 5], impl="reference"))    # vs a contiguous chunk
@@ -240,6 +257,71 @@ def test_reference_matches_hand_indexing():
                         assert torch.equal(out[l, 0, i * 16 + tok, h].view(torch.int32), k.view(torch.int32))
                         if v is not None:
                             assert torch.equal(out[l, 1, i * 16 + tok, h].view(torch.int32), v.view(torch.int32))
+
+
+def _hand_row(t, name, b, tok, h, p):
+    """Row ``[D]`` of plane ``p``, block ``b``, token ``tok``, head ``h`` in one layer's cache tensor ``t`` as
+    make_kv_caches builds it, by plain indexing (no KVLayout)."""
+    if name in ("LBNHC", "LBHNC", "BLNHC", "BLHNC"):    # [B, H, N, 2D]: K is the first D of the content
+        d = t.shape[-1] // 2
+        return t[b, h, tok, p * d:(p + 1) * d]
+    if name == "flash":                                 # [2, B, N, H, D]
+        return t[p, b, tok, h]
+    if name == "flashinfer":                            # [B, 2, N, H, D]
+        return t[b, p, tok, h]
+    assert name == "mla" and p == 0 and h == 0          # [B, N, D]
+    return t[b, tok]
+
+
+def _bytes(row):
+    return row.view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", VLLM_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", ["LBHNC", "BLNHC", "flash", "flashinfer", "mla"])
+def test_reference_every_vllm_dtype_by_hand(name, dtype):
+    """The oracle itself on every KV dtype vLLM uses (float8 included: torch has no CPU index_copy for it),
+    blocks and slots, both directions, against per-row byte comparisons on padded (non-contiguous) caches."""
+    g = torch.Generator().manual_seed(_seed("by-hand", name, str(dtype)))
+    N, B, H = 16, 4, 1 if name == "mla" else 2
+    caches = make_kv_caches(name, num_layers=2, num_blocks=B, block_size=N, num_heads=H, head_size=6,
+                            dtype=dtype, padded=True, generator=g)
+    lay = KVLayout.from_tensors(caches, name)
+    P = lay.num_planes
+    rows = [(l, p, h) for l in range(2) for p in range(P) for h in range(H)]
+
+    out = ops.gather_blocks(lay, [3, 1, 3], impl="reference")
+    for (l, p, h), (i, b), tok in itertools.product(rows, enumerate([3, 1, 3]), range(N)):
+        assert torch.equal(_bytes(out[l, p, i * N + tok, h]), _bytes(_hand_row(caches[l], name, b, tok, h, p)))
+
+    slots = [5, -1, 17, 63, -1, 0, 40]
+    out = random_fill_(torch.empty(lay.canonical_shape(len(slots)), dtype=dtype), g)
+    poison = out.clone()
+    ops.gather_slots(lay, slots, out, impl="reference")
+    for (l, p, h), (i, s) in itertools.product(rows, enumerate(slots)):
+        want = poison[l, p, i, h] if s < 0 else _hand_row(caches[l], name, s // N, s % N, h, p)
+        assert torch.equal(_bytes(out[l, p, i, h]), _bytes(want))
+
+    def expect_writes(writes):
+        """The caches after ``writes`` [(layer, plane, head, block, token, row)], written by hand on copies."""
+        expected = [t.clone() for t in caches]
+        for l, p, h, b, tok, row in writes:
+            _bytes(_hand_row(expected[l], name, b, tok, h, p)).copy_(_bytes(row))
+        return expected
+
+    src = random_fill_(torch.empty(lay.canonical_shape(len(slots)), dtype=dtype), g)
+    expected = expect_writes([(l, p, h, s // N, s % N, src[l, p, i, h])
+                              for (l, p, h), (i, s) in itertools.product(rows, enumerate(slots)) if s >= 0])
+    ops.scatter_slots(lay, slots, src, impl="reference")               # padding slots write nothing
+    for t, e in zip(caches, expected):
+        _assert_same_bytes(t, e)
+
+    src = random_fill_(torch.empty(lay.canonical_shape(2 * N), dtype=dtype), g)
+    expected = expect_writes([(l, p, h, b, tok, src[l, p, i * N + tok, h])
+                              for (l, p, h), (i, b), tok in itertools.product(rows, enumerate([2, 0]), range(N))])
+    ops.scatter_blocks(lay, [2, 0], src, impl="reference")
+    for t, e in zip(caches, expected):
+        _assert_same_bytes(t, e)
 
 
 def test_cpu_large_copies_and_thread_counts():
@@ -275,7 +357,7 @@ GPU_IMPLS = ["cuda", "triton"]
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", GPU_IMPLS)
 @pytest.mark.parametrize("host", [False, True], ids=["hbm", "pinned"])
-@pytest.mark.parametrize("name,dtype,block_size,head_size", CASES)
+@pytest.mark.parametrize("name,dtype,block_size,head_size", CASES + FP8_CASES)
 def test_gpu_matches_reference(impl, host, name, dtype, block_size, head_size):
     _impl_or_skip(impl, "cuda")
     seed = _seed("gpu", name, str(dtype), block_size, head_size)

@@ -97,6 +97,7 @@ def test_threshold_arguments_are_checked(monkeypatch):
 # ------------------------------------------------------------------------------------------ GPU
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none present)")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 BLOCK_SIZES = [16, 32, 128]
 TOKEN_LAYOUTS = [name for name in LAYOUTS if name != "cpu"]
 # (path, contiguous side): the kernel on device memory is test_copy.py's
@@ -110,6 +111,12 @@ def _seed(*key) -> int:
 
 def _cases():
     for name, dtype, bs in itertools.product(TOKEN_LAYOUTS, DTYPES, BLOCK_SIZES):
+        for hs in ([576, 5] if name == "mla" else [64, 5]):
+            yield pytest.param(name, dtype, bs, hs, id=f"{name}-{str(dtype)[6:]}-bs{bs}-hs{hs}")
+    # float8 (vLLM's fp8_inc caches) on every layout and head size, one block size per layout in turn: the
+    # copy moves bytes, so it is the 1-byte uint8 case above at the other block sizes
+    for i, (name, dtype) in enumerate(itertools.product(TOKEN_LAYOUTS, FP8_DTYPES)):
+        bs = BLOCK_SIZES[i % len(BLOCK_SIZES)]
         for hs in ([576, 5] if name == "mla" else [64, 5]):
             yield pytest.param(name, dtype, bs, hs, id=f"{name}-{str(dtype)[6:]}-bs{bs}-hs{hs}")
 

@@ -20,6 +20,7 @@ from kvx.testing import make_kv_caches, make_layout, random_fill_
 _C = ops._C  # None without the extension: then conftest.py fails every test, with the import error
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 BLOCK_SIZES = [16, 32, 128]
 HEAD_SIZES = [64, 5]            # an odd head size: rows of 5 elements, nothing 16-byte aligned
 MLA_HEAD_SIZES = [576, 5]
@@ -107,6 +108,12 @@ def _round_trip(kind, lay, ref, gather_ids, scatter_ids, shape_of, dtype, g):
 
 def _cases():
     for name, dtype, bs in itertools.product(TOKEN_LAYOUTS, DTYPES, BLOCK_SIZES):
+        for hs in (MLA_HEAD_SIZES if name == "mla" else HEAD_SIZES):
+            yield pytest.param(name, dtype, bs, hs, id=f"{name}-{str(dtype)[6:]}-bs{bs}-hs{hs}")
+    # float8 (vLLM's fp8_inc caches) on every layout and head size, one block size per layout in turn: the
+    # copy moves bytes, so it is the 1-byte uint8 case above at the other block sizes
+    for i, (name, dtype) in enumerate(itertools.product(TOKEN_LAYOUTS, FP8_DTYPES)):
+        bs = BLOCK_SIZES[i % len(BLOCK_SIZES)]
         for hs in (MLA_HEAD_SIZES if name == "mla" else HEAD_SIZES):
             yield pytest.param(name, dtype, bs, hs, id=f"{name}-{str(dtype)[6:]}-bs{bs}-hs{hs}")
 
