@@ -13,6 +13,9 @@ the factory's ``get_connector_class``: when it resolves a kvx connector for a ``
 the config is checked (:meth:`KVXConnector.check_config`) right then. The wrap changes nothing for any
 other connector, and the constructors check again (with the plugin disabled through
 ``VLLM_PLUGINS``, that is where errors show).
+
+Per-request ``kvx_*`` params are checked where vLLM validates request parameters, so a bad one is an
+HTTP 400 naming the key (:func:`kvx.connector.params.install_request_check`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ def register() -> None:
         except ValueError:  # registered concurrently under the same name
             pass
     _check_config_on_resolve(KVConnectorFactory)
+    from .connector.params import install_request_check
+
+    install_request_check()
 
 
 def _check_config_on_resolve(factory) -> None:

@@ -71,10 +71,16 @@ class KVXConfig(_Strict):
     save_layerwise: bool = Field(default=True, description="queue each layer group's save gathers as soon as "
                                  "the forward wrote it (save_kv_layer), so the copies overlap the rest of the "
                                  "forward; false: all layers at once in wait_for_save")
+    save_priority_limit: int | None = Field(default=None, description="save only requests whose vLLM priority "
+                                            "is at most this (lower is more important); null: every request")
+    pd_wait_ms: int = Field(default=3000, ge=0, le=600_000, description="kv_consumer: how long a request waits for "
+                            "the chunks its producer announced (kvx_pd_chunks) to reach a shared tier before it "
+                            "computes without them")
     io_threads: int = Field(default=2, ge=1, le=64, description="threads for disk reads, and as many for disk writes")
     max_ctas: int = Field(default=8, ge=0, description="CUDA thread-block cap for copies (0 = no cap)")
 
-    @field_validator("chunk_size", "skip_last_n_tokens", "io_threads", "max_ctas", mode="before")
+    @field_validator("chunk_size", "skip_last_n_tokens", "io_threads", "max_ctas", "save_priority_limit",
+                     "pd_wait_ms", mode="before")
     @classmethod
     def _no_bool(cls, v):
         # pydantic's lax mode turns true/false into 1/0: "chunk_size": true is a typo, not a chunk size

