@@ -77,7 +77,9 @@ class KVXConnector(KVConnectorBase_V1):
             self._scheduler = KVXScheduler(
                 self.config, geom, ns, fingerprint, shards=shard_count(vllm_config, geom.use_mla),
                 num_workers=int(vllm_config.parallel_config.world_size),
-                producer=bool(ktc.is_kv_producer), consumer=bool(ktc.is_kv_consumer))
+                producer=bool(ktc.is_kv_producer), consumer=bool(ktc.is_kv_consumer),
+                kv_events=bool(getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events",
+                                       False)))
         else:
             shard, shards, writes = worker_shard(vllm_config, geom.use_mla)
             self._worker = KVXWorker(self.config, geom, fmt, fingerprint, shard, shards, writes)
@@ -191,6 +193,11 @@ class KVXConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
+
+    def take_events(self):
+        """BlockStored / BlockRemoved / AllBlocksCleared for chunks entering and leaving kvx's tiers (with
+        vLLM's ``--kv-events-config``; see :mod:`kvx.connector.events`)."""
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int):
         return self._scheduler.get_external_cache_hit_sources(request, num_external_tokens)

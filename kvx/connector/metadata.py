@@ -96,6 +96,8 @@ class KVXWorkerMetadata(KVConnectorWorkerMetadata):
     unstored:  CPU slot write failed or skipped, per key
     tier_done: a tier's write of a chunk finished (written, or already present / failed), per
                :func:`tier_done_key` (tier, key)
+    tier_written / tier_failed: of those, the writes that stored new bytes / that failed
+    tier_removed: chunks removed from a tier on a worker (evicted, dropped), as tier_done keys
     loads_done: a request's load finished (successfully or not), per request id
     failed_blocks: blocks whose load failed on a worker (union over workers)
     """
@@ -103,6 +105,9 @@ class KVXWorkerMetadata(KVConnectorWorkerMetadata):
     stored: dict[str, int] = field(default_factory=dict)
     unstored: dict[str, int] = field(default_factory=dict)
     tier_done: dict[str, int] = field(default_factory=dict)
+    tier_written: dict[str, int] = field(default_factory=dict)
+    tier_failed: dict[str, int] = field(default_factory=dict)
+    tier_removed: list[str] = field(default_factory=list)
     loads_done: dict[str, int] = field(default_factory=dict)
     failed_blocks: list[int] = field(default_factory=list)
 
@@ -110,15 +115,17 @@ class KVXWorkerMetadata(KVConnectorWorkerMetadata):
         if not isinstance(other, KVXWorkerMetadata):
             return self
         out = KVXWorkerMetadata()
-        for name in ("stored", "unstored", "tier_done", "loads_done"):
+        for name in ("stored", "unstored", "tier_done", "tier_written", "tier_failed", "loads_done"):
             merged = Counter(getattr(self, name))
             merged.update(getattr(other, name))
             setattr(out, name, dict(merged))
         out.failed_blocks = sorted(set(self.failed_blocks) | set(other.failed_blocks))
+        out.tier_removed = self.tier_removed + other.tier_removed
         return out
 
     def is_empty(self) -> bool:
-        return not (self.stored or self.unstored or self.tier_done or self.loads_done or self.failed_blocks)
+        return not (self.stored or self.unstored or self.tier_done or self.tier_written or self.tier_failed
+                    or self.tier_removed or self.loads_done or self.failed_blocks)
 
 
 def tier_done_key(*args: str):

@@ -41,6 +41,7 @@ from ..store import CPUIndex, SlotState, TierContext, tier_class
 from ..store.stack import TierStack
 from .common import EngineGeometry, num_cpu_slots
 from .config import KVXConfig
+from .events import KVEvents
 from .keys import MMItem, chunk_keys, rank_key, request_root
 from .metadata import ChunkLoad, ChunkSave, KVXMetadata, KVXWorkerMetadata, LoadSpec, tier_done_key
 from .params import RequestControls, controls_of
@@ -79,6 +80,8 @@ class RequestTracker:
     saves: bool = True                    # skip_save / save_priority_limit
     pd_since: float | None = None         # consumer: when it began waiting for its producer's chunks
     pd_settled: bool = False              # consumer: done waiting (all there, timed out, or not ours)
+    local_hit: int | None = None          # vLLM's own prefix hit at the last lookup (None: not looked up)
+    counted: bool = False                 # hit/miss tokens counted (once per request)
     keys: list[str] = field(default_factory=list)    # keys of full chunks hashed so far
     saved_chunks: int = 0                 # full chunks handled by the save planner
     partial_done: bool = False
@@ -120,7 +123,7 @@ class KVXScheduler:
     """The scheduler-side state machine of :class:`kvx.connector.KVXConnector`."""
 
     def __init__(self, config: KVXConfig, geom: EngineGeometry, namespace: bytes, fingerprint: str,
-                 shards: int, num_workers: int, producer: bool, consumer: bool):
+                 shards: int, num_workers: int, producer: bool, consumer: bool, kv_events: bool = False):
         self.config = config
         self.geom = geom
         self.namespace = namespace
@@ -138,6 +141,10 @@ class KVXScheduler:
         ctx = TierContext(fingerprint, role="scheduler", writes=producer, io_threads=config.io_threads)
         self.tiers = {t.type: tier_class(t.type).open(t, ctx) for t in config.byte_tiers}
         self.stack = TierStack(list(self.tiers.values()), self._shard_keys)
+        self.events = KVEvents(kv_events, geom.block_size,
+                               {"cpu": "CPU", **{n: type(t).event_medium for n, t in self.tiers.items()}})
+        for source in ([self.cpu] if self.cpu is not None else []) + list(self.tiers.values()):
+            source.subscribe(self.events.observe)
         self.trackers: dict[str, RequestTracker] = {}
         self._new_loads: list[LoadSpec] = []
         self._load_pins: dict[str, list[str]] = {}      # req_id -> CPU keys pinned for its load
@@ -147,8 +154,9 @@ class KVXScheduler:
         self._after_commit: dict[str, tuple[int, list[str]]] = {}   # key -> (tokens, tiers): write through
         self._write_through: list[tuple[str, int, list[str]]] = []  # committed: write through next step
         self._freed: list[int] = []                      # blocks freed since the last step (for the workers)
+        self._pending_reported = 0
         self._counts: dict[str, Counter] = {n: Counter() for n in ("stored", "unstored", "tier_done",
-                                                                    "loads_done")}
+                                                                    "tier_written", "tier_failed", "loads_done")}
         self.stats = Counter()
 
     # ------------------------------------------------------------------ helpers
@@ -193,6 +201,7 @@ class KVXScheduler:
         t.plan = None
         if not self.consumer or t.controls.skip_load:
             return 0, False
+        t.local_hit = num_computed_tokens
         num_tokens = request.num_tokens
         keys = t.full_keys(num_tokens, self.chunk_size)
         rest = ((num_tokens - len(keys) * self.chunk_size) // self.geom.block_size) * self.geom.block_size
@@ -265,6 +274,10 @@ class KVXScheduler:
         table = list(blocks.get_block_ids()[0]) if blocks is not None else []
         if table:
             t.block_ids = table
+        if t.local_hit is not None and not t.counted:
+            # tokens past vLLM's own prefix hit that kvx did not serve (those it serves: hit_tokens_<tier>)
+            t.counted = True
+            self.stats["miss_tokens"] += max(0, request.num_prompt_tokens - t.local_hit - num_external_tokens)
         if t.phase is Phase.PREEMPTED:
             t.phase = Phase.NEW
         if num_external_tokens == 0:
@@ -294,6 +307,7 @@ class KVXScheduler:
             slot = slots.get(key)
             if tier != "cpu" and self.cpu is not None and self.config.promote and self.cpu.state(key) is None:
                 slot = self.cpu.allocate(key)          # promote the hit into the CPU tier
+                self.events.record(key, request, cb0, ntok // bs)
                 faster = self.stack.lacking(key, self.stack.faster(tier)) if self.producer else []
                 if slot is not None and faster:        # and, once there, into the faster tiers lacking it
                     self._after_commit[key] = (ntok, faster)
@@ -433,6 +447,7 @@ class KVXScheduler:
         if deps and self.validity.known_bad(deps):
             self.stats["saves_deferred"] += 1
             return False
+        self.events.record(key, t.request, b0, b1 - b0)
         state = self.cpu.state(key) if self.cpu is not None else None
         slot = self.cpu.allocate(key) if self.cpu is not None and state is None else None
         to_tiers = self.stack.lacking(key)
@@ -490,12 +505,17 @@ class KVXScheduler:
         c = self._counts
         if wm.failed_blocks:
             self._on_failed_loads(wm.failed_blocks)
+        c["tier_written"].update(wm.tier_written)
+        c["tier_failed"].update(wm.tier_failed)
         for tk, n in wm.tier_done.items():
             c["tier_done"][tk] += n
             if c["tier_done"][tk] >= self.num_workers:
                 del c["tier_done"][tk]
                 name, key = tier_done_key(tk)
                 self.stack.written(name, key)
+                if c["tier_written"].pop(tk, 0) and not c["tier_failed"].pop(tk, 0):
+                    self.events.stored(name, key)     # new bytes, every rank's share in
+                c["tier_failed"].pop(tk, None)
                 holds = self._holds.pop((name, key), 0)
                 if holds:
                     self.cpu.unpin([key] * holds)
@@ -516,6 +536,8 @@ class KVXScheduler:
                 else:
                     self.cpu.abort(key)
                     self.stats["cpu_store_failed"] += 1
+        for tk in wm.tier_removed:
+            self.events.removed(*tier_done_key(tk))
         for rid, n in wm.loads_done.items():
             c["loads_done"][rid] += n
             if c["loads_done"][rid] >= self.num_workers:
@@ -557,8 +579,17 @@ class KVXScheduler:
         return False, None
 
     def take_stats(self) -> dict:
+        """Counters since the last call, the tiers' stored/eviction counts, and the ``pending_writes`` gauge
+        (tier writes and CPU slot writes in flight) whenever it changed."""
         stats, self.stats = dict(self.stats), Counter()
+        stats.update(self.events.take_counts())
+        pending = self.stack.in_flight_count() + (self.cpu.pending() if self.cpu is not None else 0)
+        if pending != self._pending_reported:
+            stats["pending_writes"] = self._pending_reported = pending
         return stats
+
+    def take_events(self) -> list:
+        return self.events.take()
 
     def has_pending_push_work(self) -> bool:
         # keep the engine stepping while a worker has something to report: the reports ride on steps
@@ -566,7 +597,13 @@ class KVXScheduler:
                     or (self.cpu is not None and self.cpu.pending()))
 
     def reset_cache(self) -> bool:
-        return self.cpu.clear() if self.cpu is not None else True
+        if self.cpu is None:
+            return True
+        self.events.settle()
+        ok = self.cpu.clear()
+        if ok and not self.stack:
+            self.events.cleared()        # nothing is left in any kvx tier
+        return ok
 
     def close(self) -> None:
         self.stack.close()

@@ -33,7 +33,7 @@ import os
 import re
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -43,7 +43,7 @@ from .. import ops
 from ..engine import BlockOrder, Job, TransferEngine
 from ..layout import KVLayout
 from ..log import Throttle, get_logger
-from ..store import CPUPool, StoreFullError, Tier, TierContext, tier_class
+from ..store import REMOVED, CPUPool, StoreFullError, Tier, TierContext, tier_class
 from .common import EngineGeometry, num_cpu_slots
 from .config import KVXConfig
 from .keys import rank_key
@@ -90,6 +90,9 @@ def _settle(wait) -> None:
         pass
 
 
+_MAX_RANK_KEYS = 1 << 18    # TP: storage keys remembered to name evicted chunks (bounded memory)
+
+
 @dataclass
 class _Load:
     """One request's load in flight. Worker thread only, except ``failed`` / ``keep`` (I/O threads)."""
@@ -116,6 +119,7 @@ class _Save:
     writes: dict[str, Future] = field(default_factory=dict)   # tier name -> its write in flight
     staging: int | None = None
     reported_cpu: bool = False
+    started: float = field(default_factory=time.perf_counter)
 
     def copies_done(self) -> bool:
         return all(j.done() for j in self.jobs)
@@ -160,6 +164,10 @@ class KVXWorker:
         self._out = KVXWorkerMetadata()
         self._stats = Counter()
         self.totals = Counter()               # every counter since start (take_stats adds to it)
+        self._hist: dict[str, list[float]] = {"load_seconds": [], "save_seconds": []}   # latency samples
+        self._removed: list[str] = []         # tier_done_key of chunks removed from a byte tier here
+        self._rank_keys: OrderedDict[str, str] = OrderedDict()   # TP: storage key -> chunk key, written here
+        self._removed_lock = threading.Lock()
         self.fence_loads_at_start = False     # fence every load in start_load_kv (no per-layer fences)
         self._loads_started = False
 
@@ -214,6 +222,8 @@ class KVXWorker:
             self.pool = CPUPool(n_slots, self.chunk_shape(self.config.chunk_size), self.chunk_dtype, pin=pin)
         ctx = TierContext(self.fingerprint, role="worker", writes=self.writes, io_threads=self.config.io_threads)
         self.tiers = {t.type: tier_class(t.type).open(t, ctx) for t in self.config.byte_tiers}
+        for tier in self.tiers.values():
+            tier.subscribe(self._on_tier_event)
         if self.tiers:
             # Reads keep normal priority: the forward waits for them (a SCHED_IDLE reader runs only when a
             # core is idle). Writers: as many per tier, so a slow tier does not hold up the others.
@@ -302,6 +312,7 @@ class KVXWorker:
             self.outcomes.started(ch.block_ids)
             if ch.tier == "cpu":
                 ready.append((ch, self._slot_view(ch.slot, ch.tokens)))
+                self._stats["cpu_read_bytes"] += ready[-1][1].nbytes
             else:
                 load.pending.append((ch, self.reader.submit(self._read_chunk, ch, load)))
         early = [ch for ch, _ in ready + load.pending if ch.before_forward and self.fmt == "pages"]
@@ -393,6 +404,7 @@ class KVXWorker:
             out = torch.empty(shape, dtype=self.chunk_dtype, pin_memory=self.layout.device.type == "cuda")
         self.tiers[ch.tier].get_into(key, out)
         self._stats[f"{ch.tier}_reads"] += 1
+        self._stats[f"{ch.tier}_read_bytes"] += out.nbytes
         if dst is not None and out is not dst:
             dst.copy_(out)
             out = dst
@@ -457,6 +469,7 @@ class KVXWorker:
                 load.keep.clear()
                 _count(self._out.loads_done, load.spec.req_id)
                 self._stats["load_ms"] += (time.perf_counter() - load.started) * 1e3
+                self._hist["load_seconds"].append(time.perf_counter() - load.started)
             else:
                 keep.append(load)
         self._retiring = keep
@@ -569,6 +582,11 @@ class KVXWorker:
         for job in jobs:
             job.wait()
         key = rank_key(s.key, self.shard, self.shards) if self.shards > 1 else s.key
+        if self.shards > 1:
+            with self._removed_lock:
+                self._rank_keys[key] = s.key
+                while len(self._rank_keys) > _MAX_RANK_KEYS:
+                    self._rank_keys.popitem(last=False)
         t0 = time.perf_counter()
         written = self.tiers[name].put(key, src, {"tokens": str(s.tokens), "format": self.fmt})
         self._stats[f"{name}_write_ms"] += (time.perf_counter() - t0) * 1e3
@@ -608,12 +626,15 @@ class KVXWorker:
                         self._stats["save_errors"] += 1
                     if s.slot is not None:
                         _count(self._out.unstored if err is not None else self._out.stored, s.key)
+                        if err is None and rec.dest is not None:
+                            self._stats["cpu_write_bytes"] += rec.dest.nbytes
             for name, fut in list(rec.writes.items()):
                 if block:
                     _settle(fut.result)
                 if not fut.done():
                     continue
                 err = fut.exception()
+                tk = tier_done_key(name, s.key)
                 if isinstance(err, StoreFullError):     # expected under pressure: the chunk stays uncached
                     self.throttle.warning(_cause(f"{name} full", err), "kvx: chunk %s not written to %s: %s",
                                           s.key, name, str(err))
@@ -624,11 +645,17 @@ class KVXWorker:
                     self._stats[f"{name}_write_errors"] += 1
                 elif fut.result():
                     self._stats[f"{name}_writes"] += 1
-                _count(self._out.tier_done, tier_done_key(name, s.key))
+                    self._stats[f"{name}_write_bytes"] += rec.dest.nbytes
+                    _count(self._out.tier_written, tk)
+                if err is not None:
+                    _count(self._out.tier_failed, tk)
+                _count(self._out.tier_done, tk)
                 del rec.writes[name]
             if not rec.reported_cpu or rec.writes:
                 keep.append(rec)
-            elif rec.staging is not None:
+                continue
+            self._hist["save_seconds"].append(time.perf_counter() - rec.started)
+            if rec.staging is not None:
                 self._release_staging(rec.staging)
         self._saves = keep
 
@@ -653,13 +680,31 @@ class KVXWorker:
 
     def build_worker_meta(self) -> KVXWorkerMetadata | None:
         self._poll_saves(block=False)
+        with self._removed_lock:
+            removed, self._removed = self._removed, []
         out, self._out = self._out, KVXWorkerMetadata()
+        out.tier_removed = removed
         return None if out.is_empty() else out
 
+    def _on_tier_event(self, tier: str, event: str, keys) -> None:
+        """A tier listener (any thread): chunks removed from a byte tier here (evicted to make room for a
+        write, a corrupt copy dropped), for the scheduler's KV events and eviction counts."""
+        if event != REMOVED:
+            return
+        if self.shards > 1:     # a rank's storage key: the chunk's key, if this process wrote it
+            with self._removed_lock:
+                keys = [self._rank_keys.pop(k) for k in keys if k in self._rank_keys]
+        with self._removed_lock:
+            self._removed += [tier_done_key(tier, k) for k in keys]
+
     def take_stats(self) -> dict:
-        """Counters since the last call (vLLM reports them per step); ``totals`` keeps the sum."""
+        """Counters since the last call (vLLM reports them per step), and the latency samples
+        (``load_seconds``, ``save_seconds``: lists); ``totals`` keeps the counters' sum."""
         stats, self._stats = dict(self._stats), Counter()
         self.totals.update(stats)
+        for name, samples in self._hist.items():
+            if samples:
+                stats[name], self._hist[name] = samples, []
         return stats
 
     def clear(self) -> None:

@@ -310,6 +310,7 @@ class DiskStore(Tier):
     type = "disk"
     config_model = DiskTierConfig
     hit_source = "disk"
+    event_medium = "DISK"
     local_lookup = True
 
     def __init__(self, path: str, capacity_bytes: int | None = None, fingerprint: str = "",

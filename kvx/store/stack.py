@@ -97,6 +97,9 @@ class TierStack:
     def busy(self) -> bool:
         return bool(self._inflight)
 
+    def in_flight_count(self) -> int:
+        return len(self._inflight)
+
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()

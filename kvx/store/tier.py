@@ -96,13 +96,14 @@ class Tier(ABC):
     """A store of encoded chunks below the CPU pool (disk, Redis, ...).
 
     Subclasses set ``type`` (the config's ``"type"``), ``config_model`` (a :class:`TierConfig`) and
-    ``hit_source`` (how vLLM's metrics name hits from it: a ``CacheHitSource`` value), and implement
-    :meth:`open` and the operations below. Errors are the ones of :mod:`kvx.store.errors`.
+    ``hit_source`` (how vLLM's metrics name hits from it: a ``CacheHitSource`` value), ``event_medium``
+    (the ``medium`` of its KV cache events), and implement :meth:`open` and the operations below. Errors are the ones of :mod:`kvx.store.errors`.
     """
 
     type: ClassVar[str]
     config_model: ClassVar[type[TierConfig]]
     hit_source: ClassVar[str] = "external_unspecified"
+    event_medium: ClassVar[str] = "REMOTE"      # KV events: "DISK" for a local file system, "REMOTE" if shared
     # contains_many answers from local state (a file system stat), cheaply enough for the scheduler to
     # ask before planning each save
     local_lookup: ClassVar[bool] = False

