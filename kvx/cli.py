@@ -1,4 +1,5 @@
-"""The ``kvx`` command: ``kvx bench`` (copy kernels), ``kvx demo`` (vLLM cold vs warm), ``kvx store``.
+"""The ``kvx`` command: ``kvx bench`` (copy kernels), ``kvx demo`` (vLLM cold vs warm), ``kvx store``,
+``kvx pd-proxy`` (prefill/decode hand-off through a shared tier).
 
 Each subcommand imports its module lazily, so ``kvx bench`` does not pay for importing vLLM.
 """
@@ -12,6 +13,7 @@ COMMANDS = {
     "bench": ("kvx.bench", "copy-kernel benchmark: GB/s and % of a memcpy roof, vs torch indexing"),
     "demo": ("kvx.demo", "tiny local Llama on vLLM: cold run, then a fresh engine warm from the kvx store"),
     "store": ("kvx.store.cli", "inspect, verify or clear a kvx disk store"),
+    "pd-proxy": ("kvx.pd_proxy", "prefill/decode proxy: prompt on a kv_producer, answer from a kv_consumer"),
 }
 
 
@@ -20,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: kvx {" + ",".join(COMMANDS) + "} [args...]\n")
         for name, (_, text) in COMMANDS.items():
-            print(f"  {name:6s} {text}")
+            print(f"  {name:8s} {text}")
         return 0 if argv else 2
     name = argv[0]
     if name not in COMMANDS:
