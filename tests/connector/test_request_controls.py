@@ -209,3 +209,34 @@ def test_consumer_does_not_wait_for_another_prompts_chunks(make_env, store_dir):
     cons.run()
     assert cons.sched_stats["pd_mismatches"] == 1
     cons.assert_clean()
+
+
+def test_pd_handoff_through_redis(make_env):
+    """The same hand-off through a shared Redis (a real redis-server): the consumer waits for the chunks
+    still landing (a lookup answers "not yet" meanwhile), then loads every one."""
+    from kvx.redis_server import RedisServer
+    from tests.conftest import need_redis
+
+    need_redis()
+    ids = prompt(1000, seed=20)
+    with RedisServer() as server:
+        redis = {"chunk_size": CHUNK, "tiers": [{"type": "redis", "url": server.url}]}
+        prod = make_env(redis, role="kv_producer")
+        prod.request("p", ids, max_tokens=1)
+        prod.run(settle_writes=True)
+        params = prod.kv_params["p"]
+        assert params["kvx_pd_chunks"] == 3
+        keys = server.client().keys("kvx:*")
+        dump = {k: server.client().dump(k) for k in keys}
+        server.client().delete(*keys)            # not landed yet
+        cons = make_env({**redis, "pd_wait_ms": 60_000}, role="kv_consumer")
+        cons.request("c", ids, kv_transfer_params=params)
+        for _ in range(3):
+            assert cons.step().total_num_scheduled_tokens == 0
+        for k, v in dump.items():                # ... now they have
+            server.client().restore(k, 0, v)
+        cons.run()
+        assert [len(s.chunks) for s in loads(cons)] == [3]
+        assert all(c.tier == "redis" for c in loads(cons)[0].chunks)
+        assert "pd_timeouts" not in cons.sched_stats
+        cons.assert_clean()
