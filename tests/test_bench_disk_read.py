@@ -1,0 +1,28 @@
+"""benchmarks/bench_disk_read.py runs: a small run (page cache evicted per file, not machine-wide) writes its
+table and CSV, reads back exactly the data it wrote, and every ratio recomputes from the rows. No timing is
+asserted."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+
+from tests.conftest import load_benchmark
+
+
+def test_bench_disk_read_small_run(monkeypatch, tmp_path):
+    bench = load_benchmark(monkeypatch, "bench_disk_read")
+    out = str(tmp_path / "disk_read")
+    assert bench.main(["--chunks", "2", "--runs", "2", "--fadvise", "--dir", str(tmp_path / "fs"),
+                       "--out", out]) == 0
+    rows = list(csv.DictReader(open(out + ".csv")))
+    methods = sorted({r["method"] for r in rows})
+    assert len(rows) == 2 * 4 and len(methods) == 4
+    assert all(float(r["gb_s"]) > 0 and abs(float(r["bytes"]) / float(r["seconds"]) / 1e9 - float(r["gb_s"])) < 1e-6
+               for r in rows)
+    md = open(out + ".md").read()
+    assert "Data check after the runs: ok" in md and "(fadvise)" in md
+    base = statistics.median(float(r["gb_s"]) for r in rows if r["method"].startswith("dd"))
+    for m in methods:
+        med = statistics.median(float(r["gb_s"]) for r in rows if r["method"] == m)
+        assert f"| {m} | {med:.2f} | {med / base:.2f} |" in md
