@@ -42,6 +42,7 @@ import asyncio
 import atexit
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -119,6 +120,20 @@ def _group_alive(pgid: int) -> list[int]:
         if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
             pids.append(int(d))
     return pids
+
+
+_EXCEPTION_LINE = re.compile(r"\b(ERROR|CRITICAL)\b.*?\b([A-Z]\w*(Error|Exception)(: .*)?)$")
+
+
+def _logged_exceptions(log: str, limit: int = 5) -> list[str]:
+    """The exception lines of the tracebacks logged at ERROR (the root cause a process died of, which
+    other processes' shutdown chatter pushes out of the log's tail), first seen first, without repeats."""
+    out: list[str] = []
+    for line in log.splitlines():
+        m = _EXCEPTION_LINE.search(line)
+        if m and m.group(2) not in out:
+            out.append(m.group(2))
+    return out[:limit]
 
 
 class VllmServer:
@@ -223,8 +238,10 @@ class VllmServer:
             self.stop()
             what = (f"exited with code {self._proc.returncode}" if died
                     else f"was not healthy after {time.monotonic() - self._started:.0f} s")
-            raise ServerError(f"vllm serve {self.model_path} on {self.url} {what}; log {self.log_path}, "
-                              f"last lines:\n{tail}")
+            causes = _logged_exceptions(self.log_text())
+            raise ServerError(f"vllm serve {self.model_path} on {self.url} {what}; log {self.log_path}"
+                              + (", exceptions logged:\n" + "\n".join(causes) if causes else "")
+                              + f"\nlast lines:\n{tail}")
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """Stop the server and every process it started; returns the server's exit code (None if it was
