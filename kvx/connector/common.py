@@ -2,6 +2,22 @@
 
 The scheduler and the workers never exchange geometry: each computes the same chunk format,
 fingerprint, key namespace and CPU slot count from ``VllmConfig`` + ``KVCacheConfig``.
+
+**Several KV cache groups (vLLM's hybrid KV cache manager, HMA).** A model whose layers need different
+block tables (full attention next to sliding-window attention) has one group per table. vLLM lays the
+groups over the same memory: layer ``i`` of every group aliases the same tensor, and a block id is owned by
+one group at a time. kvx keeps one chunk per ``chunk_size`` tokens and one key chain, as for a single
+group: a chunk holds, for those tokens, the blocks of group 0, then those of group 1, ... (each group's
+blocks of every physical layer), so the chunk tensor has ``num_groups`` times a single group's blocks.
+A chunk is saved only when every block of every group is present (a sliding-window group's table holds
+vLLM's null block for blocks that left the window: such a chunk is not saved), so any prefix of stored
+chunks can be served to every group and a hit never exceeds what every group can serve. A load skips the
+blocks vLLM left null (outside the window). Loads of such models are always asynchronous: with several
+groups vLLM accepts load failures only per request (``failed_recving``), and only for async loads.
+Groups kvx cannot hold this way (Mamba / linear-attention state, chunked-local attention, groups with
+different head shapes) make the connector passive (:func:`hma_unsupported_reason`): no hits, no saves.
+Keys of single-group engines do not change (the namespace and fingerprint gain a field only with
+several groups).
 """
 
 from __future__ import annotations
@@ -30,6 +46,8 @@ class EngineGeometry:
     opaque: bool             # vLLM CPU backend: ISA-packed pages
     isa: str                 # the CPU attention ISA path ("" elsewhere)
     page_bytes: int          # one block of one layer
+    num_groups: int = 1      # KV cache groups; a chunk holds every group's blocks (see the module docstring)
+    group_kinds: tuple[str, ...] = ()   # several groups: per group "full" or "sliding<window>"
 
     @property
     def planes(self) -> int:
@@ -44,13 +62,48 @@ def _cpu_attention_isa(dtype: torch.dtype, block_size: int, head_size: int) -> s
         return "unknown"
 
 
-def engine_geometry(vllm_config, kv_cache_config) -> EngineGeometry:
-    """Geometry of the engine's (single-group) KV cache."""
+_NULL_BLOCK = 0   # vLLM's null block (BlockPool.null_block: the first block id), e.g. outside a window
+
+
+def group_kind(spec) -> str | None:
+    """"full", "sliding<window>", or None for a spec kvx cannot hold in a multi-group chunk."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    if type(spec) is FullAttentionSpec and getattr(spec, "sliding_window", None) is None:
+        return "full"
+    if type(spec) is SlidingWindowSpec and not getattr(spec, "extra_retained_tokens", 0):
+        return f"sliding{int(spec.sliding_window)}"
+    return None
+
+
+def hma_unsupported_reason(kv_cache_config) -> str | None:
+    """Why kvx cannot serve an engine with several KV cache groups (None: it can, or one group)."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise UnsupportedModelError(
-            f"kv_cache_config: kvx handles models with one KV cache group (full attention), got {len(groups)} "
-            "groups; start vLLM with --disable-hybrid-kv-cache-manager or use a full-attention model")
+    if len(groups) <= 1:
+        return None
+    specs = [g.kv_cache_spec for g in groups]
+    for g, spec in zip(groups, specs):
+        if group_kind(spec) is None:
+            return (f"KV cache group of {type(spec).__name__} ({len(g.layer_names)} layers): kvx stores full and "
+                    "sliding-window attention KV only, not Mamba/linear-attention state or other specs")
+        if not getattr(g, "enable_kv_transfer", True) or getattr(g, "host_resident", False):
+            return "a KV cache group that vLLM marks host-resident or not transferable"
+    shape = {(int(s.block_size), int(s.num_kv_heads), int(s.head_size), s.dtype, int(s.page_size_bytes))
+             for s in specs}
+    if len(shape) != 1:
+        return f"KV cache groups with different block/head shapes {sorted(map(str, shape))}"
+    return None
+
+
+def engine_geometry(vllm_config, kv_cache_config) -> EngineGeometry:
+    """Geometry of the engine's KV cache (one group, or several attention groups of one shape: see
+    :func:`hma_unsupported_reason`, checked first)."""
+    groups = kv_cache_config.kv_cache_groups
+    if not groups:
+        raise UnsupportedModelError("kv_cache_config: no KV cache group")
+    reason = hma_unsupported_reason(kv_cache_config)
+    if reason is not None:
+        raise UnsupportedModelError(f"kv_cache_config: {reason}")
     spec = groups[0].kv_cache_spec
     use_mla = bool(getattr(vllm_config.model_config, "use_mla", False)) or type(spec).__name__.startswith("MLA")
     if not hasattr(spec, "num_kv_heads") or not hasattr(spec, "head_size"):
@@ -60,10 +113,12 @@ def engine_geometry(vllm_config, kv_cache_config) -> EngineGeometry:
     opaque = bool(current_platform.is_cpu())
     block_size = int(spec.block_size)
     isa = _cpu_attention_isa(spec.dtype, block_size, int(spec.head_size)) if opaque else ""
-    return EngineGeometry(block_size=block_size, num_layers=len(groups[0].layer_names),
+    kinds = tuple(group_kind(g.kv_cache_spec) for g in groups) if len(groups) > 1 else ()
+    # several groups alias layer i of each group onto the same tensor: the physical layers are the largest group's
+    return EngineGeometry(block_size=block_size, num_layers=max(len(g.layer_names) for g in groups),
                           num_kv_heads=1 if use_mla else int(spec.num_kv_heads), head_size=int(spec.head_size),
                           dtype=spec.dtype, use_mla=use_mla, opaque=opaque, isa=isa,
-                          page_bytes=int(spec.page_size_bytes))
+                          page_bytes=int(spec.page_size_bytes), num_groups=len(groups), group_kinds=kinds)
 
 
 def chunk_format(config: KVXConfig, geom: EngineGeometry) -> str:
@@ -82,6 +137,8 @@ def format_fingerprint(geom: EngineGeometry, fmt: str, layout_name: str = "") ->
     parts = [fmt, f"P{geom.planes}", f"H{geom.num_kv_heads}", f"D{geom.head_size}", str(geom.dtype)]
     if fmt == "pages":
         parts += [f"N{geom.block_size}", "cpu_attn" if geom.opaque else layout_name, geom.isa]
+    if geom.num_groups > 1:     # every group's blocks, in group order (single-group fingerprints unchanged)
+        parts += ["groups=" + ",".join(geom.group_kinds)]
     return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
 
 
@@ -110,16 +167,18 @@ def worker_shard(vllm_config, use_mla: bool) -> tuple[int, int, bool]:
 def namespace(vllm_config, geom: EngineGeometry, fingerprint: str) -> bytes:
     """The key namespace of this engine (see :mod:`kvx.connector.keys`)."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    # several groups: the group structure is named (the fingerprint holds it too); one group: as it always was
+    more = {"kv_groups": list(geom.group_kinds)} if geom.num_groups > 1 else {}
     return namespace_digest(model=str(mc.model), revision=str(getattr(mc, "revision", None)),
                             quantization=str(getattr(mc, "quantization", None)),
                             kv_cache_dtype=str(cc.cache_dtype), dtype=str(geom.dtype), format=fingerprint,
                             tp=1 if geom.use_mla else int(pc.tensor_parallel_size),
-                            pp=int(pc.pipeline_parallel_size))
+                            pp=int(pc.pipeline_parallel_size), **more)
 
 
 def chunk_bytes(config: KVXConfig, geom: EngineGeometry) -> int:
-    """Upper bound of one chunk's bytes on one worker (whole pages of every layer)."""
-    return geom.num_layers * geom.page_bytes * (config.chunk_size // geom.block_size)
+    """Upper bound of one chunk's bytes on one worker (whole pages of every layer, of every group)."""
+    return geom.num_groups * geom.num_layers * geom.page_bytes * (config.chunk_size // geom.block_size)
 
 
 def num_cpu_slots(config: KVXConfig, geom: EngineGeometry) -> int:

