@@ -54,10 +54,12 @@ class EngineGeometry:
         return 1 if self.use_mla else 2
 
 
-def _cpu_attention_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
+def _cpu_attention_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str) -> str:
+    """The ISA vLLM's CPU attention packs pages for. As vLLM picks it: from the model's dtype and the KV cache
+    dtype string (an fp8 cache is stored as uint8, but packed for the model dtype's kernel)."""
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-        return str(_get_attn_isa(dtype, block_size, head_size))
+        return str(_get_attn_isa(dtype, block_size, head_size, kv_cache_dtype))
     except Exception:  # pragma: no cover - depends on the vLLM build
         return "unknown"
 
@@ -112,7 +114,8 @@ def engine_geometry(vllm_config, kv_cache_config) -> EngineGeometry:
 
     opaque = bool(current_platform.is_cpu())
     block_size = int(spec.block_size)
-    isa = _cpu_attention_isa(spec.dtype, block_size, int(spec.head_size)) if opaque else ""
+    isa = (_cpu_attention_isa(vllm_config.model_config.dtype, block_size, int(spec.head_size),
+                              str(vllm_config.cache_config.cache_dtype)) if opaque else "")
     kinds = tuple(group_kind(g.kv_cache_spec) for g in groups) if len(groups) > 1 else ()
     # several groups alias layer i of each group onto the same tensor: the physical layers are the largest group's
     return EngineGeometry(block_size=block_size, num_layers=max(len(g.layer_names) for g in groups),

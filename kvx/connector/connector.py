@@ -85,7 +85,7 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
         geom = engine_geometry(vllm_config, kv_cache_config)
         if self.config.chunk_size % geom.block_size:
             raise ConfigError(f"chunk_size: expected a multiple of vLLM's block size {geom.block_size}"
-                              f"{' (the CPU backend uses 128)' if geom.opaque else ''}, got {self.config.chunk_size}")
+                              f", got {self.config.chunk_size}")
         self.geom = geom
         layout = _layout_name(vllm_config, kv_cache_config)
         fmt = chunk_format(self.config, geom)
