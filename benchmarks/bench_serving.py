@@ -55,12 +55,18 @@ import tempfile
 import time
 
 CONFIGS = ("vllm", "kvx-cpu", "kvx-disk", "example")
+# vLLM's CPU worker keeps cores for its other processes (the scheduler process polls): 1 on x86, 1 more when a
+# KV connector is configured (meant for NIXL). On 2 cores that second one leaves none reserved, and the model's
+# OpenMP threads then share both cores with the scheduler and API server processes: the no-connector server
+# would run its model on 1 core beside them, every connector server on 2 cores among them. One reserved core for
+# every configuration: the same cores for the model everywhere, vLLM's own choice without a connector.
+DEFAULT_SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 DISK_CONFIGS = ("kvx-disk", "example")
 PHASES = ("first", "warm")
 CSV_FIELDS = ["workload", "config", "phase", "requests", "offered_rps", "duration_s", "throughput_rps",
               "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "latency_p50_s", "prompt_tokens",
               "cached_tokens", "hit_rate", "vllm_prefix_hit_tokens", "connector_hit_tokens", "kvx_hit_cpu_tokens",
-              "kvx_hit_disk_tokens", "outputs_as_vllm", "page_cache"]
+              "kvx_hit_disk_tokens", "outputs_as_vllm", "page_cache", "error"]
 REQUEST_FIELDS = ["workload", "config", "phase", "run", "rid", "kind", "arrival_s", "prompt_tokens", "cached_tokens",
                   "ttft_s", "latency_s"]
 
@@ -199,20 +205,23 @@ class Phase:
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)   # /metrics deltas over the phase
     outputs_as_vllm: str = ""   # "n/N" requests with the same tokens as the vllm config's
     page_cache: str = ""
+    error: str = ""             # why the phase failed (requests failed, server died); empty if it did not
 
     @property
     def duration_s(self) -> float:
         return self.end_s - self.start_s
 
     def row(self) -> dict:
-        ttft = [r["ttft_s"] for r in self.results if r.get("ttft_s") is not None]
-        lat = [r["latency_s"] for r in self.results]
-        prompt = sum(r["prompt_tokens"] or 0 for r in self.results)
-        cached = sum(r["cached_tokens"] or 0 for r in self.results)
+        ok = [r for r in self.results if not r.get("error")]
+        ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
+        lat = [r["latency_s"] for r in ok]
+        prompt = sum(r["prompt_tokens"] or 0 for r in ok)
+        cached = sum(r["cached_tokens"] or 0 for r in ok)
         m = self.metrics
         return {"workload": self.workload, "config": self.config, "phase": self.phase,
                 "requests": len(self.results), "offered_rps": self.offered_rps, "duration_s": self.duration_s,
-                "throughput_rps": len(self.results) / self.duration_s if self.duration_s > 0 else float("nan"),
+                "throughput_rps": (len(ok) / self.duration_s if self.duration_s > 0 and not self.error
+                                   else float("nan")),
                 "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
                 "ttft_p99_s": percentile(ttft, 99), "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
                 "latency_p50_s": percentile(lat, 50), "prompt_tokens": prompt, "cached_tokens": cached,
@@ -221,7 +230,7 @@ class Phase:
                 "connector_hit_tokens": int(m.get("vllm:external_prefix_cache_hits_total", 0)),
                 "kvx_hit_cpu_tokens": int(m.get("vllm:kvx_hit_tokens_cpu_total", 0)),
                 "kvx_hit_disk_tokens": int(m.get("vllm:kvx_hit_tokens_disk_total", 0)),
-                "outputs_as_vllm": self.outputs_as_vllm, "page_cache": self.page_cache}
+                "outputs_as_vllm": self.outputs_as_vllm, "page_cache": self.page_cache, "error": self.error}
 
 
 def merge_runs(phases: list[Phase], name: str) -> Phase:
@@ -235,6 +244,7 @@ def merge_runs(phases: list[Phase], name: str) -> Phase:
         for k, v in p.metrics.items():
             merged.metrics[k] = merged.metrics.get(k, 0.0) + v
     merged.outputs_as_vllm = first.outputs_as_vllm
+    merged.error = "; ".join(f"{p.phase}: {p.error}" for p in phases if p.error)
     return merged
 
 
@@ -339,12 +349,12 @@ def write_results(phases: list[Phase], out_dir: str, *, command: str, spec: Spec
             lines.append(f"| {name} | {value:.3f} | {want} | {'(smoke run)' if smoke else ('met' if met else 'MISSED')} |")
         lines.append("")
     lines += ["## Results", "",
-              "| workload | config | phase | requests | req/s | TTFT p50 (s) | p90 | p99 | hit rate | vLLM prefix hits | "
-              "connector hits | kvx cpu / disk | outputs = vllm | page cache |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+              "| workload | config | phase | requests | offered req/s | req/s | TTFT p50 (s) | p90 | p99 | hit rate | "
+              "vLLM prefix hits | connector hits | kvx cpu / disk | outputs = vllm | page cache |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['workload']} | {r['config']} | {r['phase']} | {r['requests']} | "
-                     f"{_fmt(r['throughput_rps'])} | {_fmt(r['ttft_p50_s'])} | {_fmt(r['ttft_p90_s'])} | "
+        lines.append(f"| {r['workload']} | {r['config']}{' (FAILED)' if r.get('error') else ''} | {r['phase']} | {r['requests']} | "
+                     f"{_fmt(r['offered_rps'], 1)} | {_fmt(r['throughput_rps'])} | {_fmt(r['ttft_p50_s'])} | {_fmt(r['ttft_p90_s'])} | "
                      f"{_fmt(r['ttft_p99_s'])} | {_fmt(r['hit_rate'], 2)} | {r['vllm_prefix_hit_tokens']} | "
                      f"{r['connector_hit_tokens']} | {r['kvx_hit_cpu_tokens']} / {r['kvx_hit_disk_tokens']} | "
                      f"{r['outputs_as_vllm']} | {r['page_cache']} |")
@@ -354,6 +364,10 @@ def write_results(phases: list[Phase], out_dir: str, *, command: str, spec: Spec
     pngs = [os.path.basename(p) for p in paths if p.endswith(".png")]
     if pngs:
         lines += [""] + [f"![{p}]({p})" for p in pngs]
+    failed = [r for r in rows if r.get("error")]
+    if failed:
+        lines += ["", "## Failures", ""] + [f"- {r['workload']} / {r['config']} / {r['phase']}: {r['error']}"
+                                           for r in failed]
     for note in info.get("notes", []):
         lines += ["", note]
     path = os.path.join(out_dir, f"{stem}.md")
@@ -374,6 +388,7 @@ def plot(phases: list[Phase], out_dir: str, stem: str) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     paths = []
     reuse = [p for p in phases if p.workload == "reuse"]
@@ -387,6 +402,9 @@ def plot(phases: list[Phase], out_dir: str, stem: str) -> list[str]:
                 if xs:
                     ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=p.config)
             ax.set_xscale("log")
+            ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel("TTFT (s, log)")
             ax.set_title("first pass" if ph == "first" else "warm phase")
             ax.grid(True, which="both", alpha=0.3)
@@ -407,10 +425,16 @@ def plot(phases: list[Phase], out_dir: str, stem: str) -> list[str]:
         ys = []
         for wl, ph in groups:
             p = next((p for p in phases if (p.workload, p.config, p.phase) == (wl, c, ph)), None)
-            ys.append(len(p.results) / p.duration_s if p and p.duration_s > 0 else 0.0)
+            y = p.row()["throughput_rps"] if p else float("nan")
+            ys.append(0.0 if math.isnan(y) else y)
         xs = [g + (i - (len(configs) - 1) / 2) * width for g in range(len(groups))]
         bars = ax.bar(xs, ys, width, label=c)
         ax.bar_label(bars, labels=[f"{y:.2f}" if y else "" for y in ys], fontsize=7)
+    for g, (wl, ph) in enumerate(groups):          # the offered rate, over its group
+        p = next((p for p in phases if (p.workload, p.phase) == (wl, ph)), None)
+        if p is not None:
+            ax.hlines(p.offered_rps, g - 0.45, g + 0.45, colors="gray", linestyles="dashed",
+                      label="offered rate" if g == 0 else None)
     ax.set_xticks(range(len(groups)), ["reuse: first pass", "reuse: warm phase", "no-reuse"])
     ax.set_ylabel("requests / s")
     ax.set_title("Throughput, vllm serve on CPU")
@@ -473,6 +497,11 @@ def server_args(spec: Spec, config: str, store: str) -> list[str]:
         args += kv_transfer_args(kvx_config({"chunk_size": spec.chunk_size,
                                              "tiers": [{"type": "disk", "path": store}]}))
     elif config == "example":
+        # vLLM 0.32's ExampleConnector loads a stored prompt's whole KV even when vLLM's prefix cache already
+        # holds the first blocks of it, and the engine dies ("shape mismatch: value tensor of shape [896, ...]
+        # cannot be broadcast to indexing result of shape [2048, ...]" in inject_kv_into_layer): it runs here
+        # without vLLM's prefix cache, the one way it serves this workload
+        args += ["--no-enable-prefix-caching"]
         args += kv_transfer_args({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                                   "kv_connector_extra_config": {"shared_storage_path": store}})
     elif config != "vllm":
@@ -493,7 +522,12 @@ async def _send_all(url: str, model: str, reqs: list[Request], max_tokens: int) 
             delay = t0 + r.arrival_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            res = await acomplete(session, url, r.prompt, max_tokens, model=model, timeout_s=1800)
+            try:
+                res = await acomplete(session, url, r.prompt, max_tokens, model=model, timeout_s=1800)
+            except Exception as e:      # noqa: BLE001 - a failed request is reported, not fatal
+                res = {"tokens": [], "ttft_s": None, "latency_s": float("nan"), "prompt_tokens": None,
+                       "cached_tokens": None, "finish_reason": None, "kv_transfer_params": None, "usage": None,
+                       "error": f"{type(e).__name__}: {e}"}
             return res, time.perf_counter()
 
         out = await asyncio.gather(*(one(r) for r in reqs))
@@ -532,10 +566,22 @@ def run_phase(srv, workload: str, config: str, name: str, reqs: list[Request], r
               log=print) -> Phase:
     before = srv.metrics()
     results, t0, t1 = asyncio.run(_send_all(srv.url, srv.model, reqs, max_tokens))
-    _wait_idle(srv)
-    after = srv.metrics()
+    failed = [r["error"] for r in results if r.get("error")]
+    after = {}
+    if srv.alive and srv.healthy():
+        _wait_idle(srv)
+        after = srv.metrics()
     p = Phase(workload, config, name, rate, reqs, results, t0, t1,
-              {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _COUNTERS})
+              {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _COUNTERS} if after else {})
+    if failed:
+        from kvx.serving import _logged_exceptions
+
+        causes = _logged_exceptions(srv.log_text(), limit=2)
+        p.error = (f"{len(failed)} of {len(results)} requests failed ({failed[0][:120]})"
+                   + (f"; server log: {' / '.join(c[:300] for c in causes)}" if causes else "")
+                   + ("" if srv.alive and srv.healthy() else "; the server died"))
+        log(f"  {workload:8s} {config:8s} {name:6s} FAILED: {p.error}")
+        return p
     r = p.row()
     log(f"  {workload:8s} {config:8s} {name:6s} {r['requests']:3d} req {r['throughput_rps']:.3f} req/s  TTFT p50 "
         f"{r['ttft_p50_s']:.3f} p90 {r['ttft_p90_s']:.3f} s  hit rate {r['hit_rate']:.2f}")
@@ -554,9 +600,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the test model and a few requests (a smoke run)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--rate", type=float, default=None, help="requests/s of the reuse workload (default 1.0; quick 4)")
+    ap.add_argument("--rate", type=float, default=None, help="requests/s of the reuse workload (default 3; quick 4)")
     ap.add_argument("--no-reuse-rate", type=float, default=None, help="requests/s of the no-reuse runs (default 4)")
-    ap.add_argument("--no-reuse-runs", type=int, default=2, help="runs per server (alternating vllm / kvx-cpu)")
+    ap.add_argument("--no-reuse-runs", type=int, default=4, help="runs per server (alternating vllm / kvx-cpu)")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for a server to become healthy")
@@ -565,14 +611,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="an environment variable for every server (repeatable)")
     args = ap.parse_args(argv)
     spec = QUICK if args.quick else Spec()
-    rate = args.rate or (4.0 if args.quick else 1.0)
+    rate = args.rate or (4.0 if args.quick else 3.0)
     nr_rate = args.no_reuse_rate or (8.0 if args.quick else 4.0)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
         if c not in CONFIGS:
             ap.error(f"--configs: unknown {c!r}; known: {', '.join(CONFIGS)}")
-    command = "python benchmarks/bench_serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    server_env = {}
+    shown = list(argv if argv is not None else sys.argv[1:])
+    if "--keep-logs" in shown:                 # where logs were copied changes no result
+        i = shown.index("--keep-logs")
+        del shown[i:i + 2]
+    shown = [a for a in shown if not a.startswith("--keep-logs=")]
+    command = ("python benchmarks/bench_serving.py " + " ".join(shown)).strip()
+    server_env = dict(DEFAULT_SERVER_ENV)
     for item in args.server_env:
         if "=" not in item:
             ap.error(f"--server-env: expected NAME=VALUE, got {item!r}")
@@ -606,6 +657,9 @@ def main(argv: list[str] | None = None) -> int:
         store = os.path.join(tmp, f"store-{config}")
         print(f"{config}: reuse workload")
         first = run_phase(srv, "reuse", config, "first", work["first"], rate, args.max_tokens)
+        if first.error and not (srv.alive and srv.healthy()):
+            phases.append(first)
+            return
         how = ""
         if config in DISK_CONFIGS:
             _wait_store_settled(store)
@@ -634,6 +688,10 @@ def main(argv: list[str] | None = None) -> int:
                         res["run"] = i
                     runs[c].append(p)
             phases.extend(merge_runs(runs[c], "all") for c in pair)
+            order = [(p.config, p.row()["throughput_rps"]) for i in range(args.no_reuse_runs)
+                     for p in sorted((runs[c][i] for c in pair), key=lambda p: p.start_s)]
+            notes.append("No-reuse runs in the order they ran (req/s): " + ", ".join(f"{c} {x:.3f}" for c, x in order)
+                         + ". The merged rows divide all requests by the time of all runs.")
         for c in pair:
             reuse(servers[c], c)
             servers[c].stop()
@@ -662,6 +720,25 @@ def main(argv: list[str] | None = None) -> int:
     for p in phases:
         if p.workload == "no-reuse":
             p.outputs_as_vllm = ""
+    for p in phases:
+        n, _, total = p.outputs_as_vllm.partition("/")
+        if total and n != total:
+            notes.append(f"{p.config}, {p.phase}: {p.outputs_as_vllm} requests have the no-connector server's greedy "
+                         "tokens (float32 model; the kvx end-to-end tests see equal tokens between cold, prefix-cache "
+                         "and kvx-loaded KV); the other requests' tokens differ.")
+    if "example" in configs:
+        notes.append("ExampleConnector runs with `--no-enable-prefix-caching`: with vLLM's prefix cache on, it loads a "
+                     "stored prompt's whole KV into a request whose first blocks vLLM already holds, and vLLM 0.32's "
+                     "engine dies (`shape mismatch` in `inject_kv_into_layer`; seen in this benchmark's warm phase). It "
+                     "keys a stored prompt by all its block-aligned tokens: a later prompt hits only when its own "
+                     "block-aligned tokens are exactly those (here: a question shorter than a block after a stored "
+                     "document), never on a shorter shared prefix such as the system prompt or earlier turns.")
+    notes.append("Every server runs with " + ", ".join(f"`{k}={v}`" for k, v in server_env.items()) + ". vLLM's CPU "
+                 "worker reserves cores for its scheduler and API processes: 1 on x86, plus 1 when a KV connector "
+                 "is configured; on 2 cores the connector servers would reserve none and run the model's OpenMP "
+                 "threads on both cores beside those processes, the no-connector server on one. Reserving 1 core "
+                 "everywhere gives every configuration the same cores for the model (vLLM's own choice without a "
+                 "connector).")
     info = {"machine": cpu_name(), "vllm": _vllm_version(), "load": f"load average at start {load1:.2f}",
             "elapsed_s": time.perf_counter() - t_start, "seed": args.seed, "rate": rate, "no_reuse_rate": nr_rate,
             "no_reuse_runs": args.no_reuse_runs, "max_tokens": args.max_tokens,
