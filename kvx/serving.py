@@ -136,11 +136,14 @@ def _logged_exceptions(log: str, limit: int = 5) -> list[str]:
     return out[:limit]
 
 
+SERVER_ENV = {"VLLM_LOGGING_LEVEL": "INFO", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+
+
 class VllmServer:
     """``vllm serve MODEL ARGS`` on ``host``:(a free port), stdout and stderr to ``log_path``.
 
     ``args``: the CLI flags after the model (``--host`` / ``--port`` are added; do not pass them).
-    ``env``: variables added to (not replacing) this process's environment. ``log_path``: default a new
+    ``env``: variables added to (not replacing) this process's environment and :data:`SERVER_ENV`. ``log_path``: default a new
     file in the temp directory. ``wait``: block in the constructor until ``/health`` answers 200 (else
     call :meth:`wait_healthy`; meanwhile the caller can do other work, e.g. compute a reference while the
     server imports vLLM). ``timeout_s``: how long to wait for health; past it, or if the server exits,
@@ -167,7 +170,10 @@ class VllmServer:
         self._python = python or sys.executable
         # PYTHONSAFEPATH (3.11+): no working directory on sys.path; a directory there named like a package
         # vLLM probes (this repository's triton_kernels/) would shadow it
-        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1", **(env or {})}
+        # vLLM's own serving defaults, whatever an in-process engine in this process set (kvx.harness sets
+        # VLLM_LOGGING_LEVEL=WARNING and VLLM_ENABLE_V1_MULTIPROCESSING=0 for offline engines): the server
+        # logs at INFO (request, abort and "kvx: ... ready" lines) and runs its engine core in its own process
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1", **SERVER_ENV, **(env or {})}
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")
             os.close(fd)

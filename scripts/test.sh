@@ -9,6 +9,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels -q "$@"
-.venv/bin/python -m pytest tests -q --ignore=tests/kernels "$@"
-KVX_COPY_QUEUE=deferred .venv/bin/python -m pytest tests/connector tests/gpu tests/e2e -q -m "not once" "$@"
+TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels -q --durations=5 "$@"
+.venv/bin/python -m pytest tests -q --ignore=tests/kernels --durations=20 "$@"
+KVX_COPY_QUEUE=deferred .venv/bin/python -m pytest tests/connector tests/gpu tests/e2e -q -m "not once" --durations=10 "$@"

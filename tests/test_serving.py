@@ -1,0 +1,52 @@
+"""kvx.serving.VllmServer without vLLM: the command and environment it starts the server with."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from kvx import serving as S
+
+
+def _env_dumping_python(tmp_path):
+    """An executable standing in for the interpreter: prints its arguments and environment, then exits."""
+    exe = tmp_path / "fake-python"
+    exe.write_text('#!/bin/sh\necho "ARGS $*"\nenv\n')
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    return str(exe)
+
+
+def _run(tmp_path, monkeypatch, **kw):
+    # what kvx.harness sets for an offline engine in this process: must not reach a server
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("KVX_TEST_MARKER", "inherited")
+    srv = S.VllmServer("/models/m", ["--dtype", "float32"], python=_env_dumping_python(tmp_path),
+                       log_path=tmp_path / "serve.log", wait=False, **kw)
+    srv._proc.wait(timeout=30)
+    srv.stop()
+    lines = srv.log_text().splitlines()
+    env = dict(ln.split("=", 1) for ln in lines if "=" in ln and not ln.startswith(("$", "ARGS")))
+    args = next(ln for ln in lines if ln.startswith("ARGS")).split()[1:]
+    return srv, env, args
+
+
+def test_server_gets_vllm_serving_defaults_not_the_offline_ones(tmp_path, monkeypatch):
+    srv, env, args = _run(tmp_path, monkeypatch)
+    assert env["VLLM_LOGGING_LEVEL"] == "INFO"            # request / abort / "kvx: ... ready" lines
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"    # engine core in its own process
+    assert env["KVX_TEST_MARKER"] == "inherited"
+    assert env["PYTHONSAFEPATH"] == "1"
+    assert args == ["-m", "kvx.serving", "serve", "/models/m", "--dtype", "float32",
+                    "--host", "127.0.0.1", "--port", str(srv.port)]
+
+
+def test_explicit_env_wins(tmp_path, monkeypatch):
+    _, env, _ = _run(tmp_path, monkeypatch, env={"VLLM_LOGGING_LEVEL": "DEBUG"})
+    assert env["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+def test_host_and_port_flags_are_refused():
+    with pytest.raises(ValueError, match="--port"):
+        S.VllmServer("/models/m", ["--port", "8000"], wait=False)
