@@ -154,6 +154,8 @@ class KVXWorker:
         self.engine: TransferEngine | None = None
         self.reader: ThreadPoolExecutor | None = None   # tier reads for loads: on the critical path
         self.writer: ThreadPoolExecutor | None = None   # tier writes: background (SCHED_IDLE)
+        # a P/D producer's writes are what its consumer waits for: they run at normal priority
+        self.background_writes = True
         self._staging: list[torch.Tensor] = []
         self._staging_free: list[int] = []
         self._staging_cv = threading.Condition()
@@ -240,7 +242,7 @@ class KVXWorker:
             # core is idle). Writers: as many per tier, so a slow tier does not hold up the others.
             self.reader = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvx-read")
             self.writer = ThreadPoolExecutor(self.config.io_threads * len(self.tiers), thread_name_prefix="kvx-write",
-                                             initializer=_background_priority)
+                                             initializer=_background_priority if self.background_writes else None)
             n_staging = 2 * self.config.io_threads
             self._staging = [torch.empty(self.chunk_shape(self.config.chunk_size), dtype=self.chunk_dtype,
                                          pin_memory=pin) for _ in range(n_staging)]

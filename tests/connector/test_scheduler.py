@@ -344,3 +344,25 @@ def test_disk_reads_keep_normal_priority_writes_run_idle(make_env, store_dir, mo
         assert policy["put"] == {os.SCHED_IDLE}
     env.assert_clean()
     env2.assert_clean()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+def test_a_producers_writes_keep_normal_priority(make_env, store_dir, monkeypatch):
+    """A P/D producer's chunk files are what its consumer waits for (pd_wait_ms): its writers must not wait
+    for an idle core, which a busy producer may never have."""
+    from kvx.store.disk import DiskStore
+
+    policy = set()
+    orig = DiskStore.put
+
+    def spy(self, *a, **k):
+        policy.add(os.sched_getscheduler(0))
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(DiskStore, "put", spy)
+    env = make_env(tiers(store_dir, cpu=None), role="kv_producer")
+    assert not env.worker._worker.background_writes
+    env.request("a", prompt(2 * CHUNK + 10, seed=32))
+    env.run(settle_writes=True)
+    assert policy == {os.SCHED_OTHER}
+    env.assert_clean()
