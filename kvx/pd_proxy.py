@@ -125,10 +125,11 @@ class PDProxy:
             try:
                 async for chunk in upstream.content.iter_any():
                     await resp.write(chunk)
+                await resp.write_eof()
             except (ConnectionResetError, aiohttp.ClientConnectionError):
-                # the client went away: closing the upstream connection makes vLLM abort the request
-                return resp
-            await resp.write_eof()
+                # the client went away (before the end, or once it had read the last event and before the
+                # final empty chunk): closing the upstream connection makes vLLM abort a request still running
+                pass
             return resp
 
 
