@@ -160,8 +160,15 @@ def assert_store_sound(path, *, min_chunks: int = 0) -> int:
 
 
 ENGINE_SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, os, sys, time
     from kvx import harness as H
+    if os.environ.get("KVX_TEST_WRITE_DELAY_S"):      # every chunk file stays a temporary file this long
+        import kvx.store.disk as disk
+        _write_all, _delay = disk._write_all, float(os.environ["KVX_TEST_WRITE_DELAY_S"])
+        def _slow_write_all(fd, bufs):
+            time.sleep(_delay)
+            _write_all(fd, bufs)
+        disk._write_all = _slow_write_all
     if __name__ == "__main__":
         model, extra, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
         llm = H.build_llm(model, H.kvx_transfer_config(extra), kv_cache_bytes=256 << 20, dtype="float32")
@@ -173,12 +180,16 @@ ENGINE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def engine_process(tmp_path, model, extra, prompts, max_tokens=MAX_TOKENS, **popen):
+def engine_process(tmp_path, model, extra, prompts, max_tokens=MAX_TOKENS, write_delay_s: float = 0.0, **popen):
     """An engine in its own process (single-process vLLM inside it) serving ``prompts`` in turn; it prints
-    one ``RESULT {json}`` line per prompt, then ``DONE``."""
+    one ``RESULT {json}`` line per prompt, then ``DONE``. ``write_delay_s``: each chunk file's write waits
+    this long after creating its temporary file (a window for a kill to land in, whatever the machine's
+    speed)."""
     script = tmp_path / "engine_process.py"
     script.write_text(ENGINE_SCRIPT)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONHASHSEED": "random"}
+    if write_delay_s:
+        env["KVX_TEST_WRITE_DELAY_S"] = str(write_delay_s)
     return subprocess.Popen([sys.executable, str(script), model, json.dumps(extra), json.dumps(prompts),
                              str(max_tokens)], env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **popen)

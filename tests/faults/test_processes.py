@@ -166,7 +166,9 @@ def test_kill_9_mid_write_then_restart_on_the_same_store(model, reference, tmp_p
 
     refs = refs_of(reference, KILL_PROMPTS)
     store = tmp_path / "store"
-    child = Child(engine_process(tmp_path, model, tiers(store, cpu=None), KILL_PROMPTS))
+    # each write holds its temporary file 50 ms: on a fast or a loaded machine alike, the writes cannot all
+    # slip between the polls below before the engine ends
+    child = Child(engine_process(tmp_path, model, tiers(store, cpu=None), KILL_PROMPTS, write_delay_s=0.05))
     try:
         # after 2 prompts and 10 chunk files (the writes lag behind the prompts: kvx's writers run only
         # on idle cores), so that the first prompt's chunks are complete on disk when the kill lands

@@ -312,11 +312,21 @@ def test_contains_many_none_then_answer(redis_server, open_tier):
     tier = open_tier(redis_server.url, lookup_wait_ms=0)
     keys = [new_key() for _ in range(5)]
     assert tier.put(keys[1], random_chunk((8,), torch.uint8, 10))
-    assert tier.contains_many(keys) is None          # lookup_wait_ms=0: never blocks the caller
+
+    def ask_while_paused():
+        # the server is stopped (SIGSTOP) for the call: its answer cannot be there before the call returns,
+        # however the threads are scheduled; it is resumed well within timeout_ms (not marked down)
+        redis_server.pause()
+        try:
+            return tier.contains_many(keys)
+        finally:
+            redis_server.resume()
+
+    assert ask_while_paused() is None                # lookup_wait_ms=0: never blocks the caller
     answer = wait_until(lambda: tier.contains_many(keys), 5, "the lookup's answer")
     assert answer == [False, True, False, False, False]
     assert tier.put(keys[3], random_chunk((8,), torch.uint8, 10))
-    assert tier.contains_many(keys) is None          # an answer is served once: a new lookup starts
+    assert ask_while_paused() is None                # an answer is served once: a new lookup starts
     assert wait_until(lambda: tier.contains_many(keys), 5, "the new answer") == [False, True, False, True, False]
 
 
