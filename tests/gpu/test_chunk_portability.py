@@ -447,17 +447,23 @@ def make_pair(tmp_path, queue, case: str, dtype: torch.dtype, fmt: str = "canoni
     return a, (lambda: Engine("B", device, dtype, mla, side_b, disk, fmt=fmt, num_blocks=16)), disk
 
 
+def saved_by_a(tmp_path, queue, case: str, dtype: torch.dtype, tag: str):
+    """:func:`make_pair`, with A's prompt (KV from ``tag``) saved and A closed: (a, make_b, disk, kv)."""
+    a, make_b, disk = make_pair(tmp_path, queue, case, dtype)
+    kv = prompt_kv(a, tag)
+    try:
+        save_prompt(a, kv)
+    finally:
+        a.close()
+    return a, make_b, disk, kv
+
+
 # ------------------------------------------------------------------ tests
 @pytest.mark.parametrize("queue", QUEUES, indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("case", CASES)
 def test_chunks_load_across_block_sizes_and_layouts(case, dtype, queue, tmp_path):
-    a, make_b, disk = make_pair(tmp_path, queue, case, dtype)
-    kv = prompt_kv(a, f"{case}/{dtype}")
-    try:
-        save_prompt(a, kv)
-    finally:
-        a.close()
+    a, make_b, disk, kv = saved_by_a(tmp_path, queue, case, dtype, f"{case}/{dtype}")
     # on disk: canonical chunks [L, P, T, H, D], A's KV of those tokens whatever A's block size and layout
     store = DiskStore(disk, fingerprint=a.fingerprint)
     try:
@@ -498,12 +504,7 @@ def test_corrupt_chunk_is_reported_not_served(queue, tmp_path):
     """One flipped byte in chunk 1's file: the CRC refuses it; B reports exactly its blocks as load errors,
     leaves them as they were, and the file is dropped (a miss next time); chunk 0 still loads bit-exact."""
     case = "attn-16NHD-to-32HND"
-    a, make_b, disk = make_pair(tmp_path, queue, case, torch.bfloat16)
-    kv = prompt_kv(a, f"corrupt/{case}")
-    try:
-        save_prompt(a, kv)
-    finally:
-        a.close()
+    a, make_b, disk, kv = saved_by_a(tmp_path, queue, case, torch.bfloat16, f"corrupt/{case}")
     store = DiskStore(disk, fingerprint=a.fingerprint)
     path = store.file_of(a.keys[1])
     with open(path, "r+b") as f:            # a byte of the payload (the file ends with the chunk's bytes)
@@ -584,12 +585,7 @@ def test_raw_pages_do_not_cross_block_sizes(queue, tmp_path):
 def test_check_detects_misplaced_blocks(queue, tmp_path):
     """The checks can fail: chunk 1 loaded into its two blocks swapped is reported token by token."""
     case = "attn-16NHD-to-32HND"
-    a, make_b, _ = make_pair(tmp_path, queue, case, torch.bfloat16)
-    kv = prompt_kv(a, f"swap/{case}")
-    try:
-        save_prompt(a, kv)
-    finally:
-        a.close()
+    a, make_b, _, kv = saved_by_a(tmp_path, queue, case, torch.bfloat16, f"swap/{case}")
     b = make_b()
     try:
         got = load_prompt(b, kv, swap_chunk=1)
