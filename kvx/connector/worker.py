@@ -382,7 +382,8 @@ class KVXWorker:
     def _scatter_chunks(self, chunks, a: int, b: int, sub: KVLayout) -> None:
         for ch, src in chunks:
             if ch.positions is not None:     # several groups / null blocks skipped: contiguous runs
-                assert not ch.before_forward or self.fmt != "pages", "raw pages before the forward take one run"
+                if ch.before_forward and self.fmt == "pages":     # the scheduler never plans this
+                    raise RuntimeError(f"load {ch.key}: raw pages before the forward must come in one run")
                 i = 0
                 while i < len(ch.block_ids):
                     j = i + 1
