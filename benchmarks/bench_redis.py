@@ -88,6 +88,7 @@ LOOKUP_METHODS = ("redis-py pipelined EXISTS (baseline)", "kvx contains_many")
 LOOKUP_BASE, LOOKUP_KVX = LOOKUP_METHODS
 
 PART_SIZES = (512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB)
+PIECES = (64 * KiB, 256 * KiB, 1 * MiB, None)     # GET bytes received per checksum step (None: the whole value)
 LOOKUP_KEYS = 256
 LOOKUP_WAIT_MS = 1000
 
@@ -206,11 +207,11 @@ def time_interleaved(fns: dict[str, Callable[[int], None]], repeats: int, warmup
 class Result:
     """One method of one case in one run."""
 
-    section: str            # get, put, sweep-get, sweep-put, lookup
+    section: str            # get, put, sweep-get, sweep-put, pieces-get, lookup
     transport: str          # tcp, unix
     deployment: str         # standalone, cluster
     chunk_bytes: int        # payload bytes per op (lookup: keys asked)
-    part_bytes: int | None  # the tier's max_value_size (None: its default / not a kvx tier)
+    part_bytes: int | None  # the tier's max_value_size (None: its default / not a kvx tier); pieces: the step
     method: str
     baseline: str | None    # the method this one is compared with in the same case and run
     run: int
@@ -531,6 +532,49 @@ def bench_sweep(urls: dict[str, str], mib: int, parts: list[int], runs: int, rep
     return results
 
 
+# ------------------------------------------------------------------------------------------ GET piece sweep
+def _piece_name(p: int | None) -> str:
+    return "whole value" if p is None else f"piece {_fmt(p)}"
+
+
+def bench_pieces(urls: dict[str, str], mib: int, runs: int, repeats: int, warmup: int, rotate_bytes: int,
+                 g: torch.Generator, log) -> list[Result]:
+    """kvx GET with each receive-and-checksum step size (``kvx.store.redis._PIECE``), interleaved."""
+    import kvx.store.redis as kvx_redis
+    nb = mib * MiB
+    pool = make_pool(nb, n_rotate(nb, rotate_bytes), g)
+    dflt = _piece_name(kvx_redis._PIECE)
+    results = []
+    for t, url in urls.items():
+        tier = open_tier(url)
+        keys = [_key() for _ in range(pool.num_slots)]
+        try:
+            for i, k in enumerate(keys):
+                tier.put(k, pool.slot(i))
+
+            def get(i, p):
+                kvx_redis._PIECE = p or (1 << 62)
+                tier.get_into(keys[i % pool.num_slots], pool.slot(i % pool.num_slots))
+
+            saved = kvx_redis._PIECE
+            try:
+                for run in range(1, runs + 1):
+                    times = time_interleaved({_piece_name(p): (lambda i, p=p: get(i, p)) for p in PIECES}, repeats,
+                                             warmup)
+                    for p in PIECES:
+                        m = _piece_name(p)
+                        results.append(Result("pieces-get", t, "standalone", nb, p, m, dflt if m != dflt else None,
+                                              run, times[m]))
+                        log(f"run {run}/{runs} {t:4s} {mib:2d} MiB GET {m:12s}: {statistics.median(times[m]):7.3f} ms")
+            finally:
+                kvx_redis._PIECE = saved
+        finally:
+            for k in keys:
+                tier.delete(k)
+            tier.close()
+    return results
+
+
 def n_values(payload: int, header: int, part: int) -> int:
     """Redis values the tier writes for a chunk: one if the payload fits in ``part`` (the header rides
     along), else ceil(payload / part) parts (the manifest under the chunk key not counted)."""
@@ -782,6 +826,26 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
                   "- Over the chunk sizes (each part size's time over the best one's, averaged): "
                   + ", ".join(f"{_fmt(p)} {score[p]:.2f}" for p in parts) + f"; best **{_fmt(overall)}**."]
 
+    # ---- GET piece size
+    pc = [r for r in results if r.section == "pieces-get"]
+    if pc:
+        lines += ["", "## GET: bytes received per checksum step", "",
+                  "kvx receives a value's payload into the slot a piece at a time and checksums each piece as it "
+                  "lands (while it is still in cache, and while the server sends the next one); `whole value`: one "
+                  f"receive, then one checksum pass. The tier's step is `kvx.store.redis._PIECE`; `x default` = its "
+                  "median time / this one's (same run).", "",
+                  "| transport | chunk | step | GET ms | GB/s | x default |", "|---|---:|---|---:|---:|---|"]
+        for t in dict.fromkeys(r.transport for r in pc):
+            for nb in sorted({r.chunk_bytes for r in pc}):
+                case = ("pieces-get", t, "standalone", nb)
+                base = next(r.method for r in pc if r.baseline is None)
+                for p in PIECES:
+                    m = _piece_name(p)
+                    ms = med(per_run(index, case, m, runs))
+                    x = cell(ratios(index, case, m, base, runs))
+                    lines.append(f"| {t} | {nb // MiB} MiB | {m} | {ms:.3f} | {nb / (ms * 1e-3) / 1e9:.2f} | "
+                                 f"{x}{'x' if x else ''} |")
+
     # ---- lookups
     lk = [r for r in results if r.section == "lookup"]
     if lk:
@@ -805,8 +869,9 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
         lines += ["", "## Where the time goes (same run)", "",
                   f"memcpy {cc['memcpy']:.2f} GB/s and CRC32C {cc['crc32']:.2f} GB/s over a {TARGET_MIB} MiB "
                   "chunk (cache-cold, single thread): the verified GET and the encoding PUT each pay one CRC32 "
-                  "pass over the payload (kvx's GET piece by piece as the bytes land, its PUT before the first is "
-                  "sent), redis-py's GET one more copy (bytes -> slot) and its SET one more (the join)."]
+                  "pass over the payload (kvx's GET piece by piece as the bytes land, its PUT while the server "
+                  "answers the EXISTS that precedes it), redis-py's GET one more copy (bytes -> slot) and its SET "
+                  "one more (the join)."]
         if tb in sizes:
             crc_ms = tb / (cc["crc32"] * 1e9) * 1e3
             lines += ["", f"{TARGET_MIB} MiB: what kvx adds to the bare transfer (kvx - roof), next to one cold "
@@ -849,6 +914,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rotate-mib", type=int, default=None,
                     help="slots and keys rotated over per size (default 64 MiB; quick 4)")
     ap.add_argument("--no-cluster", action="store_true", help="skip the 3-node cluster lookup")
+    ap.add_argument("--no-pieces", action="store_true", help="skip the GET receive-step sweep")
     args = ap.parse_args(argv)
     try:
         sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([1] if args.quick else [1, 4, 16])
@@ -896,6 +962,9 @@ def main(argv: list[str] | None = None) -> int:
         rs, more = bench_get_put(urls, sizes, runs, repeats, args.warmup, rotate, g, log)
         results += rs
         info.update(more)
+        if not args.no_pieces:
+            results += bench_pieces(urls, TARGET_MIB, runs, repeats.get(TARGET_MIB, 3 if args.quick else 30),
+                                    args.warmup, rotate, g, log)
         for mib in sweep:
             results += bench_sweep(urls, mib, list(PART_SIZES), runs, repeats[mib], args.warmup, rotate, g, log, info)
         tier, r = open_tier(srv.url, lookup_wait_ms=LOOKUP_WAIT_MS), redis_py(srv.url)

@@ -71,6 +71,7 @@ log = get_logger(__name__)
 _PREFIX = "kvx:1:"
 _MAGIC = b"kvxparts"              # first 8 bytes of a manifest (a codec header starts with a length < 2**20)
 _MANIFEST_MAX = 128               # bytes: a manifest is ~50
+_PIECE = 256 << 10                # GET payload bytes received (then checksummed) per step
 _PENDING_MS = 60_000              # expiry of parts not yet published: a put takes milliseconds
 _MIN_VALUE, _MAX_VALUE = 64 << 10, 512 * 10**6    # proto-max-bulk-len is 512 MB: a larger value resets us
 _LOOKUP_BATCH = 1024              # EXISTS per pipeline write
@@ -395,7 +396,10 @@ class _ChunkSink:
 
     def buffer(self) -> memoryview:
         if self.phase == self._PAYLOAD:
-            return self.payload[self.pos:]
+            # a piece at a time, each checksummed while it is still in cache (and while the server sends the
+            # next one): ~15% faster than one receive, then one pass (bench_redis.py, "bytes received per
+            # checksum step")
+            return self.payload[self.pos:self.pos + _PIECE]
         if self.phase == self._DONE:
             raise self._error(f"value is longer than its header says ({self.header.total} bytes)", torn=True)
         return memoryview(self.buf)[self.pos:]
@@ -954,14 +958,24 @@ class RedisTier(Tier):
         (nothing readable is left), StoreUnavailableError when down or out of time."""
         self._check_open()
         _valid_key(key)
-        header, payload = codec.encode(chunk, key, self.ctx.fingerprint, extra, created=time.time())
+        codec.check_chunk(chunk)
+        codec.check_extra(extra)
+        encoded: list = []
+
+        def encode() -> tuple[bytes, object]:
+            """(header, payload), computed once (the CRC pass) while the server answers the EXISTS."""
+            if not encoded:
+                encoded.extend(codec.encode(chunk, key, self.ctx.fingerprint, extra, created=time.time()))
+            return encoded[0], encoded[1]
+
         ck = _chunk_key(key)
         deadline = time.monotonic() + self._timeout
         # max_value_size counts chunk bytes: the header (a few hundred bytes) rides along, so a 4 MiB chunk
         # is one 4 MiB value, not two parts of 2 MiB
-        write = self._put_value if payload.nbytes <= self.config.max_value_size else self._put_parts
+        nbytes = chunk.numel() * chunk.element_size()
+        write = self._put_value if nbytes <= self.config.max_value_size else self._put_parts
         try:
-            stored = self._op(ck, lambda c, ask: write(c, ask, ck, header, payload, deadline), deadline)
+            stored = self._op(ck, lambda c, ask: write(c, ask, ck, encode, deadline), deadline)
         except StoreFullError as e:
             self._count(full=1)
             self._throttle.warning("full", "kvx: redis tier %s: server out of memory, chunk not stored (%s)",
@@ -976,22 +990,39 @@ class RedisTier(Tier):
             self._count(errors=1)
             raise StoreError(f"chunk {key}: redis {self.url}: {e}") from None
         if stored:
-            self._count(puts=1, put_bytes=payload.nbytes)
+            self._count(puts=1, put_bytes=nbytes)
             self._emit(STORED, [key])
         return stored
 
-    def _put_value(self, conn, asking, ck, header, payload, deadline) -> bool:
+    @staticmethod
+    def _lacks(conn, ask: list, ck: str, encode: Callable, deadline: float) -> tuple[bytes, object] | None:
+        """``encode()`` if ``ck`` is not stored yet, else None. The EXISTS goes out first and the chunk is
+        encoded while the server answers: a chunk already there costs a round trip, not the value's
+        transfer, and a new one does not wait for that round trip (4 MiB PUT: 0.14 ms less here)."""
+        cmds = ask + [("EXISTS", ck)]
+        conn.send(cmds, deadline)
+        try:
+            encoded = encode()
+        except BaseException:
+            conn.close()            # its reply is unread
+            raise
+        return None if conn.replies(cmds, deadline)[-1] else encoded
+
+    def _put_value(self, conn, asking, ck, encode, deadline) -> bool:
         ask = [("ASKING",)] if asking else []
-        # EXISTS first: a chunk already there costs a round trip (~25 us), not the value's transfer
-        if conn.pipeline(ask + [("EXISTS", ck)], deadline)[-1]:
+        encoded = self._lacks(conn, ask, ck, encode, deadline)
+        if encoded is None:
             return False
+        header, payload = encoded
         opts = ["NX"] + (["PX", self._ttl_ms] if self._ttl_ms else [])
         return conn.set_value(ck, [header, payload], opts, deadline, prefix=ask) == "OK"
 
-    def _put_parts(self, conn, asking, ck, header, payload, deadline) -> bool:
+    def _put_parts(self, conn, asking, ck, encode, deadline) -> bool:
         ask = [("ASKING",)] if asking else []
-        if conn.pipeline(ask + [("EXISTS", ck)], deadline)[-1]:
+        encoded = self._lacks(conn, ask, ck, encode, deadline)
+        if encoded is None:
             return False
+        header, payload = encoded
         hv, pv = memoryview(header), memoryview(payload)
         total = len(hv) + len(pv)
         n = -(-len(pv) // self.config.max_value_size)

@@ -339,8 +339,20 @@ class RespConnection:
     def pipeline(self, commands: Sequence[Sequence], deadline: float, raise_errors: bool = True) -> list:
         """Send ``commands`` in one write and read their replies. An error reply is raised (the first one,
         after every reply was read) or, with ``raise_errors=False``, returned in its place."""
+        self.send(commands, deadline)
+        return self.replies(commands, deadline, raise_errors)
+
+    def send(self, commands: Sequence[Sequence], deadline: float) -> None:
+        """The first half of :meth:`pipeline`: send ``commands`` in one write, so that the caller works while
+        the server answers. :meth:`replies` must follow (or :meth:`close`: unread replies foul the stream)."""
         try:
             self._send([b"".join(encode_command(*c) for c in commands)], deadline)
+        except BaseException as e:  # noqa: BLE001 - close on anything, interrupts included
+            raise self._failed(e, f"{commands[0][0] if commands else 'pipeline'}")
+
+    def replies(self, commands: Sequence[Sequence], deadline: float, raise_errors: bool = True) -> list:
+        """The second half of :meth:`pipeline`: the replies of the ``commands`` :meth:`send` sent."""
+        try:
             replies = [self._read_reply(deadline) for _ in commands]
         except BaseException as e:  # noqa: BLE001 - close on anything, interrupts included
             raise self._failed(e, f"{commands[0][0] if commands else 'pipeline'}")

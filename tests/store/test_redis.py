@@ -23,6 +23,7 @@ from kvx.redis_server import RedisClusterServers, RedisServer, redis_cli_binary,
 from kvx.store import codec
 from kvx.store.errors import ChunkError, StoreClosedError, StoreFullError, StoreUnavailableError
 from kvx.store.redis import RedisConfig, RedisTier, redact
+from kvx.store.resp import RespConnection
 from kvx.store.tier import REMOVED, STORED, TierContext, parse_tier_config
 
 FP = "fp-test-1"
@@ -293,6 +294,51 @@ def test_single_value_corrupt_byte(redis_server, open_tier):
     with pytest.raises(ChunkError, match="checksum"):
         tier.get_into(key, poisoned(x))
     assert not c.exists(ck)
+
+
+@pytest.mark.parametrize("size", ["odd", "multi"])
+@pytest.mark.parametrize("piece", [4099, 1 << 62], ids=["odd-pieces", "one-piece"])
+def test_payload_received_in_pieces(piece, size, redis_server, open_tier, monkeypatch):
+    """The payload is received and checksummed a piece at a time: pieces that straddle parts and end mid-value
+    are bit-exact, and a flipped byte in any piece fails the checksum."""
+    import kvx.store.redis as kvx_redis
+    monkeypatch.setattr(kvx_redis, "_PIECE", piece)
+    tier = open_tier(redis_server.url)
+    c = redis_server.client()
+    key = new_key()
+    x = random_chunk(shape_for(size, torch.float16, key), torch.float16, 9)
+    assert tier.put(key, x)
+    out = poisoned(x)
+    tier.get_into(key, out)
+    assert same_bytes(out, x)
+    last = (part_keys(c, key) or [f"kvx:1:{{{key}}}".encode()])[-1]
+    at = c.strlen(last) - 3
+    c.setrange(last, at, bytes([c.getrange(last, at, at)[0] ^ 0x10]))
+    with pytest.raises(ChunkError, match="checksum"):
+        tier.get_into(key, poisoned(x))
+
+
+def test_put_whose_encoding_fails_leaves_the_connection_clean(redis_server, open_tier, monkeypatch):
+    """A put encodes the chunk while the server answers its EXISTS: if encoding fails in that window, the
+    connection (its reply unread) is closed, not returned to the pool to answer the next command wrongly."""
+    tier = open_tier(redis_server.url, connections=1)
+    key, other = new_key(), new_key()
+    x = random_chunk((3000,), torch.float16, 10)
+    real = codec.encode
+
+    def broken(*a, **k):
+        raise RuntimeError("encoding failed")
+    monkeypatch.setattr(codec, "encode", broken)
+    # the pool's own check (unread bytes) depends on the reply having arrived: take it away
+    monkeypatch.setattr(RespConnection, "stale", lambda self: self.closed)
+    with pytest.raises(RuntimeError, match="encoding failed"):
+        tier.put(key, x)
+    monkeypatch.setattr(codec, "encode", real)
+    assert tier.contains_many([key]) == [False]
+    assert tier.put(other, x) is True and tier.put(other, x) is False
+    out = poisoned(x)
+    tier.get_into(other, out)
+    assert same_bytes(out, x)
 
 
 # ------------------------------------------------------------------------------------------ lookups
