@@ -338,7 +338,8 @@ def write_results(phases: list[Phase], out_dir: str, *, command: str, spec: Spec
               f"{info.get('rate', '?')} requests/s. No-reuse: {info.get('no_reuse_runs', '?')} runs per server "
               f"(alternating vllm / kvx-cpu) of {spec.unique_prompts} prompts of {spec.unique_tokens[0]}-"
               f"{spec.unique_tokens[1]} random tokens at {info.get('no_reuse_rate', '?')} requests/s "
-              "(above what either server sustains: throughput = capacity).", "",
+              "(above what either server sustains: throughput = capacity); run i sends both servers the same "
+              "prompts at the same arrival times (each server sees them once).", "",
               "Throughput = requests / (first send -> last completion). TTFT = send -> first streamed token at "
               "the client. Hit rate = cached prompt tokens reported in `usage` (vLLM prefix cache + connector) / "
               "prompt tokens; the split from /metrics. `outputs = vllm`: requests whose greedy tokens equal the "
@@ -681,8 +682,10 @@ def main(argv: list[str] | None = None) -> int:
             print("no-reuse workload")
             runs: dict[str, list[Phase]] = {c: [] for c in pair}
             for i in range(args.no_reuse_runs):
-                for j, c in enumerate(pair if i % 2 == 0 else pair[::-1]):     # A B, B A, ...
-                    reqs = build_no_reuse(spec, 1000 + 2 * i + j, nr_rate)
+                # the same prompts and arrivals to both (each server sees them once: no reuse), so a pair of
+                # runs differs in the server alone; A B, B A, ...
+                reqs = build_no_reuse(spec, 1000 + i, nr_rate)
+                for c in (pair if i % 2 == 0 else pair[::-1]):
                     p = run_phase(servers[c], "no-reuse", c, f"run{i}", reqs, nr_rate, args.max_tokens)
                     for res in p.results:
                         res["run"] = i
@@ -714,12 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in phases:
         if p.config != "vllm":
             p.outputs_as_vllm = _same_tokens(p, ref.get((p.workload, p.phase)))
-        elif p.workload == "reuse":
+        else:
             p.outputs_as_vllm = f"{len(p.results)}/{len(p.results)}"
-    # no-reuse runs of the two servers used different prompts: no token comparison
-    for p in phases:
-        if p.workload == "no-reuse":
-            p.outputs_as_vllm = ""
     for p in phases:
         n, _, total = p.outputs_as_vllm.partition("/")
         if total and n != total:
