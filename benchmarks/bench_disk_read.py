@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
+import shutil
 import re
 import statistics
 import subprocess
@@ -39,6 +41,7 @@ from kvx.store.disk import DiskStore
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 FINGERPRINT = "bench-disk-read"
 LAYERS, HEADS, HEAD, TOKENS = 8, 8, 128, 256
+FIO = "fio direct, libaio, 16 in flight"
 
 
 def chunk_shape(tokens: int = TOKENS) -> tuple[int, ...]:
@@ -72,6 +75,19 @@ def dd_direct(path: str) -> float:
     if m is None:
         raise RuntimeError(f"dd: cannot parse its output: {out!r}")
     return float(m.group(1))
+
+
+def fio_direct(path: str) -> float:
+    """Seconds for fio to read ``path`` sequentially with direct I/O, 4 MiB requests, 16 in flight (libaio):
+    what the device gives a reader that keeps it busy (dd keeps one request in flight)."""
+    out = subprocess.run(["fio", "--name=seq", f"--filename={path}", "--rw=read", "--bs=4M", "--direct=1",
+                          "--ioengine=libaio", "--iodepth=16", "--readonly", "--output-format=json"],
+                         capture_output=True, text=True, check=True).stdout
+    job, size = json.loads(out[out.index("{"):])["jobs"][0]["read"], os.path.getsize(path)
+    # fio reads whole 4 MiB requests: the tail past the last one (the chunk headers: a few KiB) is not read
+    if not 0 <= size - job["io_bytes"] < 4 << 20 or job["runtime"] <= 0:
+        raise RuntimeError(f"fio read {job['io_bytes']} bytes of {size} in {job['runtime']} ms")
+    return job["runtime"] / 1e3 * size / job["io_bytes"]
 
 
 def kvx_read(store: DiskStore, keys: list[str], slots: list[torch.Tensor], threads: int) -> float:
@@ -113,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in slots:
             s.view(torch.uint8).fill_(0)          # commit the slots' pages (the CPU tier does at start-up)
         methods = {"dd iflag=direct (baseline)": lambda: dd_direct(flat)}
+        if shutil.which("fio"):
+            methods[FIO] = lambda: fio_direct(flat)
         for n in (1, 2, 4):
             methods[f"kvx get_into, {n} reader{'s' if n > 1 else ''}"] = lambda n=n: kvx_read(store, keys, slots, n)
         names = list(methods)
@@ -151,11 +169,15 @@ def write(rows, args, total, how, ok, names) -> None:
     for n in names:
         runs = ", ".join(f"{r['gb_s']:.2f}" for r in rows if r["method"] == n)
         lines.append(f"| {n} | {med[n]:.2f} | {med[n] / base:.2f} | {runs} |")
-    best = max(names[1:], key=lambda n: med[n])
+    kvx = [n for n in names if n.startswith("kvx")]
+    best = max(kvx, key=lambda n: med[n])
+    ref = max((n for n in names if n not in kvx), key=lambda n: med[n])     # the faster sequential read
     lines += ["", f"Target (issue 11): loading a 4096-token prompt's chunks from disk with the page cache dropped "
-              f"reads at >= 0.8x a sequential direct-I/O read of the same bytes. Best kvx setting: {best}, "
-              f"{med[best] / base:.2f}x: {'met' if med[best] / base >= 0.8 else 'NOT met'}. kvx's default is "
-              "`io_threads: 2`."]
+              f"reads at >= 0.8x a sequential direct-I/O read of the same bytes, here the faster one ({ref}, "
+              f"{med[ref]:.2f} GB/s). Best kvx setting: {best}, {med[best] / med[ref]:.2f}x: "
+              f"{'met' if med[best] / med[ref] >= 0.8 else 'NOT met'}; kvx's default (`io_threads: 2`): "
+              f"{med['kvx get_into, 2 readers'] / med[ref]:.2f}x. kvx reads through the page cache (readahead keeps the device busy), "
+              "the baselines bypass it."]
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
