@@ -4,7 +4,8 @@ A :class:`RedisServer` is one server on 127.0.0.1 (a free port, optionally a uni
 a memory limit and eviction policy) in its own temporary directory, started with persistence off
 (``--save "" --appendonly no``) and ready when its ``__init__`` returns (PING answered). It can be
 stopped, killed, paused (SIGSTOP: a server that hangs) and restarted on the same port, which is how the
-Redis tier's fault tests drive faults. :class:`RedisClusterServers` is a cluster of such servers.
+Redis tier's fault tests drive faults. :class:`RedisClusterServers` is a cluster of such servers;
+:class:`RedisSentinelServers` a master, its replicas and the Sentinels that fail it over.
 
 Every process started here is stopped on ``stop()``, on leaving the ``with`` block, at interpreter exit
 (``atexit``) and, for servers started from the main thread, when this process dies (``PR_SET_PDEATHSIG``:
@@ -27,7 +28,7 @@ import weakref
 from collections.abc import Sequence
 from urllib.parse import quote
 
-__all__ = ["RedisClusterServers", "RedisServer", "redis_cli_binary", "redis_server_binary"]
+__all__ = ["RedisClusterServers", "RedisSentinelServers", "RedisServer", "redis_cli_binary", "redis_server_binary"]
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DEPS_BIN = os.path.join(_REPO, ".deps", "redis", "usr", "bin")
@@ -439,6 +440,158 @@ class RedisClusterServers:
                 pass
 
     def __enter__(self) -> RedisClusterServers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class _Sentinel(RedisServer):
+    """One Sentinel: ``redis-server <dir>/sentinel.conf --sentinel`` (Sentinel needs a config file it can
+    rewrite: what it learns, replicas, other sentinels, the current master, survives a restart)."""
+
+    def __init__(self, conf_lines: Sequence[str], **kwargs):
+        self._conf_lines = list(conf_lines)
+        super().__init__(**kwargs)
+
+    @property
+    def conf_path(self) -> str:
+        return os.path.join(self.dir, "sentinel.conf")
+
+    def _args(self) -> list[str]:
+        return [redis_server_binary(), self.conf_path, "--sentinel", "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", self.dir, "--logfile", self.log_path, "--daemonize", "no", *self.extra_args]
+
+    def _spawn(self) -> None:
+        if not os.path.exists(self.conf_path):
+            with open(self.conf_path, "w") as f:
+                f.write("".join(line + "\n" for line in self._conf_lines))
+        super()._spawn()
+
+
+class RedisSentinelServers:
+    """A master, ``replicas`` replicas (``--replicaof``) and ``sentinels`` Sentinels monitoring them as
+    ``service`` (quorum: a majority), on 127.0.0.1. Ready when the constructor returns: every replica is
+    in sync and every Sentinel knows the replicas and the other Sentinels, so a failover can happen.
+    ``down_after_ms`` / ``failover_timeout_ms`` are short: a killed master is replaced in ~1-3 s.
+
+    ``password``: the data servers' ``requirepass`` (and ``masterauth``, Sentinel's ``auth-pass``).
+    ``sentinel_password``: the Sentinels' own ``requirepass`` (they use it with each other too).
+    ``servers`` lists the data servers, the first master at index 0; :meth:`master` says which one is now."""
+
+    def __init__(self, replicas: int = 1, sentinels: int = 3, service: str = "kvx", password: str | None = None,
+                 sentinel_password: str | None = None, down_after_ms: int = 500, failover_timeout_ms: int = 2000):
+        for name, v, lo in (("replicas", replicas, 1), ("sentinels", sentinels, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+        self.service = service
+        self.password = password
+        self.sentinel_password = sentinel_password
+        self.servers: list[RedisServer] = []
+        self.sentinels: list[_Sentinel] = []
+        # a replica's first sync waits repl-diskless-sync-delay (5 s) for others to join it: none will here
+        auth = ("--repl-diskless-sync-delay", "0") + (("--masterauth", password) if password else ())
+        try:
+            self.servers.append(RedisServer(password=password, extra_args=auth))
+            master = self.servers[0]
+            for _ in range(replicas):
+                self.servers.append(RedisServer(password=password, extra_args=(
+                    *auth, "--replicaof", master.host, str(master.port))))
+            conf = [f"sentinel monitor {service} {master.host} {master.port} {sentinels // 2 + 1}",
+                    f"sentinel down-after-milliseconds {service} {down_after_ms}",
+                    f"sentinel failover-timeout {service} {failover_timeout_ms}"]
+            if password:
+                conf.append(f"sentinel auth-pass {service} {password}")
+            if sentinel_password:
+                conf += [f"requirepass {sentinel_password}", f"sentinel sentinel-pass {sentinel_password}"]
+            for _ in range(sentinels):
+                self.sentinels.append(_Sentinel(conf))
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        """``redis+sentinel://[:password@]127.0.0.1:<p1>,127.0.0.1:<p2>,.../<service>/0``."""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        hosts = ",".join(f"{s.host}:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{auth}{hosts}/{quote(self.service, safe='')}/0"
+
+    def sentinel_client(self, i: int = 0, **kwargs):
+        """A redis-py client of Sentinel ``i``."""
+        import redis
+
+        s = self.sentinels[i]
+        return redis.Redis(host=s.host, port=s.port, password=self.sentinel_password, **kwargs)
+
+    def _views(self) -> list[dict]:
+        """``SENTINEL MASTER <service>`` of every running Sentinel (those that answer)."""
+        views = []
+        for i, s in enumerate(self.sentinels):
+            if not s.running:
+                continue
+            try:
+                with self.sentinel_client(i, socket_timeout=1) as c:
+                    views.append(c.sentinel_master(self.service))
+            except Exception:  # noqa: BLE001 - not up yet: not a view
+                continue
+        return views
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        """Wait until every replica's link is up and every Sentinel knows the replicas and the others (the
+        Sentinels find each other through hello messages every 2 s)."""
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            views = self._views()
+            ok = len(views) == len(self.sentinels) and all(
+                v["num-slaves"] >= len(self.servers) - 1 and v["num-other-sentinels"] >= len(self.sentinels) - 1
+                for v in views)
+            for r in self.servers[1:]:
+                with r.client(socket_timeout=1) as c:
+                    ok = ok and c.info("replication").get("master_link_status") == "up"
+            if ok:
+                return
+            last = str([(v["num-slaves"], v["num-other-sentinels"]) for v in views])
+            time.sleep(0.05)
+        raise RuntimeError(f"sentinels not ready within {timeout:.0f} s: (replicas, other sentinels) seen {last}")
+
+    def master(self) -> RedisServer:
+        """The data server the Sentinels name as the master now (asks the first one that answers)."""
+        for v in self._views():
+            return next(s for s in self.servers if s.port == int(v["port"]))
+        raise RuntimeError("no sentinel answers")
+
+    def wait_failover(self, old: RedisServer, timeout: float = 20.0) -> RedisServer:
+        """Wait until every running Sentinel names a master other than ``old``, and it answers ROLE as the
+        master; that server."""
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            views = self._views()
+            ports = {int(v["port"]) for v in views}
+            if views and len(ports) == 1 and old.port not in ports:
+                new = next(s for s in self.servers if s.port in ports)
+                try:
+                    with new.client(socket_timeout=1) as c:
+                        if c.role()[0] == b"master":
+                            return new
+                except Exception:  # noqa: BLE001 - not answering yet
+                    pass
+            last = str([(v["port"], v["flags"]) for v in views])
+            time.sleep(0.05)
+        raise RuntimeError(f"no failover from port {old.port} within {timeout:.0f} s: sentinels see {last}")
+
+    def stop(self) -> None:
+        """Stop every Sentinel and server, remove their temporary directories. Idempotent."""
+        for s in [*self.sentinels, *self.servers]:
+            try:
+                s.cleanup()
+            except Exception:  # noqa: BLE001 - stop the others whatever happens
+                pass
+
+    def __enter__(self) -> RedisSentinelServers:
         return self
 
     def __exit__(self, *exc) -> None:

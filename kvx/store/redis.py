@@ -1,4 +1,5 @@
-"""Redis tier: chunks as Redis values (a standalone server, a unix socket, TLS, or a Redis Cluster).
+"""Redis tier: chunks as Redis values (a standalone server, a unix socket, TLS, a Redis Cluster, or the
+master of a Redis Sentinel deployment).
 
 Layout. Chunk ``<key>`` lives at ``kvx:1:{<key>}`` (the hash tag puts a chunk's parts in its slot, so
 one Lua script can publish them on a cluster). Its value is the codec's encoding (:mod:`kvx.store.codec`:
@@ -32,6 +33,15 @@ False; puts: :class:`StoreUnavailableError`) while a background thread probes it
 and brings it back. Nothing a caller does waits on a server known to be down. On a cluster this is
 per node, and MOVED / ASK redirections are followed once (MOVED also refreshes the slot map).
 
+Sentinel. With a ``redis+sentinel://`` url the tier asks the sentinels (redis-py's
+``Sentinel.discover_master``) which server is the service's master and uses it as a standalone server.
+Every data connection checks ``ROLE`` when it opens, and a ``-READONLY`` reply marks the node down: writes
+never go to a replica. When the master fails (down, a lost connection, demoted to a replica) the
+maintenance thread asks the sentinels again, every ``retry_s`` until they name a master, and moves the
+node to it (``failovers`` in the stats); callers meanwhile get misses / StoreUnavailableError at once.
+While the master is up the sentinels are asked every 5 s as well (a failover kvx did not notice: a
+network partition between the master and the sentinels).
+
 Measured on this 2-core VM (shared with other jobs while measuring: medians of 25 runs, tier and raw
 client interleaved in one run, loopback). A 4 MiB chunk: put 0.9-1.0, get 0.9-1.3 GB/s over TCP (the
 raw client moving one 4 MiB value: SET 1.7-1.9, GET 2.2-2.6); 1.7 / 1.5 GB/s over a unix socket (raw
@@ -45,6 +55,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from binascii import crc_hqx
+import logging
 import math
 import os
 import ssl
@@ -55,7 +66,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from hashlib import sha1
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import torch
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -63,7 +74,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from ..log import Throttle, get_logger
 from . import codec
 from .errors import ChunkError, StoreClosedError, StoreError, StoreFullError, StoreUnavailableError
-from .resp import AuthError, ConnectionLost, NoScriptError, RedirectError, RespConnection
+from .resp import AuthError, ConnectionLost, NoScriptError, RedirectError, RespConnection, RespError
 from .tier import REMOVED, STORED, Tier, TierConfig, TierContext, register_tier
 
 log = get_logger(__name__)
@@ -78,6 +89,9 @@ _LOOKUP_BATCH = 1024              # EXISTS per pipeline write
 _LOOKUP_KEEP = 256                # unanswered lookups kept for the caller's next ask
 _LOOKUP_MAX_AGE_S = 1.0           # a finished lookup older than this is not served (recomputed)
 _SLOTS = 16384
+_SENTINEL_SCHEME = "redis+sentinel"
+_SENTINEL_PORT = 26379            # Sentinel's default port
+_SENTINEL_CHECK_S = 5.0           # sentinels asked this often while the master is up (a missed failover)
 
 # KEYS[1]: chunk key, KEYS[2..]: this writer's parts. ARGV[1]: manifest, ARGV[2]: ttl in ms (0: none).
 # Returns 1 published, 0 the chunk exists (parts deleted), -1 a part is gone (parts deleted).
@@ -161,16 +175,74 @@ def _no_bool(name: str, v: Any) -> Any:
     return v
 
 
+@dataclass(frozen=True)
+class _SentinelSpec:
+    """A ``redis+sentinel://`` url, parsed: where the sentinels are and what to open on the master."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int
+    username: str | None
+    password: str | None
+
+
+def _is_sentinel(url: Any) -> bool:
+    return isinstance(url, str) and url.lower().startswith(_SENTINEL_SCHEME + "://")
+
+
+def _sentinel_url(url: str) -> _SentinelSpec:
+    """Parse ``redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service_name[/db]`` (the
+    password is the data servers', as in a redis:// url; a port left out is 26379). ValueError naming
+    ``url`` if it is not one."""
+    shown = redact(url)
+    rest = url[len(_SENTINEL_SCHEME) + 3:]
+    if "?" in rest or "#" in rest:
+        raise ValueError(f"url: a redis+sentinel:// url takes no query or fragment, got {shown!r}")
+    netloc, _, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = userinfo.partition(":")
+        username, password = unquote(user) or None, (unquote(pw) if colon else None)
+    sentinels = []
+    for item in hosts.split(","):
+        if item.startswith("["):                        # [v6 address]:port
+            host, close, port = item[1:].partition("]")
+            if not close or (port and not port.startswith(":")):
+                raise ValueError(f"url: expected sentinel addresses host[:port], got {item!r} in {shown!r}")
+            port = port[1:]
+        else:
+            host, _, port = item.partition(":")
+        if not host:
+            raise ValueError(f"url: expected one or more sentinels host[:port],host[:port],... before the "
+                             f"service name, got {shown!r}")
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"url: expected sentinel addresses host[:port] with a port in [1, 65535], got "
+                             f"{item!r} in {shown!r}")
+        sentinels.append((host, int(port) if port else _SENTINEL_PORT))
+    service, _, db = path.partition("/")
+    if not service:
+        raise ValueError(f"url: expected the service name after the sentinels "
+                         f"(redis+sentinel://host:26379/<service_name>/<db>), got {shown!r}")
+    db = db.rstrip("/")
+    if db and not db.isdigit():
+        raise ValueError(f"url: expected a db number after the service name, got {db!r} in {shown!r}")
+    return _SentinelSpec(tuple(sentinels), unquote(service), int(db or 0), username, password)
+
+
 # ------------------------------------------------------------------------------------------ config
 class RedisConfig(TierConfig):
-    """``{"type": "redis", "url": "redis://host:6379/0", ...}``: one Redis server or cluster."""
+    """``{"type": "redis", "url": "redis://host:6379/0", ...}``: one Redis server, a cluster, or the master
+    of a Sentinel deployment (``"url": "redis+sentinel://host1:26379,host2:26379/mymaster/0"``)."""
 
     # a url may carry a password: errors quote values themselves (redacted), never pydantic's raw input
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     type: Literal["redis"]
     url: str = Field(description="redis://[:password@]host:port/db, rediss:// (TLS; ssl_* query parameters as "
-                                 "redis-py reads them), or unix:///path/redis.sock?db=0")
+                                 "redis-py reads them), unix:///path/redis.sock?db=0, or "
+                                 "redis+sentinel://[:password@]host:26379[,host:port...]/service_name/db (the "
+                                 "master Redis Sentinel names; the password is the data servers')")
     cluster: bool = Field(default=False, description="the url names one node of a Redis Cluster")
     timeout_ms: int = Field(default=1000, description="deadline of one whole get / put / lookup (a 64 MiB chunk "
                                                       "moves in ~50 ms over loopback)")
@@ -182,13 +254,19 @@ class RedisConfig(TierConfig):
     lookup_wait_ms: float = Field(default=2.0, description="how long a lookup may block the caller before "
                                   "answering 'not known yet'")
     retry_s: float = Field(default=2.0, description="interval of reconnection attempts while a server is down")
+    sentinel_password: str | None = Field(default=None, description="password of the sentinels themselves "
+                                          "(their requirepass; redis-py's sentinel_kwargs), if they have one")
 
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
+        if _is_sentinel(v):
+            _sentinel_url(v)
+            return v
         scheme = urlsplit(v).scheme if isinstance(v, str) else None
         if scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"url: expected a redis://, rediss:// or unix:// url, got {redact(v)!r}")
+            raise ValueError(f"url: expected a redis://, rediss://, unix:// or redis+sentinel:// url, got "
+                             f"{redact(v)!r}")
         try:
             from redis.connection import parse_url
             parsed = parse_url(v)
@@ -198,6 +276,13 @@ class RedisConfig(TierConfig):
             raise ValueError(f"url: expected a socket path in the unix:// url, got {redact(v)!r}")
         if scheme != "unix" and not parsed.get("host"):
             raise ValueError(f"url: expected a host in the url, got {redact(v)!r}")
+        return v
+
+    @field_validator("sentinel_password")
+    @classmethod
+    def _sentinel_password(cls, v):
+        if v is not None and not v:
+            raise ValueError("sentinel_password: expected a non-empty string or None (no AUTH), got ''")
         return v
 
     @field_validator("timeout_ms", mode="before")
@@ -250,6 +335,14 @@ class RedisConfig(TierConfig):
 
     @model_validator(mode="after")
     def _cluster_url(self):
+        if _is_sentinel(self.url):
+            if self.cluster:
+                raise ValueError(f"cluster: a Sentinel deployment has one master, not a Redis Cluster's slots, "
+                                 f"got cluster=true with {redact(self.url)!r}")
+            return self
+        if self.sentinel_password is not None:
+            raise ValueError(f"sentinel_password: only for a redis+sentinel:// url, got the url "
+                             f"{redact(self.url)!r}")
         if self.cluster:
             from redis.connection import parse_url
 
@@ -273,9 +366,12 @@ class _Target:
 
 
 def _target(url: str) -> tuple[_Target, dict]:
-    """(how to open a data connection, redis-py's parse of the url)."""
+    """(how to open a data connection, redis-py's parse of the url; {} for a Sentinel url)."""
     from redis.connection import parse_url
 
+    if _is_sentinel(url):
+        spec = _sentinel_url(url)
+        return _Target(spec.username, spec.password, spec.db, None), {}
     p = parse_url(url)
     ctx = None
     if urlsplit(url).scheme == "rediss":
@@ -304,6 +400,10 @@ class _PoolBusy(StoreUnavailableError):
     """Every connection to a node stayed busy until the deadline (not a sign that the node is down)."""
 
 
+class _NotMaster(StoreUnavailableError):
+    """Sentinel: the server kvx knew as the master answers ROLE as a replica (demoted by a failover)."""
+
+
 class _Node:
     """One server: a pool of up to ``connections`` raw connections (a semaphore counts those in use, a
     LIFO list keeps the idle ones) and its up/down state. Used from any thread."""
@@ -322,8 +422,21 @@ class _Node:
 
     def connect(self, deadline: float) -> RespConnection:
         t = self.tier.target
-        return RespConnection(self.host, self.port, unix_path=self.unix_path, ssl_context=t.ssl_context,
+        conn = RespConnection(self.host, self.port, unix_path=self.unix_path, ssl_context=t.ssl_context,
                               username=t.username, password=t.password, db=t.db, deadline=deadline)
+        if self.tier.sentinel_spec is not None:
+            # writes must never reach a replica: an old master that came back is one until the sentinels
+            # say otherwise (one round trip per new connection; connections are pooled)
+            try:
+                role = conn.pipeline([("ROLE",)], deadline)[0]
+            except BaseException:
+                conn.close()
+                raise
+            if not isinstance(role, list) or not role or role[0] != b"master":
+                conn.close()
+                raise _NotMaster(f"redis {self.name}: not the master of {self.tier.sentinel_spec.service!r} (ROLE "
+                                 f"answered {role[0] if isinstance(role, list) and role else role!r})")
+        return conn
 
     def acquire(self, deadline: float) -> tuple[RespConnection, bool]:
         """(a connection, whether it was pooled: used before)."""
@@ -501,16 +614,20 @@ class RedisTier(Tier):
         self.ctx = ctx
         self.url = redact(config.url)
         self.target, self._params = _target(config.url)
+        self.sentinel_spec = _sentinel_url(config.url) if _is_sentinel(config.url) else None
         self._timeout = config.timeout_ms / 1000.0
         self._ttl_ms = max(1, round(config.ttl_s * 1000)) if config.ttl_s is not None else 0
         self._throttle = Throttle(log, 30.0)
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(("gets", "get_bytes", "puts", "put_bytes", "misses", "errors", "timeouts",
-                                     "full", "reconnects", "redirects", "dropped"), 0)
+                                     "full", "reconnects", "redirects", "dropped", "failovers"), 0)
         self._closed = False
         self._nodes: dict[str, _Node] = {}
         self._rc = None                        # redis-py client: slot map, INFO
         self._rc_lock = threading.Lock()
+        self._rc_node: _Node | None = None    # Sentinel: the master self._rc talks to
+        self._sentinels = None                 # Sentinel: redis-py's Sentinel (asked by the maintenance thread)
+        self._ask_at = 0.0                     # Sentinel: when to ask the sentinels next
         self._slots: list[_Node | None] = []   # cluster: slot -> primary node
         self._topology_ok = False
         self._refresh = threading.Event()      # cluster: a MOVED asks for a new slot map
@@ -522,7 +639,8 @@ class RedisTier(Tier):
         self._fanout = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvx-redis-fanout")
         self._wake = threading.Event()
         self._suspects: set[_Node] = set()    # nodes an operation timed out on: the maintenance thread checks
-        if not config.cluster:
+        self._node: _Node | None = None       # Sentinel: the master (None until a sentinel named one)
+        if not config.cluster and self.sentinel_spec is None:
             p = self._params
             node = (_Node(self, None, None, p["path"]) if p.get("path")
                     else _Node(self, p.get("host", "localhost"), int(p.get("port", 6379))))
@@ -541,6 +659,8 @@ class RedisTier(Tier):
         try:
             if config.cluster:
                 tier._load_topology()
+            elif tier.sentinel_spec is not None:
+                tier._follow_master()
             for node in list(tier._nodes.values()):
                 try:
                     tier._probe(node)
@@ -580,8 +700,11 @@ class RedisTier(Tier):
         return dict(socket_timeout=self._timeout, socket_connect_timeout=self._timeout, retry=Retry(NoBackoff(), 0))
 
     def _client(self):
-        """The redis-py client (created on first use; a failed cluster discovery raises StoreUnavailableError)."""
+        """The redis-py client (created on first use; a failed cluster discovery raises StoreUnavailableError).
+        Sentinel: a client of the master in use now (StoreUnavailableError if none is known yet)."""
         with self._rc_lock:     # the maintenance thread and usage() callers: one client, not two
+            if self.sentinel_spec is not None:
+                return self._master_client()
             if self._rc is not None:
                 return self._rc
             import redis
@@ -595,6 +718,66 @@ class RedisTier(Tier):
             except redis.RedisError as e:
                 raise StoreUnavailableError(f"redis tier {self.url}: {_redis_error(e)}") from None
             return self._rc
+
+    def _master_client(self):
+        """Sentinel (under ``_rc_lock``): the redis-py client of the current master, replaced after a failover."""
+        import redis
+
+        node = self._node
+        if node is None:
+            raise StoreUnavailableError(f"redis tier {self.url}: no master known yet (sentinels not reached)")
+        if self._rc is None or self._rc_node is not node:
+            old, self._rc = self._rc, None
+            if old is not None:
+                old.close()
+            t = self.target
+            self._rc = redis.Redis(host=node.host, port=node.port, db=t.db, username=t.username,
+                                   password=t.password, **self._redis_kwargs())
+            self._rc_node = node
+        return self._rc
+
+    def _follow_master(self) -> None:
+        """Sentinel (``open``, then only the maintenance thread): ask the sentinels which server is the
+        service's master now and, if that is not the node in use, move the node there (a failover: the old
+        node's connections are closed, its operations fail at once). StoreUnavailableError if no sentinel
+        names a master (the node in use, if any, stays and is probed as before: ROLE keeps a replica out)."""
+        import redis
+        from redis.sentinel import Sentinel
+
+        spec, node = self.sentinel_spec, self._node
+        up = node is not None and node.up
+        self._ask_at = time.monotonic() + (max(self.config.retry_s, _SENTINEL_CHECK_S) if up else self.config.retry_s)
+        sentinels = self._sentinels
+        if sentinels is None:
+            kw = self._redis_kwargs()
+            if self.config.sentinel_password is not None:
+                kw["password"] = self.config.sentinel_password
+            self._sentinels = sentinels = Sentinel(list(spec.sentinels), sentinel_kwargs=kw)
+        try:
+            host, port = sentinels.discover_master(spec.service)
+            port = int(port)
+        except (redis.RedisError, OSError, ValueError) as e:
+            # MasterNotFoundError's text lists each sentinel's error (addresses, never passwords)
+            raise StoreUnavailableError(f"redis tier {self.url}: no sentinel names a master of {spec.service!r} "
+                                        f"({_redis_error(e)})") from None
+        if node is not None and (node.host, node.port) == (host, port):
+            return
+        new = _Node(self, host, port)
+        with self._lock:
+            self._node, self._nodes = new, {new.name: new}
+        self._wake.set()
+        if node is None:
+            log.info("kvx: redis tier %s: the sentinels name %s as the master of %r", self.url, new.name,
+                     spec.service)
+            return
+        with node._lock:
+            node.up, node.closed = False, True
+            node.error = f"no longer the master of {spec.service!r} (now {new.name})"
+        node.clear()
+        self._memory.pop(node.name, None)
+        self._count(failovers=1)
+        log.warning("kvx: redis tier %s: failover: the sentinels name %s as the master of %r (was %s); chunks "
+                    "the old master had not replicated are misses", self.url, new.name, spec.service, node.name)
 
     def _load_topology(self) -> None:
         """Cluster: (re)read the slot map with redis-py and point every slot at its primary's node."""
@@ -664,6 +847,8 @@ class RedisTier(Tier):
             self._throttle.warning(f"down:{node.name}", "kvx: redis tier %s: node %s failed (%s); answering misses "
                                    "for its chunks, retrying every %.1f s", self.url, node.name, err,
                                    self.config.retry_s)
+        if self.sentinel_spec is not None:
+            self._ask_at = 0.0          # a demoted master: the sentinels already name the new one
         self._wake.set()
 
     def _suspect(self, node: _Node) -> None:
@@ -691,11 +876,23 @@ class RedisTier(Tier):
 
     def _maintain(self) -> None:
         """Background: check nodes an operation timed out on; probe down nodes every ``retry_s``; reload the
-        cluster slot map when asked."""
+        cluster slot map when asked; Sentinel: ask the sentinels for the master before probing a down one,
+        and every 5 s while it is up."""
         while not self._closed:
             self._wake.clear()
             self._check_suspects()
             now = time.monotonic()
+            if self.sentinel_spec is not None:
+                node = self._node
+                if now >= self._ask_at or (node is not None and not node.up and node.retry_at <= now):
+                    try:
+                        self._follow_master()
+                    except StoreError as e:
+                        # while the master is down the sentinels name none until they have failed it over: the
+                        # node's failure was the warning then; otherwise (none known, sentinels gone) warn
+                        quiet = node is not None and not node.up
+                        self._throttle.log(logging.INFO if quiet else logging.WARNING, f"sentinel:{quiet}",
+                                           "kvx: %s", e)      # e names the tier
             due = [n for n in list(self._nodes.values()) if not n.up and n.retry_at <= now]
             if self.config.cluster and (not self._topology_ok or self._refresh.is_set() or due):
                 self._refresh.clear()
@@ -713,6 +910,8 @@ class RedisTier(Tier):
             waits = [n.retry_at - time.monotonic() for n in list(self._nodes.values()) if not n.up]
             if self.config.cluster and not self._topology_ok:
                 waits.append(self.config.retry_s)
+            if self.sentinel_spec is not None:
+                waits.append(self._ask_at - time.monotonic())
             self._wake.wait(max(0.01, min(waits)) if waits else None)
 
     def _route(self, chunk_key: str) -> _Node | None:
@@ -737,6 +936,8 @@ class RedisTier(Tier):
             if self._closed:
                 raise StoreClosedError(f"redis tier {self.url} is closed")
             if node is None:
+                if self.sentinel_spec is not None:
+                    raise StoreUnavailableError(f"redis tier {self.url}: no master known yet (no sentinel named one)")
                 raise StoreUnavailableError(f"redis tier {self.url}: no node serves {chunk_key} (slot map not "
                                             f"loaded yet)")
             if not node.up:
@@ -780,6 +981,13 @@ class RedisTier(Tier):
                 else:
                     self._node_failed(node, e)
                 raise
+            except RespError as e:
+                if self.sentinel_spec is None or not str(e).startswith("redis: READONLY"):
+                    raise
+                # the master was demoted to a replica under an open connection: down until the sentinels
+                # name the new one (the maintenance thread asks them now)
+                self._node_failed(node, e)
+                raise _NotMaster(f"redis tier {self.url}: node {node.name} is a replica now ({e})") from None
             finally:
                 used.release(conn)
 
@@ -810,7 +1018,7 @@ class RedisTier(Tier):
         keys = [_valid_key(k) for k in keys]
         if not keys:
             return []
-        if not self.config.cluster and not self._node.up:
+        if not self.config.cluster and (self._node is None or not self._node.up):
             return [False] * len(keys)
         if self.config.cluster and (not self._topology_ok or not any(n.up for n in list(self._nodes.values()))):
             return [False] * len(keys)
@@ -1091,7 +1299,8 @@ class RedisTier(Tier):
         if self.config.cluster:
             targets = {n.name: n for n in self._slots if n is not None}
         else:
-            targets = {self._node.name: self._node}
+            node = self._rc_node if self.sentinel_spec is not None else self._node    # the one rc talks to
+            targets = {node.name: node} if node is not None else {}
         for name, node in targets.items():
             if not node.up:
                 continue
@@ -1125,6 +1334,8 @@ class RedisTier(Tier):
         with self._lock:
             out = dict(self._stats)
         out["nodes_down"] = sum(1 for n in list(self._nodes.values()) if not n.up)
+        if self.sentinel_spec is not None and self._node is None:
+            out["nodes_down"] = 1       # no sentinel named a master yet
         return out
 
     def close(self) -> None:
@@ -1140,12 +1351,14 @@ class RedisTier(Tier):
         for node in list(self._nodes.values()):
             node.closed = True
             node.clear()
-        rc, self._rc = self._rc, None
-        if rc is not None:
-            try:
-                rc.close()
-            except Exception:  # noqa: BLE001 - closing anyway
-                pass
+        for attr in ("_rc", "_sentinels"):
+            client = getattr(self, attr)
+            setattr(self, attr, None)
+            if client is not None:
+                try:
+                    client.close()
+                except Exception:  # noqa: BLE001 - closing anyway
+                    pass
 
     def __repr__(self) -> str:
         return f"RedisTier({self.url}, cluster={self.config.cluster})"
