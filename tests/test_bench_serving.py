@@ -195,3 +195,30 @@ def test_drop_page_cache_falls_back_to_fadvise(bench, tmp_path):
         (store / f"c{i}.safetensors").write_bytes(os.urandom(4096))
     how = bench.drop_page_cache([str(tmp_path / "store")], try_drop_caches=False)
     assert how.startswith("fadvise(3 files")
+
+
+def test_profile_counts_kvx_frames_per_process(monkeypatch):
+    """benchmarks/profile_serving.py: a sample is kvx's when a kvx frame is on its stack, per process; the API
+    server (`python -m kvx.serving`, a kvx module by name only) is never counted as kvx's."""
+    prof = load_benchmark(monkeypatch, "profile_serving")
+    api = 'process 1:"/venv/bin/python -m kvx.serving serve /m --kv-transfer-config {}"'
+    worker, core = 'process 3:"VLLM::Worker"', 'process 2:"VLLM::EngineCore"'
+    lines = [
+        f"{api};{worker};thread (3): MainThread;execute_model (vllm/v1/worker/gpu_worker.py:1);mm (torch/x.py:2) 90\n",
+        f"{api};{worker};thread (3): MainThread;execute_model (vllm/v1/worker/gpu_worker.py:1);"
+        "KVXConnector.save_kv_layer (kvx/connector/connector.py:189);_run (kvx/ops.py:521) 6\n",
+        f"{api};{worker};thread (4): kvx-copy-save;TransferEngine._loop (kvx/engine.py:322) 4\n",
+        f"{api};{core};thread (2): MainThread;schedule (vllm/v1/core/sched/scheduler.py:9) 49\n",
+        f"{api};{core};thread (2): MainThread;KVXConnector.get_num_new_matched_tokens "
+        "(kvx/connector/connector.py:221) 1\n",
+        f"{api};thread (1): MainThread;_vllm_cli (kvx/serving.py:564) 7\n",
+        "not a sample line\n",
+    ]
+    agg = prof.aggregate(lines)
+    assert agg["total"] == 157
+    assert agg["procs"]["VLLM::Worker"] == 100 and agg["kvx"]["VLLM::Worker"] == 10
+    assert agg["procs"]["VLLM::EngineCore"] == 50 and agg["kvx"]["VLLM::EngineCore"] == 1
+    api_name = next(p for p in agg["procs"] if p.startswith("/"))
+    assert agg["procs"][api_name] == 7 and agg["kvx"][api_name] == 0
+    assert agg["threads"][("VLLM::Worker", "thread: kvx-copy-save")] == 4
+    assert agg["where"][("VLLM::Worker", "KVXConnector.save_kv_layer (kvx/connector/connector.py:189)")] == 6
