@@ -539,35 +539,30 @@ def _piece_name(p: int | None) -> str:
 
 def bench_pieces(urls: dict[str, str], mib: int, runs: int, repeats: int, warmup: int, rotate_bytes: int,
                  g: torch.Generator, log) -> list[Result]:
-    """kvx GET with each receive-and-checksum step size (``kvx.store.redis._PIECE``), interleaved."""
-    import kvx.store.redis as kvx_redis
+    """kvx GET with each cap on the bytes one receive takes (the tier's ``piece``), interleaved."""
     nb = mib * MiB
     pool = make_pool(nb, n_rotate(nb, rotate_bytes), g)
-    dflt = _piece_name(kvx_redis._PIECE)
     results = []
     for t, url in urls.items():
         tier = open_tier(url)
+        dflt = _piece_name(tier.piece)          # the tier's own choice for this transport
         keys = [_key() for _ in range(pool.num_slots)]
         try:
             for i, k in enumerate(keys):
                 tier.put(k, pool.slot(i))
 
             def get(i, p):
-                kvx_redis._PIECE = p or (1 << 62)
+                tier.piece = p
                 tier.get_into(keys[i % pool.num_slots], pool.slot(i % pool.num_slots))
 
-            saved = kvx_redis._PIECE
-            try:
-                for run in range(1, runs + 1):
-                    times = time_interleaved({_piece_name(p): (lambda i, p=p: get(i, p)) for p in PIECES}, repeats,
-                                             warmup)
-                    for p in PIECES:
-                        m = _piece_name(p)
-                        results.append(Result("pieces-get", t, "standalone", nb, p, m, dflt if m != dflt else None,
-                                              run, times[m]))
-                        log(f"run {run}/{runs} {t:4s} {mib:2d} MiB GET {m:12s}: {statistics.median(times[m]):7.3f} ms")
-            finally:
-                kvx_redis._PIECE = saved
+            for run in range(1, runs + 1):
+                times = time_interleaved({_piece_name(p): (lambda i, p=p: get(i, p)) for p in PIECES}, repeats,
+                                         warmup)
+                for p in PIECES:
+                    m = _piece_name(p)
+                    results.append(Result("pieces-get", t, "standalone", nb, p, m, dflt if m != dflt else None,
+                                          run, times[m]))
+                    log(f"run {run}/{runs} {t:4s} {mib:2d} MiB GET {m:12s}: {statistics.median(times[m]):7.3f} ms")
         finally:
             for k in keys:
                 tier.delete(k)
@@ -830,15 +825,15 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
     pc = [r for r in results if r.section == "pieces-get"]
     if pc:
         lines += ["", "## GET: bytes received per checksum step", "",
-                  "kvx receives a value's payload into the slot a piece at a time and checksums each piece as it "
-                  "lands (while it is still in cache, and while the server sends the next one); `whole value`: one "
-                  f"receive, then one checksum pass. The tier's step is `kvx.store.redis._PIECE`; `x default` = its "
-                  "median time / this one's (same run).", "",
+                  "kvx receives a value's payload straight into the slot and checksums what each receive brought "
+                  "while it is still in cache; a step caps the bytes one receive may take (`whole value`: no cap, "
+                  "the kernel hands over what it holds). `x default` = the median time of the tier's own choice "
+                  "for the transport (`RedisTier.piece`) / this one's (same run).", "",
                   "| transport | chunk | step | GET ms | GB/s | x default |", "|---|---:|---|---:|---:|---|"]
         for t in dict.fromkeys(r.transport for r in pc):
             for nb in sorted({r.chunk_bytes for r in pc}):
                 case = ("pieces-get", t, "standalone", nb)
-                base = next(r.method for r in pc if r.baseline is None)
+                base = next(r.method for r in pc if r.baseline is None and r.case() == case)
                 for p in PIECES:
                     m = _piece_name(p)
                     ms = med(per_run(index, case, m, runs))

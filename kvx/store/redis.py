@@ -42,13 +42,11 @@ node to it (``failovers`` in the stats); callers meanwhile get misses / StoreUna
 While the master is up the sentinels are asked every 5 s as well (a failover kvx did not notice: a
 network partition between the master and the sentinels).
 
-Measured on this 2-core VM (shared with other jobs while measuring: medians of 25 runs, tier and raw
-client interleaved in one run, loopback). A 4 MiB chunk: put 0.9-1.0, get 0.9-1.3 GB/s over TCP (the
-raw client moving one 4 MiB value: SET 1.7-1.9, GET 2.2-2.6); 1.7 / 1.5 GB/s over a unix socket (raw
-4.5 / 3.7). The gap is the CRC32 on each side (~1 ms per 4 MiB here) and the round trips of the EXISTS
-and of the two parts (4 MiB + the header exceeds 4 MiB). A 16 MiB chunk in 4 MiB parts: put 1.4 / 1.9,
-get 0.9 / 1.6 GB/s (TCP / unix), as fast as or faster than the raw client on one 16 MiB value (SET
-1.1-1.4, GET 1.0-1.3): hence the 4 MiB default of ``max_value_size``.
+Speed: ``benchmarks/bench_redis.py`` (results in ``benchmarks/results/redis_cpu.md``) times GET into a
+slot and PUT against redis-py + hiredis doing the same work and against a plain socket moving the same
+bytes, in one run. What kvx adds to the plain socket is one CRC32C pass over the payload per op: a GET
+checksums what each receive brings while it is still in cache, a PUT encodes while the server answers the
+EXISTS that precedes it.
 """
 
 from __future__ import annotations
@@ -82,7 +80,8 @@ log = get_logger(__name__)
 _PREFIX = "kvx:1:"
 _MAGIC = b"kvxparts"              # first 8 bytes of a manifest (a codec header starts with a length < 2**20)
 _MANIFEST_MAX = 128               # bytes: a manifest is ~50
-_PIECE = 256 << 10                # GET payload bytes received (then checksummed) per step
+_PIECE = 256 << 10                # most GET payload bytes one receive takes (then checksummed), TCP
+_PIECE_UNIX = 1 << 20             # the same over a unix socket
 _PENDING_MS = 60_000              # expiry of parts not yet published: a put takes milliseconds
 _MIN_VALUE, _MAX_VALUE = 64 << 10, 512 * 10**6    # proto-max-bulk-len is 512 MB: a larger value resets us
 _LOOKUP_BATCH = 1024              # EXISTS per pipeline write
@@ -477,8 +476,8 @@ class _ChunkSink:
 
     _PREFIX, _MANIFEST, _HEADER, _PAYLOAD, _DONE = range(5)
 
-    def __init__(self, key: str, fingerprint: str, out: torch.Tensor, where: str):
-        self.key, self.fingerprint, self.out, self.where = key, fingerprint, out, where
+    def __init__(self, key: str, fingerprint: str, out: torch.Tensor, where: str, piece: int | None = None):
+        self.key, self.fingerprint, self.out, self.where, self.piece = key, fingerprint, out, where, piece
         self.payload = memoryview(codec.byte_view(out))
         self.phase, self.pos, self.received = self._PREFIX, 0, 0
         self.buf = bytearray(codec.PREFIX_BYTES)
@@ -509,10 +508,9 @@ class _ChunkSink:
 
     def buffer(self) -> memoryview:
         if self.phase == self._PAYLOAD:
-            # a piece at a time, each checksummed while it is still in cache (and while the server sends the
-            # next one): ~15% faster than one receive, then one pass (bench_redis.py, "bytes received per
-            # checksum step")
-            return self.payload[self.pos:self.pos + _PIECE]
+            # at most a piece per receive: each is checksummed (advance) while it is still in cache
+            # (bench_redis.py, "bytes received per checksum step")
+            return self.payload[self.pos:self.pos + self.piece] if self.piece else self.payload[self.pos:]
         if self.phase == self._DONE:
             raise self._error(f"value is longer than its header says ({self.header.total} bytes)", torn=True)
         return memoryview(self.buf)[self.pos:]
@@ -616,6 +614,8 @@ class RedisTier(Tier):
         self.target, self._params = _target(config.url)
         self.sentinel_spec = _sentinel_url(config.url) if _is_sentinel(config.url) else None
         self._timeout = config.timeout_ms / 1000.0
+        # GET: most bytes one receive takes before they are checksummed (measured per transport)
+        self.piece: int | None = _PIECE_UNIX if self._params.get("path") else _PIECE
         self._ttl_ms = max(1, round(config.ttl_s * 1000)) if config.ttl_s is not None else 0
         self._throttle = Throttle(log, 30.0)
         self._lock = threading.Lock()
@@ -1104,12 +1104,12 @@ class RedisTier(Tier):
                              f"{tuple(out.stride())} for shape {tuple(out.shape)}")
         ck = _chunk_key(key)
         deadline = time.monotonic() + self._timeout
-        sink = _ChunkSink(key, self.ctx.fingerprint, out, f"redis value {ck}")
+        sink = _ChunkSink(key, self.ctx.fingerprint, out, f"redis value {ck}", self.piece)
         manifest: list[bytes | None] = [None]
 
         def read(conn: RespConnection, asking: bool) -> None:
             nonlocal sink            # a second try (redirected, or a dead pooled connection) starts over
-            sink = _ChunkSink(key, self.ctx.fingerprint, out, f"redis value {ck}")
+            sink = _ChunkSink(key, self.ctx.fingerprint, out, f"redis value {ck}", self.piece)
             ask = [("ASKING",)] if asking else []
             conn.get_into([ck], sink, deadline, prefix=ask)
             if sink.missing:

@@ -300,6 +300,24 @@ class RespConnection:
             else:
                 self._fill(deadline)
 
+    def _read_some(self, mv: memoryview, deadline: float) -> int:
+        """Put the next bytes into ``mv`` (non-empty): buffered ones, else what one receive brings (large
+        reads straight into ``mv``); how many."""
+        have = self._rend - self._rpos
+        if not have and len(mv) >= _DIRECT:
+            self.sock.settimeout(self._left(deadline))
+            k = self.sock.recv_into(mv)
+            if k == 0:
+                raise ConnectionLost(f"redis {self.address}: connection closed by the server")
+            return k
+        if not have:
+            self._fill(deadline)
+            have = self._rend - self._rpos
+        k = min(have, len(mv))
+        mv[:k] = self._rview[self._rpos:self._rpos + k]
+        self._rpos += k
+        return k
+
     def _expect_crlf(self, deadline: float) -> None:
         while self._rend - self._rpos < 2:
             self._fill(deadline)
@@ -438,10 +456,9 @@ class RespConnection:
                     pending = True
                     continue
                 sink.begin(i, n)
-                while n:
+                while n:        # the sink sees each receive's bytes at once (checksummed while in cache)
                     mv = sink.buffer()
-                    k = min(len(mv), n)
-                    self._readinto(mv[:k], deadline)
+                    k = self._read_some(mv[:min(len(mv), n)], deadline)
                     sink.advance(k)
                     n -= k
                 self._expect_crlf(deadline)

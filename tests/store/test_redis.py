@@ -297,13 +297,14 @@ def test_single_value_corrupt_byte(redis_server, open_tier):
 
 
 @pytest.mark.parametrize("size", ["odd", "multi"])
-@pytest.mark.parametrize("piece", [4099, 1 << 62], ids=["odd-pieces", "one-piece"])
-def test_payload_received_in_pieces(piece, size, redis_server, open_tier, monkeypatch):
-    """The payload is received and checksummed a piece at a time: pieces that straddle parts and end mid-value
-    are bit-exact, and a flipped byte in any piece fails the checksum."""
-    import kvx.store.redis as kvx_redis
-    monkeypatch.setattr(kvx_redis, "_PIECE", piece)
-    tier = open_tier(redis_server.url)
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+@pytest.mark.parametrize("piece", [4099, None], ids=["odd-pieces", "uncapped"])
+def test_payload_received_in_pieces(piece, size, transport, redis_server, open_tier):
+    """The payload is checksummed receive by receive, each receive capped at ``piece`` bytes (or not):
+    receives that straddle parts and end mid-value are bit-exact, and a flipped byte anywhere fails the
+    checksum."""
+    tier = open_tier(redis_server.url if transport == "tcp" else redis_server.unix_url)
+    tier.piece = piece
     c = redis_server.client()
     key = new_key()
     x = random_chunk(shape_for(size, torch.float16, key), torch.float16, 9)
