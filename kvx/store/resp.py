@@ -384,6 +384,40 @@ class RespConnection:
         """One command; its reply (an error reply is raised)."""
         return self.pipeline([args], deadline)[0]
 
+    def exists_each(self, keys: Sequence[str], deadline: float) -> list:
+        """Pipelined ``EXISTS key`` per key, in one write: 0 / 1 per key, or the error reply (e.g. a MOVED
+        :class:`RedirectError`) in its place. The lookup's hot path: the commands are formatted in one pass
+        and the replies parsed a buffer at a time (a 256-key lookup spent most of its time in the general
+        encoder and reply reader)."""
+        try:
+            ks = [_arg(k) for k in keys]
+            self._send([b"".join(b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n" % (len(k), k) for k in ks)], deadline)
+            out: list = []
+            n = len(keys)
+            while len(out) < n:
+                end = self._rbuf.rfind(_CRLF, self._rpos, self._rend)
+                if end < 0:
+                    if self._rend - self._rpos >= _MAX_LINE - 2:
+                        raise ProtocolError(f"redis {self.address}: reply line longer than {_MAX_LINE} bytes")
+                    self._fill(deadline)
+                    continue
+                lines = bytes(self._rbuf[self._rpos:end]).split(_CRLF)[:n - len(out)]
+                for line in lines:
+                    kind = line[:1]
+                    if kind == b":":
+                        out.append(int(line[1:]))
+                    elif kind == b"-":
+                        out.append(reply_error(line[1:].decode(errors="replace")))
+                    else:
+                        raise ProtocolError(f"redis {self.address}: EXISTS answered {line[:64]!r}")
+                    self._rpos += len(line) + 2
+            return out
+        except ValueError as e:
+            raise self._failed(ProtocolError(f"redis {self.address}: EXISTS answered a bad integer ({e})"),
+                               "EXISTS") from None
+        except BaseException as e:  # noqa: BLE001 - close on anything, interrupts included
+            raise self._failed(e, "EXISTS")
+
     def set_value(self, key: str, bufs: Sequence, options: Sequence, deadline: float,
                   prefix: Sequence[Sequence] = ()):
         """``SET key <value> *options`` where the value is the concatenation of ``bufs`` (bytes-like,

@@ -355,6 +355,37 @@ def test_contains_many_batched(redis_server, open_tier):
     assert tier.contains_many([]) == []
 
 
+def test_exists_each_parses_replies_across_reads_and_keeps_error_replies_in_place(redis_server):
+    """The lookup's EXISTS fast path on a real server: 40000 replies (several reads of the 64 KiB buffer) in
+    order, and per-key error replies (an ACL user may not see some keys: -NOPERM) in their places without
+    fouling the connection."""
+    c = redis_server.client()
+    keys = [f"kvx:1:{{{new_key()}}}" for _ in range(40000)]
+    pipe = c.pipeline(transaction=False)
+    for k in keys[::3]:
+        pipe.set(k, b"x")
+    pipe.execute()
+    conn = RespConnection("127.0.0.1", redis_server.port, deadline=time.monotonic() + 5)
+    try:
+        assert conn.exists_each(keys, time.monotonic() + 10) == [int(i % 3 == 0) for i in range(len(keys))]
+        c.execute_command("ACL", "SETUSER", "lookups", "on", ">pw", "~kvx:1:{a*", "+exists", "+ping")
+        limited = RespConnection("127.0.0.1", redis_server.port, username="lookups", password="pw",
+                                 deadline=time.monotonic() + 5)
+        try:
+            mixed = ["kvx:1:{a1}", "kvx:1:{b1}", "kvx:1:{a2}"]
+            c.set("kvx:1:{a2}", b"x")
+            got = limited.exists_each(mixed, time.monotonic() + 5)
+            assert got[0] == 0 and got[2] == 1
+            assert isinstance(got[1], Exception) and "NOPERM" in str(got[1]), got[1]
+            assert limited.command("PING", deadline=time.monotonic() + 5) == "PONG"    # the stream is intact
+        finally:
+            limited.close()
+            c.execute_command("ACL", "DELUSER", "lookups")
+    finally:
+        conn.close()
+        c.delete(*keys[::3], "kvx:1:{a2}")
+
+
 def test_contains_many_none_then_answer(redis_server, open_tier):
     tier = open_tier(redis_server.url, lookup_wait_ms=0)
     keys = [new_key() for _ in range(5)]
