@@ -421,41 +421,45 @@ class DiskStore(Tier):
                 pass  # another engine evicted it just now: write it again
         header, data = codec.encode(chunk, key, self.fingerprint, extra, created=time.time())
         size = len(header) + data.nbytes
-        if self.capacity_bytes is not None:
+        # whether this put reserved its bytes is decided once: capacity_bytes may be set while it writes
+        reserved = self.capacity_bytes is not None
+        if reserved:
             self._reserve(key, size)
         try:
             relief = self._relief
             try:
-                self._write(key, final, (header, data))
+                self._write(key, final, (header, data), reserved)
             except OSError as e:
                 if e.errno not in _FULL_ERRNOS:
                     raise
                 freed = self._relieve(relief, size)
                 try:
-                    self._write(key, final, (header, data))
+                    self._write(key, final, (header, data), reserved)
                 except OSError as e2:
                     if e2.errno not in _FULL_ERRNOS:
                         raise
                     raise self._full(key, freed) from e2
         except BaseException as e:
-            self._settle(size, False, final)
+            self._settle(size, False, final, reserved)
             if isinstance(e, OSError) and e.errno is not None:   # say which store and chunk, not the temp name
                 raise OSError(e.errno, f"disk store {self.path}: cannot write chunk {key}: {e.strerror}",
                               final) from e
             raise
-        self._settle(size, True, final)
+        self._settle(size, True, final, reserved)
         self._emit(STORED, [key])
         return True
 
-    def _write(self, key: str, final: str, bufs) -> None:
+    def _write(self, key: str, final: str, bufs, reserved: bool) -> None:
         """Write ``bufs`` to a temporary file next to ``final`` and rename it into place; on any failure
-        (or interrupt) remove the temporary file and re-raise."""
+        (or interrupt) remove the temporary file and re-raise. ``reserved``: its bytes are counted as a
+        reservation (its temporary file is not counted again)."""
         d = os.path.dirname(final)
         tmp = os.path.join(d, f".{key}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         # registered before the file exists: a scan that sees it must see it as in flight
         _LIVE_TMP.add(tmp)
-        with self._lock:
-            self._mine.add(tmp)
+        if reserved:
+            with self._lock:
+                self._mine.add(tmp)
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
             try:
@@ -516,10 +520,11 @@ class DiskStore(Tier):
                 self._used += size
                 self._reserved += size
 
-    def _settle(self, size: int, written: bool, final: str) -> None:
-        """A put's write is over: its reservation becomes a file on disk, or is returned."""
+    def _settle(self, size: int, written: bool, final: str, reserved: bool) -> None:
+        """A put's write is over: its reservation becomes a file on disk, or is returned (``reserved``: the
+        put reserved, whatever ``capacity_bytes`` says now)."""
         with self._lock:
-            if self.capacity_bytes is not None:
+            if reserved:
                 self._reserved -= size
                 if self._ended is not None:
                     self._ended.append((final if written else None, size))

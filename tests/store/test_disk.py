@@ -852,6 +852,35 @@ def test_put_waits_for_its_own_writes_in_flight_when_they_fill_the_capacity(tmp_
     assert [c.key for c in s.scan()] == [key_of(2)] and s.stats()["evicted"] == 1
 
 
+def test_capacity_set_while_a_put_writes_keeps_the_count_exact(tmp_path, monkeypatch):
+    """A put that began without a capacity (reserving nothing) and ends after ``capacity_bytes`` was set
+    must not settle as a reservation: the store once counted it as a negative reservation from then on,
+    one chunk under the truth, and held capacity + 1 chunks (tests/faults/test_soak.py sets the capacity
+    while the engine writes)."""
+    size = one_file_bytes(tmp_path)
+    s = DiskStore(tmp_path / "kv")
+    real = disk_mod._write_all
+    writing, release = threading.Event(), threading.Event()
+
+    def slow_first_write(fd, bufs):
+        if not writing.is_set():
+            writing.set()
+            release.wait(10)
+        real(fd, bufs)
+
+    monkeypatch.setattr(disk_mod, "_write_all", slow_first_write)
+    first = threading.Thread(target=lambda: s.put(key_of(0), torch.zeros(2, 8, dtype=torch.float16)))
+    first.start()
+    assert writing.wait(10)
+    s.capacity_bytes = 3 * size
+    release.set()
+    first.join()
+    for i in range(1, 8):
+        assert s.put(key_of(i), torch.full((2, 8), i, dtype=torch.float16))
+    assert len(files_in(s.path)) <= 3 and s.usage() <= 3 * size
+    assert s.usage() == sum(os.path.getsize(os.path.join(s.path, f)) for f in files_in(s.path))
+
+
 # ------------------------------------------------------------------------------------------ full disk
 FULL_ERRNOS = [errno.ENOSPC, errno.EDQUOT]
 BACKOFFS = [1, 2, 4, 8, 16, 32, 60, 60]   # seconds: doubling from 1, at most 60
