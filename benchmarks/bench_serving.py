@@ -44,7 +44,6 @@ import argparse
 import asyncio
 import csv
 import dataclasses
-import json
 import math
 import os
 import random

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from kvx.redis_server import RedisClusterServers, RedisServer
+from kvx.store.redis import RedisConfig, RedisTier
+from kvx.store.tier import TierContext
 from tests.conftest import need_redis
+
+FP = "fp-test-1"                  # the fingerprint of the Redis tests' tiers
+MVS = 64 << 10                    # max_value_size of most Redis tests: small, so multi-part is cheap to exercise
 
 
 @pytest.fixture
@@ -23,3 +28,20 @@ def redis_cluster():
     need_redis()
     with RedisClusterServers(3) as cluster:
         yield cluster
+
+
+@pytest.fixture
+def open_tier():
+    """``open_tier(url, fingerprint=FP, **config) -> RedisTier``, closed at teardown."""
+    tiers = []
+
+    def make(url: str, fingerprint: str = FP, **cfg) -> RedisTier:
+        cfg.setdefault("max_value_size", MVS)
+        cfg.setdefault("lookup_wait_ms", 1000)   # tests want answers; test_contains_many_none_then_answer sets 0
+        t = RedisTier.open(RedisConfig(type="redis", url=url, **cfg), TierContext(fingerprint=fingerprint))
+        tiers.append(t)
+        return t
+
+    yield make
+    for t in tiers:
+        t.close()

@@ -24,10 +24,9 @@ from kvx.store import codec
 from kvx.store.errors import ChunkError, StoreClosedError, StoreFullError, StoreUnavailableError
 from kvx.store.redis import RedisConfig, RedisTier, redact
 from kvx.store.resp import RespConnection
-from kvx.store.tier import REMOVED, STORED, TierContext, parse_tier_config
+from kvx.store.tier import REMOVED, STORED, parse_tier_config
+from tests.store.conftest import FP, MVS
 
-FP = "fp-test-1"
-MVS = 64 << 10                     # max_value_size of most tests: small, so multi-part is cheap to exercise
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn]
 SIZES = ["odd", "below", "equal", "above", "multi", "5d"]
 TRANSPORTS = ["tcp", "unix", "cluster"]
@@ -133,23 +132,6 @@ def works(tier: RedisTier) -> bool:
 
 def part_keys(client, key: str) -> list[bytes]:
     return sorted(client.scan_iter(match=f"kvx:1:{{{key}}}:*"))
-
-
-@pytest.fixture
-def open_tier():
-    """``open_tier(url, fingerprint=FP, **config) -> RedisTier``, closed at teardown."""
-    tiers = []
-
-    def make(url: str, fingerprint: str = FP, **cfg) -> RedisTier:
-        cfg.setdefault("max_value_size", MVS)
-        cfg.setdefault("lookup_wait_ms", 1000)   # tests want answers; test_contains_many_none_then_answer sets 0
-        t = RedisTier.open(RedisConfig(type="redis", url=url, **cfg), TierContext(fingerprint=fingerprint))
-        tiers.append(t)
-        return t
-
-    yield make
-    for t in tiers:
-        t.close()
 
 
 def url_of(transport: str, request) -> str:

@@ -18,7 +18,8 @@ from kvx.store.errors import ChunkError, StoreUnavailableError
 from kvx.store.redis import RedisConfig, RedisTier, _sentinel_url
 from kvx.store.tier import TierContext
 from tests.conftest import need_redis
-from tests.store.test_redis import (FP, MVS, SLACK_S, new_key, poisoned, random_chunk, same_bytes, shape_for,
+from tests.store.conftest import FP, MVS
+from tests.store.test_redis import (SLACK_S, new_key, poisoned, random_chunk, same_bytes, shape_for,
                                     wait_until, works)
 
 PASSWORD, SENTINEL_PASSWORD = "data-pw", "sentinel-pw"
@@ -37,23 +38,6 @@ def sentinels():
     tests that leave its master alone (killing it is done on a deployment of one's own)."""
     with deployment(password=PASSWORD, sentinel_password=SENTINEL_PASSWORD) as d:
         yield d
-
-
-@pytest.fixture
-def open_tier():
-    """``open_tier(url, **config) -> RedisTier``, closed at teardown."""
-    tiers = []
-
-    def make(url: str, **cfg) -> RedisTier:
-        cfg.setdefault("max_value_size", MVS)
-        cfg.setdefault("lookup_wait_ms", 1000)
-        t = RedisTier.open(RedisConfig(type="redis", url=url, **cfg), TierContext(fingerprint=FP))
-        tiers.append(t)
-        return t
-
-    yield make
-    for t in tiers:
-        t.close()
 
 
 def stored_on(server: RedisServer, key: str) -> bool:
