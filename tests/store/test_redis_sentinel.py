@@ -19,8 +19,8 @@ from kvx.store.redis import RedisConfig, RedisTier, _sentinel_url
 from kvx.store.tier import TierContext
 from tests.conftest import need_redis
 from tests.store.conftest import FP, MVS
-from tests.store.test_redis import (SLACK_S, new_key, poisoned, random_chunk, same_bytes, shape_for,
-                                    wait_until, works)
+from tests.store.test_redis import (SLACK_S, assert_fails_at_once, new_key, poisoned, random_chunk, same_bytes,
+                                    shape_for, wait_until, works)
 
 PASSWORD, SENTINEL_PASSWORD = "data-pw", "sentinel-pw"
 FAILOVER_S = 15.0                  # a failover takes 1-3 s here (down-after 500 ms): generous bound
@@ -106,13 +106,7 @@ def test_sentinels_down_at_open_then_up(caplog, sentinels, open_tier):
         tier = open_tier(sentinels.url, sentinel_password=SENTINEL_PASSWORD, **FAST)
         assert time.monotonic() - t0 < 1.0 + SLACK_S                 # refused: no timeout waited
         assert any("cannot reach" in r.getMessage() for r in caplog.records)
-        t0 = time.monotonic()
-        assert tier.contains_many([new_key(), new_key()]) == [False, False]
-        with pytest.raises(ChunkError):
-            tier.get_into(new_key(), torch.empty(4))
-        with pytest.raises(StoreUnavailableError):
-            tier.put(new_key(), torch.zeros(4))
-        assert time.monotonic() - t0 < 0.1 + SLACK_S
+        assert_fails_at_once(tier, 0.1 + SLACK_S)
         assert tier.stats()["nodes_down"] == 1
     finally:
         for s in sentinels.sentinels:
