@@ -283,22 +283,9 @@ class RespConnection:
 
     def _readinto(self, mv: memoryview, deadline: float) -> None:
         """Fill ``mv`` exactly: buffered bytes first, then large reads straight into ``mv``."""
-        off, n = 0, len(mv)
-        while off < n:
-            have = self._rend - self._rpos
-            if have:
-                k = min(have, n - off)
-                mv[off:off + k] = self._rview[self._rpos:self._rpos + k]
-                self._rpos += k
-                off += k
-            elif n - off >= _DIRECT:
-                self.sock.settimeout(self._left(deadline))
-                k = self.sock.recv_into(mv[off:])
-                if k == 0:
-                    raise ConnectionLost(f"redis {self.address}: connection closed by the server")
-                off += k
-            else:
-                self._fill(deadline)
+        off = 0
+        while off < len(mv):
+            off += self._read_some(mv[off:], deadline)
 
     def _read_some(self, mv: memoryview, deadline: float) -> int:
         """Put the next bytes into ``mv`` (non-empty): buffered ones, else what one receive brings (large
