@@ -182,6 +182,31 @@ PYBIND11_MODULE(_C, m) {
       "Copy rows between paged layers and a contiguous buffer on CPU threads (GIL released).");
 
   m.def(
+      "cpu_copy_many",
+      [](int64_t layer_ptrs, int32_t num_layers, const std::vector<int64_t>& ids,
+         const std::vector<int64_t>& num_ids, const std::vector<int64_t>& contig, const kvx::PagedDesc& paged,
+         const kvx::ContigDesc& contig_strides, int64_t row_bytes, int32_t mode, int32_t direction,
+         int num_threads, int64_t whole_bytes) {
+        if (num_ids.size() != ids.size() || contig.size() != ids.size())
+          throw std::invalid_argument("ids, num_ids, contig: expected lists of one length, got " +
+                                      std::to_string(ids.size()) + ", " + std::to_string(num_ids.size()) +
+                                      ", " + std::to_string(contig.size()));
+        const kvx::CopyParams p = params_from(paged, contig_strides, row_bytes, num_layers, 0, mode);
+        std::vector<const int64_t*> id_ptrs;
+        for (int64_t a : ids) id_ptrs.push_back(as_ptr<int64_t>(a));
+        py::gil_scoped_release nogil;
+        kvx::cpu::copy_many(p, as_ptr<int64_t>(layer_ptrs), id_ptrs.data(), num_ids.data(), contig.data(),
+                            static_cast<int64_t>(ids.size()), checked_direction(direction), num_threads,
+                            whole_bytes);
+      },
+      py::arg("layer_ptrs"), py::arg("num_layers"), py::arg("ids"), py::arg("num_ids"), py::arg("contig"),
+      py::arg("paged"), py::arg("contig_strides"), py::arg("row_bytes"), py::arg("mode"), py::arg("direction"),
+      py::arg("num_threads") = 0, py::arg("whole_bytes") = 0,
+      "Several cpu_copy calls that share the geometry (one id list and contiguous buffer each) in one "
+      "parallel region (GIL released). whole_bytes: the bytes of the whole transfer they belong to (streaming "
+      "stores are chosen by it too).");
+
+  m.def(
       "cpu_memcpy",
       [](int64_t dst, int64_t src, int64_t bytes, int num_threads) {
         py::gil_scoped_release nogil;

@@ -185,6 +185,7 @@ class KVLayout:
         self.spans = tuple((_byte_span(pl), i) for i, ps in enumerate(self._planes) for pl in ps)  # ((lo, hi), layer)
         self._layer_ptrs = torch.tensor([ps[0].data_ptr() for ps in planes], dtype=torch.int64)
         self._device_tables: dict[torch.device, torch.Tensor] = {}
+        self._ranges: dict[tuple[int, int], KVLayout] = {}
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -265,6 +266,19 @@ class KVLayout:
     def page_bytes(self) -> int:
         """Bytes of one block of one layer."""
         return self.num_planes * self.block_size * self.num_heads * self.row_bytes
+
+    def layer_range(self, start: int, end: int) -> KVLayout:
+        """Layers ``[start, end)`` as a layout of their own (cached: one object, and one device table, per
+        range)."""
+        if not (0 <= start < end <= self.num_layers):
+            raise ValueError(f"start, end: expected 0 <= start < end <= {self.num_layers}, got {start}, {end}")
+        if (start, end) == (0, self.num_layers):
+            return self
+        sub = self._ranges.get((start, end))
+        if sub is None:
+            sub = KVLayout(self.name, self.layers[start:end], self._planes[start:end], self.layer_names[start:end])
+            self._ranges[(start, end)] = sub
+        return sub
 
     def layer_ptrs(self, device: torch.device | None = None) -> torch.Tensor:
         """int64 base address of each layer, on ``device`` (cached; the CPU table when ``None``)."""

@@ -13,7 +13,9 @@ op                  ids                          contiguous side
 ``scatter_pages``   block ids ``[n]``, unique    src ``[L, S, n, segment_bytes]`` uint8
 ==================  ===========================  ===============================================
 
-All layers move in one call. Ids are a CPU integer tensor or a Python sequence: they are checked on
+All layers move in one call. :class:`CopyBatch` checks several such copies once and then runs them layer
+range by layer range (a layer-wise pipeline: every chunk of a step, one layer at a time), on CPU in one
+parallel region per range. Ids are a CPU integer tensor or a Python sequence: they are checked on
 the host (no device sync) and uploaded with the copy. The contiguous side may be a strided view (rows
 dense); for a CUDA cache it may live in pinned host memory, which the kernel reads or writes directly.
 
@@ -483,7 +485,9 @@ _REFERENCE = {
 }
 
 
-def _run(kind: str, direction: int, layout: KVLayout, ids, buf, impl, max_ctas, path):
+def _check(kind: str, direction: int, layout: KVLayout, ids, buf, impl, max_ctas, path):
+    """Validate one op's arguments; returns ``(ids, buf, impl)``: the ids as an int64 CPU tensor, the buffer
+    (allocated for a gather without ``out``) and the implementation to run."""
     if not isinstance(layout, KVLayout):
         raise TypeError(f"layout: expected a kvx.layout.KVLayout, got {type(layout).__name__}")
     if layout.opaque and kind != "pages":
@@ -510,21 +514,135 @@ def _run(kind: str, direction: int, layout: KVLayout, ids, buf, impl, max_ctas, 
     if path is not None and impl != "cuda":
         raise ValueError(f"path: {path!r} picks between the CUDA copy kernel and DMA, which only impl 'cuda' has; "
                          f"this copy runs impl {impl!r} (cache on {layout.device}): pass path=None")
-    if n == 0:
-        return buf
+    return ids, buf, impl
+
+
+def _run(kind: str, direction: int, layout: KVLayout, ids, buf, impl, max_ctas, path):
+    ids, buf, impl = _check(kind, direction, layout, ids, buf, impl, max_ctas, path)
+    if ids.numel():
+        _execute(kind, direction, layout, ids, buf, impl, max_ctas, path)
+    return buf
+
+
+def _execute(kind: str, direction: int, layout: KVLayout, ids, buf, impl, max_ctas, path) -> None:
+    """Run a validated copy (:func:`_check`)."""
     if impl == "reference":
         _REFERENCE[(kind, direction)](layout, ids, buf)
-        return buf
-    plan = _plan(kind, layout, buf, n)
+        return
+    plan = _plan(kind, layout, buf, ids.numel())
     if impl == "cpu":
         paged, contig = _c_descs(plan)
-        _C.cpu_copy(layout.layer_ptrs().data_ptr(), plan.num_layers, ids.data_ptr(), n, buf.data_ptr(),
+        _C.cpu_copy(layout.layer_ptrs().data_ptr(), plan.num_layers, ids.data_ptr(), plan.num_ids, buf.data_ptr(),
                     paged, contig, plan.row_bytes, plan.mode, direction)
     elif impl == "cuda":
         _run_cuda(plan, layout, ids, buf, direction, max_ctas, path)
     else:
         _run_triton(plan, layout, ids, buf, direction)
-    return buf
+
+
+_OPS = {"gather_blocks": ("blocks", _GATHER), "scatter_blocks": ("blocks", _SCATTER),
+        "gather_slots": ("slots", _GATHER), "scatter_slots": ("slots", _SCATTER),
+        "gather_pages": ("pages", _GATHER), "scatter_pages": ("pages", _SCATTER)}
+
+
+class CopyBatch:
+    """Copies between one paged cache and contiguous buffers, validated once and then run layer range by
+    layer range: what a layer-wise pipeline issues for each layer (every chunk of a step), without paying
+    each op's argument checks per layer, and on CPU in one parallel region per range.
+
+    ``add(op, ids, buf)`` takes the arguments of the op of that name (``"scatter_blocks"``, ...), with
+    ``buf`` holding every layer of ``layout``, and checks them as the op does (same errors). ``run(a, b)``
+    copies layers ``[a, b)`` of every added copy, in the order added; ``run()`` all layers. Copies of one
+    batch must not overlap (a scatter's blocks are distinct across the batch, as within one op); the CPU
+    implementation runs those that share a geometry together, in any order.
+    """
+
+    def __init__(self, layout: KVLayout, *, impl: str | None = None, max_ctas: int = 0,
+                 path: str | None = None):
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout: expected a kvx.layout.KVLayout, got {type(layout).__name__}")
+        self.layout = layout
+        self._impl, self._max_ctas, self._path = impl, max_ctas, path
+        self._items: list[list] = []       # [kind, direction, ids, buf, impl, ids on the device or None]
+        self._bytes = 0                    # of every copy, every layer: the transfer a run is part of
+        self._blocks: set[int] = set()     # written by the scatters so far: whole blocks,
+        self._slots: set[int] = set()      # single slots,
+        self._slot_blocks: set[int] = set()  # and the blocks those slots are in
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, op: str, ids, buf: torch.Tensor) -> None:
+        if op not in _OPS:
+            raise ValueError(f"op: expected one of {tuple(_OPS)}, got {op!r}")
+        kind, direction = _OPS[op]
+        if buf is None:
+            raise TypeError(f"{'out' if direction == _GATHER else 'src'}: expected a tensor, got None")
+        ids, buf, impl = _check(kind, direction, self.layout, ids, buf, self._impl, self._max_ctas, self._path)
+        if not ids.numel():
+            return
+        if direction == _SCATTER:
+            self._claim(kind, ids)
+        self._items.append([kind, direction, ids, buf, impl, None])
+        self._bytes += buf.numel() * buf.element_size()
+
+    def _claim(self, kind: str, ids: torch.Tensor) -> None:
+        """Refuse a scatter that writes what an earlier scatter of the batch writes (their order within a
+        batch is not defined)."""
+        name = "slot_ids" if kind == "slots" else "block_ids"
+        if kind == "slots":
+            slots = [s for s in ids.tolist() if s >= 0]
+            blocks = {s // self.layout.block_size for s in slots}
+            clash = (self._slots.intersection(slots) or blocks & self._blocks)
+            if not clash:
+                self._slots.update(slots)
+                self._slot_blocks |= blocks
+                return
+        else:
+            blocks = set(ids.tolist())
+            clash = blocks & (self._blocks | self._slot_blocks)
+            if not clash:
+                self._blocks |= blocks
+                return
+        raise ValueError(f"{name}: expected blocks and slots no earlier scatter of this batch writes (copies of a "
+                         f"batch run in no defined order), got {sorted(clash)[:8]} again")
+
+    def run(self, start: int = 0, end: int | None = None) -> None:
+        """Copy layers ``[start, end)`` (``end`` None: the last layer) of every added copy."""
+        layout = self.layout
+        end = layout.num_layers if end is None else end
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= layout.num_layers):
+            raise ValueError(f"start, end: expected 0 <= start < end <= {layout.num_layers}, got {start}, {end}")
+        sub = layout if (start, end) == (0, layout.num_layers) else layout.layer_range(start, end)
+        i = 0
+        while i < len(self._items):
+            item = self._items[i]
+            kind, direction, ids, buf, impl = item[:5]
+            part = buf.narrow(0, start, end - start) if sub is not layout else buf
+            if impl == "cuda":   # the ids go to the device once, not once per range
+                if item[5] is None:
+                    item[5] = _device_ids(ids, layout.device)
+                _run_cuda(_plan(kind, sub, part, ids.numel()), sub, ids, part, direction, self._max_ctas,
+                          self._path, ids_dev=item[5])
+                i += 1
+                continue
+            if impl != "cpu":
+                _execute(kind, direction, sub, ids, part, impl, self._max_ctas, self._path)
+                i += 1
+                continue
+            # CPU: this copy and the following ones of the same geometry, in one call
+            j = i + 1
+            while j < len(self._items) and self._items[j][:2] == [kind, direction] and self._items[j][4] == "cpu" \
+                    and self._items[j][3].stride() == buf.stride() and self._items[j][3].dtype == buf.dtype:
+                j += 1
+            plan = _plan(kind, sub, part, ids.numel())
+            paged, contig = _c_descs(plan)
+            offset = start * buf.stride(0) * buf.element_size()
+            group = self._items[i:j]
+            _C.cpu_copy_many(sub.layer_ptrs().data_ptr(), plan.num_layers, [it[2].data_ptr() for it in group],
+                             [it[2].numel() for it in group], [it[3].data_ptr() + offset for it in group],
+                             paged, contig, plan.row_bytes, plan.mode, direction, whole_bytes=self._bytes)
+            i = j
 
 
 def _device_ids(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -533,7 +651,7 @@ def _device_ids(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     return ids.pin_memory().to(device, non_blocking=True)
 
 
-def _run_cuda(plan: CopyPlan, layout: KVLayout, ids, buf, direction, max_ctas, path):
+def _run_cuda(plan: CopyPlan, layout: KVLayout, ids, buf, direction, max_ctas, path, ids_dev=None):
     # The caller's current stream on the cache's device; entering it also makes that device current.
     stream = torch.cuda.current_stream(layout.device)
     host = buf.device.type == "cpu"
@@ -546,7 +664,8 @@ def _run_cuda(plan: CopyPlan, layout: KVLayout, ids, buf, direction, max_ctas, p
                     layout.layer_ptrs().data_ptr(), plan.num_layers, ids.data_ptr(), plan.num_ids, buf.data_ptr(),
                     host, *_c_descs(plan), plan.row_bytes, plan.mode, direction, stream.cuda_stream, min_run):
                 return
-        ids_dev = _device_ids(ids, layout.device)
+        if ids_dev is None:
+            ids_dev = _device_ids(ids, layout.device)
         contig = buf.data_ptr()
         if host:
             contig = _C.cuda_host_device_pointer(contig)

@@ -116,7 +116,9 @@ class Pool {
 // Above this many bytes, copies store with non-temporal (streaming) stores: the destination is not
 // read back soon and is larger than the last-level cache (32 MiB here), so skipping the
 // read-for-ownership of every destination line turns 3 memory passes into 2 (measured: 0.62x -> see
-// benchmarks/results) - the same trick glibc's memcpy uses for large sizes.
+// benchmarks/results) - the same trick glibc's memcpy uses for large sizes. The size is that of the
+// whole transfer a call belongs to (`whole_bytes`): one layer of a 64 MiB layer-wise load streams too
+// (measured: 16 chunks x 8 layers, per-layer runs 5.6 -> 4.8 ms on one thread).
 constexpr int64_t kStreamingBytes = 16 * 1024 * 1024;
 
 // Copy one row of `n` bytes (N > 0: compile-time size, so memcpy becomes inline vector moves).
@@ -222,24 +224,48 @@ void copy_pairs(const CopyParams& p, const Walk& w, PairFn fn, const int64_t* la
 
 }  // namespace
 
-void copy(const CopyParams& params, const int64_t* layer_ptrs, const int64_t* ids, int64_t contig,
-          int32_t direction, int num_threads) {
-  CopyParams p = params;
-  collapse_rows(p);
-  const int64_t pairs = static_cast<int64_t>(p.num_layers) * p.num_ids;
-  const int64_t bytes = num_entries(p) * rows_per_entry(p) * p.row_bytes;
+void copy_many(const CopyParams& params, const int64_t* layer_ptrs, const int64_t* const* ids,
+               const int64_t* num_ids, const int64_t* contig, int64_t count, int32_t direction, int num_threads,
+               int64_t whole_bytes) {
+  // Copy s: `params` with num_ids[s] ids and its own contiguous buffer. Their (layer, id) pairs are
+  // numbered one after the other and split evenly over the pool, so the whole batch costs one wake.
+  std::vector<CopyParams> ps(static_cast<size_t>(count), params);
+  std::vector<int64_t> first(static_cast<size_t>(count) + 1, 0);
+  int64_t bytes = 0;
+  for (int64_t s = 0; s < count; ++s) {
+    CopyParams& p = ps[static_cast<size_t>(s)];
+    p.num_ids = num_ids[s];
+    collapse_rows(p);  // depends on the strides only: the same rows for every copy
+    first[static_cast<size_t>(s) + 1] = first[static_cast<size_t>(s)] + static_cast<int64_t>(p.num_layers) * p.num_ids;
+    bytes += num_entries(p) * rows_per_entry(p) * p.row_bytes;
+  }
+  const int64_t pairs = first.back();
   if (bytes == 0) return;
   const bool gather = direction == kGather;
-  const Walk w = make_walk(p, gather);
-  const PairFn fn = bytes >= kStreamingBytes ? pick_pair_fn<true>(p.row_bytes) : pick_pair_fn<false>(p.row_bytes);
-  char* contig_base = reinterpret_cast<char*>(contig);
+  const Walk w = make_walk(ps[0], gather);
+  const int64_t row_bytes = ps[0].row_bytes;
+  const bool stream = std::max(bytes, whole_bytes) >= kStreamingBytes;
+  const PairFn fn = stream ? pick_pair_fn<true>(row_bytes) : pick_pair_fn<false>(row_bytes);
   Pool& pool = Pool::get();
   int n = num_threads > 0 ? num_threads : pool.size();
   if (bytes < kSerialBytes) n = 1;
   n = static_cast<int>(std::min<int64_t>(n, pairs));
   pool.run(n, [&](int t, int nt) {
-    copy_pairs(p, w, fn, layer_ptrs, ids, contig_base, gather, pairs * t / nt, pairs * (t + 1) / nt);
+    const int64_t begin = pairs * t / nt, end = pairs * (t + 1) / nt;
+    for (int64_t s = 0; s < count; ++s) {
+      const int64_t lo = std::max(begin, first[static_cast<size_t>(s)]);
+      const int64_t hi = std::min(end, first[static_cast<size_t>(s) + 1]);
+      if (lo < hi)
+        copy_pairs(ps[static_cast<size_t>(s)], w, fn, layer_ptrs, ids[s], reinterpret_cast<char*>(contig[s]),
+                   gather, lo - first[static_cast<size_t>(s)], hi - first[static_cast<size_t>(s)]);
+    }
   });
+}
+
+void copy(const CopyParams& params, const int64_t* layer_ptrs, const int64_t* ids, int64_t contig,
+          int32_t direction, int num_threads) {
+  const int64_t num_ids = params.num_ids;
+  copy_many(params, layer_ptrs, &ids, &num_ids, &contig, 1, direction, num_threads, 0);
 }
 
 void parallel_memcpy(void* dst, const void* src, size_t bytes, int num_threads) {

@@ -16,6 +16,14 @@ namespace kvx::cpu {
 void copy(const CopyParams& p, const int64_t* layer_ptrs, const int64_t* ids, int64_t contig,
           int32_t direction, int num_threads);
 
+// Several copies that share everything but their id list and contiguous buffer (ids[s]: num_ids[s] ids,
+// contig[s]: the buffer's address; p.num_ids is ignored), in one parallel region of the pool: a batch of
+// small copies (a layer of every chunk of a step) wakes the pool once, not once per copy. `whole_bytes`:
+// the bytes of the whole transfer these copies are part of (every layer of a layer-wise load), which
+// decides streaming stores as this call's own bytes do (0: this call alone).
+void copy_many(const CopyParams& p, const int64_t* layer_ptrs, const int64_t* const* ids, const int64_t* num_ids,
+               const int64_t* contig, int64_t count, int32_t direction, int num_threads, int64_t whole_bytes);
+
 // Plain memcpy split over the same thread pool: the roof the benchmarks compare against.
 void parallel_memcpy(void* dst, const void* src, size_t bytes, int num_threads);
 

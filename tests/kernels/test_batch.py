@@ -1,0 +1,212 @@
+"""``kvx.ops.CopyBatch``: copies checked once and run layer range by layer range, bit-exact against the
+reference running each op alone over every layer."""
+
+import re
+
+import pytest
+import torch
+
+from kvx import ops
+from kvx.layout import KVLayout
+from kvx.testing import make_kv_caches, random_fill_
+
+from .test_copy import _assert_caches_equal, _assert_same_bytes, _impl_or_skip, _seed
+
+IMPLS = ["reference", "cpu", "triton"]
+DTYPES = [torch.bfloat16, torch.float8_e4m3fn, torch.uint8]
+LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "flash", "flashinfer", "mla"]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none present)")
+
+
+def _caches(name, dtype, seed, device="cpu", layers=3, blocks=12, block_size=16):
+    geom = dict(num_layers=layers, num_blocks=blocks, block_size=block_size, num_heads=1 if name == "mla" else 2,
+                head_size=40 if name == "mla" else 5)
+    a = make_kv_caches(name, **geom, dtype=dtype, device=device, generator=torch.Generator().manual_seed(seed))
+    b = make_kv_caches(name, **geom, dtype=dtype, device=device, generator=torch.Generator().manual_seed(seed))
+    return KVLayout.from_tensors(a, name), KVLayout.from_tensors(b, name)
+
+
+def _copies(lay, g, device, pinned=False):
+    """(op, ids, buffer) of a step's worth of copies: chunks of several sizes, a strided chunk cut from a
+    pool, padding slots, raw pages; the scatters write distinct blocks, the last block by slots."""
+    bs = lay.block_size
+
+    def buf(shape, dtype):
+        t = random_fill_(torch.empty(shape, dtype=dtype), g)
+        return t.pin_memory() if pinned else t.to(device)
+
+    pool = buf((2, lay.num_planes, lay.num_layers, 3 * bs, lay.num_heads, lay.head_size), lay.dtype)
+    out = [("blocks", [4, 0], buf(lay.canonical_shape(2 * bs), lay.dtype)),
+           ("blocks", [7, 2, 9], pool[1].transpose(0, 1)),                       # strided: a pool slot
+           ("blocks", [5], buf(lay.canonical_shape(bs), lay.dtype)),
+           ("slots", [11 * bs + 3, -1, 11 * bs, 10 * bs + bs - 1, -1], buf(lay.canonical_shape(5), lay.dtype))]
+    if lay.page is not None:
+        out.append(("pages", [1, 8], buf(lay.page_shape(2), torch.uint8)))
+    return out
+
+
+def _ranges(num_layers):
+    return [(0, num_layers)] if num_layers == 1 else [(0, 1), (1, num_layers)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_batch_by_layer_ranges_matches_each_op_alone(impl, name, dtype):
+    _impl_or_skip(impl)
+    seed = _seed("batch", impl, name, str(dtype))
+    g = torch.Generator().manual_seed(seed)
+    lay, ref = _caches(name, dtype, seed)
+    copies = _copies(lay, g, "cpu")
+    # gathers: into buffers filled with noise, so a row the batch misses shows
+    outs = [buf.clone() for _, _, buf in copies]
+    expected = [buf.clone() for _, _, buf in copies]
+    batch = ops.CopyBatch(lay, impl=impl)
+    for (kind, ids, _), out in zip(copies, outs):
+        batch.add(f"gather_{kind}", ids, out)
+    for a, b in _ranges(lay.num_layers):
+        batch.run(a, b)
+    for (kind, ids, _), exp in zip(copies, expected):
+        getattr(ops, f"gather_{kind}")(ref, ids, exp, impl="reference")
+    for out, exp in zip(outs, expected):
+        _assert_same_bytes(out, exp)
+    # scatters (pages and whole blocks of different kinds land on distinct blocks)
+    batch = ops.CopyBatch(lay, impl=impl)
+    for kind, ids, src in copies:
+        batch.add(f"scatter_{kind}", ids, src)
+    for a, b in _ranges(lay.num_layers):
+        batch.run(a, b)
+    for kind, ids, src in copies:
+        getattr(ops, f"scatter_{kind}")(ref, ids, src, impl="reference")
+    _assert_caches_equal(lay, ref)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cpu_layout_pages_batch(impl):
+    """vLLM's CPU backend (opaque pages): the worker's per-layer page loads."""
+    _impl_or_skip(impl)
+    g = torch.Generator().manual_seed(9)
+    lay, ref = _caches("cpu", torch.bfloat16, 9, layers=4)
+    srcs = [(ids, random_fill_(torch.empty(lay.page_shape(len(ids)), dtype=torch.uint8), g))
+            for ids in ([3, 1], [0], [11, 6, 7])]
+    batch = ops.CopyBatch(lay, impl=impl)
+    for ids, src in srcs:
+        batch.add("scatter_pages", ids, src)
+    for layer in range(lay.num_layers):
+        batch.run(layer, layer + 1)
+    for ids, src in srcs:
+        ops.scatter_pages(ref, ids, src, impl="reference")
+    _assert_caches_equal(lay, ref)
+
+
+def test_run_touches_only_its_layers():
+    g = torch.Generator().manual_seed(4)
+    lay, _ = _caches("LBNHC", torch.float16, 4)
+    before = [t.clone() for t in lay.layers]
+    src = random_fill_(torch.empty(lay.canonical_shape(2 * lay.block_size), dtype=lay.dtype), g)
+    batch = ops.CopyBatch(lay)
+    batch.add("scatter_blocks", [3, 6], src)
+    batch.run(1, 2)
+    _assert_same_bytes(lay.layers[0], before[0])
+    _assert_same_bytes(lay.layers[2], before[2])
+    _assert_same_bytes(ops.gather_blocks(lay, [3, 6])[1], src[1])
+
+
+def test_layer_range_is_one_object_per_range():
+    lay, _ = _caches("flash", torch.bfloat16, 1, layers=4)
+    sub = lay.layer_range(1, 3)
+    assert sub is lay.layer_range(1, 3) and lay.layer_range(0, 4) is lay
+    assert sub.num_layers == 2 and sub.layers == lay.layers[1:3] and sub.layer_names == lay.layer_names[1:3]
+    with pytest.raises(ValueError, match=r"start, end: expected 0 <= start < end <= 4, got 2, 2"):
+        lay.layer_range(2, 2)
+
+
+# ------------------------------------------------------------------------------------------ bad input
+def _batch():
+    lay, _ = _caches("LBNHC", torch.bfloat16, 2)
+    return lay, ops.CopyBatch(lay)
+
+
+def test_bad_op_name():
+    _, batch = _batch()
+    with pytest.raises(ValueError, match=r"op: expected one of \('gather_blocks'.*got 'scatter'"):
+        batch.add("scatter", [0], torch.empty(0))
+
+
+def test_bad_layout():
+    with pytest.raises(TypeError, match="layout: expected a kvx.layout.KVLayout, got Tensor"):
+        ops.CopyBatch(torch.empty(1))
+
+
+def test_missing_buffer():
+    _, batch = _batch()
+    with pytest.raises(TypeError, match="src: expected a tensor, got None"):
+        batch.add("scatter_blocks", [0], None)
+
+
+def test_add_checks_as_the_op_does():
+    lay, batch = _batch()
+    with pytest.raises(ValueError, match=r"block_ids: expected block ids in \[0, 12\), got max 12"):
+        batch.add("scatter_blocks", [12], torch.empty(lay.canonical_shape(16), dtype=lay.dtype))
+    with pytest.raises(ValueError, match=r"src: expected shape"):
+        batch.add("scatter_blocks", [1], torch.empty(lay.canonical_shape(8), dtype=lay.dtype))
+    assert len(batch) == 0
+
+
+@pytest.mark.parametrize("first,second,clash", [
+    (("scatter_blocks", [2, 5]), ("scatter_blocks", [7, 5]), "[5]"),
+    (("scatter_blocks", [2]), ("scatter_slots", [2 * 16 + 3]), "[2]"),
+    (("scatter_slots", [4 * 16 + 1]), ("scatter_blocks", [4]), "[4]"),
+    (("scatter_slots", [4 * 16 + 1, -1]), ("scatter_slots", [-1, 4 * 16 + 1]), "[65]"),
+], ids=["blocks", "slot-in-block", "block-of-slot", "slots"])
+def test_scatters_of_a_batch_must_not_overlap(first, second, clash):
+    lay, batch = _batch()
+
+    def src(op, ids):
+        n = len(ids) * lay.block_size if op == "scatter_blocks" else len(ids)
+        return torch.zeros(lay.canonical_shape(n), dtype=lay.dtype)
+
+    batch.add(first[0], first[1], src(*first))
+    with pytest.raises(ValueError, match=rf"expected blocks and slots no earlier scatter of this batch writes.*"
+                                         rf"got {re.escape(clash)} again"):
+        batch.add(second[0], second[1], src(*second))
+    batch.add("scatter_slots", [4 * 16 + 2], src("scatter_slots", [0]))   # another slot of a slot's block: fine
+
+
+def test_gathers_may_overlap():
+    lay, batch = _batch()
+    out = [torch.empty(lay.canonical_shape(16), dtype=lay.dtype) for _ in range(2)]
+    batch.add("gather_blocks", [3], out[0])
+    batch.add("gather_blocks", [3], out[1])
+    batch.run()
+    _assert_same_bytes(out[0], out[1])
+
+
+@pytest.mark.parametrize("start,end", [(-1, 1), (2, 1), (0, 4), (1, 1), (0.0, 1)])
+def test_bad_layer_range(start, end):
+    _, batch = _batch()
+    with pytest.raises(ValueError, match=rf"start, end: expected 0 <= start < end <= 3, got {start}, {end}"):
+        batch.run(start, end)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("pinned", [False, True], ids=["hbm", "pinned"])
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_gpu_batch_by_layer_ranges(impl, pinned, name):
+    _impl_or_skip(impl, "cuda")
+    seed = _seed("gpu-batch", impl, name, pinned)
+    g = torch.Generator().manual_seed(seed)
+    lay, ref = _caches(name, torch.bfloat16, seed, device="cuda")
+    copies = _copies(lay, g, "cuda", pinned=pinned)
+    batch = ops.CopyBatch(lay, impl=impl)
+    for kind, ids, src in copies:
+        batch.add(f"scatter_{kind}", ids, src)
+    for a, b in _ranges(lay.num_layers):
+        batch.run(a, b)
+    for kind, ids, src in copies:
+        getattr(ops, f"scatter_{kind}")(ref, ids, src.cuda(), impl="reference")
+    torch.cuda.synchronize()
+    _assert_caches_equal(lay, ref)
