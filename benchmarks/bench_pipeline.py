@@ -14,7 +14,7 @@ bf16 matmuls (``--compute matmul``: with n >= 2048 its tiles fill every SM of an
 do, so the copy kernels compete for SMs; the short targets of small copies get n = 1024 or 512, which leave
 SMs free) or ``torch.cuda._sleep`` (``--compute sleep``: one thread spinning, so the copies compete for
 nothing and only the pipeline's structure shows). Its length is calibrated: one layer's copy of the
-step's chunks (the H2D scatter for loads, the D2H gather for saves, as the worker issues them, per chunk,
+step's chunks (the H2D scatter for loads, the D2H gather for saves, as the worker issues them, one batch,
 ``max_ctas`` from the config) is timed with CUDA events, then the matmul count or the sleep cycles are sized
 to ``factor x`` that time.
 
@@ -74,7 +74,6 @@ from kvx.connector.common import EngineGeometry
 from kvx.connector.config import KVXConfig
 from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from kvx.connector.worker import KVXWorker
-from kvx.layout import KVLayout
 from kvx.bench import cpu_name
 from kvx.testing import make_kv_caches
 
@@ -270,11 +269,6 @@ class Bench:
         self.worker.register_kv_caches(dict(zip(self.names, self.caches)), args.layout, self.num_blocks)
         self.engine = self.worker.engine
         self.pool = self.worker.pool
-        lay = self.worker.layout
-        # one layer, as the worker's per-layer groups see it (CUDA); the thread queue has one group of all
-        self.layer0 = next((sub for a, b, sub in self.worker.groups if (a, b) == (0, 1)), None)
-        if self.layer0 is None:
-            self.layer0 = KVLayout.from_tensors([lay.layers[0]], lay.name, lay.layer_names[:1])
         self.side = torch.cuda.Stream(device) if clock.cuda else None
         self.expected_loads = 0
         self.expected_saves = 0
@@ -315,17 +309,16 @@ class Bench:
 
     # -------------------------------------------------------------- one layer's copy (calibration)
     def layer_copy_ms(self, n: int, direction: str) -> float:
-        """One layer's copy of n chunks as the worker issues it (one op per chunk), on a side stream."""
-        src = [self.pool.slot(i).narrow(0, 0, 1) for i in range(n)]
-        ids = [self.chunk_blocks(1, i) for i in range(n)]
-        mc = self.config.max_ctas
+        """One layer's copy of n chunks as the worker issues it (layer 0 of one CopyBatch of them all), on a
+        side stream."""
+        lay = self.worker.layout
+        batch = ops.CopyBatch(lay, max_ctas=self.config.max_ctas)
+        for i in range(n):
+            batch.add("scatter_blocks" if direction == "h2d" else "gather_blocks", self.chunk_blocks(1, i),
+                      self.pool.slot(i))
 
         def copy():
-            for i in range(n):
-                if direction == "h2d":
-                    ops.scatter_blocks(self.layer0, ids[i], src[i], max_ctas=mc)
-                else:
-                    ops.gather_blocks(self.layer0, ids[i], src[i], max_ctas=mc)
+            batch.run(0, 1)
 
         ctx = torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
         with ctx:

@@ -5,7 +5,8 @@ Runs in each vLLM worker process (one per TP/PP rank). What to move comes from t
 what order against the forwards is :class:`kvx.engine.BlockOrder` (every copy goes through it).
 
 Loads (``start_load_kv``): the copies of chunks in the CPU tier are queued at once, one job per *layer
-group*; chunks in the other tiers (disk, Redis, ...: :class:`kvx.store.Tier`) are read and verified on
+group* running that group's layers of one :class:`kvx.ops.CopyBatch` of every chunk at hand (checked once,
+not once per layer); chunks in the other tiers (disk, Redis, ...: :class:`kvx.store.Tier`) are read and verified on
 I/O threads straight into a CPU slot when the scheduler allotted one (promotion), and their copies are
 queued as soon as the read is in, at the latest in ``wait_for_layer_load`` of the first layer, the only
 place that waits for a read.
@@ -14,8 +15,8 @@ so loading overlaps the forward; CPU threads: one group, the copy already uses e
 cannot be read or verified is not written; its blocks are reported by ``get_block_ids_with_load_errors``
 so vLLM recomputes them, and to the scheduler with the step's results (:mod:`.validity`).
 
-Saves: ``save_kv_layer`` queues a layer group's gathers as soon as the forward wrote its last layer (after
-a marker taken then), so the copies overlap the rest of the forward (``save_layerwise``; otherwise, and
+Saves: ``save_kv_layer`` queues a layer group's gathers (one job: that group's layers of one batch of the
+step's saves) as soon as the forward wrote its last layer (after a marker taken then), so the copies overlap the rest of the forward (``save_layerwise``; otherwise, and
 for groups no layer reported, ``wait_for_save`` queues them). A save whose KV depends on a block whose
 load failed on this worker is dropped before anything is gathered. ``wait_for_save`` starts the tier
 writes on I/O threads (one per tier and chunk, so a slow tier does not hold up the others), which wait
@@ -96,6 +97,27 @@ def _settle(wait) -> None:
         pass
 
 
+class _Once:
+    """A value built by the first :meth:`get` (on a copy queue, where a failure is the job's error); the
+    build's error is raised again by every later call."""
+
+    __slots__ = ("_build", "_value", "_error")
+
+    def __init__(self, build):
+        self._build, self._value, self._error = build, None, None
+
+    def get(self):
+        if self._build is not None:
+            build, self._build = self._build, None
+            try:
+                self._value = build()
+            except BaseException as e:
+                self._error = e
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 _MAX_RANK_KEYS = 1 << 18    # TP: storage keys remembered to name evicted chunks (bounded memory)
 
 
@@ -167,6 +189,7 @@ class KVXWorker:
         self.layer_of: dict[str, int] = {}      # layer name -> layer index in the layout
         self._retiring: list[_Load] = []        # loads reported to vLLM, copies maybe still running
         self._step_saves: list[_Save] | None = None
+        self._save_batch: _Once | None = None     # this step's gathers (save_kv_layer / wait_for_save)
         self._submitted_groups: set[int] = set()
         self._errors: set[int] = set()
         self.outcomes = LoadOutcomes()
@@ -214,8 +237,7 @@ class KVXWorker:
         per_layer = self.engine.mode in ("cuda", "deferred")
         bounds = [(i, i + 1) for i in range(lay.num_layers)] if per_layer else [(0, lay.num_layers)]
         for a, b in bounds:
-            sub = KVLayout.from_tensors(list(lay.layers[a:b]), lay.name, lay.layer_names[a:b])
-            self.groups.append((a, b, sub))
+            self.groups.append((a, b, lay.layer_range(a, b)))
         if lay.device.type == "cuda":
             # the kernels' device tables of layer addresses, uploaded now: a first upload inside a step would
             # make the host wait for the copy stream
@@ -270,13 +292,8 @@ class KVXWorker:
             return block_ids
         return [b * self.ratio + r for b in block_ids for r in range(self.ratio)]
 
-    def _gather(self, layout: KVLayout, block_ids, out: torch.Tensor) -> None:
-        fn = ops.gather_pages if self.fmt == "pages" else ops.gather_blocks
-        fn(layout, self._kernel_ids(block_ids), out, max_ctas=self.config.max_ctas)
-
-    def _scatter(self, layout: KVLayout, block_ids, src: torch.Tensor) -> None:
-        fn = ops.scatter_pages if self.fmt == "pages" else ops.scatter_blocks
-        fn(layout, self._kernel_ids(block_ids), src, max_ctas=self.config.max_ctas)
+    def _batch(self) -> ops.CopyBatch:
+        return ops.CopyBatch(self.layout, max_ctas=self.config.max_ctas)
 
     def _slot_view(self, slot: int, tokens: int) -> torch.Tensor:
         return self._blocks_view(self.pool.slot(slot), 0, self.kv_groups * tokens // self.geom.block_size)
@@ -295,6 +312,7 @@ class KVXWorker:
         self._meta = meta
         self._loads_started = False
         self._step_saves = None
+        self._save_batch = None
         self._submitted_groups = set()
 
     def start_load_kv(self) -> None:
@@ -338,10 +356,9 @@ class KVXWorker:
             srcs = [(ch, src) for ch, src in ready if ch.before_forward]
             ready = [(ch, src) for ch, src in ready if not ch.before_forward]
             if srcs:
-                load.early = self.order.load(
-                    [b for ch, _ in srcs for b in ch.block_ids],
-                    lambda srcs=srcs: self._scatter_chunks(srcs, 0, self.layout.num_layers, self.layout),
-                    name=f"load {spec.req_id} before forward")
+                batch = _Once(lambda srcs=srcs: self._scatter_batch(srcs))
+                load.early = self.order.load([b for ch, _ in srcs for b in ch.block_ids],
+                                             lambda: batch.get().run(), name=f"load {spec.req_id} before forward")
         self._queue_chunks(load, ready + self._take_ready(load))
         self._stats["loaded_chunks"] += len(spec.chunks)
         self._stats["loaded_blocks"] += sum(len(c.block_ids) for c in spec.chunks)
@@ -370,44 +387,52 @@ class KVXWorker:
             self._queue_chunks(load, self._take_ready(load))
 
     def _queue_chunks(self, load: _Load, chunks: list[tuple[ChunkLoad, torch.Tensor]]) -> None:
-        """One copy job per layer group for ``chunks`` (group order: the forward reads group 0 first)."""
+        """One copy job per layer group for ``chunks`` (group order: the forward reads group 0 first), each
+        running that group's layers of one :class:`kvx.ops.CopyBatch` of them all."""
         if not chunks:
             return
         blocks = [b for ch, _ in chunks for b in ch.block_ids]
-        for g, (a, b, sub) in enumerate(self.groups):
-            job = self.order.load(blocks, lambda a=a, b=b, sub=sub: self._scatter_chunks(chunks, a, b, sub),
+        batch = _Once(lambda: self._scatter_batch(chunks))    # checked once, in the first job
+        for g, (a, b, _) in enumerate(self.groups):
+            job = self.order.load(blocks, lambda a=a, b=b: batch.get().run(a, b),
                                   name=f"load {load.spec.req_id} group {g}")
             load.jobs.setdefault(g, []).append(job)
 
-    def _scatter_chunks(self, chunks, a: int, b: int, sub: KVLayout) -> None:
+    def _scatter_batch(self, chunks) -> ops.CopyBatch:
+        """The scatters that write ``chunks`` (every layer) into their blocks."""
+        batch = self._batch()
         for ch, src in chunks:
-            if ch.positions is not None:     # several groups / null blocks skipped: contiguous runs
-                if ch.before_forward and self.fmt == "pages":     # the scheduler never plans this
-                    raise RuntimeError(f"load {ch.key}: raw pages before the forward must come in one run")
-                i = 0
-                while i < len(ch.block_ids):
-                    j = i + 1
-                    while j < len(ch.block_ids) and ch.positions[j] == ch.positions[i] + j - i:
-                        j += 1
-                    run = ChunkLoad(ch.key, ch.tier, ch.slot, ch.block_ids[i:j], ch.positions[i], ch.tokens,
-                                    before_forward=ch.before_forward and j == len(ch.block_ids),
-                                    shared_tokens=ch.shared_tokens)
-                    self._scatter_chunks([(run, src)], a, b, sub)
-                    i = j
-                continue
-            view = self._blocks_view(src, ch.first_block, len(ch.block_ids), (a, b))
-            if ch.before_forward and self.fmt != "pages":
-                # the last block is shared with this step's first computed token: copy only the tokens the
-                # chunk provides, so the order against the forward's write of that token does not matter
-                n = ch.shared_tokens
-                full = ch.block_ids[:-1]
-                if full:
-                    self._scatter(sub, full, view.narrow(2, 0, len(full) * self.geom.block_size))
-                slots = [ch.block_ids[-1] * self.geom.block_size + t for t in range(n)]
-                ops.scatter_slots(sub, slots, view.narrow(2, len(full) * self.geom.block_size, n),
-                                  max_ctas=self.config.max_ctas)
-            else:
-                self._scatter(sub, ch.block_ids, view)
+            self._add_scatters(batch, ch, src)
+        return batch
+
+    def _add_scatters(self, batch: ops.CopyBatch, ch: ChunkLoad, src: torch.Tensor) -> None:
+        if ch.positions is not None:     # several groups / null blocks skipped: contiguous runs
+            if ch.before_forward and self.fmt == "pages":     # the scheduler never plans this
+                raise RuntimeError(f"load {ch.key}: raw pages before the forward must come in one run")
+            i = 0
+            while i < len(ch.block_ids):
+                j = i + 1
+                while j < len(ch.block_ids) and ch.positions[j] == ch.positions[i] + j - i:
+                    j += 1
+                run = ChunkLoad(ch.key, ch.tier, ch.slot, ch.block_ids[i:j], ch.positions[i], ch.tokens,
+                                before_forward=ch.before_forward and j == len(ch.block_ids),
+                                shared_tokens=ch.shared_tokens)
+                self._add_scatters(batch, run, src)
+                i = j
+            return
+        view = self._blocks_view(src, ch.first_block, len(ch.block_ids))
+        op = "scatter_pages" if self.fmt == "pages" else "scatter_blocks"
+        if ch.before_forward and self.fmt != "pages":
+            # the last block is shared with this step's first computed token: copy only the tokens the
+            # chunk provides, so the order against the forward's write of that token does not matter
+            n = ch.shared_tokens
+            full = ch.block_ids[:-1]
+            if full:
+                batch.add(op, self._kernel_ids(full), view.narrow(2, 0, len(full) * self.geom.block_size))
+            slots = [ch.block_ids[-1] * self.geom.block_size + t for t in range(n)]
+            batch.add("scatter_slots", slots, view.narrow(2, len(full) * self.geom.block_size, n))
+        else:
+            batch.add(op, self._kernel_ids(ch.block_ids), view)
 
     def _fail_chunk(self, load: _Load, ch: ChunkLoad, e: BaseException) -> None:
         with load.lock:
@@ -550,18 +575,29 @@ class KVXWorker:
             rec.dest = self._blocks_view(self._staging[idx], 0, blocks)
 
     def _submit_save_group(self, g: int, marker) -> None:
+        """Queue the gathers of layer group ``g`` of this step's saves: one job, running that group's layers
+        of one :class:`kvx.ops.CopyBatch` of every save (built once, in the first group's job)."""
         if g in self._submitted_groups:
             return
         self._submitted_groups.add(g)
-        a, b, sub = self.groups[g]
-        for rec in self._begin_saves():
-            s = rec.save
-            if s.from_slot is not None or rec.dest is None:
-                continue
-            dest = rec.dest[a:b]
-            rec.jobs.append(self.order.save(s.block_ids,
-                                            lambda s=s, sub=sub, dest=dest: self._gather(sub, s.block_ids, dest),
-                                            name=f"save {s.key} group {g}", marker=marker))
+        a, b, _ = self.groups[g]
+        recs = [rec for rec in self._begin_saves() if rec.save.from_slot is None and rec.dest is not None]
+        if not recs:
+            return
+        if self._save_batch is None:
+            self._save_batch = _Once(lambda pairs=[(r.save.block_ids, r.dest) for r in recs]: self._gather_batch(pairs))
+        batch = self._save_batch
+        job = self.order.save([blk for r in recs for blk in r.save.block_ids], lambda: batch.get().run(a, b),
+                              name=f"save {len(recs)} chunks group {g}", marker=marker)
+        for rec in recs:
+            rec.jobs.append(job)
+
+    def _gather_batch(self, pairs) -> ops.CopyBatch:
+        batch = self._batch()
+        op = "gather_pages" if self.fmt == "pages" else "gather_blocks"
+        for block_ids, dest in pairs:
+            batch.add(op, self._kernel_ids(block_ids), dest)
+        return batch
 
     def wait_for_save(self) -> None:
         """End of the step's forward: report the sync loads, queue what save_kv_layer did not, start the
@@ -592,7 +628,7 @@ class KVXWorker:
                 # them; their gathers are queued) and gather all layers at once
                 self._stage(rec, self._acquire_staging())
                 rec.jobs.append(self.order.save(
-                    s.block_ids, lambda s=s, dest=rec.dest: self._gather(self.layout, s.block_ids, dest),
+                    s.block_ids, lambda pairs=[(s.block_ids, rec.dest)]: self._gather_batch(pairs).run(),
                     name=f"save {s.key}", marker=marker))
             for name in s.to_tiers:
                 if self.writes:
@@ -607,6 +643,7 @@ class KVXWorker:
                     _settle(job.wait)
             self._stats["save_ms"] += (time.perf_counter() - t0) * 1e3
         self._step_saves = None
+        self._save_batch = None
         self._retire_loads()
 
     def _write_chunk(self, name: str, s: ChunkSave, src: torch.Tensor, jobs: list[Job]) -> bool:

@@ -103,9 +103,14 @@ def test_full_prompt_hit_leaves_only_the_last_token_to_compute(make_env, store_d
     env.request("a", ids)
     env.run()
     env.sched.reset_prefix_cache()
-    slow = env.worker._worker._scatter                    # slow loads: a load that is not fenced before
-    monkeypatch.setattr(env.worker._worker, "_scatter",   # the forward would land after its write
-                        lambda *a, **k: (time.sleep(0.05), slow(*a, **k)))
+    build = env.worker._worker._scatter_batch
+
+    def slow(chunks):           # slow loads: a load that is not fenced before the forward lands after its write
+        batch = build(chunks)
+        run = batch.run
+        batch.run = lambda *a: (time.sleep(0.05), run(*a))
+        return batch
+    monkeypatch.setattr(env.worker._worker, "_scatter_batch", slow)
     r = env.request("b", ids)
     so = env.step()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK - 1
