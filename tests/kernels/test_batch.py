@@ -71,13 +71,21 @@ def test_batch_by_layer_ranges_matches_each_op_alone(impl, name, dtype):
     for out, exp in zip(outs, expected):
         _assert_same_bytes(out, exp)
     # scatters (pages and whole blocks of different kinds land on distinct blocks)
+    _check_scatters(lay, ref, copies, impl)
+
+
+def _check_scatters(lay, ref, copies, impl):
+    """Every scatter of ``copies`` in one batch of ``impl``, run by layer ranges, against each op alone on
+    the reference's copy of the cache."""
     batch = ops.CopyBatch(lay, impl=impl)
     for kind, ids, src in copies:
         batch.add(f"scatter_{kind}", ids, src)
     for a, b in _ranges(lay.num_layers):
         batch.run(a, b)
     for kind, ids, src in copies:
-        getattr(ops, f"scatter_{kind}")(ref, ids, src, impl="reference")
+        getattr(ops, f"scatter_{kind}")(ref, ids, src.to(ref.device), impl="reference")
+    if lay.device.type == "cuda":
+        torch.cuda.synchronize()
     _assert_caches_equal(lay, ref)
 
 
@@ -200,13 +208,4 @@ def test_gpu_batch_by_layer_ranges(impl, pinned, name):
     seed = _seed("gpu-batch", impl, name, pinned)
     g = torch.Generator().manual_seed(seed)
     lay, ref = _caches(name, torch.bfloat16, seed, device="cuda")
-    copies = _copies(lay, g, "cuda", pinned=pinned)
-    batch = ops.CopyBatch(lay, impl=impl)
-    for kind, ids, src in copies:
-        batch.add(f"scatter_{kind}", ids, src)
-    for a, b in _ranges(lay.num_layers):
-        batch.run(a, b)
-    for kind, ids, src in copies:
-        getattr(ops, f"scatter_{kind}")(ref, ids, src.cuda(), impl="reference")
-    torch.cuda.synchronize()
-    _assert_caches_equal(lay, ref)
+    _check_scatters(lay, ref, _copies(lay, g, "cuda", pinned=pinned), impl)
