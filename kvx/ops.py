@@ -524,8 +524,8 @@ def _run(kind: str, direction: int, layout: KVLayout, ids, buf, impl, max_ctas, 
     return buf
 
 
-def _execute(kind: str, direction: int, layout: KVLayout, ids, buf, impl, max_ctas, path) -> None:
-    """Run a validated copy (:func:`_check`)."""
+def _execute(kind: str, direction: int, layout: KVLayout, ids, buf, impl, max_ctas, path, ids_dev=None) -> None:
+    """Run a validated copy (:func:`_check`). ``ids_dev``: the ids already on the cache's device (CUDA)."""
     if impl == "reference":
         _REFERENCE[(kind, direction)](layout, ids, buf)
         return
@@ -535,7 +535,7 @@ def _execute(kind: str, direction: int, layout: KVLayout, ids, buf, impl, max_ct
         _C.cpu_copy(layout.layer_ptrs().data_ptr(), plan.num_layers, ids.data_ptr(), plan.num_ids, buf.data_ptr(),
                     paged, contig, plan.row_bytes, plan.mode, direction)
     elif impl == "cuda":
-        _run_cuda(plan, layout, ids, buf, direction, max_ctas, path)
+        _run_cuda(plan, layout, ids, buf, direction, max_ctas, path, ids_dev)
     else:
         _run_triton(plan, layout, ids, buf, direction)
 
@@ -619,15 +619,10 @@ class CopyBatch:
             item = self._items[i]
             kind, direction, ids, buf, impl = item[:5]
             part = buf.narrow(0, start, end - start) if sub is not layout else buf
-            if impl == "cuda":   # the ids go to the device once, not once per range
-                if item[5] is None:
-                    item[5] = _device_ids(ids, layout.device)
-                _run_cuda(_plan(kind, sub, part, ids.numel()), sub, ids, part, direction, self._max_ctas,
-                          self._path, ids_dev=item[5])
-                i += 1
-                continue
             if impl != "cpu":
-                _execute(kind, direction, sub, ids, part, impl, self._max_ctas, self._path)
+                if impl == "cuda" and item[5] is None:   # the ids go to the device once, not once per range
+                    item[5] = _device_ids(ids, layout.device)
+                _execute(kind, direction, sub, ids, part, impl, self._max_ctas, self._path, item[5])
                 i += 1
                 continue
             # CPU: this copy and the following ones of the same geometry, in one call

@@ -5,9 +5,9 @@ Runs in each vLLM worker process (one per TP/PP rank). What to move comes from t
 what order against the forwards is :class:`kvx.engine.BlockOrder` (every copy goes through it).
 
 Loads (``start_load_kv``): the copies of chunks in the CPU tier are queued at once, one job per *layer
-group* running that group's layers of one :class:`kvx.ops.CopyBatch` of every chunk at hand (checked once,
-not once per layer); chunks in the other tiers (disk, Redis, ...: :class:`kvx.store.Tier`) are read and verified on
-I/O threads straight into a CPU slot when the scheduler allotted one (promotion), and their copies are
+group* running that group's layers of one :class:`kvx.ops.CopyBatch` of every chunk at hand (checked
+once, not once per layer); chunks in the other tiers (disk, Redis, ...: :class:`kvx.store.Tier`) are read
+and verified on I/O threads straight into a CPU slot when the scheduler allotted one (promotion), and their copies are
 queued as soon as the read is in, at the latest in ``wait_for_layer_load`` of the first layer, the only
 place that waits for a read.
 ``wait_for_layer_load`` fences the layer's group (CUDA and the deferred CPU queue: one group per layer,
@@ -16,7 +16,8 @@ cannot be read or verified is not written; its blocks are reported by ``get_bloc
 so vLLM recomputes them, and to the scheduler with the step's results (:mod:`.validity`).
 
 Saves: ``save_kv_layer`` queues a layer group's gathers (one job: that group's layers of one batch of the
-step's saves) as soon as the forward wrote its last layer (after a marker taken then), so the copies overlap the rest of the forward (``save_layerwise``; otherwise, and
+step's saves) as soon as the forward wrote its last layer (after a marker taken then), so the copies
+overlap the rest of the forward (``save_layerwise``; otherwise, and
 for groups no layer reported, ``wait_for_save`` queues them). A save whose KV depends on a block whose
 load failed on this worker is dropped before anything is gathered. ``wait_for_save`` starts the tier
 writes on I/O threads (one per tier and chunk, so a slow tier does not hold up the others), which wait
@@ -189,7 +190,8 @@ class KVXWorker:
         self.layer_of: dict[str, int] = {}      # layer name -> layer index in the layout
         self._retiring: list[_Load] = []        # loads reported to vLLM, copies maybe still running
         self._step_saves: list[_Save] | None = None
-        self._save_batch: _Once | None = None     # this step's gathers (save_kv_layer / wait_for_save)
+        # this step's gathers, fixed when the first group is queued: (batch, its saves, their blocks)
+        self._step_gathers: tuple[_Once, list[_Save], list[int]] | None = None
         self._submitted_groups: set[int] = set()
         self._errors: set[int] = set()
         self.outcomes = LoadOutcomes()
@@ -312,7 +314,7 @@ class KVXWorker:
         self._meta = meta
         self._loads_started = False
         self._step_saves = None
-        self._save_batch = None
+        self._step_gathers = None
         self._submitted_groups = set()
 
     def start_load_kv(self) -> None:
@@ -581,14 +583,16 @@ class KVXWorker:
             return
         self._submitted_groups.add(g)
         a, b, _ = self.groups[g]
-        recs = [rec for rec in self._begin_saves() if rec.save.from_slot is None and rec.dest is not None]
+        if self._step_gathers is None:
+            recs = [rec for rec in self._begin_saves() if rec.save.from_slot is None and rec.dest is not None]
+            pairs = [(r.save.block_ids, r.dest) for r in recs]
+            self._step_gathers = (_Once(lambda: self._gather_batch(pairs)), recs,
+                                  [blk for r in recs for blk in r.save.block_ids])
+        batch, recs, blocks = self._step_gathers
         if not recs:
             return
-        if self._save_batch is None:
-            self._save_batch = _Once(lambda pairs=[(r.save.block_ids, r.dest) for r in recs]: self._gather_batch(pairs))
-        batch = self._save_batch
-        job = self.order.save([blk for r in recs for blk in r.save.block_ids], lambda: batch.get().run(a, b),
-                              name=f"save {len(recs)} chunks group {g}", marker=marker)
+        job = self.order.save(blocks, lambda: batch.get().run(a, b), name=f"save {len(recs)} chunks group {g}",
+                              marker=marker)
         for rec in recs:
             rec.jobs.append(job)
 
@@ -643,7 +647,7 @@ class KVXWorker:
                     _settle(job.wait)
             self._stats["save_ms"] += (time.perf_counter() - t0) * 1e3
         self._step_saves = None
-        self._save_batch = None
+        self._step_gathers = None
         self._retire_loads()
 
     def _write_chunk(self, name: str, s: ChunkSave, src: torch.Tensor, jobs: list[Job]) -> bool:
