@@ -64,7 +64,7 @@ from pydantic import Field, field_validator
 from ..log import Throttle, get_logger
 from . import codec
 from .errors import ChunkError, StoreClosedError, StoreFullError
-from .tier import STORED, REMOVED, Tier, TierConfig, TierContext, parse_size, register_tier
+from .tier import STORED, REMOVED, Tier, TierConfig, TierContext, check_key, parse_size, register_tier
 
 log = get_logger(__name__)
 
@@ -171,12 +171,6 @@ class Survey:
     @property
     def temp_bytes(self) -> int:
         return sum(t.bytes for t in self.temps)
-
-
-def _valid_key(key: str) -> str:
-    if not isinstance(key, str) or len(key) < 8 or any(c not in "0123456789abcdef" for c in key):
-        raise ValueError(f"key: expected a lowercase hex string of >= 8 digits, got {key!r}")
-    return key
 
 
 # ------------------------------------------------------------------------------------------ temp files
@@ -377,7 +371,7 @@ class DiskStore(Tier):
 
     # ---------------------------------------------------------------- paths
     def file_of(self, key: str) -> str:
-        key = _valid_key(key)
+        key = check_key(key)
         return os.path.join(self.path, key[:2], key + _SUFFIX)
 
     def _check_open(self):

@@ -73,7 +73,7 @@ from ..log import Throttle, get_logger
 from . import codec
 from .errors import ChunkError, StoreClosedError, StoreError, StoreFullError, StoreUnavailableError
 from .resp import AuthError, ConnectionLost, NoScriptError, RedirectError, RespConnection, RespError
-from .tier import REMOVED, STORED, Tier, TierConfig, TierContext, register_tier
+from .tier import REMOVED, STORED, Tier, TierConfig, TierContext, check_key, register_tier
 
 log = get_logger(__name__)
 
@@ -143,12 +143,6 @@ def redact(url: str) -> str:
     user = parts.username or ""
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-
-
-def _valid_key(key: str) -> str:
-    if not isinstance(key, str) or len(key) < 8 or any(c not in "0123456789abcdef" for c in key):
-        raise ValueError(f"key: expected a lowercase hex string of >= 8 digits, got {key!r}")
-    return key
 
 
 def _slot(chunk_key: str) -> int:
@@ -1015,7 +1009,7 @@ class RedisTier(Tier):
         at most ``lookup_wait_ms``, else answers None and keeps the lookup for the next ask with the same
         keys. Keys on a node known to be down are False at once."""
         self._check_open()
-        keys = [_valid_key(k) for k in keys]
+        keys = [check_key(k) for k in keys]
         if not keys:
             return []
         if not self.config.cluster and (self._node is None or not self._node.up):
@@ -1097,7 +1091,7 @@ class RedisTier(Tier):
         """Read chunk ``key`` straight into ``out`` (contiguous CPU tensor), verified. ChunkError on a
         miss, a torn or corrupt chunk, a mismatch, a down server or the ``timeout_ms`` deadline."""
         self._check_open()
-        _valid_key(key)
+        check_key(key)
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"out: expected a contiguous CPU tensor, got {type(out).__name__}")
         if out.device.type != "cpu" or not out.is_contiguous():
@@ -1166,7 +1160,7 @@ class RedisTier(Tier):
         larger chunks as parts published by one script. StoreFullError on a server out of memory
         (nothing readable is left), StoreUnavailableError when down or out of time."""
         self._check_open()
-        _valid_key(key)
+        check_key(key)
         codec.check_chunk(chunk)
         codec.check_extra(extra)
         encoded: list = []
@@ -1274,7 +1268,7 @@ class RedisTier(Tier):
     def delete(self, key: str) -> bool:
         """Remove chunk ``key`` (and its parts); False if it was not there."""
         self._check_open()
-        _valid_key(key)
+        check_key(key)
         ck = _chunk_key(key)
         deadline = time.monotonic() + self._timeout
         try:

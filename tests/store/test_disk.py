@@ -32,7 +32,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float
 SHAPES = [(1,), (7,), (3, 5), (2, 3, 17, 2, 8), (4, 1, 16, 2, 8)]  # odd sizes; the last two: [L, P, T, H, D]
 FLIP_AT = ["first", "middle", "last"]
 TRUNCATE_TO = [0, 7, 8, 40, "half", "minus_one"]
-BAD_KEYS = ["", "abc", "0123456", "ABCDEF0123456789", "0123456789abcdeG", "01234567/../../x", "0123 4567",
+BAD_KEYS = ["", "abc", "0123456", "ABCDEF0123456789", "0123456789abcdeG", "0123456789abcdef\n", "01234567/../../x", "0123 4567",
             12345678, None, b"0123456789abcdef"]
 KEY_OPS = ["file_of", "contains", "put", "get", "delete"]
 CLOSED_OPS = ["put", "get", "contains", "delete", "scan", "usage", "evict", "clear", "temp_files"]

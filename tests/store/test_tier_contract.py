@@ -177,6 +177,23 @@ def test_out_must_be_a_contiguous_cpu_tensor(open_tier):
         tier.get_into(key, torch.empty(16, 4, dtype=torch.bfloat16).t())
 
 
+BAD_KEYS = ["", "0123456", "ABCDEF0123456789", "0123456789abcdeg", "0123456789abcdef\n", "01234567/../x",
+            12345678, None, b"0123456789abcdef"]
+
+
+@pytest.mark.parametrize("key", BAD_KEYS, ids=repr)
+def test_bad_keys_are_refused_by_every_operation(open_tier, key):
+    tier = open_tier()
+    data = chunk((4, 16))
+    calls = {"put": lambda: tier.put(key, data), "get_into": lambda: tier.get_into(key, torch.empty_like(data)),
+             "delete": lambda: tier.delete(key), "contains_many": lambda: tier.contains_many([key_of(7), key])}
+    for op, call in calls.items():
+        with pytest.raises(ValueError, match="^key: expected a lowercase hex string"):
+            call()
+            pytest.fail(f"{op} took {key!r}")
+    assert contains(tier, [key_of(7)]) == [False]
+
+
 def test_concurrent_puts_and_gets_are_bit_exact(open_tier):
     tier = open_tier()
     n, errors = 24, []
