@@ -65,7 +65,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import google_crc32c
+import crc32c
 import numpy as np
 import torch
 
@@ -644,7 +644,7 @@ def cpu_costs(nbytes: int, repeats: int = 20) -> dict[str, float]:
         t0 = time.perf_counter()
         dst[i % n][:] = src[i % n]
         t1 = time.perf_counter()
-        google_crc32c.value(src[(i + 1) % n])
+        crc32c.crc32c(src[(i + 1) % n])
         t2 = time.perf_counter()
         if i >= n:
             t_copy.append(t1 - t0)

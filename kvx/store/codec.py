@@ -6,9 +6,11 @@ they lie in memory). The header's ``__metadata__`` carries the format version (`
 chunk ``key``, the engine ``fingerprint`` (what the bytes mean: layout, dtype, format), the payload
 ``length`` and its checksum; the tensor entry carries dtype and shape.
 
-Checksum: CRC32C (``crc32c``, hardware-accelerated by google-crc32c: 0.15 ms per 4 MiB here, against
-1.0 ms for zlib's CRC32, which was a third of a 4 MiB Redis GET). Format ``kvx-2``; ``kvx-1`` chunks
-(zlib ``crc32``) are still read. So a value copied out of any
+Checksum: CRC32C (``crc32c``, hardware-accelerated by the ``crc32c`` package: 0.15 ms per 4 MiB in cache
+here, against 1.0 ms for zlib's CRC32, which was a third of a 4 MiB Redis GET). That package releases the
+GIL over large buffers, so a writer thread's checksum does not stall vLLM's Python threads (google-crc32c,
+used before, held it: ``benchmarks/bench_crc.py``). Format ``kvx-2``; ``kvx-1`` chunks (zlib ``crc32``)
+are still read. So a value copied out of any
 tier is a file the safetensors library (and ``kvx store verify``) reads.
 
 Readers check everything before a byte is served: :func:`decode_header` then :func:`check` (version,
@@ -23,10 +25,10 @@ import json
 import struct
 import sys
 import zlib
-
-import google_crc32c
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import crc32c as _crc32c
 
 import numpy as np
 import torch
@@ -85,8 +87,8 @@ def crc32(t: torch.Tensor) -> str:
 
 
 def crc32c(t: torch.Tensor) -> str:
-    """CRC32C of a contiguous CPU tensor's bytes, as 8 hex digits (~25 GB/s here)."""
-    return f"{google_crc32c.value(byte_view(t)):08x}"
+    """CRC32C of a contiguous CPU tensor's bytes, as 8 hex digits (~25 GB/s in cache here; GIL released)."""
+    return f"{_crc32c.crc32c(byte_view(t)):08x}"
 
 
 def check_chunk(chunk) -> None:
@@ -110,10 +112,17 @@ def encode_header(chunk: torch.Tensor, key: str, fingerprint: str, extra: dict[s
                   created: float | None = None) -> bytes:
     """The header of ``chunk`` (computes its CRC: one pass over the bytes)."""
     check_chunk(chunk)
+    chunk = chunk.contiguous()
+    return _header(chunk, byte_view(chunk), key, fingerprint, extra, created)
+
+
+def _header(chunk: torch.Tensor, payload, key: str, fingerprint: str, extra: dict[str, str] | None,
+            created: float | None) -> bytes:
+    """The header of ``chunk``, whose bytes are ``payload`` (its :func:`byte_view`)."""
     check_extra(extra)
-    nbytes = chunk.numel() * chunk.element_size()
+    nbytes = payload.nbytes
     meta = {**(extra or {}), "kvx_format": FORMAT_VERSION, "key": key, "fingerprint": fingerprint,
-            "length": str(nbytes), "crc32c": crc32c(chunk.contiguous())}
+            "length": str(nbytes), "crc32c": f"{_crc32c.crc32c(payload):08x}"}
     if created is not None:
         meta["created"] = f"{created:.3f}"
     head = json.dumps({"__metadata__": meta, "kv": {"dtype": ST_DTYPES[chunk.dtype], "shape": list(chunk.shape),
@@ -126,8 +135,10 @@ def encode_header(chunk: torch.Tensor, key: str, fingerprint: str, extra: dict[s
 def encode(chunk: torch.Tensor, key: str, fingerprint: str, extra: dict[str, str] | None = None,
            created: float | None = None) -> tuple[bytes, object]:
     """(header, payload): the payload is a view of the chunk's memory, not a copy."""
+    check_chunk(chunk)
     chunk = chunk.contiguous()
-    return encode_header(chunk, key, fingerprint, extra, created), byte_view(chunk)
+    payload = byte_view(chunk)         # one view for the CRC and the sender (each costs ~10 us of torch calls)
+    return _header(chunk, payload, key, fingerprint, extra, created), payload
 
 
 def header_length(prefix: bytes) -> int:
@@ -200,7 +211,7 @@ class RunningChecksum:
 
     def update(self, data) -> None:
         if self.kind == "crc32c":
-            self.value = google_crc32c.extend(self.value, np.frombuffer(data, dtype=np.uint8))  # no copy
+            self.value = _crc32c.crc32c(data, self.value)    # any buffer, no copy; GIL released
         elif self.kind == "crc32":
             self.value = zlib.crc32(data, self.value)
 
