@@ -101,8 +101,11 @@ async def _traffic(url: str, model: str):
                     results.setdefault(i, []).append(
                         await S.acomplete(session, url, PROMPTS[i], MAX_TOKENS, model=model))
                 else:
+                    # hang-ups 0-60 ms after the response headers: lookup, load or prefill. An aborted prompt's
+                    # prefill is 3 steps of 512 tokens among 5 other requests; with 0-150 ms, the last client
+                    # once saw its first token before hanging up on an unloaded machine
                     aborted_first.append(await S.aabort(session, url, ABORTED[i], MAX_TOKENS, model=model,
-                                                        after_s=0.05 * i))
+                                                        after_s=0.02 * i))
 
         await asyncio.gather(*(one(kind, i) for kind, i in PLAN))
     return results, aborted_first
