@@ -472,9 +472,11 @@ class _ChunkSink:
 
     _PREFIX, _MANIFEST, _HEADER, _PAYLOAD, _DONE = range(5)
 
-    def __init__(self, key: str, fingerprint: str, out: torch.Tensor, where: str, piece: int | None = None):
-        self.key, self.fingerprint, self.out, self.where, self.piece = key, fingerprint, out, where, piece
-        self.payload = memoryview(codec.byte_view(out))
+    def __init__(self, key: str, fingerprint: str, out: torch.Tensor, payload: memoryview, where: str,
+                 step: int | None = None):
+        self.key, self.fingerprint, self.out, self.where = key, fingerprint, out, where
+        self.payload = payload          # out's bytes (codec.byte_view)
+        self.step = step                # most payload bytes one receive takes (RespConnection.get_into)
         self.phase, self.pos, self.received = self._PREFIX, 0, 0
         self.buf = bytearray(codec.PREFIX_BYTES)
         self.header: codec.Header | None = None
@@ -504,9 +506,7 @@ class _ChunkSink:
 
     def buffer(self) -> memoryview:
         if self.phase == self._PAYLOAD:
-            # at most a piece per receive: each is checksummed (advance) while it is still in cache
-            # (bench_redis.py, "bytes received per checksum step")
-            return self.payload[self.pos:self.pos + self.piece] if self.piece else self.payload[self.pos:]
+            return self.payload[self.pos:]
         if self.phase == self._DONE:
             raise self._error(f"value is longer than its header says ({self.header.total} bytes)", torn=True)
         return memoryview(self.buf)[self.pos:]
@@ -1101,12 +1101,17 @@ class RedisTier(Tier):
                              f"{tuple(out.stride())} for shape {tuple(out.shape)}")
         ck = _chunk_key(key)
         deadline = time.monotonic() + self._timeout
-        sink = _ChunkSink(key, self.ctx.fingerprint, out, f"redis value {ck}", self.piece)
+        payload = memoryview(codec.byte_view(out))
+        where = f"redis value {ck}"
+        sink = _ChunkSink(key, self.ctx.fingerprint, out, payload, where, self.piece)
         manifest: list[bytes | None] = [None]
+        tries = 0
 
         def read(conn: RespConnection, asking: bool) -> None:
-            nonlocal sink            # a second try (redirected, or a dead pooled connection) starts over
-            sink = _ChunkSink(key, self.ctx.fingerprint, out, f"redis value {ck}", self.piece)
+            nonlocal sink, tries
+            tries += 1
+            if tries > 1:            # a second try (redirected, or a dead pooled connection) starts over
+                sink = _ChunkSink(key, self.ctx.fingerprint, out, payload, where, self.piece)
             ask = [("ASKING",)] if asking else []
             conn.get_into([ck], sink, deadline, prefix=ask)
             if sink.missing:

@@ -20,10 +20,10 @@ import torch
 from pydantic import ValidationError
 
 from kvx.redis_server import RedisClusterServers, RedisServer, redis_cli_binary, redis_server_binary
-from kvx.store import codec
+from kvx.store import codec, resp
 from kvx.store.errors import ChunkError, StoreClosedError, StoreFullError, StoreUnavailableError
 from kvx.store.redis import RedisConfig, RedisTier, redact
-from kvx.store.resp import RespConnection
+from kvx.store.resp import ConnectionLost, RespConnection
 from kvx.store.tier import REMOVED, STORED, parse_tier_config
 from tests.store.conftest import FP, MVS
 
@@ -433,6 +433,34 @@ def test_sigstop_mid_get_fails_within_the_deadline(redis_server, open_tier):
     out = poisoned(x)
     tier.get_into(key, out)
     assert same_bytes(out, x)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_a_short_deadline_after_long_ones_still_bounds_each_call(transport, redis_server):
+    """A connection sets its socket timeout again only when it is more than ``_REARM_S`` off the time
+    left. After calls with 30 s deadlines, a receive and a send (a value larger than the socket buffers)
+    with a 200 ms deadline on a stopped server still fail as timeouts at about 200 ms, and the connection
+    is closed."""
+    where = dict(unix_path=redis_server.unix_path) if transport == "unix" else dict(host="127.0.0.1",
+                                                                                 port=redis_server.port)
+    conns = [RespConnection(**where, deadline=time.monotonic() + 5) for _ in range(2)]
+    for conn in conns:
+        assert conn.command("PING", deadline=time.monotonic() + 30) == "PONG"
+    redis_server.pause()
+    try:
+        for conn, call in zip(conns, [lambda c, d: c.command("PING", deadline=d),
+                                      lambda c, d: c.set_value("kvx:big", [bytes(64 << 20)], [], d)]):
+            t0 = time.monotonic()
+            with pytest.raises(ConnectionLost) as e:
+                call(conn, t0 + 0.2)
+            took = time.monotonic() - t0
+            assert e.value.timeout, e.value
+            assert 0.2 - resp._REARM_S - 0.01 <= took <= 0.2 + SLACK_S, took
+            assert conn.closed
+    finally:
+        redis_server.resume()
+        for conn in conns:
+            conn.close()
 
 
 def test_lookup_on_a_stopped_server_never_blocks(redis_server, open_tier):
@@ -887,8 +915,6 @@ def test_a_stalled_client_does_not_mark_a_live_server_down(redis_server, open_ti
     """A put that runs out of time because its own thread was kept off the CPU (writers run at idle
     priority) is a failed put, not a dead server: the maintenance thread's PING answers, the node stays up,
     and loads keep being served."""
-    from kvx.store import resp
-
     tier = open_tier(redis_server.url, timeout_ms=300, retry_s=0.2)
     key = new_key()
     x = random_chunk((1000,), torch.float32, 5)
