@@ -188,7 +188,7 @@ def check(h: Header, key: str, fingerprint: str, shape: Sequence[int] | None = N
         problems.append(f"shape {h.shape} != {tuple(shape)}")
     if dtype is not None and h.dtype != dtype:
         problems.append(f"dtype {h.dtype} != {dtype}")
-    elif h.dtype is not None and h.nbytes != _numel(h.shape) * torch.empty((), dtype=h.dtype).element_size():
+    elif h.dtype is not None and h.nbytes != _numel(h.shape) * h.dtype.itemsize:
         problems.append(f"{h.nbytes} payload bytes for shape {h.shape} of {h.dtype}")
     return problems
 
