@@ -1105,13 +1105,10 @@ class RedisTier(Tier):
         where = f"redis value {ck}"
         sink = _ChunkSink(key, self.ctx.fingerprint, out, payload, where, self.piece)
         manifest: list[bytes | None] = [None]
-        tries = 0
 
         def read(conn: RespConnection, asking: bool) -> None:
-            nonlocal sink, tries
-            tries += 1
-            if tries > 1:            # a second try (redirected, or a dead pooled connection) starts over
-                sink = _ChunkSink(key, self.ctx.fingerprint, out, payload, where, self.piece)
+            nonlocal sink            # a second try (redirected, or a dead pooled connection) starts over
+            sink = _ChunkSink(key, self.ctx.fingerprint, out, payload, where, self.piece)
             ask = [("ASKING",)] if asking else []
             conn.get_into([ck], sink, deadline, prefix=ask)
             if sink.missing:
