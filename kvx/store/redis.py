@@ -473,10 +473,9 @@ class _ChunkSink:
     _PREFIX, _MANIFEST, _HEADER, _PAYLOAD, _DONE = range(5)
 
     def __init__(self, key: str, fingerprint: str, out: torch.Tensor, payload: memoryview, where: str,
-                 step: int | None = None):
-        self.key, self.fingerprint, self.out, self.where = key, fingerprint, out, where
-        self.payload = payload          # out's bytes (codec.byte_view)
-        self.step = step                # most payload bytes one receive takes (RespConnection.get_into)
+                 piece: int | None = None):
+        self.key, self.fingerprint, self.out, self.where, self.piece = key, fingerprint, out, where, piece
+        self.payload = payload          # out's bytes (codec.byte_view), made once per GET
         self.phase, self.pos, self.received = self._PREFIX, 0, 0
         self.buf = bytearray(codec.PREFIX_BYTES)
         self.header: codec.Header | None = None
@@ -506,7 +505,9 @@ class _ChunkSink:
 
     def buffer(self) -> memoryview:
         if self.phase == self._PAYLOAD:
-            return self.payload[self.pos:]
+            # at most a piece per receive: each is checksummed (advance) while it is still in cache
+            # (bench_redis.py, "bytes received per checksum step")
+            return self.payload[self.pos:self.pos + self.piece] if self.piece else self.payload[self.pos:]
         if self.phase == self._DONE:
             raise self._error(f"value is longer than its header says ({self.header.total} bytes)", torn=True)
         return memoryview(self.buf)[self.pos:]

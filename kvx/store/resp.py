@@ -13,10 +13,11 @@ Every operation runs against a deadline (``time.monotonic()`` seconds): each sen
 most the time left (within ``_REARM_S``), so a server that stops answering (SIGSTOP, a dead host) fails
 the operation on time instead of hanging it. Plain sockets block with the kernel's SO_RCVTIMEO /
 SO_SNDTIMEO, set again only when off by more than ``_REARM_S``: a receive is one syscall, where a
-Python socket timeout costs a poll before every receive and an ioctl per change. A 4 MiB GET over TCP
-made ~58 syscalls that way and makes ~21 (strace -c), and costs the client 8% less CPU. A connection that failed in the middle of a reply (timeout, reset, a
-protocol error, or the caller's sink refusing the value) is closed: it is never reused with unread
-bytes in flight. Error replies become typed exceptions (:func:`reply_error`).
+Python socket timeout costs a poll before every receive and an ioctl per change (a 4 MiB GET over TCP
+made ~58 syscalls that way and makes ~21 (strace -c); the client spends 8% less CPU). A connection that
+failed in the middle of a reply (timeout, reset, a protocol error, or the caller's sink refusing the
+value) is closed: it is never reused with unread bytes in flight. Error replies become typed exceptions
+(:func:`reply_error`).
 """
 
 from __future__ import annotations
@@ -128,8 +129,6 @@ def encode_command(*args) -> bytes:
 class Sink(Protocol):
     """Where a bulk reply's bytes go (:meth:`RespConnection.get_into`)."""
 
-    step: int | None     # most bytes one receive may take (None: what the socket holds)
-
     def begin(self, index: int, length: int | None) -> None:
         """Reply ``index`` is a value of ``length`` bytes (None: the key does not exist). May raise."""
 
@@ -137,7 +136,7 @@ class Sink(Protocol):
         """Where the next bytes go (writable, non-empty while bytes are expected). May raise."""
 
     def advance(self, n: int) -> None:
-        """The next ``n`` bytes of the last :meth:`buffer` were written (one call per receive)."""
+        """``n`` bytes were written at the start of the last :meth:`buffer`."""
 
 
 # ------------------------------------------------------------------------------------------ connection
@@ -352,28 +351,6 @@ class RespConnection:
         self._rpos += k
         return k
 
-    def _stream(self, mv: memoryview, deadline: float, step: int | None, advance) -> None:
-        """Fill ``mv`` exactly, calling ``advance(k)`` as each ``k`` bytes land: buffered bytes first, then
-        receives straight into ``mv`` of at most ``step`` bytes each (None: what the socket holds)."""
-        end = len(mv)
-        off = 0
-        while off < end and (end - off < _DIRECT or self._rend != self._rpos):
-            k = self._read_some(mv[off:], deadline)
-            advance(k)
-            off += k
-        if off == end:
-            return
-        recv = self.sock.recv_into
-        arm = self._arm
-        step = step or end
-        while off < end:
-            arm(deadline)
-            k = recv(mv[off:off + step])
-            if not k:
-                raise ConnectionLost(f"redis {self.address}: connection closed by the server")
-            advance(k)
-            off += k
-
     def _expect_crlf(self, deadline: float) -> None:
         while self._rend - self._rpos < 2:
             self._fill(deadline)
@@ -548,8 +525,8 @@ class RespConnection:
                 sink.begin(i, n)
                 while n:        # the sink sees each receive's bytes at once (checksummed while in cache)
                     mv = sink.buffer()
-                    k = min(len(mv), n)
-                    self._stream(mv[:k], deadline, sink.step, sink.advance)
+                    k = self._read_some(mv[:min(len(mv), n)], deadline)
+                    sink.advance(k)
                     n -= k
                 self._expect_crlf(deadline)
             pending = False
