@@ -149,12 +149,14 @@ class RespConnection:
             context checks host names.
         username, password: ``AUTH`` on connect; db: ``SELECT`` on connect when not 0.
         deadline: ``time.monotonic()`` by which connecting (and AUTH/SELECT) must be done.
+        send_buffer: SO_SNDBUF in bytes (the kernel doubles it, capped by ``net.core.wmem_max``); None: the
+            kernel's default (TCP: autotuned).
     """
 
     def __init__(self, host: str | None = None, port: int | None = None, *, unix_path: str | None = None,
                  ssl_context: ssl.SSLContext | None = None, server_hostname: str | None = None,
                  username: str | None = None, password: str | None = None, db: int = 0,
-                 deadline: float):
+                 deadline: float, send_buffer: int | None = None):
         self.address = unix_path or f"{host}:{port}"
         self._rbuf = bytearray(_BUF)
         self._rview = memoryview(self._rbuf)
@@ -191,6 +193,8 @@ class RespConnection:
         try:
             if not self._tls:
                 s.settimeout(None)       # blocking; the kernel's SO_RCVTIMEO / SO_SNDTIMEO bound each call
+            if send_buffer is not None:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         except OSError as e:
             s.close()
             self.sock = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import threading
 import time
 import uuid
@@ -21,6 +22,7 @@ from pydantic import ValidationError
 
 from kvx.redis_server import RedisClusterServers, RedisServer, redis_cli_binary, redis_server_binary
 from kvx.store import codec, resp
+from kvx.store import redis as redis_mod
 from kvx.store.errors import ChunkError, StoreClosedError, StoreFullError, StoreUnavailableError
 from kvx.store.redis import RedisConfig, RedisTier, redact
 from kvx.store.resp import ConnectionLost, RespConnection
@@ -299,6 +301,36 @@ def test_payload_received_in_pieces(piece, size, transport, redis_server, open_t
     c.setrange(last, at, bytes([c.getrange(last, at, at)[0] ^ 0x10]))
     with pytest.raises(ChunkError, match="checksum"):
         tier.get_into(key, poisoned(x))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_data_connections_get_the_transports_send_buffer(transport, redis_server, open_tier):
+    """Unix-socket data connections ask for a larger SO_SNDBUF (the kernel doubles it, capped by
+    net.core.wmem_max); TCP ones keep the kernel's autotuned one. Chunks put through either read back."""
+    unix = transport == "unix"
+    tier = open_tier(redis_server.unix_url if unix else redis_server.url)
+    assert tier.send_buffer == (redis_mod._SNDBUF_UNIX if unix else None)
+    x = random_chunk(shape_for("multi", torch.bfloat16, "k"), torch.bfloat16, 3)
+    key = new_key()
+    assert tier.put(key, x)
+    conn, _ = tier._node.acquire(time.monotonic() + 5)
+    try:
+        got = conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    finally:
+        tier._node.release(conn)
+    if unix:
+        with open("/proc/sys/net/core/wmem_max") as f:
+            cap = int(f.read())
+        assert got == 2 * min(redis_mod._SNDBUF_UNIX, cap), got
+    else:
+        fresh = socket.socket()
+        try:
+            assert got >= fresh.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)   # not pinned below the default
+        finally:
+            fresh.close()
+    out = poisoned(x)
+    tier.get_into(key, out)
+    assert same_bytes(out, x)
 
 
 def test_put_whose_encoding_fails_leaves_the_connection_clean(redis_server, open_tier, monkeypatch):
