@@ -36,11 +36,13 @@ times. ``x baseline`` = the baseline's median time over the method's (> 1: faste
 = the roof's over the method's (what is left to win at all).
 
 Part-size sweep: 4 and 16 MiB chunks through ``RedisTier`` opened with ``max_value_size`` = 512 KiB .. 8 MiB
-(GET and PUT as above, interleaved), to back the tier's default. Lookups: ``contains_many`` of a 256-chunk prefix
-(``lookup_wait_ms`` 1000, so it answers) against a redis-py pipeline of 256 ``EXISTS``, every repeat on
-keys not asked for before (a tier that remembers answers is timed asking the server), on the standalone
-server and on a 3-node cluster (``RedisClusterServers``). Also measured in the same run, for the "where the
-time goes" note: memcpy and CRC32C of a 4 MiB chunk.
+(GET and PUT as above, interleaved), to back the tier's default. Send-buffer sweep: 4 MiB kvx puts through
+data connections opened with SO_SNDBUF = the kernel's default .. 4 MiB, to back ``RedisTier.send_buffer``.
+Lookups: ``contains_many`` of a 256-chunk prefix (``lookup_wait_ms`` 1000, so it answers) against a
+redis-py pipeline of 256 ``EXISTS``, every repeat on keys not asked for before (a tier that remembers
+answers is timed asking the server), on the standalone server and on a 3-node cluster
+(``RedisClusterServers``). Also measured in the same run, for the "where the time goes" note: memcpy and
+CRC32C of a 4 MiB chunk.
 
     python benchmarks/bench_redis.py [--quick] [--out DIR] [--runs 5] [--repeats N] [--sizes 1,4,16]
 
@@ -71,7 +73,7 @@ import torch
 
 from kvx.bench import cpu_name
 from kvx.store import CPUPool, codec
-from kvx.store.redis import RedisConfig, RedisTier, _chunk_key
+from kvx.store.redis import _SNDBUF_UNIX, RedisConfig, RedisTier, _chunk_key
 from kvx.store.tier import TierContext
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,6 +91,7 @@ LOOKUP_BASE, LOOKUP_KVX = LOOKUP_METHODS
 
 PART_SIZES = (512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB)
 PIECES = (64 * KiB, 256 * KiB, 1 * MiB, None)     # GET bytes received per checksum step (None: the whole value)
+SEND_BUFFERS = (None, 128 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)   # PUT: SO_SNDBUF asked for (None: the kernel's)
 LOOKUP_KEYS = 256
 LOOKUP_WAIT_MS = 1000
 
@@ -128,6 +131,14 @@ def l3_size() -> str:
         return f"{int(size[:-1]) // 1024} MiB" if size.endswith("K") and int(size[:-1]) % 1024 == 0 else size
     except (OSError, ValueError):
         return "unknown"
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _key() -> str:
@@ -207,11 +218,12 @@ def time_interleaved(fns: dict[str, Callable[[int], None]], repeats: int, warmup
 class Result:
     """One method of one case in one run."""
 
-    section: str            # get, put, sweep-get, sweep-put, pieces-get, lookup
+    section: str            # get, put, sweep-get, sweep-put, pieces-get, sndbuf-put, lookup
     transport: str          # tcp, unix
     deployment: str         # standalone, cluster
     chunk_bytes: int        # payload bytes per op (lookup: keys asked)
-    part_bytes: int | None  # the tier's max_value_size (None: its default / not a kvx tier); pieces: the step
+    part_bytes: int | None  # the tier's max_value_size (None: its default / not a kvx tier); pieces: the step;
+                            # sndbuf: the SO_SNDBUF asked for
     method: str
     baseline: str | None    # the method this one is compared with in the same case and run
     run: int
@@ -263,13 +275,15 @@ class Values:
 class RawSocket:
     """The roof: one plain socket speaking just enough RESP for one GET or SET of a known value, the bytes
     received into / sent from the slot's memory (``recv_into`` / ``sendall`` of memoryviews), nothing parsed
-    beyond the length line, nothing checked. Default socket buffers, TCP_NODELAY (as kvx and redis-py)."""
+    beyond the length line, nothing checked. The socket options kvx's data connections use: TCP_NODELAY
+    (as redis-py), and over a unix socket kvx's send buffer (``RedisTier.send_buffer``; TCP: the kernel's)."""
 
     def __init__(self, url: str):
         from urllib.parse import urlsplit
         u = urlsplit(url)
         if u.scheme == "unix":
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF_UNIX)
             self.sock.connect(u.path)
         else:
             self.sock = socket.create_connection((u.hostname, u.port))
@@ -570,6 +584,51 @@ def bench_pieces(urls: dict[str, str], mib: int, runs: int, repeats: int, warmup
     return results
 
 
+def _sndbuf_name(b: int | None) -> str:
+    return "kernel default" if b is None else f"SO_SNDBUF {_fmt(b)}"
+
+
+def bench_send_buffers(urls: dict[str, str], mib: int, runs: int, repeats: int, warmup: int, rotate_bytes: int,
+                       g: torch.Generator, log) -> list[Result]:
+    """kvx PUT through data connections opened with each SO_SNDBUF (the tier's ``send_buffer``), interleaved:
+    one tier per buffer size, its pooled connections reopened with that size."""
+    nb = mib * MiB
+    pool = make_pool(nb, n_rotate(nb, rotate_bytes), g)
+    results = []
+    for t, url in urls.items():
+        tiers = {}
+        try:
+            for b in SEND_BUFFERS:
+                tier = tiers[b] = open_tier(url)
+                dflt = _sndbuf_name(tier.send_buffer)       # the tier's own choice for this transport
+                tier.send_buffer = b
+                tier._node.clear()                          # the probe's connection had the default
+            written: dict[str, list[str]] = {_sndbuf_name(b): [] for b in SEND_BUFFERS}
+
+            def put(i, b):
+                k = _key()
+                written[_sndbuf_name(b)].append(k)
+                if not tiers[b].put(k, pool.slot(i % pool.num_slots)):
+                    raise RuntimeError(f"kvx put of a new key {k} answered 'already present'")
+
+            def after(m, i):
+                b = next(b for b in SEND_BUFFERS if _sndbuf_name(b) == m)
+                tiers[b].delete(written[m].pop())
+
+            for run in range(1, runs + 1):
+                times = time_interleaved({_sndbuf_name(b): (lambda i, b=b: put(i, b)) for b in SEND_BUFFERS},
+                                         repeats, warmup, after)
+                for b in SEND_BUFFERS:
+                    m = _sndbuf_name(b)
+                    results.append(Result("sndbuf-put", t, "standalone", nb, b, m, dflt if m != dflt else None,
+                                          run, times[m]))
+                    log(f"run {run}/{runs} {t:4s} {mib:2d} MiB PUT {m:16s}: {statistics.median(times[m]):7.3f} ms")
+        finally:
+            for tier in tiers.values():
+                tier.close()
+    return results
+
+
 def n_values(payload: int, header: int, part: int) -> int:
     """Redis values the tier writes for a chunk: one if the payload fits in ``part`` (the header rides
     along), else ceil(payload / part) parts (the manifest under the chunk key not counted)."""
@@ -841,6 +900,27 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
                     lines.append(f"| {t} | {nb // MiB} MiB | {m} | {ms:.3f} | {nb / (ms * 1e-3) / 1e9:.2f} | "
                                  f"{x}{'x' if x else ''} |")
 
+    # ---- PUT send buffer
+    sb = [r for r in results if r.section == "sndbuf-put"]
+    if sb:
+        lines += ["", "## PUT: socket send buffer", "",
+                  "kvx put through data connections opened with each SO_SNDBUF (`RedisTier.send_buffer`; Linux "
+                  "doubles the size asked for and caps it at `net.core.wmem_max`, here "
+                  f"{info.get('wmem_max', '?')} bytes; `kernel default`: not set, which over TCP leaves the "
+                  "kernel's autotuning on). `x default` = the median time of the tier's own choice for the "
+                  "transport / this one's (same run).", "",
+                  "| transport | chunk | send buffer | PUT ms | GB/s | x default |", "|---|---:|---|---:|---:|---|"]
+        for t in dict.fromkeys(r.transport for r in sb):
+            for nb in sorted({r.chunk_bytes for r in sb}):
+                case = ("sndbuf-put", t, "standalone", nb)
+                base = next(r.method for r in sb if r.baseline is None and r.case() == case)
+                for b in SEND_BUFFERS:
+                    m = _sndbuf_name(b)
+                    ms = med(per_run(index, case, m, runs))
+                    x = cell(ratios(index, case, m, base, runs))
+                    lines.append(f"| {t} | {nb // MiB} MiB | {m} | {ms:.3f} | {nb / (ms * 1e-3) / 1e9:.2f} | "
+                                 f"{x}{'x' if x else ''} |")
+
     # ---- lookups
     lk = [r for r in results if r.section == "lookup"]
     if lk:
@@ -910,6 +990,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="slots and keys rotated over per size (default 64 MiB; quick 4)")
     ap.add_argument("--no-cluster", action="store_true", help="skip the 3-node cluster lookup")
     ap.add_argument("--no-pieces", action="store_true", help="skip the GET receive-step sweep")
+    ap.add_argument("--no-sndbuf", action="store_true", help="skip the PUT send-buffer sweep")
     args = ap.parse_args(argv)
     try:
         sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([1] if args.quick else [1, 4, 16])
@@ -949,7 +1030,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     info: dict = {"server_version": server_version(), "redis_py": redis.__version__,
                   "hiredis": hiredis.__version__, "load": load1, "notes": [],
-                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "default_part": default_part()}
+                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "default_part": default_part(),
+                  "wmem_max": _read_int("/proc/sys/net/core/wmem_max")}
     rotate = args.rotate_mib * MiB
     results: list[Result] = []
     with redis_server.RedisServer(unix_socket=True) as srv:
@@ -960,6 +1042,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_pieces:
             results += bench_pieces(urls, TARGET_MIB, runs, repeats.get(TARGET_MIB, 3 if args.quick else 30),
                                     args.warmup, rotate, g, log)
+        if not args.no_sndbuf:
+            results += bench_send_buffers(urls, TARGET_MIB, runs, repeats.get(TARGET_MIB, 3 if args.quick else 30),
+                                          args.warmup, rotate, g, log)
         for mib in sweep:
             results += bench_sweep(urls, mib, list(PART_SIZES), runs, repeats[mib], args.warmup, rotate, g, log, info)
         tier, r = open_tier(srv.url, lookup_wait_ms=LOOKUP_WAIT_MS), redis_py(srv.url)

@@ -57,13 +57,20 @@ def test_quick_run_writes_consistent_results(bench, tmp_path):
         rows = list(csv.DictReader(f))
     assert rows and list(rows[0]) == bench.CSV_FIELDS
     sections = {r["section"] for r in rows}
-    assert {"get", "put", "sweep-get", "sweep-put", "lookup"} <= sections
+    assert {"get", "put", "sweep-get", "sweep-put", "pieces-get", "sndbuf-put", "lookup"} <= sections
     # every method of every GET / PUT case, over TCP and the unix socket, at 1 MiB
     got = {(r["section"], r["transport"], r["method"]) for r in rows if r["section"] in ("get", "put")}
     assert got == {(s, t, m) for t in ("tcp", "unix") for s, ms in (("get", bench.GET_METHODS),
                                                                    ("put", bench.PUT_METHODS)) for m in ms}
     assert {int(r["chunk_bytes"]) for r in rows if r["section"] in ("get", "put")} == {1 * MiB}
     assert {int(r["part_bytes"]) for r in rows if r["section"].startswith("sweep")} == set(bench.PART_SIZES)
+    # the send-buffer sweep: every size over both transports, compared with the tier's own choice
+    sb = [r for r in rows if r["section"] == "sndbuf-put"]
+    assert {(r["transport"], r["part_bytes"] and int(r["part_bytes"])) for r in sb} == \
+        {(t, b or "") for t in ("tcp", "unix") for b in bench.SEND_BUFFERS}
+    assert {(r["transport"], r["method"]) for r in sb if not r["baseline"]} == \
+        {("tcp", "kernel default"), ("unix", f"SO_SNDBUF {bench._fmt(bench._SNDBUF_UNIX)}")}
+    assert "## PUT: socket send buffer" in md
 
     by_case = {}
     for r in rows:
