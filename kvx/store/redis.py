@@ -47,7 +47,7 @@ slot and PUT against redis-py + hiredis doing the same work and against a plain 
 bytes, in one run. What kvx adds to the plain socket is one CRC32C pass over the payload per op: a GET
 checksums what each receive brings while it is still in cache, a PUT encodes while the server answers the
 EXISTS that precedes it. Over a unix socket the data connections ask for a larger send buffer
-(``RedisTier.send_buffer``): at the kernel's default a 4 MiB put stalls on a full buffer ~20 times.
+(``RedisTier.send_buffer``): a 4 MiB put fills the kernel's default one ~20 times over.
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ _PIECE = 256 << 10                # most GET payload bytes one receive takes (th
 # 1 MiB pieces in each of three runs of bench_redis.py's step sweep (15 of 15 sub-runs >= 1.00x)
 _PIECE_UNIX = None
 # PUT over a unix socket: SO_SNDBUF of 256 KiB (the kernel makes it 512 KiB; 416 KiB where wmem_max is the
-# usual 208 KiB) against the 208 KiB default: a 4 MiB put 1.45-1.56x faster here (the sender stalls on a full
-# buffer ~20 times per value at the default); 512 KiB - 4 MiB gained less (1.27-1.43x). TCP keeps the kernel's
+# usual 208 KiB) against the 208 KiB default: a 4 MiB put 1.30-1.56x faster here (at the default the value
+# fills the buffer ~20 times over); 512 KiB - 4 MiB gained less (1.27-1.43x). TCP keeps the kernel's
 # autotuning (a fixed 1-4 MiB buffer: 0.93-0.95x). bench_redis.py, "PUT: socket send buffer"
 _SNDBUF_UNIX = 256 << 10
 _PENDING_MS = 60_000              # expiry of parts not yet published: a put takes milliseconds
