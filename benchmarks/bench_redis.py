@@ -547,6 +547,22 @@ def bench_sweep(urls: dict[str, str], mib: int, parts: list[int], runs: int, rep
 
 
 # ------------------------------------------------------------------------------------------ GET piece sweep
+def knob_runs(section: str, transport: str, nb: int, op: str, values, name: Callable, dflt: str,
+              call: Callable[[int, object], None], runs: int, repeats: int, warmup: int, log,
+              after: Callable[[str, int], None] | None = None) -> list[Result]:
+    """``runs`` interleaved measurements of ``call(i, value)`` for each of a knob's ``values`` (method
+    ``name(value)``; compared with ``dflt``, the tier's own choice)."""
+    out = []
+    for run in range(1, runs + 1):
+        times = time_interleaved({name(v): (lambda i, v=v: call(i, v)) for v in values}, repeats, warmup, after)
+        for v in values:
+            m = name(v)
+            out.append(Result(section, transport, "standalone", nb, v, m, dflt if m != dflt else None, run, times[m]))
+            log(f"run {run}/{runs} {transport:4s} {nb // MiB:2d} MiB {op} {m:16s}: "
+                f"{statistics.median(times[m]):7.3f} ms")
+    return out
+
+
 def _piece_name(p: int | None) -> str:
     return "whole value" if p is None else f"piece {_fmt(p)}"
 
@@ -569,14 +585,8 @@ def bench_pieces(urls: dict[str, str], mib: int, runs: int, repeats: int, warmup
                 tier.piece = p
                 tier.get_into(keys[i % pool.num_slots], pool.slot(i % pool.num_slots))
 
-            for run in range(1, runs + 1):
-                times = time_interleaved({_piece_name(p): (lambda i, p=p: get(i, p)) for p in PIECES}, repeats,
-                                         warmup)
-                for p in PIECES:
-                    m = _piece_name(p)
-                    results.append(Result("pieces-get", t, "standalone", nb, p, m, dflt if m != dflt else None,
-                                          run, times[m]))
-                    log(f"run {run}/{runs} {t:4s} {mib:2d} MiB GET {m:12s}: {statistics.median(times[m]):7.3f} ms")
+            results += knob_runs("pieces-get", t, nb, "GET", PIECES, _piece_name, dflt, get, runs, repeats, warmup,
+                                 log)
         finally:
             for k in keys:
                 tier.delete(k)
@@ -615,14 +625,8 @@ def bench_send_buffers(urls: dict[str, str], mib: int, runs: int, repeats: int, 
                 b = next(b for b in SEND_BUFFERS if _sndbuf_name(b) == m)
                 tiers[b].delete(written[m].pop())
 
-            for run in range(1, runs + 1):
-                times = time_interleaved({_sndbuf_name(b): (lambda i, b=b: put(i, b)) for b in SEND_BUFFERS},
-                                         repeats, warmup, after)
-                for b in SEND_BUFFERS:
-                    m = _sndbuf_name(b)
-                    results.append(Result("sndbuf-put", t, "standalone", nb, b, m, dflt if m != dflt else None,
-                                          run, times[m]))
-                    log(f"run {run}/{runs} {t:4s} {mib:2d} MiB PUT {m:16s}: {statistics.median(times[m]):7.3f} ms")
+            results += knob_runs("sndbuf-put", t, nb, "PUT", SEND_BUFFERS, _sndbuf_name, dflt, put, runs, repeats,
+                                 warmup, log, after)
         finally:
             for tier in tiers.values():
                 tier.close()
@@ -880,46 +884,34 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
                   "- Over the chunk sizes (each part size's time over the best one's, averaged): "
                   + ", ".join(f"{_fmt(p)} {score[p]:.2f}" for p in parts) + f"; best **{_fmt(overall)}**."]
 
-    # ---- GET piece size
-    pc = [r for r in results if r.section == "pieces-get"]
-    if pc:
-        lines += ["", "## GET: bytes received per checksum step", "",
-                  "kvx receives a value's payload straight into the slot and checksums what each receive brought "
-                  "while it is still in cache; a step caps the bytes one receive may take (`whole value`: no cap, "
-                  "the kernel hands over what it holds). `x default` = the median time of the tier's own choice "
-                  "for the transport (`RedisTier.piece`) / this one's (same run).", "",
-                  "| transport | chunk | step | GET ms | GB/s | x default |", "|---|---:|---|---:|---:|---|"]
-        for t in dict.fromkeys(r.transport for r in pc):
-            for nb in sorted({r.chunk_bytes for r in pc}):
-                case = ("pieces-get", t, "standalone", nb)
-                base = next(r.method for r in pc if r.baseline is None and r.case() == case)
-                for p in PIECES:
-                    m = _piece_name(p)
+    # ---- one-knob sweeps: GET receive step, PUT send buffer
+    def knob_table(section: str, title: str, text: str, knob: str, op: str, methods: list[str]) -> None:
+        rows = [r for r in results if r.section == section]
+        if not rows:
+            return
+        lines.extend(["", f"## {title}", "", text + " `x default` = the median time of the tier's own choice for "
+                      "the transport / this one's (same run).", "",
+                      f"| transport | chunk | {knob} | {op} ms | GB/s | x default |", "|---|---:|---|---:|---:|---|"])
+        for t in dict.fromkeys(r.transport for r in rows):
+            for nb in sorted({r.chunk_bytes for r in rows}):
+                case = (section, t, "standalone", nb)
+                base = next(r.method for r in rows if r.baseline is None and r.case() == case)
+                for m in methods:
                     ms = med(per_run(index, case, m, runs))
                     x = cell(ratios(index, case, m, base, runs))
                     lines.append(f"| {t} | {nb // MiB} MiB | {m} | {ms:.3f} | {nb / (ms * 1e-3) / 1e9:.2f} | "
                                  f"{x}{'x' if x else ''} |")
 
-    # ---- PUT send buffer
-    sb = [r for r in results if r.section == "sndbuf-put"]
-    if sb:
-        lines += ["", "## PUT: socket send buffer", "",
-                  "kvx put through data connections opened with each SO_SNDBUF (`RedisTier.send_buffer`; Linux "
-                  "doubles the size asked for and caps it at `net.core.wmem_max`, here "
-                  f"{info.get('wmem_max', '?')} bytes; `kernel default`: not set, which over TCP leaves the "
-                  "kernel's autotuning on). `x default` = the median time of the tier's own choice for the "
-                  "transport / this one's (same run).", "",
-                  "| transport | chunk | send buffer | PUT ms | GB/s | x default |", "|---|---:|---|---:|---:|---|"]
-        for t in dict.fromkeys(r.transport for r in sb):
-            for nb in sorted({r.chunk_bytes for r in sb}):
-                case = ("sndbuf-put", t, "standalone", nb)
-                base = next(r.method for r in sb if r.baseline is None and r.case() == case)
-                for b in SEND_BUFFERS:
-                    m = _sndbuf_name(b)
-                    ms = med(per_run(index, case, m, runs))
-                    x = cell(ratios(index, case, m, base, runs))
-                    lines.append(f"| {t} | {nb // MiB} MiB | {m} | {ms:.3f} | {nb / (ms * 1e-3) / 1e9:.2f} | "
-                                 f"{x}{'x' if x else ''} |")
+    knob_table("pieces-get", "GET: bytes received per checksum step",
+               "kvx receives a value's payload straight into the slot and checksums what each receive brought "
+               "while it is still in cache; a step caps the bytes one receive may take (`whole value`: no cap, "
+               "the kernel hands over what it holds; the tier's choice: `RedisTier.piece`).",
+               "step", "GET", [_piece_name(p) for p in PIECES])
+    knob_table("sndbuf-put", "PUT: socket send buffer",
+               "kvx put through data connections opened with each SO_SNDBUF (`RedisTier.send_buffer`; Linux "
+               "doubles the size asked for and caps it at `net.core.wmem_max`, here "
+               f"{info.get('wmem_max', '?')} bytes; `kernel default`: not set, which over TCP leaves the "
+               "kernel's autotuning on).", "send buffer", "PUT", [_sndbuf_name(b) for b in SEND_BUFFERS])
 
     # ---- lookups
     lk = [r for r in results if r.section == "lookup"]
