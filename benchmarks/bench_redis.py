@@ -612,7 +612,7 @@ def bench_send_buffers(urls: dict[str, str], mib: int, runs: int, repeats: int, 
                 tier = tiers[b] = open_tier(url)
                 dflt = _sndbuf_name(tier.send_buffer)       # the tier's own choice for this transport
                 tier.send_buffer = b
-                tier._node.clear()                          # the probe's connection had the default
+                tier._node.clear()                          # the probe opened one with the tier's own
             written: dict[str, list[str]] = {_sndbuf_name(b): [] for b in SEND_BUFFERS}
 
             def put(i, b):
