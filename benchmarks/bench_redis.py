@@ -118,25 +118,26 @@ def _pct(xs: list[float], p: int) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[p - 1] if len(xs) > 1 else xs[0]
 
 
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
 def l3_size() -> str:
     """The last-level cache of CPU 0, as sysfs says (e.g. ``32 MiB``)."""
     base = "/sys/devices/system/cpu/cpu0/cache"
-
-    def read(path: str) -> str:
-        with open(path) as f:
-            return f.read().strip()
     try:
-        _, size = max((int(read(f"{base}/{d}/level")), read(f"{base}/{d}/size"))
+        _, size = max((int(_read(f"{base}/{d}/level")), _read(f"{base}/{d}/size"))
                       for d in os.listdir(base) if d.startswith("index"))
         return f"{int(size[:-1]) // 1024} MiB" if size.endswith("K") and int(size[:-1]) % 1024 == 0 else size
     except (OSError, ValueError):
         return "unknown"
 
 
-def _read_int(path: str) -> int | None:
+def wmem_max() -> int | None:
+    """net.core.wmem_max: the cap on a socket's SO_SNDBUF (None: not Linux)."""
     try:
-        with open(path) as f:
-            return int(f.read())
+        return int(_read("/proc/sys/net/core/wmem_max"))
     except (OSError, ValueError):
         return None
 
@@ -1023,7 +1024,7 @@ def main(argv: list[str] | None = None) -> int:
     info: dict = {"server_version": server_version(), "redis_py": redis.__version__,
                   "hiredis": hiredis.__version__, "load": load1, "notes": [],
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "default_part": default_part(),
-                  "wmem_max": _read_int("/proc/sys/net/core/wmem_max")}
+                  "wmem_max": wmem_max()}
     rotate = args.rotate_mib * MiB
     results: list[Result] = []
     with redis_server.RedisServer(unix_socket=True) as srv:

@@ -22,9 +22,8 @@ from pydantic import ValidationError
 
 from kvx.redis_server import RedisClusterServers, RedisServer, redis_cli_binary, redis_server_binary
 from kvx.store import codec, resp
-from kvx.store import redis as redis_mod
 from kvx.store.errors import ChunkError, StoreClosedError, StoreFullError, StoreUnavailableError
-from kvx.store.redis import RedisConfig, RedisTier, redact
+from kvx.store.redis import _SNDBUF_UNIX, RedisConfig, RedisTier, redact
 from kvx.store.resp import ConnectionLost, RespConnection
 from kvx.store.tier import REMOVED, STORED, parse_tier_config
 from tests.store.conftest import FP, MVS
@@ -309,7 +308,7 @@ def test_data_connections_get_the_transports_send_buffer(transport, redis_server
     net.core.wmem_max); TCP ones keep the kernel's autotuned one. Chunks put through either read back."""
     unix = transport == "unix"
     tier = open_tier(redis_server.unix_url if unix else redis_server.url)
-    assert tier.send_buffer == (redis_mod._SNDBUF_UNIX if unix else None)
+    assert tier.send_buffer == (_SNDBUF_UNIX if unix else None)
     x = random_chunk(shape_for("multi", torch.bfloat16, "k"), torch.bfloat16, 3)
     key = new_key()
     assert tier.put(key, x)
@@ -321,7 +320,7 @@ def test_data_connections_get_the_transports_send_buffer(transport, redis_server
     if unix:
         with open("/proc/sys/net/core/wmem_max") as f:
             cap = int(f.read())
-        assert got == 2 * min(redis_mod._SNDBUF_UNIX, cap), got
+        assert got == 2 * min(_SNDBUF_UNIX, cap), got
     else:
         fresh = socket.socket()
         try:
