@@ -29,7 +29,8 @@ PUT (from a slot; every put a new key, deleted untimed after it)::
                                      memory sent with sendall, no CRC
 
 The destinations (GET) and sources (PUT) rotate over ``--rotate-mib`` of slots and keys (default 64 MiB,
-twice the L3 of the machine this was written on), so no method reads a cache-warm chunk. Each repeat runs
+twice the L3 of the machine this was written on), one step per call (every method's call its own chunk,
+also within a repeat), so no method reads a cache-warm chunk. Each repeat runs
 every method once, the order rotated every repeat (drift of the machine hits every method alike); the
 median of ``--repeats`` after ``--warmup`` is a run's value, and the whole measurement is done ``--runs``
 times. ``x baseline`` = the baseline's median time over the method's (> 1: faster than redis-py); ``% roof``
@@ -197,14 +198,18 @@ def n_rotate(nbytes: int, rotate_bytes: int) -> int:
 # ------------------------------------------------------------------------------------------ timing
 def time_interleaved(fns: dict[str, Callable[[int], None]], repeats: int, warmup: int,
                      after: Callable[[str, int], None] | None = None) -> dict[str, list[float]]:
-    """Milliseconds of every call of every method; call ``i`` of a method is ``fn(i)``; repeat ``r`` runs the
-    methods rotated by ``r``. ``after(method, i)`` runs untimed after each call (e.g. a delete)."""
+    """Milliseconds of every call of every method; repeat ``r`` runs the methods rotated by ``r``. Every call
+    gets its own index ``i`` (``fn(i)``; the calls of a repeat take consecutive ones), so a method that
+    picks its chunk by ``i`` never touches the one the call before it just read or wrote: with chunks
+    rotating over more than the L3, every call finds its chunk cold, whatever its place in the order.
+    ``after(method, i)`` runs untimed after each call (e.g. a delete)."""
     names = list(fns)
     times: dict[str, list[float]] = {m: [] for m in names}
+    i = -1
     for r in range(-warmup, repeats):
-        i = r + warmup
         order = names[r % len(names):] + names[:r % len(names)]
         for m in order:
+            i += 1
             t0 = time.perf_counter()
             fns[m](i)
             dt = time.perf_counter() - t0
@@ -663,8 +668,9 @@ def bench_lookup(deployment: str, tier, r, repeats: int, warmup: int, log) -> li
             pipe.set(k, enc)
         pipe.execute()
     try:
+        # a repeat's two calls take consecutive indices: i // 2 is the repeat
         def kvx(i):
-            got = tier.contains_many(kvx_sets[i])
+            got = tier.contains_many(kvx_sets[i // 2])
             if got is None or not all(got):
                 raise RuntimeError(f"kvx contains_many of {LOOKUP_KEYS} stored keys answered "
                                    f"{'None' if got is None else f'{sum(got)} present'} "
@@ -672,7 +678,7 @@ def bench_lookup(deployment: str, tier, r, repeats: int, warmup: int, log) -> li
 
         def base(i):
             pipe = r.pipeline(transaction=False)
-            for k in py_sets[i]:
+            for k in py_sets[i // 2]:
                 pipe.exists(k)
             got = pipe.execute()
             if sum(got) != LOOKUP_KEYS:
@@ -784,7 +790,7 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
               "the baseline's median time / the method's in the same run (> 1: faster than redis-py + hiredis "
               "doing the same work). Each cell: the median over the runs, then [every run]; GB/s from the "
               f"median over the runs. Destinations and sources rotate over {args.rotate_mib} MiB of slots and keys "
-              f"(L3: {l3_size()}).", ""]
+              f"(L3: {l3_size()}), one step per call: every call finds its chunk cold.", ""]
 
     # ---- targets
     tgt = {}

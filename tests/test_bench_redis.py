@@ -112,3 +112,14 @@ def test_bad_arguments_fail_before_any_work(bench, tmp_path, capsys):
         bench.main(["--quick", "--out", str(tmp_path / "x"), "--sizes", "4,big"])
     assert "--sizes" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_every_call_gets_its_own_index_so_no_method_reads_the_chunk_the_one_before_it_read(bench):
+    """Methods pick their chunk by the call's index: within a repeat each takes the next one (the method
+    run first in a repeat once read a cold chunk, the others the same chunk warm)."""
+    seen, after = [], []
+    fns = {m: (lambda i, m=m: seen.append((m, i))) for m in "abc"}
+    times = bench.time_interleaved(fns, repeats=4, warmup=1, after=lambda m, i: after.append((m, i)))
+    assert [i for _, i in seen] == list(range(15)) and after == seen
+    assert [m for m, _ in seen[:6]] == ["c", "a", "b", "a", "b", "c"]     # the order rotates every repeat
+    assert all(len(t) == 4 for t in times.values())
