@@ -31,7 +31,10 @@ PUT (from a slot; every put a new key, deleted untimed after it)::
 The destinations (GET) and sources (PUT) rotate over ``--rotate-mib`` of slots and keys (default 64 MiB,
 twice the L3 of the machine this was written on), one step per call (every method's call its own chunk,
 also within a repeat), so no method reads a cache-warm chunk. Each repeat runs
-every method once, the order rotated every repeat (drift of the machine hits every method alike); the
+every method once, in an order shuffled every repeat (seeded): drift of the machine hits every method
+alike, and so does what a call leaves behind for the next one. That is measurable: a kvx put right after
+a redis-py put took 0.24-0.28 ms longer than one right after another kvx put. A rotated order (used
+before) put each method after the same one in 3 repeats of 4 (kvx after the baseline). The
 median of ``--repeats`` after ``--warmup`` is a run's value, and the whole measurement is done ``--runs``
 times. ``x baseline`` = the baseline's median time over the method's (> 1: faster than redis-py); ``% roof``
 = the roof's over the method's (what is left to win at all).
@@ -60,6 +63,7 @@ import csv
 import math
 import os
 import platform
+import random
 import socket
 import statistics
 import subprocess
@@ -93,6 +97,7 @@ LOOKUP_BASE, LOOKUP_KVX = LOOKUP_METHODS
 PART_SIZES = (512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB)
 PIECES = (64 * KiB, 256 * KiB, 1 * MiB, None)     # GET bytes received per checksum step (None: the whole value)
 SEND_BUFFERS = (None, 128 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)   # PUT: SO_SNDBUF asked for (None: the kernel's)
+ORDER_SEED = 0                  # time_interleaved's shuffles
 LOOKUP_KEYS = 256
 LOOKUP_WAIT_MS = 1000
 
@@ -198,16 +203,18 @@ def n_rotate(nbytes: int, rotate_bytes: int) -> int:
 # ------------------------------------------------------------------------------------------ timing
 def time_interleaved(fns: dict[str, Callable[[int], None]], repeats: int, warmup: int,
                      after: Callable[[str, int], None] | None = None) -> dict[str, list[float]]:
-    """Milliseconds of every call of every method; repeat ``r`` runs the methods rotated by ``r``. Every call
-    gets its own index ``i`` (``fn(i)``; the calls of a repeat take consecutive ones), so a method that
-    picks its chunk by ``i`` never touches the one the call before it just read or wrote: with chunks
-    rotating over more than the L3, every call finds its chunk cold, whatever its place in the order.
-    ``after(method, i)`` runs untimed after each call (e.g. a delete)."""
+    """Milliseconds of every call of every method. Each repeat runs every method once, in an order shuffled
+    by a seeded generator (the same sequence of orders in every run), so each method follows each other
+    one about equally often. Every call gets its own index ``i`` (``fn(i)``; the calls of a repeat take
+    consecutive ones), so a method that picks its chunk by ``i`` never touches the one the call before it
+    just read or wrote: with chunks rotating over more than the L3, every call finds its chunk cold,
+    whatever its place in the order. ``after(method, i)`` runs untimed after each call (e.g. a delete)."""
     names = list(fns)
     times: dict[str, list[float]] = {m: [] for m in names}
+    rng = random.Random(ORDER_SEED)
     i = -1
     for r in range(-warmup, repeats):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = rng.sample(names, len(names))
         for m in order:
             i += 1
             t0 = time.perf_counter()
@@ -775,7 +782,7 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
     lines += [f"Machine: {cpu_name()}; kernel {platform.release()}; redis-server {info['server_version']}; "
               f"redis-py {info['redis_py']} with hiredis {info['hiredis']}; torch {torch.__version__}; "
               f"Python {platform.python_version()}. {info['date']}. {runs} run(s), {info['repeats_desc']} after "
-              f"{args.warmup} warm-up, interleaved (the order rotates every repeat); load average at start "
+              f"{args.warmup} warm-up, interleaved (the order shuffled every repeat); load average at start "
               f"{info['load']:.2f}, at the end {info.get('load_end', float('nan')):.2f} (other work on the machine "
               f"shows here); total {info['elapsed']:.0f} s.", "",
               f"Reproduce: `{cmd}`", "",
