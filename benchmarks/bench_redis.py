@@ -627,6 +627,7 @@ def bench_send_buffers(urls: dict[str, str], mib: int, runs: int, repeats: int, 
                 tier.send_buffer = b
                 tier._node.clear()                          # the probe opened one with the tier's own
             written: dict[str, list[str]] = {_sndbuf_name(b): [] for b in SEND_BUFFERS}
+            buffer_of = {_sndbuf_name(b): b for b in SEND_BUFFERS}
 
             def put(i, b):
                 k = _key()
@@ -635,8 +636,7 @@ def bench_send_buffers(urls: dict[str, str], mib: int, runs: int, repeats: int, 
                     raise RuntimeError(f"kvx put of a new key {k} answered 'already present'")
 
             def after(m, i):
-                b = next(b for b in SEND_BUFFERS if _sndbuf_name(b) == m)
-                tiers[b].delete(written[m].pop())
+                tiers[buffer_of[m]].delete(written[m].pop())
 
             results += knob_runs("sndbuf-put", t, nb, "PUT", SEND_BUFFERS, _sndbuf_name, dflt, put, runs, repeats,
                                  warmup, log, after)
@@ -675,9 +675,9 @@ def bench_lookup(deployment: str, tier, r, repeats: int, warmup: int, log) -> li
             pipe.set(k, enc)
         pipe.execute()
     try:
-        # a repeat's two calls take consecutive indices: i // 2 is the repeat
+        # a repeat's calls take consecutive indices: i // len(LOOKUP_METHODS) is the repeat
         def kvx(i):
-            got = tier.contains_many(kvx_sets[i // 2])
+            got = tier.contains_many(kvx_sets[i // len(LOOKUP_METHODS)])
             if got is None or not all(got):
                 raise RuntimeError(f"kvx contains_many of {LOOKUP_KEYS} stored keys answered "
                                    f"{'None' if got is None else f'{sum(got)} present'} "
@@ -685,7 +685,7 @@ def bench_lookup(deployment: str, tier, r, repeats: int, warmup: int, log) -> li
 
         def base(i):
             pipe = r.pipeline(transaction=False)
-            for k in py_sets[i // 2]:
+            for k in py_sets[i // len(LOOKUP_METHODS)]:
                 pipe.exists(k)
             got = pipe.execute()
             if sum(got) != LOOKUP_KEYS:
