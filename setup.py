@@ -93,7 +93,7 @@ class BuildExt(build_ext):
 
 ext = Extension(
     "kvx._C",
-    sources=["csrc/bindings.cpp", "csrc/cpu/copy_cpu.cpp"],
+    sources=["csrc/bindings.cpp", "csrc/cpu/copy_cpu.cpp", "csrc/cpu/crc32c.cpp"],
     include_dirs=[pybind11.get_include(), "csrc"],
     extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-pthread"],
     extra_link_args=["-pthread"],

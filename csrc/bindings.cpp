@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpu/copy_cpu.h"
+#include "cpu/crc32c.h"
 #if defined(KVX_WITH_CUDA)
 #include "cuda/copy_cuda.h"
 #endif
@@ -226,6 +227,35 @@ PYBIND11_MODULE(_C, m) {
       py::arg("addr"), py::arg("bytes"), py::arg("num_threads") = 0,
       "Commit the whole pages of a host range now (MADV_POPULATE_WRITE on the kvx thread pool; GIL "
       "released). Returns 0 or an errno.");
+
+  m.def("crc32c_accelerated", &kvx::cpu::crc32c_accelerated,
+        "True when this CPU runs crc32c (AVX-512 VPCLMULQDQ).");
+  m.def(
+      "crc32c",
+      [](py::handle data, uint32_t value) {
+        if (!kvx::cpu::crc32c_accelerated())
+          throw std::runtime_error("crc32c: this CPU lacks AVX-512 VPCLMULQDQ (see crc32c_accelerated())");
+        Py_buffer view;
+        if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) {
+          PyErr_Clear();
+          throw py::type_error(std::string("data: expected a C-contiguous bytes-like object, got ") +
+                               Py_TYPE(data.ptr())->tp_name);
+        }
+        const auto* p = static_cast<const uint8_t*>(view.buf);
+        const size_t n = static_cast<size_t>(view.len);
+        uint32_t crc;
+        if (n >= (64u << 10)) {  // long buffers: other Python threads run meanwhile
+          py::gil_scoped_release nogil;
+          crc = kvx::cpu::crc32c(value, p, n);
+        } else {
+          crc = kvx::cpu::crc32c(value, p, n);
+        }
+        PyBuffer_Release(&view);
+        return crc;
+      },
+      py::arg("data"), py::arg("value") = 0,
+      "CRC32C of a C-contiguous buffer, continuing from `value` (the CRC of the bytes before), as "
+      "crc32c.crc32c(data, value). GIL released from 64 KiB.");
 
   m.def("cpu_get_num_threads", &kvx::cpu::get_num_threads);
   m.def("cpu_set_num_threads", &kvx::cpu::set_num_threads, py::arg("n"));

@@ -6,11 +6,12 @@ they lie in memory). The header's ``__metadata__`` carries the format version (`
 chunk ``key``, the engine ``fingerprint`` (what the bytes mean: layout, dtype, format), the payload
 ``length`` and its checksum; the tensor entry carries dtype and shape.
 
-Checksum: CRC32C (``crc32c``, hardware-accelerated by the ``crc32c`` package: 0.15 ms per 4 MiB in cache
-here, against 1.0 ms for zlib's CRC32, which was a third of a 4 MiB Redis GET). That package releases the
-GIL over large buffers, so a writer thread's checksum does not stall vLLM's Python threads (google-crc32c,
-used before, held it: ``benchmarks/bench_crc.py``). Format ``kvx-2``; ``kvx-1`` chunks (zlib ``crc32``)
-are still read. So a value copied out of any
+Checksum: CRC32C. On CPUs with AVX-512 VPCLMULQDQ, kvx's own (``kvx._C.crc32c``: ~55 GB/s in cache,
+~30 GB/s from memory here); elsewhere the ``crc32c`` package (SSE4.2: ~27 and ~13 GB/s; zlib's CRC32 took
+1.0 ms per 4 MiB, a third of a 4 MiB Redis GET). Both release the GIL over large buffers, so a writer
+thread's checksum does not stall vLLM's Python threads (google-crc32c, used before, held it); the
+measurements: ``benchmarks/bench_crc.py``. Format ``kvx-2``; ``kvx-1`` chunks (zlib ``crc32``) are still
+read. So a value copied out of any
 tier is a file the safetensors library (and ``kvx store verify``) reads.
 
 Readers check everything before a byte is served: :func:`decode_header` then :func:`check` (version,
@@ -34,6 +35,16 @@ import numpy as np
 import torch
 
 from .errors import ChunkError
+
+try:
+    from .. import _C as _kvx_C
+except ImportError:       # kvx not built: the package computes the same checksum
+    _kvx_C = None
+
+if _kvx_C is not None and _kvx_C.crc32c_accelerated():
+    _crc, CRC32C_IMPL = _kvx_C.crc32c, "kvx._C (AVX-512 VPCLMULQDQ)"
+else:
+    _crc, CRC32C_IMPL = _crc32c.crc32c, f"crc32c {_crc32c.__version__}"
 
 FORMAT_VERSION = "kvx-2"
 READABLE_VERSIONS = ("kvx-1", "kvx-2")   # kvx-1: zlib crc32
@@ -87,8 +98,8 @@ def crc32(t: torch.Tensor) -> str:
 
 
 def crc32c(t: torch.Tensor) -> str:
-    """CRC32C of a contiguous CPU tensor's bytes, as 8 hex digits (~25 GB/s in cache here; GIL released)."""
-    return f"{_crc32c.crc32c(byte_view(t)):08x}"
+    """CRC32C of a contiguous CPU tensor's bytes, as 8 hex digits (GIL released)."""
+    return f"{_crc(byte_view(t)):08x}"
 
 
 def check_chunk(chunk) -> None:
@@ -122,7 +133,7 @@ def _header(chunk: torch.Tensor, payload, key: str, fingerprint: str, extra: dic
     check_extra(extra)
     nbytes = payload.nbytes
     meta = {**(extra or {}), "kvx_format": FORMAT_VERSION, "key": key, "fingerprint": fingerprint,
-            "length": str(nbytes), "crc32c": f"{_crc32c.crc32c(payload):08x}"}
+            "length": str(nbytes), "crc32c": f"{_crc(payload):08x}"}
     if created is not None:
         meta["created"] = f"{created:.3f}"
     head = json.dumps({"__metadata__": meta, "kv": {"dtype": ST_DTYPES[chunk.dtype], "shape": list(chunk.shape),
@@ -211,7 +222,7 @@ class RunningChecksum:
 
     def update(self, data) -> None:
         if self.kind == "crc32c":
-            self.value = _crc32c.crc32c(data, self.value)    # any buffer, no copy; GIL released
+            self.value = _crc(data, self.value)    # any C-contiguous buffer, no copy; GIL released
         elif self.kind == "crc32":
             self.value = zlib.crc32(data, self.value)
 
