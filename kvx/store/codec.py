@@ -46,6 +46,12 @@ if _kvx_C is not None and _kvx_C.crc32c_accelerated():
 else:
     _crc, CRC32C_IMPL = _crc32c.crc32c, f"crc32c {_crc32c.__version__}"
 
+
+def crc32c_update(data, value: int = 0) -> int:
+    """CRC32C of a C-contiguous buffer continuing from ``value`` (the CRC of the bytes before; 0 to
+    start): the codec's checksum, by whichever implementation this CPU runs (``CRC32C_IMPL``)."""
+    return _crc(data, value)
+
 FORMAT_VERSION = "kvx-2"
 READABLE_VERSIONS = ("kvx-1", "kvx-2")   # kvx-1: zlib crc32
 PREFIX_BYTES = 8

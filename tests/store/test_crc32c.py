@@ -104,5 +104,7 @@ def test_bad_input_names_the_argument():
 def test_the_codec_checksum_equals_the_packages():
     t = torch.randint(-128, 127, (5, 1031), dtype=torch.int8)
     assert codec.crc32c(t) == f"{pkg.crc32c(bytes(codec.byte_view(t))):08x}"
+    assert codec.crc32c_update(b"123456789") == 0xE3069283
+    assert codec.crc32c_update(b"56789", codec.crc32c_update(b"1234")) == 0xE3069283
     h, payload = codec.encode(t, "k" * 8, "fp")
     assert codec.decode_header(h).meta["crc32c"] == codec.crc32c(t)
