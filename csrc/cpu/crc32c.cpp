@@ -1,7 +1,7 @@
 // crc32c.cpp - CRC32C by carry-less multiplication on 512-bit registers (VPCLMULQDQ).
 //
 // The crc32c package (SSE4.2 crc32 instruction, 3 streams) checksums ~27 GB/s in cache and ~13 GB/s
-// from memory here; folding 4 x 64 bytes per step with VPCLMULQDQ runs ~55 GB/s and ~30 GB/s
+// from memory here; folding 4 x 64 bytes per step with VPCLMULQDQ runs ~50 GB/s and ~27 GB/s
 // (benchmarks/bench_crc.py). Method (Intel, "Fast CRC Computation for Generic Polynomials Using
 // PCLMULQDQ"): the bit-reflected message is folded forward, 128-bit lane by lane, with constants
 // x^(D+32) mod P and x^(D-32) mod P (reflected, shifted left by one) for a fold distance of D bits, down

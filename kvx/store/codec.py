@@ -6,8 +6,8 @@ they lie in memory). The header's ``__metadata__`` carries the format version (`
 chunk ``key``, the engine ``fingerprint`` (what the bytes mean: layout, dtype, format), the payload
 ``length`` and its checksum; the tensor entry carries dtype and shape.
 
-Checksum: CRC32C. On CPUs with AVX-512 VPCLMULQDQ, kvx's own (``kvx._C.crc32c``: ~55 GB/s in cache,
-~30 GB/s from memory here); elsewhere the ``crc32c`` package (SSE4.2: ~27 and ~13 GB/s; zlib's CRC32 took
+Checksum: CRC32C. On CPUs with AVX-512 VPCLMULQDQ, kvx's own (``kvx._C.crc32c``: ~50 GB/s in cache,
+~27 GB/s from memory here); elsewhere the ``crc32c`` package (SSE4.2: ~27 and ~13 GB/s; zlib's CRC32 took
 1.0 ms per 4 MiB, a third of a 4 MiB Redis GET). Both release the GIL over large buffers, so a writer
 thread's checksum does not stall vLLM's Python threads (google-crc32c, used before, held it); the
 measurements: ``benchmarks/bench_crc.py``. Format ``kvx-2``; ``kvx-1`` chunks (zlib ``crc32``) are still
