@@ -39,6 +39,14 @@ median of ``--repeats`` after ``--warmup`` is a run's value, and the whole measu
 times. ``x baseline`` = the baseline's median time over the method's (> 1: faster than redis-py); ``% roof``
 = the roof's over the method's (what is left to win at all).
 
+Back to back: the same methods, chunks and runs once more, each method's calls in blocks in a row
+(:func:`time_back_to_back`; the first call of a block untimed), as a connector loads or saves a prefix
+chunk after chunk. Both designs are reported and judged: the shuffled one puts another method before
+every call, and what a call follows matters here. A kvx GET ends as its last byte lands, so back to back
+the server never idles; every redis-py GET leaves it idle for its last ~millisecond of client work; and an
+idle server answers later (a PING: ~80 us right after work, ~130 us after 3 ms idle; measured in the same
+run, :func:`server_wake`).
+
 Part-size sweep: 4 and 16 MiB chunks through ``RedisTier`` opened with ``max_value_size`` = 512 KiB .. 8 MiB
 (GET and PUT as above, interleaved), to back the tier's default. Send-buffer sweep: 4 MiB kvx puts through
 data connections opened with SO_SNDBUF = the kernel's default .. 4 MiB, to back ``RedisTier.send_buffer``.
@@ -96,7 +104,9 @@ LOOKUP_BASE, LOOKUP_KVX = LOOKUP_METHODS
 PART_SIZES = (512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB)
 PIECES = (64 * KiB, 256 * KiB, 1 * MiB, None)     # GET bytes received per checksum step (None: the whole value)
 SEND_BUFFERS = (None, 128 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)   # PUT: SO_SNDBUF asked for (None: the kernel's)
-ORDER_SEED = 0                  # time_interleaved's shuffles
+ORDER_SEED = 0                  # time_interleaved's / time_back_to_back's shuffles
+B2B_CALLS = 5                   # timed calls per back-to-back block
+WAKE_GAPS_MS = (0.0, 1.0, 3.0)  # server idle before a PING (server_wake)
 LOOKUP_KEYS = 256
 LOOKUP_WAIT_MS = 1000
 
@@ -110,7 +120,8 @@ LOOKUP_TARGET_MS = 2.0
 CSV_FIELDS = ["section", "transport", "deployment", "chunk_bytes", "part_bytes", "method", "baseline", "run",
               "repeats", "median_ms", "p90_ms", "p99_ms", "mean_ms", "GB/s", "baseline_median_ms", "x_baseline",
               "roof_median_ms", "pct_roof"]
-ROOF_OF = {"get": GET_ROOF, "put": PUT_ROOF}      # sections with a roof measured in the same case and run
+# sections with a roof measured in the same case and run (``-b2b``: the same methods back to back)
+ROOF_OF = {"get": GET_ROOF, "put": PUT_ROOF, "get-b2b": GET_ROOF, "put-b2b": PUT_ROOF}
 
 
 def _g(x: float) -> str:
@@ -224,6 +235,62 @@ def time_interleaved(fns: dict[str, Callable[[int], None]], repeats: int, warmup
             if r >= 0:
                 times[m].append(dt * 1e3)
     return times
+
+
+def time_back_to_back(fns: dict[str, Callable[[int], None]], blocks: int, calls: int,
+                      after: Callable[[str, int], None] | None = None) -> dict[str, list[float]]:
+    """Milliseconds of every timed call, each method's calls in a row: ``blocks`` blocks per method, in an
+    order shuffled by a seeded generator (blocks of the methods interleaved, so drift of the machine hits
+    each alike), each block one untimed call (it meets what the method before left) then ``calls`` timed
+    ones, each right after the method's own previous call: how a connector loads a prefix, chunk after
+    chunk. Indices and ``after`` as in :func:`time_interleaved`."""
+    names = list(fns)
+    times: dict[str, list[float]] = {m: [] for m in names}
+    rng = random.Random(ORDER_SEED)
+    order = [m for _ in range(blocks) for m in rng.sample(names, len(names))]
+    i = -1
+    for m in order:
+        for c in range(calls + 1):
+            i += 1
+            t0 = time.perf_counter()
+            fns[m](i)
+            dt = time.perf_counter() - t0
+            if after is not None:
+                after(m, i)
+            if c:
+                times[m].append(dt * 1e3)
+    return times
+
+
+def server_wake(url: str, pings: int = 1200) -> dict[float, float]:
+    """Median microseconds of a PING after the server idled ``gap`` ms (the client spinning meanwhile):
+    what an idle server costs the next request on this machine."""
+    from urllib.parse import urlsplit
+    u = urlsplit(url)
+    sock = socket.create_connection((u.hostname, u.port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rng = random.Random(ORDER_SEED)
+    rtt: dict[float, list[float]] = {g: [] for g in WAKE_GAPS_MS}
+    try:
+        for _ in range(pings):
+            gap = rng.choice(WAKE_GAPS_MS)
+            end = time.perf_counter() + gap / 1e3
+            while time.perf_counter() < end:
+                pass
+            t0 = time.perf_counter()
+            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+            got = b""
+            while not got.endswith(b"\r\n"):
+                chunk = sock.recv(64)
+                if not chunk:
+                    raise ConnectionError("redis closed the connection")
+                got += chunk
+            rtt[gap].append((time.perf_counter() - t0) * 1e6)
+            if got != b"+PONG\r\n":
+                raise RuntimeError(f"PING answered {got!r}")
+    finally:
+        sock.close()
+    return {g: statistics.median(v) for g, v in rtt.items() if v}
 
 
 @dataclass
@@ -485,6 +552,20 @@ def bench_get_put(urls: dict[str, str], sizes: list[int], runs: int, repeats: di
                             results.append(Result("put", t, "standalone", nb, None, m, PUT_BASE if m != PUT_BASE
                                                   else None, run, times[m]))
                         _log_case(log, run, runs, results[-len(GET_METHODS) - len(PUT_METHODS):])
+                        # the same methods, each one's calls in a row
+                        blocks = max(1, math.ceil(repeats[mib] / B2B_CALLS))
+                        times = time_back_to_back(get_fns(tiers[t], clients[t], stored[mib], raws[t]), blocks,
+                                                  B2B_CALLS)
+                        for m in GET_METHODS:
+                            results.append(Result("get-b2b", t, "standalone", nb, None, m, GET_BASE if m != GET_BASE
+                                                  else None, run, times[m]))
+                        written = {m: [] for m in PUT_METHODS}
+                        times = time_back_to_back(put_fns(tiers[t], clients[t], pools[mib], written, raws[t]),
+                                                  blocks, B2B_CALLS, deleter(tiers[t], clients[t], written))
+                        for m in PUT_METHODS:
+                            results.append(Result("put-b2b", t, "standalone", nb, None, m, PUT_BASE if m != PUT_BASE
+                                                  else None, run, times[m]))
+                        _log_case(log, run, runs, results[-len(GET_METHODS) - len(PUT_METHODS):])
         finally:
             for v in stored.values():
                 v.close()
@@ -499,7 +580,7 @@ def bench_get_put(urls: dict[str, str], sizes: list[int], runs: int, repeats: di
 def _log_case(log, run, runs, rs: list[Result]) -> None:
     base = {r.section: r for r in rs if r.baseline is None}
     for r in rs:
-        log(f"run {run}/{runs} {r.transport:4s} {r.chunk_bytes // MiB:2d} MiB {r.section:3s} {r.method:33s} "
+        log(f"run {run}/{runs} {r.transport:4s} {r.chunk_bytes // MiB:2d} MiB {r.section:7s} {r.method:33s} "
             f"median {r.median:7.3f} ms {r.gbs:6.2f} GB/s {base[r.section].median / r.median:5.2f}x baseline")
 
 
@@ -806,17 +887,22 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
     for t in transports:
         if tb not in sizes:
             continue
-        g_case, p_case = ("get", t, "standalone", tb), ("put", t, "standalone", tb)
-        g = med(per_run(index, g_case, GET_KVX, runs, lambda r: r.gbs))
-        p = med(per_run(index, p_case, PUT_KVX, runs, lambda r: r.gbs))
-        gx = med(ratios(index, g_case, GET_KVX, GET_BASE, runs))
-        px = med(ratios(index, p_case, PUT_KVX, PUT_BASE, runs))
-        for name, val, ok, unit in ((f"GET >= {GET_TARGET_GBS} GB/s into the slot", g, g >= GET_TARGET_GBS, "GB/s"),
-                                    (f"PUT >= {PUT_TARGET_GBS} GB/s", p, p >= PUT_TARGET_GBS, "GB/s"),
-                                    (f"GET >= {X_TARGET}x redis-py + hiredis", gx, gx >= X_TARGET, "x"),
-                                    (f"PUT >= {X_TARGET}x redis-py + hiredis", px, px >= X_TARGET, "x")):
-            tgt[(name, t)] = (val, ok)
-            lines.append(f"| {name} | {t} | {val:.2f} {unit} | {'n/a (smoke run)' if quick else verdict(ok)} |")
+        for how, sfx in (("shuffled", ""), ("back to back", "-b2b")):
+            g_case, p_case = ("get" + sfx, t, "standalone", tb), ("put" + sfx, t, "standalone", tb)
+            if (g_case, GET_KVX, 1) not in index:
+                continue
+            g = med(per_run(index, g_case, GET_KVX, runs, lambda r: r.gbs))
+            p = med(per_run(index, p_case, PUT_KVX, runs, lambda r: r.gbs))
+            gx = med(ratios(index, g_case, GET_KVX, GET_BASE, runs))
+            px = med(ratios(index, p_case, PUT_KVX, PUT_BASE, runs))
+            for name, val, ok, unit in ((f"GET >= {GET_TARGET_GBS} GB/s into the slot", g, g >= GET_TARGET_GBS,
+                                         "GB/s"),
+                                        (f"PUT >= {PUT_TARGET_GBS} GB/s", p, p >= PUT_TARGET_GBS, "GB/s"),
+                                        (f"GET >= {X_TARGET}x redis-py + hiredis", gx, gx >= X_TARGET, "x"),
+                                        (f"PUT >= {X_TARGET}x redis-py + hiredis", px, px >= X_TARGET, "x")):
+                name = f"{name}, {how}"
+                tgt[(name, t)] = (val, ok)
+                lines.append(f"| {name} | {t} | {val:.2f} {unit} | {'n/a (smoke run)' if quick else verdict(ok)} |")
     for r in results:
         if r.section == "lookup" and r.method == LOOKUP_KVX:
             ok = r.median <= LOOKUP_TARGET_MS
@@ -825,20 +911,26 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
                          f"({r.deployment}) | {r.median:.3f} ms | {'n/a (smoke run)' if quick else verdict(ok)} |")
 
     # ---- get / put
-    lines += ["", "## GET into a slot and PUT", "",
-              "| transport | chunk | op | method | median ms | p90 ms | GB/s | % roof | x baseline |",
-              "|---|---:|---|---|---:|---:|---:|---:|---|"]
-    for t in transports:
-        for nb in sizes:
-            for sec, methods, base in (("get", GET_METHODS, GET_BASE), ("put", PUT_METHODS, PUT_BASE)):
-                case = (sec, t, "standalone", nb)
-                for m in methods:
-                    ms = med(per_run(index, case, m, runs))
-                    p90 = med(per_run(index, case, m, runs, lambda r: _pct(r.times, 90)))
-                    x = cell(ratios(index, case, m, base, runs))
-                    roof = med(ratios(index, case, m, ROOF_OF[sec], runs))
-                    lines.append(f"| {t} | {nb // MiB} MiB | {sec.upper()} | {m} | {ms:.3f} | {p90:.3f} | "
-                                 f"{nb / (ms * 1e-3) / 1e9:.2f} | {100 * roof:.0f}% | {x}{'x' if x else ''} |")
+    def gp_table(sfx: str) -> None:
+        lines.extend(["| transport | chunk | op | method | median ms | p90 ms | GB/s | % roof | x baseline |",
+                      "|---|---:|---|---|---:|---:|---:|---:|---|"])
+        for t in transports:
+            for nb in sizes:
+                for sec, methods, base in (("get" + sfx, GET_METHODS, GET_BASE), ("put" + sfx, PUT_METHODS, PUT_BASE)):
+                    case = (sec, t, "standalone", nb)
+                    if (case, base, 1) not in index:
+                        continue
+                    for m in methods:
+                        ms = med(per_run(index, case, m, runs))
+                        p90 = med(per_run(index, case, m, runs, lambda r: _pct(r.times, 90)))
+                        x = cell(ratios(index, case, m, base, runs))
+                        roof = med(ratios(index, case, m, ROOF_OF[sec], runs))
+                        lines.append(f"| {t} | {nb // MiB} MiB | {sec.split('-')[0].upper()} | {m} | {ms:.3f} | "
+                                     f"{p90:.3f} | {nb / (ms * 1e-3) / 1e9:.2f} | {100 * roof:.0f}% | "
+                                     f"{x}{'x' if x else ''} |")
+
+    lines += ["", "## GET into a slot and PUT (shuffled: each call after another method)", ""]
+    gp_table("")
 
     over = sorted({r.chunk_bytes // MiB for r in gp if r.method in (GET_KVX, PUT_KVX)
                    and med(ratios(index, r.case(), r.method, ROOF_OF[r.section], runs)) > 1.0})
@@ -852,6 +944,24 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
         lines += ["", f"Redis values kvx writes per chunk at its default `max_value_size` ({_fmt(dflt)}; the limit "
                   f"counts chunk bytes, the codec header rides along; a chunk of several values also has a manifest under its key and "
                   f"is published by a script): {', '.join(per)}."]
+
+    # ---- back to back
+    if any(r.section == "get-b2b" for r in results):
+        wake = info.get("wake") or {}
+        lines += ["", "## GET into a slot and PUT, back to back (each method's calls in a row)", "",
+                  f"The same methods, runs and chunks, each method's calls in blocks of {B2B_CALLS + 1} in a row "
+                  "(the first untimed), the blocks of all methods in a shuffled order: every timed call follows "
+                  "the method's own previous call, as when a connector loads or saves a prefix chunk after "
+                  "chunk. The shuffled table above puts another method before every call, and on this machine "
+                  "what came before changes the next call's time: kvx's GET ends as the last byte lands and its "
+                  "PUT as the server answers, so back to back the server never idles, while a redis-py GET spends "
+                  "its last millisecond on the client (building, decoding, checksumming, copying the value) "
+                  "with the server idle, back to back or not."
+                  + (" A server that idled answers later: a PING right after the server was busy, after 1 ms "
+                     "and after 3 ms idle (the client spinning meanwhile), median: "
+                     + " / ".join(f"{wake[g]:.0f} us" for g in sorted(wake)) + " (same run)." if wake else ""),
+                  ""]
+        gp_table("-b2b")
 
     # ---- sweep
     sw = [r for r in results if r.section.startswith("sweep")]
@@ -1044,6 +1154,8 @@ def main(argv: list[str] | None = None) -> int:
         rs, more = bench_get_put(urls, sizes, runs, repeats, args.warmup, rotate, g, log)
         results += rs
         info.update(more)
+        info["wake"] = server_wake(srv.url, 300 if args.quick else 1200)
+        log("PING after the server idled " + ", ".join(f"{g:g} ms: {us:.0f} us" for g, us in info["wake"].items()))
         if not args.no_pieces:
             results += bench_pieces(urls, TARGET_MIB, runs, repeats.get(TARGET_MIB, 3 if args.quick else 30),
                                     args.warmup, rotate, g, log)

@@ -57,12 +57,15 @@ def test_quick_run_writes_consistent_results(bench, tmp_path):
         rows = list(csv.DictReader(f))
     assert rows and list(rows[0]) == bench.CSV_FIELDS
     sections = {r["section"] for r in rows}
-    assert {"get", "put", "sweep-get", "sweep-put", "pieces-get", "sndbuf-put", "lookup"} <= sections
-    # every method of every GET / PUT case, over TCP and the unix socket, at 1 MiB
-    got = {(r["section"], r["transport"], r["method"]) for r in rows if r["section"] in ("get", "put")}
-    assert got == {(s, t, m) for t in ("tcp", "unix") for s, ms in (("get", bench.GET_METHODS),
-                                                                   ("put", bench.PUT_METHODS)) for m in ms}
-    assert {int(r["chunk_bytes"]) for r in rows if r["section"] in ("get", "put")} == {1 * MiB}
+    gp = ("get", "put", "get-b2b", "put-b2b")
+    assert {*gp, "sweep-get", "sweep-put", "pieces-get", "sndbuf-put", "lookup"} <= sections
+    # every method of every GET / PUT case, shuffled and back to back, over TCP and the unix socket, at 1 MiB
+    got = {(r["section"], r["transport"], r["method"]) for r in rows if r["section"] in gp}
+    assert got == {(s + b2b, t, m) for t in ("tcp", "unix") for s, ms in (("get", bench.GET_METHODS),
+                                                                         ("put", bench.PUT_METHODS))
+                   for m in ms for b2b in ("", "-b2b")}
+    assert {int(r["chunk_bytes"]) for r in rows if r["section"] in gp} == {1 * MiB}
+    assert "## GET into a slot and PUT, back to back" in md and "a PING right after the server was busy" in md
     assert {int(r["part_bytes"]) for r in rows if r["section"].startswith("sweep")} == set(bench.PART_SIZES)
     # the send-buffer sweep: every size over both transports, compared with the tier's own choice
     sb = [r for r in rows if r["section"] == "sndbuf-put"]
@@ -93,15 +96,15 @@ def test_quick_run_writes_consistent_results(bench, tmp_path):
                 assert _num(r, "x_baseline") == pytest.approx(_num(base, "median_ms") / ms, rel=1e-4)
             else:
                 assert r["baseline_median_ms"] == "" and r["x_baseline"] == ""
-            if r["section"] in ("get", "put"):
+            if r["section"] in gp:
                 # so is the share of the roof (a plain socket moving the same value), measured in the same run
                 roof = methods[bench.ROOF_OF[r["section"]]]
                 assert _num(r, "roof_median_ms") == pytest.approx(_num(roof, "median_ms"), rel=1e-5)
                 assert _num(r, "pct_roof") == pytest.approx(100 * _num(roof, "median_ms") / ms, rel=1e-4)
             else:
                 assert r["roof_median_ms"] == "" and r["pct_roof"] == ""
-        if case[0] in ("get", "put", "lookup"):
-            base = {"get": bench.GET_BASE, "put": bench.PUT_BASE, "lookup": bench.LOOKUP_BASE}[case[0]]
+        if case[0] in (*gp, "lookup"):
+            base = {"get": bench.GET_BASE, "put": bench.PUT_BASE, "lookup": bench.LOOKUP_BASE}[case[0].split("-")[0]]
             assert sum(1 for r in methods.values() if not r["baseline"]) == 1 and not methods[base]["baseline"]
     lookups = {r["deployment"] for r in rows if r["section"] == "lookup"}
     assert "standalone" in lookups
@@ -140,3 +143,23 @@ def test_each_method_follows_each_other_one_about_equally_often(bench):
     after_other = [pairs.get((a, b), 0) for a in "abcd" for b in "abcd" if a != b]
     assert min(after_other) > 0.6 * max(after_other), pairs
     assert run() == seen
+
+
+def test_back_to_back_times_each_call_right_after_the_methods_own_previous_one(bench):
+    """Blocks of one method's calls in a row: the first of each block untimed (it follows another method),
+    the rest timed, each right after a call of the same method; the blocks of the methods in a shuffled
+    (seeded) order, every method the same number of blocks; every call its own index, ``after`` after
+    each."""
+    seen, after = [], []
+    fns = {m: (lambda i, m=m: seen.append((m, i))) for m in "abc"}
+    times = bench.time_back_to_back(fns, blocks=20, calls=3, after=lambda m, i: after.append((m, i)))
+    assert [i for _, i in seen] == list(range(3 * 20 * 4)) and after == seen
+    assert all(len(t) == 20 * 3 for t in times.values())
+    blocks = [seen[k:k + 4] for k in range(0, len(seen), 4)]
+    assert all(len({m for m, _ in b}) == 1 for b in blocks)             # a block: one method
+    order = [b[0][0] for b in blocks]
+    assert all(sorted(order[k:k + 3]) == list("abc") for k in range(0, len(order), 3))
+    assert len({tuple(order[k:k + 3]) for k in range(0, len(order), 3)}) > 1      # shuffled, not rotated
+    seen2 = []
+    bench.time_back_to_back({m: (lambda i, m=m: seen2.append((m, i))) for m in "abc"}, blocks=20, calls=3)
+    assert seen2 == seen                                                  # seeded: the same order every run
