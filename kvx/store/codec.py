@@ -52,6 +52,7 @@ def crc32c_update(data, value: int = 0) -> int:
     start): the codec's checksum, by whichever implementation this CPU runs (``CRC32C_IMPL``)."""
     return _crc(data, value)
 
+
 FORMAT_VERSION = "kvx-2"
 READABLE_VERSIONS = ("kvx-1", "kvx-2")   # kvx-1: zlib crc32
 PREFIX_BYTES = 8
