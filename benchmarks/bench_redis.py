@@ -219,21 +219,24 @@ def time_interleaved(fns: dict[str, Callable[[int], None]], repeats: int, warmup
     consecutive ones), so a method that picks its chunk by ``i`` never touches the one the call before it
     just read or wrote: with chunks rotating over more than the L3, every call finds its chunk cold,
     whatever its place in the order. ``after(method, i)`` runs untimed after each call (e.g. a delete)."""
-    names = list(fns)
-    times: dict[str, list[float]] = {m: [] for m in names}
     rng = random.Random(ORDER_SEED)
-    i = -1
-    for r in range(-warmup, repeats):
-        order = rng.sample(names, len(names))
-        for m in order:
-            i += 1
-            t0 = time.perf_counter()
-            fns[m](i)
-            dt = time.perf_counter() - t0
-            if after is not None:
-                after(m, i)
-            if r >= 0:
-                times[m].append(dt * 1e3)
+    return _timed_calls(fns, [(m, r >= 0) for r in range(-warmup, repeats) for m in rng.sample(list(fns), len(fns))],
+                        after)
+
+
+def _timed_calls(fns: dict[str, Callable[[int], None]], schedule: list[tuple[str, bool]],
+                 after: Callable[[str, int], None] | None) -> dict[str, list[float]]:
+    """Call ``fns[method](i)`` for each (method, timed) of ``schedule`` in order, ``i`` = its place; the
+    milliseconds of the timed calls per method."""
+    times: dict[str, list[float]] = {m: [] for m in fns}
+    for i, (m, timed) in enumerate(schedule):
+        t0 = time.perf_counter()
+        fns[m](i)
+        dt = time.perf_counter() - t0
+        if after is not None:
+            after(m, i)
+        if timed:
+            times[m].append(dt * 1e3)
     return times
 
 
@@ -244,22 +247,9 @@ def time_back_to_back(fns: dict[str, Callable[[int], None]], blocks: int, calls:
     each alike), each block one untimed call (it meets what the method before left) then ``calls`` timed
     ones, each right after the method's own previous call: how a connector loads a prefix, chunk after
     chunk. Indices and ``after`` as in :func:`time_interleaved`."""
-    names = list(fns)
-    times: dict[str, list[float]] = {m: [] for m in names}
     rng = random.Random(ORDER_SEED)
-    order = [m for _ in range(blocks) for m in rng.sample(names, len(names))]
-    i = -1
-    for m in order:
-        for c in range(calls + 1):
-            i += 1
-            t0 = time.perf_counter()
-            fns[m](i)
-            dt = time.perf_counter() - t0
-            if after is not None:
-                after(m, i)
-            if c:
-                times[m].append(dt * 1e3)
-    return times
+    order = [m for _ in range(blocks) for m in rng.sample(list(fns), len(fns))]
+    return _timed_calls(fns, [(m, c > 0) for m in order for c in range(calls + 1)], after)
 
 
 def server_wake(url: str, pings: int = 1200) -> dict[float, float]:
@@ -539,33 +529,20 @@ def bench_get_put(urls: dict[str, str], sizes: list[int], runs: int, repeats: di
                 for t in urls:
                     for mib in sizes:
                         nb = mib * MiB
-                        times = time_interleaved(get_fns(tiers[t], clients[t], stored[mib], raws[t]), repeats[mib],
-                                                 warmup)
-                        for m in GET_METHODS:
-                            results.append(Result("get", t, "standalone", nb, None, m, GET_BASE if m != GET_BASE
-                                                  else None, run, times[m]))
-                        written = {m: [] for m in PUT_METHODS}
-                        times = time_interleaved(put_fns(tiers[t], clients[t], pools[mib], written, raws[t]),
-                                                 repeats[mib],
-                                                 warmup, deleter(tiers[t], clients[t], written))
-                        for m in PUT_METHODS:
-                            results.append(Result("put", t, "standalone", nb, None, m, PUT_BASE if m != PUT_BASE
-                                                  else None, run, times[m]))
-                        _log_case(log, run, runs, results[-len(GET_METHODS) - len(PUT_METHODS):])
-                        # the same methods, each one's calls in a row
                         blocks = max(1, math.ceil(repeats[mib] / B2B_CALLS))
-                        times = time_back_to_back(get_fns(tiers[t], clients[t], stored[mib], raws[t]), blocks,
-                                                  B2B_CALLS)
-                        for m in GET_METHODS:
-                            results.append(Result("get-b2b", t, "standalone", nb, None, m, GET_BASE if m != GET_BASE
-                                                  else None, run, times[m]))
-                        written = {m: [] for m in PUT_METHODS}
-                        times = time_back_to_back(put_fns(tiers[t], clients[t], pools[mib], written, raws[t]),
-                                                  blocks, B2B_CALLS, deleter(tiers[t], clients[t], written))
-                        for m in PUT_METHODS:
-                            results.append(Result("put-b2b", t, "standalone", nb, None, m, PUT_BASE if m != PUT_BASE
-                                                  else None, run, times[m]))
-                        _log_case(log, run, runs, results[-len(GET_METHODS) - len(PUT_METHODS):])
+                        # shuffled, then the same methods with each one's calls in a row
+                        timings = (("", lambda fns, after: time_interleaved(fns, repeats[mib], warmup, after)),
+                                   ("-b2b", lambda fns, after: time_back_to_back(fns, blocks, B2B_CALLS, after)))
+                        for sfx, timing in timings:
+                            times = timing(get_fns(tiers[t], clients[t], stored[mib], raws[t]), None)
+                            written = {m: [] for m in PUT_METHODS}
+                            times |= timing(put_fns(tiers[t], clients[t], pools[mib], written, raws[t]),
+                                            deleter(tiers[t], clients[t], written))
+                            for sec, methods, base in (("get", GET_METHODS, GET_BASE), ("put", PUT_METHODS, PUT_BASE)):
+                                for m in methods:
+                                    results.append(Result(sec + sfx, t, "standalone", nb, None, m,
+                                                          base if m != base else None, run, times[m]))
+                            _log_case(log, run, runs, results[-len(GET_METHODS) - len(PUT_METHODS):])
         finally:
             for v in stored.values():
                 v.close()
