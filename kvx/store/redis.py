@@ -31,7 +31,10 @@ Faults. Every operation has a deadline of ``timeout_ms``. A server that refuses,
 answer in time is marked down: operations on it fail at once (gets: :class:`ChunkError`; lookups:
 False; puts: :class:`StoreUnavailableError`) while a background thread probes it every ``retry_s``
 and brings it back. Nothing a caller does waits on a server known to be down. On a cluster this is
-per node, and MOVED / ASK redirections are followed once (MOVED also refreshes the slot map).
+per node, and MOVED / ASK redirections are followed once (MOVED also refreshes the slot map). A server
+whose ``proto-max-bulk-len`` is below ``max_value_size`` refuses a large value and drops the connection;
+that is not a down server: the tier lowers the size of the values it sends (to the limit ``CONFIG GET``
+reports, or by halves where CONFIG is disabled) and stores the chunk, and every later one, in parts.
 
 Sentinel. With a ``redis+sentinel://`` url the tier asks the sentinels (redis-py's
 ``Sentinel.discover_master``) which server is the service's master and uses it as a standalone server.
@@ -73,7 +76,8 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from ..log import Throttle, get_logger
 from . import codec
 from .errors import ChunkError, StoreClosedError, StoreError, StoreFullError, StoreUnavailableError
-from .resp import AuthError, ConnectionLost, NoScriptError, RedirectError, RespConnection, RespError
+from .resp import (AuthError, ConnectionLost, NoScriptError, RedirectError, RespConnection, RespError,
+                   ValueTooLarge)
 from .tier import REMOVED, STORED, Tier, TierConfig, TierContext, check_key, register_tier
 
 log = get_logger(__name__)
@@ -92,6 +96,7 @@ _PIECE_UNIX = None
 _SNDBUF_UNIX = 256 << 10
 _PENDING_MS = 60_000              # expiry of parts not yet published: a put takes milliseconds
 _MIN_VALUE, _MAX_VALUE = 64 << 10, 512 * 10**6    # proto-max-bulk-len is 512 MB: a larger value resets us
+_MIN_BULK = 1 << 20                # the smallest proto-max-bulk-len a server can be set to: always accepted
 _LOOKUP_BATCH = 1024              # EXISTS per pipeline write
 _LOOKUP_KEEP = 256                # unanswered lookups kept for the caller's next ask
 _LOOKUP_MAX_AGE_S = 1.0           # a finished lookup older than this is not served (recomputed)
@@ -623,10 +628,13 @@ class RedisTier(Tier):
         # PUT: SO_SNDBUF of new data connections (None: the kernel's default; measured per transport)
         self.send_buffer: int | None = _SNDBUF_UNIX if self._params.get("path") else None
         self._ttl_ms = max(1, round(config.ttl_s * 1000)) if config.ttl_s is not None else 0
+        # the largest value a server took: None until one refused a value (proto-max-bulk-len below
+        # max_value_size + header), then puts split chunks into parts of at most this many bytes
+        self._value_cap: int | None = None
         self._throttle = Throttle(log, 30.0)
         self._lock = threading.Lock()
         self._stats = dict.fromkeys(("gets", "get_bytes", "puts", "put_bytes", "misses", "errors", "timeouts",
-                                     "full", "reconnects", "redirects", "dropped", "failovers"), 0)
+                                     "full", "reconnects", "redirects", "dropped", "failovers", "refused"), 0)
         self._closed = False
         self._nodes: dict[str, _Node] = {}
         self._rc = None                        # redis-py client: slot map, INFO
@@ -1187,12 +1195,15 @@ class RedisTier(Tier):
 
         ck = _chunk_key(key)
         deadline = time.monotonic() + self._timeout
-        # max_value_size counts chunk bytes: the header (a few hundred bytes) rides along, so a 4 MiB chunk
-        # is one 4 MiB value, not two parts of 2 MiB
         nbytes = chunk.numel() * chunk.element_size()
-        write = self._put_value if nbytes <= self.config.max_value_size else self._put_parts
         try:
-            stored = self._op(ck, lambda c, ask: write(c, ask, ck, encode, deadline), deadline)
+            while True:
+                try:
+                    stored = self._op(ck, lambda c, ask: self._write(c, ask, ck, encode, deadline), deadline)
+                    break
+                except ValueTooLarge as e:      # the server takes smaller values than we sent: parts
+                    if not self._lower_value_cap(ck, e, deadline):
+                        raise
         except StoreFullError as e:
             self._count(full=1)
             self._throttle.warning("full", "kvx: redis tier %s: server out of memory, chunk not stored (%s)",
@@ -1225,16 +1236,10 @@ class RedisTier(Tier):
             raise
         return None if conn.replies(cmds, deadline)[-1] else encoded
 
-    def _put_value(self, conn, asking, ck, encode, deadline) -> bool:
-        ask = [("ASKING",)] if asking else []
-        encoded = self._lacks(conn, ask, ck, encode, deadline)
-        if encoded is None:
-            return False
-        header, payload = encoded
-        opts = ["NX"] + (["PX", self._ttl_ms] if self._ttl_ms else [])
-        return conn.set_value(ck, [header, payload], opts, deadline, prefix=ask) == "OK"
-
-    def _put_parts(self, conn, asking, ck, encode, deadline) -> bool:
+    def _write(self, conn, asking, ck, encode, deadline) -> bool:
+        """Store the chunk at ``ck`` unless present: one ``SET NX`` of its encoding, or parts when its
+        payload is larger than ``max_value_size`` (the header rides along: a 4 MiB chunk is one 4 MiB value,
+        not two of 2 MiB) or the encoding larger than the servers take (``_value_cap``)."""
         ask = [("ASKING",)] if asking else []
         encoded = self._lacks(conn, ask, ck, encode, deadline)
         if encoded is None:
@@ -1243,6 +1248,18 @@ class RedisTier(Tier):
         hv, pv = memoryview(header), memoryview(payload)
         total = len(hv) + len(pv)
         n = -(-len(pv) // self.config.max_value_size)
+        cap = self._value_cap
+        if cap is not None:
+            n = max(n, -(-total // cap))
+        if n == 1:
+            opts = ["NX"] + (["PX", self._ttl_ms] if self._ttl_ms else [])
+            return conn.set_value(ck, [header, payload], opts, deadline, prefix=ask) == "OK"
+        return self._put_parts(conn, asking, ask, ck, hv, pv, n, deadline)
+
+    def _put_parts(self, conn, asking: bool, ask: list, ck: str, hv: memoryview, pv: memoryview, n: int,
+                   deadline: float) -> bool:
+        """The chunk's encoding (``hv`` + ``pv``) as ``n`` or so parts, published by one script."""
+        total = len(hv) + len(pv)
         # equal parts: a 32 MiB chunk (+ its header) is 9 parts of 3.6 MiB, not 8 of 4 MiB and one of 300 B
         psize = -(-total // n)
         n = -(-total // psize)          # every part non-empty, whatever the rounding
@@ -1278,6 +1295,34 @@ class RedisTier(Tier):
             raise StoreFullError(f"parts of {ck} were evicted before they could be published (maxmemory too "
                                  f"small for chunks of {total} bytes?)")
         return r == 1
+
+    def _lower_value_cap(self, ck: str, e: ValueTooLarge, deadline: float) -> bool:
+        """A server refused a value of ``e.size`` bytes (over its ``proto-max-bulk-len``): lower the largest
+        value puts send to that limit (asked with ``CONFIG GET``; where CONFIG is disabled, as on managed
+        Redis, half the refused size), never below 1 MiB, which every server takes. True if a retry now
+        sends smaller values. The node is not marked down: it serves everything else."""
+        size = e.size
+        if size is None or size <= _MIN_BULK:
+            return False
+        limit = None
+        try:
+            r = self._op(ck, lambda c, ask: c.pipeline([("CONFIG", "GET", "proto-max-bulk-len")], deadline,
+                                                       raise_errors=False)[0], deadline)
+            if isinstance(r, list) and len(r) == 2:
+                limit = int(r[1])
+        except (StoreError, ValueError):
+            pass
+        cap = limit if limit is not None and _MIN_BULK <= limit < size else max(_MIN_BULK, size // 2)
+        with self._lock:
+            old = self._value_cap
+            if old is not None and old <= cap:
+                return old < size       # another put lowered it meanwhile
+            self._value_cap = cap
+            self._stats["refused"] += 1
+        log.warning("kvx: redis tier %s: the server refused a value of %d bytes (over its proto-max-bulk-len, "
+                    "%s): chunks are stored in values of at most %d bytes from now on", self.url, size,
+                    limit if limit is not None else "CONFIG GET not allowed", cap)
+        return True
 
     def delete(self, key: str) -> bool:
         """Remove chunk ``key`` (and its parts); False if it was not there."""

@@ -37,6 +37,8 @@ _BUF = 1 << 16             # read buffer for reply lines and small values
 _DIRECT = _BUF // 2        # a read at least this big goes straight into the caller's memory
 _REARM_S = 0.005           # a socket call may end this much before or after its deadline (see _arm)
 _MAX_LINE = 1 << 16        # a reply line (status, error, length) longer than this is not RESP
+_BULK_REFUSED = "ERR Protocol error: invalid bulk length"     # a value over proto-max-bulk-len
+_LAST_WORDS_S = 0.05       # how long a failed SET waits for the server's reason (_set_failed)
 
 
 def _timeval(seconds: float) -> bytes:
@@ -61,6 +63,15 @@ class RedirectError(StoreError):
     def __init__(self, message: str, slot: int, host: str, port: int, ask: bool):
         super().__init__(message)
         self.slot, self.host, self.port, self.ask = slot, host, port, ask
+
+
+class ValueTooLarge(StoreError):
+    """``-ERR Protocol error: invalid bulk length``: the server refuses a value longer than its
+    ``proto-max-bulk-len`` (and closes the connection). ``size``: the refused value's bytes, when known."""
+
+    def __init__(self, message: str, size: int | None = None):
+        super().__init__(message)
+        self.size = size
 
 
 class AuthError(StoreUnavailableError):
@@ -95,6 +106,8 @@ def reply_error(message: str) -> StoreError:
         return AuthError(f"redis: authentication refused ({message})")
     if code == "NOSCRIPT":
         return NoScriptError(message)
+    if message.startswith(_BULK_REFUSED):
+        return ValueTooLarge(f"redis: value refused: longer than the server's proto-max-bulk-len ({message})")
     if code in ("LOADING", "BUSY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN"):
         return StoreUnavailableError(f"redis: not serving now ({message})")
     return RespError(f"redis: {message}")
@@ -272,6 +285,44 @@ class RespConnection:
             return self._fail(e, what)
         self.close()
         return e
+
+    def _set_failed(self, e: BaseException, sizes: Sequence[int]) -> BaseException:
+        """The error to raise for a SET that failed with ``e`` (the connection is closed): the server's
+        refusal of a value over its ``proto-max-bulk-len`` when that is why (it answers the length line
+        with an error and closes the connection, so sending the rest fails with EPIPE / ECONNRESET), else
+        :meth:`_failed`'s error."""
+        if isinstance(e, (BrokenPipeError, ConnectionResetError)) and self.sock is not None:
+            words = _CRLF + self._last_words()          # the replies of earlier commands may come first
+            i = words.find(_CRLF + b"-" + _BULK_REFUSED.encode())
+            if i >= 0:
+                line = words[i + 3:words.find(_CRLF, i + 3)]
+                return self._refused(reply_error(line.decode(errors="replace")), sizes)
+        return self._failed(e, "SET")
+
+    def _refused(self, r: Exception, sizes: Sequence[int]) -> Exception:
+        """An error reply to a SET; a refused value closes the connection (the server closed its end) and
+        names the largest value sent."""
+        if not isinstance(r, ValueTooLarge):
+            return r
+        self.close()
+        size = max(sizes, default=None)
+        return ValueTooLarge(f"redis {self.address}: value of {size} bytes refused: longer than the server's "
+                             f"proto-max-bulk-len", size)
+
+    def _last_words(self) -> bytes:
+        """What the server sent before it dropped the connection: the unread bytes, and what arrives within
+        _LAST_WORDS_S (TLS: the unread bytes only)."""
+        got = bytes(self._rbuf[self._rpos:self._rend])
+        if self._tls:
+            return got
+        try:
+            p = select.poll()
+            p.register(self.sock, select.POLLIN)
+            if p.poll(int(_LAST_WORDS_S * 1000)):
+                got += self.sock.recv(_BUF, socket.MSG_DONTWAIT)
+        except (OSError, ValueError):
+            pass
+        return got
 
     def _fail(self, e: BaseException, what: str) -> ConnectionLost:
         """Close the connection; the error to raise for ``e``."""
@@ -474,26 +525,35 @@ class RespConnection:
                 self._send([head, *views, tail], deadline)
             replies = [self._read_reply(deadline) for _ in range(len(prefix) + 1)]
         except BaseException as e:  # noqa: BLE001 - close on anything, interrupts included
-            raise self._failed(e, "SET")
+            raise self._set_failed(e, [total])
         for r in replies:
             if isinstance(r, Exception):
-                raise r
+                raise self._refused(r, [total])
         return replies[-1]
 
     def set_many(self, items: Sequence[tuple[str, Sequence]], options: Sequence, deadline: float) -> list:
         """Pipelined ``SET key <value> *options`` for each ``(key, bufs)``; the replies (error replies
-        returned in their place, after every reply was read)."""
+        returned in their place, after every reply was read), except a value refused as too large
+        (:class:`ValueTooLarge`), raised: the server closes the connection after it."""
         opts = b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in map(_arg, options))
+        sizes: list[int] = []
+        replies: list = []
         try:
             for key, bufs in items:
                 views = [memoryview(b).cast("B") for b in bufs]
+                sizes.append(sum(len(v) for v in views))
                 k = _arg(key)
-                head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(options), len(k), k,
-                                                                      sum(len(v) for v in views))
+                head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(options), len(k), k, sizes[-1])
                 self._send([head, *views, _CRLF + opts], deadline)
-            return [self._read_reply(deadline) for _ in items]
+            for _ in items:
+                replies.append(self._read_reply(deadline))
+                if isinstance(replies[-1], ValueTooLarge):
+                    break
         except BaseException as e:  # noqa: BLE001 - close on anything, interrupts included
-            raise self._failed(e, "SET")
+            raise self._set_failed(e, sizes)
+        if replies and isinstance(replies[-1], ValueTooLarge):
+            raise self._refused(replies[-1], sizes)
+        return replies
 
     def get_into(self, keys: Sequence[str], sink: Sink, deadline: float, prefix: Sequence[Sequence] = ()) -> None:
         """Pipelined ``GET`` of ``keys``; each value's bytes are received into the memory ``sink`` hands

@@ -1,9 +1,10 @@
 """RedisTier against real redis-server processes (no mocks): bit-exact round trips over TCP, a unix socket
 and a 3-node cluster (single values, values exactly at the part size, multi-part chunks), NX semantics,
 verification (missing, wrong fingerprint / shape / dtype, torn and corrupt parts), batched and
-non-blocking lookups, faults (SIGSTOP, SIGKILL and restart, down at open, wrong password, out of memory
-under noeviction, eviction under allkeys-lru, a cluster node killed), MOVED / ASK redirections from a
-real slot migration, TTLs, events, and config validation."""
+non-blocking lookups, faults (SIGSTOP, SIGKILL and restart, before and in the middle of a transfer, down
+at open, wrong password, out of memory under noeviction, eviction under allkeys-lru, a value over the
+server's proto-max-bulk-len, a cluster node killed), MOVED / ASK redirections from a real slot migration,
+TTLs, events, and config validation."""
 
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kvx.redis_server import RedisClusterServers, RedisServer, redis_cli_binary, redis_server_binary
+from kvx.redis_server import RedisClusterServers, RedisServer
 from kvx.store import codec, resp
 from kvx.store.errors import ChunkError, StoreClosedError, StoreFullError, StoreUnavailableError
-from kvx.store.redis import _SNDBUF_UNIX, RedisConfig, RedisTier, redact
-from kvx.store.resp import ConnectionLost, RespConnection
+from kvx.store.redis import _SNDBUF_UNIX, RedisConfig, RedisTier, _ChunkSink, redact
+from kvx.store.resp import ConnectionLost, RespConnection, ValueTooLarge
 from kvx.store.tier import REMOVED, STORED, parse_tier_config
+from tests.conftest import need_redis
 from tests.store.conftest import FP, MVS
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn]
@@ -35,20 +37,13 @@ SLACK_S = 0.5                      # timing bounds are generous: a busy 2-core C
 
 
 def start_server(**kwargs) -> RedisServer:
-    """A RedisServer; skips the test where redis-server is not installed."""
-    try:
-        redis_server_binary()
-    except RuntimeError as e:
-        pytest.skip(str(e))
+    """A RedisServer (skips where redis-server is not installed; fails in CI)."""
+    need_redis()
     return RedisServer(**kwargs)
 
 
 def start_cluster(nodes: int = 3) -> RedisClusterServers:
-    try:
-        redis_server_binary()
-        redis_cli_binary()
-    except RuntimeError as e:
-        pytest.skip(str(e))
+    need_redis()
     return RedisClusterServers(nodes)
 
 
@@ -665,6 +660,102 @@ def test_allkeys_lru_soak_never_serves_wrong_bytes(open_tier):
         print(f"\nallkeys-lru soak: {len(stored)} stored, {full} puts refused, {ok} exact gets, {torn} misses")
         assert ok > 0 and torn > 0 and len(stored) > 10
         assert server.client().info("stats")["evicted_keys"] > 0
+
+
+@pytest.mark.parametrize("fault", ["sigstop", "sigkill"])
+def test_server_stops_or_dies_in_the_middle_of_a_transfer(fault, redis_server, open_tier, monkeypatch):
+    """The fault strikes once the first payload bytes of a 64 MiB chunk (16 parts) have landed in ``out``,
+    the rest still on the server. SIGSTOP: the get fails at its deadline; SIGKILL: at once (the connection
+    ends, and the server refuses the retry). Either way a ChunkError, which the connector reports as a load
+    error (vLLM recomputes the chunk), and the tier comes back."""
+    timeout_ms = 500
+    tier = open_tier(redis_server.url, timeout_ms=timeout_ms, retry_s=0.1, max_value_size="4MiB")
+    key = new_key()
+    x = random_chunk((64 << 20,), torch.uint8, 21)
+    assert tier.put(key, x)
+    advance = _ChunkSink.advance
+    struck: list[int] = []           # payload bytes received when the fault struck
+
+    def advance_then_fault(self, n):
+        advance(self, n)
+        if self.phase in (_ChunkSink._PAYLOAD, _ChunkSink._DONE) and not struck:
+            struck.append(self.pos)
+            redis_server.pause() if fault == "sigstop" else redis_server.kill()
+
+    monkeypatch.setattr(_ChunkSink, "advance", advance_then_fault)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ChunkError) as e:
+            tier.get_into(key, poisoned(x))
+        took = time.monotonic() - t0
+        print(f"\n{fault} after {struck[0]} of {x.nbytes} payload bytes: get_into failed after "
+              f"{1e3 * took:.0f} ms (timeout_ms={timeout_ms}): {e.value}")
+        assert 0 < struck[0] < x.nbytes, "the fault did not strike in the middle of the transfer"
+        if fault == "sigstop":
+            assert f"did not answer within {timeout_ms} ms" in str(e.value)
+            assert timeout_ms / 1e3 - 0.05 <= took <= timeout_ms / 1e3 + SLACK_S
+            assert tier.stats()["timeouts"] == 1
+        else:
+            assert took <= SLACK_S
+            assert tier.stats()["timeouts"] == 0
+    finally:
+        redis_server.resume() if fault == "sigstop" else redis_server.restart()
+    wait_until(lambda: works(tier), 5, "the tier is back")
+    if fault == "sigstop":         # the server kept the chunk: read whole this time
+        out = poisoned(x)
+        tier.get_into(key, out)
+        assert same_bytes(out, x)
+
+
+# ------------------------------------------------------------------------------------------ oversized values
+@pytest.mark.parametrize("size", [(1 << 20) + 4096, 64 << 20])
+def test_a_value_over_proto_max_bulk_len_is_refused_by_name(size):
+    """The server answers the length line of a value over its proto-max-bulk-len with an error and closes
+    the connection: a small value is sent whole before that (the error is the reply), a large one's send
+    fails (EPIPE / ECONNRESET) and the error is read after it. Both: ValueTooLarge naming the size, the
+    connection closed; set_many (parts) the same."""
+    with start_server(extra_args=["--proto-max-bulk-len", "1mb"]) as server:
+        for call in ("set_value", "set_many"):
+            conn = RespConnection("127.0.0.1", server.port, deadline=time.monotonic() + 5)
+            value = bytes(size)
+            with pytest.raises(ValueTooLarge) as e:
+                if call == "set_value":
+                    conn.set_value("kvx:big", [value], ["NX"], time.monotonic() + 5)
+                else:
+                    conn.set_many([("kvx:a", [b"x" * 100]), ("kvx:b", [value])], [], time.monotonic() + 5)
+            assert e.value.size == size and f"value of {size} bytes refused" in str(e.value)
+            assert "proto-max-bulk-len" in str(e.value) and conn.closed
+
+
+@pytest.mark.parametrize("config", ["allowed", "disabled"])
+def test_chunks_over_the_servers_value_limit_go_in_parts(config, caplog, open_tier):
+    """A server that takes smaller values than max_value_size (proto-max-bulk-len 1mb; managed services
+    also disable CONFIG): the first put of a larger value is refused, the tier lowers its value size (to
+    the limit CONFIG GET reports; without CONFIG by halves, never below 1 MiB) and stores the chunk in parts
+    at once. Nothing is marked down, no put fails, every later chunk goes in parts, all read back exact."""
+    args = ["--proto-max-bulk-len", "1mb"]
+    if config == "disabled":
+        args += ["--rename-command", "CONFIG", '""']
+    with start_server(extra_args=args) as server:
+        caplog.set_level(logging.WARNING, logger="kvx")
+        tier = open_tier(server.url, max_value_size="4MiB", retry_s=60)
+        chunks = {new_key(): random_chunk((n,), torch.uint8, i)
+                  for i, n in enumerate([1000, 3 << 20, (2 << 20) + 7, 5 << 20, 1 << 20])}
+        for k, x in chunks.items():
+            assert tier.put(k, x) is True
+        for k, x in chunks.items():
+            out = poisoned(x)
+            tier.get_into(k, out)
+            assert same_bytes(out, x)
+        st = tier.stats()
+        assert (st["nodes_down"], st["errors"], st["puts"]) == (0, 0, len(chunks))
+        assert st["refused"] == (1 if config == "allowed" else 2)       # 3 MiB, then 1.5 MiB parts
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert "proto-max-bulk-len" in text
+        assert ("1048576" in text) if config == "allowed" else ("CONFIG GET not allowed" in text)
+        c = server.client()
+        assert max(c.strlen(k) for k in c.scan_iter(match="kvx:*")) <= 1 << 20
+        assert works(tier)          # retry_s=60: had the node been marked down, this would fail
 
 
 # ------------------------------------------------------------------------------------------ cluster
