@@ -110,10 +110,6 @@ class KVXConfig(_Strict):
         """The tiers after the CPU pool (disk, redis, ...), fastest first."""
         return [t for t in self.tiers if t.type != "cpu"]
 
-    @property
-    def disk_tier(self) -> TierConfig | None:
-        return next((t for t in self.tiers if t.type == "disk"), None)
-
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> KVXConfig:
         """Validate ``kv_connector_extra_config``; raises :class:`ConfigError` with every problem listed."""

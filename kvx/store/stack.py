@@ -91,9 +91,6 @@ class TierStack:
         """The write of ``key`` to ``name`` ended (written, present already, or failed)."""
         self._inflight.discard((name, key))
 
-    def in_flight(self, name: str, key: str) -> bool:
-        return (name, key) in self._inflight
-
     def busy(self) -> bool:
         return bool(self._inflight)
 

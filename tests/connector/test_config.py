@@ -123,7 +123,7 @@ def test_the_documented_example_parses():
     cfg = KVXConfig.from_extra_config(extra)
     assert cfg.chunk_size == 256 and cfg.save_decode is False and cfg.skip_last_n_tokens == 0
     assert cfg.cpu_tier == CPUTierConfig(type="cpu", size=4 * 2**30)
-    assert cfg.disk_tier == DiskTierConfig(type="disk", path="/mnt/kv", size=100 * 2**30, fsync=False)
+    assert cfg.byte_tiers == [DiskTierConfig(type="disk", path="/mnt/kv", size=100 * 2**30, fsync=False)]
     assert [t.type for t in cfg.tiers] == ["cpu", "disk"]
 
 
@@ -131,7 +131,7 @@ def test_the_documented_example_parses():
 def test_defaults(extra):
     cfg = KVXConfig.from_extra_config(extra)
     assert cfg.tiers == [CPUTierConfig(type="cpu", size=4 * 2**30)]
-    assert cfg.cpu_tier.size == 4 * 2**30 and cfg.disk_tier is None
+    assert cfg.cpu_tier.size == 4 * 2**30 and cfg.byte_tiers == []
     assert cfg.chunk_size == 256
     assert (cfg.save_decode, cfg.save_partial_chunks, cfg.load_async, cfg.promote, cfg.layerwise) == (
         False, False, False, True, True)
@@ -146,7 +146,7 @@ def test_default_tiers_are_not_shared_between_configs():
 def test_disk_only_and_unbounded_disk():
     cfg = KVXConfig.from_extra_config({"tiers": [{"type": "disk", "path": "/kv", "fsync": True}]})
     assert cfg.cpu_tier is None
-    assert cfg.disk_tier == DiskTierConfig(type="disk", path="/kv", size=None, fsync=True)
+    assert cfg.byte_tiers == [DiskTierConfig(type="disk", path="/kv", size=None, fsync=True)]
 
 
 def test_config_is_frozen():
@@ -173,7 +173,7 @@ def test_parse_size(value, expected):
 def test_sizes_in_tiers(value, expected):
     cfg = KVXConfig.from_extra_config({"tiers": [{"type": "cpu", "size": value},
                                                  {"type": "disk", "path": "/kv", "size": value}]})
-    assert cfg.cpu_tier.size == expected and cfg.disk_tier.size == expected
+    assert cfg.cpu_tier.size == expected and cfg.byte_tiers[0].size == expected
 
 
 @pytest.mark.parametrize("value, msg", BAD_SIZES, ids=[repr(v) for v, _ in BAD_SIZES])
@@ -303,7 +303,7 @@ def test_read_only_disk_path(tmpfs):
 
 def test_disk_rescan_interval():
     cfg = KVXConfig.from_extra_config({"tiers": [{"type": "disk", "path": "/x", "size": "1GiB", "rescan_s": 0}]})
-    assert cfg.disk_tier.rescan_s == 0
+    assert cfg.byte_tiers[0].rescan_s == 0
     with pytest.raises(ConfigError, match=r"tiers\.0\.disk\.rescan_s: .*greater than or equal to 0"):
         KVXConfig.from_extra_config({"tiers": [{"type": "disk", "path": "/x", "rescan_s": -1}]})
 
