@@ -12,7 +12,10 @@ import pytest
 
 from tests.conftest import load_benchmark, need_redis
 
-need_redis()
+
+@pytest.fixture(autouse=True)
+def _need_redis():
+    need_redis()
 
 MiB = 1 << 20
 

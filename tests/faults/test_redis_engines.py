@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import pytest
 
 from kvx import harness as H
+from tests.conftest import need_redis
 
 from .conftest import CHUNK, MAX_TOKENS, shared_prefix_prompts, connector_sides, engine, engine_process, full_hit, results, settle
 
@@ -69,13 +70,7 @@ ALL_PROMPTS = SHARE_PROMPTS + [A, A2] + FULL_PROMPTS + CLUSTER_PROMPTS + SOAK_PR
 
 @pytest.fixture(scope="module", autouse=True)
 def _need_redis():
-    from kvx.redis_server import redis_cli_binary, redis_server_binary
-
-    try:
-        redis_server_binary()
-        redis_cli_binary()
-    except RuntimeError as e:
-        pytest.skip(str(e))
+    need_redis()
 
 
 def refs_of(reference, prompts):

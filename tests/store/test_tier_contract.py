@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvx.store import REMOVED, STORED, ChunkError, CPUIndex, DiskStore, Tier, TierContext, tier_class
+from kvx.store.errors import StoreClosedError
 from kvx.store.redis import RedisConfig, RedisTier
 from kvx.testing import random_fill_
 
@@ -218,10 +219,15 @@ def test_concurrent_puts_and_gets_are_bit_exact(open_tier):
     assert not errors, errors
 
 
-def test_close_is_idempotent(open_tier):
+def test_close_is_idempotent_and_final(open_tier):
     tier = open_tier()
+    key = uuid.uuid4().hex
+    assert tier.put(key, torch.ones(8))
     tier.close()
     tier.close()
+    for op in (lambda: tier.put(uuid.uuid4().hex, torch.ones(8)), lambda: tier.get_into(key, torch.empty(8))):
+        with pytest.raises(StoreClosedError):
+            op()
 
 
 def test_every_tier_type_is_registered():
