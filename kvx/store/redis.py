@@ -19,9 +19,9 @@ miss), and the reader deletes its manifest so lookups stop reporting it.
 Reads. :meth:`RedisTier.get_into` receives the value straight into ``out`` (:mod:`kvx.store.resp`):
 the codec header lands in a small buffer and is verified (key, fingerprint, dtype, shape) before any
 payload byte is received; the payload goes into ``out``'s memory; then lengths and the CRC32 are
-checked. Part GETs are pipelined on one connection. Each node has a pool of ``connections`` raw
-connections, so gets and puts of different chunks overlap; redis-py does the rest (cluster slot map,
-INFO for :meth:`RedisTier.usage` / :meth:`RedisTier.capacity`).
+checked. Part GETs go out on one connection, each as the reply before it starts. Each node has a pool
+of ``connections`` raw connections, so gets and puts of different chunks overlap; redis-py does the rest
+(cluster slot map, INFO for :meth:`RedisTier.usage` / :meth:`RedisTier.capacity`).
 
 Lookups. :meth:`RedisTier.contains_many` pipelines EXISTS (per node on a cluster) on a background
 thread and waits at most ``lookup_wait_ms`` for it: vLLM's scheduler is never blocked on the network

@@ -556,24 +556,36 @@ class RespConnection:
         return replies
 
     def get_into(self, keys: Sequence[str], sink: Sink, deadline: float, prefix: Sequence[Sequence] = ()) -> None:
-        """Pipelined ``GET`` of ``keys``; each value's bytes are received into the memory ``sink`` hands
-        out (no intermediate copy for large reads). ``prefix``: small commands sent first (``ASKING``),
-        whose replies must be OK. Error replies are raised; any exception (the sink's included) with
-        replies still unread closes the connection."""
+        """``GET`` of ``keys``, one ahead: the GET of key i+1 goes out as soon as reply i's length line is in,
+        so the server prepares value i+1 while value i is on the wire. (All at once, redis-server 7.0 builds
+        every reply before it writes the first byte: a 16 MiB chunk in 4 parts took 8.7 ms over TCP, one
+        ahead 4.4 ms; a 64 MiB one 47 ms, one ahead 20 ms.) Each value's bytes are received into the memory ``sink``
+        hands out (no intermediate copy for large reads). ``prefix``: small commands sent first
+        (``ASKING``), whose replies must be OK. Error replies are raised; any exception (the sink's
+        included) with replies still unread closes the connection."""
+        if not keys:
+            return
         pending = True        # replies left unread: the connection cannot be reused
+        sent = 0              # GETs sent
+
+        def send_next() -> None:
+            nonlocal sent
+            if sent < len(keys):
+                self._send([encode_command("GET", keys[sent])], deadline)
+                sent += 1
+
         try:
-            self._send([b"".join(encode_command(*c) for c in prefix)
-                        + b"".join(encode_command("GET", k) for k in keys)], deadline)
+            self._send([b"".join(encode_command(*c) for c in prefix) + encode_command("GET", keys[0])], deadline)
+            sent = 1
             for _ in prefix:
                 r = self._read_reply(deadline)
                 if isinstance(r, Exception):
                     raise r
             for i in range(len(keys)):
-                last = i == len(keys) - 1
                 line = self._readline(deadline)
                 kind = line[:1]
                 if kind == b"-":
-                    pending = not last
+                    pending = sent > i + 1
                     raise reply_error(line[1:].decode(errors="replace"))
                 if kind != b"$":
                     raise ProtocolError(f"redis {self.address}: GET answered {line[:64]!r}")
@@ -582,11 +594,13 @@ class RespConnection:
                 except ValueError:
                     raise ProtocolError(f"redis {self.address}: GET answered {line[:64]!r}") from None
                 if n < 0:
-                    pending = not last
+                    pending = sent > i + 1
                     sink.begin(i, None)
                     pending = True
+                    send_next()
                     continue
                 sink.begin(i, n)
+                send_next()
                 while n:        # the sink sees each receive's bytes at once (checksummed while in cache)
                     mv = sink.buffer()
                     k = self._read_some(mv[:min(len(mv), n)], deadline)

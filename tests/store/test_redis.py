@@ -297,6 +297,46 @@ def test_payload_received_in_pieces(piece, size, transport, redis_server, open_t
         tier.get_into(key, poisoned(x))
 
 
+def test_part_gets_go_out_one_ahead(redis_server):
+    """``RespConnection.get_into`` sends the GET of value i+1 once reply i's length line is in, before
+    value i's bytes (all at once, redis-server builds every reply before writing the first byte); values
+    land whole and in order, and the connection is reusable after."""
+    c = redis_server.client()
+    values = [bytes([i]) * ((1 << 20) + 3 * i) for i in range(4)]
+    for i, v in enumerate(values):
+        c.set(f"kvx:part:{i}", v)
+    conn = RespConnection("127.0.0.1", redis_server.port, deadline=time.monotonic() + 5)
+    log: list[tuple] = []
+    send = conn._send
+    conn._send = lambda bufs, deadline: (log.append(("send", b"".join(bytes(b) for b in bufs).count(b"GET"))),
+                                         send(bufs, deadline))[1]
+
+    class Sink:
+        def __init__(self):
+            self.got = [bytearray(len(v)) for v in values]
+            self.i = self.pos = 0
+
+        def begin(self, i, length):
+            assert length == len(values[i])
+            log.append(("begin", i))
+            self.i, self.pos = i, 0
+
+        def buffer(self):
+            return memoryview(self.got[self.i])[self.pos:]
+
+        def advance(self, n):
+            if self.pos == 0:
+                log.append(("bytes", self.i))
+            self.pos += n
+
+    sink = Sink()
+    conn.get_into([f"kvx:part:{i}" for i in range(4)], sink, time.monotonic() + 5)
+    assert [bytes(g) for g in sink.got] == values
+    assert log == [("send", 1), ("begin", 0), ("send", 1), ("bytes", 0), ("begin", 1), ("send", 1), ("bytes", 1),
+                   ("begin", 2), ("send", 1), ("bytes", 2), ("begin", 3), ("bytes", 3)]
+    assert not conn.closed and conn.command("PING", deadline=time.monotonic() + 5) == "PONG"
+
+
 @pytest.mark.parametrize("transport", ["tcp", "unix"])
 def test_data_connections_get_the_transports_send_buffer(transport, redis_server, open_tier):
     """Unix-socket data connections ask for a larger SO_SNDBUF (the kernel doubles it, capped by
