@@ -85,3 +85,17 @@ def need_redis() -> None:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(f"CI: {e}")
         pytest.skip(str(e))
+
+
+def redis_server_pids() -> set[int]:
+    """Pids of the redis-server processes of this user."""
+    pids = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/comm") as f:
+                    if f.read().strip() == "redis-server" and os.stat(f"/proc/{d}").st_uid == os.getuid():
+                        pids.add(int(d))
+            except OSError:
+                pass
+    return pids

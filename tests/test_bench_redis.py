@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 
 
 import pytest
 
-from tests.conftest import load_benchmark, need_redis
+from tests.conftest import load_benchmark, need_redis, redis_server_pids
 
 
 @pytest.fixture(autouse=True)
@@ -31,24 +30,10 @@ def _num(row: dict, key: str) -> float:
     return value
 
 
-def _redis_servers() -> set[int]:
-    """Pids of the redis-server processes of this user."""
-    pids = set()
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/comm") as f:
-                    if f.read().strip() == "redis-server" and os.stat(f"/proc/{d}").st_uid == os.getuid():
-                        pids.add(int(d))
-            except OSError:
-                pass
-    return pids
-
-
 def test_quick_run_writes_consistent_results(bench, tmp_path):
-    before = _redis_servers()
+    before = redis_server_pids()
     assert bench.main(["--quick", "--out", str(tmp_path)]) == 0
-    assert _redis_servers() <= before, "the benchmark left redis-server processes behind"
+    assert redis_server_pids() <= before, "the benchmark left redis-server processes behind"
 
     md = (tmp_path / "redis_cpu.md").read_text()
     assert md.startswith("# SMOKE RUN, not a measurement")

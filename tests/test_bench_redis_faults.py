@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import statistics
 
 import pytest
 
-from tests.conftest import load_benchmark, need_redis
+from tests.conftest import load_benchmark, need_redis, redis_server_pids
 
 MiB = 1 << 20
 
@@ -23,28 +22,14 @@ def bench(monkeypatch):
     return load_benchmark(monkeypatch, "bench_redis_faults")
 
 
-def _redis_servers() -> set[int]:
-    """Pids of the redis-server processes of this user."""
-    pids = set()
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/comm") as f:
-                    if f.read().strip() == "redis-server" and os.stat(f"/proc/{d}").st_uid == os.getuid():
-                        pids.add(int(d))
-            except OSError:
-                pass
-    return pids
-
-
 def test_small_run_every_load_fails_with_a_chunk_error(bench, tmp_path):
     from kvx.store.redis import _ChunkSink
 
     advance = _ChunkSink.advance
-    before = _redis_servers()
+    before = redis_server_pids()
     # 64 MiB: 16 values of 4 MiB, far more than the socket buffers hold when the mid-transfer fault fires
     assert bench.main(["--trials", "2", "--timeouts", "300", "--sizes", "64", "--out", str(tmp_path)]) == 0
-    assert _redis_servers() <= before, "the benchmark left redis-server processes behind"
+    assert redis_server_pids() <= before, "the benchmark left redis-server processes behind"
     assert _ChunkSink.advance is advance, "the fault trigger was left in place"
 
     md = (tmp_path / "redis_faults_cpu.md").read_text()
