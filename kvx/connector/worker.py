@@ -198,6 +198,7 @@ class KVXWorker:
         self.throttle = Throttle(log)
         self._out = KVXWorkerMetadata()
         self._stats = Counter()
+        self._polled_for_stats = False        # take_stats polled the saves since build_worker_meta last ran
         self.totals = Counter()               # every counter since start (take_stats adds to it)
         self._hist: dict[str, list[float]] = {"load_seconds": [], "save_seconds": []}   # latency samples
         self._removed: list[str] = []         # tier_done_key of chunks removed from a byte tier here
@@ -757,7 +758,13 @@ class KVXWorker:
         return errors
 
     def build_worker_meta(self) -> KVXWorkerMetadata | None:
-        self._poll_saves(block=False)
+        # the saves were polled by take_stats when vLLM asked for the step's stats first (it does, just
+        # before this): a write is then counted in the same step's stats as the metadata that reports it;
+        # polled again here, a write finished in between would reach the stats a step late, never on an
+        # engine that goes idle with it
+        if not self._polled_for_stats:
+            self._poll_saves(block=False)
+        self._polled_for_stats = False
         with self._removed_lock:
             removed, self._removed = self._removed, []
         out, self._out = self._out, KVXWorkerMetadata()
@@ -778,6 +785,8 @@ class KVXWorker:
     def take_stats(self) -> dict:
         """Counters since the last call (vLLM reports them per step), and the latency samples
         (``load_seconds``, ``save_seconds``: lists); ``totals`` keeps the counters' sum."""
+        self._poll_saves(block=False)
+        self._polled_for_stats = True
         stats, self._stats = dict(self._stats), Counter()
         self.totals.update(stats)
         for name, samples in self._hist.items():

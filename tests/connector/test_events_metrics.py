@@ -97,6 +97,20 @@ def test_metrics_hit_miss_bytes_latency_pending(make_env, store_dir):
     assert len(ws["load_seconds"]) == 1
 
 
+def test_a_write_is_counted_in_the_stats_of_the_step_that_reports_it(make_env, store_dir):
+    """vLLM takes a step's stats just before the worker's metadata. A disk write the worker notices at that
+    point is in both: when the engine goes idle right after the last write, no later step would bring its
+    count (the served engine's disk_writes_total stayed one short of disk_stored_total)."""
+    env = make_env({"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "8MiB"},
+                                                   {"type": "disk", "path": store_dir}]})
+    for i in range(3):
+        env.request(f"w{i}", prompt(2 * CHUNK + 30, seed=90 + i))
+        env.run()                     # writes finish on background threads; the steps poll them
+        st, ws = env.sched_stats, env.stats
+        assert st.get("pending_writes", 0) == 0
+        assert ws.get("disk_writes", 0) == st["disk_stored"] == 2 * (i + 1)
+
+
 def test_stats_aggregate_counters_samples_and_gauges():
     a = KVXStats(data={"loaded_chunks": 2, "load_seconds": [0.1], "pending_writes": 3})
     b = KVXStats(data={"loaded_chunks": 1, "load_seconds": [0.3, 0.2], "pending_writes": 0})
