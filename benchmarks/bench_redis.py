@@ -183,10 +183,13 @@ def redis_py(url: str):
 
 
 def server_version() -> str:
+    """``redis-server --version``'s v=... (the binary kvx.redis_server starts)."""
+    from kvx.redis_server import binary_env, redis_server_binary
     try:
-        out = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run([redis_server_binary(), "--version"], capture_output=True, text=True, timeout=10,
+                             env=binary_env()).stdout
         return next(w.split("=", 1)[1] for w in out.split() if w.startswith("v="))
-    except (OSError, StopIteration, subprocess.SubprocessError):
+    except (OSError, RuntimeError, StopIteration, subprocess.SubprocessError):
         return "?"
 
 

@@ -51,7 +51,6 @@ import select
 import socket
 import statistics
 import struct
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -59,7 +58,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvx.bench import cpu_name
-from kvx.redis_server import RedisServer, binary_env, redis_server_binary
+from kvx.redis_server import RedisServer
 from kvx.store.errors import ChunkError, StoreError
 from kvx.store.redis import _ChunkSink
 
@@ -77,8 +76,8 @@ def _load_bench_redis():
 
 
 _br = _load_bench_redis()
-open_tier, chunk_shape, _pct, _key, _g, verdict = (_br.open_tier, _br.chunk_shape, _br._pct, _br._key, _br._g,
-                                                    _br.verdict)
+open_tier, chunk_shape, _pct, _key, _g, verdict, server_version = (
+    _br.open_tier, _br.chunk_shape, _br._pct, _br._key, _br._g, _br.verdict, _br.server_version)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -98,19 +97,10 @@ TIMER_REPS = 10                 # idle-socket receives per timeout and kind (tim
 RECOVER_S = 30.0                # a server not working again within this after resume / restart: an error
 
 CSV_FIELDS = ["scenario", "chunk_bytes", "timeout_ms", "retry_s", "trials", "chunk_errors", "completed",
-              "other_outcomes", "says_timeout", "fault_fired", "p50_ms", "p90_ms", "max_ms", "over_p50_ms", "over_p90_ms", "over_max_ms",
+              "other_outcomes", "says_timeout", "fault_fired", "p50_ms", "p90_ms", "max_ms", "over_p50_ms",
+              "over_p90_ms", "over_max_ms",
               "target_ms", "p90_verdict", "max_verdict", "fault_at_ms_median", "fault_at_payload_bytes_median",
               "fault_call_ms_median", "after_fault_ms_median", "back_after_ms_median", "error_ms_trials"]
-
-
-def server_version() -> str:
-    """``redis-server --version``'s v=... (the binary kvx.redis_server starts)."""
-    try:
-        out = subprocess.run([redis_server_binary(), "--version"], capture_output=True, text=True, timeout=10,
-                             env=binary_env()).stdout
-        return next(w.split("=", 1)[1] for w in out.split() if w.startswith("v="))
-    except (OSError, RuntimeError, StopIteration, subprocess.SubprocessError):
-        return "?"
 
 
 # ------------------------------------------------------------------------------------------ one trial
