@@ -27,7 +27,7 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from .errors import StoreError, StoreFullError, StoreUnavailableError
@@ -555,14 +555,17 @@ class RespConnection:
             raise self._refused(replies[-1], sizes)
         return replies
 
-    def get_into(self, keys: Sequence[str], sink: Sink, deadline: float, prefix: Sequence[Sequence] = ()) -> None:
+    def get_into(self, keys: Sequence[str], sink: Sink, deadline: float, prefix: Sequence[Sequence] = (),
+                 ready: Callable[[], None] | None = None) -> None:
         """``GET`` of ``keys``, one ahead: the GET of key i+1 goes out as soon as reply i's length line is in,
         so the server prepares value i+1 while value i is on the wire. (All at once, redis-server 7.0 builds
         every reply before it writes the first byte: a 16 MiB chunk in 4 parts took 8.7 ms over TCP, one
         ahead 4.4 ms; a 64 MiB one 47 ms, one ahead 20 ms.) Each value's bytes are received into the memory ``sink``
         hands out (no intermediate copy for large reads). ``prefix``: small commands sent first
-        (``ASKING``), whose replies must be OK. Error replies are raised; any exception (the sink's
-        included) with replies still unread closes the connection."""
+        (``ASKING``), whose replies must be OK. ``ready``: called once the first GET is out, before its reply
+        is read, so that the caller's own preparation of the sink overlaps the server's of the value. Error
+        replies are raised; any exception (the sink's and ``ready``'s included) with replies still unread
+        closes the connection."""
         if not keys:
             return
         pending = True        # replies left unread: the connection cannot be reused
@@ -577,6 +580,8 @@ class RespConnection:
         try:
             self._send([b"".join(encode_command(*c) for c in prefix) + encode_command("GET", keys[0])], deadline)
             sent = 1
+            if ready is not None:
+                ready()
             for _ in prefix:
                 r = self._read_reply(deadline)
                 if isinstance(r, Exception):

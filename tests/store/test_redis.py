@@ -300,7 +300,8 @@ def test_payload_received_in_pieces(piece, size, transport, redis_server, open_t
 def test_part_gets_go_out_one_ahead(redis_server):
     """``RespConnection.get_into`` sends the GET of value i+1 once reply i's length line is in, before
     value i's bytes (all at once, redis-server builds every reply before writing the first byte); values
-    land whole and in order, and the connection is reusable after."""
+    land whole and in order, and the connection is reusable after. ``ready`` runs once, after the first GET
+    is out and before its reply is read (the caller prepares while the server does)."""
     c = redis_server.client()
     values = [bytes([i]) * ((1 << 20) + 3 * i) for i in range(4)]
     for i, v in enumerate(values):
@@ -330,11 +331,19 @@ def test_part_gets_go_out_one_ahead(redis_server):
             self.pos += n
 
     sink = Sink()
-    conn.get_into([f"kvx:part:{i}" for i in range(4)], sink, time.monotonic() + 5)
+    conn.get_into([f"kvx:part:{i}" for i in range(4)], sink, time.monotonic() + 5,
+                  ready=lambda: log.append(("ready",)))
     assert [bytes(g) for g in sink.got] == values
-    assert log == [("send", 1), ("begin", 0), ("send", 1), ("bytes", 0), ("begin", 1), ("send", 1), ("bytes", 1),
-                   ("begin", 2), ("send", 1), ("bytes", 2), ("begin", 3), ("bytes", 3)]
+    assert log == [("send", 1), ("ready",), ("begin", 0), ("send", 1), ("bytes", 0), ("begin", 1), ("send", 1),
+                   ("bytes", 1), ("begin", 2), ("send", 1), ("bytes", 2), ("begin", 3), ("bytes", 3)]
     assert not conn.closed and conn.command("PING", deadline=time.monotonic() + 5) == "PONG"
+
+    def fails():
+        raise RuntimeError("the caller's preparation failed")
+
+    with pytest.raises(RuntimeError, match="preparation failed"):
+        conn.get_into(["kvx:part:0"], Sink(), time.monotonic() + 5, ready=fails)
+    assert conn.closed                  # the GET's reply was never read: the connection is not reused
 
 
 @pytest.mark.parametrize("transport", ["tcp", "unix"])
