@@ -487,6 +487,7 @@ class _ChunkSink:
     def __init__(self, key: str, fingerprint: str, out: torch.Tensor, where: str, piece: int | None = None):
         self.key, self.fingerprint, self.out, self.where, self.piece = key, fingerprint, out, where, piece
         self.payload: memoryview | None = None      # out's bytes: :meth:`prepare`
+        self.used = False                           # handed to a GET (a second try takes a new sink)
         self.phase, self.pos, self.received = self._PREFIX, 0, 0
         self.buf = bytearray(codec.PREFIX_BYTES)
         self.header: codec.Header | None = None
@@ -1121,7 +1122,7 @@ class RedisTier(Tier):
         check_key(key)
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"out: expected a contiguous CPU tensor, got {type(out).__name__}")
-        if out.device.type != "cpu" or not out.is_contiguous():
+        if not out.is_cpu or not out.is_contiguous():       # is_cpu: no device object (~15 us less when cold)
             raise ValueError(f"out: expected a contiguous CPU tensor, got one on {out.device} with strides "
                              f"{tuple(out.stride())} for shape {tuple(out.shape)}")
         ck = _chunk_key(key)
@@ -1130,8 +1131,10 @@ class RedisTier(Tier):
         manifest: list[bytes | None] = [None]
 
         def read(conn: RespConnection, asking: bool) -> None:
-            nonlocal sink            # a second try (redirected, or a dead pooled connection) starts over
-            sink = _ChunkSink(key, self.ctx.fingerprint, out, sink.where, self.piece)
+            nonlocal sink
+            if sink.used:            # a second try (redirected, or a dead pooled connection) starts over
+                sink = _ChunkSink(key, self.ctx.fingerprint, out, sink.where, self.piece)
+            sink.used = True
             ask = [("ASKING",)] if asking else []
             conn.get_into([ck], sink, deadline, prefix=ask, ready=sink.prepare)
             if sink.missing:
