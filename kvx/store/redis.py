@@ -1203,7 +1203,6 @@ class RedisTier(Tier):
 
         ck = _chunk_key(key)
         deadline = time.monotonic() + self._timeout
-        nbytes = chunk.numel() * chunk.element_size()
         try:
             while True:
                 try:
@@ -1226,7 +1225,7 @@ class RedisTier(Tier):
             self._count(errors=1)
             raise StoreError(f"chunk {key}: redis {self.url}: {e}") from None
         if stored:
-            self._count(puts=1, put_bytes=nbytes)
+            self._count(puts=1, put_bytes=len(encoded[1]))
             self._emit(STORED, [key])
         return stored
 
