@@ -40,7 +40,7 @@ time depends on how glibc's malloc reuses its 4 MiB buffers, and the variants' b
 use. Measured (a variant of this script, 4 MiB over TCP): interleaved with kvx and the roof alone, the PUT
 baseline ran 11-12 ms (a SET of a freshly built value: ~4000 page faults a call) against 2.2-2.4 ms with
 the variants; the GET baseline ran 6-7% slower without them. Pinning malloc's thresholds (mallopt) is no
-cure: it cost the GET baseline ~20% (hiredis's growing buffer copied instead of remapped). The baseline
+cure: it cost the GET baseline ~20% (probably hiredis's growing buffer, copied instead of remapped). The baseline
 is timed where it runs fastest. The
 median of ``--repeats`` after ``--warmup`` is a run's value, and the whole measurement is done ``--runs``
 times. ``x baseline`` = the baseline's median time over the method's (> 1: faster than redis-py); ``% roof``
