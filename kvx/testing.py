@@ -1,4 +1,5 @@
-"""Builders of paged KV caches in every layout, allocated the way their engines allocate them.
+"""Builders of paged KV caches in every layout, allocated the way their engines allocate them, and the
+end-of-step hook orders of vLLM's model runners (:func:`end_step`).
 
 Used by the tests and the benchmarks. vLLM >= 0.32 layouts are views of one int8 buffer for all layers
 (as ``vllm.v1.kv_cache_interface.create_kv_cache_views`` makes them); legacy layouts are one tensor
@@ -6,6 +7,9 @@ per layer. ``padded=True`` adds unused bytes to each row / page so the views are
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -64,3 +68,39 @@ def make_kv_caches(layout: str, *, num_layers: int, num_blocks: int, block_size:
 def make_layout(layout: str, **kw) -> KVLayout:
     """:func:`make_kv_caches` wrapped in a :class:`KVLayout`."""
     return KVLayout.from_tensors(make_kv_caches(layout, **kw), layout)
+
+
+# ---------------------------------------------------------------------------------------- runner orders
+# The orders in which vLLM's model runners call a worker connector's end-of-step hooks: a test of the
+# connector runs in each (``pytest.mark.parametrize("order", RUNNER_ORDERS)``), so that no result depends
+# on one hook having run before another unless every supported vLLM guarantees it.
+#   "v0.32":      drafter forward (speculative decoding), wait_for_save, results, clear_connector_metadata
+#                 (vLLM 0.32, both runners; 0.33's V1 runner, and its V2 runner without a speculator)
+#   "v0.33-spec": results, drafter forward, wait_for_save, clear_connector_metadata (vLLM 0.33's V2 runner
+#                 with a speculator: ``post_forward(defer_finalize=True)`` collects the results, the drafter
+#                 runs, then ``finalize_step``; vllm/v1/worker/gpu/kv_connector.py, model_runner.py)
+# "results": get_finished / get_transfer_results, get_block_ids_with_load_errors, the stats, the KV events
+# and build_connector_worker_meta, in that order in both.
+RUNNER_ORDERS = ("v0.32", "v0.33-spec")
+
+T = TypeVar("T")
+
+
+def end_step(order: str, *, results: Callable[[], T], wait_for_save: Callable[[], None], clear: Callable[[], None],
+             drafter: Callable[[], None] | None = None) -> T:
+    """Run one step's end-of-step hooks in the runner order ``order`` (one of :data:`RUNNER_ORDERS`);
+    returns what ``results`` returned. ``drafter``: the speculator's forward, if the engine has one."""
+    if order == "v0.32":
+        if drafter is not None:
+            drafter()
+        wait_for_save()
+        out = results()
+    elif order == "v0.33-spec":
+        out = results()
+        if drafter is not None:
+            drafter()
+        wait_for_save()
+    else:
+        raise ValueError(f"order: expected one of {RUNNER_ORDERS}, got {order!r}")
+    clear()
+    return out

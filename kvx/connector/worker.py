@@ -604,20 +604,31 @@ class KVXWorker:
             batch.add(op, self._kernel_ids(block_ids), dest)
         return batch
 
-    def wait_for_save(self) -> None:
-        """End of the step's forward: report the sync loads, queue what save_kv_layer did not, start the
-        tier writes. Nothing here waits for a copy (on CPU the thread queue does: the copies there use the
-        cores the next forward needs)."""
-        meta = self._meta
-        t0 = time.perf_counter()
+    def _finish_sync_loads(self) -> None:
+        """The step's sync loads are over once its forward ran: wait for the reads still out, fence the groups
+        no layer fenced (a step without those layers) and report the chunks that failed, so that vLLM hears
+        of them with this step's results and recomputes them before it samples from them.
+
+        Called by whichever of ``get_finished``, ``get_block_ids_with_load_errors``, ``build_worker_meta`` and
+        ``wait_for_save`` runs first in a step (idempotent): vLLM 0.32 calls ``wait_for_save`` first; 0.33's
+        V2 model runner with a speculator collects the results first and calls ``wait_for_save`` after the
+        drafter (``post_forward(defer_finalize=True)``, then ``finalize_step``)."""
         for load in self._sync_loads:
             self._resolve(load)
-            for jobs in load.jobs.values():    # a group no layer fenced (a step without those layers)
+            for jobs in load.jobs.values():
                 for job in jobs:
                     self._fence_job(load, job)
             self._report_failures(load)
             self._retiring.append(load)
         self._sync_loads = []
+
+    def wait_for_save(self) -> None:
+        """End of the step's forward: finish the sync loads (if no result hook did), queue what save_kv_layer
+        did not, start the tier writes. Nothing here waits for a copy (on CPU the thread queue does: the
+        copies there use the cores the next forward needs)."""
+        meta = self._meta
+        t0 = time.perf_counter()
+        self._finish_sync_loads()
         if self.engine is not None:
             self.engine.forward_done()
         if meta is None or self.layout is None or not meta.saves:
@@ -735,6 +746,7 @@ class KVXWorker:
     # ------------------------------------------------------------------ results
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Async loads: finished once their reads are in and their copies have run (polled)."""
+        self._finish_sync_loads()
         done = set()
         for rid, load in list(self._async_loads.items()):
             if load.pending:
@@ -754,6 +766,7 @@ class KVXWorker:
         return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_sync_loads()
         errors, self._errors = self._errors, set()
         return errors
 
@@ -762,6 +775,7 @@ class KVXWorker:
         # before this): a write is then counted in the same step's stats as the metadata that reports it;
         # polled again here, a write finished in between would reach the stats a step late, never on an
         # engine that goes idle with it
+        self._finish_sync_loads()
         if not self._polled_for_stats:
             self._poll_saves(block=False)
         self._polled_for_stats = False

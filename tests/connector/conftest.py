@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+from kvx.testing import RUNNER_ORDERS
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
@@ -15,15 +17,24 @@ def tiny_model(tmp_path_factory):
     return make_tiny_llama(str(tmp_path_factory.mktemp("model") / "tiny"))
 
 
+@pytest.fixture(params=RUNNER_ORDERS)
+def runner_order(request):
+    """The model runner's order of the end-of-step hooks (:data:`kvx.testing.RUNNER_ORDERS`): every test of a
+    simulated engine runs in vLLM 0.32's order and in 0.33's V2-runner-with-a-speculator order."""
+    return request.param
+
+
 @pytest.fixture
-def make_env(tiny_model):
-    """``make_env(extra, **kw) -> Env`` (see sim.py); engines of one test share their record of chunks."""
+def make_env(tiny_model, runner_order):
+    """``make_env(extra, **kw) -> Env`` (see sim.py), in each runner order; engines of one test share their
+    record of chunks."""
     from .sim import Env
 
     envs = []
     chunks = {}     # shared by the engines of a test: one may check chunks another one stored
 
     def make(extra, **kw):
+        kw.setdefault("order", runner_order)
         env = Env(tiny_model, extra, chunks=chunks, **kw)
         envs.append(env)
         return env

@@ -40,7 +40,7 @@ from kvx.connector import KVXConnector  # noqa: E402
 from kvx.connector.stats import GAUGES  # noqa: E402
 from kvx.connector.metadata import KVXMetadata, KVXWorkerMetadata  # noqa: E402
 from kvx.store import SlotState  # noqa: E402
-from kvx.testing import make_kv_caches  # noqa: E402
+from kvx.testing import RUNNER_ORDERS, end_step, make_kv_caches  # noqa: E402
 
 BLOCK = 128
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -78,12 +78,17 @@ def sim_vllm_config(model_dir, extra, *, role="kv_both", policy="recompute", max
 
 
 class Env:
-    """A real Scheduler + a worker-role KVXConnector on CPU caches, stepped by hand."""
+    """A real Scheduler + a worker-role KVXConnector on CPU caches, stepped by hand; ``order``: the model
+    runner's order of the end-of-step hooks (:data:`kvx.testing.RUNNER_ORDERS`; the ``make_env`` fixture runs
+    every test in each)."""
 
     pattern = staticmethod(page_pattern)
 
     def __init__(self, model_dir, extra, *, role="kv_both", num_blocks=64, max_batched=4096, policy="recompute",
-                 tp=1, chunks=None, copy_queue=None, virtual_forward=False, kv_events=False):
+                 tp=1, chunks=None, copy_queue=None, virtual_forward=False, kv_events=False, order="v0.32"):
+        if order not in RUNNER_ORDERS:
+            raise ValueError(f"order: expected one of {RUNNER_ORDERS}, got {order!r}")
+        self.order = order        # the runner order of the end-of-step hooks (kvx.testing.end_step)
         self.vc = sim_vllm_config(model_dir, extra, role=role, policy=policy, max_batched=max_batched,
                                   kv_events=kv_events)
         self.kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
@@ -196,17 +201,24 @@ class Env:
         for w in self.workers:
             if not forward or not so.has_sync_kv_loads:
                 w.start_load_kv(None)
-            w.wait_for_save()
-            s_, r_ = w.get_finished(so.finished_req_ids)
+
+            def results(w=w):
+                s_, r_ = w.get_finished(so.finished_req_ids)
+                errs = w.get_block_ids_with_load_errors()
+                stats = w.get_kv_connector_stats()
+                if settle_writes:
+                    w._worker._poll_saves(block=True)
+                return s_, r_, errs, stats, w.build_connector_worker_meta()
+
+            # the drafter's forward writes only its own layers, which this engine does not have: what kvx sees
+            # of a speculator is the runner's order of the end-of-step hooks
+            s_, r_, errs, stats, wm = end_step(self.order, results=results, wait_for_save=w.wait_for_save,
+                                               clear=w.clear_connector_metadata)
             sending |= s_ or set()
             for rid in r_ or ():
                 self._recving[rid] = self._recving.get(rid, 0) + 1
-            errors |= w.get_block_ids_with_load_errors()
-            stats = w.get_kv_connector_stats()
-            if settle_writes:
-                w._worker._poll_saves(block=True)
-            wms.append(w.build_connector_worker_meta())
-            w.clear_connector_metadata()
+            errors |= errs
+            wms.append(wm)
             if stats is not None:
                 for k, v in stats.data.items():   # counters add up; latency samples (lists) concatenate
                     self.stats[k] = self.stats.get(k, [] if isinstance(v, list) else 0) + v
@@ -360,7 +372,7 @@ class Env:
         s = self.conn._scheduler
         assert not self.sched.requests
         assert not s._load_pins and not s.stack.busy() and not s._poisoned
-        assert not s._after_commit and not s._write_through and not s.validity.num_guards()
+        assert not s._after_commit and not s._write_through and not s.validity.num_guards() and not s._awaiting
         if s.cpu is not None:
             assert s.cpu.pinned() == 0
             assert not any(e.state is not SlotState.READY for e in s.cpu._entries.values())

@@ -33,7 +33,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from kvx.testing import make_kv_caches  # noqa: E402
+from kvx.testing import RUNNER_ORDERS, end_step, make_kv_caches  # noqa: E402
 
 from .sim import page_pattern, sim_vllm_config  # noqa: E402
 
@@ -54,7 +54,10 @@ class HmaEnv:
     """A real Scheduler (hybrid KV cache manager on) + one worker-role KVXConnector, stepped by hand."""
 
     def __init__(self, model_dir, extra, *, num_blocks=64, max_batched=4096, policy="recompute", mamba=False,
-                 window=WINDOW):
+                 window=WINDOW, order="v0.32"):
+        if order not in RUNNER_ORDERS:
+            raise ValueError(f"order: expected one of {RUNNER_ORDERS}, got {order!r}")
+        self.order = order        # the runner order of the end-of-step hooks (kvx.testing.end_step)
         self.window = window
         self.vc = sim_vllm_config(model_dir, extra, policy=policy, max_batched=max_batched, hybrid=True)
         groups = [KVCacheGroupSpec(FULL, spec("full")), KVCacheGroupSpec(SLIDING, spec("sliding", window))]
@@ -119,15 +122,18 @@ class HmaEnv:
         w.start_load_kv(None)
         if so.total_num_scheduled_tokens:
             self._forward(so)
-        w.wait_for_save()
-        res = w.get_transfer_results(so.finished_req_ids)
+
+        def results():
+            res = w.get_transfer_results(so.finished_req_ids)
+            assert not w.get_block_ids_with_load_errors(), "several groups: failures go by request"
+            w._worker._poll_saves(block=True)
+            return res, w.build_connector_worker_meta()
+
+        res, wm = end_step(self.order, results=results, wait_for_save=w.wait_for_save,
+                           clear=w.clear_connector_metadata)
         assert res.failed_recving <= res.finished_recving
-        assert not w.get_block_ids_with_load_errors(), "several groups: failures go by request"
         self.recving_failed |= res.failed_recving
         self.finished_recving |= res.finished_recving
-        w._worker._poll_saves(block=True)
-        wm = w.build_connector_worker_meta()
-        w.clear_connector_metadata()
         ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
         sampled = [[7] if self.sched.requests[rid].num_computed_tokens >= self.sched.requests[rid].num_tokens
                    else [] for rid in ids]

@@ -23,10 +23,11 @@ BPC = CHUNK // BLOCK
 
 
 @pytest.fixture
-def make_hma(tiny_model):
+def make_hma(tiny_model, runner_order):
     envs = []
 
     def make(extra, **kw):
+        kw.setdefault("order", runner_order)
         env = HmaEnv(tiny_model, extra, **kw)
         envs.append(env)
         return env

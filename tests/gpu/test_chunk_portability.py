@@ -4,7 +4,8 @@ layout, with identical KV, bit for bit. No vLLM.
 What is proven, one level below vLLM, with the real worker code (:class:`kvx.connector.worker.KVXWorker`
 built by hand, as in ``test_worker_pipeline.py``, and driven through vLLM's hook order
 ``handle_preemptions -> bind -> start_load_kv -> per layer: wait_for_layer_load, forward, save_kv_layer
--> wait_for_save -> get_finished -> get_block_ids_with_load_errors -> build_worker_meta``):
+-> wait_for_save -> get_finished -> get_block_ids_with_load_errors -> build_worker_meta``, and in vLLM 0.33's
+order with a speculator, the results before ``wait_for_save``: every test runs in both):
 
 - engine A (block size 16, vLLM's token-major ``LBNHC`` = NHD page) prefills a 200-token prompt of random
   KV bytes into shuffled, non-contiguous blocks and saves its three 64-token chunks to a disk tier (one
@@ -68,7 +69,7 @@ from kvx.connector.keys import chunk_keys, request_root
 from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec, tier_done_key
 from kvx.connector.worker import KVXWorker
 from kvx.store import DiskStore
-from kvx.testing import make_kv_caches, random_fill_
+from kvx.testing import RUNNER_ORDERS, end_step, make_kv_caches, random_fill_
 
 NUM_LAYERS = 4
 CHUNK = 64
@@ -111,6 +112,8 @@ KV_CACHE_DTYPE = {torch.bfloat16: "auto", torch.float8_e4m3fn: "fp8_e4m3"}   # v
 class Engine:
     """A KVXWorker on real caches of one geometry, sharing the disk tier at ``disk_path``, with a fake
     forward that writes KV bytes into the request's blocks and reads them back per layer."""
+
+    order = "v0.32"     # the runner order of the end-of-step hooks (kvx.testing.end_step; set per test below)
 
     def __init__(self, name: str, device: str, dtype: torch.dtype, mla: bool, side: Side, disk_path,
                  fmt: str = "canonical", num_blocks: int = 32, cpu_slots: int = 2):
@@ -230,9 +233,15 @@ class Engine:
 
     def _finish_step(self, finished) -> None:
         w = self.worker
-        w.wait_for_save()
+        end_step(self.order, results=lambda: self._results(finished), wait_for_save=w.wait_for_save, clear=w.clear)
+
+    def _results(self, finished) -> None:
+        w = self.worker
         w.get_finished(set(finished))
         self.load_errors |= w.get_block_ids_with_load_errors()
+        for k, v in w.take_stats().items():
+            if isinstance(v, (int, float)):
+                self.stats[k] = self.stats.get(k, 0) + v
         out = w.build_worker_meta()
         if out is not None:
             for name in ("stored", "unstored", "tier_done", "tier_written", "tier_failed", "loads_done"):
@@ -240,10 +249,6 @@ class Engine:
                 for k, n in getattr(out, name).items():
                     acc[k] = acc.get(k, 0) + n
             self.failed_blocks |= set(out.failed_blocks)
-        w.clear()
-        for k, v in w.take_stats().items():
-            if isinstance(v, (int, float)):
-                self.stats[k] = self.stats.get(k, 0) + v
 
     def idle_step(self) -> None:
         meta = KVXMetadata()
@@ -423,6 +428,13 @@ def check_loaded(b: Engine, kv: torch.Tensor, got: Loaded) -> list[str]:
 
 
 # ------------------------------------------------------------------ fixtures and cases
+@pytest.fixture(autouse=True, params=RUNNER_ORDERS)
+def runner_order(request, monkeypatch):
+    """Every test runs in each runner order of the end-of-step hooks (vLLM 0.32; 0.33 with a speculator)."""
+    monkeypatch.setattr(Engine, "order", request.param)
+    return request.param
+
+
 @pytest.fixture
 def queue(request, monkeypatch):
     """(device, copy queue): CPU cases set KVX_COPY_QUEUE whatever the caller's environment (CUDA ignores it)."""
