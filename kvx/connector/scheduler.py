@@ -117,6 +117,11 @@ class RequestTracker:
         return chunk_keys(prev, toks, chunk_size, mm_items=mm, num_chunks=0, partial_tokens=tokens)[0]
 
 
+def _first_chunk(a: int | None, b: int | None) -> int | None:
+    """The earlier of two chunk indices of a request (None: its partial chunk, after every full one)."""
+    return b if a is None else a if b is None else min(a, b)
+
+
 def _mm_items(request) -> tuple[MMItem, ...]:
     items = []
     for f in getattr(request, "mm_features", None) or ():
@@ -164,6 +169,9 @@ class KVXScheduler:
         self._poisoned: set[str] = set()                 # CPU slots being written with KV of a failed load
         self._after_commit: dict[str, tuple[int, list[str]]] = {}   # key -> (tokens, tiers): write through
         self._write_through: list[tuple[str, int, list[str]]] = []  # committed: write through next step
+        # key of a CPU slot being written (PENDING) -> {request: its chunk index (None: its partial chunk)}: the
+        # requests that counted the chunk as saved because that write was in flight; rewound if it is aborted
+        self._awaiting: dict[str, dict[str, int | None]] = {}
         self._freed: list[int] = []                      # blocks freed since the last step (for the workers)
         self._pending_reported = 0
         self._counts: dict[str, Counter] = {n: Counter() for n in ("stored", "unstored", "tier_done",
@@ -441,7 +449,7 @@ class KVXScheduler:
             table = self._tables(t, block_state)
             for c in range(t.saved_chunks, nfull):
                 b0 = c * self.blocks_per_chunk
-                if not self._plan_one(t, keys[c], table, b0, b0 + self.blocks_per_chunk, self.chunk_size, meta):
+                if not self._plan_one(t, c, keys[c], table, b0, b0 + self.blocks_per_chunk, self.chunk_size, meta):
                     return      # depends on a failed load: saved from here once vLLM recomputed it
                 t.saved_chunks = c + 1
         if (self.config.save_partial_chunks and not t.partial_done and done >= prompt and end > 0
@@ -452,7 +460,7 @@ class KVXScheduler:
                 table = table if table is not None else self._tables(t, block_state)
                 b0 = nfull * self.blocks_per_chunk
                 key = t.partial_key(nfull, rest, self.chunk_size)
-                if not self._plan_one(t, key, table, b0, b0 + rest // self.geom.block_size, rest, meta):
+                if not self._plan_one(t, None, key, table, b0, b0 + rest // self.geom.block_size, rest, meta):
                     return
             t.partial_done = True
 
@@ -464,10 +472,11 @@ class KVXScheduler:
         ids = block_state.get_block_ids(rid) if block_state is not None else None
         return [list(g) for g in ids] if ids is not None and ids and ids[0] else []
 
-    def _plan_one(self, t: RequestTracker, key: str, tables: list[list[int]], b0: int, b1: int, tokens: int,
-                  meta: KVXMetadata) -> bool:
-        """Plan saving blocks [b0, b1) of every group's table as chunk ``key`` to every tier lacking it.
-        Returns False (nothing planned) if its KV depends on a block whose load is known to have failed."""
+    def _plan_one(self, t: RequestTracker, chunk: int | None, key: str, tables: list[list[int]], b0: int, b1: int,
+                  tokens: int, meta: KVXMetadata) -> bool:
+        """Plan saving blocks [b0, b1) of every group's table as chunk ``key`` (the request's ``chunk``-th; None:
+        its trailing partial chunk) to every tier lacking it. Returns False (nothing planned) if its KV depends
+        on a block whose load is known to have failed."""
         if len(tables) != self.ngroups or any(len(tb[b0:b1]) * self.geom.block_size != tokens for tb in tables):
             log.warning("kvx: request %s: %s blocks for a %d-token chunk; not saving it", t.req_id,
                         [len(tb[b0:b1]) for tb in tables], tokens)
@@ -488,6 +497,12 @@ class KVXScheduler:
         self.events.record(key, t.request, b0, b1 - b0)
         state = self.cpu.state(key) if self.cpu is not None else None
         slot = self.cpu.allocate(key) if self.cpu is not None and state is None else None
+        if state is SlotState.PENDING:
+            # another save is writing the chunk into the CPU tier (or this request's own earlier one, which a
+            # failed load poisoned): counted as saved only if that write commits; if it is aborted, this request
+            # plans the chunk again (update_connector_output)
+            waiting = self._awaiting.setdefault(key, {})
+            waiting[t.req_id] = chunk if t.req_id not in waiting else _first_chunk(waiting[t.req_id], chunk)
         to_tiers = [n for n in self.stack.lacking(key) if n != t.loaded_from.get(key)]
         if to_tiers and deps and self.num_workers > 1:
             # A rank cannot know in time that a load failed on another rank: only the scheduler hears every
@@ -565,6 +580,7 @@ class KVXScheduler:
                 self._poisoned.discard(key)
                 through = self._after_commit.pop(key, None)
                 del c["stored"][key], c["unstored"][key]
+                waiting = self._awaiting.pop(key, {})
                 if self.cpu is None or self.cpu.state(key) is not SlotState.PENDING:
                     continue
                 if ok:
@@ -574,6 +590,7 @@ class KVXScheduler:
                 else:
                     self.cpu.abort(key)
                     self.stats["cpu_store_failed"] += 1
+                    self._rewind(waiting)
         for tk in wm.tier_removed:
             self.events.removed(*tier_done_key(tk))
         for rid, n in wm.loads_done.items():
@@ -588,6 +605,18 @@ class KVXScheduler:
                 if t is not None and t.phase is Phase.LOADING:
                     t.phase = Phase.RUNNING
         self.validity.settle()
+
+    def _rewind(self, waiting: dict[str, int | None]) -> None:
+        """Plan again the chunks these requests counted as saved on a CPU write that was aborted."""
+        for rid, chunk in waiting.items():
+            t = self.trackers.get(rid)
+            if t is None:
+                continue
+            if chunk is None:
+                t.partial_done = False
+            else:
+                t.saved_chunks = min(t.saved_chunks, chunk)
+            self.stats["saves_replanned"] += 1
 
     def _on_failed_loads(self, blocks: list[int]) -> None:
         """Workers could not load these blocks; vLLM recomputes them. Saves computed against them are

@@ -74,6 +74,7 @@ COUNTERS = {
     "saves_deferred": "Chunk saves held back because their KV depends on a failed load (saved after recompute)",
     "saves_poisoned": "In-flight chunk saves discarded because a load they depend on failed",
     "saves_dropped": "Chunk saves a worker dropped because a load they depend on failed there",
+    "saves_replanned": "Chunks planned again because the CPU-tier write a request counted on was aborted",
     "loaded_chunks": "Chunks loaded into the paged KV cache",
     "loaded_blocks": "vLLM blocks filled from kvx",
     "load_ms": "Milliseconds spent loading (per worker, summed)",
