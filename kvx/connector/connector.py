@@ -146,7 +146,8 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config) -> bool:
-        return False  # the registered KV tensors would change under us
+        # vLLM >= 0.33 calls unregister_kv_caches before a sleep and restore_kv_caches after the wake-up
+        return True
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVXStats | None:
@@ -160,6 +161,20 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._worker is not None:
             self._worker.register_kv_caches(kv_caches, self._layout_name, self._kv_cache_config.num_blocks)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM >= 0.33, before ``Worker.sleep`` (or a discard of the KV cache): copies drained, everything tied
+        to the KV tensors' addresses dropped; the tiers and what they hold stay
+        (:meth:`~kvx.connector.worker.KVXWorker.unregister_kv_caches`)."""
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor] | None = None) -> None:
+        """vLLM >= 0.33, after ``Worker.wake_up`` restored the KV cache: described again from vLLM's tensors
+        (those registered before, whose memory vLLM's sleep backend mapped back), or from ``kv_caches`` where a
+        caller hands new ones (a backend that moves them)."""
+        if self._worker is not None:
+            self._worker.restore_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None:

@@ -205,6 +205,9 @@ class KVXWorker:
         self._rank_keys: OrderedDict[str, str] = OrderedDict()   # TP: storage key -> chunk key, written here
         self._removed_lock = threading.Lock()
         self.fence_loads_at_start = False     # fence every load in start_load_kv (no per-layer fences)
+        # (views, layout, layout name, vLLM block count) registered last: kept across a sleep, to check and
+        # describe the restored caches (vLLM's tensor objects, which vLLM keeps too: no memory held here)
+        self._registered: tuple[dict[str, torch.Tensor], KVLayout, object, int] | None = None
         self._loads_started = False
 
     # ------------------------------------------------------------------ setup
@@ -212,48 +215,15 @@ class KVXWorker:
         """Describe vLLM's per-layer views and allocate the tiers' worker-side resources.
 
         ``num_blocks`` is vLLM's block count: views whose dim 0 is a multiple of it hold kernel blocks
-        (each vLLM block split in ``ratio`` pieces); block ids are then expanded on the fly.
+        (each vLLM block split in ``ratio`` pieces); block ids are then expanded on the fly. Called again
+        (caches allocated anew after a sleep), it only describes the new caches (:meth:`restore_kv_caches`).
         """
-        views = dict(kv_caches)
-        first = next(iter(views.values()))
-        rows = int(first.shape[0])
-        if num_blocks <= 0 or rows % num_blocks:
-            raise ValueError(f"kv_caches: expected views with a multiple of {num_blocks} blocks, got {rows}")
-        self.ratio = rows // num_blocks
-        self.layout = KVLayout.from_vllm(views, layout_name, use_mla=self.geom.use_mla,
-                                         backend="CPU_ATTN" if self.geom.opaque else None)
+        if self._registered is not None:
+            self.unregister_kv_caches()
+            self.restore_kv_caches(kv_caches)
+            return
+        self._describe(kv_caches, layout_name, num_blocks)
         lay = self.layout
-        if lay.block_size * self.ratio != self.geom.block_size or lay.num_heads != self.geom.num_kv_heads:
-            raise ValueError(f"kv_caches: expected blocks of {self.geom.block_size} tokens x "
-                             f"{self.geom.num_kv_heads} heads, got {lay}")
-        if self.kv_groups > 1 and lay.num_layers != self.geom.num_layers:
-            raise ValueError(f"kv_caches: expected the {self.kv_groups} KV cache groups' layers to alias "
-                             f"{self.geom.num_layers} tensors, got {lay.num_layers}")
-        if self.fmt == "pages" and lay.page is None:
-            raise ValueError(f"kv_caches: the {lay.name} views have no contiguous page per block; use "
-                             "format 'canonical'")
-        self.engine = TransferEngine(lay.device)
-        self.order = BlockOrder(self.engine)
-        # Layer groups: the unit wait_for_layer_load fences and save_kv_layer queues. One per layer on CUDA
-        # (copies overlap the forward) and in the deferred CPU queue (the CUDA code path); one for all layers
-        # on CPU threads (the CPU copy already uses every core).
-        per_layer = self.engine.mode in ("cuda", "deferred")
-        bounds = [(i, i + 1) for i in range(lay.num_layers)] if per_layer else [(0, lay.num_layers)]
-        for a, b in bounds:
-            self.groups.append((a, b, lay.layer_range(a, b)))
-        if lay.device.type == "cuda":
-            # the kernels' device tables of layer addresses, uploaded now: a first upload inside a step would
-            # make the host wait for the copy stream
-            for layout in [lay] + [sub for _, _, sub in self.groups]:
-                layout.layer_ptrs(lay.device)
-            if not os.environ.get("KVX_H2D_DMA_MIN_BYTES"):
-                ops.calibrate_h2d(lay.device)      # kernel or DMA per piece size, measured now, not in a step
-        ptr_to_layer = {t.data_ptr(): i for i, t in enumerate(lay.layers)}
-        for name, t in views.items():
-            layer = ptr_to_layer.get(t.data_ptr())
-            if layer is not None:
-                self.layer_of[name] = layer
-                self.group_of[name] = next(g for g, (a, b, _) in enumerate(self.groups) if a <= layer < b)
         pin = lay.device.type == "cuda"
         n_slots = num_cpu_slots(self.config, self.geom)
         if n_slots:
@@ -275,14 +245,106 @@ class KVXWorker:
         log.info("kvx: worker %d/%d registered %s, format %s, %d CPU slots, tiers %s", self.shard, self.shards,
                  lay, self.fmt, n_slots, list(self.tiers) or "none")
 
+    def _describe(self, kv_caches: dict[str, torch.Tensor], layout_name, num_blocks: int) -> None:
+        """Everything tied to the KV tensors' addresses: the layout (layer pointers, the kernels' device tables),
+        the layer groups and the layer names' places in them; the copy queues the first time."""
+        views = dict(kv_caches)
+        first = next(iter(views.values()))
+        rows = int(first.shape[0])
+        if num_blocks <= 0 or rows % num_blocks:
+            raise ValueError(f"kv_caches: expected views with a multiple of {num_blocks} blocks, got {rows}")
+        ratio = rows // num_blocks
+        lay = KVLayout.from_vllm(views, layout_name, use_mla=self.geom.use_mla,
+                                 backend="CPU_ATTN" if self.geom.opaque else None)
+        if lay.block_size * ratio != self.geom.block_size or lay.num_heads != self.geom.num_kv_heads:
+            raise ValueError(f"kv_caches: expected blocks of {self.geom.block_size} tokens x "
+                             f"{self.geom.num_kv_heads} heads, got {lay}")
+        if self.kv_groups > 1 and lay.num_layers != self.geom.num_layers:
+            raise ValueError(f"kv_caches: expected the {self.kv_groups} KV cache groups' layers to alias "
+                             f"{self.geom.num_layers} tensors, got {lay.num_layers}")
+        if self.fmt == "pages" and lay.page is None:
+            raise ValueError(f"kv_caches: the {lay.name} views have no contiguous page per block; use "
+                             "format 'canonical'")
+        if self._registered is not None:       # restored after a sleep: the chunks in the tiers must still fit
+            was = self._registered[1]
+            if (lay.dtype, lay.num_layers, lay.device, self.chunk_shape_of(lay, self.config.chunk_size)) != (
+                    was.dtype, was.num_layers, was.device, self.chunk_shape_of(was, self.config.chunk_size)):
+                raise ValueError(f"kv_caches: expected caches of the geometry registered before the sleep ({was}), "
+                                 f"got {lay}")
+        if self.engine is None:
+            self.engine = TransferEngine(lay.device)
+        self.ratio, self.layout = ratio, lay
+        self.order = BlockOrder(self.engine)
+        # Layer groups: the unit wait_for_layer_load fences and save_kv_layer queues. One per layer on CUDA
+        # (copies overlap the forward) and in the deferred CPU queue (the CUDA code path); one for all layers
+        # on CPU threads (the CPU copy already uses every core).
+        per_layer = self.engine.mode in ("cuda", "deferred")
+        bounds = [(i, i + 1) for i in range(lay.num_layers)] if per_layer else [(0, lay.num_layers)]
+        self.groups = [(a, b, lay.layer_range(a, b)) for a, b in bounds]
+        if lay.device.type == "cuda":
+            # the kernels' device tables of layer addresses, uploaded now: a first upload inside a step would
+            # make the host wait for the copy stream
+            for layout in [lay] + [sub for _, _, sub in self.groups]:
+                layout.layer_ptrs(lay.device)
+            if not os.environ.get("KVX_H2D_DMA_MIN_BYTES"):
+                # kernel or DMA per piece size, measured now, not in a step; per device, on scratch buffers (not
+                # the KV tensors): a sleep does not change it
+                ops.calibrate_h2d(lay.device)
+        ptr_to_layer = {t.data_ptr(): i for i, t in enumerate(lay.layers)}
+        self.layer_of, self.group_of = {}, {}
+        for name, t in views.items():
+            layer = ptr_to_layer.get(t.data_ptr())
+            if layer is not None:
+                self.layer_of[name] = layer
+                self.group_of[name] = next(g for g, (a, b, _) in enumerate(self.groups) if a <= layer < b)
+        self._registered = (views, lay, layout_name, num_blocks)
+
+    # ------------------------------------------------------------------ sleep mode (vLLM >= 0.33)
+    def unregister_kv_caches(self) -> None:
+        """Before vLLM's sleep frees or unmaps the KV cache: drain every copy touching it, then drop what is
+        tied to its addresses (layout, layer pointers, the kernels' device pointer tables, the layer groups).
+        Kept: the CPU tier and the byte tiers with everything stored in them (a sleep loses no chunk), the
+        staging buffers, the tier writes still in flight (they read kvx's own host buffers, not the KV
+        cache) and their results, which later steps report; the H2D calibration (per device). Idempotent."""
+        if self.layout is None:
+            return
+        for load in self._sync_loads + list(self._async_loads.values()):
+            self._resolve(load)           # every read in: its copies are queued, then run by the flush
+        self.engine.flush()               # every copy of the KV cache, loads and gathers, has run
+        for load in self._sync_loads:     # a step vLLM did not finish (it drains them first): report it
+            self._report_failures(load)
+            self._retiring.append(load)
+        self._sync_loads = []
+        self._retire_loads()
+        self.layout, self.groups, self.layer_of, self.group_of = None, [], {}, {}
+        self.order = BlockOrder(self.engine)      # no job refers to the old blocks any more
+        self._step_saves = self._step_gathers = None
+        log.info("kvx: worker %d/%d unregistered its KV caches (sleep); %s chunks stay in the tiers", self.shard,
+                 self.shards, "CPU and byte tier" if self.pool is not None else "byte tier")
+
+    def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor] | None = None) -> None:
+        """After vLLM's wake-up: describe the KV cache again, from ``kv_caches`` (new tensors, at new addresses
+        or the same), or, when None, from the tensors registered before the sleep (vLLM's own objects, whose
+        memory its sleep backend mapped back). Idempotent. The async loads still waiting resume their copies."""
+        if self._registered is None:
+            raise RuntimeError("restore_kv_caches: no KV caches were registered")
+        views, _, layout_name, num_blocks = self._registered
+        if self.layout is not None and kv_caches is None:
+            return
+        self._describe(views if kv_caches is None else kv_caches, layout_name, num_blocks)
+        log.info("kvx: worker %d/%d restored its KV caches: %s", self.shard, self.shards, self.layout)
+
     @property
     def chunk_dtype(self) -> torch.dtype:
         return torch.uint8 if self.fmt == "pages" else self.layout.dtype
 
     def chunk_shape(self, tokens: int) -> tuple[int, ...]:
+        return self.chunk_shape_of(self.layout, tokens)
+
+    def chunk_shape_of(self, layout: KVLayout, tokens: int) -> tuple[int, ...]:
         if self.fmt == "pages":
-            return self.layout.page_shape(self.kv_groups * tokens // self.layout.block_size)
-        return self.layout.canonical_shape(self.kv_groups * tokens)
+            return layout.page_shape(self.kv_groups * tokens // layout.block_size)
+        return layout.canonical_shape(self.kv_groups * tokens)
 
     def _blocks_view(self, chunk: torch.Tensor, first_block: int, n_blocks: int, layers=None) -> torch.Tensor:
         """The part of a chunk tensor that holds vLLM blocks [first_block, first_block + n_blocks)."""

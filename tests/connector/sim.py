@@ -267,6 +267,32 @@ class Env:
         else:
             self._forward_layer(plan, layer)
 
+    def sleep_and_wake(self, move: bool) -> list[list[torch.Tensor]]:
+        """vLLM >= 0.33's sleep and wake-up as a worker sees them: ``unregister_kv_caches``, the KV cache's
+        contents lost (level 1 discards it) and vLLM's prefix cache reset, then ``restore_kv_caches``. ``move``:
+        the caches come back as new tensors at new addresses (else the same tensors, as vLLM's CuMem backend
+        maps them back). The old tensors are filled with 0xFF bytes, and returned: nothing may write them."""
+        old = self.rank_caches
+        for w in self.workers:
+            w.unregister_kv_caches()
+        assert self.sched.reset_prefix_cache()
+        for caches in old:
+            for t in caches:
+                t.view(torch.uint8).fill_(0xFF)
+        if move:
+            self.rank_caches = []
+            for w in self.workers:
+                caches = make_kv_caches("cpu", num_layers=2, num_blocks=self.kcc.num_blocks, block_size=BLOCK,
+                                        num_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+                w.restore_kv_caches(dict(zip(LAYERS, caches)))
+                self.rank_caches.append(caches)
+            self.caches = self.rank_caches[0]
+        else:
+            for w in self.workers:
+                w.restore_kv_caches()
+        self.writes.clear()       # what the forwards wrote is gone with the old contents
+        return old
+
     def flush(self):
         """Run every queued copy and virtual forward (before reading the caches or the tiers)."""
         for w in self.workers:
