@@ -4,6 +4,10 @@
 # compute-sanitizer memcheck/racecheck pass over the copy kernels and the DMA path, then the copy
 # benchmark; prints the result tables at the end (copy_cuda.md, and copy_h2d_cuda.md: UVA kernel vs DMA
 # vs one cudaMemcpyAsync per page over piece sizes, with the measured threshold).
+# The kernel's CPU emulation (impl "cuda_sim", tests/kernels/test_cuda_sim.py) runs here next to its GPU
+# twins: the real launcher's grid checked against kernel_launch_config() and the emulation on this device's
+# SM count, the grid-stride / CTA-cap / UVA shapes on the real kernel, and those under compute-sanitizer
+# (the device-side counterpart of the emulation's alignment, bounds and double-write checks).
 # Needs torch (CUDA build), triton, nvcc, pytest; no vLLM and no network.
 #   PYTHON=python3 benchmarks/run_gpu.sh
 set -uo pipefail
@@ -13,6 +17,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 KVX_CUDA=1 KVX_CUDA_ARCHS="${KVX_CUDA_ARCHS:-90}" "$PY" -m pip install --no-build-isolation --no-deps -e . -q || exit 1
 "$PY" -c "import kvx._C as C; assert C.has_cuda and C.cuda_device_count() > 0, 'CUDA kernels not usable'"
 "$PY" -m pytest tests/kernels -q -m gpu -p no:cacheprovider; rc_tests=$?
+# cuda_sim (CPU) and its GPU twins in one run: the emulated launch decisions next to the device's own
+"$PY" -m pytest tests/kernels/test_cuda_sim.py -q -p no:cacheprovider || rc_tests=1
 # the connector's worker racing a slow fake forward through finish / reuse / preempt / load steps
 "$PY" -m pytest tests/gpu -q -m gpu -p no:cacheprovider || rc_tests=1
 if command -v compute-sanitizer >/dev/null 2>&1; then
@@ -21,6 +27,9 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
       tests/kernels/test_h2d.py -q -m gpu -k "cuda and bs16 and hs5 and bfloat16" -p no:cacheprovider \
       > "/tmp/kvx-sanitizer-$tool.log" 2>&1
     echo "compute-sanitizer $tool (kernels): exit $? (log /tmp/kvx-sanitizer-$tool.log)"
+    compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" -m pytest tests/kernels/test_cuda_sim.py -q -m gpu \
+      -p no:cacheprovider > "/tmp/kvx-sanitizer-$tool-grids.log" 2>&1
+    echo "compute-sanitizer $tool (grid-stride, CTA caps, UVA): exit $? (log /tmp/kvx-sanitizer-$tool-grids.log)"
     compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" -m pytest tests/gpu -q -m gpu -k bit_exact \
       -p no:cacheprovider > "/tmp/kvx-sanitizer-$tool-pipeline.log" 2>&1
     echo "compute-sanitizer $tool (worker pipeline): exit $? (log /tmp/kvx-sanitizer-$tool-pipeline.log)"

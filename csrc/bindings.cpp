@@ -11,8 +11,10 @@
 
 #include "cpu/copy_cpu.h"
 #include "cpu/crc32c.h"
+#include "cuda/launch_config.h"  // host arithmetic only: bound with or without nvcc
 #if defined(KVX_WITH_CUDA)
 #include "cuda/copy_cuda.h"
+#include "cuda/copy_sim.h"
 #endif
 
 namespace py = pybind11;
@@ -53,6 +55,20 @@ int32_t checked_direction(int32_t direction) {
 py::array_t<int64_t> to_array(const std::vector<int64_t>& v) {
   return py::array_t<int64_t>(static_cast<py::ssize_t>(v.size()), v.data());
 }
+
+std::vector<int64_t> checked_layer_ptrs(const std::vector<int64_t>& layer_ptrs, int32_t num_layers) {
+  if (num_layers < 1 || layer_ptrs.size() != static_cast<size_t>(num_layers))
+    throw std::invalid_argument("layer_ptrs: expected num_layers = " + std::to_string(num_layers) +
+                                " addresses, got " + std::to_string(layer_ptrs.size()));
+  return layer_ptrs;
+}
+
+#if defined(KVX_WITH_CUDA)
+// kvx._C.CudaSimFault (a RuntimeError): what the emulated kernel did that a GPU would fault on or corrupt.
+struct SimFault : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+#endif
 
 }  // namespace
 
@@ -127,16 +143,46 @@ PYBIND11_MODULE(_C, m) {
       "plan_launch",
       [](const kvx::PagedDesc& paged, const kvx::ContigDesc& contig_strides, int64_t row_bytes, int32_t num_layers,
          int64_t num_ids, int32_t mode, const std::vector<int64_t>& layer_ptrs, int64_t contig) {
-        if (num_layers < 1 || layer_ptrs.size() != static_cast<size_t>(num_layers))
-          throw std::invalid_argument("layer_ptrs: expected num_layers = " + std::to_string(num_layers) +
-                                      " addresses, got " + std::to_string(layer_ptrs.size()));
+        const std::vector<int64_t> ptrs = checked_layer_ptrs(layer_ptrs, num_layers);
         return kvx::plan_launch(params_from(paged, contig_strides, row_bytes, num_layers, num_ids, mode),
-                                layer_ptrs.data(), contig);
+                                ptrs.data(), contig);
       },
       py::arg("paged"), py::arg("contig_strides"), py::arg("row_bytes"), py::arg("num_layers"), py::arg("num_ids"),
       py::arg("mode"), py::arg("layer_ptrs"), py::arg("contig"),
       "Row merging and copy width of kv_layout.h (plan_launch) for a copy between layers at `layer_ptrs` and a "
       "contiguous side at address `contig` (only the addresses' alignment is read): the Triton launcher's plan.");
+
+  py::class_<kvx::cuda::LaunchConfig>(
+      m, "LaunchConfig",
+      "kvx::cuda::LaunchConfig: how the CUDA copy kernel is launched (launch_config.h): vector width in bytes, "
+      "lanes per row (tpr), row groups per CTA (groups = 256 / tpr), the grid (ctas; 0 = no launch), the rows "
+      "of the iteration space (total_rows, padding slots included) and the collapsed params the kernel gets.")
+      .def_readonly("params", &kvx::cuda::LaunchConfig::params)
+      .def_readonly("total_rows", &kvx::cuda::LaunchConfig::total_rows)
+      .def_readonly("ctas", &kvx::cuda::LaunchConfig::ctas)
+      .def_readonly("width", &kvx::cuda::LaunchConfig::width)
+      .def_readonly("tpr", &kvx::cuda::LaunchConfig::tpr)
+      .def_readonly("groups", &kvx::cuda::LaunchConfig::groups)
+      .def("__repr__", [](const kvx::cuda::LaunchConfig& c) {
+        return "LaunchConfig(width=" + std::to_string(c.width) + ", tpr=" + std::to_string(c.tpr) + ", groups=" +
+               std::to_string(c.groups) + ", ctas=" + std::to_string(c.ctas) + ", total_rows=" +
+               std::to_string(c.total_rows) + ", row_bytes=" + std::to_string(c.params.row_bytes) + ")";
+      });
+
+  m.def(
+      "cuda_launch_config",
+      [](const kvx::PagedDesc& paged, const kvx::ContigDesc& contig_strides, int64_t row_bytes, int32_t num_layers,
+         int64_t num_ids, int32_t mode, const std::vector<int64_t>& layer_ptrs, int64_t contig, int sm_count,
+         int max_ctas) {
+        if (sm_count < 1) throw std::invalid_argument("sm_count: expected >= 1, got " + std::to_string(sm_count));
+        const std::vector<int64_t> ptrs = checked_layer_ptrs(layer_ptrs, num_layers);
+        return kvx::cuda::kernel_launch_config(params_from(paged, contig_strides, row_bytes, num_layers, num_ids, mode),
+                                               ptrs.data(), contig, sm_count, max_ctas);
+      },
+      py::arg("paged"), py::arg("contig_strides"), py::arg("row_bytes"), py::arg("num_layers"), py::arg("num_ids"),
+      py::arg("mode"), py::arg("layer_ptrs"), py::arg("contig"), py::arg("sm_count"), py::arg("max_ctas") = 0,
+      "The CUDA copy kernel's launch (launch_config.h kernel_launch_config) on a device of `sm_count` SMs: what "
+      "cuda_copy launches and cuda_sim_copy emulates. Only the addresses' alignment is read.");
 
   m.def(
       "plan_runs",
@@ -149,13 +195,13 @@ PYBIND11_MODULE(_C, m) {
         bool fits;
         {
           py::gil_scoped_release nogil;
-          const int64_t max_runs = kvx::max_runs_for(kvx::payload_bytes(p, as_ptr<int64_t>(ids)), min_run_bytes);
-          fits = kvx::for_each_run(p, as_ptr<int64_t>(layer_ptrs), as_ptr<int64_t>(ids), contig, direction, max_runs,
-                                   [&](int64_t d, int64_t s, int64_t b) {
-                                     dst.push_back(d);
-                                     src.push_back(s);
-                                     bytes.push_back(b);
-                                   });
+          // the function copy_dma() issues its DMA from (kv_layout.h plan_runs)
+          fits = kvx::plan_runs(p, as_ptr<int64_t>(layer_ptrs), as_ptr<int64_t>(ids), contig, direction,
+                                min_run_bytes, [&](int64_t d, int64_t s, int64_t b) {
+                                  dst.push_back(d);
+                                  src.push_back(s);
+                                  bytes.push_back(b);
+                                });
         }
         if (!fits) return py::none();
         return py::make_tuple(to_array(dst), to_array(src), to_array(bytes));
@@ -273,14 +319,60 @@ PYBIND11_MODULE(_C, m) {
               int64_t num_ids, int64_t contig, const kvx::PagedDesc& paged, const kvx::ContigDesc& contig_strides,
               int64_t row_bytes, int32_t mode, int32_t direction, int64_t stream, int max_ctas) {
         const kvx::CopyParams p = params_from(paged, contig_strides, row_bytes, num_layers, num_ids, mode);
+        kvx::cuda::LaunchConfig used{};
         check(kvx::cuda::copy(p, as_ptr<int64_t>(layer_ptrs_host), as_ptr<int64_t>(layer_ptrs_dev),
-                              as_ptr<int64_t>(ids_dev), contig, direction, stream, max_ctas),
+                              as_ptr<int64_t>(ids_dev), contig, direction, stream, max_ctas, &used),
               "copy launch");
+        return used;
       },
       py::arg("layer_ptrs_host"), py::arg("layer_ptrs_dev"), py::arg("num_layers"), py::arg("ids"),
       py::arg("num_ids"), py::arg("contig"), py::arg("paged"), py::arg("contig_strides"),
       py::arg("row_bytes"), py::arg("mode"), py::arg("direction"), py::arg("stream"),
-      py::arg("max_ctas") = 0, "Launch the CUDA copy kernel on `stream` (no sync).");
+      py::arg("max_ctas") = 0,
+      "Launch the CUDA copy kernel on `stream` (no sync); returns the LaunchConfig it launched with.");
+
+  // impl "cuda_sim": the kernel above, its body and launch decisions run on the CPU (copy_sim.h)
+  m.attr("has_cuda_sim") = true;
+  py::register_exception<SimFault>(m, "CudaSimFault", PyExc_RuntimeError);
+  py::class_<kvx::cuda::SimReport>(m, "CudaSimReport",
+                                   "What one emulated launch did (copy_sim.h SimReport): its config, threads run, "
+                                   "(thread, row) visits, most rows per thread, vector accesses.")
+      .def_readonly("config", &kvx::cuda::SimReport::config)
+      .def_readonly("threads", &kvx::cuda::SimReport::threads)
+      .def_readonly("row_visits", &kvx::cuda::SimReport::row_visits)
+      .def_readonly("rows_per_thread", &kvx::cuda::SimReport::rows_per_thread)
+      .def_readonly("accesses", &kvx::cuda::SimReport::accesses);
+  m.def(
+      "cuda_sim_copy",
+      [](int64_t layer_ptrs, int64_t layer_bounds, int32_t num_layers, int64_t ids, int64_t num_ids, int64_t contig,
+         int64_t contig_lo, int64_t contig_hi, const kvx::PagedDesc& paged, const kvx::ContigDesc& contig_strides,
+         int64_t row_bytes, int32_t mode, int32_t direction, int sm_count, int max_ctas, int force_width) {
+        const kvx::CopyParams p = params_from(paged, contig_strides, row_bytes, num_layers, num_ids, mode);
+        checked_direction(direction);
+        if (num_layers < 1) throw std::invalid_argument("num_layers: expected >= 1, got " + std::to_string(num_layers));
+        if (sm_count < 1) throw std::invalid_argument("sm_count: expected >= 1, got " + std::to_string(sm_count));
+        if (force_width != 0 && force_width != 1 && force_width != 2 && force_width != 4 && force_width != 8 &&
+            force_width != 16)
+          throw std::invalid_argument("force_width: expected 0 (copy_width()'s) or 1, 2, 4, 8, 16, got " +
+                                      std::to_string(force_width));
+        kvx::cuda::SimReport report;
+        {
+          py::gil_scoped_release nogil;
+          report = kvx::cuda::simulate_copy(p, as_ptr<int64_t>(layer_ptrs), as_ptr<int64_t>(layer_bounds),
+                                            as_ptr<int64_t>(ids), contig, contig_lo, contig_hi, direction, sm_count,
+                                            max_ctas, force_width);
+        }
+        if (!report.fault.empty()) throw SimFault(report.fault);
+        return report;
+      },
+      py::arg("layer_ptrs"), py::arg("layer_bounds"), py::arg("num_layers"), py::arg("ids"), py::arg("num_ids"),
+      py::arg("contig"), py::arg("contig_lo"), py::arg("contig_hi"), py::arg("paged"), py::arg("contig_strides"),
+      py::arg("row_bytes"), py::arg("mode"), py::arg("direction"), py::arg("sm_count"), py::arg("max_ctas") = 0,
+      py::arg("force_width") = 0,
+      "Run the CUDA copy kernel's body for every thread of its launch on CPU memory (GIL released), each vector "
+      "access checked against alignment, its buffer (layer l: [layer_bounds[2l], layer_bounds[2l+1]); the "
+      "contiguous side: [contig_lo, contig_hi)) and earlier writes of the launch. Raises CudaSimFault at the first "
+      "violation. force_width (tests of the checker): a vector width to use instead of copy_width()'s.");
   m.def(
       "cuda_copy_dma",
       [check](int64_t layer_ptrs_host, int32_t num_layers, int64_t ids_host, int64_t num_ids, int64_t contig,
@@ -325,5 +417,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_device_count", &kvx::cuda::device_count);
 #else
   m.attr("has_cuda") = false;
+  m.attr("has_cuda_sim") = false;  // the emulation is the CUDA kernel's source: compiled by nvcc only
 #endif
 }

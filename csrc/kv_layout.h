@@ -208,7 +208,8 @@ inline LaunchPlan plan_launch(const CopyParams& params, const int64_t* layer_ptr
 // layer, plane, id; then token, head) after collapse_rows(), and extends the current run while the next
 // row continues it on both sides, so consecutive block ids whose pages are adjacent on both sides (a
 // legacy-flash plane, raw pages of consecutive blocks, a whole cache) become one run. Padding slots
-// are skipped. Host-side only: the CUDA DMA executor (copy_cuda.cu) and kvx._C.plan_runs use it.
+// are skipped. Host-side only: the CUDA DMA executor (copy_cuda.cu) and kvx._C.plan_runs use it, both
+// through plan_runs() below.
 
 // Bytes the copy moves: the rows of every non-padding entry (the same before and after collapse_rows()).
 //   ids: [num_ids] block or slot ids (only slot mode reads them)
@@ -264,6 +265,20 @@ inline bool for_each_run(const CopyParams& params, const int64_t* layer_ptrs, co
   }
   if (bytes > 0) emit(dst, src, bytes);
   return true;
+}
+
+// The run list a DMA executor issues: emit(dst, src, bytes) for every run of the copy, or false when its
+// runs average fewer than `min_run_bytes` (<= 0: never), emit having then seen a prefix to discard. The one
+// place that decides both the runs and the cutoff: copy_dma() (copy_cuda.cu) issues what this emits, and
+// kvx._C.plan_runs returns it, so the CPU tests that memmove each run execute exactly the DMA plan.
+//   layer_ptrs: [num_layers] layer base addresses
+//   ids:        [num_ids] block ids (kBlocks) or slot ids, negative = padding (kSlots)
+//   contig:     base address of the contiguous side (as the copy engines see it)
+template <typename Emit>
+inline bool plan_runs(const CopyParams& p, const int64_t* layer_ptrs, const int64_t* ids, int64_t contig,
+                      int32_t direction, int64_t min_run_bytes, Emit&& emit) {
+  const int64_t max_runs = max_runs_for(payload_bytes(p, ids), min_run_bytes);
+  return for_each_run(p, layer_ptrs, ids, contig, direction, max_runs, emit);
 }
 
 }  // namespace kvx

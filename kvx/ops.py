@@ -20,9 +20,13 @@ the host (no device sync) and uploaded with the copy. The contiguous side may be
 dense); for a CUDA cache it may live in pinned host memory, which the kernel reads or writes directly.
 
 Implementations (``impl=``): ``"reference"`` (pure torch), ``"cpu"`` (C++ threads, GIL released),
-``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"cuda"``. ``None`` picks the fastest
-available for the cache's device: ``cpu`` on CPU, ``cuda`` then ``triton`` on CUDA.
-:func:`available_impls` lists what this install can run.
+``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"cuda"``, and ``"cuda_sim"``: the CUDA copy
+kernel's own source (body and launch decisions) run on CPU caches for every thread of its grid, on a
+device of :data:`CUDA_SIM_SM_COUNT` SMs, each vector access checked for alignment, bounds (the layer
+tensor's and the contiguous side's extent) and double writes; a violation raises ``kvx._C.CudaSimFault``
+naming the CTA, thread, row and address. It is a test tool (one CPU thread emulating the grid), built
+whenever kvx is built with nvcc. ``None`` picks the fastest available for the cache's device: ``cpu`` on
+CPU, ``cuda`` then ``triton`` on CUDA. :func:`available_impls` lists what this install can run.
 
 Ops launch on the caller's current stream (``with torch.cuda.stream(s):`` to use another) and never
 synchronize the host.
@@ -55,10 +59,11 @@ import torch
 from . import reference
 from .layout import ContigDesc, CopyPlan, KVLayout, PagedDesc, _byte_span, non_overlapping
 
-IMPLS = ("reference", "cpu", "triton", "cuda")
+IMPLS = ("reference", "cpu", "triton", "cuda", "cuda_sim")
 PATHS = ("kernel", "dma")   # host <-> device paths of impl "cuda" (``path=``); None = by the measured rule
 
 H2D_MAX_CTAS = 8            # thread blocks (so SMs) the copy kernel may use for a host <-> device copy
+CUDA_SIM_SM_COUNT = 132     # SMs of the device impl "cuda_sim" emulates (an H100 SXM): its grid's fill cap
 DMA_NEVER = 2**63 - 1       # a DMA threshold no copy reaches: always the kernel
 H2D_ENV = "KVX_H2D_DMA_MIN_BYTES"
 
@@ -99,6 +104,8 @@ def available_impls(device: str | torch.device = "cpu") -> list[str]:
         impls.append("triton")
     if device.type == "cuda" and _C is not None and getattr(_C, "has_cuda", False):
         impls.append("cuda")
+    if device.type == "cpu" and _C is not None and getattr(_C, "has_cuda_sim", False):
+        impls.append("cuda_sim")
     return impls
 
 
@@ -536,6 +543,8 @@ def _execute(kind: str, direction: int, layout: KVLayout, ids, buf, impl, max_ct
                     paged, contig, plan.row_bytes, plan.mode, direction)
     elif impl == "cuda":
         _run_cuda(plan, layout, ids, buf, direction, max_ctas, path, ids_dev)
+    elif impl == "cuda_sim":
+        _run_cuda_sim(plan, layout, ids, buf, direction, max_ctas)
     else:
         _run_triton(plan, layout, ids, buf, direction)
 
@@ -669,6 +678,25 @@ def _run_cuda(plan: CopyPlan, layout: KVLayout, ids, buf, direction, max_ctas, p
         _C.cuda_copy(layout.layer_ptrs().data_ptr(), layout.layer_ptrs(layout.device).data_ptr(), plan.num_layers,
                      ids_dev.data_ptr(), plan.num_ids, contig, *_c_descs(plan), plan.row_bytes, plan.mode,
                      direction, stream.cuda_stream, max_ctas)
+
+
+def _cuda_sim_args(plan: CopyPlan, layout: KVLayout, ids: torch.Tensor, buf: torch.Tensor) -> tuple:
+    """``(bounds, args)`` for one validated copy: ``args`` are the arguments of ``kvx._C.cuda_sim_copy`` up to
+    ``contig_strides``; ``bounds`` is the int64 ``[L, 2]`` tensor of per-layer ``[lo, hi)`` they point to (hold
+    it while the call runs; the checker's tests narrow a bound in it).
+
+    The bounds are the views' extents, not their storages': each layer tensor's byte span (so an access into
+    another layer of a shared allocation counts as out of bounds) and the contiguous side's span.
+    """
+    bounds = torch.tensor([_byte_span(t) for t in layout.layers], dtype=torch.int64)
+    lo, hi = _byte_span(buf)
+    return bounds, (layout.layer_ptrs().data_ptr(), bounds.data_ptr(), plan.num_layers, ids.data_ptr(),
+                    plan.num_ids, buf.data_ptr(), lo, hi, *_c_descs(plan))
+
+
+def _run_cuda_sim(plan: CopyPlan, layout: KVLayout, ids, buf, direction, max_ctas):
+    _bounds, args = _cuda_sim_args(plan, layout, ids, buf)   # held: the call reads the bounds by address
+    _C.cuda_sim_copy(*args, plan.row_bytes, plan.mode, direction, CUDA_SIM_SM_COUNT, max_ctas)
 
 
 def _run_triton(plan: CopyPlan, layout: KVLayout, ids, buf, direction):

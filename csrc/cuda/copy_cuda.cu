@@ -5,6 +5,9 @@
 // row of 16-byte words keeps 16 lanes busy and a warp serves two rows). Each lane moves one vector word
 // of width sizeof(VecT) (16 bytes when every address and stride allows) per iteration, with streaming
 // cache hints: the data is touched once, so it should not evict the model's working set from L2.
+// The kernel's body is copy_thread() in copy_kernel.cuh and every launch decision (width, TPR, grid) is
+// kernel_launch_config() in launch_config.h: the CPU emulation (copy_sim.cu, impl "cuda_sim") runs both
+// as they are, so this file holds only what a GPU alone can run (streaming accesses, the launch, DMA).
 // The contiguous side may be pinned host memory mapped into the device address space (UVA): the same
 // kernel then reads/writes over PCIe, which is how small pages beat one DMA per block.
 //
@@ -19,11 +22,10 @@
 #include <vector>
 
 #include "copy_cuda.h"
+#include "copy_kernel.cuh"
 
 namespace kvx::cuda {
 namespace {
-
-constexpr int kThreads = 256;  // 8 warps per CTA
 
 template <typename VecT>
 __device__ __forceinline__ VecT load_stream(const VecT* p) {
@@ -51,6 +53,20 @@ __device__ __forceinline__ void store_stream<uint16_t>(uint16_t* p, uint16_t v) 
   __stcs(reinterpret_cast<unsigned short*>(p), v);
 }
 
+// The device side of copy_thread()'s Access: streaming loads and stores, no checks.
+struct StreamAccess {
+  __device__ __forceinline__ void begin_row(int64_t, int32_t) {}
+  template <typename VecT>
+  __device__ __forceinline__ VecT load(const VecT* p) {
+    return load_stream(p);
+  }
+  template <typename VecT>
+  __device__ __forceinline__ void store(VecT* p, VecT v) {
+    store_stream(p, v);
+  }
+};
+
+// The body is copy_thread() (copy_kernel.cuh), which the CPU emulation (copy_sim.cu) runs too.
 // layer_ptrs: [num_layers] device-accessible layer base addresses
 // ids:        [num_ids] block or slot ids
 // contig:     base of the contiguous side [layers, planes, tokens, heads, row_bytes] (strided)
@@ -58,35 +74,8 @@ template <typename VecT, int TPR>
 __global__ void __launch_bounds__(kThreads) copy_kernel(CopyParams p, const int64_t* __restrict__ layer_ptrs,
                                                         const int64_t* __restrict__ ids, char* contig,
                                                         bool gather) {
-  constexpr int kGroups = kThreads / TPR;  // row groups per CTA
-  const int lane = threadIdx.x % TPR;
-  const int64_t words = p.row_bytes / static_cast<int64_t>(sizeof(VecT));
-  const int64_t rpe = rows_per_entry(p);
-  const int64_t total = num_entries(p) * rpe;
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kGroups + threadIdx.x / TPR; row < total;
-       row += static_cast<int64_t>(gridDim.x) * kGroups) {
-    const int64_t e = row / rpe, r = row - e * rpe;
-    int32_t layer;
-    int64_t paged_off, contig_off;
-    if (!entry_offsets(p, e, ids, &layer, &paged_off, &contig_off)) continue;
-    char* paged = reinterpret_cast<char*>(layer_ptrs[layer]) + paged_off + row_paged_offset(p, r);
-    char* flat = contig + contig_off + row_contig_offset(p, r);
-    const VecT* src = reinterpret_cast<const VecT*>(gather ? paged : flat);
-    VecT* dst = reinterpret_cast<VecT*>(gather ? flat : paged);
-    // Four loads in flight per lane before their stores: a read of mapped host memory waits a PCIe round
-    // trip (~1 us), so with one load per lane a CTA cap of 8 would leave the link mostly idle. Named
-    // values, not an array: an array of uint4 made ptxas spill (sm_90, 40 registers).
-    int64_t w = lane;
-    for (; w + 3 * TPR < words; w += 4 * TPR) {
-      const VecT v0 = load_stream(src + w), v1 = load_stream(src + w + TPR), v2 = load_stream(src + w + 2 * TPR),
-                 v3 = load_stream(src + w + 3 * TPR);
-      store_stream(dst + w, v0);
-      store_stream(dst + w + TPR, v1);
-      store_stream(dst + w + 2 * TPR, v2);
-      store_stream(dst + w + 3 * TPR, v3);
-    }
-    for (; w < words; w += TPR) store_stream(dst + w, load_stream(src + w));
-  }
+  StreamAccess access;
+  copy_thread<VecT, TPR>(p, layer_ptrs, ids, contig, gather, blockIdx.x, threadIdx.x, gridDim.x, access);
 }
 
 int sm_count() {
@@ -99,47 +88,24 @@ int sm_count() {
   return n;
 }
 
-template <typename VecT, int TPR>
-cudaError_t launch_tpr(const CopyParams& p, const int64_t* layer_ptrs, const int64_t* ids, char* contig,
-                       bool gather, int64_t total_rows, int max_ctas, cudaStream_t stream) {
-  constexpr int kGroups = kThreads / TPR;
-  // Enough CTAs to keep every SM busy (4 resident CTAs of 256 threads each), never more than rows need.
-  int64_t ctas = (total_rows + kGroups - 1) / kGroups;
-  int64_t fill = static_cast<int64_t>(sm_count()) * 4;
-  if (ctas > fill) ctas = fill;
-  if (max_ctas > 0 && ctas > max_ctas) ctas = max_ctas;
-  copy_kernel<VecT, TPR><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(p, layer_ptrs, ids, contig, gather);
-  return cudaGetLastError();
-}
-
-template <typename VecT>
-cudaError_t launch(const CopyParams& p, const int64_t* layer_ptrs, const int64_t* ids, char* contig,
-                   bool gather, int64_t total_rows, int max_ctas, cudaStream_t stream) {
-  const int64_t words = p.row_bytes / static_cast<int64_t>(sizeof(VecT));
-  if (words <= 4) return launch_tpr<VecT, 4>(p, layer_ptrs, ids, contig, gather, total_rows, max_ctas, stream);
-  if (words <= 8) return launch_tpr<VecT, 8>(p, layer_ptrs, ids, contig, gather, total_rows, max_ctas, stream);
-  if (words <= 16) return launch_tpr<VecT, 16>(p, layer_ptrs, ids, contig, gather, total_rows, max_ctas, stream);
-  return launch_tpr<VecT, 32>(p, layer_ptrs, ids, contig, gather, total_rows, max_ctas, stream);
-}
-
 }  // namespace
 
 int copy(const CopyParams& params, const int64_t* layer_ptrs_host, const int64_t* layer_ptrs_dev,
-         const int64_t* ids_dev, int64_t contig, int32_t direction, int64_t stream_handle, int max_ctas) {
-  CopyParams p = params;
-  collapse_rows(p);
-  const int64_t total_rows = num_entries(p) * rows_per_entry(p);
-  if (total_rows == 0 || p.row_bytes == 0) return cudaSuccess;
+         const int64_t* ids_dev, int64_t contig, int32_t direction, int64_t stream_handle, int max_ctas,
+         LaunchConfig* used) {
+  // Width, lanes and grid from the one host function the emulation (copy_sim.cu) calls too.
+  const LaunchConfig c = kernel_launch_config(params, layer_ptrs_host, contig, sm_count(), max_ctas);
+  if (used != nullptr) *used = c;
+  if (c.ctas == 0) return cudaSuccess;
   const bool gather = direction == kGather;
   char* base = reinterpret_cast<char*>(contig);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  switch (copy_width(p, layer_ptrs_host, contig)) {
-    case 16: return launch<uint4>(p, layer_ptrs_dev, ids_dev, base, gather, total_rows, max_ctas, stream);
-    case 8: return launch<uint2>(p, layer_ptrs_dev, ids_dev, base, gather, total_rows, max_ctas, stream);
-    case 4: return launch<uint32_t>(p, layer_ptrs_dev, ids_dev, base, gather, total_rows, max_ctas, stream);
-    case 2: return launch<uint16_t>(p, layer_ptrs_dev, ids_dev, base, gather, total_rows, max_ctas, stream);
-    default: return launch<uint8_t>(p, layer_ptrs_dev, ids_dev, base, gather, total_rows, max_ctas, stream);
-  }
+  with_kernel_types(c.width, c.tpr, [&](auto vec, auto tpr) {
+    using VecT = typename decltype(vec)::type;
+    copy_kernel<VecT, decltype(tpr)::value><<<static_cast<unsigned>(c.ctas), kThreads, 0, stream>>>(
+        c.params, layer_ptrs_dev, ids_dev, base, gather);
+  });
+  return cudaGetLastError();
 }
 
 namespace {
@@ -200,13 +166,13 @@ int copy_dma(const CopyParams& p, const int64_t* layer_ptrs_host, const int64_t*
   runs.dsts.clear();
   runs.srcs.clear();
   runs.sizes.clear();
-  const int64_t max_runs = max_runs_for(payload_bytes(p, ids_host), min_run_bytes);
-  const bool fits = for_each_run(p, layer_ptrs_host, ids_host, contig, direction, max_runs,
-                                 [](int64_t dst, int64_t src, int64_t bytes) {
-                                   runs.dsts.push_back(reinterpret_cast<void*>(dst));
-                                   runs.srcs.push_back(reinterpret_cast<void*>(src));
-                                   runs.sizes.push_back(static_cast<size_t>(bytes));
-                                 });
+  // plan_runs() (kv_layout.h) is what kvx._C.plan_runs returns, so the CPU tests execute these very runs.
+  const bool fits = plan_runs(p, layer_ptrs_host, ids_host, contig, direction, min_run_bytes,
+                              [](int64_t dst, int64_t src, int64_t bytes) {
+                                runs.dsts.push_back(reinterpret_cast<void*>(dst));
+                                runs.srcs.push_back(reinterpret_cast<void*>(src));
+                                runs.sizes.push_back(static_cast<size_t>(bytes));
+                              });
   if (!fits) return cudaSuccess;  // runs too small on average: the caller launches the kernel instead
   *issued = true;
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "../kv_layout.h"
+#include "launch_config.h"
 
 namespace kvx::cuda {
 
@@ -16,8 +17,10 @@ namespace kvx::cuda {
 //   ids_dev:         [num_ids] int64 block or slot ids in device-accessible memory
 //   contig:          device-accessible address of the contiguous side (device or mapped host memory)
 //   max_ctas:        cap on thread blocks (<= 0: enough to fill the device), for background copies
+//   used:            if not null, receives the launch decisions (kernel_launch_config(), launch_config.h)
 int copy(const CopyParams& p, const int64_t* layer_ptrs_host, const int64_t* layer_ptrs_dev,
-         const int64_t* ids_dev, int64_t contig, int32_t direction, int64_t stream, int max_ctas);
+         const int64_t* ids_dev, int64_t contig, int32_t direction, int64_t stream, int max_ctas,
+         LaunchConfig* used = nullptr);
 
 // Issue the copy as DMA on `stream`: its runs of contiguous bytes (for_each_run in kv_layout.h), with
 // cudaMemcpyBatchAsync (CUDA >= 12.8, any stream but the legacy default one; chunks of 4096 runs) or one

@@ -2,7 +2,8 @@
 
 ``kvx._C`` is always built (``setup.py``: the CPU kernels need only a C++ compiler), so its absence is a
 broken install, never a reason to skip: skipping would report a green suite that ran no kernel at all.
-Only GPU tests skip (no CUDA device), and Triton tests when triton itself is not installed.
+Only GPU tests skip (no CUDA device), Triton tests when triton itself is not installed, and cuda_sim tests
+when nvcc is absent (or KVX_CUDA=0): cuda_sim is the CUDA kernel's source compiled by nvcc for the host.
 """
 
 import pytest

@@ -103,7 +103,8 @@ def test_ids_wrong_shape_and_device(lay):
 
 
 def test_unknown_impl(lay):
-    with pytest.raises(ValueError, match=r"impl: expected one of \('reference', 'cpu', 'triton', 'cuda'\)"):
+    with pytest.raises(ValueError, match=r"impl: expected one of \('reference', 'cpu', 'triton', 'cuda', "
+                                         r"'cuda_sim'\)"):
         ops.gather_blocks(lay, [0], impl="magic")
 
 

@@ -12,7 +12,7 @@ from kvx.testing import make_kv_caches, random_fill_
 
 from .test_copy import _assert_caches_equal, _assert_same_bytes, _impl_or_skip, _seed
 
-IMPLS = ["reference", "cpu", "triton"]
+IMPLS = ["reference", "cpu", "triton", "cuda_sim"]   # cuda_sim's GPU twin: test_gpu_batch_by_layer_ranges
 DTYPES = [torch.bfloat16, torch.float8_e4m3fn, torch.uint8]
 LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "flash", "flashinfer", "mla"]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none present)")
@@ -209,3 +209,29 @@ def test_gpu_batch_by_layer_ranges(impl, pinned, name):
     g = torch.Generator().manual_seed(seed)
     lay, ref = _caches(name, torch.bfloat16, seed, device="cuda")
     _check_scatters(lay, ref, _copies(lay, g, "cuda", pinned=pinned), impl)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("pinned", [False, True], ids=["hbm", "pinned"])
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_gpu_batch_gathers_by_layer_ranges(impl, pinned, name):
+    """The gather half of test_batch_by_layer_ranges_matches_each_op_alone on a GPU (its twin for cuda_sim)."""
+    _impl_or_skip(impl, "cuda")
+    seed = _seed("gpu-batch-gather", impl, name, pinned)
+    g = torch.Generator().manual_seed(seed)
+    lay, ref = _caches(name, torch.bfloat16, seed, device="cuda")
+    copies = _copies(lay, g, "cuda", pinned=pinned)
+    outs = [buf.clone().pin_memory() if pinned else buf.clone() for _, _, buf in copies]
+    expected = [buf.to("cuda", copy=True) for _, _, buf in copies]
+    batch = ops.CopyBatch(lay, impl=impl)
+    for (kind, ids, _), out in zip(copies, outs):
+        batch.add(f"gather_{kind}", ids, out)
+    for a, b in _ranges(lay.num_layers):
+        batch.run(a, b)
+    for (kind, ids, _), exp in zip(copies, expected):
+        getattr(ops, f"gather_{kind}")(ref, ids, exp, impl="reference")
+    torch.cuda.synchronize()
+    for out, exp in zip(outs, expected):
+        _assert_same_bytes(out.to("cuda"), exp)

@@ -30,6 +30,8 @@ def test_cuda_kernels_compiled_when_nvcc_is_present():
     from kvx import _C as C
 
     assert C.has_cuda, "nvcc is on this machine but kvx._C was built without the CUDA kernels"
+    # and their CPU emulation (copy_sim.cu): the kernel's source, run by the CPU tests as impl "cuda_sim"
+    assert C.has_cuda_sim and "cuda_sim" in ops.available_impls("cpu")
     # statically linked runtime: without a driver or GPU it answers (0), it does not crash
     n = C.cuda_device_count()
     if torch.cuda.is_available():

@@ -3,6 +3,7 @@
 import importlib.util
 import itertools
 import os
+import shutil
 import zlib
 
 import pytest
@@ -22,7 +23,9 @@ BLOCK_SIZES = [16, 32, 128]
 HEAD_SIZES = [64, 5]            # an odd head size exercises the 1- and 2-byte copy widths
 MLA_HEAD_SIZES = [576, 5]
 TOKEN_LAYOUTS = [name for name in LAYOUTS if name != "cpu"]    # the CPU backend's pages are opaque
-IMPLS = ["cpu", "triton"]       # compared with "reference"; CUDA runs in the GPU tests below
+# compared with "reference"; "cuda_sim" is the CUDA kernel's own source emulated on CPU (its twin on a GPU is
+# impl "cuda" in test_gpu_matches_reference below, on the same CASES)
+IMPLS = ["cpu", "triton", "cuda_sim"]
 
 
 def _seed(*key) -> int:
@@ -30,10 +33,20 @@ def _seed(*key) -> int:
     return zlib.crc32(repr(key).encode())
 
 
+def nvcc_path() -> str | None:
+    """The nvcc setup.py would build with (CUDA_HOME / CUDA_PATH, PATH, the usual places), or None; also
+    None under KVX_CUDA=0, which builds without it."""
+    if os.environ.get("KVX_CUDA", "").lower() in ("0", "off", "false", "no"):
+        return None
+    candidates = [os.path.join(os.environ[v], "bin", "nvcc") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    candidates += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc", "/usr/local/bin/nvcc"]
+    return next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
 def _impl_or_skip(impl, device="cpu"):
-    """Skip only for what this machine lacks (a CUDA device, triton, the interpreter flag on CPU); an
-    implementation that should run here but is unavailable (kvx._C missing or broken, kvx.triton_kernels
-    failing to import) fails the test."""
+    """Skip only for what this machine lacks (a CUDA device, triton, the interpreter flag on CPU, nvcc for
+    cuda_sim); an implementation that should run here but is unavailable (kvx._C missing or broken,
+    kvx.triton_kernels failing to import, kvx._C built without nvcc although nvcc is here) fails the test."""
     if impl not in ops.available_impls(device):
         if device == "cuda" and not torch.cuda.is_available():
             pytest.skip("needs a CUDA device (none present)")
@@ -41,7 +54,13 @@ def _impl_or_skip(impl, device="cpu"):
             pytest.skip("triton is not installed")
         if impl == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("Triton runs CPU caches only in its interpreter: set TRITON_INTERPRET=1")
+        if impl == "cuda_sim" and ops._C is not None and nvcc_path() is None:
+            pytest.skip("cuda_sim is the CUDA kernel compiled by nvcc as host code: no nvcc here (or KVX_CUDA=0), "
+                        "so kvx._C has none")
         why = ops._C_ERROR or ""
+        if impl == "cuda_sim" and ops._C is not None:
+            why = (f"nvcc is at {nvcc_path()} but kvx._C was built without it (has_cuda_sim is False): rebuild "
+                   "with `pip install -e .` (KVX_CUDA=1 makes a missing nvcc a build error)")
         if impl == "triton":
             try:
                 import kvx.triton_kernels.copy  # noqa: F401
@@ -180,9 +199,13 @@ def clobber(lay, ids):
 @pytest.mark.parametrize("name", TOKEN_LAYOUTS)
 def test_round_trip_restores_touched_blocks_only(impl, name):
     _impl_or_skip(impl)
+    _round_trip_case(impl, name)
+
+
+def _round_trip_case(impl, name, device="cpu"):
     g = torch.Generator().manual_seed(7)
     lay = KVLayout.from_tensors(make_kv_caches(name, num_layers=2, num_blocks=9, block_size=16, num_heads=1 if name == "mla" else 2,
-                                               head_size=24, dtype=torch.bfloat16, generator=g), name)
+                                               head_size=24, dtype=torch.bfloat16, device=device, generator=g), name)
     before = [t.clone() for t in lay.layers]
     ids = [6, 1, 4]
     chunk = ops.gather_blocks(lay, ids, impl=impl)
@@ -201,11 +224,15 @@ def test_round_trip_restores_touched_blocks_only(impl, name):
 def test_canonical_chunk_moves_between_layouts_and_block_sizes(impl):
     """A chunk gathered from one layout and block size scatters into another and reads back the same."""
     _impl_or_skip(impl)
+    _chunk_between_layouts_case(impl)
+
+
+def _chunk_between_layouts_case(impl, device="cpu"):
     g = torch.Generator().manual_seed(3)
     src = KVLayout.from_tensors(make_kv_caches("LBNHC", num_layers=2, num_blocks=4, block_size=32, num_heads=2,
-                                               head_size=8, dtype=torch.float16, generator=g), "LBNHC")
+                                               head_size=8, dtype=torch.float16, device=device, generator=g), "LBNHC")
     dst = KVLayout.from_tensors(make_kv_caches("flash", num_layers=2, num_blocks=9, block_size=16, num_heads=2,
-                                               head_size=8, dtype=torch.float16, generator=g), "flash")
+                                               head_size=8, dtype=torch.float16, device=device, generator=g), "flash")
     chunk = ops.gather_blocks(src, [2, 0], impl=impl)                   # 64 tokens
     ops.scatter_blocks(dst, [5, 1, 8, 3], chunk, impl=impl)             # 4 blocks of 16
     _assert_same_bytes(ops.gather_blocks(dst, [5, 1, 8, 3], impl=impl), chunk)
@@ -222,10 +249,14 @@ def test_canonical_chunk_moves_between_layouts_and_block_sizes(impl):
 def test_strided_contiguous_side(impl, dtype):
     """The contiguous side may be a strided view (e.g. a slot of a larger pool, layers permuted)."""
     _impl_or_skip(impl)
+    _strided_contiguous_side_case(impl, dtype)
+
+
+def _strided_contiguous_side_case(impl, dtype, device="cpu"):
     g = torch.Generator().manual_seed(11)
     lay = KVLayout.from_tensors(make_kv_caches("LBHNC", num_layers=3, num_blocks=6, block_size=16, num_heads=2,
-                                               head_size=16, dtype=dtype, generator=g), "LBHNC")
-    pool = random_fill_(torch.empty(2, 2, 3, 48, 2, 16, dtype=dtype), g)   # [slot, P, L, T, H, D]
+                                               head_size=16, dtype=dtype, device=device, generator=g), "LBHNC")
+    pool = random_fill_(torch.empty(2, 2, 3, 48, 2, 16, dtype=dtype), g).to(device)   # [slot, P, L, T, H, D]
     out = pool[1].transpose(0, 1)                                                   # [L, P, T, H, D], strided
     ops.gather_blocks(lay, [3, 0, 5], out, impl=impl)
     _assert_same_bytes(out, ops.gather_blocks(lay, [3, 0, 5], impl="reference"))    # vs a contiguous chunk
@@ -391,3 +422,27 @@ def test_gpu_matches_reference(impl, host, name, dtype, block_size, head_size):
         scatter(ref, idx, src.cuda(), impl="reference")
         torch.cuda.synchronize()
         _assert_caches_equal(lay, ref)
+
+
+# GPU twins of the CPU-only cases above (cuda_sim runs them on CPU; these run the real kernel)
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", TOKEN_LAYOUTS)
+def test_gpu_round_trip_restores_touched_blocks_only(name):
+    _impl_or_skip("cuda", "cuda")
+    _round_trip_case("cuda", name, "cuda")
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_gpu_canonical_chunk_moves_between_layouts_and_block_sizes():
+    _impl_or_skip("cuda", "cuda")
+    _chunk_between_layouts_case("cuda", "cuda")
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=lambda d: str(d)[6:])
+def test_gpu_strided_contiguous_side(dtype):
+    _impl_or_skip("cuda", "cuda")
+    _strided_contiguous_side_case("cuda", dtype, "cuda")

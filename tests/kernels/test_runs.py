@@ -1,5 +1,5 @@
-"""The copy as runs of contiguous bytes (kv_layout.h for_each_run, through kvx._C.plan_runs): what the CUDA
-DMA path issues, one DMA per run.
+"""The copy as runs of contiguous bytes (kv_layout.h plan_runs / for_each_run, through kvx._C.plan_runs): what
+the CUDA DMA path issues, one DMA per run (copy_dma() calls the same plan_runs()).
 
 Executed here with a plain memmove per run on CPU caches, the runs must give the reference's bytes for every
 layout, op, dtype, block size and head size the kernel tests cover; they must be maximal (no run continues
@@ -252,6 +252,44 @@ def test_min_run_bytes_declines_copies_with_small_runs():
     assert _plan_runs("blocks", _GATHER, lay, [1, 2, 3, 5], out, min_run_bytes=mean + 1) is None
     assert _plan_runs("blocks", _GATHER, lay, [1, 2, 3, 5], out, min_run_bytes=ops.DMA_NEVER) is None
     assert len(_plan_runs("blocks", _GATHER, lay, [1, 2, 3, 5], out, min_run_bytes=0)[0]) == 8
+
+
+@pytest.mark.parametrize("kind", ["blocks", "slots"])
+@pytest.mark.parametrize("name", TOKEN_LAYOUTS)
+def test_runs_at_the_cutoff_are_executed_whole(name, kind):
+    """The max_runs cutoff of plan_runs() (kv_layout.h), which copy_dma() issues from: with min_run_bytes at
+    the runs' mean the copy fits and gets every run (the list without a cutoff), which executed give the
+    reference's bytes, padding slots included; one byte more, or more than the payload, and nothing is
+    returned (the prefix emitted before the cutoff is discarded, the kernel takes the copy)."""
+    seed = _seed("runs-cutoff", name, kind)
+    geom, g = _geometry(name, 16, 5 if kind == "slots" else 64, seed)
+    lay, ref = _two_layouts(name, geom, torch.float16, bool(seed % 2), seed)
+    if kind == "slots":
+        ids = torch.randperm(geom["num_blocks"] * 16, generator=g)[:23]
+        ids[::3] = -1                                                  # padding slots
+        shape_of = lay.canonical_shape
+    else:
+        ids = torch.tensor([4, 1, 2, 3])                               # 1-3 adjacent: merged where the layout allows
+        def shape_of(n):
+            return lay.canonical_shape(n * 16)
+    for direction in (_GATHER, _SCATTER):
+        buf = random_fill_(torch.empty(shape_of(len(ids)), dtype=torch.float16), g)
+        expected = buf.clone()
+        full = _plan_runs(kind, direction, lay, ids, buf)
+        payload = _payload(kind, lay, ids)
+        mean = payload // len(full[0])
+        at = _plan_runs(kind, direction, lay, ids, buf, min_run_bytes=mean)
+        assert at is not None and all(torch.equal(a, b) for a, b in zip(at, full))
+        assert _plan_runs(kind, direction, lay, ids, buf, min_run_bytes=mean + 1) is None
+        assert _plan_runs(kind, direction, lay, ids, buf, min_run_bytes=payload + 1) is None   # max_runs = 0
+        _check_shape_of_runs(at, payload)
+        _execute(at)
+        op = f"{'gather' if direction == _GATHER else 'scatter'}_{kind}"
+        getattr(ops, op)(ref, ids, expected if direction == _GATHER else buf, impl="reference")
+        if direction == _GATHER:
+            _assert_same_bytes(buf, expected)                          # padding rows keep their poison
+        for ta, tb in zip(lay.layers, ref.layers):
+            _assert_same_bytes(ta, tb)
 
 
 def test_plan_runs_checks_direction():
