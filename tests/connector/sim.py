@@ -85,7 +85,7 @@ class Env:
     pattern = staticmethod(page_pattern)
 
     def __init__(self, model_dir, extra, *, role="kv_both", num_blocks=64, max_batched=4096, policy="recompute",
-                 tp=1, chunks=None, copy_queue=None, virtual_forward=False, kv_events=False, order="v0.32"):
+                 tp=1, chunks=None, copy_queue=None, virtual_forward=False, kv_events=False, order="save-first"):
         if order not in RUNNER_ORDERS:
             raise ValueError(f"order: expected one of {RUNNER_ORDERS}, got {order!r}")
         self.order = order        # the runner order of the end-of-step hooks (kvx.testing.end_step)

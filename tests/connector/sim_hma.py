@@ -54,7 +54,7 @@ class HmaEnv:
     """A real Scheduler (hybrid KV cache manager on) + one worker-role KVXConnector, stepped by hand."""
 
     def __init__(self, model_dir, extra, *, num_blocks=64, max_batched=4096, policy="recompute", mamba=False,
-                 window=WINDOW, order="v0.32"):
+                 window=WINDOW, order="save-first"):
         if order not in RUNNER_ORDERS:
             raise ValueError(f"order: expected one of {RUNNER_ORDERS}, got {order!r}")
         self.order = order        # the runner order of the end-of-step hooks (kvx.testing.end_step)

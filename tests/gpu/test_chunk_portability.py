@@ -4,8 +4,8 @@ layout, with identical KV, bit for bit. No vLLM.
 What is proven, one level below vLLM, with the real worker code (:class:`kvx.connector.worker.KVXWorker`
 built by hand, as in ``test_worker_pipeline.py``, and driven through vLLM's hook order
 ``handle_preemptions -> bind -> start_load_kv -> per layer: wait_for_layer_load, forward, save_kv_layer
--> wait_for_save -> get_finished -> get_block_ids_with_load_errors -> build_worker_meta``, and in vLLM 0.33's
-order with a speculator, the results before ``wait_for_save``: every test runs in both):
+-> wait_for_save -> get_finished -> get_block_ids_with_load_errors -> build_worker_meta``, and in vLLM's
+runners' order with speculative decoding, the results before ``wait_for_save``: every test runs in both):
 
 - engine A (block size 16, vLLM's token-major ``LBNHC`` = NHD page) prefills a 200-token prompt of random
   KV bytes into shuffled, non-contiguous blocks and saves its three 64-token chunks to a disk tier (one
@@ -113,7 +113,7 @@ class Engine:
     """A KVXWorker on real caches of one geometry, sharing the disk tier at ``disk_path``, with a fake
     forward that writes KV bytes into the request's blocks and reads them back per layer."""
 
-    order = "v0.32"     # the runner order of the end-of-step hooks (kvx.testing.end_step; set per test below)
+    order = "save-first"     # the runner order of the end-of-step hooks (kvx.testing.end_step; set per test below)
 
     def __init__(self, name: str, device: str, dtype: torch.dtype, mla: bool, side: Side, disk_path,
                  fmt: str = "canonical", num_blocks: int = 32, cpu_slots: int = 2):
@@ -430,7 +430,7 @@ def check_loaded(b: Engine, kv: torch.Tensor, got: Loaded) -> list[str]:
 # ------------------------------------------------------------------ fixtures and cases
 @pytest.fixture(autouse=True, params=RUNNER_ORDERS)
 def runner_order(request, monkeypatch):
-    """Every test runs in each runner order of the end-of-step hooks (vLLM 0.32; 0.33 with a speculator)."""
+    """Every test runs in each runner order of the end-of-step hooks (kvx.testing.RUNNER_ORDERS)."""
     monkeypatch.setattr(Engine, "order", request.param)
     return request.param
 

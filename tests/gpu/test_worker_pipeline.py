@@ -6,8 +6,9 @@ hand-written :class:`KVXMetadata` through vLLM's per-step hook order::
 
     handle_preemptions -> bind -> start_load_kv
       -> per layer: wait_for_layer_load, forward of the layer, save_kv_layer
-    -> wait_for_save -> get_finished -> get_block_ids_with_load_errors -> build_worker_meta   (vLLM 0.32)
-    -> get_finished -> get_block_ids_with_load_errors -> build_worker_meta -> wait_for_save   (0.33, speculator)
+    -> wait_for_save -> get_finished -> get_block_ids_with_load_errors -> build_worker_meta   ("save-first")
+    -> get_finished -> get_block_ids_with_load_errors -> build_worker_meta -> wait_for_save   ("results-first":
+                                                                          runners with speculative decoding)
 
 (every case runs in both runner orders: :data:`kvx.testing.RUNNER_ORDERS`)
 
@@ -205,7 +206,7 @@ FINAL_TABLES = [(D, (7, 8, 5, 6, 9), 73), (F, (11, 10, 12), 33), (E, (13, 14, 15
 class Pipeline:
     """A KVXWorker on real caches, its fake forward, and the record of what every forward read."""
 
-    def __init__(self, device: str, layout: str, dtype: torch.dtype, slow: str | None = None, order: str = "v0.32"):
+    def __init__(self, device: str, layout: str, dtype: torch.dtype, slow: str | None = None, order: str = "save-first"):
         self.device = torch.device(device)
         self.order = order           # the runner order of the end-of-step hooks (kvx.testing.end_step)
         self.slow = slow
@@ -408,7 +409,7 @@ class Pipeline:
         for i, st in enumerate(STEPS):
             # A race's chunks are waited for before the step before it: an idle step between the two would run
             # the work the race races (the deferred queue runs a step's forward at the next step's end). In vLLM
-            # 0.33's order a save is reported a step later (its copies are queued after the step's results).
+            # "results-first" order a save is reported a step later (its copies are queued after the results).
             race = STEPS[i + 1] if i + 1 < len(STEPS) and STEPS[i + 1].not_yet else None
             self.wait_stored(st.needs_stored + (race.needs_stored if race is not None else []))
             if self.deferred:
@@ -478,7 +479,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def run_scenario(device: str, layout: str, dtype: torch.dtype, slow: str | None = None,
-                 order: str = "v0.32") -> Pipeline:
+                 order: str = "save-first") -> Pipeline:
     """Run every step; raise AssertionError listing every wrong byte range (bit-exact checks)."""
     pipe = Pipeline(device, layout, dtype, slow, order)
     try:
