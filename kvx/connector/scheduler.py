@@ -502,7 +502,7 @@ class KVXScheduler:
             # failed load poisoned): counted as saved only if that write commits; if it is aborted, this request
             # plans the chunk again (update_connector_output)
             waiting = self._awaiting.setdefault(key, {})
-            waiting[t.req_id] = chunk if t.req_id not in waiting else _first_chunk(waiting[t.req_id], chunk)
+            waiting[t.req_id] = _first_chunk(waiting.get(t.req_id, chunk), chunk)
         to_tiers = [n for n in self.stack.lacking(key) if n != t.loaded_from.get(key)]
         if to_tiers and deps and self.num_workers > 1:
             # A rank cannot know in time that a load failed on another rank: only the scheduler hears every

@@ -205,9 +205,10 @@ class KVXWorker:
         self._rank_keys: OrderedDict[str, str] = OrderedDict()   # TP: storage key -> chunk key, written here
         self._removed_lock = threading.Lock()
         self.fence_loads_at_start = False     # fence every load in start_load_kv (no per-layer fences)
-        # (views, layout, layout name, vLLM block count) registered last: kept across a sleep, to check and
-        # describe the restored caches (vLLM's tensor objects, which vLLM keeps too: no memory held here)
-        self._registered: tuple[dict[str, torch.Tensor], KVLayout, object, int] | None = None
+        # (views, geometry, layout name, vLLM block count) registered last: kept across a sleep, to check and
+        # describe the restored caches (vLLM's tensor objects, which vLLM keeps too: no memory held here; the
+        # geometry is plain values, so no pointer or device table outlives unregister_kv_caches)
+        self._registered: tuple[dict[str, torch.Tensor], tuple, object, int] | None = None
         self._loads_started = False
 
     # ------------------------------------------------------------------ setup
@@ -265,12 +266,11 @@ class KVXWorker:
         if self.fmt == "pages" and lay.page is None:
             raise ValueError(f"kv_caches: the {lay.name} views have no contiguous page per block; use "
                              "format 'canonical'")
-        if self._registered is not None:       # restored after a sleep: the chunks in the tiers must still fit
-            was = self._registered[1]
-            if (lay.dtype, lay.num_layers, lay.device, self.chunk_shape_of(lay, self.config.chunk_size)) != (
-                    was.dtype, was.num_layers, was.device, self.chunk_shape_of(was, self.config.chunk_size)):
-                raise ValueError(f"kv_caches: expected caches of the geometry registered before the sleep ({was}), "
-                                 f"got {lay}")
+        geometry = (lay.dtype, lay.num_layers, lay.device, self.chunk_shape_of(lay, self.config.chunk_size))
+        if self._registered is not None and geometry != self._registered[1]:
+            # restored after a sleep: the chunks in the tiers and the CPU pool's slots must still fit
+            raise ValueError(f"kv_caches: expected caches of the geometry registered before the sleep "
+                             f"(dtype, layers, device, chunk shape {self._registered[1]}), got {geometry}")
         if self.engine is None:
             self.engine = TransferEngine(lay.device)
         self.ratio, self.layout = ratio, lay
@@ -297,7 +297,7 @@ class KVXWorker:
             if layer is not None:
                 self.layer_of[name] = layer
                 self.group_of[name] = next(g for g, (a, b, _) in enumerate(self.groups) if a <= layer < b)
-        self._registered = (views, lay, layout_name, num_blocks)
+        self._registered = (views, geometry, layout_name, num_blocks)
 
     # ------------------------------------------------------------------ sleep mode (vLLM >= 0.33)
     def unregister_kv_caches(self) -> None:

@@ -132,10 +132,7 @@ class Env:
         for rank in range(tp):
             w = KVXConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
             w._worker.shard, w._worker.shards = rank, tp
-            caches = make_kv_caches("cpu", num_layers=2, num_blocks=num_blocks, block_size=BLOCK, num_heads=HEADS,
-                                    head_size=HEAD, dtype=torch.bfloat16)
-            for t in caches:
-                t.zero_()
+            caches = self._new_caches()
             try:
                 w.register_kv_caches(dict(zip(LAYERS, caches)))
             finally:
@@ -267,6 +264,14 @@ class Env:
         else:
             self._forward_layer(plan, layer)
 
+    def _new_caches(self) -> list[torch.Tensor]:
+        """One rank's zeroed KV caches, as vLLM allocates them for this engine's CPU backend."""
+        caches = make_kv_caches("cpu", num_layers=2, num_blocks=self.kcc.num_blocks, block_size=BLOCK,
+                                num_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+        for t in caches:
+            t.zero_()
+        return caches
+
     def sleep_and_wake(self, move: bool) -> list[list[torch.Tensor]]:
         """vLLM >= 0.33's sleep and wake-up as a worker sees them: ``unregister_kv_caches``, the KV cache's
         contents lost (level 1 discards it) and vLLM's prefix cache reset, then ``restore_kv_caches``. ``move``:
@@ -282,8 +287,7 @@ class Env:
         if move:
             self.rank_caches = []
             for w in self.workers:
-                caches = make_kv_caches("cpu", num_layers=2, num_blocks=self.kcc.num_blocks, block_size=BLOCK,
-                                        num_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+                caches = self._new_caches()
                 w.restore_kv_caches(dict(zip(LAYERS, caches)))
                 self.rank_caches.append(caches)
             self.caches = self.rank_caches[0]
