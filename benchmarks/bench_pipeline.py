@@ -72,10 +72,10 @@ from kvx import engine as kvx_engine
 from kvx import ops
 from kvx.connector.common import EngineGeometry
 from kvx.connector.config import KVXConfig
-from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
+from kvx.connector.metadata import FAILED, ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from kvx.connector.worker import KVXWorker
 from kvx.bench import cpu_name
-from kvx.testing import make_kv_caches
+from kvx.testing import TransferTally, make_kv_caches
 
 LOAD_TARGET = 0.80          # hidden fraction of the load copy time, layerwise, compute of equal length
 SAVE_TARGET = 0.05          # forward slowdown with save_layerwise
@@ -272,13 +272,14 @@ class Bench:
         self.side = torch.cuda.Stream(device) if clock.cuda else None
         self.expected_loads = 0
         self.expected_saves = 0
+        self.tally = TransferTally()     # transfer ids of the hand-built metadata
 
     def set_mode(self, layerwise: bool = True, save_layerwise: bool = True) -> None:
         """What KVXConnector does with the config: the worker reads ``save_layerwise`` per step from its
         config, and ``fence_loads_at_start`` is ``not layerwise``."""
         self.worker.config = self.config.model_copy(update={"layerwise": layerwise,
                                                             "save_layerwise": save_layerwise})
-        self.worker.fence_loads_at_start = not layerwise
+        self.worker.loads.fence_at_start = not layerwise
 
     def close(self) -> None:
         self.worker.close()
@@ -292,7 +293,7 @@ class Bench:
         """A prefix hit on n chunks (CPU tier); the step computes its last token into the next block."""
         chunks = [ChunkLoad(key=f"hit{i}", tier="cpu", slot=i, block_ids=self.chunk_blocks(1, i), first_block=0,
                             tokens=self.chunk) for i in range(n)]
-        spec = [LoadSpec(req_id="hit", chunks=chunks, is_async=False)] if loads else []
+        spec = [LoadSpec(req_id="hit", chunks=chunks, is_async=False, xfer=self.tally.id("load", "hit"))] if loads else []
         return KVXMetadata(loads=spec, forward_blocks=[1 + n * self.bpc])
 
     def save_metas(self, n: int, saves: bool) -> list[KVXMetadata]:
@@ -302,7 +303,7 @@ class Bench:
             first = 1 + k * n * self.bpc
             blocks = list(range(first, first + n * self.bpc))
             chunk_saves = [ChunkSave(req_id=f"r{k}", key=f"s{k}c{i}", block_ids=self.chunk_blocks(first, i),
-                                     tokens=self.chunk, slot=k * n + i)
+                                     tokens=self.chunk, slot=k * n + i, slot_xfer=self.tally.id("slot", f"s{k}c{i}"))
                            for i in range(n)] if saves and k < self.args.save_steps else []
             metas.append(KVXMetadata(saves=chunk_saves, forward_blocks=blocks))
         return metas
@@ -345,7 +346,7 @@ class Bench:
         errors = w.get_block_ids_with_load_errors()
         out = w.build_worker_meta()
         w.clear()
-        if errors or (out is not None and (out.failed_blocks or out.unstored)):
+        if errors or (out is not None and (out.failed_blocks or any(FAILED in o for o in out.results.values()))):
             raise RuntimeError(f"the worker reported failed copies: load errors {sorted(errors)[:8]}, "
                                f"{out}")
         return f0, f1, end

@@ -105,3 +105,57 @@ def end_step(order: str, *, results: Callable[[], T], wait_for_save: Callable[[]
         raise ValueError(f"order: expected one of {RUNNER_ORDERS}, got {order!r}")
     clear()
     return out
+
+
+class TransferTally:
+    """For metadata built by hand (worker pipelines driven without a scheduler): gives each transfer an id
+    (:meth:`id`) and tallies the workers' results by what the transfer is (:meth:`collect`), as counters keyed
+    by chunk key (``stored`` / ``unstored``: a CPU slot written or not; ``tier_done`` / ``tier_written`` /
+    ``tier_failed``: a tier write, keyed ``"tier/key"``) or by request id (``loads_done``)."""
+
+    def __init__(self) -> None:
+        self._what: dict[int, tuple[str, str]] = {}
+        self.stored: dict[str, int] = {}
+        self.unstored: dict[str, int] = {}
+        self.tier_done: dict[str, int] = {}
+        self.tier_written: dict[str, int] = {}
+        self.tier_failed: dict[str, int] = {}
+        self.loads_done: dict[str, int] = {}
+        self.failed_blocks: set[int] = set()
+
+    def id(self, kind: str, name: str, tier: str | None = None) -> int:
+        """A new transfer id: ``kind`` "slot" (chunk ``name``), "tier" (chunk ``name`` to ``tier``), "load"
+        (request ``name``)."""
+        xid = len(self._what)
+        self._what[xid] = (kind, f"{tier}/{name}" if kind == "tier" else name)
+        return xid
+
+    def fresh(self) -> TransferTally:
+        """A tally of the same transfer ids, with no results counted yet."""
+        out = TransferTally()
+        out._what = self._what
+        return out
+
+    def tiers(self, key: str, *tiers: str) -> dict[str, int]:
+        """``ChunkSave.to_tiers`` for writes of chunk ``key`` to ``tiers``."""
+        return {t: self.id("tier", key, t) for t in tiers}
+
+    def collect(self, out) -> None:
+        """Tally one :class:`kvx.connector.metadata.KVXWorkerMetadata` (None: nothing reported)."""
+        from .connector.metadata import FAILED, OK
+
+        if out is None:
+            return
+        for xid, outcomes in out.results.items():
+            kind, name = self._what[xid]
+            for o in outcomes:
+                if kind == "load":
+                    counters = [self.loads_done]
+                elif kind == "slot":
+                    counters = [self.stored if o == OK else self.unstored]
+                else:
+                    counters = [self.tier_done] + ([self.tier_written] if o == OK else []) + (
+                        [self.tier_failed] if o == FAILED else [])
+                for c in counters:
+                    c[name] = c.get(name, 0) + 1
+        self.failed_blocks |= set(out.failed_blocks)

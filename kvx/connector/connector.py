@@ -101,11 +101,11 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
                                        False)))
         else:
             shard, shards, writes = worker_shard(vllm_config, geom.use_mla)
-            self._worker = KVXWorker(self.config, geom, fmt, fingerprint, shard, shards, writes)
-            self._worker.fence_loads_at_start = not self.config.layerwise
             # a kv_producer's chunks are the hand-off its consumer waits for (pd_wait_ms): written at normal
             # priority; otherwise writes only fill idle cores and never slow the forward
-            self._worker.background_writes = not (ktc.is_kv_producer and not ktc.is_kv_consumer)
+            self._worker = KVXWorker(self.config, geom, fmt, fingerprint, shard, shards, writes,
+                                     fence_loads_at_start=not self.config.layerwise,
+                                     background_writes=not (ktc.is_kv_producer and not ktc.is_kv_consumer))
         log.info("kvx: %s ready: chunk %d tokens, format %s, tiers %s", role.name, self.config.chunk_size, fmt,
                  [t.type for t in self.config.tiers])
 

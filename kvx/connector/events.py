@@ -129,7 +129,7 @@ class KVEvents:
         self.counts[name] = self.counts.get(name, 0) + 1
 
     # ------------------------------------------------------------------ drain
-    def settle(self) -> None:
+    def apply_observed(self) -> None:
         """Apply what tier threads observed (scheduler thread)."""
         with self._lock:
             observed, self._observed = self._observed, []
@@ -138,12 +138,12 @@ class KVEvents:
                 (self.stored if event == STORED else self.removed)(tier, key)
 
     def take(self) -> list:
-        self.settle()
+        self.apply_observed()
         out, self._events = self._events, []
         return out
 
     def take_counts(self) -> dict[str, int]:
-        self.settle()
+        self.apply_observed()
         out, self.counts = self.counts, {}
         return out
 

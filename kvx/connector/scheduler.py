@@ -5,7 +5,9 @@ Per request a :class:`RequestTracker` holds the chunk keys (extended lazily over
 ``save_decode``, the output), how far saving has got, and the request's in-flight load. The CPU tier's
 index lives here (:class:`kvx.store.CPUIndex`); the tiers after it (disk, Redis, any registered type)
 are a :class:`kvx.store.stack.TierStack` of the tiers opened in this process for lookups, so several
-engines sharing a store see each other's chunks. No tier type is named here.
+engines sharing a store see each other's chunks. No tier type is named here. Every transfer in flight (CPU
+slot writes, tier writes, loads) is a record of the :class:`~.ledger.ChunkLedger`; this module decides which
+chunks a request loads and saves, the ledger how and what is in flight.
 
 Life of a request:
 
@@ -23,9 +25,9 @@ Life of a request:
    ``save_partial_chunks``), to every tier that lacks it; note preempted requests. A save whose KV
    depends on blocks whose loads are not verified yet carries them (:mod:`.validity`): a chunk computed
    against a failed load is never stored.
-4. ``update_connector_output``: worker completion counts commit/abort CPU slots, release pins; failed
-   loads poison the saves that depend on them and rewind the requests' save cursors, so the chunks vLLM
-   recomputes are stored again.
+4. ``update_connector_output``: the workers' results end the ledger's transfers (commit/abort CPU slots,
+   release pins and holds); failed loads poison the saves that depend on them and rewind the requests' save
+   cursors, so the chunks vLLM recomputes are stored again.
 5. ``request_finished``: drop the tracker (blocks are freed at once: saves are fenced on the workers).
 
 Several KV cache groups (:mod:`.common`): block tables are per group; a chunk's load and save cover every
@@ -41,13 +43,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..log import get_logger
-from ..store import CPUIndex, SlotState, TierContext, tier_class
+from ..store import CPUIndex, TierContext, tier_class
 from ..store.stack import TierStack
 from .common import _NULL_BLOCK, EngineGeometry, num_cpu_slots
 from .config import KVXConfig
 from .events import KVEvents
 from .keys import MMItem, chunk_keys, rank_key, request_root
-from .metadata import ChunkLoad, ChunkSave, KVXMetadata, KVXWorkerMetadata, LoadSpec, tier_done_key
+from .ledger import ChunkLedger
+from .metadata import ChunkLoad, KVXMetadata, KVXWorkerMetadata, LoadSpec
 from .params import RequestControls, controls_of
 from .validity import BlockValidity
 
@@ -117,11 +120,6 @@ class RequestTracker:
         return chunk_keys(prev, toks, chunk_size, mm_items=mm, num_chunks=0, partial_tokens=tokens)[0]
 
 
-def _first_chunk(a: int | None, b: int | None) -> int | None:
-    """The earlier of two chunk indices of a request (None: its partial chunk, after every full one)."""
-    return b if a is None else a if b is None else min(a, b)
-
-
 def _mm_items(request) -> tuple[MMItem, ...]:
     items = []
     for f in getattr(request, "mm_features", None) or ():
@@ -162,20 +160,11 @@ class KVXScheduler:
         for source in ([self.cpu] if self.cpu is not None else []) + list(self.tiers.values()):
             source.subscribe(self.events.observe)
         self.trackers: dict[str, RequestTracker] = {}
+        self.ledger = ChunkLedger(self.cpu, self.stack, num_workers, self.events, writes=producer)
         self._new_loads: list[LoadSpec] = []
-        self._load_pins: dict[str, list[str]] = {}      # req_id -> CPU keys pinned for its load
-        self._holds: Counter = Counter()                 # (tier, key) -> CPU holds of writes reading the slot
         self.validity = BlockValidity(self.blocks_per_chunk)
-        self._poisoned: set[str] = set()                 # CPU slots being written with KV of a failed load
-        self._after_commit: dict[str, tuple[int, list[str]]] = {}   # key -> (tokens, tiers): write through
-        self._write_through: list[tuple[str, int, list[str]]] = []  # committed: write through next step
-        # key of a CPU slot being written (PENDING) -> {request: its chunk index (None: its partial chunk)}: the
-        # requests that counted the chunk as saved because that write was in flight; rewound if it is aborted
-        self._awaiting: dict[str, dict[str, int | None]] = {}
         self._freed: list[int] = []                      # blocks freed since the last step (for the workers)
         self._pending_reported = 0
-        self._counts: dict[str, Counter] = {n: Counter() for n in ("stored", "unstored", "tier_done",
-                                                                    "tier_written", "tier_failed", "loads_done")}
         self.stats = Counter()
 
     # ------------------------------------------------------------------ helpers
@@ -317,30 +306,27 @@ class KVXScheduler:
             lo, hi = max(cb0, first_blk), min(cb0 + ntok // bs, end_blk)
             if lo < hi:
                 spans.append((key, tier, ntok, cb0, lo, hi))
-        # pin every CPU hit before allocating promotion slots, which may evict unpinned chunks
-        pins = [key for key, tier, *_ in spans if tier == "cpu"]
-        slots = dict(zip(pins, self.cpu.pin(pins))) if pins else {}
+        # a hit from a slower tier is promoted into the CPU tier (and, once there, written through to the faster
+        # tiers lacking it, by a producer)
+        promote = [tier != "cpu" and self.cpu is not None and self.config.promote and self.cpu.state(key) is None
+                   for key, tier, *_ in spans]
+        xfer, slots = self.ledger.plan_load(request.request_id, [(key, tier, ntok, p) for (key, tier, ntok, *_), p
+                                                                 in zip(spans, promote)])
         chunks: list[ChunkLoad] = []
         loaded: dict[int, int] = {}
-        for key, tier, ntok, cb0, lo, hi in spans:
-            slot = slots.get(key)
-            if tier != "cpu" and self.cpu is not None and self.config.promote and self.cpu.state(key) is None:
-                slot = self.cpu.allocate(key)          # promote the hit into the CPU tier
+        for (key, tier, ntok, cb0, lo, hi), (slot, slot_xfer), p in zip(spans, slots, promote):
+            if p:
                 self.events.record(key, request, cb0, ntok // bs)
-                faster = self.stack.lacking(key, self.stack.faster(tier)) if self.producer else []
-                if slot is not None and faster:        # and, once there, into the faster tiers lacking it
-                    self._after_commit[key] = (ntok, faster)
             shared = end % bs != 0 and hi == end_blk     # the last block also gets this step's tokens
             ids, positions = self._load_blocks(tables, lo, hi, cb0, ntok // bs)
             chunks.append(ChunkLoad(key, tier, slot, ids, lo - cb0, ntok, before_forward=shared,
                                     shared_tokens=end % bs if shared else 0, positions=positions,
-                                    span=hi - lo if positions is not None else 0))
+                                    span=hi - lo if positions is not None else 0, slot_xfer=slot_xfer))
             loaded.update((b, cb0 // self.blocks_per_chunk) for b in ids)
             t.loaded_from[key] = tier
             self.stats[f"hit_tokens_{tier}"] += min(hi * bs, end) - max(lo * bs, start)
-        self._load_pins[request.request_id] = pins
         self.validity.loading(request.request_id, loaded)
-        self._new_loads.append(LoadSpec(request.request_id, chunks, self.load_async))
+        self._new_loads.append(LoadSpec(request.request_id, chunks, self.load_async, xfer))
         t.phase = Phase.LOADING if self.load_async else Phase.RUNNING
         t.plan = None
         self.stats["loads"] += 1
@@ -414,7 +400,7 @@ class KVXScheduler:
                 if t is not None and t.saves:
                     self._plan_saves(t, computed + so.num_scheduled_tokens.get(rid, 0),
                                      len(so.scheduled_spec_decode_tokens.get(rid, ())), block_state, meta)
-            self._plan_write_through(meta)
+            meta.saves += self.ledger.plan_write_through()
         return meta
 
     def _forward_writes(self, so, entries, block_state, from_first_token: bool = False) -> list[int]:
@@ -485,7 +471,7 @@ class KVXScheduler:
         if _NULL_BLOCK in block_ids:
             # a sliding-window group released blocks of this chunk (vLLM's null block): it cannot serve every
             # group, so it is not stored (a hit never reaches past it)
-            if (self.cpu is not None and self.cpu.state(key) is None) or self.stack.lacking(key):
+            if (self.cpu is not None and self.cpu.state(key) is None) or self.ledger.lacking(key):
                 self.stats["saves_incomplete"] += 1
             return True
         deps = {}
@@ -495,120 +481,41 @@ class KVXScheduler:
             self.stats["saves_deferred"] += 1
             return False
         self.events.record(key, t.request, b0, b1 - b0)
-        state = self.cpu.state(key) if self.cpu is not None else None
-        slot = self.cpu.allocate(key) if self.cpu is not None and state is None else None
-        if state is SlotState.PENDING:
-            # another save is writing the chunk into the CPU tier (or this request's own earlier one, which a
-            # failed load poisoned): counted as saved only if that write commits; if it is aborted, this request
-            # plans the chunk again (update_connector_output)
-            waiting = self._awaiting.setdefault(key, {})
-            waiting[t.req_id] = _first_chunk(waiting.get(t.req_id, chunk), chunk)
-        to_tiers = [n for n in self.stack.lacking(key) if n != t.loaded_from.get(key)]
-        if to_tiers and deps and self.num_workers > 1:
-            # A rank cannot know in time that a load failed on another rank: only the scheduler hears every
-            # worker. Gather into the CPU tier now; write the chunk through to the other tiers once it is
-            # committed.
-            if slot is not None:
-                self._after_commit[key] = (tokens, to_tiers)
-            to_tiers = []
-        from_slot = None
-        if to_tiers and (state is SlotState.READY or slot is not None):
-            # the writes read the CPU slot: the READY copy (no gather needed), or the one we gather into
-            from_slot = self._hold(key, to_tiers) if state is SlotState.READY else None
-            if slot is not None:
-                self._hold(key, to_tiers)
-        for name in to_tiers:
-            self.stack.writing(name, key)
-        if slot is None and not to_tiers:
+        # A rank cannot know in time that a load failed on another rank (only the scheduler hears every worker):
+        # with several workers, a save depending on loads is gathered into the CPU tier only, and written through
+        # to the other tiers once committed.
+        save = self.ledger.plan_save(t.req_id, chunk, key, block_ids, tokens, deps, skip_tier=t.loaded_from.get(key),
+                                     gather_first=bool(deps) and self.num_workers > 1)
+        if save is None:
             return True
         if deps:
             self.validity.guard(t.req_id, key, deps)
-        meta.saves.append(ChunkSave(t.req_id, key, list(block_ids), tokens, slot, to_tiers, from_slot,
-                                    deps=sorted(deps)))
+        meta.saves.append(save)
         self.stats["saves"] += 1
         return True
-
-    def _hold(self, key: str, tiers: list[str]) -> int:
-        """Keep ``key``'s CPU slot while each of ``tiers`` writes from it; returns the slot."""
-        slot = None
-        for name in tiers:
-            slot = self.cpu.hold(key)
-            self._holds[(name, key)] += 1
-        return slot
-
-    def _plan_write_through(self, meta: KVXMetadata) -> None:
-        """Write committed CPU chunks through to the tiers after it (saves that depended on loads when
-        planned, with several workers; hits promoted from a slower tier into the faster ones)."""
-        todo, self._write_through = self._write_through, []
-        for key, tokens, tiers in todo:
-            tiers = self.stack.lacking(key, tiers)
-            if self.cpu.state(key) is not SlotState.READY or not tiers:
-                continue
-            from_slot = self._hold(key, tiers)
-            for name in tiers:
-                self.stack.writing(name, key)
-            meta.saves.append(ChunkSave("", key, [], tokens, None, tiers, from_slot))
-            self.stats["saves"] += 1
 
     # ------------------------------------------------------------------ step 4: worker results
     def update_connector_output(self, output) -> None:
         wm = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(wm, KVXWorkerMetadata):
             return
-        c = self._counts
         if wm.failed_blocks:
             self._on_failed_loads(wm.failed_blocks)
-        c["tier_written"].update(wm.tier_written)
-        c["tier_failed"].update(wm.tier_failed)
-        for tk, n in wm.tier_done.items():
-            c["tier_done"][tk] += n
-            if c["tier_done"][tk] >= self.num_workers:
-                del c["tier_done"][tk]
-                name, key = tier_done_key(tk)
-                self.stack.written(name, key)
-                if c["tier_written"].pop(tk, 0) and not c["tier_failed"].pop(tk, 0):
-                    self.events.stored(name, key)     # new bytes, every rank's share in
-                c["tier_failed"].pop(tk, None)
-                holds = self._holds.pop((name, key), 0)
-                if holds:
-                    self.cpu.unpin([key] * holds)
-        for key in set(wm.stored) | set(wm.unstored):
-            c["stored"][key] += wm.stored.get(key, 0)
-            c["unstored"][key] += wm.unstored.get(key, 0)
-            if c["stored"][key] + c["unstored"][key] >= self.num_workers:
-                ok = c["unstored"][key] == 0 and key not in self._poisoned
-                self._poisoned.discard(key)
-                through = self._after_commit.pop(key, None)
-                del c["stored"][key], c["unstored"][key]
-                waiting = self._awaiting.pop(key, {})
-                if self.cpu is None or self.cpu.state(key) is not SlotState.PENDING:
-                    continue
-                if ok:
-                    self.cpu.commit(key)
-                    if through is not None:
-                        self._write_through.append((key, *through))
-                else:
-                    self.cpu.abort(key)
-                    self.stats["cpu_store_failed"] += 1
-                    self._rewind(waiting)
-        for tk in wm.tier_removed:
-            self.events.removed(*tier_done_key(tk))
-        for rid, n in wm.loads_done.items():
-            c["loads_done"][rid] += n
-            if c["loads_done"][rid] >= self.num_workers:
-                del c["loads_done"][rid]
-                pins = self._load_pins.pop(rid, [])
-                if pins:
-                    self.cpu.unpin(pins)
-                self.validity.load_done(rid)
-                t = self.trackers.get(rid)
-                if t is not None and t.phase is Phase.LOADING:
-                    t.phase = Phase.RUNNING
-        self.validity.settle()
+        done = self.ledger.settle(wm.results)
+        for tier, key in wm.removed:
+            self.events.removed(tier, key)
+        self.stats["cpu_store_failed"] += done.aborted
+        self._rewind(done.rewind)
+        for rid in done.loads_done:
+            self.validity.load_done(rid)
+            t = self.trackers.get(rid)
+            if t is not None and t.phase is Phase.LOADING:
+                t.phase = Phase.RUNNING
+        self.validity.drop_verified_guards()
 
-    def _rewind(self, waiting: dict[str, int | None]) -> None:
+    def _rewind(self, waiting: list[tuple[str, int | None]]) -> None:
         """Plan again the chunks these requests counted as saved on a CPU write that was aborted."""
-        for rid, chunk in waiting.items():
+        for rid, chunk in waiting:
             t = self.trackers.get(rid)
             if t is None:
                 continue
@@ -622,8 +529,7 @@ class KVXScheduler:
         """Workers could not load these blocks; vLLM recomputes them. Saves computed against them are
         poisoned, and every request affected saves its chunks again from the first failed one."""
         verdict = self.validity.failed(blocks)
-        if self.cpu is not None:   # the slots they gather into are aborted when the workers report them
-            self._poisoned |= {k for k in verdict.poisoned if self.cpu.state(k) is SlotState.PENDING}
+        self.ledger.poison(verdict.poisoned)   # the slots they gather into are aborted when the workers report them
         for rid, chunk in verdict.rewind.items():
             t = self.trackers.get(rid)
             if t is not None:
@@ -653,7 +559,7 @@ class KVXScheduler:
         (tier writes and CPU slot writes in flight) whenever it changed."""
         stats, self.stats = dict(self.stats), Counter()
         stats.update(self.events.take_counts())
-        pending = self.stack.in_flight_count() + (self.cpu.pending() if self.cpu is not None else 0)
+        pending = self.ledger.writes_in_flight()
         if pending != self._pending_reported:
             stats["pending_writes"] = self._pending_reported = pending
         return stats
@@ -663,13 +569,12 @@ class KVXScheduler:
 
     def has_pending_push_work(self) -> bool:
         # keep the engine stepping while a worker has something to report: the reports ride on steps
-        return bool(self.stack.busy() or self._load_pins or self._write_through
-                    or (self.cpu is not None and self.cpu.pending()))
+        return not self.ledger.idle()
 
     def reset_cache(self) -> bool:
         if self.cpu is None:
             return True
-        self.events.settle()
+        self.events.apply_observed()
         ok = self.cpu.clear()
         if ok and not self.stack:
             self.events.cleared()        # nothing is left in any kvx tier

@@ -128,7 +128,7 @@ class BlockValidity:
         """Watch an in-flight save of ``key`` with these unverified dependencies."""
         self._guards.append(Guard(req_id, key, deps))
 
-    def settle(self) -> None:
+    def drop_verified_guards(self) -> None:
         """Forget the guards whose dependencies are all verified. A dependency's outcome is reported no
         later than the save's own completion (a load finishes within its step, a save in it or later),
         so every save is judged before it can be committed."""

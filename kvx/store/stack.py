@@ -6,11 +6,11 @@ tiers in config order (fastest first) and answers, for the connector's scheduler
 - :meth:`TierStack.locate`: which tier serves each chunk: the fastest one holding every tensor-parallel
   rank's share of it (a chunk one rank lacks is a miss);
 - :meth:`TierStack.lacking`: which tiers a chunk is written to (write-to-all: every tier not known to
-  hold it and not being written already);
-- :meth:`TierStack.faster`: which tiers a hit from a slower tier is promoted into;
-- the writes in flight, so a chunk is not written twice at once.
+  hold it);
+- :meth:`TierStack.faster`: which tiers a hit from a slower tier is promoted into.
 
-Scheduler thread only (no locking).
+Queries only: the writes in flight are the connector's :class:`kvx.connector.ledger.ChunkLedger`'s. Scheduler
+thread only (no locking).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ class TierStack:
         self.tiers = list(tiers)
         self.by_name = {t.type: t for t in self.tiers}
         self._shard_keys = shard_keys
-        self._inflight: set[tuple[str, str]] = set()
 
     def __bool__(self) -> bool:
         return bool(self.tiers)
@@ -62,14 +61,11 @@ class TierStack:
 
     # ---------------------------------------------------------------- writes
     def lacking(self, key: str, among: Sequence[str] | None = None) -> list[str]:
-        """The tiers (of ``among``; default all) to write chunk ``key`` to: those not writing it already and
-        not holding it. Only a tier whose lookups are local (``Tier.local_lookup``: a stat of a file) is
+        """The tiers (of ``among``; default all) to write chunk ``key`` to: those not holding it. Only a tier whose lookups are local (``Tier.local_lookup``: a stat of a file) is
         asked here; the others are not asked on the scheduler's path (a network round trip per chunk):
         their puts check for the key before sending the bytes, and never overwrite."""
         out = []
         for name in (self.names() if among is None else among):
-            if (name, key) in self._inflight:
-                continue
             tier = self.by_name[name]
             if tier.local_lookup:
                 ks = self._shard_keys(key)
@@ -83,19 +79,6 @@ class TierStack:
         """The byte tiers before ``name`` (a hit from ``name`` is promoted into them)."""
         names = self.names()
         return names[: names.index(name)] if name in names else []
-
-    def writing(self, name: str, key: str) -> None:
-        self._inflight.add((name, key))
-
-    def written(self, name: str, key: str) -> None:
-        """The write of ``key`` to ``name`` ended (written, present already, or failed)."""
-        self._inflight.discard((name, key))
-
-    def busy(self) -> bool:
-        return bool(self._inflight)
-
-    def in_flight_count(self) -> int:
-        return len(self._inflight)
 
     def close(self) -> None:
         for tier in self.tiers:

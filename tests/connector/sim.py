@@ -121,6 +121,7 @@ class Env:
         self.conn.take_events = keep_events
         if tp > 1:   # one level below real TP: the scheduler counts tp workers, each stores its own shard
             self.conn._scheduler.num_workers = self.conn._scheduler.shards = tp
+            self.conn._scheduler.ledger.num_workers = tp
         self.workers: list[KVXConnector] = []
         self.rank_caches: list[list[torch.Tensor]] = []
         if virtual_forward and (copy_queue != "deferred" or tp != 1):
@@ -204,7 +205,7 @@ class Env:
                 errs = w.get_block_ids_with_load_errors()
                 stats = w.get_kv_connector_stats()
                 if settle_writes:
-                    w._worker._poll_saves(block=True)
+                    w._worker.saves.poll(block=True)
                 return s_, r_, errs, stats, w.build_connector_worker_meta()
 
             # the drafter's forward writes only its own layers, which this engine does not have: what kvx sees
@@ -360,7 +361,7 @@ class Env:
                 assert key in self.chunks, f"CPU tier holds chunk {key} that no save planned"
                 want = self.expected_chunk_pages(key)
                 for rank, w in enumerate(self.workers):
-                    view = w._worker._slot_view(e.slot, len(want) // len(LAYERS) * BLOCK)
+                    view = w._worker.slot_view(e.slot, len(want) // len(LAYERS) * BLOCK)
                     for (layer, i), page in want.items():
                         assert torch.equal(view[layer, :, i].reshape(-1), page), (
                             f"CPU tier chunk {key} rank {rank}: block {i} layer {layer} is not the cold KV")
@@ -401,8 +402,9 @@ class Env:
         """No requests, no leaked vLLM blocks, no leaked kvx pins or in-flight bookkeeping."""
         s = self.conn._scheduler
         assert not self.sched.requests
-        assert not s._load_pins and not s.stack.busy() and not s._poisoned
-        assert not s._after_commit and not s._write_through and not s.validity.num_guards() and not s._awaiting
+        assert s.ledger.idle(), f"transfers in flight: {s.ledger.open_transfers()}"
+        assert not s.validity.num_guards()
+        assert all(w._worker.idle() for w in self.workers)
         if s.cpu is not None:
             assert s.cpu.pinned() == 0
             assert not any(e.state is not SlotState.READY for e in s.cpu._entries.values())

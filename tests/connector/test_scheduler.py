@@ -103,14 +103,14 @@ def test_full_prompt_hit_leaves_only_the_last_token_to_compute(make_env, store_d
     env.request("a", ids)
     env.run()
     env.sched.reset_prefix_cache()
-    build = env.worker._worker._scatter_batch
+    build = env.worker._worker.loads.scatter_batch
 
     def slow(chunks):           # slow loads: a load that is not fenced before the forward lands after its write
         batch = build(chunks)
         run = batch.run
         batch.run = lambda *a: (time.sleep(0.05), run(*a))
         return batch
-    monkeypatch.setattr(env.worker._worker, "_scatter_batch", slow)
+    monkeypatch.setattr(env.worker._worker.loads, "scatter_batch", slow)
     r = env.request("b", ids)
     so = env.step()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK - 1

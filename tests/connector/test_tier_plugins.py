@@ -32,7 +32,7 @@ def test_a_tier_loaded_by_import_path_saves_and_serves(make_env, store_dir):
     env = make_env(slow_tiers(store_dir, pending=0))
     env.request("a", ids)
     env.run()
-    assert [s.to_tiers for s in saves(env)] == [["slow-lookup-disk"]] * 2
+    assert [list(s.to_tiers) for s in saves(env)] == [["slow-lookup-disk"]] * 2
     assert tier_class("slow-lookup-disk") is tier_class(PLUGIN)       # registered under its type once loaded
     env2 = make_env(slow_tiers(store_dir, pending=0))
     req = env2.request("b", ids)
@@ -77,7 +77,7 @@ def test_chunks_loaded_from_a_remote_tier_are_not_written_back_to_it(make_env, s
     assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK
     env2.run()
     assert env2.stats.get("slow-lookup-disk_reads") == 2
-    planned = [(s.key, s.to_tiers) for s in saves(env2)]
+    planned = [(s.key, list(s.to_tiers)) for s in saves(env2)]
     assert len(planned) == 1 and planned[0][0] not in loaded and planned[0][1] == ["slow-lookup-disk"], planned
     assert_pages_match(env2, req, so.scheduled_new_reqs[0].block_ids[0][:4], 0)
     env3 = make_env(slow_tiers(store_dir, pending=0))                        # and b's 3 chunks are all served

@@ -43,10 +43,10 @@ def test_guards_are_forgotten_once_their_loads_are_verified():
     v = BlockValidity(blocks_per_chunk=1)
     v.loading("a", {1: 0})
     v.guard("a", "k1", v.unverified([1, 2], 2))
-    v.settle()
+    v.drop_verified_guards()
     assert v.num_guards() == 1
     v.load_done("a")
-    v.settle()
+    v.drop_verified_guards()
     assert v.num_guards() == 0
     assert v.failed([1]).poisoned == set()             # a late report for a verified block changes nothing
 

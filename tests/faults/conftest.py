@@ -105,7 +105,7 @@ def settle(llm):
     """Wait for kvx's writes and let the engine report them (idle steps, as vLLM's engine loop takes)."""
     sched, worker = connector_sides(llm)
     for _ in range(50):
-        worker._poll_saves(block=True)
+        worker.saves.poll(block=True)
         if not sched.has_pending_push_work():
             break
         llm.llm_engine.step()
@@ -116,10 +116,10 @@ def assert_connector_settled(llm):
     settle(llm)
     sched, worker = connector_sides(llm)
     assert not sched.has_pending_push_work(), "kvx still has writes or loads in flight"
-    assert not sched._load_pins and not sched._poisoned and not sched.validity.num_guards()
+    assert sched.ledger.idle() and not sched.validity.num_guards(), sched.ledger.open_transfers()
     if sched.cpu is not None:
         assert sched.cpu.pinned() == 0, "CPU slots left pinned"
-    assert not worker._saves and not worker._async_loads and not worker._sync_loads
+    assert worker.idle(), "the worker has loads or saves in flight"
 
 
 @contextmanager

@@ -52,7 +52,7 @@ def test_damaged_prefix_never_poisons_the_chunks_computed_with_it(model, referen
         assert r.tokens == ref_b
         sched, worker = connector_sides(llm)
         if how != "missing":
-            assert worker.totals["load_errors"] + worker._stats["load_errors"] >= 1
+            assert worker.totals["load_errors"] + worker.stats["load_errors"] >= 1
         llm.reset_prefix_cache()                # vLLM forgets; the CPU tier has the recomputed chunks
         again = H.generate(llm, B, MAX_TOKENS)
         assert again.num_cached_tokens == full_hit(len(B))
@@ -136,8 +136,8 @@ def test_store_turning_read_only_while_serving(model, reference, tmp_path, tmpfs
             assert hit.num_cached_tokens == full_hit(len(old)) and hit.tokens == ref_old
             assert H.generate(llm, new, MAX_TOKENS).tokens == ref_new   # saves fail (EROFS), serving goes on
             _, worker = connector_sides(llm)
-            worker._poll_saves(block=True)
-            assert worker.totals["disk_write_errors"] + worker._stats["disk_write_errors"] >= 1
+            worker.saves.poll(block=True)
+            assert worker.totals["disk_write_errors"] + worker.stats["disk_write_errors"] >= 1
         finally:
             remount(mnt, "rw")
     assert len(chunk_files(store)) == 3

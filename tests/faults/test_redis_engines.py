@@ -91,7 +91,7 @@ def redis_tiers(url: str, *, cpu: str | None = None, **redis) -> dict:
 def totals(worker) -> dict[str, float]:
     """Every counter of the worker since start (reported ones and those of steps not reported yet)."""
     out = dict(worker.totals)
-    for k, v in worker._stats.items():
+    for k, v in worker.stats.items():
         out[k] = out.get(k, 0) + v
     return out
 
@@ -457,13 +457,13 @@ def assert_worker_bounded(llm, loose_before: int = 0) -> dict[str, int]:
     sched, worker = connector_sides(llm)
     tiers = redis_sides(llm)
     loose = loose_chunk_buffers(worker)
-    state = {"saves": len(worker._saves), "retiring": len(worker._retiring), "async": len(worker._async_loads),
-             "staging_out": len(worker._staging) - len(worker._staging_free),
-             "inflight": len(sched.stack._inflight), "trackers": len(sched.trackers),
+    state = {"worker_busy": int(not worker.idle()),
+             "staging_out": len(worker.saves.staging.buffers) - len(worker.saves.staging._free),
+             "inflight": len(sched.ledger.open_transfers()), "trackers": len(sched.trackers),
              "lookups": max(len(t._lookups) for t in tiers),
              "idle_conns": max(len(n._idle) for t in tiers for n in t._nodes.values()),
              "loose_chunks": len(loose) - loose_before}
-    assert state["saves"] == state["retiring"] == state["async"] == state["staging_out"] == 0, state
+    assert state["worker_busy"] == state["staging_out"] == 0, state
     assert state["inflight"] == 0 and state["trackers"] == 0, state
     assert state["lookups"] <= redis_mod._LOOKUP_KEEP, state
     assert state["idle_conns"] <= tiers[1].config.connections, state

@@ -70,7 +70,7 @@ def test_soak_under_eviction_and_damaged_files(model, reference, tmp_path):
                 if list(out.outputs[0].token_ids) != refs[i][:MAX_TOKENS]:
                     wrong.append((served, i, out.num_cached_tokens))
         totals = dict(worker.totals)
-        totals.update({k: totals.get(k, 0) + v for k, v in worker._stats.items()})
+        totals.update({k: totals.get(k, 0) + v for k, v in worker.stats.items()})
     print(f"soak: {served} requests, {len(wrong)} wrong; {damages} damaged files, {deleted} deleted; "
           f"{totals.get('load_errors', 0)} failed chunk loads, {totals.get('loaded_chunks', 0)} chunks loaded, "
           f"{totals.get('saves_dropped', 0)} saves dropped; evictions: CPU {sched.cpu.stats['evicted']}, "

@@ -66,10 +66,12 @@ from kvx import engine as kvx_engine
 from kvx.connector.common import EngineGeometry, format_fingerprint, namespace
 from kvx.connector.config import KVXConfig
 from kvx.connector.keys import chunk_keys, request_root
-from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec, tier_done_key
+from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from kvx.connector.worker import KVXWorker
 from kvx.store import DiskStore
-from kvx.testing import RUNNER_ORDERS, end_step, make_kv_caches, random_fill_
+from kvx.testing import RUNNER_ORDERS, TransferTally, end_step, make_kv_caches, random_fill_
+
+TALLY = TransferTally()    # the transfer ids of the hand-built metadata (no scheduler here)
 
 NUM_LAYERS = 4
 CHUNK = 64
@@ -242,13 +244,13 @@ class Engine:
         for k, v in w.take_stats().items():
             if isinstance(v, (int, float)):
                 self.stats[k] = self.stats.get(k, 0) + v
-        out = w.build_worker_meta()
-        if out is not None:
-            for name in ("stored", "unstored", "tier_done", "tier_written", "tier_failed", "loads_done"):
-                acc = getattr(self, name)
-                for k, n in getattr(out, name).items():
-                    acc[k] = acc.get(k, 0) + n
-            self.failed_blocks |= set(out.failed_blocks)
+        tally = TALLY.fresh()
+        tally.collect(w.build_worker_meta())
+        for name in ("stored", "unstored", "tier_done", "tier_written", "tier_failed", "loads_done"):
+            acc = getattr(self, name)
+            for k, n in getattr(tally, name).items():
+                acc[k] = acc.get(k, 0) + n
+        self.failed_blocks |= tally.failed_blocks
 
     def idle_step(self) -> None:
         meta = KVXMetadata()
@@ -321,13 +323,15 @@ def save_prompt(a: Engine, kv: torch.Tensor, chunks=range(N_CHUNKS)) -> list[int
 
     def saves(cs):
         return [ChunkSave(req_id="A", key=a.keys[c], block_ids=blocks_of(table, bs, c * CHUNK, (c + 1) * CHUNK),
-                          tokens=CHUNK, slot=slots[c], to_tiers=[DISK]) for c in cs if c in chunks]
+                          tokens=CHUNK, slot=slots[c], to_tiers=TALLY.tiers(a.keys[c], DISK),
+                          slot_xfer=TALLY.id("slot", a.keys[c]) if slots[c] is not None else None)
+                for c in cs if c in chunks]
 
     for start, end, cs in ((0, 2 * CHUNK, (0, 1)), (2 * CHUNK, PROMPT, (2,))):
         pos = range(start, end)
         meta = KVXMetadata(saves=saves(cs), forward_blocks=blocks_of(table, bs, start, end))
         a.step(meta, writes=[(table, pos, kv[:, :, start:end])])
-    want = {tier_done_key(DISK, a.keys[c]): 1 for c in chunks}
+    want = {f"{DISK}/{a.keys[c]}": 1 for c in chunks}
     a.settle(lambda: all(a.tier_done.get(k) for k in want), "every disk write done")
     a.finish()
     assert a.tier_done == want and a.tier_written == want and not a.tier_failed, (
@@ -374,9 +378,10 @@ def load_prompt(b: Engine, kv: torch.Tensor, swap_chunk: int | None = None) -> L
         if c == swap_chunk:
             ids[0], ids[1] = ids[1], ids[0]
         loads.append(ChunkLoad(key=b.keys[c], tier=DISK, slot=slot, block_ids=ids,
-                               first_block=(lo - c * CHUNK) // bs, tokens=CHUNK))
+                               first_block=(lo - c * CHUNK) // bs, tokens=CHUNK,
+                               slot_xfer=TALLY.id("slot", b.keys[c]) if slot is not None else None))
     tail = range(N_CHUNKS * CHUNK, PROMPT)
-    meta = KVXMetadata(loads=[LoadSpec(req_id="B", chunks=loads, is_async=False)],
+    meta = KVXMetadata(loads=[LoadSpec(req_id="B", chunks=loads, is_async=False, xfer=TALLY.id("load", "B"))],
                        forward_blocks=blocks_of(table, bs, tail.start, tail.stop))
     (reads,) = b.step(meta, writes=[(table, tail, kv[:, :, tail.start:tail.stop])], reads=[(table, range(PROMPT))])
     b.finish()
@@ -568,7 +573,8 @@ def test_raw_pages_do_not_cross_block_sizes(queue, tmp_path):
         table = shuffled_table(b.num_blocks, 2, seed=3)
         before = b.snapshot()
         forced = ChunkLoad(key=a.keys[0], tier=DISK, slot=None, block_ids=table, first_block=0, tokens=CHUNK)
-        b.step(KVXMetadata(loads=[LoadSpec(req_id="B", chunks=[forced], is_async=False)]))
+        spec = LoadSpec(req_id="B", chunks=[forced], is_async=False, xfer=TALLY.id("load", "B"))
+        b.step(KVXMetadata(loads=[spec]))
         b.finish()
         assert b.load_errors == set(table) and b.failed_blocks == set(table), (b.load_errors, b.failed_blocks)
         after = b.snapshot()
@@ -585,7 +591,8 @@ def test_raw_pages_do_not_cross_block_sizes(queue, tmp_path):
         assert same.keys[0] == a.keys[0]
         table = shuffled_table(same.num_blocks, CHUNK // 16, seed=4)
         load = ChunkLoad(key=same.keys[0], tier=DISK, slot=None, block_ids=table, first_block=0, tokens=CHUNK)
-        same.step(KVXMetadata(loads=[LoadSpec(req_id="A2", chunks=[load], is_async=False)]))
+        spec = LoadSpec(req_id="A2", chunks=[load], is_async=False, xfer=TALLY.id("load", "A2"))
+        same.step(KVXMetadata(loads=[spec]))
         same.finish()
         assert not same.load_errors, same.load_errors
         assert_same("A2's cache (raw pages of A's kind)", same.gather(table, range(CHUNK)), kv, range(CHUNK))

@@ -85,7 +85,7 @@ from kvx.connector.common import EngineGeometry
 from kvx.connector.config import KVXConfig
 from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from kvx.connector.worker import KVXWorker
-from kvx.testing import RUNNER_ORDERS, end_step, make_kv_caches
+from kvx.testing import RUNNER_ORDERS, TransferTally, end_step, make_kv_caches
 
 NUM_LAYERS = 4
 BLOCK = 16
@@ -161,12 +161,16 @@ class Step:
                            finished=list(self.finished), forward_blocks=sorted(set(written) | set(self.freed)))
 
 
+TALLY = TransferTally()    # the transfer ids of the scenario's metadata (built by hand, no scheduler)
+
+
 def save(r: Req, key: str, blocks, slot: int) -> ChunkSave:
-    return ChunkSave(req_id=r.name, key=key, block_ids=list(blocks), tokens=CHUNK, slot=slot, to_tiers=[])
+    return ChunkSave(req_id=r.name, key=key, block_ids=list(blocks), tokens=CHUNK, slot=slot,
+                     slot_xfer=TALLY.id("slot", key))
 
 
 def load(r: Req, *chunks: ChunkLoad) -> LoadSpec:
-    return LoadSpec(req_id=r.name, chunks=list(chunks), is_async=False)
+    return LoadSpec(req_id=r.name, chunks=list(chunks), is_async=False, xfer=TALLY.id("load", r.name))
 
 
 def from_slot(key: str, slot: int, blocks, **kw) -> ChunkLoad:
@@ -316,12 +320,12 @@ class Pipeline:
         end_step(self.order, results=results, wait_for_save=w.wait_for_save, clear=w.clear)
 
     def _collect(self, out) -> None:
-        if out is None:
-            return
-        self.stored.update(out.stored)
-        self.unstored.update(out.unstored)
-        self.loads_done.update(out.loads_done)
-        self.failed_blocks += out.failed_blocks
+        tally = TALLY.fresh()
+        tally.collect(out)
+        self.stored.update(tally.stored)
+        self.unstored.update(tally.unstored)
+        self.loads_done.update(tally.loads_done)
+        self.failed_blocks += sorted(tally.failed_blocks)
 
     def step(self, step_no: int, prepared: list[dict]) -> None:
         st = STEPS[step_no]

@@ -1,0 +1,244 @@
+"""Every chunk transfer in flight, from the scheduler's plan to the workers' results: the one owner of the save
+and load paths' bookkeeping on the scheduler side. Scheduler thread only (no locking).
+
+A transfer is one :class:`Transfer` record, keyed by an id that rides in the step's metadata
+(:class:`~.metadata.ChunkSave`, :class:`~.metadata.ChunkLoad`, :class:`~.metadata.LoadSpec`) and comes back in
+each worker's results (:attr:`~.metadata.KVXWorkerMetadata.results`: one outcome per worker and transfer). It
+ends when every worker reported it (:meth:`ChunkLedger.settle`). Three kinds:
+
+- ``slot``: a CPU slot being written: a save gathering a chunk into it, or a promotion reading a slower tier's
+  copy into it. Committed (a hit from then on) when every worker wrote it and no failed load poisoned it
+  (:meth:`ChunkLedger.poison`); else aborted, and the requests that counted the chunk as saved because this write
+  was in flight are handed back to the scheduler to plan it again. Once committed, a chunk planned with
+  ``through`` tiers is written through to them (:meth:`ChunkLedger.plan_write_through`).
+- ``tier``: a chunk written to a byte tier, from the paged cache (gathered), or from its CPU slot, which the
+  transfer holds until it ends. At most one per (tier, chunk) at a time.
+- ``load``: a request's load; the CPU slots it reads stay pinned until every worker finished it.
+
+The request-level decisions (which chunks, save cursors, P/D waits, validity) stay in
+:class:`~.scheduler.KVXScheduler`; the CPU tier's index (:class:`kvx.store.CPUIndex`) is the slots' allocator,
+and :class:`kvx.store.stack.TierStack` answers queries only. Life of one saved chunk::
+
+    plan_save ──> ChunkSave(slot_xfer, to_tiers={tier: xfer}) ──> workers ──> results {xfer: [outcome per worker]}
+        ──> settle: slot committed (or aborted: rewind), tier write ended (events, CPU hold released)
+        ──> plan_write_through (committed chunks planned with ``through`` tiers) ──> ...
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..log import get_logger
+from ..store import CPUIndex, SlotState
+from ..store.stack import TierStack
+from .events import KVEvents
+from .metadata import FAILED, OK, ChunkSave
+
+log = get_logger(__name__)
+
+
+class Kind(enum.Enum):
+    SLOT = "slot"     # a CPU slot written (save or promotion)
+    TIER = "tier"     # a chunk written to a byte tier
+    LOAD = "load"     # a request's load
+
+
+@dataclass
+class Transfer:
+    """One transfer in flight. Owned by :class:`ChunkLedger` (scheduler thread)."""
+
+    id: int
+    kind: Kind
+    key: str                                  # the chunk's key; LOAD: the request id
+    tier: str = "cpu"                         # TIER: the tier written
+    holds: bool = False                       # TIER: reads the chunk's CPU slot, held until the write ends
+    pins: list[str] = field(default_factory=list)             # LOAD: CPU chunks pinned for it
+    through: tuple[int, list[str]] | None = None              # SLOT: (tokens, tiers) to write through once committed
+    # SLOT: requests that counted the chunk as saved because this write was in flight: {request: its chunk index
+    # (None: its trailing partial chunk)}; planned again if the write is aborted
+    awaiting: dict[str, int | None] = field(default_factory=dict)
+    poisoned: bool = False                    # SLOT: written with KV of a failed load: aborted, never committed
+    outcomes: list[str] = field(default_factory=list)         # one per worker that reported
+
+
+@dataclass
+class Settled:
+    """What the transfers that ended in one :meth:`ChunkLedger.settle` mean for the requests."""
+
+    loads_done: list[str] = field(default_factory=list)       # requests whose load every worker finished
+    # (request, its chunk to plan again; None: its partial chunk), per aborted write it counted on
+    rewind: list[tuple[str, int | None]] = field(default_factory=list)
+    aborted: int = 0                                           # CPU slot writes aborted
+
+
+def _first_chunk(a: int | None, b: int | None) -> int | None:
+    """The earlier of two chunk indices of a request (None: its partial chunk, after every full one)."""
+    return b if a is None else a if b is None else min(a, b)
+
+
+class ChunkLedger:
+    """The transfers in flight (see the module docstring). Scheduler thread only."""
+
+    def __init__(self, cpu: CPUIndex | None, stack: TierStack, num_workers: int, events: KVEvents, writes: bool):
+        self.cpu = cpu
+        self.writes = writes          # a producer: promoted chunks are written through to the faster tiers
+        self.stack = stack
+        self.num_workers = num_workers
+        self.events = events
+        self._next_id = 0
+        self._open: dict[int, Transfer] = {}
+        self._slot_writes: dict[str, int] = {}                 # chunk key -> its SLOT transfer
+        self._tier_writes: dict[tuple[str, str], int] = {}     # (tier, chunk key) -> its TIER transfer
+        self._through: list[tuple[str, int, list[str]]] = []   # committed: (key, tokens, tiers) to write through
+
+    # ---------------------------------------------------------------- queries
+    def idle(self) -> bool:
+        """Nothing in flight and nothing waiting to be written through."""
+        return not self._open and not self._through
+
+    def writes_in_flight(self) -> int:
+        """CPU slot writes and tier writes in flight (the ``pending_writes`` gauge)."""
+        return len(self._slot_writes) + len(self._tier_writes)
+
+    def open_transfers(self) -> list[Transfer]:
+        return list(self._open.values())
+
+    def lacking(self, key: str, among: Sequence[str] | None = None) -> list[str]:
+        """The tiers (of ``among``; default all) to write chunk ``key`` to: not known to hold it
+        (:meth:`TierStack.lacking`) and not being written already."""
+        return [n for n in self.stack.lacking(key, among) if (n, key) not in self._tier_writes]
+
+    # ---------------------------------------------------------------- plans
+    def _open_transfer(self, kind: Kind, key: str, **kw) -> Transfer:
+        tr = Transfer(self._next_id, kind, key, **kw)
+        self._next_id += 1
+        self._open[tr.id] = tr
+        if kind is Kind.SLOT:
+            self._slot_writes[key] = tr.id
+        elif kind is Kind.TIER:
+            self._tier_writes[(tr.tier, key)] = tr.id
+        return tr
+
+    def _write_tiers(self, key: str, tiers: Sequence[str], holds: bool) -> tuple[dict[str, int], int | None]:
+        """Open a tier write of ``key`` to each of ``tiers``; with ``holds``, each holds the chunk's CPU slot
+        (returned) until it ends."""
+        out, slot = {}, None
+        for name in tiers:
+            if holds:
+                slot = self.cpu.hold(key)
+            out[name] = self._open_transfer(Kind.TIER, key, tier=name, holds=holds).id
+        return out, slot
+
+    def plan_save(self, req_id: str, chunk: int | None, key: str, block_ids: list[int], tokens: int,
+                  deps: Sequence[int], skip_tier: str | None, gather_first: bool) -> ChunkSave | None:
+        """Plan saving ``block_ids`` as chunk ``key`` (request ``req_id``'s ``chunk``-th; None: its partial chunk):
+        into a free CPU slot if the CPU tier lacks it, and to every byte tier lacking it but ``skip_tier`` (the
+        one the request loaded it from). ``gather_first``: gather into the CPU tier only, and write the chunk
+        through to those tiers once committed (a save depending on loads, with several workers: only the
+        scheduler hears every worker's failures). None: nothing to do."""
+        state = self.cpu.state(key) if self.cpu is not None else None
+        slot = self.cpu.allocate(key) if self.cpu is not None and state is None else None
+        if state is SlotState.PENDING and key in self._slot_writes:
+            # another save is writing the chunk into the CPU tier (or this request's own earlier one, which a
+            # failed load poisoned): counted as saved only if that write commits
+            awaiting = self._open[self._slot_writes[key]].awaiting
+            awaiting[req_id] = _first_chunk(awaiting.get(req_id, chunk), chunk)
+        slot_tr = self._open_transfer(Kind.SLOT, key) if slot is not None else None
+        to_tiers = [n for n in self.lacking(key) if n != skip_tier]
+        if to_tiers and gather_first:
+            if slot_tr is not None:
+                slot_tr.through = (tokens, to_tiers)
+            to_tiers = []
+        # the tier writes read the CPU slot: the READY copy (no gather needed), or the one being gathered into
+        holds = bool(to_tiers) and (state is SlotState.READY or slot is not None)
+        writes, held = self._write_tiers(key, to_tiers, holds)
+        if slot is None and not writes:
+            return None
+        return ChunkSave(req_id, key, list(block_ids), tokens, slot, writes,
+                         held if state is SlotState.READY else None, deps=sorted(deps),
+                         slot_xfer=slot_tr.id if slot_tr is not None else None)
+
+    def plan_load(self, req_id: str, chunks: Sequence[tuple[str, str, int, bool]]
+                  ) -> tuple[int, list[tuple[int | None, int | None]]]:
+        """Plan request ``req_id``'s load of ``chunks`` ((key, tier, tokens, promote) each): pin the CPU hits, and
+        for a hit from another tier with ``promote``, allocate a CPU slot to read it into (written through, once
+        committed, to the tiers faster than its own that lack it, by a producer). Returns the load's transfer id
+        and, per chunk, (slot, the slot write's transfer id)."""
+        pins = [key for key, tier, _, _ in chunks if tier == "cpu"]
+        pinned = dict(zip(pins, self.cpu.pin(pins))) if pins else {}   # before allocating: that may evict
+        out = []
+        for key, tier, tokens, promote in chunks:
+            if tier == "cpu":
+                out.append((pinned[key], None))
+                continue
+            slot = self.cpu.allocate(key) if promote else None
+            if slot is None:
+                out.append((None, None))
+                continue
+            tr = self._open_transfer(Kind.SLOT, key)
+            faster = self.lacking(key, self.stack.faster(tier)) if self.writes else []
+            if faster:
+                tr.through = (tokens, faster)
+            out.append((slot, tr.id))
+        return self._open_transfer(Kind.LOAD, req_id, pins=pins).id, out
+
+    def plan_write_through(self) -> list[ChunkSave]:
+        """The writes of chunks committed since the last call to the tiers they were planned ``through``."""
+        todo, self._through = self._through, []
+        saves = []
+        for key, tokens, tiers in todo:
+            tiers = self.lacking(key, tiers)
+            if self.cpu.state(key) is not SlotState.READY or not tiers:
+                continue
+            writes, held = self._write_tiers(key, tiers, holds=True)
+            saves.append(ChunkSave("", key, [], tokens, None, writes, held))
+        return saves
+
+    def poison(self, keys: Sequence[str]) -> None:
+        """The CPU slots being written with these chunks hold KV computed against a failed load: abort them."""
+        for key in keys:
+            xid = self._slot_writes.get(key)
+            if xid is not None:
+                self._open[xid].poisoned = True
+
+    # ---------------------------------------------------------------- results
+    def settle(self, results: Mapping[int, Sequence[str]]) -> Settled:
+        """Record the workers' outcomes; end the transfers every worker has reported."""
+        out = Settled()
+        for xid, outcomes in results.items():
+            tr = self._open.get(xid)
+            if tr is None:
+                log.warning("kvx: a worker reported transfer %s, which is not in flight; ignored", xid)
+                continue
+            tr.outcomes += outcomes
+            if len(tr.outcomes) < self.num_workers:
+                continue
+            del self._open[xid]
+            if tr.kind is Kind.SLOT:
+                self._end_slot(tr, out)
+            elif tr.kind is Kind.TIER:
+                del self._tier_writes[(tr.tier, tr.key)]
+                if OK in tr.outcomes and FAILED not in tr.outcomes:
+                    self.events.stored(tr.tier, tr.key)     # new bytes, every rank's share in
+                if tr.holds:
+                    self.cpu.unpin([tr.key])
+            else:
+                if tr.pins:
+                    self.cpu.unpin(tr.pins)
+                out.loads_done.append(tr.key)
+        return out
+
+    def _end_slot(self, tr: Transfer, out: Settled) -> None:
+        del self._slot_writes[tr.key]
+        if self.cpu.state(tr.key) is not SlotState.PENDING:   # cleared meanwhile (reset_cache)
+            return
+        if all(o == OK for o in tr.outcomes) and not tr.poisoned:
+            self.cpu.commit(tr.key)
+            if tr.through is not None:
+                self._through.append((tr.key, *tr.through))
+            return
+        self.cpu.abort(tr.key)
+        out.aborted += 1
+        out.rewind += tr.awaiting.items()

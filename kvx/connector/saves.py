@@ -1,0 +1,317 @@
+"""The worker's save pipeline: chunk bytes from the paged KV cache into the CPU tier and the byte tiers.
+
+:meth:`SavePipeline.submit_group` queues a layer group's gathers (one job: that group's layers of one batch of the
+step's saves) as soon as the forward wrote its last layer (after a marker taken then), so the copies overlap the
+rest of the forward (``save_layerwise``; otherwise, and for groups no layer reported, :meth:`SavePipeline.finish_step`
+queues them). A save whose KV depends on a block whose load failed on this worker (the load pipeline's verdict,
+an argument) is dropped before anything is gathered. :meth:`SavePipeline.finish_step` starts the tier writes on I/O
+threads (one per tier and chunk, so a slow tier does not hold up the others), which wait for their gathers. A save
+to the byte tiers alone gathers into a staging buffer of this pipeline's pool. Nothing waits for a gather on the
+per-step path (CPU threads excepted: there the copies use the cores the next forward needs, so they finish in
+``finish_step``); the worker's ``handle_preemptions`` fences the ones whose blocks the next forward writes. Each
+save's transfers (its CPU slot, each tier write) are reported once, by id, when they end (:meth:`SavePipeline.poll`).
+
+Owned by :class:`~.worker.KVXWorker`; worker thread only, except the writer pool's threads (a tier write touches
+the tensor handed to it, the staging pool under its condition, and the rank-key map under its lock).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import ops
+from ..engine import Job
+from ..log import get_logger
+from ..store import StoreFullError
+from .keys import rank_key
+from .loads import Once, failure_cause, wait_quietly
+from .metadata import FAILED, NOOP, OK, ChunkSave, KVXMetadata
+from .validity import LoadOutcomes
+
+if TYPE_CHECKING:
+    from .worker import KVXWorker
+
+log = get_logger(__name__)
+
+_MAX_RANK_KEYS = 1 << 18    # TP: storage keys remembered to name evicted chunks (bounded memory)
+
+
+def _background_priority() -> None:
+    """Run this I/O thread only when a core is idle (Linux SCHED_IDLE; else the lowest nice level).
+
+    Writing a chunk file costs ~6 ms of CPU per 4 MiB (mostly the kernel filling the page cache). On a
+    CPU engine the model's threads are pinned to the cores and wait for each other at every parallel
+    region, so a writer that preempts one of them stalls all: measured +10-25% prefill time for the
+    next prompt at normal priority, while SCHED_IDLE writers run in the gaps between steps."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (AttributeError, OSError):  # not permitted: keep the default priority
+        pass
+
+
+@dataclass
+class _Save:
+    save: ChunkSave
+    jobs: list[Job] = field(default_factory=list)    # one gather per layer group (none: from a CPU slot)
+    dest: torch.Tensor | None = None
+    writes: dict[str, Future] = field(default_factory=dict)   # tier name -> its write in flight
+    staging: int | None = None
+    slot_reported: bool = False
+    started: float = field(default_factory=time.perf_counter)
+
+    def copies_done(self) -> bool:
+        return all(j.done() for j in self.jobs)
+
+    def copy_error(self) -> BaseException | None:
+        return next((j.error() for j in self.jobs if j.error() is not None), None)
+
+
+class _Staging:
+    """Pinned (on CUDA) chunk buffers for saves to the byte tiers alone. Taken on the worker thread, released
+    by the thread that polls a write's end; guarded by a condition."""
+
+    def __init__(self, buffers: list[torch.Tensor]):
+        self.buffers = buffers
+        self._free = list(range(len(buffers)))
+        self._cv = threading.Condition()
+
+    def has_free(self) -> bool:
+        with self._cv:
+            return bool(self._free)
+
+    def take(self) -> int | None:
+        with self._cv:
+            return self._free.pop() if self._free else None
+
+    def acquire(self, poll) -> int:
+        """A buffer, waiting for one; ``poll()`` runs between waits (it ends writes, which release theirs)."""
+        with self._cv:
+            while not self._free:
+                self._cv.wait(timeout=0.05)
+                poll()
+            return self._free.pop()
+
+    def release(self, idx: int) -> None:
+        with self._cv:
+            self._free.append(idx)
+            self._cv.notify_all()
+
+
+class SavePipeline:
+    """The saves in flight on one worker (see the module docstring). ``w`` is the owning worker: the registered
+    KV cache (layout, layer groups, :class:`kvx.engine.BlockOrder`), the CPU pool and the tiers are read from it,
+    results go to its ``out`` / ``stats``."""
+
+    def __init__(self, w: KVXWorker, writer: ThreadPoolExecutor | None, staging: list[torch.Tensor]):
+        self.w = w
+        self.writer = writer                     # tier writes: background unless a P/D producer's
+        self.staging = _Staging(staging)
+        self._saves: list[_Save] = []            # handed to the writers, not all reported yet
+        self._meta: KVXMetadata | None = None
+        self._step: list[_Save] | None = None    # this step's saves, once begun
+        # this step's gathers, fixed when the first group is queued: (batch, its saves, their blocks)
+        self._gathers: tuple[Once, list[_Save], list[int]] | None = None
+        self._submitted: set[int] = set()        # layer groups whose gathers are queued this step
+        self._rank_keys: OrderedDict[str, str] = OrderedDict()   # TP: storage key -> chunk key, written here
+        self.rank_keys_lock = threading.Lock()
+
+    def idle(self) -> bool:
+        return not self._saves and self._step is None
+
+    def chunk_of(self, storage_key: str) -> str | None:
+        """TP: the chunk key of a rank's storage key this process wrote (None: not known here)."""
+        with self.rank_keys_lock:
+            return self._rank_keys.pop(storage_key, None)
+
+    # ---------------------------------------------------------------- one step
+    def bind(self, meta: KVXMetadata | None) -> None:
+        self._meta = meta
+        self._step = None
+        self._gathers = None
+        self._submitted = set()
+
+    def has_saves(self) -> bool:
+        return self._meta is not None and bool(self._meta.saves)
+
+    def _begin(self, verdict: LoadOutcomes) -> list[_Save]:
+        """This step's saves, once: the ones computed against a load that failed here (``verdict``) are dropped;
+        the rest get their destination (CPU slot or staging buffer)."""
+        if self._step is not None:
+            return self._step
+        w = self.w
+        self._step = []
+        for s in self._meta.saves:
+            if s.deps and verdict.taints(s.deps):
+                # computed against KV that never arrived: vLLM recomputes it, and the scheduler plans the
+                # chunk again once it has
+                if s.slot_xfer is not None:
+                    w.out.report(s.slot_xfer, FAILED)
+                for xfer in s.to_tiers.values():
+                    w.out.report(xfer, NOOP)
+                w.stats["saves_dropped"] += 1
+                continue
+            rec = _Save(s)
+            if s.from_slot is not None:
+                rec.dest = w.slot_view(s.from_slot, s.tokens)
+            elif s.slot is not None:
+                rec.dest = w.slot_view(s.slot, s.tokens)
+            else:      # other tiers only: a staging buffer if one is free now, else one in finish_step
+                self._stage(rec, self.staging.take())
+            self._step.append(rec)
+        return self._step
+
+    def _stage(self, rec: _Save, idx: int | None) -> None:
+        if idx is not None:
+            rec.staging = idx
+            blocks = self.w.kv_groups * rec.save.tokens // self.w.geom.block_size
+            rec.dest = self.w.blocks_view(self.staging.buffers[idx], 0, blocks)
+
+    def submit_group(self, g: int, marker, verdict: LoadOutcomes) -> None:
+        """Queue the gathers of layer group ``g`` of this step's saves: one job, running that group's layers
+        of one :class:`kvx.ops.CopyBatch` of every save (built once, in the first group's job)."""
+        if g in self._submitted:
+            return
+        self._submitted.add(g)
+        w = self.w
+        a, b, _ = w.groups[g]
+        if self._gathers is None:
+            recs = [rec for rec in self._begin(verdict) if rec.save.from_slot is None and rec.dest is not None]
+            pairs = [(r.save.block_ids, r.dest) for r in recs]
+            self._gathers = (Once(lambda: self._gather_batch(pairs)), recs,
+                             [blk for r in recs for blk in r.save.block_ids])
+        batch, recs, blocks = self._gathers
+        if not recs:
+            return
+        job = w.order.save(blocks, lambda: batch.get().run(a, b), name=f"save {len(recs)} chunks group {g}",
+                           marker=marker)
+        for rec in recs:
+            rec.jobs.append(job)
+
+    def _gather_batch(self, pairs) -> ops.CopyBatch:
+        w = self.w
+        batch = w.batch()
+        op = "gather_pages" if w.fmt == "pages" else "gather_blocks"
+        for block_ids, dest in pairs:
+            batch.add(op, w.kernel_ids(block_ids), dest)
+        return batch
+
+    def finish_step(self, verdict: LoadOutcomes) -> None:
+        """End of the step's forward: queue the gathers ``submit_group`` did not, start the tier writes."""
+        w = self.w
+        t0 = time.perf_counter()
+        marker = w.engine.marker()
+        for g in range(len(w.groups)):
+            self.submit_group(g, marker, verdict)
+        for rec in self._begin(verdict):
+            s = rec.save
+            if rec.dest is None and s.from_slot is None:
+                # every staging buffer was taken when the step began: wait for one (earlier disk writes free
+                # them; their gathers are queued) and gather all layers at once
+                self._stage(rec, self.staging.acquire(self._poll_while_staging))
+                rec.jobs.append(w.order.save(
+                    s.block_ids, lambda pairs=[(s.block_ids, rec.dest)]: self._gather_batch(pairs).run(),
+                    name=f"save {s.key}", marker=marker))
+            for name, xfer in s.to_tiers.items():
+                if w.writes:
+                    rec.writes[name] = self.writer.submit(self._write_chunk, name, s, rec.dest, list(rec.jobs))
+                else:
+                    w.out.report(xfer, NOOP)
+            self._saves.append(rec)
+            w.stats["saved_chunks"] += 1
+        if w.engine.mode == "thread":
+            for rec in self._step:
+                for job in rec.jobs:
+                    wait_quietly(job.wait)
+            w.stats["save_ms"] += (time.perf_counter() - t0) * 1e3
+        self._step = None
+        self._gathers = None
+
+    def _poll_while_staging(self) -> None:
+        self.poll()
+        if not self.staging.has_free() and self.w.engine.mode == "deferred":
+            self.w.engine.flush()        # the writers wait for copies only this thread runs
+
+    def _write_chunk(self, name: str, s: ChunkSave, src: torch.Tensor, jobs: list[Job]) -> bool:
+        """One tier write, on a writer thread, once the chunk's gathers ran."""
+        w = self.w
+        for job in jobs:
+            job.wait()
+        key = rank_key(s.key, w.shard, w.shards) if w.shards > 1 else s.key
+        if w.shards > 1:
+            with self.rank_keys_lock:
+                self._rank_keys[key] = s.key
+                while len(self._rank_keys) > _MAX_RANK_KEYS:
+                    self._rank_keys.popitem(last=False)
+        t0 = time.perf_counter()
+        written = w.tiers[name].put(key, src, {"tokens": str(s.tokens), "format": w.fmt})
+        w.stats[f"{name}_write_ms"] += (time.perf_counter() - t0) * 1e3
+        return written
+
+    # ---------------------------------------------------------------- results
+    def poll(self, block: bool = False) -> None:
+        """Report the saves' transfers that ended (``block``: wait for every one)."""
+        w = self.w
+        keep = []
+        for rec in self._saves:
+            s = rec.save
+            if not rec.slot_reported:
+                if block:
+                    for job in rec.jobs:
+                        wait_quietly(job.wait)
+                if rec.copies_done():
+                    rec.slot_reported = True
+                    err = rec.copy_error()
+                    if err is not None:
+                        w.throttle.error(failure_cause("save", err), "kvx: saving chunk %s failed: %s", s.key,
+                                         str(err))
+                        w.stats["save_errors"] += 1
+                    if s.slot_xfer is not None:
+                        w.out.report(s.slot_xfer, FAILED if err is not None else OK)
+                        if err is None and rec.dest is not None:
+                            w.stats["cpu_write_bytes"] += rec.dest.nbytes
+            for name, fut in list(rec.writes.items()):
+                if block:
+                    wait_quietly(fut.result)
+                if not fut.done():
+                    continue
+                err = fut.exception()
+                if isinstance(err, StoreFullError):     # expected under pressure: the chunk stays uncached
+                    w.throttle.warning(failure_cause(f"{name} full", err), "kvx: chunk %s not written to %s: %s",
+                                       s.key, name, str(err))
+                    w.stats[f"{name}_full"] += 1
+                elif err is not None:
+                    w.throttle.error(failure_cause(f"{name} write", err), "kvx: writing chunk %s to %s failed: %s",
+                                     s.key, name, str(err))
+                    w.stats[f"{name}_write_errors"] += 1
+                elif fut.result():
+                    w.stats[f"{name}_writes"] += 1
+                    w.stats[f"{name}_write_bytes"] += rec.dest.nbytes
+                w.out.report(s.to_tiers[name], FAILED if err is not None else OK if fut.result() else NOOP)
+                del rec.writes[name]
+            if not rec.slot_reported or rec.writes:
+                keep.append(rec)
+                continue
+            w.hist["save_seconds"].append(time.perf_counter() - rec.started)
+            if rec.staging is not None:
+                self.staging.release(rec.staging)
+        self._saves = keep
+
+    def close(self) -> None:
+        """Every save reported (the caller flushed the copy queue first), the writers stopped."""
+        self.poll(block=True)
+        if self.writer is not None:
+            self.writer.shutdown(wait=True)
