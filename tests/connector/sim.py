@@ -41,6 +41,7 @@ from kvx.connector.stats import GAUGES  # noqa: E402
 from kvx.connector.metadata import KVXMetadata, KVXWorkerMetadata  # noqa: E402
 from kvx.store import SlotState  # noqa: E402
 from kvx.testing import RUNNER_ORDERS, end_step, make_kv_caches  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
 
 BLOCK = 128
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -388,13 +389,14 @@ class Env:
 
     def run(self, timeout_s=60.0, settle_writes=False):
         """Step until vLLM has nothing left (requests, or kvx writes still draining)."""
-        deadline = time.monotonic() + timeout_s
-        while self.sched.has_requests():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"requests still pending after {timeout_s} s")
-            so = self.step(settle_writes)
-            if so.total_num_scheduled_tokens == 0:
+        def finished() -> bool:
+            if not self.sched.has_requests():
+                return True
+            if self.step(settle_writes).total_num_scheduled_tokens == 0:
                 time.sleep(0.001)   # idle steps while disk writes finish, as the engine loop does
+            return False
+
+        wait_for(finished, timeout_s, "the requests to finish", interval=0)
 
     # -------------------------------------------------------------- invariants
     def assert_clean(self):

