@@ -112,6 +112,11 @@ def works(tier: RedisTier) -> bool:
         return False
 
 
+def commands(client, name: str) -> int:
+    """How many ``name`` commands (lower case: ``"ping"``) the server of ``client`` has run."""
+    return client.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0)
+
+
 def assert_fails_at_once(tier: RedisTier, within_s: float) -> None:
     """A tier whose server is down answers at once: lookups miss, gets and puts fail (no timeout waited)."""
     t0 = time.monotonic()

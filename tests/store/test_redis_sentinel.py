@@ -7,6 +7,7 @@ write lands on a replica), sentinels all down at open, the sentinels' own passwo
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -23,6 +24,7 @@ from tests.store.conftest import (
     MVS,
     SLACK_S,
     assert_fails_at_once,
+    commands,
     new_key,
     poisoned,
     random_chunk,
@@ -124,7 +126,7 @@ def test_sentinels_down_at_open_then_up(caplog, sentinels, open_tier):
 
 
 # ------------------------------------------------------------------------------------------ failover
-def test_master_killed_failover_serves_replicated_chunks(caplog):
+def test_master_killed_failover_serves_replicated_chunks(caplog, monkeypatch):
     """SIGKILL the master: meanwhile every call fails at once (no hang); after the failover the tier
     serves the chunks that reached the replica and stores new ones on the new master; the old master,
     back before the sentinels make it a replica, takes nothing."""
@@ -169,8 +171,17 @@ def test_master_killed_failover_serves_replicated_chunks(caplog):
 
             # the old master back: empty and a master (the sentinels convert it to a replica only 10-20 s
             # later): the tier keeps to the one the sentinels name
+            asked = threading.Event()
+            follow = tier._follow_master
+
+            def follow_and_tell():
+                follow()
+                asked.set()
+
             old.restart()
-            time.sleep(0.3)                                          # several maintenance rounds
+            monkeypatch.setattr(tier, "_follow_master", follow_and_tell)
+            # the tier asks the sentinels every 5 s while its master is up: once it has (and acted on the answer)
+            assert asked.wait(FAILOVER_S), "the tier did not ask the sentinels again"
             k = new_key()
             assert tier.put(k, random_chunk((100,), torch.float32, 4))
             assert stored_on(new, k) and not stored_on(old, k)
@@ -194,7 +205,9 @@ def test_master_demoted_under_open_connections_gets_no_write(open_tier):
             r, took = timed(tier.put, k, x)
             assert isinstance(r, StoreUnavailableError) and "replica" in str(r), r
             assert took < 0.5 + SLACK_S
-            time.sleep(0.5)                          # several probes (retry_s 0.1): ROLE keeps it out
+            with old.client() as c:                  # several probes (retry_s 0.1): ROLE keeps it out
+                roles = commands(c, "role")
+                wait_for(lambda: commands(c, "role") >= roles + 2, 10, "two probes of the demoted master")
             assert tier.stats()["nodes_down"] == 1 and tier.stats()["failovers"] == 0
             with pytest.raises(StoreUnavailableError):
                 tier.put(k, x)
