@@ -105,7 +105,7 @@ def test_deferred_load_runs_as_early_as_its_edges_allow():
     eng, ran = deferred(), []
     eng.step_begin()
     save = eng.submit(lambda: ran.append("save"), queue="save")
-    free = eng.submit(lambda: ran.append("free load"), queue="load")
+    eng.submit(lambda: ran.append("free load"), queue="load")
     assert ran == ["free load"]                                   # nothing to wait for: at once
     after = eng.submit(lambda: ran.append("load after save"), queue="load", after=[save])
     assert not after.done()
