@@ -23,8 +23,8 @@ import argparse
 import csv
 import json
 import os
-import shutil
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -176,7 +176,8 @@ def write(rows, args, total, how, ok, names) -> None:
               f"reads at >= 0.8x a sequential direct-I/O read of the same bytes, here the faster one ({ref}, "
               f"{med[ref]:.2f} GB/s). Best kvx setting: {best}, {med[best] / med[ref]:.2f}x: "
               f"{'met' if med[best] / med[ref] >= 0.8 else 'NOT met'}; kvx's default (`io_threads: 2`): "
-              f"{med['kvx get_into, 2 readers'] / med[ref]:.2f}x. kvx reads through the page cache (readahead keeps the device busy), "
+              f"{med['kvx get_into, 2 readers'] / med[ref]:.2f}x. kvx reads through the page cache (readahead keeps "
+              "the device busy), "
               "the baselines bypass it."]
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")

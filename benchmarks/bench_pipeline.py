@@ -70,11 +70,11 @@ import torch
 
 from kvx import engine as kvx_engine
 from kvx import ops
+from kvx.bench import cpu_name
 from kvx.connector.common import EngineGeometry
 from kvx.connector.config import KVXConfig
 from kvx.connector.metadata import FAILED, ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from kvx.connector.worker import KVXWorker
-from kvx.bench import cpu_name
 from kvx.testing import TransferTally, make_kv_caches
 
 LOAD_TARGET = 0.80          # hidden fraction of the load copy time, layerwise, compute of equal length
@@ -293,7 +293,8 @@ class Bench:
         """A prefix hit on n chunks (CPU tier); the step computes its last token into the next block."""
         chunks = [ChunkLoad(key=f"hit{i}", tier="cpu", slot=i, block_ids=self.chunk_blocks(1, i), first_block=0,
                             tokens=self.chunk) for i in range(n)]
-        spec = [LoadSpec(req_id="hit", chunks=chunks, is_async=False, xfer=self.tally.id("load", "hit"))] if loads else []
+        spec = [LoadSpec(req_id="hit", chunks=chunks, is_async=False, xfer=self.tally.id("load", "hit"))]
+        spec = spec if loads else []
         return KVXMetadata(loads=spec, forward_blocks=[1 + n * self.bpc])
 
     def save_metas(self, n: int, saves: bool) -> list[KVXMetadata]:
@@ -379,11 +380,11 @@ class Bench:
     def measure(self, variants: dict, warmup: int, repeats: int) -> tuple[dict, float]:
         """``variants``: name -> (set_mode kwargs, metas, compute). Warm-up (the first without a pad, which
         sizes the pad), then the variants interleaved in every repeat. Returns name -> list of runs."""
-        host = []
-        for w in range(max(1, warmup)):
+        host, pad_ms = [], 0.0
+        for _ in range(max(1, warmup)):
             for mode, metas, compute in variants.values():
                 self.set_mode(**mode)
-                host.append(self.run(metas, compute, pad_ms=0.0 if w == 0 else pad_ms)["host"])
+                host.append(self.run(metas, compute, pad_ms=pad_ms)["host"])
             pad_ms = min(MAX_PAD_MS, 1.5 * max(host) + 1.0) if self.clock.cuda else 0.0
         runs: dict[str, list[dict]] = {name: [] for name in variants}
         for _ in range(repeats):

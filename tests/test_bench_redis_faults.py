@@ -11,7 +11,7 @@ import statistics
 
 import pytest
 
-from tests.conftest import load_benchmark, need_redis, redis_server_pids
+from tests.helpers import load_benchmark, need_redis, redis_server_pids
 
 MiB = 1 << 20
 

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from tests.conftest import load_benchmark
+from tests.helpers import load_benchmark
 
 
 @pytest.fixture

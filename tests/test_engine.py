@@ -1,5 +1,6 @@
 """The transfer engine's CPU copy queue: order, errors, fences, close."""
 
+import sys
 import threading
 import time
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from kvx.engine import TransferEngine
+from tests.helpers import wait_for
 
 
 def test_jobs_run_in_submission_order_off_the_caller_thread():
@@ -103,7 +105,7 @@ def test_deferred_load_runs_as_early_as_its_edges_allow():
     eng, ran = deferred(), []
     eng.step_begin()
     save = eng.submit(lambda: ran.append("save"), queue="save")
-    free = eng.submit(lambda: ran.append("free load"), queue="load")
+    eng.submit(lambda: ran.append("free load"), queue="load")
     assert ran == ["free load"]                                   # nothing to wait for: at once
     after = eng.submit(lambda: ran.append("load after save"), queue="load", after=[save])
     assert not after.done()
@@ -144,13 +146,21 @@ def test_deferred_io_thread_waits_for_the_engine_thread():
     assert waited.is_set() and ran == [threading.get_ident()]
 
 
+def parked(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is blocked in a ``threading`` wait (an Event's or a Condition's): a queue thread
+    waiting for a job of the other queue. (Waiting for its next job, it blocks in SimpleQueue.get instead.)"""
+    frame = sys._current_frames().get(thread.ident)
+    return frame is not None and frame.f_code.co_filename == threading.__file__ and frame.f_code.co_name == "wait"
+
+
 def test_thread_mode_two_queues_and_a_cross_queue_edge():
     eng, ran = TransferEngine("cpu", mode="thread"), []
     gate = threading.Event()
     save = eng.submit(lambda: (gate.wait(), ran.append("save")), queue="save")
     load = eng.submit(lambda: ran.append("load"), queue="load", after=[save])
     free = eng.submit(lambda: ran.append("other load"), queue="load")
-    time.sleep(0.02)
+    loader = next(t for t in eng._threads if t.name.endswith("-load"))
+    wait_for(lambda: parked(loader), 10, "the load queue's thread to wait for the save")
     assert ran == []                  # the load queue waits for the save it must follow
     gate.set()
     free.wait()

@@ -6,9 +6,9 @@ relative to the chunk and its length) with ``key[-1]`` the request's
 *root*: a digest of the engine namespace (model, KV dtype, chunk format fingerprint, tensor-parallel
 size) and the request's own isolation inputs (cache_salt, LoRA adapter). The tensor-parallel rank
 enters last, in :func:`rank_key`, so the scheduler can derive every rank's storage key from one chain;
-MLA chunks (the latent cache is identical on every rank) use the shared key. Multimodal items are mixed into every chunk their
-placeholder tokens overlap, so two prompts with the same placeholder ids but different images never
-share a chunk. No Python ``hash()`` and no vLLM per-process seed are involved.
+MLA chunks (the latent cache is identical on every rank) use the shared key. Multimodal items are mixed into
+every chunk their placeholder tokens overlap, so two prompts with the same placeholder ids but different images
+never share a chunk. No Python ``hash()`` and no vLLM per-process seed are involved.
 
 Keys are 32 lowercase hex digits (128 bits).
 """

@@ -34,10 +34,10 @@ class ChunkLoad:
 
     ``tier`` is where the bytes are ("cpu": pool slot ``slot``; else the name of the tier to read from).
     For a load from another tier, ``slot`` (if not None) is a CPU slot to read the chunk into (promotion,
-    transfer ``slot_xfer``). ``before_forward``: the last block also receives this step's first computed token, whose KV vLLM may write before
-    ``wait_for_layer_load``. The worker copies only the chunk's ``shared_tokens`` tokens of that block
-    (so the order against that write does not matter), or, with raw pages (which cannot be split by
-    token), the whole chunk before the forward starts.
+    transfer ``slot_xfer``). ``before_forward``: the last block also receives this step's first computed
+    token, whose KV vLLM may write before ``wait_for_layer_load``. The worker copies only the chunk's
+    ``shared_tokens`` tokens of that block (so the order against that write does not matter), or, with raw
+    pages (which cannot be split by token), the whole chunk before the forward starts.
     """
 
     key: str

@@ -1,5 +1,6 @@
-"""Fixtures of the connector's tests. The vLLM-driven ones (``make_env``) import vLLM only when used, so the
-vLLM-free tests here (config, keys, validity) run without it."""
+"""Fixtures of the connector's tests, and the helpers they share (``tiers``, ``prompt``, ``saves``, ...). The
+vLLM-driven fixtures (``make_env``) import vLLM only when used, so the vLLM-free tests here (config, keys,
+validity) run without it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,48 @@ import os
 
 import pytest
 
+from kvx.connector.metadata import KVXMetadata
 from kvx.testing import RUNNER_ORDERS
+from tests.helpers import assert_same_bytes
+
+BLOCK = 128                       # vLLM's block size in the simulated engines (sim.py)
+CHUNK = 256                       # kvx's chunk size in most tests
+
+
+def tiers(store, cpu="64MiB", disk=True):
+    """kvx's config: a CPU tier of ``cpu`` and a disk tier at ``store`` (either may be left out)."""
+    t = []
+    if cpu:
+        t.append({"type": "cpu", "size": cpu})
+    if disk:
+        t.append({"type": "disk", "path": store})
+    return {"chunk_size": CHUNK, "tiers": t}
+
+
+def prompt(n, seed=0):
+    """``n`` random token ids (a fixed sequence per seed)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def saves(env):
+    """Every save the scheduler side has planned so far."""
+    return [s for m in env.metas if isinstance(m, KVXMetadata) for s in m.saves]
+
+
+def loads(env):
+    """Every load the scheduler side has planned so far."""
+    return [spec for m in env.metas if isinstance(m, KVXMetadata) for spec in m.loads]
+
+
+def assert_pages_match(env, req, block_ids, first_block_index):
+    """vLLM blocks ``block_ids`` hold what a cold run computes for ``req``'s blocks from ``first_block_index`` on."""
+    for i, b in enumerate(block_ids):
+        for layer in range(2):
+            what = f"block {b} (request block {first_block_index + i}) layer {layer}: the page and the saved KV"
+            assert_same_bytes(env.page(layer, b), env.expected_page(req, first_block_index + i, layer), what)
 
 
 @pytest.fixture(scope="session")

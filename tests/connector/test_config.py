@@ -7,8 +7,10 @@ import re
 import pytest
 
 import kvx.connector.config as C
+
 ConfigError, KVXConfig, parse_size = C.ConfigError, C.KVXConfig, C.parse_size
 from kvx.store.disk import DiskTierConfig  # noqa: E402
+
 CPUTierConfig, check_paths = C.CPUTierConfig, C.check_paths
 
 GOOD_SIZES = [
@@ -284,7 +286,7 @@ def test_disk_path_that_does_not_exist_yet_is_fine_and_not_created(tmp_path):
 
 
 def test_read_only_disk_path(tmpfs):
-    from tests.conftest import remount
+    from tests.helpers import remount
 
     mnt = tmpfs("1m")
     (mnt / "store").mkdir()

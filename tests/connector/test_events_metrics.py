@@ -9,7 +9,8 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
 from kvx.connector.stats import GAUGES, KVXStats  # noqa: E402
-from tests.connector.test_scheduler import BLOCK, CHUNK, prompt, saves  # noqa: E402
+
+from .conftest import BLOCK, CHUNK, prompt, saves  # noqa: E402
 
 CHUNK_BYTES = 2 * (CHUNK // BLOCK) * (2 * BLOCK * 2 * 64 * 2)     # layers x blocks x page bytes (bf16)
 

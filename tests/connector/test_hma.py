@@ -16,8 +16,8 @@ from kvx.connector import KVXConnector  # noqa: E402
 from kvx.connector.keys import namespace_digest  # noqa: E402
 from kvx.connector.metadata import KVXMetadata  # noqa: E402
 
+from .conftest import CHUNK, prompt, tiers  # noqa: E402
 from .sim_hma import BLOCK, HmaEnv  # noqa: E402
-from .test_scheduler import CHUNK, prompt, tiers  # noqa: E402
 
 BPC = CHUNK // BLOCK
 
@@ -118,9 +118,9 @@ def test_mamba_group_makes_kvx_passive(tiny_model, store_dir, caplog):
     from .sim_hma import FULL, SLIDING, spec
 
     env = HmaEnv.__new__(HmaEnv)
+    import torch
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
-    import torch
 
     mc = ModelConfig(model=tiny_model, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=4096)
     kvt = KVTransferConfig(kv_connector="KVXConnector", kv_connector_module_path="kvx.connector",
@@ -152,10 +152,12 @@ def test_mamba_group_makes_kvx_passive(tiny_model, store_dir, caplog):
 def test_single_group_namespace_is_unchanged(tiny_model):
     """One group: the namespace digest is what it was before several groups were supported (stored chunks
     stay valid); two groups get another one."""
-    from kvx.connector.common import engine_geometry, namespace
-    from .sim_hma import FULL, SLIDING, spec
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from kvx.connector.common import engine_geometry, namespace
+
+    from .sim_hma import FULL, SLIDING, spec
 
     mc = ModelConfig(model=tiny_model, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=4096)
     vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BLOCK), device_config=DeviceConfig("cpu"))

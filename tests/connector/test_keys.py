@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kvx.connector.keys as K
+
 MMItem, chunk_keys, rank_key = K.MMItem, K.chunk_keys, K.rank_key
 namespace_digest, request_root = K.namespace_digest, K.request_root
 

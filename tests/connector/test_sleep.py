@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 from kvx.connector import KVXConnector  # noqa: E402
 
-from .test_scheduler import CHUNK, assert_pages_match, loads, prompt, tiers  # noqa: E402
+from .conftest import CHUNK, assert_pages_match, loads, prompt, tiers  # noqa: E402
 
 
 def test_connector_supports_sleep_mode():

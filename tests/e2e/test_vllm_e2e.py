@@ -77,7 +77,8 @@ def test_cold_warm_and_fresh_engine(model, reference, tmp_path):
         H.shutdown(llm)
     files = [f for _, _, fs in os.walk(store) for f in fs if f.endswith(".safetensors")]
     assert len(files) == len(ids) // CHUNK
-    llm = H.build_llm(model, H.kvx_transfer_config(extra(store), module_path=True), kv_cache_bytes=KV_BYTES, dtype="float32")
+    llm = H.build_llm(model, H.kvx_transfer_config(extra(store), module_path=True), kv_cache_bytes=KV_BYTES,
+                      dtype="float32")
     try:
         fresh = H.generate(llm, ids, MAX_TOKENS)               # a new engine: only the disk has it
         assert fresh.num_cached_tokens == full_hit(len(ids))
@@ -90,7 +91,8 @@ def test_cold_warm_and_fresh_engine(model, reference, tmp_path):
 
 def test_cpu_tier_eviction_keeps_outputs_right(model, reference, tmp_path):
     # 2 layers x 2 KV heads x 64 x 2 (K,V) x 4 B x 256 tokens = 512 KiB per chunk: room for 5 chunks
-    llm = H.build_llm(model, H.kvx_transfer_config(extra(None, cpu=str(5 * 512 * 1024))), kv_cache_bytes=KV_BYTES, dtype="float32")
+    llm = H.build_llm(model, H.kvx_transfer_config(extra(None, cpu=str(5 * 512 * 1024))), kv_cache_bytes=KV_BYTES,
+                      dtype="float32")
     try:
         for round_ in range(2):
             for name in ("p1", "p2", "p3", "p4"):

@@ -170,7 +170,8 @@ ENGINE_SCRIPT = textwrap.dedent("""
             _write_all(fd, bufs)
         disk._write_all = _slow_write_all
     if __name__ == "__main__":
-        model, extra, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+        model, extra = sys.argv[1], json.loads(sys.argv[2])
+        prompts, max_tokens = json.loads(sys.argv[3]), int(sys.argv[4])
         llm = H.build_llm(model, H.kvx_transfer_config(extra), kv_cache_bytes=256 << 20, dtype="float32")
         for i, p in enumerate(prompts):
             r = H.generate(llm, p, max_tokens)

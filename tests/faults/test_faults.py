@@ -9,10 +9,20 @@ import shutil
 import pytest
 
 from kvx import harness as H
-from tests.conftest import flip_byte
+from tests.helpers import flip_byte
 
-from .conftest import (CHUNK, CHUNK_BYTES, MAX_TOKENS, assert_store_sound, chunk_files, connector_sides, engine,
-                       full_hit, settle, tiers)
+from .conftest import (
+    CHUNK,
+    CHUNK_BYTES,
+    MAX_TOKENS,
+    assert_store_sound,
+    chunk_files,
+    connector_sides,
+    engine,
+    full_hit,
+    settle,
+    tiers,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -120,7 +130,7 @@ def test_store_on_a_full_file_system(model, reference, tmp_path, tmpfs):
 
 
 def test_store_turning_read_only_while_serving(model, reference, tmp_path, tmpfs):
-    from tests.conftest import remount
+    from tests.helpers import remount
 
     mnt = tmpfs("16m")
     store = mnt / "store"

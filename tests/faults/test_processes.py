@@ -22,9 +22,21 @@ import pytest
 
 from kvx import harness as H
 from kvx.store.disk import DiskStore
+from tests.helpers import stopped, wait_for
 
-from .conftest import (CHUNK, MAX_TOKENS, assert_store_sound, chunk_files, connector_sides, engine, engine_process,
-                       full_hit, results, settle, tiers)
+from .conftest import (
+    CHUNK,
+    MAX_TOKENS,
+    assert_store_sound,
+    chunk_files,
+    connector_sides,
+    engine,
+    engine_process,
+    full_hit,
+    results,
+    settle,
+    tiers,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -108,54 +120,39 @@ def dir_bytes(path) -> int:
     return total
 
 
-def stopped(pid: int, timeout: float = 60.0) -> bool:
-    """Wait until every thread of ``pid`` is stopped. SIGSTOP is delivered asynchronously, and a thread in
-    a system call (a writer preempted in the middle of its rename) stops only when the call returns: until
-    then the store may still change."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except FileNotFoundError:     # a thread that has just exited
-                pass
-        if states and all(s in ("T", "t") for s in states):
-            return True
-        time.sleep(0.001)
-    return False
-
-
 def kill_mid_write(child: Child, store, after_results: int, after_chunks: int,
                    timeout: float) -> tuple[str, list[str]]:
     """Once ``child`` has printed ``after_results`` results and ``store`` holds ``after_chunks`` chunk files,
     wait for a temporary file in ``store``; stop the process, and if the file is still there (its write
     has not finished), kill it. Returns (the temporary file, the chunk files present at the kill)."""
-    pid, deadline = child.proc.pid, time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    pid = child.proc.pid
+
+    def killed() -> tuple[str, list[str]] | None:
         if child.proc.poll() is not None:
             pytest.fail(f"the engine ended before the kill could land in the middle of a chunk write "
                         f"(no temporary file seen while it ran):\n{child.describe()}")
         if len(results(child.stdout)) < after_results or len(chunk_files(store)) < after_chunks:
             time.sleep(0.05)
-            continue
+            return None
         tmps = temp_files(store)
         if not tmps:
             # kvx's writers run under SCHED_IDLE: a short sleep, not a busy loop, lets them run (and the
             # poll that wakes up preempts them in the middle of a write)
             time.sleep(0.001)
-            continue
+            return None
         os.kill(pid, signal.SIGSTOP)
-        if not stopped(pid):
-            pytest.fail(f"pid {pid} did not stop after SIGSTOP:\n{child.describe()}")
+        wait_for(lambda: stopped(pid), 60, lambda: f"pid {pid} to stop after SIGSTOP:\n{child.describe()}",
+                 interval=0.001)
         alive = [t for t in tmps if os.path.exists(t)]
         if alive:
             present = chunk_files(store)
             os.kill(pid, signal.SIGKILL)
             return alive[0], present
         os.kill(pid, signal.SIGCONT)    # renamed into place meanwhile: try the next write
-    pytest.fail(f"could not land a kill in the middle of a chunk write within {timeout:.0f} s:\n{child.describe()}")
+        return None
+
+    return wait_for(killed, timeout, lambda: f"a kill to land in the middle of a chunk write:\n{child.describe()}",
+                    interval=0)
 
 
 def test_kill_9_mid_write_then_restart_on_the_same_store(model, reference, tmp_path):
@@ -199,11 +196,13 @@ def test_kill_9_mid_write_then_restart_on_the_same_store(model, reference, tmp_p
         root = request_root(sched.namespace)
         leading = []
         for prompt in KILL_PROMPTS:
-            on_disk = [all(sched.tiers["disk"].contains_many(sched._shard_keys(k))) for k in chunk_keys(root, prompt, CHUNK)]
+            on_disk = [all(sched.tiers["disk"].contains_many(sched._shard_keys(k)))
+                       for k in chunk_keys(root, prompt, CHUNK)]
             leading.append(on_disk.index(False) if False in on_disk else len(on_disk))
         keys = {k for prompt in KILL_PROMPTS for k in chunk_keys(root, prompt, CHUNK)}
         assert {os.path.basename(f)[: -len(".safetensors")] for f in present} <= keys
-        assert key in keys and not all(sched.tiers["disk"].contains_many(sched._shard_keys(key)))       # the chunk being written when killed: a miss
+        # the chunk being written when killed: a miss
+        assert key in keys and not all(sched.tiers["disk"].contains_many(sched._shard_keys(key)))
         assert len(present) >= sum(leading)
         assert max(leading) == 8, f"no prompt had all its chunks on disk at the kill: {leading}"
         for prompt, ref, lead in zip(KILL_PROMPTS, refs, leading):

@@ -22,9 +22,19 @@ from contextlib import contextmanager
 import pytest
 
 from kvx import harness as H
-from tests.conftest import need_redis
+from tests.helpers import need_redis, stopped, wait_for
 
-from .conftest import CHUNK, MAX_TOKENS, shared_prefix_prompts, connector_sides, engine, engine_process, full_hit, results, settle
+from .conftest import (
+    CHUNK,
+    MAX_TOKENS,
+    connector_sides,
+    engine,
+    engine_process,
+    full_hit,
+    results,
+    settle,
+    shared_prefix_prompts,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -107,11 +117,8 @@ def wait_tiers_up(llm, timeout: float = RETRY_S + 20.0) -> float:
     returns the seconds waited."""
     t0 = time.monotonic()
     tiers = redis_sides(llm)
-    while any(t.stats()["nodes_down"] for t in tiers):
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"the Redis tier did not reconnect within {timeout} s: "
-                                 f"{[t.stats() for t in tiers]}")
-        time.sleep(0.02)
+    wait_for(lambda: not any(t.stats()["nodes_down"] for t in tiers), timeout,
+             lambda: f"the Redis tier to reconnect: {[t.stats() for t in tiers]}", interval=0.02)
     return time.monotonic() - t0
 
 
@@ -201,17 +208,6 @@ def kvx_warnings():
         yield records
     finally:
         log.removeHandler(handler)
-
-
-def wait_stopped(pid: int, timeout: float = 10.0) -> None:
-    """Wait until the process's main thread is stopped (SIGSTOP is delivered asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
-                return
-        time.sleep(0.001)
-    raise AssertionError(f"redis-server {pid} did not stop after SIGSTOP")
 
 
 @contextmanager
@@ -326,7 +322,8 @@ def test_server_stopped_mid_load(model, reference, monkeypatch):
                 first = not paused
                 if first:
                     srv.pause()
-                    wait_stopped(srv.pid)
+                    wait_for(lambda: stopped(srv.pid), 10, f"redis-server {srv.pid} to stop after SIGSTOP",
+                             interval=0.001)
                     paused.append(True)
             t0, err = time.monotonic(), None
             try:
@@ -596,14 +593,16 @@ def test_cluster_node_killed_while_serving(model, reference):
         victim.restart()
         cl.wait_ok()
         wait_tiers_up(llm)
-        deadline, tries = time.monotonic() + 30, 0
-        while True:                        # the tier's slot map and the nodes' state settle after the rejoin
+        tries, last = 0, None
+
+        def hit_again() -> bool:           # the tier's slot map and the nodes' state settle after the rejoin
+            nonlocal tries, last
             serve_again(llm, CLUSTER_PROMPTS[0], refs[0])      # stores the chunks the kill lost
             settle(llm)
             r, reads, failed = serve_again(llm, CLUSTER_PROMPTS[0], refs[0])
-            tries += 1
-            if r.num_cached_tokens == full_hit(len(CLUSTER_PROMPTS[0])) and reads == 3 and not failed:
-                break
-            assert time.monotonic() < deadline, f"no hit 30 s after the rejoin: {r.num_cached_tokens, reads, failed}"
-            time.sleep(0.5)
+            tries, last = tries + 1, (r.num_cached_tokens, reads, failed)
+            return r.num_cached_tokens == full_hit(len(CLUSTER_PROMPTS[0])) and reads == 3 and not failed
+
+        wait_for(hit_again, 30, lambda: f"a full hit after the rejoin (cached tokens, reads, failed): {last}",
+                 interval=0.5)
         print(f"rejoined: a full hit from Redis after {tries} tries")

@@ -8,8 +8,16 @@ import random
 
 import pytest
 
-from .conftest import (CHUNK_BYTES, assert_store_sound, chunk_files, connector_sides, engine, shared_prefix_prompts,
-                       store_files, tiers)
+from .conftest import (
+    CHUNK_BYTES,
+    assert_store_sound,
+    chunk_files,
+    connector_sides,
+    engine,
+    shared_prefix_prompts,
+    store_files,
+    tiers,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -54,7 +54,6 @@ Run::
 from __future__ import annotations
 
 import os
-import time
 import zlib
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -70,6 +69,7 @@ from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from kvx.connector.worker import KVXWorker
 from kvx.store import DiskStore
 from kvx.testing import RUNNER_ORDERS, TransferTally, end_step, make_kv_caches, random_fill_
+from tests.helpers import wait_for
 
 TALLY = TransferTally()    # the transfer ids of the hand-built metadata (no scheduler here)
 
@@ -261,13 +261,9 @@ class Engine:
 
     def settle(self, done, what: str, timeout_s: float = 60.0) -> None:
         """Step idle (vLLM keeps stepping while kvx has results to report) until ``done()``."""
-        deadline = time.monotonic() + timeout_s
-        while not done():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{self.name}: {what} never reported (tier_done {self.tier_done}, stored "
-                                     f"{self.stored}, loads_done {self.loads_done})")
-            self.idle_step()
-            time.sleep(0.002)
+        wait_for(lambda: done() or self.idle_step(), timeout_s,
+                 lambda: f"{self.name}: {what} to be reported (tier_done {self.tier_done}, stored {self.stored}, "
+                         f"loads_done {self.loads_done})", interval=0.002)
 
     def finish(self) -> None:
         """Run everything queued (the deferred queue's lazy forwards and copies), then report it."""

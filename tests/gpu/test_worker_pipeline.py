@@ -70,7 +70,6 @@ sanitizer-free timing and whose failures are expected.)
 from __future__ import annotations
 
 import os
-import time
 import warnings
 import zlib
 from collections import Counter
@@ -86,6 +85,7 @@ from kvx.connector.config import KVXConfig
 from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from kvx.connector.worker import KVXWorker
 from kvx.testing import RUNNER_ORDERS, TransferTally, end_step, make_kv_caches
+from tests.helpers import same_bytes, wait_for
 
 NUM_LAYERS = 4
 BLOCK = 16
@@ -210,7 +210,8 @@ FINAL_TABLES = [(D, (7, 8, 5, 6, 9), 73), (F, (11, 10, 12), 33), (E, (13, 14, 15
 class Pipeline:
     """A KVXWorker on real caches, its fake forward, and the record of what every forward read."""
 
-    def __init__(self, device: str, layout: str, dtype: torch.dtype, slow: str | None = None, order: str = "save-first"):
+    def __init__(self, device: str, layout: str, dtype: torch.dtype, slow: str | None = None,
+                 order: str = "save-first"):
         self.device = torch.device(device)
         self.order = order           # the runner order of the end-of-step hooks (kvx.testing.end_step)
         self.slow = slow
@@ -355,13 +356,16 @@ class Pipeline:
 
     def wait_stored(self, keys: list[str], timeout_s: float = 30.0) -> None:
         """The scheduler serves a chunk from a CPU slot only once every worker reported it stored."""
-        deadline = time.monotonic() + timeout_s
-        while not all(self.stored[k] for k in keys):
-            if time.monotonic() > deadline or (self.deferred and self.idle_steps > 8):
-                raise AssertionError(f"chunks {keys} never reported stored (stored: {dict(self.stored)})")
+        def stored() -> bool:
+            if all(self.stored[k] for k in keys):
+                return True
+            assert not (self.deferred and self.idle_steps > 8), (
+                f"chunks {keys} never reported stored (stored: {dict(self.stored)})")
             self.idle_step()
-            if not self.deferred:
-                time.sleep(0.0002)
+            return False
+
+        wait_for(stored, timeout_s, lambda: f"chunks {keys} to be reported stored (stored: {dict(self.stored)})",
+                 interval=0 if self.deferred else 0.0002)
 
     def _warm_up(self) -> None:
         """CUDA: load every kernel the scenario launches (lazy module loading may synchronize) on the null
@@ -383,10 +387,11 @@ class Pipeline:
         """Deferred queue, before a step: the copy or forward ``probe`` names has not run yet."""
         if probe[0] == "slot":
             slot, r, first = SLOTS[probe[1]]
-            got = self.pool.slot(slot)
-            return not _same(got, self.expected(r, range(first, first + CHUNK)))
-        _, r, table, end = probe
-        return not _same(self.gather(table, end), self.expected(r, range(end)))
+            got, want = self.pool.slot(slot), self.expected(r, range(first, first + CHUNK))
+        else:
+            _, r, table, end = probe
+            got, want = self.gather(table, end), self.expected(r, range(end))
+        return not same_bytes(got.reshape(want.shape), want)
 
     def run(self) -> None:
         prepared = [[self._prepare(i, run) for run in st.runs] for i, st in enumerate(STEPS)]
@@ -476,10 +481,6 @@ class Pipeline:
 
     def close(self) -> None:
         self.worker.close()
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.reshape(b.shape).view(torch.int16), b.view(torch.int16))
 
 
 def run_scenario(device: str, layout: str, dtype: torch.dtype, slow: str | None = None,

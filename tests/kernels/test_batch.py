@@ -9,8 +9,9 @@ import torch
 from kvx import ops
 from kvx.layout import KVLayout
 from kvx.testing import make_kv_caches, random_fill_
+from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
 
-from .test_copy import _assert_caches_equal, _assert_same_bytes, _impl_or_skip, _seed
+from .conftest import impl_or_skip
 
 IMPLS = ["reference", "cpu", "triton", "cuda_sim"]   # cuda_sim's GPU twin: test_gpu_batch_by_layer_ranges
 DTYPES = [torch.bfloat16, torch.float8_e4m3fn, torch.uint8]
@@ -53,8 +54,8 @@ def _ranges(num_layers):
 @pytest.mark.parametrize("name", LAYOUTS)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_batch_by_layer_ranges_matches_each_op_alone(impl, name, dtype):
-    _impl_or_skip(impl)
-    seed = _seed("batch", impl, name, str(dtype))
+    impl_or_skip(impl)
+    seed = case_seed("batch", impl, name, str(dtype))
     g = torch.Generator().manual_seed(seed)
     lay, ref = _caches(name, dtype, seed)
     copies = _copies(lay, g, "cpu")
@@ -69,7 +70,7 @@ def test_batch_by_layer_ranges_matches_each_op_alone(impl, name, dtype):
     for (kind, ids, _), exp in zip(copies, expected):
         getattr(ops, f"gather_{kind}")(ref, ids, exp, impl="reference")
     for out, exp in zip(outs, expected):
-        _assert_same_bytes(out, exp)
+        assert_same_bytes(out, exp)
     # scatters (pages and whole blocks of different kinds land on distinct blocks)
     _check_scatters(lay, ref, copies, impl)
 
@@ -86,13 +87,13 @@ def _check_scatters(lay, ref, copies, impl):
         getattr(ops, f"scatter_{kind}")(ref, ids, src.to(ref.device), impl="reference")
     if lay.device.type == "cuda":
         torch.cuda.synchronize()
-    _assert_caches_equal(lay, ref)
+    assert_all_same_bytes(lay.layers, ref.layers)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_cpu_layout_pages_batch(impl):
     """vLLM's CPU backend (opaque pages): the worker's per-layer page loads."""
-    _impl_or_skip(impl)
+    impl_or_skip(impl)
     g = torch.Generator().manual_seed(9)
     lay, ref = _caches("cpu", torch.bfloat16, 9, layers=4)
     srcs = [(ids, random_fill_(torch.empty(lay.page_shape(len(ids)), dtype=torch.uint8), g))
@@ -104,7 +105,7 @@ def test_cpu_layout_pages_batch(impl):
         batch.run(layer, layer + 1)
     for ids, src in srcs:
         ops.scatter_pages(ref, ids, src, impl="reference")
-    _assert_caches_equal(lay, ref)
+    assert_all_same_bytes(lay.layers, ref.layers)
 
 
 def test_run_touches_only_its_layers():
@@ -115,9 +116,9 @@ def test_run_touches_only_its_layers():
     batch = ops.CopyBatch(lay)
     batch.add("scatter_blocks", [3, 6], src)
     batch.run(1, 2)
-    _assert_same_bytes(lay.layers[0], before[0])
-    _assert_same_bytes(lay.layers[2], before[2])
-    _assert_same_bytes(ops.gather_blocks(lay, [3, 6])[1], src[1])
+    assert_same_bytes(lay.layers[0], before[0])
+    assert_same_bytes(lay.layers[2], before[2])
+    assert_same_bytes(ops.gather_blocks(lay, [3, 6])[1], src[1])
 
 
 def test_layer_range_is_one_object_per_range():
@@ -187,7 +188,7 @@ def test_gathers_may_overlap():
     batch.add("gather_blocks", [3], out[0])
     batch.add("gather_blocks", [3], out[1])
     batch.run()
-    _assert_same_bytes(out[0], out[1])
+    assert_same_bytes(out[0], out[1])
 
 
 @pytest.mark.parametrize("start,end", [(-1, 1), (2, 1), (0, 4), (1, 1), (0.0, 1)])
@@ -204,8 +205,8 @@ def test_bad_layer_range(start, end):
 @pytest.mark.parametrize("pinned", [False, True], ids=["hbm", "pinned"])
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_gpu_batch_by_layer_ranges(impl, pinned, name):
-    _impl_or_skip(impl, "cuda")
-    seed = _seed("gpu-batch", impl, name, pinned)
+    impl_or_skip(impl, "cuda")
+    seed = case_seed("gpu-batch", impl, name, pinned)
     g = torch.Generator().manual_seed(seed)
     lay, ref = _caches(name, torch.bfloat16, seed, device="cuda")
     _check_scatters(lay, ref, _copies(lay, g, "cuda", pinned=pinned), impl)
@@ -218,8 +219,8 @@ def test_gpu_batch_by_layer_ranges(impl, pinned, name):
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_gpu_batch_gathers_by_layer_ranges(impl, pinned, name):
     """The gather half of test_batch_by_layer_ranges_matches_each_op_alone on a GPU (its twin for cuda_sim)."""
-    _impl_or_skip(impl, "cuda")
-    seed = _seed("gpu-batch-gather", impl, name, pinned)
+    impl_or_skip(impl, "cuda")
+    seed = case_seed("gpu-batch-gather", impl, name, pinned)
     g = torch.Generator().manual_seed(seed)
     lay, ref = _caches(name, torch.bfloat16, seed, device="cuda")
     copies = _copies(lay, g, "cuda", pinned=pinned)
@@ -234,4 +235,4 @@ def test_gpu_batch_gathers_by_layer_ranges(impl, pinned, name):
         getattr(ops, f"gather_{kind}")(ref, ids, exp, impl="reference")
     torch.cuda.synchronize()
     for out, exp in zip(outs, expected):
-        _assert_same_bytes(out.to("cuda"), exp)
+        assert_same_bytes(out.to("cuda"), exp)

@@ -1,10 +1,6 @@
 """Every copy implementation, bit-exact against the pure-torch reference, for every layout."""
 
-import importlib.util
 import itertools
-import os
-import shutil
-import zlib
 
 import pytest
 import torch
@@ -12,6 +8,9 @@ import torch
 from kvx import ops
 from kvx.layout import LAYOUTS, KVLayout
 from kvx.testing import make_kv_caches, random_fill_
+from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
+
+from .conftest import impl_or_skip, two_layouts
 
 # Module-level parameter lists (stacked with parametrize).
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]
@@ -28,72 +27,12 @@ TOKEN_LAYOUTS = [name for name in LAYOUTS if name != "cpu"]    # the CPU backend
 IMPLS = ["cpu", "triton", "cuda_sim"]
 
 
-def _seed(*key) -> int:
-    """A per-case seed that is the same in every process (unlike hash())."""
-    return zlib.crc32(repr(key).encode())
-
-
-def nvcc_path() -> str | None:
-    """The nvcc setup.py would build with (CUDA_HOME / CUDA_PATH, PATH, the usual places), or None; also
-    None under KVX_CUDA=0, which builds without it."""
-    if os.environ.get("KVX_CUDA", "").lower() in ("0", "off", "false", "no"):
-        return None
-    candidates = [os.path.join(os.environ[v], "bin", "nvcc") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
-    candidates += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc", "/usr/local/bin/nvcc"]
-    return next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
-
-
-def _impl_or_skip(impl, device="cpu"):
-    """Skip only for what this machine lacks (a CUDA device, triton, the interpreter flag on CPU, nvcc for
-    cuda_sim); an implementation that should run here but is unavailable (kvx._C missing or broken,
-    kvx.triton_kernels failing to import, kvx._C built without nvcc although nvcc is here) fails the test."""
-    if impl not in ops.available_impls(device):
-        if device == "cuda" and not torch.cuda.is_available():
-            pytest.skip("needs a CUDA device (none present)")
-        if impl == "triton" and importlib.util.find_spec("triton") is None:
-            pytest.skip("triton is not installed")
-        if impl == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("Triton runs CPU caches only in its interpreter: set TRITON_INTERPRET=1")
-        if impl == "cuda_sim" and ops._C is not None and nvcc_path() is None:
-            pytest.skip("cuda_sim is the CUDA kernel compiled by nvcc as host code: no nvcc here (or KVX_CUDA=0), "
-                        "so kvx._C has none")
-        why = ops._C_ERROR or ""
-        if impl == "cuda_sim" and ops._C is not None:
-            why = (f"nvcc is at {nvcc_path()} but kvx._C was built without it (has_cuda_sim is False): rebuild "
-                   "with `pip install -e .` (KVX_CUDA=1 makes a missing nvcc a build error)")
-        if impl == "triton":
-            try:
-                import kvx.triton_kernels.copy  # noqa: F401
-            except Exception as e:  # noqa: BLE001 - the message is the point
-                why = f"{type(e).__name__}: {e}"
-        pytest.fail(f"impl {impl!r} should run on {device} here but is unavailable "
-                    f"(available: {ops.available_impls(device)}){'; ' + why if why else ''}", pytrace=False)
-    return impl
-
-
 def _geometry(layout, block_size, head_size, seed):
     g = torch.Generator().manual_seed(seed)
     heads = 1 if layout == "mla" else int(torch.randint(1, 4, (1,), generator=g))
     num_blocks = int(torch.randint(5, 9, (1,), generator=g))
     return dict(num_layers=int(torch.randint(1, 4, (1,), generator=g)), num_blocks=num_blocks,
                 block_size=block_size, num_heads=heads, head_size=head_size), g
-
-
-def _two_layouts(name, geom, dtype, padded, seed):
-    """Two identical caches (one for the implementation under test, one for the reference)."""
-    a = make_kv_caches(name, **geom, dtype=dtype, padded=padded, generator=torch.Generator().manual_seed(seed))
-    b = make_kv_caches(name, **geom, dtype=dtype, padded=padded, generator=torch.Generator().manual_seed(seed))
-    return KVLayout.from_tensors(a, name), KVLayout.from_tensors(b, name)
-
-
-def _assert_same_bytes(x: torch.Tensor, y: torch.Tensor):
-    assert x.shape == y.shape and x.dtype == y.dtype
-    assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
-
-
-def _assert_caches_equal(a: KVLayout, b: KVLayout):
-    for ta, tb in zip(a.layers, b.layers):
-        _assert_same_bytes(ta, tb)
 
 
 def _cases(head_sizes_for):
@@ -120,11 +59,11 @@ FP8_CASES = list(_fp8_cases())
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name,dtype,block_size,head_size", CASES + FP8_CASES)
 def test_blocks(impl, name, dtype, block_size, head_size):
-    _impl_or_skip(impl)
-    seed = _seed(name, str(dtype), block_size, head_size)
+    impl_or_skip(impl)
+    seed = case_seed(name, str(dtype), block_size, head_size)
     geom, g = _geometry(name, block_size, head_size, seed)
     padded = bool(seed % 2)
-    lay, ref = _two_layouts(name, geom, dtype, padded, seed)
+    lay, ref = two_layouts(name, geom, dtype, padded, seed)
     n = int(torch.randint(1, geom["num_blocks"], (1,), generator=g))
     ids = torch.randperm(geom["num_blocks"], generator=g)[:n]
     # gather: duplicates are fine when reading; the output is poisoned first
@@ -134,21 +73,21 @@ def test_blocks(impl, name, dtype, block_size, head_size):
     expected = out.clone()
     ops.gather_blocks(lay, gids, out, impl=impl)
     ops.gather_blocks(ref, gids, expected, impl="reference")
-    _assert_same_bytes(out, expected)
+    assert_same_bytes(out, expected)
     # scatter new data into distinct blocks; untouched blocks stay as they were
     src = random_fill_(torch.empty(lay.canonical_shape(n * block_size), dtype=dtype), g)
     ops.scatter_blocks(lay, ids, src, impl=impl)
     ops.scatter_blocks(ref, ids, src, impl="reference")
-    _assert_caches_equal(lay, ref)
+    assert_all_same_bytes(lay.layers, ref.layers)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name,dtype,block_size,head_size", CASES + FP8_CASES)
 def test_slots(impl, name, dtype, block_size, head_size):
-    _impl_or_skip(impl)
-    seed = _seed("slots", name, str(dtype), block_size, head_size)
+    impl_or_skip(impl)
+    seed = case_seed("slots", name, str(dtype), block_size, head_size)
     geom, g = _geometry(name, block_size, head_size, seed)
-    lay, ref = _two_layouts(name, geom, dtype, bool(seed % 2), seed)
+    lay, ref = two_layouts(name, geom, dtype, bool(seed % 2), seed)
     num_slots = geom["num_blocks"] * block_size
     n = int(torch.randint(1, 40, (1,), generator=g))
     slots = torch.randperm(num_slots, generator=g)[: 2 * n]
@@ -158,11 +97,11 @@ def test_slots(impl, name, dtype, block_size, head_size):
     expected = out.clone()
     ops.gather_slots(lay, slots, out, impl=impl)
     ops.gather_slots(ref, slots, expected, impl="reference")
-    _assert_same_bytes(out, expected)                                  # padding rows keep the poison
+    assert_same_bytes(out, expected)                                  # padding rows keep the poison
     src = random_fill_(torch.empty_like(out), g)
     ops.scatter_slots(lay, slots, src, impl=impl)
     ops.scatter_slots(ref, slots, src, impl="reference")
-    _assert_caches_equal(lay, ref)
+    assert_all_same_bytes(lay.layers, ref.layers)
 
 
 PAGE_CASES = [pytest.param(name, dtype, bs, id=f"{name}-{str(dtype)[6:]}-bs{bs}")
@@ -172,21 +111,21 @@ PAGE_CASES = [pytest.param(name, dtype, bs, id=f"{name}-{str(dtype)[6:]}-bs{bs}"
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name,dtype,block_size", PAGE_CASES)
 def test_pages(impl, name, dtype, block_size):
-    _impl_or_skip(impl)
-    seed = _seed("pages", name, str(dtype), block_size)
+    impl_or_skip(impl)
+    seed = case_seed("pages", name, str(dtype), block_size)
     geom, g = _geometry(name, block_size, 576 if name == "mla" else 64, seed)
     # padding inside rows breaks the page into many runs; padding between blocks (flashinfer) does not
-    lay, ref = _two_layouts(name, geom, dtype, name == "flashinfer", seed)
+    lay, ref = two_layouts(name, geom, dtype, name == "flashinfer", seed)
     ids = torch.randperm(geom["num_blocks"], generator=g)[:3]
     out = random_fill_(torch.empty(lay.page_shape(3), dtype=torch.uint8), g)
     expected = out.clone()
     ops.gather_pages(lay, ids, out, impl=impl)
     ops.gather_pages(ref, ids, expected, impl="reference")
-    _assert_same_bytes(out, expected)
+    assert_same_bytes(out, expected)
     src = random_fill_(torch.empty_like(out), g)
     ops.scatter_pages(lay, ids, src, impl=impl)
     ops.scatter_pages(ref, ids, src, impl="reference")
-    _assert_caches_equal(lay, ref)
+    assert_all_same_bytes(lay.layers, ref.layers)
 
 
 def clobber(lay, ids):
@@ -198,32 +137,31 @@ def clobber(lay, ids):
 @pytest.mark.parametrize("impl", ["reference"] + IMPLS)
 @pytest.mark.parametrize("name", TOKEN_LAYOUTS)
 def test_round_trip_restores_touched_blocks_only(impl, name):
-    _impl_or_skip(impl)
+    impl_or_skip(impl)
     _round_trip_case(impl, name)
 
 
 def _round_trip_case(impl, name, device="cpu"):
     g = torch.Generator().manual_seed(7)
-    lay = KVLayout.from_tensors(make_kv_caches(name, num_layers=2, num_blocks=9, block_size=16, num_heads=1 if name == "mla" else 2,
-                                               head_size=24, dtype=torch.bfloat16, device=device, generator=g), name)
+    lay = KVLayout.from_tensors(make_kv_caches(name, num_layers=2, num_blocks=9, block_size=16,
+                                               num_heads=1 if name == "mla" else 2, head_size=24, dtype=torch.bfloat16,
+                                               device=device, generator=g), name)
     before = [t.clone() for t in lay.layers]
     ids = [6, 1, 4]
     chunk = ops.gather_blocks(lay, ids, impl=impl)
     clobber(lay, ids)
     ops.scatter_blocks(lay, ids, chunk, impl=impl)
-    for t, b in zip(lay.layers, before):
-        _assert_same_bytes(t, b)
+    assert_all_same_bytes(lay.layers, before)
     pages = ops.gather_pages(lay, ids, impl=impl)
     clobber(lay, ids)
     ops.scatter_pages(lay, ids, pages, impl=impl)
-    for t, b in zip(lay.layers, before):
-        _assert_same_bytes(t, b)
+    assert_all_same_bytes(lay.layers, before)
 
 
 @pytest.mark.parametrize("impl", ["reference"] + IMPLS)
 def test_canonical_chunk_moves_between_layouts_and_block_sizes(impl):
     """A chunk gathered from one layout and block size scatters into another and reads back the same."""
-    _impl_or_skip(impl)
+    impl_or_skip(impl)
     _chunk_between_layouts_case(impl)
 
 
@@ -235,20 +173,20 @@ def _chunk_between_layouts_case(impl, device="cpu"):
                                                head_size=8, dtype=torch.float16, device=device, generator=g), "flash")
     chunk = ops.gather_blocks(src, [2, 0], impl=impl)                   # 64 tokens
     ops.scatter_blocks(dst, [5, 1, 8, 3], chunk, impl=impl)             # 4 blocks of 16
-    _assert_same_bytes(ops.gather_blocks(dst, [5, 1, 8, 3], impl=impl), chunk)
+    assert_same_bytes(ops.gather_blocks(dst, [5, 1, 8, 3], impl=impl), chunk)
     # token (b, t) of the source equals the token it landed on
     k_src, k_dst = src.plane_views(1)[0], dst.plane_views(1)[0]
     for b, t in [(2, 0), (2, 31), (0, 5)]:
         tok = (0 if b == 2 else 32) + t
         db, dt = [5, 1, 8, 3][tok // 16], tok % 16
-        assert torch.equal(k_src[b, t].view(torch.int16), k_dst[db, dt].view(torch.int16))
+        assert_same_bytes(k_src[b, t], k_dst[db, dt])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("impl", ["reference"] + IMPLS)
 def test_strided_contiguous_side(impl, dtype):
     """The contiguous side may be a strided view (e.g. a slot of a larger pool, layers permuted)."""
-    _impl_or_skip(impl)
+    impl_or_skip(impl)
     _strided_contiguous_side_case(impl, dtype)
 
 
@@ -259,10 +197,10 @@ def _strided_contiguous_side_case(impl, dtype, device="cpu"):
     pool = random_fill_(torch.empty(2, 2, 3, 48, 2, 16, dtype=dtype), g).to(device)   # [slot, P, L, T, H, D]
     out = pool[1].transpose(0, 1)                                                   # [L, P, T, H, D], strided
     ops.gather_blocks(lay, [3, 0, 5], out, impl=impl)
-    _assert_same_bytes(out, ops.gather_blocks(lay, [3, 0, 5], impl="reference"))    # vs a contiguous chunk
+    assert_same_bytes(out, ops.gather_blocks(lay, [3, 0, 5], impl="reference"))    # vs a contiguous chunk
     before = pool[0].clone()
     ops.gather_blocks(lay, [1, 2, 4], out, impl=impl)
-    _assert_same_bytes(pool[0], before)
+    assert_same_bytes(pool[0], before)
 
 
 def test_reference_matches_hand_indexing():
@@ -285,9 +223,9 @@ def test_reference_matches_hand_indexing():
                             k, v = t[0, b, tok, h], t[1, b, tok, h]
                         else:                      # [B, N, C]
                             k, v = t[b, tok], None
-                        assert torch.equal(out[l, 0, i * 16 + tok, h].view(torch.int32), k.view(torch.int32))
+                        assert_same_bytes(out[l, 0, i * 16 + tok, h], k)
                         if v is not None:
-                            assert torch.equal(out[l, 1, i * 16 + tok, h].view(torch.int32), v.view(torch.int32))
+                            assert_same_bytes(out[l, 1, i * 16 + tok, h], v)
 
 
 def _hand_row(t, name, b, tok, h, p):
@@ -313,7 +251,7 @@ def _bytes(row):
 def test_reference_every_vllm_dtype_by_hand(name, dtype):
     """The oracle itself on every KV dtype vLLM uses (float8 included: torch has no CPU index_copy for it),
     blocks and slots, both directions, against per-row byte comparisons on padded (non-contiguous) caches."""
-    g = torch.Generator().manual_seed(_seed("by-hand", name, str(dtype)))
+    g = torch.Generator().manual_seed(case_seed("by-hand", name, str(dtype)))
     N, B, H = 16, 4, 1 if name == "mla" else 2
     caches = make_kv_caches(name, num_layers=2, num_blocks=B, block_size=N, num_heads=H, head_size=6,
                             dtype=dtype, padded=True, generator=g)
@@ -323,7 +261,7 @@ def test_reference_every_vllm_dtype_by_hand(name, dtype):
 
     out = ops.gather_blocks(lay, [3, 1, 3], impl="reference")
     for (l, p, h), (i, b), tok in itertools.product(rows, enumerate([3, 1, 3]), range(N)):
-        assert torch.equal(_bytes(out[l, p, i * N + tok, h]), _bytes(_hand_row(caches[l], name, b, tok, h, p)))
+        assert_same_bytes(out[l, p, i * N + tok, h], _hand_row(caches[l], name, b, tok, h, p))
 
     slots = [5, -1, 17, 63, -1, 0, 40]
     out = random_fill_(torch.empty(lay.canonical_shape(len(slots)), dtype=dtype), g)
@@ -331,7 +269,7 @@ def test_reference_every_vllm_dtype_by_hand(name, dtype):
     ops.gather_slots(lay, slots, out, impl="reference")
     for (l, p, h), (i, s) in itertools.product(rows, enumerate(slots)):
         want = poison[l, p, i, h] if s < 0 else _hand_row(caches[l], name, s // N, s % N, h, p)
-        assert torch.equal(_bytes(out[l, p, i, h]), _bytes(want))
+        assert_same_bytes(out[l, p, i, h], want)
 
     def expect_writes(writes):
         """The caches after ``writes`` [(layer, plane, head, block, token, row)], written by hand on copies."""
@@ -344,20 +282,18 @@ def test_reference_every_vllm_dtype_by_hand(name, dtype):
     expected = expect_writes([(l, p, h, s // N, s % N, src[l, p, i, h])
                               for (l, p, h), (i, s) in itertools.product(rows, enumerate(slots)) if s >= 0])
     ops.scatter_slots(lay, slots, src, impl="reference")               # padding slots write nothing
-    for t, e in zip(caches, expected):
-        _assert_same_bytes(t, e)
+    assert_all_same_bytes(caches, expected)
 
     src = random_fill_(torch.empty(lay.canonical_shape(2 * N), dtype=dtype), g)
     expected = expect_writes([(l, p, h, b, tok, src[l, p, i * N + tok, h])
                               for (l, p, h), (i, b), tok in itertools.product(rows, enumerate([2, 0]), range(N))])
     ops.scatter_blocks(lay, [2, 0], src, impl="reference")
-    for t, e in zip(caches, expected):
-        _assert_same_bytes(t, e)
+    assert_all_same_bytes(caches, expected)
 
 
 def test_cpu_large_copies_and_thread_counts():
     """Copies above the streaming-store threshold (16 MiB) and any thread count give the reference bytes."""
-    _impl_or_skip("cpu")
+    impl_or_skip("cpu")
     g = torch.Generator().manual_seed(1)
     lay = KVLayout.from_tensors(make_kv_caches("LBNHC", num_layers=4, num_blocks=96, block_size=16, num_heads=8,
                                                head_size=128, dtype=torch.bfloat16, generator=g), "LBNHC")
@@ -368,13 +304,13 @@ def test_cpu_large_copies_and_thread_counts():
     try:
         for threads in (1, 2, 3):
             ops.set_num_threads(threads)
-            _assert_same_bytes(ops.gather_blocks(lay, ids, impl="cpu"), expected)
+            assert_same_bytes(ops.gather_blocks(lay, ids, impl="cpu"), expected)
         src = random_fill_(torch.empty_like(expected), g)
         ops.scatter_blocks(lay, ids, src, impl="cpu")
         ops.scatter_blocks(ref, ids, src, impl="reference")
-        _assert_caches_equal(lay, ref)
+        assert_all_same_bytes(lay.layers, ref.layers)
         pages = ops.gather_pages(lay, ids, impl="cpu")
-        _assert_same_bytes(pages, ops.gather_pages(ref, ids, impl="reference"))
+        assert_same_bytes(pages, ops.gather_pages(ref, ids, impl="reference"))
     finally:
         ops.set_num_threads(default_threads)
 
@@ -390,8 +326,8 @@ GPU_IMPLS = ["cuda", "triton"]
 @pytest.mark.parametrize("host", [False, True], ids=["hbm", "pinned"])
 @pytest.mark.parametrize("name,dtype,block_size,head_size", CASES + FP8_CASES)
 def test_gpu_matches_reference(impl, host, name, dtype, block_size, head_size):
-    _impl_or_skip(impl, "cuda")
-    seed = _seed("gpu", name, str(dtype), block_size, head_size)
+    impl_or_skip(impl, "cuda")
+    seed = case_seed("gpu", name, str(dtype), block_size, head_size)
     geom, g = _geometry(name, block_size, head_size, seed)
     a = make_kv_caches(name, **geom, dtype=dtype, device="cuda", generator=torch.Generator().manual_seed(seed))
     b = make_kv_caches(name, **geom, dtype=dtype, device="cuda", generator=torch.Generator().manual_seed(seed))
@@ -416,12 +352,12 @@ def test_gpu_matches_reference(impl, host, name, dtype, block_size, head_size):
         gather(lay, idx, out, impl=impl)
         gather(ref, idx, expected, impl="reference")
         torch.cuda.synchronize()
-        _assert_same_bytes(out.cuda(), expected)
+        assert_same_bytes(out.cuda(), expected)
         src = buf(shape, dt)
         scatter(lay, idx, src, impl=impl)
         scatter(ref, idx, src.cuda(), impl="reference")
         torch.cuda.synchronize()
-        _assert_caches_equal(lay, ref)
+        assert_all_same_bytes(lay.layers, ref.layers)
 
 
 # GPU twins of the CPU-only cases above (cuda_sim runs them on CPU; these run the real kernel)
@@ -429,14 +365,14 @@ def test_gpu_matches_reference(impl, host, name, dtype, block_size, head_size):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", TOKEN_LAYOUTS)
 def test_gpu_round_trip_restores_touched_blocks_only(name):
-    _impl_or_skip("cuda", "cuda")
+    impl_or_skip("cuda", "cuda")
     _round_trip_case("cuda", name, "cuda")
 
 
 @needs_cuda
 @pytest.mark.gpu
 def test_gpu_canonical_chunk_moves_between_layouts_and_block_sizes():
-    _impl_or_skip("cuda", "cuda")
+    impl_or_skip("cuda", "cuda")
     _chunk_between_layouts_case("cuda", "cuda")
 
 
@@ -444,5 +380,5 @@ def test_gpu_canonical_chunk_moves_between_layouts_and_block_sizes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=lambda d: str(d)[6:])
 def test_gpu_strided_contiguous_side(dtype):
-    _impl_or_skip("cuda", "cuda")
+    impl_or_skip("cuda", "cuda")
     _strided_contiguous_side_case("cuda", dtype, "cuda")

@@ -17,8 +17,9 @@ import torch
 from kvx import ops
 from kvx.layout import LAYOUTS, KVLayout
 from kvx.testing import make_kv_caches, make_layout, random_fill_
+from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
 
-from .test_copy import _assert_caches_equal, _assert_same_bytes, _impl_or_skip, _seed, _two_layouts
+from .conftest import impl_or_skip, two_layouts
 
 _C = ops._C  # None without the extension: then conftest.py fails every test, with the import error
 _BLOCKS = 0
@@ -110,7 +111,7 @@ def _config(kind, lay, n, buf, *, sm_count=H100_SMS, max_ctas=0, contig=None):
 def _sim(kind, direction, lay, ids, buf, *, sm_count=H100_SMS, max_ctas=0, force_width=0, short=None):
     """kvx._C.cuda_sim_copy with ops' arguments, one declared extent one byte `short` if asked ("contig" or a
     layer index)."""
-    _impl_or_skip("cuda_sim")
+    impl_or_skip("cuda_sim")
     ids = torch.as_tensor(ids, dtype=torch.int64).contiguous()
     plan = ops._plan(kind, lay, buf, ids.numel())
     bounds, args = ops._cuda_sim_args(plan, lay, ids, buf)
@@ -154,10 +155,10 @@ def test_sim_runs_the_launchers_grid(name, head_size, dtype, kind, ids, sm_count
     """The emulation runs every thread of the grid kernel_launch_config() decides (the launcher's), each row
     by tpr lanes, with the grid-stride loop coming round where rows exceed ctas * groups; and copies the
     reference's bytes doing so."""
-    _impl_or_skip("cuda_sim")
-    seed = _seed("sim-grid", name, kind, max_ctas, sm_count)
+    impl_or_skip("cuda_sim")
+    seed = case_seed("sim-grid", name, kind, max_ctas, sm_count)
     g = torch.Generator().manual_seed(seed)
-    lay, ref = _two_layouts(name, _grid_geom(name, head_size), dtype, False, seed)
+    lay, ref = two_layouts(name, _grid_geom(name, head_size), dtype, False, seed)
     n = len(ids)
     out = random_fill_(torch.empty(_grid_shape(lay, kind, n), dtype=torch.uint8 if kind == "pages" else dtype), g)
     expected = out.clone()
@@ -169,16 +170,16 @@ def test_sim_runs_the_launchers_grid(name, head_size, dtype, kind, ids, sm_count
     assert report.rows_per_thread == math.ceil(want.total_rows / (want.ctas * want.groups))
     assert (report.rows_per_thread > 1) == loops == (want.total_rows > want.ctas * want.groups)
     getattr(ops, f"gather_{kind}")(ref, ids, expected, impl="reference")
-    _assert_same_bytes(out, expected)
+    assert_same_bytes(out, expected)
     src = random_fill_(torch.empty_like(out), g)
     report = _sim(kind, _SCATTER, lay, ids, src, sm_count=sm_count, max_ctas=max_ctas)
     assert report.rows_per_thread == math.ceil(want.total_rows / (want.ctas * want.groups))
     getattr(ops, f"scatter_{kind}")(ref, ids, src, impl="reference")
-    _assert_caches_equal(lay, ref)
+    assert_all_same_bytes(lay.layers, ref.layers)
 
 
 def test_padding_slots_are_not_visited():
-    _impl_or_skip("cuda_sim")
+    impl_or_skip("cuda_sim")
     lay = make_layout("LBNHC", num_layers=2, num_blocks=4, block_size=16, num_heads=2, head_size=64,
                       dtype=torch.float16)
     slots = [5, -1, 17, -1, -1, 40]
@@ -196,12 +197,12 @@ def test_uva_like_contiguous_side(name, max_ctas):
     """As the kernel sees pinned host memory over UVA: the contiguous side in an allocation of its own,
     checked against its own extent, with the host <-> device CTA cap (every layout, blocks, padded slots,
     pages). Twin on a GPU: test_gpu_uva_kernel below (and test_h2d.py's kernel-pinned route)."""
-    _impl_or_skip("cuda_sim")
-    seed = _seed("sim-uva", name, max_ctas)
+    impl_or_skip("cuda_sim")
+    seed = case_seed("sim-uva", name, max_ctas)
     g = torch.Generator().manual_seed(seed)
     geom = dict(num_layers=2, num_blocks=8, block_size=16, num_heads=1 if name == "mla" else 3,
                 head_size=40 if name == "mla" else 24)
-    lay, ref = _two_layouts(name, geom, torch.bfloat16, bool(seed % 2), seed)
+    lay, ref = two_layouts(name, geom, torch.bfloat16, bool(seed % 2), seed)
     _check_three_ops(lay, ref, "cuda_sim", g, max_ctas=max_ctas)
 
 
@@ -229,13 +230,13 @@ def _check_three_ops(lay, ref, impl, g, *, max_ctas=0, host=False, path=None):
         getattr(ops, f"gather_{kind}")(ref, ids, expected, impl="reference")
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        _assert_same_bytes(out.to(dev), expected)
+        assert_same_bytes(out.to(dev), expected)
         src = buf(shape_of(len(ids)), dtype)
         getattr(ops, f"scatter_{kind}")(lay, ids, src, **kw)
         getattr(ops, f"scatter_{kind}")(ref, ids, src.to(dev), impl="reference")
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        _assert_caches_equal(lay, ref)
+        assert_all_same_bytes(lay.layers, ref.layers)
 
 
 # Row lengths in words of 16 bytes (16 * k) and of 1 byte (odd k): every lane count (tpr 4, 8, 16, 32) and,
@@ -247,11 +248,11 @@ SWEEP_ROW_BYTES = [16 * k for k in range(1, 133)] + list(range(1, 133, 2))
 
 
 def _sweep_row_lengths(impl, device):
-    g = torch.Generator().manual_seed(_seed("sweep", impl))
+    g = torch.Generator().manual_seed(case_seed("sweep", impl))
     slots = [5, 0, 7, 2]                # 4 of 8 tokens: neighbours on both sides, both ends of the chunk
     for row_bytes in SWEEP_ROW_BYTES:
         geom = dict(num_layers=1, num_blocks=2, block_size=4, num_heads=1, head_size=row_bytes)
-        seed = _seed("sweep", row_bytes)
+        seed = case_seed("sweep", row_bytes)
         a = make_kv_caches("mla", **geom, dtype=torch.uint8, device=device,
                            generator=torch.Generator().manual_seed(seed))
         b = make_kv_caches("mla", **geom, dtype=torch.uint8, device=device,
@@ -266,12 +267,12 @@ def _sweep_row_lengths(impl, device):
         ops.scatter_slots(ref, slots, src, impl="reference")
         if device == "cuda":
             torch.cuda.synchronize()
-        _assert_same_bytes(out, expected)
-        _assert_caches_equal(lay, ref)
+        assert_same_bytes(out, expected)
+        assert_all_same_bytes(lay.layers, ref.layers)
 
 
 def test_every_row_length_around_the_unrolled_loop():
-    _impl_or_skip("cuda_sim")
+    impl_or_skip("cuda_sim")
     _sweep_row_lengths("cuda_sim", "cpu")
 
 
@@ -286,7 +287,7 @@ def test_vector_wider_than_the_alignment_is_misaligned(direction):
 
     Thread 0 (row group 0) copies row 0 (block 0, token 0, head 0): aligned on both sides. Thread 4 (4 lanes
     per row of 2 words) starts row 1, head 1 of token 0, whose chunk row sits 10 bytes into the chunk."""
-    _impl_or_skip("cuda_sim")
+    impl_or_skip("cuda_sim")
     lay = make_layout("LBNHC", **ODD)
     buf = random_fill_(torch.empty(lay.canonical_shape(16), dtype=torch.float16))
     before = buf.clone()
@@ -295,12 +296,13 @@ def test_vector_wider_than_the_alignment_is_misaligned(direction):
     op = "store" if direction == _GATHER else "load"
     addr = buf.data_ptr() + 10
     lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * 2
-    with pytest.raises(_C.CudaSimFault, match=re.escape(f"cuda_sim: misaligned: 4-byte {op} at {addr:#x} by CTA 0 thread 4 (lane 0 "
-                                       f"of row group 1), row 1 (entry 0, row 1 of 32): address % 4 = 2; the "
+    with pytest.raises(_C.CudaSimFault, match=re.escape(f"cuda_sim: misaligned: 4-byte {op} at {addr:#x} by CTA 0 "
+                                       f"thread 4 (lane 0 of row group 1), row 1 (entry 0, row 1 of 32): "
+                                       f"address % 4 = 2; the "
                                        f"contiguous side is [{lo:#x}, {hi:#x})")):
         _sim("blocks", direction, lay, [0], buf, force_width=2 * chosen)
     if direction == _GATHER:      # stopped before the faulting store: row 1 keeps its poison
-        _assert_same_bytes(buf[0, 0, 0, 1], before[0, 0, 0, 1])
+        assert_same_bytes(buf[0, 0, 0, 1], before[0, 0, 0, 1])
 
 
 def _last_vector_thread(c, row):
@@ -316,7 +318,7 @@ def test_buffer_one_byte_short_is_out_of_bounds(direction, short):
     """Declare one buffer one byte shorter than it is: the one access reaching its last byte (the last vector
     of the last row: every block of a legacy-flash cache in order, where each block-plane is one row) is
     out of bounds, named with the thread that makes it, its row and the declared bounds."""
-    _impl_or_skip("cuda_sim")
+    impl_or_skip("cuda_sim")
     lay = make_layout("flash", num_layers=2, num_blocks=3, block_size=16, num_heads=2, head_size=8,
                       dtype=torch.float16)
     ids = [0, 1, 2]
@@ -344,7 +346,7 @@ def test_buffer_one_byte_short_is_out_of_bounds(direction, short):
 def test_byte_written_twice_is_a_race():
     """Two rows of one launch writing the same bytes (a scatter to one block twice, which ops refuses) race
     on a GPU: the second writer is named."""
-    _impl_or_skip("cuda_sim")
+    impl_or_skip("cuda_sim")
     lay = make_layout("flash", num_layers=1, num_blocks=3, block_size=16, num_heads=2, head_size=8,
                       dtype=torch.float16)
     src = random_fill_(torch.empty(lay.canonical_shape(2 * 16), dtype=torch.float16))
@@ -357,11 +359,12 @@ def test_byte_written_twice_is_a_race():
 
 
 def test_sim_checks_its_arguments():
-    _impl_or_skip("cuda_sim")
+    impl_or_skip("cuda_sim")
     lay = make_layout("flash", num_layers=1, num_blocks=3, block_size=16, num_heads=2, head_size=8,
                       dtype=torch.float16)
     buf = torch.empty(lay.canonical_shape(16), dtype=torch.float16)
-    with pytest.raises(ValueError, match=re.escape("force_width: expected 0 (copy_width()'s) or 1, 2, 4, 8, 16, got 3")):
+    with pytest.raises(ValueError,
+                       match=re.escape("force_width: expected 0 (copy_width()'s) or 1, 2, 4, 8, 16, got 3")):
         _sim("blocks", _GATHER, lay, [0], buf, force_width=3)
     with pytest.raises(ValueError, match="sm_count: expected >= 1, got 0"):
         _sim("blocks", _GATHER, lay, [0], buf, sm_count=0)
@@ -388,8 +391,8 @@ def test_gpu_launch_matches_the_function_and_the_sim(name, head_size, dtype, kin
     """The real launcher's grid (returned by kvx._C.cuda_copy) is kernel_launch_config() on this device's SM
     count, and the emulation's on a CPU twin of the same geometry and SM count; the bytes are the
     reference's. (sm_count of the CPU case is the emulated device's; here it is the real one.)"""
-    _impl_or_skip("cuda", "cuda")
-    seed = _seed("gpu-grid", name, kind, max_ctas)
+    impl_or_skip("cuda", "cuda")
+    seed = case_seed("gpu-grid", name, kind, max_ctas)
     g = torch.Generator().manual_seed(seed)
     geom = _grid_geom(name, head_size)
     a = make_kv_caches(name, **geom, dtype=dtype, device="cuda", generator=torch.Generator().manual_seed(seed))
@@ -409,7 +412,7 @@ def test_gpu_launch_matches_the_function_and_the_sim(name, head_size, dtype, kin
     assert used.ctas == min(math.ceil(used.total_rows / used.groups), 4 * sms, max_ctas or used.total_rows)
     getattr(ops, f"gather_{kind}")(ref, ids, expected, impl="reference")
     torch.cuda.synchronize()
-    _assert_same_bytes(out, expected)
+    assert_same_bytes(out, expected)
     if "cuda_sim" in ops.available_impls("cpu"):
         twin = KVLayout.from_tensors(make_kv_caches(name, **geom, dtype=dtype), name)
         cpu_out = torch.empty(shape, dtype=out.dtype)
@@ -421,7 +424,7 @@ def test_gpu_launch_matches_the_function_and_the_sim(name, head_size, dtype, kin
 @pytest.mark.gpu
 def test_gpu_every_row_length_around_the_unrolled_loop():
     """Twin of test_every_row_length_around_the_unrolled_loop: the real kernel."""
-    _impl_or_skip("cuda", "cuda")
+    impl_or_skip("cuda", "cuda")
     _sweep_row_lengths("cuda", "cuda")
 
 
@@ -431,8 +434,8 @@ def test_gpu_every_row_length_around_the_unrolled_loop():
 @pytest.mark.parametrize("name", TOKEN_LAYOUTS)
 def test_gpu_uva_kernel(name, max_ctas):
     """Twin of test_uva_like_contiguous_side: the real kernel over pinned host memory (path="kernel")."""
-    _impl_or_skip("cuda", "cuda")
-    seed = _seed("sim-uva", name, max_ctas)
+    impl_or_skip("cuda", "cuda")
+    seed = case_seed("sim-uva", name, max_ctas)
     g = torch.Generator().manual_seed(seed)
     geom = dict(num_layers=2, num_blocks=8, block_size=16, num_heads=1 if name == "mla" else 3,
                 head_size=40 if name == "mla" else 24)

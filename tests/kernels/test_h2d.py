@@ -7,14 +7,16 @@ device memory, padding slots; both paths giving the same bytes; the calibration;
 
 import itertools
 import math
-import zlib
 
 import pytest
 import torch
 
 from kvx import ops
-from kvx.layout import LAYOUTS, KVLayout
-from kvx.testing import make_kv_caches, random_fill_
+from kvx.layout import LAYOUTS
+from kvx.testing import random_fill_
+from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
+
+from .conftest import two_layouts
 
 KiB = 1024
 SIZES = [4 * KiB << k for k in range(9)]          # 4 KiB .. 1 MiB, as the calibration sweeps
@@ -105,10 +107,6 @@ ROUTES = [pytest.param("dma", True, id="dma-pinned"), pytest.param("dma", False,
           pytest.param("kernel", True, id="kernel-pinned")]
 
 
-def _seed(*key) -> int:
-    return zlib.crc32(repr(key).encode())
-
-
 def _cases():
     for name, dtype, bs in itertools.product(TOKEN_LAYOUTS, DTYPES, BLOCK_SIZES):
         for hs in ([576, 5] if name == "mla" else [64, 5]):
@@ -124,19 +122,6 @@ def _cases():
 CASES = list(_cases())
 
 
-def _assert_same_bytes(x, y):
-    assert x.shape == y.shape and x.dtype == y.dtype
-    assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
-
-
-def _twins(name, geom, dtype, seed, padded=False):
-    a = make_kv_caches(name, **geom, dtype=dtype, device="cuda", padded=padded,
-                       generator=torch.Generator().manual_seed(seed))
-    b = make_kv_caches(name, **geom, dtype=dtype, device="cuda", padded=padded,
-                       generator=torch.Generator().manual_seed(seed))
-    return KVLayout.from_tensors(a, name), KVLayout.from_tensors(b, name)
-
-
 def _buf(shape, dtype, host, g):
     t = random_fill_(torch.empty(shape, dtype=dtype), g)
     return t.pin_memory() if host else t.cuda()
@@ -149,13 +134,12 @@ def _check_op(kind, lay, ref, gather_ids, scatter_ids, shape_of, dtype, host, pa
     gather(lay, gather_ids, out, impl="cuda", path=path)
     gather(ref, gather_ids, expected, impl="reference")
     torch.cuda.synchronize()
-    _assert_same_bytes(out.cuda(), expected)
+    assert_same_bytes(out.cuda(), expected)
     src = _buf(shape_of(len(scatter_ids)), dtype, host, g)
     scatter(lay, scatter_ids, src, impl="cuda", path=path)
     scatter(ref, scatter_ids, src.cuda(), impl="reference")
     torch.cuda.synchronize()
-    for ta, tb in zip(lay.layers, ref.layers):
-        _assert_same_bytes(ta, tb)
+    assert_all_same_bytes(lay.layers, ref.layers)
 
 
 def _need_cuda_impl():
@@ -170,12 +154,12 @@ def _need_cuda_impl():
 @pytest.mark.parametrize("name,dtype,block_size,head_size", CASES)
 def test_cuda_path_matches_reference(path, host, name, dtype, block_size, head_size):
     _need_cuda_impl()
-    seed = _seed("h2d", name, str(dtype), block_size, head_size)
+    seed = case_seed("h2d", name, str(dtype), block_size, head_size)
     g = torch.Generator().manual_seed(seed)
     B = 8
     geom = dict(num_layers=int(torch.randint(1, 4, (1,), generator=g)), num_blocks=B, block_size=block_size,
                 num_heads=1 if name == "mla" else int(torch.randint(1, 4, (1,), generator=g)), head_size=head_size)
-    lay, ref = _twins(name, geom, dtype, seed, padded=bool(seed % 2))
+    lay, ref = two_layouts(name, geom, dtype, bool(seed % 2), seed, device="cuda")
     ids = torch.tensor([5, 6, 2, 0])                                  # 5, 6 adjacent: a merged run
     gather_ids = torch.cat([ids, ids[:1]])                            # a block read twice
     _check_op("blocks", lay, ref, gather_ids, ids, lambda n: lay.canonical_shape(n * block_size), dtype, host, path,
@@ -197,20 +181,19 @@ def test_cuda_path_with_strided_pinned_chunk(path):
     """The contiguous side as a strided view of a pinned pool (a slot of kvx's CPU tier)."""
     _need_cuda_impl()
     g = torch.Generator().manual_seed(11)
-    lay, ref = _twins("LBHNC", dict(num_layers=3, num_blocks=6, block_size=16, num_heads=2, head_size=16),
-                      torch.bfloat16, 11)
+    lay, ref = two_layouts("LBHNC", dict(num_layers=3, num_blocks=6, block_size=16, num_heads=2, head_size=16),
+                     torch.bfloat16, False, 11, device="cuda")
     pool = random_fill_(torch.empty(2, 2, 3, 48, 2, 16, dtype=torch.bfloat16), g).pin_memory()  # [slot, P, L, ...]
     out = pool[1].transpose(0, 1)
     before = pool[0].clone()
     ops.gather_blocks(lay, [3, 0, 5], out, impl="cuda", path=path)
     torch.cuda.synchronize()
-    _assert_same_bytes(out, ops.gather_blocks(ref, [3, 0, 5], impl="reference").cpu())
-    _assert_same_bytes(pool[0], before)
+    assert_same_bytes(out, ops.gather_blocks(ref, [3, 0, 5], impl="reference").cpu())
+    assert_same_bytes(pool[0], before)
     ops.scatter_blocks(lay, [1, 2, 4], pool[0].transpose(0, 1), impl="cuda", path=path)
     ops.scatter_blocks(ref, [1, 2, 4], pool[0].transpose(0, 1).cuda(), impl="reference")
     torch.cuda.synchronize()
-    for ta, tb in zip(lay.layers, ref.layers):
-        _assert_same_bytes(ta, tb)
+    assert_all_same_bytes(lay.layers, ref.layers)
 
 
 @needs_cuda
@@ -225,7 +208,7 @@ def test_dma_and_kernel_give_identical_bytes(stream):
     with torch.cuda.stream(s):
         for name, kind in (("LBNHC", "pages"), ("flash", "blocks"), ("LBNHC", "blocks")):
             geom = dict(num_layers=4, num_blocks=96, block_size=16, num_heads=8, head_size=128)
-            a, b = _twins(name, geom, torch.bfloat16, 5)
+            a, b = two_layouts(name, geom, torch.bfloat16, False, 5, device="cuda")
             rest = torch.randperm(96, generator=g)
             ids = torch.cat([torch.arange(50, 58), rest[(rest < 50) | (rest >= 58)][:32]])   # 8 adjacent blocks
             shape = a.page_shape(40) if kind == "pages" else a.canonical_shape(40 * 16)
@@ -236,13 +219,12 @@ def test_dma_and_kernel_give_identical_bytes(stream):
             gather(a, ids, x, impl="cuda", path="dma")
             gather(a, ids, y, impl="cuda", path="kernel")
             s.synchronize()
-            _assert_same_bytes(x, y)
+            assert_same_bytes(x, y)
             src = random_fill_(torch.empty(shape, dtype=dt), g).pin_memory()
             scatter(a, ids, src, impl="cuda", path="dma")
             scatter(b, ids, src, impl="cuda", path="kernel")
             s.synchronize()
-            for ta, tb in zip(a.layers, b.layers):
-                _assert_same_bytes(ta, tb)
+            assert_all_same_bytes(a.layers, b.layers)
 
 
 @needs_cuda
@@ -283,8 +265,8 @@ def test_each_call_takes_the_path_the_rule_says(monkeypatch):
     """Pages of non-adjacent blocks are runs of exactly one page: DMA from a threshold of one page, the kernel
     (at most 8 CTAs) above it; an explicit path wins over the rule."""
     _need_cuda_impl()
-    lay, _ = _twins("LBNHC", dict(num_layers=2, num_blocks=16, block_size=16, num_heads=2, head_size=64),
-                    torch.float16, 1)
+    lay, _ = two_layouts("LBNHC", dict(num_layers=2, num_blocks=16, block_size=16, num_heads=2, head_size=64),
+                    torch.float16, False, 1, device="cuda")
     ids = [1, 5, 9]
     out = torch.empty(lay.page_shape(3), dtype=torch.uint8).pin_memory()
     dma, kernel = _Spy(ops._C.cuda_copy_dma), _Spy(ops._C.cuda_copy)

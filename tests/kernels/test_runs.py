@@ -8,14 +8,16 @@ the previous one on both sides), never write a byte twice, and move exactly the 
 
 import ctypes
 import itertools
-import zlib
 
 import pytest
 import torch
 
 from kvx import ops
 from kvx.layout import LAYOUTS, KVLayout
-from kvx.testing import make_kv_caches, make_layout, random_fill_
+from kvx.testing import make_layout, random_fill_
+from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
+
+from .conftest import two_layouts
 
 _C = ops._C  # None without the extension: then conftest.py fails every test, with the import error
 
@@ -26,10 +28,6 @@ HEAD_SIZES = [64, 5]            # an odd head size: rows of 5 elements, nothing 
 MLA_HEAD_SIZES = [576, 5]
 TOKEN_LAYOUTS = [name for name in LAYOUTS if name != "cpu"]    # the CPU backend's pages are opaque
 _GATHER, _SCATTER = 0, 1
-
-
-def _seed(*key) -> int:
-    return zlib.crc32(repr(key).encode())
 
 
 def _plan_runs(kind, direction, lay, ids, buf, min_run_bytes=0):
@@ -67,17 +65,6 @@ def _check_shape_of_runs(runs, payload):
     assert bool((d[1:] >= d[:-1] + n[:-1]).all()), "two runs write the same bytes"
 
 
-def _assert_same_bytes(x, y):
-    assert x.shape == y.shape and x.dtype == y.dtype
-    assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
-
-
-def _two_layouts(name, geom, dtype, padded, seed):
-    a = make_kv_caches(name, **geom, dtype=dtype, padded=padded, generator=torch.Generator().manual_seed(seed))
-    b = make_kv_caches(name, **geom, dtype=dtype, padded=padded, generator=torch.Generator().manual_seed(seed))
-    return KVLayout.from_tensors(a, name), KVLayout.from_tensors(b, name)
-
-
 def _geometry(layout, block_size, head_size, seed):
     g = torch.Generator().manual_seed(seed)
     heads = 1 if layout == "mla" else int(torch.randint(1, 4, (1,), generator=g))
@@ -95,15 +82,14 @@ def _round_trip(kind, lay, ref, gather_ids, scatter_ids, shape_of, dtype, g):
     _check_shape_of_runs(runs, _payload(kind, lay, gather_ids))
     _execute(runs)
     gather_ref(ref, gather_ids, expected, impl="reference")
-    _assert_same_bytes(out, expected)
+    assert_same_bytes(out, expected)
 
     src = random_fill_(torch.empty(shape_of(len(scatter_ids)), dtype=dtype), g)
     runs = _plan_runs(kind, _SCATTER, lay, scatter_ids, src)
     _check_shape_of_runs(runs, _payload(kind, lay, scatter_ids))
     _execute(runs)
     scatter_ref(ref, scatter_ids, src, impl="reference")
-    for ta, tb in zip(lay.layers, ref.layers):
-        _assert_same_bytes(ta, tb)
+    assert_all_same_bytes(lay.layers, ref.layers)
 
 
 def _cases():
@@ -123,9 +109,9 @@ CASES = list(_cases())
 
 @pytest.mark.parametrize("name,dtype,block_size,head_size", CASES)
 def test_block_runs_match_reference(name, dtype, block_size, head_size):
-    seed = _seed("runs-blocks", name, str(dtype), block_size, head_size)
+    seed = case_seed("runs-blocks", name, str(dtype), block_size, head_size)
     geom, g = _geometry(name, block_size, head_size, seed)
-    lay, ref = _two_layouts(name, geom, dtype, bool(seed % 2), seed)
+    lay, ref = two_layouts(name, geom, dtype, bool(seed % 2), seed)
     B = geom["num_blocks"]
     b = int(torch.randint(0, B - 1, (1,), generator=g))               # b, b + 1: adjacent pages may merge
     others = [int(x) for x in torch.randperm(B, generator=g) if int(x) not in (b, b + 1)]
@@ -136,9 +122,9 @@ def test_block_runs_match_reference(name, dtype, block_size, head_size):
 
 @pytest.mark.parametrize("name,dtype,block_size,head_size", CASES)
 def test_slot_runs_match_reference(name, dtype, block_size, head_size):
-    seed = _seed("runs-slots", name, str(dtype), block_size, head_size)
+    seed = case_seed("runs-slots", name, str(dtype), block_size, head_size)
     geom, g = _geometry(name, block_size, head_size, seed)
-    lay, ref = _two_layouts(name, geom, dtype, bool(seed % 2), seed)
+    lay, ref = two_layouts(name, geom, dtype, bool(seed % 2), seed)
     num_slots = geom["num_blocks"] * block_size
     start = int(torch.randint(0, num_slots - 8, (1,), generator=g))
     run = torch.arange(start, start + 8)                              # consecutive slots: merge candidates
@@ -155,9 +141,9 @@ PAGE_CASES = [pytest.param(name, dtype, bs, id=f"{name}-{str(dtype)[6:]}-bs{bs}"
 
 @pytest.mark.parametrize("name,dtype,block_size", PAGE_CASES)
 def test_page_runs_match_reference(name, dtype, block_size):
-    seed = _seed("runs-pages", name, str(dtype), block_size)
+    seed = case_seed("runs-pages", name, str(dtype), block_size)
     geom, g = _geometry(name, block_size, 576 if name == "mla" else 64, seed)
-    lay, ref = _two_layouts(name, geom, dtype, name == "flashinfer", seed)
+    lay, ref = two_layouts(name, geom, dtype, name == "flashinfer", seed)
     ids = torch.tensor([2, 3, 0])                                     # 2, 3 adjacent in most layouts
     _round_trip("pages", lay, ref, ids, ids, lay.page_shape, torch.uint8, g)
 
@@ -165,7 +151,7 @@ def test_page_runs_match_reference(name, dtype, block_size):
 def test_strided_contiguous_side():
     """A strided chunk (one slot of a larger pool, layers and planes permuted) as either side."""
     g = torch.Generator().manual_seed(11)
-    lay, ref = _two_layouts("flash", dict(num_layers=3, num_blocks=6, block_size=16, num_heads=2, head_size=16),
+    lay, ref = two_layouts("flash", dict(num_layers=3, num_blocks=6, block_size=16, num_heads=2, head_size=16),
                             torch.bfloat16, False, 11)
     pool = random_fill_(torch.empty(2, 2, 3, 48, 2, 16, dtype=torch.bfloat16), g)   # [slot, P, L, T, H, D]
     out = pool[1].transpose(0, 1)                                                   # [L, P, T, H, D], strided
@@ -174,13 +160,12 @@ def test_strided_contiguous_side():
     _check_shape_of_runs(runs, _payload("blocks", lay, [3, 4, 1]))
     assert len(runs[0]) == 3 * 2 * 2        # blocks 3-4 merge in each (layer, plane); block 1 alone
     _execute(runs)
-    _assert_same_bytes(out, ops.gather_blocks(ref, [3, 4, 1], impl="reference"))
-    _assert_same_bytes(pool[0], before)
+    assert_same_bytes(out, ops.gather_blocks(ref, [3, 4, 1], impl="reference"))
+    assert_same_bytes(pool[0], before)
     src = random_fill_(torch.empty(3, 2, 2, 48, 2, 16, dtype=torch.bfloat16), g)[:, 1]   # [L, P, T, H, D], strided
     _execute(_plan_runs("blocks", _SCATTER, lay, [5, 0, 2], src))
     ops.scatter_blocks(ref, [5, 0, 2], src, impl="reference")
-    for ta, tb in zip(lay.layers, ref.layers):
-        _assert_same_bytes(ta, tb)
+    assert_all_same_bytes(lay.layers, ref.layers)
 
 
 # ------------------------------------------------------------------------------ merging: expected counts
@@ -261,9 +246,9 @@ def test_runs_at_the_cutoff_are_executed_whole(name, kind):
     the runs' mean the copy fits and gets every run (the list without a cutoff), which executed give the
     reference's bytes, padding slots included; one byte more, or more than the payload, and nothing is
     returned (the prefix emitted before the cutoff is discarded, the kernel takes the copy)."""
-    seed = _seed("runs-cutoff", name, kind)
+    seed = case_seed("runs-cutoff", name, kind)
     geom, g = _geometry(name, 16, 5 if kind == "slots" else 64, seed)
-    lay, ref = _two_layouts(name, geom, torch.float16, bool(seed % 2), seed)
+    lay, ref = two_layouts(name, geom, torch.float16, bool(seed % 2), seed)
     if kind == "slots":
         ids = torch.randperm(geom["num_blocks"] * 16, generator=g)[:23]
         ids[::3] = -1                                                  # padding slots
@@ -287,9 +272,8 @@ def test_runs_at_the_cutoff_are_executed_whole(name, kind):
         op = f"{'gather' if direction == _GATHER else 'scatter'}_{kind}"
         getattr(ops, op)(ref, ids, expected if direction == _GATHER else buf, impl="reference")
         if direction == _GATHER:
-            _assert_same_bytes(buf, expected)                          # padding rows keep their poison
-        for ta, tb in zip(lay.layers, ref.layers):
-            _assert_same_bytes(ta, tb)
+            assert_same_bytes(buf, expected)                          # padding rows keep their poison
+        assert_all_same_bytes(lay.layers, ref.layers)
 
 
 def test_plan_runs_checks_direction():

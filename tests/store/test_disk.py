@@ -25,15 +25,17 @@ from safetensors.torch import load_file, save_file
 
 import kvx.store.disk as disk_mod
 from kvx.store import StoreError, StoreFullError
-from kvx.store.codec import FORMAT_VERSION, ST_DTYPES, crc32, crc32c as checksum
+from kvx.store.codec import FORMAT_VERSION, ST_DTYPES, crc32
+from kvx.store.codec import crc32c as checksum
 from kvx.store.disk import ChunkError, DiskStore, StoreClosedError, survey
+from tests.helpers import assert_same_bytes, mount_tmpfs, remount, umount
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn]
 SHAPES = [(1,), (7,), (3, 5), (2, 3, 17, 2, 8), (4, 1, 16, 2, 8)]  # odd sizes; the last two: [L, P, T, H, D]
 FLIP_AT = ["first", "middle", "last"]
 TRUNCATE_TO = [0, 7, 8, 40, "half", "minus_one"]
-BAD_KEYS = ["", "abc", "0123456", "ABCDEF0123456789", "0123456789abcdeG", "0123456789abcdef\n", "01234567/../../x", "0123 4567",
-            12345678, None, b"0123456789abcdef"]
+BAD_KEYS = ["", "abc", "0123456", "ABCDEF0123456789", "0123456789abcdeG", "0123456789abcdef\n", "01234567/../../x",
+            "0123 4567", 12345678, None, b"0123456789abcdef"]
 KEY_OPS = ["file_of", "contains", "put", "get", "delete"]
 CLOSED_OPS = ["put", "get", "contains", "delete", "scan", "usage", "evict", "clear", "temp_files"]
 BAD_CTOR = [
@@ -93,15 +95,6 @@ def rand_chunk(shape, dtype, seed) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_bit_equal(a: torch.Tensor, b: torch.Tensor):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(as_bytes(a), as_bytes(b))
-
-
 def files_in(path) -> list[str]:
     return sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
 
@@ -137,8 +130,8 @@ def test_round_trip_bit_exact(store, dtype, shape):
     assert os.path.isfile(store.file_of(key))
     assert store.file_of(key) == os.path.join(store.path, key[:2], key + ".safetensors")
     out = store.get(key, shape, dtype)
-    assert_bit_equal(out, chunk)
-    assert_bit_equal(store.get(key), chunk)  # shape/dtype checks are optional
+    assert_same_bytes(out, chunk)
+    assert_same_bytes(store.get(key), chunk)  # shape/dtype checks are optional
     assert store.stats()["puts"] == 1 and store.stats()["gets"] == 2 and store.stats()["errors"] == 0
     assert store.stats()["get_bytes"] == 2 * chunk.numel() * chunk.element_size()
 
@@ -149,7 +142,7 @@ def test_round_trip_non_contiguous_view(store, dtype):
     view = base.transpose(0, 2)[1:]          # [8, 3, 5], not contiguous
     assert not view.is_contiguous()
     store.put(key_of("nc"), view)
-    assert_bit_equal(store.get(key_of("nc"), view.shape, dtype), view)
+    assert_same_bytes(store.get(key_of("nc"), view.shape, dtype), view)
 
 
 def test_round_trip_of_views_into_a_pool(store):
@@ -160,8 +153,8 @@ def test_round_trip_of_views_into_a_pool(store):
     part = slot.narrow(1, 1, 2)                                  # tokens 1..2 of every layer
     store.put(key_of("slot"), slot)
     store.put(key_of("part"), part)
-    assert_bit_equal(store.get(key_of("slot"), slot.shape, slot.dtype), slot)
-    assert_bit_equal(store.get(key_of("part"), part.shape, part.dtype), part)
+    assert_same_bytes(store.get(key_of("slot"), slot.shape, slot.dtype), slot)
+    assert_same_bytes(store.get(key_of("part"), part.shape, part.dtype), part)
 
 
 def test_round_trip_keeps_chunks_apart(store):
@@ -169,14 +162,14 @@ def test_round_trip_keeps_chunks_apart(store):
     for k, c in chunks.items():
         store.put(k, c)
     for k, c in chunks.items():
-        assert_bit_equal(store.get(k, (3, 5), torch.float16), c)
+        assert_same_bytes(store.get(k, (3, 5), torch.float16), c)
 
 
 def test_round_trip_with_fsync(tmp_path):
     s = DiskStore(tmp_path, fsync=True)
     c = rand_chunk((4, 4), torch.bfloat16, 3)
     assert s.put(key_of(1), c)
-    assert_bit_equal(s.get(key_of(1)), c)
+    assert_same_bytes(s.get(key_of(1)), c)
 
 
 def test_extra_metadata_is_stored_next_to_the_verified_fields(store):
@@ -204,7 +197,7 @@ def test_file_is_a_standard_safetensors_file(tmp_path, dtype, shape):
     extra = {"tokens": "16", "note": "ünïcode ✓"}
     s.put(key, chunk, extra)
     path = s.file_of(key)
-    assert_bit_equal(load_file(path)["kv"], chunk)
+    assert_same_bytes(load_file(path)["kv"], chunk)
     with safe_open(path, framework="pt") as f:
         meta = f.metadata()
         assert list(f.keys()) == ["kv"]
@@ -222,7 +215,7 @@ def test_file_is_a_standard_safetensors_file(tmp_path, dtype, shape):
     save_file({"kv": chunk}, ref, metadata=meta)
     with safe_open(ref, framework="pt") as f:
         assert f.metadata() == meta
-        assert_bit_equal(f.get_tensor("kv"), chunk)
+        assert_same_bytes(f.get_tensor("kv"), chunk)
 
 
 def test_put_writes_the_chunk_from_its_own_memory(store, monkeypatch):
@@ -263,7 +256,7 @@ def test_chunks_of_format_kvx_1_are_still_read(store, damaged):
         with pytest.raises(ChunkError, match="checksum mismatch"):
             store.get(key)
     else:
-        assert_bit_equal(store.get(key, t.shape, t.dtype), t)
+        assert_same_bytes(store.get(key, t.shape, t.dtype), t)
 
 
 # ------------------------------------------------------------------------------------------ verification
@@ -331,7 +324,7 @@ def test_get_flipped_byte_in_data_is_checksum_error(store, where, dtype):
     # a corrupt file is dropped: the chunk is now a miss, and the next save writes a good copy
     assert not store.contains(key)
     assert store.put(key, chunk)
-    assert_bit_equal(store.get(key, chunk.shape, dtype), chunk)
+    assert_same_bytes(store.get(key, chunk.shape, dtype), chunk)
 
 
 def test_get_file_under_another_keys_name(store):
@@ -352,7 +345,7 @@ def test_get_with_another_fingerprint(tmp_path):
     with pytest.raises(ChunkError, match="fingerprint 'layout=LBNHC' != 'layout=BLNHC'"):
         reader.get(key_of(1))
     assert reader.stats()["errors"] == 1
-    assert_bit_equal(writer.get(key_of(1)), torch.ones(4))   # valid for its own engine: kept
+    assert_same_bytes(writer.get(key_of(1)), torch.ones(4))   # valid for its own engine: kept
 
 
 def test_get_with_another_format_version(store):
@@ -402,7 +395,7 @@ def test_crash_in_write_leaves_no_file(store, monkeypatch, exc):
     assert store.usage() == 0 and store.stats()["puts"] == 0
     monkeypatch.undo()
     assert store.put(key, torch.ones(8))      # a later put works
-    assert_bit_equal(store.get(key), torch.ones(8))
+    assert_same_bytes(store.get(key), torch.ones(8))
 
 
 @pytest.mark.parametrize("exc", [OSError("EXDEV"), KeyboardInterrupt()], ids=["OSError", "KeyboardInterrupt"])
@@ -462,7 +455,7 @@ def test_put_existing_returns_false_touches_mtime_and_keeps_bytes(store):
     set_mtime(store, key, old)
     assert store.put(key, second) is False
     assert os.path.getmtime(store.file_of(key)) > old + 900
-    assert_bit_equal(store.get(key), first)
+    assert_same_bytes(store.get(key), first)
     assert store.stats()["puts"] == 1
     assert store.usage() == os.path.getsize(store.file_of(key))
 
@@ -581,7 +574,7 @@ def test_two_stores_on_one_path_share_chunks(tmp_path):
     chunk = rand_chunk((4, 4), torch.bfloat16, 9)
     assert a.put(key_of(1), chunk)
     assert b.contains(key_of(1))
-    assert_bit_equal(b.get(key_of(1)), chunk)
+    assert_same_bytes(b.get(key_of(1)), chunk)
     assert b.put(key_of(1), chunk) is False
 
 
@@ -651,7 +644,7 @@ def test_put_when_another_engine_evicts_the_existing_file(store, monkeypatch):
     monkeypatch.setattr(disk_mod.os, "utime", evicted_first)
     assert store.put(key, torch.ones(4)) is True
     monkeypatch.undo()
-    assert_bit_equal(store.get(key), torch.ones(4))
+    assert_same_bytes(store.get(key), torch.ones(4))
 
 
 @pytest.mark.parametrize("threads", [2, 8])
@@ -677,7 +670,7 @@ def test_concurrent_puts_of_one_key(tmp_path, threads):
     assert errors == [] and any(results)
     assert files_in(tmp_path) == [os.path.relpath(stores[0].file_of(key), tmp_path)]   # no tmp left over
     for s in stores:
-        assert_bit_equal(s.get(key, chunk.shape, chunk.dtype), chunk)
+        assert_same_bytes(s.get(key, chunk.shape, chunk.dtype), chunk)
 
 
 def test_concurrent_puts_and_gets_of_many_keys(store):
@@ -689,7 +682,7 @@ def test_concurrent_puts_and_gets_of_many_keys(store):
         try:
             for k, c in part:
                 store.put(k, c)
-                assert_bit_equal(store.get(k), c)
+                assert_same_bytes(store.get(k), c)
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
@@ -1007,30 +1000,10 @@ def test_writers_hitting_a_full_disk_together_evict_once(tmp_path, monkeypatch):
     assert {c.key for c in s.scan()} == set(keys[2:]) | {key_of("a"), key_of("b")}
 
 
-def umount(path) -> None:
-    if subprocess.run(["umount", str(path)], capture_output=True).returncode:
-        subprocess.run(["umount", "-l", str(path)], check=True)    # still busy: detach it now, free it later
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """An 8 MiB tmpfs: a disk that really fills up."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"mount -t tmpfs is not permitted here: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        umount(mnt)
-
-
-def test_full_tmpfs_is_relieved_by_eviction_and_backs_off_when_nothing_is_left(small_tmpfs):
+def test_full_tmpfs_is_relieved_by_eviction_and_backs_off_when_nothing_is_left(tmpfs):
+    disk = tmpfs("8m")                                    # 8 MiB: a disk that really fills up
     clock = FakeClock()
-    s = DiskStore(small_tmpfs / "kv", clock=clock)
+    s = DiskStore(disk / "kv", clock=clock)
     chunk = rand_chunk((1 << 20,), torch.uint8, 1)        # 1 MiB: 7 fit in 8 MiB with their headers
     base = time.time() - 3600
     for i in range(20):
@@ -1042,7 +1015,7 @@ def test_full_tmpfs_is_relieved_by_eviction_and_backs_off_when_nothing_is_left(s
     assert temps_in(s.path) == []
     # Now something the store cannot evict takes the whole disk: puts fail, leave nothing, back off.
     s.clear()
-    fd = os.open(small_tmpfs / "other", os.O_WRONLY | os.O_CREAT)
+    fd = os.open(disk / "other", os.O_WRONLY | os.O_CREAT)
     with pytest.raises(OSError) as full:
         while True:
             os.write(fd, b"\0" * 65536)
@@ -1054,10 +1027,10 @@ def test_full_tmpfs_is_relieved_by_eviction_and_backs_off_when_nothing_is_left(s
     with pytest.raises(StoreFullError, match=r"0.5 s left"):
         clock.t += 0.5
         s.put(key_of("x"), chunk)
-    os.unlink(small_tmpfs / "other")
+    os.unlink(disk / "other")
     clock.t += 0.5
     assert s.put(key_of("x"), chunk) is True
-    assert_bit_equal(s.get(key_of("x")), chunk)
+    assert_same_bytes(s.get(key_of("x")), chunk)
 
 
 # ------------------------------------------------------------------------------------------ failures
@@ -1069,13 +1042,7 @@ def read_only_store(request, tmp_path, monkeypatch):
         pytest.skip("root ignores directory permissions")
     path = tmp_path / "kv"
     if how == "read-only mount":
-        if os.geteuid() != 0:
-            pytest.skip("mounting a tmpfs needs root")
-        path.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], capture_output=True,
-                           text=True)
-        if r.returncode:
-            pytest.skip(f"mount -t tmpfs is not permitted here: {r.stderr.strip()}")
+        mount_tmpfs(path, "1m")
     s = DiskStore(path, capacity_bytes=1 << 20)
     s.put(key_of("old"), torch.ones(4))
     if how == "EROFS":
@@ -1091,7 +1058,7 @@ def read_only_store(request, tmp_path, monkeypatch):
         for d in (*path.iterdir(), path):
             d.chmod(0o555)
     else:
-        subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
+        remount(path, "ro")
     try:
         yield s
     finally:
@@ -1112,7 +1079,7 @@ def test_put_to_a_read_only_directory_fails_clearly_and_leaves_nothing(read_only
     assert e.value.errno in (errno.EROFS, errno.EACCES) and e.value.filename == s.file_of(key)
     assert not isinstance(e.value, StoreFullError)
     assert files_in(s.path) == before and s.stats()["puts"] == 1
-    assert_bit_equal(s.get(key_of("old")), torch.ones(4))     # reads still work
+    assert_same_bytes(s.get(key_of("old")), torch.ones(4))     # reads still work
     assert s.usage() == os.path.getsize(s.file_of(key_of("old")))
     assert s.evict() == 0
 
@@ -1131,7 +1098,7 @@ def test_store_directory_deleted_while_serving(tmp_path):
     assert s.evict() == 0 and s.clear() == 0 and s.delete(key_of(0)) is False
     assert s.stats()["errors"] == 0
     assert s.put(key_of(0), chunk) is True                      # recreates the directory
-    assert_bit_equal(s.get(key_of(0)), chunk)
+    assert_same_bytes(s.get(key_of(0)), chunk)
     for i in range(1, 5):                                       # and the count starts from what is there
         s.put(key_of(i), chunk)
     assert s.usage() <= 3 * size
@@ -1166,7 +1133,7 @@ def test_file_deleted_while_being_read_is_still_served(store, monkeypatch):
         return f
 
     monkeypatch.setattr(disk_mod, "open", open_then_evicted, raising=False)
-    assert_bit_equal(store.get(key, chunk.shape, chunk.dtype), chunk)
+    assert_same_bytes(store.get(key, chunk.shape, chunk.dtype), chunk)
     assert not store.contains(key) and store.stats()["errors"] == 0
 
 

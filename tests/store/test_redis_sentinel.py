@@ -7,6 +7,7 @@ write lands on a replica), sentinels all down at open, the sentinels' own passwo
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -17,10 +18,19 @@ from kvx.redis_server import RedisSentinelServers, RedisServer
 from kvx.store.errors import ChunkError, StoreUnavailableError
 from kvx.store.redis import RedisConfig, RedisTier, _sentinel_url
 from kvx.store.tier import TierContext
-from tests.conftest import need_redis
-from tests.store.conftest import FP, MVS
-from tests.store.test_redis import (SLACK_S, assert_fails_at_once, new_key, poisoned, random_chunk, same_bytes,
-                                    shape_for, wait_until, works)
+from tests.helpers import assert_same_bytes, need_redis, wait_for
+from tests.store.conftest import (
+    FP,
+    MVS,
+    SLACK_S,
+    assert_fails_at_once,
+    commands,
+    new_key,
+    poisoned,
+    random_chunk,
+    shape_for,
+    works,
+)
 
 PASSWORD, SENTINEL_PASSWORD = "data-pw", "sentinel-pw"
 FAILOVER_S = 15.0                  # a failover takes 1-3 s here (down-after 500 ms): generous bound
@@ -70,7 +80,7 @@ def test_round_trip_through_sentinel(sentinels, open_tier):
     for k, x in zip(keys, chunks):
         out = poisoned(x)
         tier.get_into(k, out)
-        assert same_bytes(out, x)
+        assert_same_bytes(out, x)
         assert stored_on(master, k)
     missing = new_key()
     assert tier.contains_many(keys + [missing]) == [True, True, False]
@@ -111,12 +121,12 @@ def test_sentinels_down_at_open_then_up(caplog, sentinels, open_tier):
     finally:
         for s in sentinels.sentinels:
             s.start()
-    wait_until(lambda: works(tier), 10, "the tier finds the master once the sentinels answer")
+    wait_for(lambda: works(tier), 10, "the tier to find the master once the sentinels answer")
     assert tier.stats()["failovers"] == 0 and tier.stats()["nodes_down"] == 0
 
 
 # ------------------------------------------------------------------------------------------ failover
-def test_master_killed_failover_serves_replicated_chunks(caplog):
+def test_master_killed_failover_serves_replicated_chunks(caplog, monkeypatch):
     """SIGKILL the master: meanwhile every call fails at once (no hang); after the failover the tier
     serves the chunks that reached the replica and stores new ones on the new master; the old master,
     back before the sentinels make it a replica, takes nothing."""
@@ -134,24 +144,23 @@ def test_master_killed_failover_serves_replicated_chunks(caplog):
             with old.client() as c:
                 assert c.wait(1, 1000) == 1                        # on the replica before the crash
             old.kill()
-            worst = 0.0
-            t0 = time.monotonic()
-            while True:                                              # every call bounded until it is back
+            worst, r = 0.0, None
+
+            def served() -> bool:                                    # every call bounded until it is back
+                nonlocal worst, r
                 k, x = next(iter(saved.items()))
                 r, took = timed(tier.get_into, k, poisoned(x))
-                worst = max(worst, took)
-                r2, took = timed(tier.contains_many, list(saved))
-                worst = max(worst, took)
-                if r is None and r2 == [True, True]:
-                    break
-                assert time.monotonic() - t0 < FAILOVER_S, f"no failover within {FAILOVER_S} s: {r}"
-                time.sleep(0.05)
+                r2, took2 = timed(tier.contains_many, list(saved))
+                worst = max(worst, took, took2)
+                return r is None and r2 == [True, True]
+
+            wait_for(served, FAILOVER_S, lambda: f"the failover: {r}", interval=0.05)
             assert worst < 0.5 + SLACK_S, worst                      # timeout_ms, never longer
             new = d.wait_failover(old)
             for k, x in saved.items():
                 out = poisoned(x)
                 tier.get_into(k, out)
-                assert same_bytes(out, x)
+                assert_same_bytes(out, x)
             k = new_key()
             assert tier.put(k, random_chunk((100,), torch.float32, 3)) and stored_on(new, k)
             st = tier.stats()
@@ -162,8 +171,17 @@ def test_master_killed_failover_serves_replicated_chunks(caplog):
 
             # the old master back: empty and a master (the sentinels convert it to a replica only 10-20 s
             # later): the tier keeps to the one the sentinels name
+            asked = threading.Event()
+            follow = tier._follow_master
+
+            def follow_and_tell():
+                follow()
+                asked.set()
+
             old.restart()
-            time.sleep(0.3)                                          # several maintenance rounds
+            monkeypatch.setattr(tier, "_follow_master", follow_and_tell)
+            # the tier asks the sentinels every 5 s while its master is up: once it has (and acted on the answer)
+            assert asked.wait(FAILOVER_S), "the tier did not ask the sentinels again"
             k = new_key()
             assert tier.put(k, random_chunk((100,), torch.float32, 4))
             assert stored_on(new, k) and not stored_on(old, k)
@@ -187,7 +205,9 @@ def test_master_demoted_under_open_connections_gets_no_write(open_tier):
             r, took = timed(tier.put, k, x)
             assert isinstance(r, StoreUnavailableError) and "replica" in str(r), r
             assert took < 0.5 + SLACK_S
-            time.sleep(0.5)                          # several probes (retry_s 0.1): ROLE keeps it out
+            with old.client() as c:                  # several probes (retry_s 0.1): ROLE keeps it out
+                roles = commands(c, "role")
+                wait_for(lambda: commands(c, "role") >= roles + 2, 10, "two probes of the demoted master")
             assert tier.stats()["nodes_down"] == 1 and tier.stats()["failovers"] == 0
             with pytest.raises(StoreUnavailableError):
                 tier.put(k, x)
@@ -196,7 +216,7 @@ def test_master_demoted_under_open_connections_gets_no_write(open_tier):
             with d.sentinel_client() as s:
                 s.execute_command("SENTINEL", "FAILOVER", d.service)
             new = d.wait_failover(old)
-            wait_until(lambda: works(tier), FAILOVER_S, "the tier follows the sentinels to the new master")
+            wait_for(lambda: works(tier), FAILOVER_S, "the tier to follow the sentinels to the new master")
             assert tier.put(k, x) and stored_on(new, k)
             assert tier.stats()["failovers"] == 1
 

@@ -6,7 +6,6 @@ A third-party tier passes this file by adding a factory to TIERS."""
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 
 import pytest
@@ -16,6 +15,7 @@ from kvx.store import REMOVED, STORED, ChunkError, CPUIndex, DiskStore, Tier, Ti
 from kvx.store.errors import StoreClosedError
 from kvx.store.redis import RedisConfig, RedisTier
 from kvx.testing import random_fill_
+from tests.helpers import assert_same_bytes, wait_for
 
 
 def _disk(request, tmp_path, fp):
@@ -58,13 +58,10 @@ def open_tier(request, tmp_path):
 
 def contains(tier: Tier, keys, timeout_s=5.0) -> list[bool]:
     """contains_many, asked again while the tier answers None (not known yet), as vLLM's scheduler does."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def answer():               # boxed: the answer to no keys, [], is an answer too
         got = tier.contains_many(keys)
-        if got is not None:
-            return got
-        assert time.monotonic() < deadline, "contains_many kept answering None"
-        time.sleep(0.002)
+        return None if got is None else [got]
+    return wait_for(answer, timeout_s, "an answer of contains_many (it kept answering None)", interval=0.002)[0]
 
 
 def chunk(shape, dtype=torch.bfloat16, seed=0) -> torch.Tensor:
@@ -84,10 +81,6 @@ def key_of(i) -> str:
     return f"{_SALT[0]}{i:08x}"
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
 SHAPES = [((2, 2, 16, 2, 8), torch.bfloat16), ((3, 1, 7, 1, 5), torch.float32),
           ((2, 2, 64, 4, 64), torch.float16),                          # 256 KiB: more than one Redis part
           ((2, 2, 33, 3, 64), torch.float8_e4m3fn), ((1, 4, 1000), torch.uint8)]
@@ -103,10 +96,10 @@ def test_put_get_round_trip_is_bit_exact(open_tier, shape, dtype):
     assert contains(tier, [key]) == [True]
     out = torch.empty(shape, dtype=dtype)
     tier.get_into(key, out)
-    assert same_bits(out, data)
+    assert_same_bytes(out, data)
     assert tier.put(key, chunk(shape, dtype, seed=2)) is False      # never overwritten
     tier.get_into(key, out)
-    assert same_bits(out, data)
+    assert_same_bytes(out, data)
 
 
 def test_contains_many_keeps_the_order_of_its_keys(open_tier):
@@ -207,7 +200,7 @@ def test_concurrent_puts_and_gets_are_bit_exact(open_tier):
             for i in range(lo, n, 4):
                 out = torch.empty_like(datas[i])
                 tier.get_into(key_of(100 + i), out)
-                assert same_bits(out, datas[i]), f"chunk {i}"
+                assert_same_bytes(out, datas[i], f"chunk {i}")
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
