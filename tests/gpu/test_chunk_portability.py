@@ -151,13 +151,7 @@ class Engine:
         self.pool = self.worker.pool
         # byte views [B, N, H, D * itemsize] of every plane (K, V; or the MLA latent), independent of kvx.layout
         self.views = [self._byte_planes(t) for t in self.caches]
-        self.stored: dict[str, int] = {}
-        self.unstored: dict[str, int] = {}
-        self.tier_done: dict[str, int] = {}
-        self.tier_written: dict[str, int] = {}
-        self.tier_failed: dict[str, int] = {}
-        self.loads_done: dict[str, int] = {}
-        self.failed_blocks: set[int] = set()
+        self.tally = TALLY.fresh()     # the worker's results, by what each transfer is
         self.load_errors: set[int] = set()
         self.stats: dict[str, int] = {}
 
@@ -244,13 +238,7 @@ class Engine:
         for k, v in w.take_stats().items():
             if isinstance(v, (int, float)):
                 self.stats[k] = self.stats.get(k, 0) + v
-        tally = TALLY.fresh()
-        tally.collect(w.build_worker_meta())
-        for name in ("stored", "unstored", "tier_done", "tier_written", "tier_failed", "loads_done"):
-            acc = getattr(self, name)
-            for k, n in getattr(tally, name).items():
-                acc[k] = acc.get(k, 0) + n
-        self.failed_blocks |= tally.failed_blocks
+        self.tally.collect(w.build_worker_meta())
 
     def idle_step(self) -> None:
         meta = KVXMetadata()
@@ -262,8 +250,8 @@ class Engine:
     def settle(self, done, what: str, timeout_s: float = 60.0) -> None:
         """Step idle (vLLM keeps stepping while kvx has results to report) until ``done()``."""
         wait_for(lambda: done() or self.idle_step(), timeout_s,
-                 lambda: f"{self.name}: {what} to be reported (tier_done {self.tier_done}, stored {self.stored}, "
-                         f"loads_done {self.loads_done})", interval=0.002)
+                 lambda: f"{self.name}: {what} to be reported (tier_done {self.tally.tier_done}, stored {self.tally.stored}, "
+                         f"loads_done {self.tally.loads_done})", interval=0.002)
 
     def finish(self) -> None:
         """Run everything queued (the deferred queue's lazy forwards and copies), then report it."""
@@ -328,11 +316,11 @@ def save_prompt(a: Engine, kv: torch.Tensor, chunks=range(N_CHUNKS)) -> list[int
         meta = KVXMetadata(saves=saves(cs), forward_blocks=blocks_of(table, bs, start, end))
         a.step(meta, writes=[(table, pos, kv[:, :, start:end])])
     want = {f"{DISK}/{a.keys[c]}": 1 for c in chunks}
-    a.settle(lambda: all(a.tier_done.get(k) for k in want), "every disk write done")
+    a.settle(lambda: all(a.tally.tier_done.get(k) for k in want), "every disk write done")
     a.finish()
-    assert a.tier_done == want and a.tier_written == want and not a.tier_failed, (
-        f"A's disk writes: done {a.tier_done}, written {a.tier_written}, failed {a.tier_failed}")
-    assert a.stored == {a.keys[c]: 1 for c in chunks if slots[c] is not None} and not a.unstored, (a.stored, a.unstored)
+    assert a.tally.tier_done == want and a.tally.tier_written == want and not a.tally.tier_failed, (
+        f"A's disk writes: done {a.tally.tier_done}, written {a.tally.tier_written}, failed {a.tally.tier_failed}")
+    assert a.tally.stored == {a.keys[c]: 1 for c in chunks if slots[c] is not None} and not a.tally.unstored, (a.tally.stored, a.tally.unstored)
     for c in chunks:            # A's own CPU slots hold canonical chunks [L, P, T, H, D] too
         if slots[c] is not None and a.fmt == "canonical":
             assert_same(f"A's CPU slot {slots[c]} (chunk {c})", slot_bytes(a, slots[c]), kv,
@@ -498,14 +486,14 @@ def test_chunks_load_across_block_sizes_and_layouts(case, dtype, queue, tmp_path
         assert format_fingerprint(b.geom, "pages", a.side.vllm_layout) != pages_a, "block size alone"
         if not a.mla:   # an MLA page is [N, C] in every layout: only the block size changes its bytes
             assert format_fingerprint(a.geom, "pages", b.side.vllm_layout) != pages_a, "layout alone"
-        assert b.pool is not None and b.stored == {}
+        assert b.pool is not None and b.tally.stored == {}
 
         got = load_prompt(b, kv)
         found = check_loaded(b, kv, got)
         assert not found, "KV is not bit-exact:\n  " + "\n  ".join(found)
-        assert not b.load_errors and not b.failed_blocks, (b.load_errors, b.failed_blocks)
-        assert b.loads_done == {"B": 1}, b.loads_done
-        assert b.stored == {b.keys[0]: 1, b.keys[1]: 1} and not b.unstored, (b.stored, b.unstored)
+        assert not b.load_errors and not b.tally.failed_blocks, (b.load_errors, b.tally.failed_blocks)
+        assert b.tally.loads_done == {"B": 1}, b.tally.loads_done
+        assert b.tally.stored == {b.keys[0]: 1, b.keys[1]: 1} and not b.tally.unstored, (b.tally.stored, b.tally.unstored)
         assert b.stats.get("disk_reads") == N_CHUNKS, f"B read {b.stats.get('disk_reads')} chunks from disk"
         assert got.loads[0].first_block == (1 if got.local else 0)
     finally:
@@ -531,9 +519,9 @@ def test_corrupt_chunk_is_reported_not_served(queue, tmp_path):
         got = load_prompt(b, kv)
         chunk1 = got.loads[1].block_ids
         assert b.load_errors == set(chunk1), f"blocks with load errors: {b.load_errors}, chunk 1's: {chunk1}"
-        assert b.failed_blocks == set(chunk1), b.failed_blocks
-        assert b.loads_done == {"B": 1} and b.stored == {b.keys[0]: 1} and b.unstored == {b.keys[1]: 1}, (
-            b.loads_done, b.stored, b.unstored)
+        assert b.tally.failed_blocks == set(chunk1), b.tally.failed_blocks
+        assert b.tally.loads_done == {"B": 1} and b.tally.stored == {b.keys[0]: 1} and b.tally.unstored == {b.keys[1]: 1}, (
+            b.tally.loads_done, b.tally.stored, b.tally.unstored)
         # chunk 0 (and B's own first block) bit-exact; chunk 1's blocks not written at all
         assert_same("B's cache, chunk 0", b.gather(got.table, range(CHUNK)), kv, range(CHUNK))
         after = b.snapshot()
@@ -572,7 +560,7 @@ def test_raw_pages_do_not_cross_block_sizes(queue, tmp_path):
         spec = LoadSpec(req_id="B", chunks=[forced], is_async=False, xfer=TALLY.id("load", "B"))
         b.step(KVXMetadata(loads=[spec]))
         b.finish()
-        assert b.load_errors == set(table) and b.failed_blocks == set(table), (b.load_errors, b.failed_blocks)
+        assert b.load_errors == set(table) and b.tally.failed_blocks == set(table), (b.load_errors, b.tally.failed_blocks)
         after = b.snapshot()
         assert all(torch.equal(x, y) for x, y in zip(before, after)), "B's cache was written by a refused load"
         store = DiskStore(disk)
