@@ -30,19 +30,21 @@ PUT (from a slot; every put a new key, deleted untimed after it)::
 
 The destinations (GET) and sources (PUT) rotate over ``--rotate-mib`` of slots and keys (default 64 MiB,
 twice the L3 of the machine this was written on), one step per call (every method's call its own chunk,
-also within a repeat), so no method reads a cache-warm chunk. Each repeat runs
-every method once, in an order shuffled every repeat (seeded): drift of the machine hits every method
-alike, and so does what a call leaves behind for the next one. That is measurable: a kvx put right after
-a redis-py put took 0.24-0.28 ms longer than one right after another kvx put. A rotated order (used
-before) put each method after the same one in 3 repeats of 4 (kvx after the baseline). The redis-py
-variants (GET + copy, GET only, SET only) stay in the same interleave as the baseline on purpose: redis-py's
-time depends on how glibc's malloc reuses its 4 MiB buffers, and the variants' buffers keep that memory in
-use. Measured (a variant of this script, 4 MiB over TCP): interleaved with kvx and the roof alone, the PUT
-baseline ran 11-12 ms (a SET of a freshly built value: ~4000 page faults a call) against 2.2-2.4 ms with
-the variants; the GET baseline ran 6-7% slower without them. Pinning malloc's thresholds (mallopt) is no
-cure: it cost the GET baseline ~20% (probably hiredis's growing buffer, copied instead of remapped). The baseline
-is timed where it runs fastest. The
-median of ``--repeats`` after ``--warmup`` is a run's value, and the whole measurement is done ``--runs``
+also within a repeat), so no method reads a cache-warm chunk. Each repeat runs every method once, in an
+order shuffled every repeat (seeded): drift of the machine hits every method alike, and so does what a
+call leaves behind for the next one. That is measurable: a kvx put right after a redis-py put took
+0.24-0.28 ms longer than one right after another kvx put. A rotated order (used before) put each method
+after the same one in 3 repeats of 4 (kvx after the baseline).
+
+The redis-py variants (GET + copy, GET only, SET only) stay in the same interleave as the baseline on
+purpose, so that the baseline is timed where it runs fastest: redis-py's time depends on how glibc's
+malloc reuses its 4 MiB buffers, and the variants' buffers keep that memory in use. Measured (a variant
+of this script, 4 MiB over TCP): interleaved with kvx and the roof alone, the PUT baseline ran 11-12 ms (a
+SET of a freshly built value: ~4000 page faults a call) against 2.2-2.4 ms with the variants; the GET
+baseline ran 6-7% slower without them. Pinning malloc's thresholds (mallopt) is no cure: it cost the GET
+baseline ~20% (probably hiredis's growing buffer, copied instead of remapped).
+
+The median of ``--repeats`` after ``--warmup`` is a run's value, and the whole measurement is done ``--runs``
 times. ``x baseline`` = the baseline's median time over the method's (> 1: faster than redis-py); ``% roof``
 = the roof's over the method's (what is left to win at all).
 
