@@ -94,7 +94,7 @@ import torch
 
 from kvx.bench import cpu_name
 from kvx.store import CPUPool, codec
-from kvx.store.redis import _SNDBUF_UNIX, RedisConfig, RedisTier, _chunk_key
+from kvx.store.redis import _SNDBUF_UNIX, RedisTierConfig, RedisTier, _chunk_key
 from kvx.store.tier import TierContext
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -177,11 +177,11 @@ def open_tier(url: str, part: int | None = None, **kw):
     fields = {"type": "redis", "url": url, **kw}
     if part is not None:
         fields["max_value_size"] = part
-    return RedisTier.open(RedisConfig(**fields), TierContext(fingerprint=FINGERPRINT))
+    return RedisTier.open(RedisTierConfig(**fields), TierContext(fingerprint=FINGERPRINT))
 
 
 def default_part() -> int | None:
-    f = RedisConfig.model_fields.get("max_value_size")
+    f = RedisTierConfig.model_fields.get("max_value_size")
     return None if f is None or f.default is None else int(f.default)
 
 

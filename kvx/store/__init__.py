@@ -13,9 +13,10 @@ from .cpu import CPUIndex, CPUPool, SlotState
 from .errors import ChunkError, StoreClosedError, StoreError, StoreFullError, StoreUnavailableError
 from .tier import (REMOVED, STORED, Tier, TierConfig, TierContext, parse_size, parse_tier_config, register_tier,
                    tier_class, tier_types)
-from .disk import DiskStore, DiskTierConfig  # noqa: E402 - registers "disk"
-from .redis import RedisConfig, RedisTier  # noqa: E402 - registers "redis"
+from .disk import DiskTier, DiskTierConfig  # noqa: E402 - registers "disk"
+from .redis import RedisTierConfig, RedisTier  # noqa: E402 - registers "redis"
 
-__all__ = ["CPUIndex", "CPUPool", "SlotState", "DiskStore", "DiskTierConfig", "StoreError", "ChunkError",
-           "StoreClosedError", "StoreFullError", "RedisConfig", "RedisTier", "StoreUnavailableError", "Tier", "TierConfig", "TierContext",
-           "register_tier", "tier_class", "tier_types", "parse_tier_config", "parse_size", "STORED", "REMOVED"]
+__all__ = ["CPUIndex", "CPUPool", "SlotState", "DiskTier", "DiskTierConfig", "StoreError", "ChunkError",
+           "StoreClosedError", "StoreFullError", "RedisTierConfig", "RedisTier", "StoreUnavailableError", "Tier",
+           "TierConfig", "TierContext", "register_tier", "tier_class", "tier_types", "parse_tier_config",
+           "parse_size", "STORED", "REMOVED"]

@@ -8,18 +8,22 @@ once in each worker (gets and puts). The connector names no tier type: it finds 
 
     from kvx.store import Tier, TierConfig, register_tier
 
-    class S3Config(TierConfig):
+    class S3TierConfig(TierConfig):
         type: Literal["s3"]
         bucket: str
 
     @register_tier
     class S3Tier(Tier):
         type = "s3"
-        config_model = S3Config
+        config_model = S3TierConfig
         ...
 
 and ``{"type": "s3", "bucket": "kv"}`` in ``kv_connector_extra_config`` once the module is imported,
 or ``{"type": "mypkg.s3:S3Tier", ...}`` to have kvx import it.
+
+Names: tier type ``<Name>`` is the class ``<Name>Tier`` with the config model ``<Name>TierConfig``
+(``DiskTier`` / ``DiskTierConfig``, ``RedisTier`` / ``RedisTierConfig``; the CPU pool's config is
+``kvx.connector.config.CPUTierConfig``), and every tier is constructed from ``(config, ctx)``.
 
 Keys passed to a tier are chunk keys (lowercase hex; a tensor-parallel rank's share of a chunk has its
 own key). Every operation may be called from several threads at once.

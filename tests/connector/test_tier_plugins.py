@@ -11,7 +11,7 @@ from tests.conftest import flip_byte  # noqa: E402
 
 from .test_scheduler import CHUNK, assert_pages_match, prompt, saves  # noqa: E402
 
-PLUGIN = "tests.connector.plugin_tier:SlowLookupDisk"
+PLUGIN = "tests.connector.plugin_tier:SlowLookupDiskTier"
 
 
 def slow_tiers(store, pending=3, cpu=None):

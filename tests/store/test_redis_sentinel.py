@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from kvx.redis_server import RedisSentinelServers, RedisServer
 from kvx.store.errors import ChunkError, StoreUnavailableError
-from kvx.store.redis import RedisConfig, RedisTier, _sentinel_url
+from kvx.store.redis import RedisTierConfig, RedisTier, _sentinel_url
 from kvx.store.tier import TierContext
 from tests.conftest import need_redis
 from tests.store.conftest import FP, MVS
@@ -122,7 +122,7 @@ def test_master_killed_failover_serves_replicated_chunks(caplog):
     back before the sentinels make it a replica, takes nothing."""
     caplog.set_level(logging.WARNING, logger="kvx")
     with deployment() as d:
-        tier = RedisTier.open(RedisConfig(type="redis", url=d.url, max_value_size=MVS, lookup_wait_ms=1000,
+        tier = RedisTier.open(RedisTierConfig(type="redis", url=d.url, max_value_size=MVS, lookup_wait_ms=1000,
                                           **FAST), TierContext(fingerprint=FP))
         try:
             old = d.master()
@@ -208,7 +208,7 @@ def test_sentinel_url_parsed():
     assert (spec.service, spec.db, spec.username, spec.password) == ("my svc", 3, "user", "p@ss")
     spec = _sentinel_url("redis+sentinel://h1/mymaster")
     assert (spec.sentinels, spec.db, spec.password) == ((("h1", 26379),), 0, None)
-    cfg = RedisConfig(type="redis", url="redis+sentinel://:pw@h1:26379/mymaster/0", sentinel_password="spw")
+    cfg = RedisTierConfig(type="redis", url="redis+sentinel://:pw@h1:26379/mymaster/0", sentinel_password="spw")
     assert cfg.sentinel_password == "spw" and not cfg.cluster
 
 
@@ -230,6 +230,6 @@ BAD_CONFIG = [
 @pytest.mark.parametrize("bad,name", BAD_CONFIG, ids=[f"{n}-{i}" for i, (_, n) in enumerate(BAD_CONFIG)])
 def test_bad_sentinel_config_names_the_key(bad, name):
     with pytest.raises(ValidationError, match=name) as e:
-        RedisConfig.model_validate({"type": "redis", **bad})
+        RedisTierConfig.model_validate({"type": "redis", **bad})
     assert f"Value error, {name}:" in str(e.value)
     assert ":pw@" not in str(e.value)

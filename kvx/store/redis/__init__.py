@@ -54,7 +54,7 @@ EXISTS that precedes it. Over a unix socket the data connections ask for a large
 
 Modules (what each owns; threads: see each module's docstring):
 
-- :mod:`.config`: :class:`RedisConfig` and url parsing (``redact``, Sentinel urls, the data connections'
+- :mod:`.config`: :class:`RedisTierConfig` and url parsing (``redact``, Sentinel urls, the data connections'
   credentials and TLS context);
 - :mod:`.layout`: key names, cluster slots, the parts manifest and the Lua scripts;
 - :mod:`.pool`: one server's pool of data connections and its up/down state (``_Node``);
@@ -64,7 +64,7 @@ Modules (what each owns; threads: see each module's docstring):
 - :mod:`.tier`: :class:`RedisTier`: open, lookups, gets, puts, deletes, capacity, stats.
 """
 
-from .config import RedisConfig, redact
+from .config import RedisTierConfig, redact
 from .tier import RedisTier  # registers "redis"
 
 # private names tests and benchmarks reach for as kvx.store.redis.<name>
@@ -73,4 +73,4 @@ from .layout import _chunk_key, _part_key, _slot  # noqa: E402,F401
 from .sink import _ChunkSink  # noqa: E402,F401
 from .tier import _LOOKUP_KEEP, _SNDBUF_UNIX  # noqa: E402,F401
 
-__all__ = ["RedisConfig", "RedisTier", "redact"]
+__all__ = ["RedisTierConfig", "RedisTier", "redact"]

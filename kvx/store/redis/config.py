@@ -1,4 +1,4 @@
-"""The Redis tier's config (:class:`RedisConfig`, ``{"type": "redis", ...}``) and its url: parsing and
+"""The Redis tier's config (:class:`RedisTierConfig`, ``{"type": "redis", ...}``) and its url: parsing and
 checking ``redis://``, ``rediss://``, ``unix://`` and ``redis+sentinel://`` urls, redacting their passwords
 for logs and errors, and what a data connection is opened with (:class:`_Target`: credentials, db, TLS).
 
@@ -97,7 +97,7 @@ def _sentinel_url(url: str) -> _SentinelSpec:
 
 
 # ------------------------------------------------------------------------------------------ config
-class RedisConfig(TierConfig):
+class RedisTierConfig(TierConfig):
     """``{"type": "redis", "url": "redis://host:6379/0", ...}``: one Redis server, a cluster, or the master
     of a Sentinel deployment (``"url": "redis+sentinel://host1:26379,host2:26379/mymaster/0"``)."""
 

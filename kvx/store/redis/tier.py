@@ -26,7 +26,7 @@ from .. import codec
 from ..errors import ChunkError, StoreClosedError, StoreError, StoreFullError, StoreUnavailableError
 from ..resp import ConnectionLost, RedirectError, RespConnection, ValueTooLarge
 from ..tier import REMOVED, STORED, Tier, TierConfig, TierContext, check_key, register_tier
-from .config import RedisConfig, _is_sentinel, _sentinel_url, _target, redact
+from .config import RedisTierConfig, _is_sentinel, _sentinel_url, _target, redact
 from .layout import _MAGIC, _chunk_key, _part_key
 from .pool import _Node
 from .sink import _ChunkSink
@@ -63,10 +63,10 @@ class RedisTier(_Topology, Tier):
     from several threads at once."""
 
     type = "redis"
-    config_model = RedisConfig
+    config_model = RedisTierConfig
     hit_source = "external_unspecified"
 
-    def __init__(self, config: RedisConfig, ctx: TierContext):
+    def __init__(self, config: RedisTierConfig, ctx: TierContext):
         super().__init__()
         self.config = config
         self.ctx = ctx
@@ -116,9 +116,9 @@ class RedisTier(_Topology, Tier):
     def open(cls, config: TierConfig, ctx: TierContext) -> RedisTier:
         """Connect (a server that cannot be reached now: warn, answer misses, retry every ``retry_s``)."""
         if isinstance(config, dict):
-            config = RedisConfig.model_validate(config)
-        if not isinstance(config, RedisConfig):
-            raise TypeError(f"config: expected a RedisConfig, got {type(config).__name__}")
+            config = RedisTierConfig.model_validate(config)
+        if not isinstance(config, RedisTierConfig):
+            raise TypeError(f"config: expected a RedisTierConfig, got {type(config).__name__}")
         tier = cls(config, ctx)
         errors = []
         try:
@@ -140,7 +140,7 @@ class RedisTier(_Topology, Tier):
         return tier
 
     @classmethod
-    def check_config(cls, config: RedisConfig, where: str, writes: bool) -> list[str]:
+    def check_config(cls, config: RedisTierConfig, where: str, writes: bool) -> list[str]:
         """The TLS files a ``rediss://`` url names must be readable here (a server that is down is not a
         config problem: the tier opens anyway and retries)."""
         from redis.connection import parse_url
