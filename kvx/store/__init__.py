@@ -11,12 +11,12 @@
 
 from .cpu import CPUIndex, CPUPool, SlotState
 from .errors import ChunkError, StoreClosedError, StoreError, StoreFullError, StoreUnavailableError
-from .tier import (REMOVED, STORED, Tier, TierConfig, TierContext, parse_size, parse_tier_config, register_tier,
-                   tier_class, tier_types)
+from .tier import (REMOVED, STORED, StrictConfig, Tier, TierConfig, TierContext, parse_size, parse_tier_config,
+                   register_tier, tier_class, tier_types)
 from .disk import DiskTier, DiskTierConfig  # noqa: E402 - registers "disk"
 from .redis import RedisTierConfig, RedisTier  # noqa: E402 - registers "redis"
 
 __all__ = ["CPUIndex", "CPUPool", "SlotState", "DiskTier", "DiskTierConfig", "StoreError", "ChunkError",
            "StoreClosedError", "StoreFullError", "RedisTierConfig", "RedisTier", "StoreUnavailableError", "Tier",
-           "TierConfig", "TierContext", "register_tier", "tier_class", "tier_types", "parse_tier_config",
-           "parse_size", "STORED", "REMOVED"]
+           "StrictConfig", "TierConfig", "TierContext", "register_tier", "tier_class", "tier_types",
+           "parse_tier_config", "parse_size", "STORED", "REMOVED"]

@@ -102,7 +102,7 @@ class RedisTierConfig(TierConfig):
     of a Sentinel deployment (``"url": "redis+sentinel://host1:26379,host2:26379/mymaster/0"``)."""
 
     # a url may carry a password: errors quote values themselves (redacted), never pydantic's raw input
-    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+    model_config = ConfigDict(hide_input_in_errors=True)      # merged with StrictConfig's
 
     type: Literal["redis"]
     url: str = Field(description="redis://[:password@]host:port/db, rediss:// (TLS; ssl_* query parameters as "
