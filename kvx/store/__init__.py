@@ -1,6 +1,7 @@
 """Storage tiers for KV chunks.
 
-- :mod:`kvx.store.tier`: the tier interface (:class:`Tier`) and the registry of tier types.
+- :mod:`kvx.store.tier`: the tier interface (:class:`Tier`), the registry of tier types, and the strict base of
+  every config model (:class:`StrictConfig`).
 - :mod:`kvx.store.codec`: the one chunk codec of every byte-oriented tier.
 - :mod:`kvx.store.cpu`: the CPU pool of chunk slots (worker bytes) + its LRU index (scheduler): the
   stack's first level, and the buffer every other tier reads into and writes from.

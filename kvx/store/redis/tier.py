@@ -32,7 +32,7 @@ from .pool import _Node
 from .sink import _ChunkSink
 from .topology import _Topology
 
-log = get_logger("kvx.store.redis")
+log = get_logger("kvx.store.redis")     # one logger for the whole tier, named as before the split
 
 _PIECE = 256 << 10                # most GET payload bytes one receive takes (then checksummed), TCP
 # over a unix socket: no cap (a receive brings what the socket holds): 4 MiB GETs 1.03-1.05x faster than

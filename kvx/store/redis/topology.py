@@ -22,7 +22,7 @@ from ..resp import AuthError, ConnectionLost, NoScriptError, RedirectError, Resp
 from .layout import _SCRIPTS, _SLOTS, _slot
 from .pool import _Node, _NotMaster, _PoolBusy
 
-log = get_logger("kvx.store.redis")
+log = get_logger("kvx.store.redis")     # one logger for the whole tier, named as before the split
 
 _SENTINEL_CHECK_S = 5.0           # sentinels asked this often while the master is up (a missed failover)
 
