@@ -7,7 +7,7 @@ the machine hits every method alike), the median of ``--repeats`` after ``--warm
 
   save_file (baseline)   what kvx's put did before: metadata + CRC32 of the chunk, then
                          ``safetensors.torch.save_file({"kv": t}, tmp, metadata=meta)`` + ``os.replace(tmp, final)``
-  kvx DiskStore.put      ``DiskStore(path).put(key, t, extra)`` (no capacity): the same metadata and CRC32,
+  kvx DiskTier.put      ``DiskTier.at(path).put(key, t, extra)`` (no capacity): the same metadata and CRC32,
                          header + chunk written ``_WRITE_PIECE`` bytes per ``os.write``, then a rename
   os.write, 1 call       no library, no CRC: header, then the chunk's bytes in one ``os.write`` + rename
   os.write, 1 MiB calls  the same bytes in ``_WRITE_PIECE``-sized calls (kvx's ``_write_all``) + rename
@@ -57,11 +57,11 @@ from safetensors.torch import save_file
 
 from kvx.store import codec
 from kvx.store import disk as kvx_disk
-from kvx.store.disk import DiskStore
+from kvx.store.disk import DiskTier
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FINGERPRINT = "0123456789abcdef"
-METHODS = ["save_file (baseline)", "kvx DiskStore.put", "os.write, 1 call", "os.write, 1 MiB calls"]
+METHODS = ["save_file (baseline)", "kvx DiskTier.put", "os.write, 1 call", "os.write, 1 MiB calls"]
 BASELINE = METHODS[0]
 KEY_PREFIX = "ab"
 
@@ -123,12 +123,12 @@ def make_chunk(mib: int, g: torch.Generator) -> torch.Tensor:
 
 
 class Target:
-    """One directory to write into: a DiskStore for kvx, a sibling directory for the other methods."""
+    """One directory to write into: a DiskTier for kvx, a sibling directory for the other methods."""
 
     def __init__(self, root: str):
         self.root = root
         self.fs = file_system(root)
-        self.store = DiskStore(os.path.join(root, "kvx"), capacity_bytes=None, fingerprint=FINGERPRINT)
+        self.store = DiskTier.at(os.path.join(root, "kvx"), capacity_bytes=None, fingerprint=FINGERPRINT)
         self.other = os.path.join(root, "other")
         # every key starts with KEY_PREFIX: one subdirectory each, made here, so no put times a mkdir
         for d in (self.store.path, self.other):
@@ -140,7 +140,7 @@ class Target:
 
 
 def _meta(key: str, t: torch.Tensor, extra: dict[str, str]) -> dict[str, str]:
-    # what DiskStore.put stores (and what kvx's put stored before it wrote its own files)
+    # what DiskTier.put stores (and what kvx's put stored before it wrote its own files)
     return {**extra, "kvx_format": codec.FORMAT_VERSION, "key": key, "fingerprint": FINGERPRINT,
             "length": str(t.numel() * t.element_size()), "crc32c": codec.crc32c(t), "created": f"{time.time():.3f}"}
 
@@ -159,7 +159,7 @@ def put_save_file(tg: Target, key: str, t: torch.Tensor, extra: dict[str, str]) 
 
 def put_kvx(tg: Target, key: str, t: torch.Tensor, extra: dict[str, str]) -> str:
     if not tg.store.put(key, t, extra):
-        raise RuntimeError(f"DiskStore.put({key}) found the chunk already there: the file was not deleted")
+        raise RuntimeError(f"DiskTier.put({key}) found the chunk already there: the file was not deleted")
     return tg.store.file_of(key)
 
 
@@ -202,7 +202,7 @@ def _remove(tg: Target, method: str, key: str) -> None:
 
 # ------------------------------------------------------------------------------------------ checks
 def check_readback(tg: Target, t: torch.Tensor, extra: dict[str, str]) -> tuple[str, int]:
-    """The same chunk written by DiskStore.put and by save_file (with the metadata kvx wrote) must read
+    """The same chunk written by DiskTier.put and by save_file (with the metadata kvx wrote) must read
     back identically through safe_open. Returns (a line for the output, the file's size); raises if they
     differ."""
     key = _new_key()
@@ -250,13 +250,13 @@ def check_readback(tg: Target, t: torch.Tensor, extra: dict[str, str]) -> tuple[
         same = "not byte-identical: the JSON headers differ in length (equal once parsed)"
     # and kvx's own reader accepts both (format, key, fingerprint, checksum)
     tg.store.get(key, t.shape, t.dtype)
-    DiskStore(tg.other, fingerprint=FINGERPRINT).get(key, t.shape, t.dtype)
+    DiskTier.at(tg.other, fingerprint=FINGERPRINT).get(key, t.shape, t.dtype)
     tg.store.delete(key)
     os.unlink(final)
     if problems:
         raise AssertionError(f"kvx and save_file files differ on {tg.fs}: {'; '.join(problems)}")
     return (f"same tensor bytes, dtype, shape and metadata through safe_open, equal JSON headers and data "
-            f"sections; DiskStore.get accepts both; {s1} B each; {same}"), s1
+            f"sections; DiskTier.get accepts both; {s1} B each; {same}"), s1
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -429,13 +429,13 @@ def main(argv: list[str] | None = None) -> int:
              "Every put writes a new file. Files `kept`: a case's files stay until its end, as in a cache; "
              "`deleted`: each file is deleted (untimed) right after its put. Bytes = the file's size (safetensors "
              "header + bf16 chunk), the same for every method. `save_file` = kvx's put before it wrote its own "
-             "files (metadata + CRC32, `save_file` to a temporary name, `os.replace`); `kvx DiskStore.put` = the "
+             "files (metadata + CRC32, `save_file` to a temporary name, `os.replace`); `kvx DiskTier.put` = the "
              f"same metadata and checksum, {kvx_disk._WRITE_PIECE >> 20} MiB per `os.write`, rename; the two "
              "`os.write` rows write the same bytes with no CRC32 and no library, in one call or in 1 MiB calls "
              "(they show where a difference comes from). `/ save_file` = that statistic over save_file's in the "
              "same run (< 1: faster). Each cell: the median over the runs, then [every run]; GB/s from the "
              "median.", "",
-             "kvx DiskStore.put / save_file, median time per put and mean time per put (the mean counts the "
+             "kvx DiskTier.put / save_file, median time per put and mean time per put (the mean counts the "
              "occasional stalls a median can hide):", "",
              "| fs | files | " + " | ".join(f"{mib} MiB median | {mib} MiB mean" for mib in sizes) + " |",
              "|---|---|" + "---:|---:|" * len(sizes)]
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"Page cache during the cases (/proc/meminfo after each put): at most {dirty:.0f} MiB Dirty and "
               f"{wb:.0f} MiB under Writeback."]
     lines += ["", "Read-back check (once per file system and size, not timed): the same chunk written by "
-              "DiskStore.put and by save_file (same key, same metadata), opened with `safetensors.safe_open`:", ""]
+              "DiskTier.put and by save_file (same key, same metadata), opened with `safetensors.safe_open`:", ""]
     lines += [f"- {c}" for c in checks]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".md", "w") as f:

@@ -36,7 +36,7 @@ import torch
 
 from kvx.bench import machine
 from kvx.connector.keys import chunk_keys
-from kvx.store.disk import DiskStore
+from kvx.store.disk import DiskTier
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 FINGERPRINT = "bench-disk-read"
@@ -90,7 +90,7 @@ def fio_direct(path: str) -> float:
     return job["runtime"] / 1e3 * size / job["io_bytes"]
 
 
-def kvx_read(store: DiskStore, keys: list[str], slots: list[torch.Tensor], threads: int) -> float:
+def kvx_read(store: DiskTier, keys: list[str], slots: list[torch.Tensor], threads: int) -> float:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(store.get_into, keys, slots))
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(base, exist_ok=True)
     work = tempfile.mkdtemp(prefix="kvx-disk-read-", dir=base)
     try:
-        store = DiskStore(os.path.join(work, "store"), None, FINGERPRINT)
+        store = DiskTier.at(os.path.join(work, "store"), None, FINGERPRINT)
         keys = chunk_keys(b"\0" * 16, list(range(3, 3 + args.chunks * TOKENS)), TOKENS)
         g = torch.Generator().manual_seed(0)
         for k in keys:

@@ -30,19 +30,21 @@ PUT (from a slot; every put a new key, deleted untimed after it)::
 
 The destinations (GET) and sources (PUT) rotate over ``--rotate-mib`` of slots and keys (default 64 MiB,
 twice the L3 of the machine this was written on), one step per call (every method's call its own chunk,
-also within a repeat), so no method reads a cache-warm chunk. Each repeat runs
-every method once, in an order shuffled every repeat (seeded): drift of the machine hits every method
-alike, and so does what a call leaves behind for the next one. That is measurable: a kvx put right after
-a redis-py put took 0.24-0.28 ms longer than one right after another kvx put. A rotated order (used
-before) put each method after the same one in 3 repeats of 4 (kvx after the baseline). The redis-py
-variants (GET + copy, GET only, SET only) stay in the same interleave as the baseline on purpose: redis-py's
-time depends on how glibc's malloc reuses its 4 MiB buffers, and the variants' buffers keep that memory in
-use. Measured (a variant of this script, 4 MiB over TCP): interleaved with kvx and the roof alone, the PUT
-baseline ran 11-12 ms (a SET of a freshly built value: ~4000 page faults a call) against 2.2-2.4 ms with
-the variants; the GET baseline ran 6-7% slower without them. Pinning malloc's thresholds (mallopt) is no
-cure: it cost the GET baseline ~20% (probably hiredis's growing buffer, copied instead of remapped). The baseline
-is timed where it runs fastest. The
-median of ``--repeats`` after ``--warmup`` is a run's value, and the whole measurement is done ``--runs``
+also within a repeat), so no method reads a cache-warm chunk. Each repeat runs every method once, in an
+order shuffled every repeat (seeded): drift of the machine hits every method alike, and so does what a
+call leaves behind for the next one. That is measurable: a kvx put right after a redis-py put took
+0.24-0.28 ms longer than one right after another kvx put. A rotated order (used before) put each method
+after the same one in 3 repeats of 4 (kvx after the baseline).
+
+The redis-py variants (GET + copy, GET only, SET only) stay in the same interleave as the baseline on
+purpose, so that the baseline is timed where it runs fastest: redis-py's time depends on how glibc's
+malloc reuses its 4 MiB buffers, and the variants' buffers keep that memory in use. Measured (a variant
+of this script, 4 MiB over TCP): interleaved with kvx and the roof alone, the PUT baseline ran 11-12 ms (a
+SET of a freshly built value: ~4000 page faults a call) against 2.2-2.4 ms with the variants; the GET
+baseline ran 6-7% slower without them. Pinning malloc's thresholds (mallopt) is no cure: it cost the GET
+baseline ~20% (probably hiredis's growing buffer, copied instead of remapped).
+
+The median of ``--repeats`` after ``--warmup`` is a run's value, and the whole measurement is done ``--runs``
 times. ``x baseline`` = the baseline's median time over the method's (> 1: faster than redis-py); ``% roof``
 = the roof's over the method's (what is left to win at all).
 
@@ -81,7 +83,6 @@ import platform
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -92,13 +93,14 @@ import torch
 
 from kvx.bench import cpu_name
 from kvx.store import CPUPool, codec
-from kvx.store.redis import _SNDBUF_UNIX, RedisConfig, RedisTier, _chunk_key
-from kvx.store.tier import TierContext
+from kvx.store.redis import _SNDBUF_UNIX, RedisTierConfig, _chunk_key
+
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:    # the benchmarks' shared modules
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from redis_common import FINGERPRINT, chunk_shape, fmt6, new_key, open_tier, pct, server_version, verdict  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KiB, MiB = 1 << 10, 1 << 20
-FINGERPRINT = "bench-redis-0123456789abcdef"
-TOKEN_BYTES = 8 * 2 * 8 * 128 * 2          # one token of the chunk: 8 layers x K/V x 8 heads x 128 x bf16
 
 GET_METHODS = ("redis-py GET + verify (baseline)", "kvx get_into", "redis-py GET + copy", "redis-py GET only",
                "socket GET into slot (roof)")
@@ -131,16 +133,6 @@ CSV_FIELDS = ["section", "transport", "deployment", "chunk_bytes", "part_bytes",
 ROOF_OF = {"get": GET_ROOF, "put": PUT_ROOF, "get-b2b": GET_ROOF, "put-b2b": PUT_ROOF}
 
 
-def _g(x: float) -> str:
-    """6 significant digits: enough that ratios recomputed from the CSV agree with the ones in it."""
-    return f"{x:.6g}"
-
-
-def _pct(xs: list[float], p: int) -> float:
-    """The p-th percentile (inclusive method) of ``xs``."""
-    return statistics.quantiles(xs, n=100, method="inclusive")[p - 1] if len(xs) > 1 else xs[0]
-
-
 def _read(path: str) -> str:
     with open(path) as f:
         return f.read().strip()
@@ -165,21 +157,9 @@ def wmem_max() -> int | None:
         return None
 
 
-def _key() -> str:
-    return os.urandom(16).hex()
-
-
 # ------------------------------------------------------------------------------------------ servers and clients
-def open_tier(url: str, part: int | None = None, **kw):
-    """A ``RedisTier`` on ``url`` (``part``: its ``max_value_size``; None: the tier's default)."""
-    fields = {"type": "redis", "url": url, **kw}
-    if part is not None:
-        fields["max_value_size"] = part
-    return RedisTier.open(RedisConfig(**fields), TierContext(fingerprint=FINGERPRINT))
-
-
 def default_part() -> int | None:
-    f = RedisConfig.model_fields.get("max_value_size")
+    f = RedisTierConfig.model_fields.get("max_value_size")
     return None if f is None or f.default is None else int(f.default)
 
 
@@ -189,25 +169,7 @@ def redis_py(url: str):
     return redis.Redis.from_url(url)
 
 
-def server_version() -> str:
-    """``redis-server --version``'s v=... (the binary kvx.redis_server starts)."""
-    from kvx.redis_server import binary_env, redis_server_binary
-    try:
-        out = subprocess.run([redis_server_binary(), "--version"], capture_output=True, text=True, timeout=10,
-                             env=binary_env()).stdout
-        return next(w.split("=", 1)[1] for w in out.split() if w.startswith("v="))
-    except (OSError, RuntimeError, StopIteration, subprocess.SubprocessError):
-        return "?"
-
-
 # ------------------------------------------------------------------------------------------ the chunk
-def chunk_shape(nbytes: int) -> tuple[int, ...]:
-    """A bf16 KV chunk of ``nbytes``: 8 layers x K/V x tokens x 8 KV heads x 128 (32 KiB per token)."""
-    if nbytes % TOKEN_BYTES:
-        raise ValueError(f"chunk: expected a multiple of {TOKEN_BYTES} bytes, got {nbytes}")
-    return (8, 2, nbytes // TOKEN_BYTES, 8, 128)
-
-
 def make_pool(nbytes: int, slots: int, g: torch.Generator) -> CPUPool:
     """``slots`` CPU-pool slots of one chunk each, every slot random data (the PUT sources; GET destinations)."""
     pool = CPUPool(slots, chunk_shape(nbytes), torch.bfloat16)
@@ -335,8 +297,8 @@ class Values:
         self.pool = pool
         self.n = pool.num_slots
         self.nbytes = pool.data[0].numel() * pool.data.element_size()
-        self.kvx_keys = [_key() for _ in range(self.n)]
-        self.py_keys = [_key() for _ in range(self.n)]
+        self.kvx_keys = [new_key() for _ in range(self.n)]
+        self.py_keys = [new_key() for _ in range(self.n)]
         self.tier, self.r = tier, r
         for i in range(self.n):
             if not tier.put(self.kvx_keys[i], pool.slot(i)):
@@ -440,10 +402,10 @@ def get_fns(tier, r, vals: Values, raw: RawSocket) -> dict[str, Callable[[int], 
 def put_fns(tier, r, pool: CPUPool, written: dict[str, list[str]], raw: RawSocket):
     """PUT methods writing slot ``i % n`` under a new key (recorded in ``written`` for the untimed delete)."""
     n = pool.num_slots
-    encoded = [b"".join(codec.encode(pool.slot(i), _key(), FINGERPRINT)) for i in range(n)]
+    encoded = [b"".join(codec.encode(pool.slot(i), new_key(), FINGERPRINT)) for i in range(n)]
 
     def new(m):
-        k = _key()
+        k = new_key()
         written[m].append(k)
         return k
 
@@ -498,7 +460,7 @@ def check_put(tier, r, pool: CPUPool) -> None:
     back through the tier too: both write the same encoding (not timed)."""
     slot = pool.slot(0)
     out = torch.empty_like(slot)
-    k = _key()
+    k = new_key()
     tier.put(k, slot)
     try:
         tier.get_into(k, out)
@@ -506,7 +468,7 @@ def check_put(tier, r, pool: CPUPool) -> None:
             raise AssertionError("kvx put then get_into: the chunk differs")
     finally:
         tier.delete(k)
-    k = _key()      # a redis-py SET where the tier keeps chunk k (one value)
+    k = new_key()      # a redis-py SET where the tier keeps chunk k (one value)
     r.set(_chunk_key(k), b"".join(codec.encode(slot, k, FINGERPRINT)))
     try:
         out.fill_(float("nan"))
@@ -577,14 +539,14 @@ def bench_sweep(urls: dict[str, str], mib: int, parts: list[int], runs: int, rep
     """GET and PUT of one chunk size through tiers opened with each ``max_value_size``, interleaved."""
     nb = mib * MiB
     pool = make_pool(nb, n_rotate(nb, rotate_bytes), g)
-    info.setdefault("sweep_header_bytes", {})[nb] = len(codec.encode_header(pool.slot(0), _key(), FINGERPRINT))
+    info.setdefault("sweep_header_bytes", {})[nb] = len(codec.encode_header(pool.slot(0), new_key(), FINGERPRINT))
     results = []
     dflt = default_part()
     base_name = f"part {_fmt(dflt)}" if dflt in parts else None
     for t, url in urls.items():
         tiers = {p: open_tier(url, p) for p in parts}
         try:
-            keys = {p: [_key() for _ in range(pool.num_slots)] for p in parts}
+            keys = {p: [new_key() for _ in range(pool.num_slots)] for p in parts}
             for p in parts:
                 for i, k in enumerate(keys[p]):
                     tiers[p].put(k, pool.slot(i))
@@ -598,7 +560,7 @@ def bench_sweep(urls: dict[str, str], mib: int, parts: list[int], runs: int, rep
                     written: dict[str, list[str]] = {m: [] for m in part_of}
 
                     def put(i, p):
-                        k = _key()
+                        k = new_key()
                         written[f"part {_fmt(p)}"].append(k)
                         if not tiers[p].put(k, pool.slot(i % pool.num_slots)):
                             raise RuntimeError(f"kvx put of a new key {k} answered 'already present'")
@@ -656,7 +618,7 @@ def bench_pieces(urls: dict[str, str], mib: int, runs: int, repeats: int, warmup
     for t, url in urls.items():
         tier = open_tier(url)
         dflt = _piece_name(tier.piece)          # the tier's own choice for this transport
-        keys = [_key() for _ in range(pool.num_slots)]
+        keys = [new_key() for _ in range(pool.num_slots)]
         try:
             for i, k in enumerate(keys):
                 tier.put(k, pool.slot(i))
@@ -697,7 +659,7 @@ def bench_send_buffers(urls: dict[str, str], mib: int, runs: int, repeats: int, 
             buffer_of = {_sndbuf_name(b): b for b in SEND_BUFFERS}
 
             def put(i, b):
-                k = _key()
+                k = new_key()
                 written[_sndbuf_name(b)].append(k)
                 if not tiers[b].put(k, pool.slot(i % pool.num_slots)):
                     raise RuntimeError(f"kvx put of a new key {k} answered 'already present'")
@@ -730,8 +692,8 @@ def bench_lookup(deployment: str, tier, r, repeats: int, warmup: int, log) -> li
     """``contains_many`` of 256 stored keys vs a redis-py pipeline of 256 EXISTS; every repeat and method asks
     for keys nobody asked for before (so neither a cache in the tier nor one anywhere else answers)."""
     tiny = torch.zeros(8, 2, 1, 8, 4, dtype=torch.bfloat16)        # 1 KiB chunks: only the keys matter
-    kvx_sets = [[_key() for _ in range(LOOKUP_KEYS)] for _ in range(repeats + warmup)]
-    py_sets = [[_key() for _ in range(LOOKUP_KEYS)] for _ in range(repeats + warmup)]
+    kvx_sets = [[new_key() for _ in range(LOOKUP_KEYS)] for _ in range(repeats + warmup)]
+    py_sets = [[new_key() for _ in range(LOOKUP_KEYS)] for _ in range(repeats + warmup)]
     enc = b"".join(codec.encode(tiny, "0" * 32, FINGERPRINT))
     for ks in kvx_sets:
         for k in ks:
@@ -771,8 +733,8 @@ def bench_lookup(deployment: str, tier, r, repeats: int, warmup: int, log) -> li
     out = [Result("lookup", "tcp", deployment, LOOKUP_KEYS, None, m, LOOKUP_BASE if m != LOOKUP_BASE else None,
                   1, times[m]) for m in LOOKUP_METHODS]
     for x in out:
-        log(f"lookup {deployment:10s} {x.method:37s} p50 {x.median:7.3f} ms p90 {_pct(x.times, 90):7.3f} ms "
-            f"p99 {_pct(x.times, 99):7.3f} ms")
+        log(f"lookup {deployment:10s} {x.method:37s} p50 {x.median:7.3f} ms p90 {pct(x.times, 90):7.3f} ms "
+            f"p99 {pct(x.times, 99):7.3f} ms")
     return out
 
 
@@ -823,17 +785,13 @@ def write_csv(path: str, results: list[Result]) -> None:
             is_bytes = r.section != "lookup"
             w.writerow([r.section, r.transport, r.deployment, r.chunk_bytes,
                         "" if r.part_bytes is None else r.part_bytes, r.method, r.baseline or "", r.run,
-                        len(r.times), _g(r.median), _g(_pct(r.times, 90)), _g(_pct(r.times, 99)),
-                        _g(statistics.fmean(r.times)),
-                        _g(r.chunk_bytes / (float(_g(r.median)) * 1e-3) / 1e9) if is_bytes else "",
-                        _g(base.median) if base else "",
-                        _g(float(_g(base.median)) / float(_g(r.median))) if base else "",
-                        _g(roof.median) if roof else "",
-                        _g(100 * float(_g(roof.median)) / float(_g(r.median))) if roof else ""])
-
-
-def verdict(ok: bool) -> str:
-    return "met" if ok else "MISSED"
+                        len(r.times), fmt6(r.median), fmt6(pct(r.times, 90)), fmt6(pct(r.times, 99)),
+                        fmt6(statistics.fmean(r.times)),
+                        fmt6(r.chunk_bytes / (float(fmt6(r.median)) * 1e-3) / 1e9) if is_bytes else "",
+                        fmt6(base.median) if base else "",
+                        fmt6(float(fmt6(base.median)) / float(fmt6(r.median))) if base else "",
+                        fmt6(roof.median) if roof else "",
+                        fmt6(100 * float(fmt6(roof.median)) / float(fmt6(r.median))) if roof else ""])
 
 
 def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick: bool) -> dict:
@@ -909,7 +867,7 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
                         continue
                     for m in methods:
                         ms = med(per_run(index, case, m, runs))
-                        p90 = med(per_run(index, case, m, runs, lambda r: _pct(r.times, 90)))
+                        p90 = med(per_run(index, case, m, runs, lambda r: pct(r.times, 90)))
                         x = cell(ratios(index, case, m, base, runs))
                         roof = med(ratios(index, case, m, ROOF_OF[sec], runs))
                         lines.append(f"| {t} | {nb // MiB} MiB | {sec.split('-')[0].upper()} | {m} | {ms:.3f} | "
@@ -1035,8 +993,8 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
         lix = _attach(lk)
         for r in lk:
             b = lix.get((r.case(), r.baseline, r.run)) if r.baseline else None
-            lines.append(f"| {r.deployment} | {r.method} | {len(r.times)} | {r.median:.3f} | {_pct(r.times, 90):.3f} "
-                         f"| {_pct(r.times, 99):.3f} | {f'{b.median / r.median:.2f}x' if b else ''} |")
+            lines.append(f"| {r.deployment} | {r.method} | {len(r.times)} | {r.median:.3f} | {pct(r.times, 90):.3f} "
+                         f"| {pct(r.times, 99):.3f} | {f'{b.median / r.median:.2f}x' if b else ''} |")
     if info.get("cluster_skipped"):
         lines += ["", f"Cluster lookup not measured: {info['cluster_skipped']}"]
 
@@ -1265,7 +1223,7 @@ if pytest is not None:
 
     def test_lookup_256(benchmark, _redis):
         tier, r, _ = _redis
-        keys = [_key() for _ in range(LOOKUP_KEYS)]
+        keys = [new_key() for _ in range(LOOKUP_KEYS)]
         tiny = torch.zeros(8, 2, 1, 8, 4, dtype=torch.bfloat16)
         for k in keys:
             tier.put(k, tiny)

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import importlib.util
 import os
 import platform
 import select
@@ -62,22 +61,9 @@ from kvx.redis_server import RedisServer
 from kvx.store.errors import ChunkError, StoreError
 from kvx.store.redis import _ChunkSink
 
-
-def _load_bench_redis():
-    """benchmarks/bench_redis.py (a script, not a package): its tier opener, chunk shape and percentile."""
-    name = "bench_redis"
-    if name not in sys.modules:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod          # its dataclasses look their module up there
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-_br = _load_bench_redis()
-open_tier, chunk_shape, _pct, _key, _g, verdict, server_version = (
-    _br.open_tier, _br.chunk_shape, _br._pct, _br._key, _br._g, _br.verdict, _br.server_version)
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:    # the benchmarks' shared modules
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from redis_common import chunk_shape, fmt6, new_key, open_tier, pct, server_version, verdict  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -193,7 +179,7 @@ def wait_working(tier, probe: torch.Tensor) -> None:
     deadline = time.monotonic() + RECOVER_S
     last = None
     while time.monotonic() < deadline:
-        k = _key()
+        k = new_key()
         try:
             tier.put(k, probe)
             tier.get_into(k, out)
@@ -211,7 +197,7 @@ def run_trial(server: RedisServer, tier, scenario: str, src: torch.Tensor, out: 
               probe: torch.Tensor, timeout_ms: int) -> Trial:
     """Put a new chunk, time one ``get_into`` of it under ``scenario``'s fault, then (untimed) bring the
     server back and wait until the tier works."""
-    key = _key()
+    key = new_key()
     if not tier.put(key, src):
         raise RuntimeError(f"put of a new key {key} answered 'already present'")
     out.view(torch.uint8).fill_(0xA5)       # poisoned: a GET that returns must have written the chunk
@@ -289,7 +275,7 @@ class Case:
         xs = self.times
         if not xs:
             return None
-        return {"p50": statistics.median(xs), "p90": _pct(xs, 90), "max": max(xs)}
+        return {"p50": statistics.median(xs), "p90": pct(xs, 90), "max": max(xs)}
 
     def verdicts(self, smoke: bool) -> tuple[str, str]:
         s = self.stats()
@@ -338,9 +324,9 @@ def write_csv(path: str, cases: list[Case], smoke: bool) -> None:
         for c in cases:
             s = c.stats()
             vp, vm = c.verdicts(smoke)
-            stat = (lambda k: _g(s[k])) if s else (lambda k: "")
-            over = (lambda k: _g(s[k] - c.timeout_ms)) if s else (lambda k: "")
-            opt = lambda x: "" if x is None else _g(x)      # noqa: E731
+            stat = (lambda k: fmt6(s[k])) if s else (lambda k: "")
+            over = (lambda k: fmt6(s[k] - c.timeout_ms)) if s else (lambda k: "")
+            opt = lambda x: "" if x is None else fmt6(x)      # noqa: E731
             w.writerow([c.scenario, c.chunk_bytes, c.timeout_ms, RETRY_S, len(c.trials), len(c.times), c.completed,
                         c.bad, sum(t.says_timeout for t in c.trials), sum(t.fault_ms is not None for t in c.trials),
                         stat("p50"), stat("p90"), stat("max"), over("p50"), over("p90"), over("max"), c.target_ms,
@@ -348,7 +334,7 @@ def write_csv(path: str, cases: list[Case], smoke: bool) -> None:
                         opt(_median(t.fault_bytes for t in c.trials)),
                         opt(_median(t.fault_call_ms for t in c.trials)), opt(_median(_after_fault(c))),
                         opt(_median(t.back_ms for t in c.trials)),
-                        " ".join(_g(t) for t in c.times)])
+                        " ".join(fmt6(t) for t in c.times)])
 
 
 def write_md(path: str, cases: list[Case], info: dict, cmd: str, trials: int, smoke: bool) -> None:

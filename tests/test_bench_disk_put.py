@@ -17,6 +17,6 @@ def test_quick_run_writes_results(tmp_path):
                         "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     md = (tmp_path / "res.md").read_text()
-    assert "save_file" in md and "DiskStore.get accepts both" in md
+    assert "save_file" in md and "DiskTier.get accepts both" in md
     rows = (tmp_path / "res.csv").read_text().splitlines()
     assert len(rows) > 1

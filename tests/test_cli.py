@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvx import cli
-from kvx.store import DiskStore
+from kvx.store import DiskTier
 from kvx.store import disk as disk_mod
 
 
@@ -29,7 +29,7 @@ def test_bench_quick_writes_results(tmp_path, capsys):
 
 def test_store_inspect_verify_clear(tmp_path, capsys, monkeypatch):
     path = str(tmp_path / "s")
-    store = DiskStore(path, fingerprint="fp")
+    store = DiskTier.at(path, fingerprint="fp")
     for i in range(3):
         store.put(f"{i:02x}" * 16, torch.full((64,), i, dtype=torch.float16))
     assert cli.main(["store", "inspect", path]) == 0
@@ -56,7 +56,7 @@ def test_store_inspect_and_verify_show_temporary_files(tmp_path, capsys, monkeyp
     flight; inspect and verify remove nothing, verify --delete-bad removes the stale ones."""
     path = tmp_path / "s"
     key = "ab" * 16
-    DiskStore(str(path), fingerprint="fp").put(key, torch.ones(64, dtype=torch.float16))
+    DiskTier.at(str(path), fingerprint="fp").put(key, torch.ones(64, dtype=torch.float16))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = path / "ab" / f".{key}.{disk_mod._HOST}.{dead.pid}.deadbeef.tmp"

@@ -15,16 +15,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from ..store import TierConfig, parse_size, parse_tier_config, tier_class
+from ..store import StrictConfig, TierConfig, parse_size, parse_tier_config, tier_class
+
 
 class ConfigError(ValueError):
     """Invalid ``kv_connector_extra_config``."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class CPUTierConfig(TierConfig):
@@ -47,7 +44,7 @@ def _parse_tier(raw: Any) -> Any:
     return parse_tier_config(raw) if isinstance(raw, dict) else raw
 
 
-class KVXConfig(_Strict):
+class KVXConfig(StrictConfig):
     """Validated ``kv_connector_extra_config`` of :class:`kvx.connector.KVXConnector`."""
 
     chunk_size: int = Field(default=256, gt=0, description="tokens per chunk; a multiple of vLLM's block size")
@@ -78,15 +75,6 @@ class KVXConfig(_Strict):
                             "computes without them")
     io_threads: int = Field(default=2, ge=1, le=64, description="threads for disk reads, and as many for disk writes")
     max_ctas: int = Field(default=8, ge=0, description="CUDA thread-block cap for copies (0 = no cap)")
-
-    @field_validator("chunk_size", "skip_last_n_tokens", "io_threads", "max_ctas", "save_priority_limit",
-                     "pd_wait_ms", mode="before")
-    @classmethod
-    def _no_bool(cls, v):
-        # pydantic's lax mode turns true/false into 1/0: "chunk_size": true is a typo, not a chunk size
-        if isinstance(v, bool):
-            raise ValueError(f"expected an integer, got {v!r}")
-        return v
 
     @field_validator("tiers", mode="before")
     @classmethod

@@ -1,6 +1,7 @@
 """Storage tiers for KV chunks.
 
-- :mod:`kvx.store.tier`: the tier interface (:class:`Tier`) and the registry of tier types.
+- :mod:`kvx.store.tier`: the tier interface (:class:`Tier`), the registry of tier types, and the strict base of
+  every config model (:class:`StrictConfig`).
 - :mod:`kvx.store.codec`: the one chunk codec of every byte-oriented tier.
 - :mod:`kvx.store.cpu`: the CPU pool of chunk slots (worker bytes) + its LRU index (scheduler): the
   stack's first level, and the buffer every other tier reads into and writes from.
@@ -10,12 +11,24 @@
 """
 
 from .cpu import CPUIndex, CPUPool, SlotState
+from .disk import DiskTier, DiskTierConfig  # noqa: E402 - registers "disk"
 from .errors import ChunkError, StoreClosedError, StoreError, StoreFullError, StoreUnavailableError
-from .tier import (REMOVED, STORED, Tier, TierConfig, TierContext, parse_size, parse_tier_config, register_tier,
-                   tier_class, tier_types)
-from .disk import DiskStore, DiskTierConfig  # noqa: E402 - registers "disk"
-from .redis import RedisConfig, RedisTier  # noqa: E402 - registers "redis"
+from .redis import RedisTier, RedisTierConfig  # noqa: E402 - registers "redis"
+from .tier import (
+                   REMOVED,
+                   STORED,
+                   StrictConfig,
+                   Tier,
+                   TierConfig,
+                   TierContext,
+                   parse_size,
+                   parse_tier_config,
+                   register_tier,
+                   tier_class,
+                   tier_types,
+)
 
-__all__ = ["CPUIndex", "CPUPool", "SlotState", "DiskStore", "DiskTierConfig", "StoreError", "ChunkError",
-           "StoreClosedError", "StoreFullError", "RedisConfig", "RedisTier", "StoreUnavailableError", "Tier", "TierConfig", "TierContext",
-           "register_tier", "tier_class", "tier_types", "parse_tier_config", "parse_size", "STORED", "REMOVED"]
+__all__ = ["CPUIndex", "CPUPool", "SlotState", "DiskTier", "DiskTierConfig", "StoreError", "ChunkError",
+           "StoreClosedError", "StoreFullError", "RedisTierConfig", "RedisTier", "StoreUnavailableError", "Tier",
+           "StrictConfig", "TierConfig", "TierContext", "register_tier", "tier_class", "tier_types",
+           "parse_tier_config", "parse_size", "STORED", "REMOVED"]

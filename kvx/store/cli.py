@@ -20,7 +20,7 @@ import time
 from safetensors import safe_open
 
 from . import codec
-from .disk import DiskStore, TempInfo, survey
+from .disk import DiskTier, TempInfo, survey
 
 
 def _check(path: str, key: str) -> str | None:
@@ -117,7 +117,7 @@ def _remove(path: str) -> bool:
 
 
 def _clear(args) -> int:
-    store = DiskStore(args.path)         # removes stale temporary files on start-up
+    store = DiskTier.at(args.path)         # removes stale temporary files on start-up
     n = sum(1 for _ in store.scan())
     if not args.yes:
         if not sys.stdin.isatty():

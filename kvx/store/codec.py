@@ -4,15 +4,15 @@ A chunk's bytes are a safetensors file holding one tensor ``"kv"``: an 8-byte li
 length, a JSON header padded with spaces to a multiple of 8, then the payload (the chunk's bytes as
 they lie in memory). The header's ``__metadata__`` carries the format version (``kvx_format``), the
 chunk ``key``, the engine ``fingerprint`` (what the bytes mean: layout, dtype, format), the payload
-``length`` and its checksum; the tensor entry carries dtype and shape.
-
-Checksum: CRC32C. On CPUs with AVX-512 VPCLMULQDQ, kvx's own (``kvx._C.crc32c``: ~50 GB/s in cache,
-~27 GB/s from memory here); elsewhere the ``crc32c`` package (SSE4.2: ~27 and ~13 GB/s; zlib's CRC32 took
-1.0 ms per 4 MiB, a third of a 4 MiB Redis GET). Both release the GIL over large buffers, so a writer
-thread's checksum does not stall vLLM's Python threads (google-crc32c, used before, held it); the
-measurements: ``benchmarks/bench_crc.py``. Format ``kvx-2``; ``kvx-1`` chunks (zlib ``crc32``) are still
-read. So a value copied out of any
+``length`` and its checksum; the tensor entry carries dtype and shape. So a value copied out of any
 tier is a file the safetensors library (and ``kvx store verify``) reads.
+
+Checksum: CRC32C (format ``kvx-2``; ``kvx-1`` chunks, checksummed with zlib's ``crc32``, are still read).
+On CPUs with AVX-512 VPCLMULQDQ it is kvx's own (``kvx._C.crc32c``: ~50 GB/s in cache, ~27 GB/s from
+memory here); elsewhere the ``crc32c`` package's (SSE4.2: ~27 and ~13 GB/s; zlib's CRC32 took 1.0 ms per
+4 MiB, a third of a 4 MiB Redis GET). Both release the GIL over large buffers, so a writer thread's
+checksum does not stall vLLM's Python threads (google-crc32c, used before, held it). The measurements:
+``benchmarks/bench_crc.py``.
 
 Readers check everything before a byte is served: :func:`decode_header` then :func:`check` (version,
 key, fingerprint, dtype, shape, length), then :func:`check_crc` over the payload once it is in the
@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import crc32c as _crc32c
-
 import numpy as np
 import torch
 

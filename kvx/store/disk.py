@@ -19,7 +19,7 @@ benchmarks/bench_disk_put.py). Neither copies the chunk (safetensors 0.8 writes 
 the tensor's pointer too: no growth of peak RSS for a 64 MiB put with either).
 
 Temporary files. A crash can leave a temporary file behind. Every scan of the directory (store
-start-up, the periodic re-count, eviction, :meth:`DiskStore.usage`, :meth:`DiskStore.clear`) sorts
+start-up, the periodic re-count, eviction, :meth:`DiskTier.usage`, :meth:`DiskTier.clear`) sorts
 them with :func:`survey`:
 
 - in flight, kept: written by a live process of this host (same host name and pid namespace, the pid
@@ -35,7 +35,7 @@ the reservation would exceed ``capacity_bytes``, it first deletes the least rece
 a read touches it) down to ``low_watermark * capacity`` (the new chunk included). So one engine never
 exceeds the capacity, however many writer threads it runs. Other engines on the path are seen when
 the directory is re-counted (at most ``rescan_s`` apart, and at every eviction); see
-:class:`DiskStore` for the bound with several engines. Other engines may delete files at any time: a
+:class:`DiskTier` for the bound with several engines. Other engines may delete files at any time: a
 missing file is a miss.
 
 Full disk. A write that fails with ENOSPC or EDQUOT evicts the least recently used files (at least 10%
@@ -64,7 +64,7 @@ from pydantic import Field, field_validator
 from ..log import Throttle, get_logger
 from . import codec
 from .errors import ChunkError, StoreClosedError, StoreFullError
-from .tier import STORED, REMOVED, Tier, TierConfig, TierContext, check_key, parse_size, register_tier
+from .tier import REMOVED, STORED, Tier, TierConfig, TierContext, check_key, parse_size, register_tier
 
 log = get_logger(__name__)
 
@@ -185,7 +185,7 @@ def _host_tag() -> str:
 
 
 _HOST = _host_tag()
-# Temporary files this process is writing (every DiskStore in it): one named with this process's pid
+# Temporary files this process is writing (every DiskTier in it): one named with this process's pid
 # but not listed here is the leftover of an earlier process that had the same pid (a restarted
 # container often reuses its pids).
 _LIVE_TMP: set[str] = set()
@@ -277,26 +277,47 @@ def _write_all(fd: int, bufs: Sequence) -> None:
             v = v[n:]
 
 
+def _check_args(path, capacity_bytes, fingerprint, low_watermark, rescan_s, clock) -> None:
+    """ValueError naming the first of a disk tier's arguments that is not what it must be."""
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str) or not os.fspath(path):
+        raise ValueError(f"path: expected a directory path, got {path!r}")
+    if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
+                                       or capacity_bytes <= 0):
+        raise ValueError(f"capacity_bytes: expected a positive int or None, got {capacity_bytes!r}")
+    if (isinstance(low_watermark, bool) or not isinstance(low_watermark, (int, float))
+            or not 0.0 < low_watermark <= 1.0):
+        raise ValueError(f"low_watermark: expected a fraction in (0, 1], got {low_watermark!r}")
+    if isinstance(rescan_s, bool) or not isinstance(rescan_s, (int, float)) or not rescan_s >= 0:
+        raise ValueError(f"rescan_s: expected seconds >= 0, got {rescan_s!r}")
+    if not isinstance(fingerprint, str):
+        raise ValueError(f"fingerprint: expected a str, got {type(fingerprint).__name__}")
+    if not callable(clock):
+        raise ValueError(f"clock: expected a callable returning seconds, got {clock!r}")
+
+
 # ------------------------------------------------------------------------------------------ the store
 @register_tier
-class DiskStore(Tier):
-    """Chunks as safetensors files under ``path`` (see the module docstring): the ``"disk"`` tier.
+class DiskTier(Tier):
+    """Chunks as safetensors files under ``config.path`` (see the module docstring): the ``"disk"`` tier.
+
+    Opened as every tier is, from its config and the context (:meth:`open`, or ``DiskTier(config, ctx)``);
+    :meth:`at` opens one from plain arguments (the CLI, tests, benchmarks).
 
     Args:
-        path: directory (created if missing); may be shared by several engines.
-        capacity_bytes: size budget for the directory (chunk and temporary files); ``None`` = unbounded.
-        fingerprint: what the chunks' bytes mean (layout/format); a file with another fingerprint is
-            never served.
-        fsync: fsync each file before the rename (durability across power loss; slower).
-        low_watermark: an eviction deletes down to this fraction of ``capacity_bytes``.
-        rescan_s: capacity only: how stale this process's count of the directory's size may get. Other
-            engines on a shared path write too, so a put re-counts the directory when the last count is
-            older than this (0: at every put; an eviction always re-counts). One engine alone never
+        config: ``path``: directory (created if missing); may be shared by several engines. ``size``: size
+            budget for the directory (chunk and temporary files; ``capacity_bytes``); ``None`` = unbounded.
+            ``fsync``: fsync each file before the rename (durability across power loss; slower).
+            ``rescan_s``: capacity only: how stale this process's count of the directory's size may get.
+            Other engines on a shared path write too, so a put re-counts the directory when the last count
+            is older than this (0: at every put; an eviction always re-counts). One engine alone never
             exceeds ``capacity_bytes``, whatever its number of writer threads: each put reserves its
             bytes, evicting first, before it writes. N engines on one path, each with T writer threads
             writing at most W bytes/s, use at most
             ``capacity_bytes + (N-1) * min(capacity_bytes, W * rescan_s + (T+1) * chunk_file_bytes)``:
             what the others add between one engine's counts (they re-count too before writing more).
+        ctx: ``fingerprint``: what the chunks' bytes mean (layout/format); a file with another fingerprint
+            is never served.
+        low_watermark: an eviction deletes down to this fraction of ``capacity_bytes``.
         clock: monotonic seconds, for ``rescan_s`` and the full-disk back-off (injectable for tests).
     Thread-safe: ``put``/``get`` may run on several I/O threads.
     """
@@ -307,24 +328,12 @@ class DiskStore(Tier):
     event_medium = "DISK"
     local_lookup = True
 
-    def __init__(self, path: str, capacity_bytes: int | None = None, fingerprint: str = "",
-                 fsync: bool = False, low_watermark: float = 0.9, rescan_s: float = 5.0, *,
+    def __init__(self, config: DiskTierConfig, ctx: TierContext, *, low_watermark: float = 0.9,
                  clock: Callable[[], float] = time.monotonic):
         super().__init__()
-        if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str) or not os.fspath(path):
-            raise ValueError(f"path: expected a directory path, got {path!r}")
-        if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
-                                           or capacity_bytes <= 0):
-            raise ValueError(f"capacity_bytes: expected a positive int or None, got {capacity_bytes!r}")
-        if (isinstance(low_watermark, bool) or not isinstance(low_watermark, (int, float))
-                or not 0.0 < low_watermark <= 1.0):
-            raise ValueError(f"low_watermark: expected a fraction in (0, 1], got {low_watermark!r}")
-        if isinstance(rescan_s, bool) or not isinstance(rescan_s, (int, float)) or not rescan_s >= 0:
-            raise ValueError(f"rescan_s: expected seconds >= 0, got {rescan_s!r}")
-        if not isinstance(fingerprint, str):
-            raise ValueError(f"fingerprint: expected a str, got {type(fingerprint).__name__}")
-        if not callable(clock):
-            raise ValueError(f"clock: expected a callable returning seconds, got {clock!r}")
+        path, capacity_bytes, fingerprint = config.path, config.size, ctx.fingerprint
+        fsync, rescan_s = config.fsync, config.rescan_s
+        _check_args(path, capacity_bytes, fingerprint, low_watermark, rescan_s, clock)
         self.path = os.path.abspath(os.fspath(path))
         os.makedirs(self.path, exist_ok=True)
         self.capacity_bytes = capacity_bytes
@@ -355,8 +364,20 @@ class DiskStore(Tier):
             self._recount_locked()     # also removes what crashed writers left behind
 
     @classmethod
-    def open(cls, config: DiskTierConfig, ctx: TierContext) -> DiskStore:
-        return cls(config.path, config.size, ctx.fingerprint, fsync=config.fsync, rescan_s=config.rescan_s)
+    def open(cls, config: DiskTierConfig, ctx: TierContext) -> DiskTier:
+        return cls(config, ctx)
+
+    @classmethod
+    def at(cls, path: str | os.PathLike, capacity_bytes: int | None = None, fingerprint: str = "",
+           fsync: bool = False, low_watermark: float = 0.9, rescan_s: float = 5.0, *,
+           clock: Callable[[], float] = time.monotonic) -> DiskTier:
+        """A disk tier at ``path`` from plain arguments (``capacity_bytes``: the config's ``size``), checked
+        as the constructor checks them (ValueError naming the argument)."""
+        _check_args(path, capacity_bytes, fingerprint, low_watermark, rescan_s, clock)
+        # checked above, by the rules of these arguments (a path object, any fsync value); not the config's
+        config = DiskTierConfig.model_construct(type="disk", path=path, size=capacity_bytes, fsync=fsync,
+                                                rescan_s=rescan_s)
+        return cls(config, TierContext(fingerprint), low_watermark=low_watermark, clock=clock)
 
     @classmethod
     def check_config(cls, config: DiskTierConfig, where: str, writes: bool) -> list[str]:

@@ -62,8 +62,9 @@ class TierStack:
     # ---------------------------------------------------------------- writes
     def lacking(self, key: str, among: Sequence[str] | None = None) -> list[str]:
         """The tiers (of ``among``; default all) to write chunk ``key`` to: those not holding it. Only a tier
-        whose lookups are local (``Tier.local_lookup``: a stat of a file) is asked here; the others are not asked on the scheduler's path (a network round trip per chunk):
-        their puts check for the key before sending the bytes, and never overwrite."""
+        whose lookups are local (``Tier.local_lookup``: a stat of a file) is asked here; the others are not
+        asked on the scheduler's path (a network round trip per chunk): their puts check for the key before
+        sending the bytes, and never overwrite."""
         out = []
         for name in (self.names() if among is None else among):
             tier = self.by_name[name]

@@ -8,18 +8,22 @@ once in each worker (gets and puts). The connector names no tier type: it finds 
 
     from kvx.store import Tier, TierConfig, register_tier
 
-    class S3Config(TierConfig):
+    class S3TierConfig(TierConfig):
         type: Literal["s3"]
         bucket: str
 
     @register_tier
     class S3Tier(Tier):
         type = "s3"
-        config_model = S3Config
+        config_model = S3TierConfig
         ...
 
 and ``{"type": "s3", "bucket": "kv"}`` in ``kv_connector_extra_config`` once the module is imported,
 or ``{"type": "mypkg.s3:S3Tier", ...}`` to have kvx import it.
+
+Names: tier type ``<Name>`` is the class ``<Name>Tier`` with the config model ``<Name>TierConfig``
+(``DiskTier`` / ``DiskTierConfig``, ``RedisTier`` / ``RedisTierConfig``; the CPU pool's config is
+``kvx.connector.config.CPUTierConfig``), and every tier is constructed from ``(config, ctx)``.
 
 Keys passed to a tier are chunk keys (lowercase hex; a tensor-parallel rank's share of a chunk has its
 own key). Every operation may be called from several threads at once.
@@ -31,6 +35,7 @@ import importlib
 import math
 import re
 import threading
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,7 +43,7 @@ from fractions import Fraction
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 # tier events (the serving work turns them into vLLM KV events): a chunk became readable / was removed
 STORED, REMOVED = "stored", "removed"
@@ -79,10 +84,44 @@ def parse_size(value: Any) -> int:
     return n
 
 
-class TierConfig(BaseModel):
-    """Base of every tier's config model: strict (unknown keys are errors), immutable."""
+def _number_kind(annotation: Any) -> str | None:
+    """"an integer" / "a number" if a field of this type takes numbers (and not booleans), else None."""
+    kinds = set()
+    todo = [annotation]
+    while todo:
+        t = todo.pop()
+        args = typing.get_args(t)
+        if args and typing.get_origin(t) is not Literal:
+            todo += args
+        elif t is bool:
+            return None
+        elif t in (int, float):
+            kinds.add(t)
+    return "a number" if float in kinds else "an integer" if kinds else None
+
+
+class StrictConfig(BaseModel):
+    """Base of every kvx config model (each tier's :class:`TierConfig`, ``kvx.connector.config.KVXConfig``):
+    unknown keys are errors, models are immutable, and no number is given as ``true`` / ``false`` (pydantic's
+    lax mode reads true as 1: a typo, not a value). Unambiguous JSON spellings stay accepted (``"128"`` for an
+    int, ``"true"`` for a bool). Errors name the field (its location), what was expected and what was given.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_number(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, bool):
+            kind = _number_kind(cls.model_fields[info.field_name].annotation)
+            if kind is not None:
+                raise ValueError(f"expected {kind}, got {v!r}")
+        return v
+
+
+class TierConfig(StrictConfig):
+    """Base of every tier's config model (strict: :class:`StrictConfig`)."""
+
     type: str
 
 

@@ -248,6 +248,52 @@ def test_every_problem_is_listed():
     assert {ln.split(":")[0].strip() for ln in msg.splitlines()[1:]} == {"chunk_size", "bogus", "tiers.0.cpu.size"}
 
 
+# ---------------------------------------------------------------- one strict base: no boolean is a number
+def test_every_config_model_derives_from_the_strict_base():
+    from kvx.store import StrictConfig, tier_class, tier_types
+
+    models = [KVXConfig, CPUTierConfig] + [tier_class(t).config_model for t in tier_types()]
+    assert all(issubclass(m, StrictConfig) for m in models), [m for m in models if not issubclass(m, StrictConfig)]
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_disk_rescan_s_true_is_not_one_second(given):
+    """DiskTierConfig read rescan_s: true as 1.0 (pydantic's lax mode) while every other number was strict."""
+    line = line_of(error_of({"tiers": [{"type": "disk", "path": "/kv", "rescan_s": given}]}), "tiers.0.disk.rescan_s")
+    assert line == f"tiers.0.disk.rescan_s: expected a number, got {given!r} (given: {given!r})"
+
+
+def _number_fields():
+    """(tier entry or None for a top-level key, key) of every field of every config model that takes a number."""
+    from kvx.store import tier_class, tier_types
+    from kvx.store.tier import _number_kind
+
+    required = {"disk": {"path": "/kv"}, "redis": {"url": "redis://localhost:6379/0"}}
+    out = [(None, k) for k, f in KVXConfig.model_fields.items() if _number_kind(f.annotation)]
+    for kind, model in [("cpu", CPUTierConfig)] + [(t, tier_class(t).config_model) for t in tier_types()]:
+        base = {"type": kind, **({"size": "1GiB"} if kind == "cpu" else required.get(kind, {}))}
+        out += [(base, k) for k, f in model.model_fields.items() if _number_kind(f.annotation)]
+    return out
+
+
+NUMBER_FIELDS = _number_fields()
+
+
+@pytest.mark.parametrize("tier, key", NUMBER_FIELDS, ids=[f"{t['type'] if t else 'top'}.{k}" for t, k in NUMBER_FIELDS])
+def test_no_number_takes_true(tier, key):
+    """Every number of every config model (the connector's and each tier type's) refuses true, naming the key,
+    what was expected and what was given."""
+    assert ("disk", "rescan_s") in [(t and t["type"], k) for t, k in NUMBER_FIELDS]
+    if tier is None:
+        extra, loc = {key: True}, key
+    else:
+        tiers = [{"type": "cpu", "size": "1GiB"}] if tier["type"] != "cpu" else []
+        extra, loc = {"tiers": tiers + [{**tier, key: True}]}, f"tiers.{len(tiers)}.{tier['type']}.{key}"
+    line = line_of(error_of(extra), loc)
+    assert re.search(r"expected (an integer|a number|a size like .*|None or a number .*), got True", line), line
+    assert line.endswith("(given: True)"), line
+
+
 def test_lax_coercions_that_stay_accepted():
     """JSON-ish spellings that are unambiguous keep working (pydantic lax mode)."""
     cfg = KVXConfig.from_extra_config({"chunk_size": "128", "io_threads": 4.0, "save_decode": "true"})

@@ -13,7 +13,7 @@ import torch
 from kvx.connector.events import KVEvents
 from kvx.connector.ledger import ChunkLedger, Kind
 from kvx.connector.metadata import FAILED, NOOP, OK, KVXWorkerMetadata
-from kvx.store import CPUIndex, DiskStore, SlotState
+from kvx.store import CPUIndex, DiskTier, SlotState
 from kvx.store.stack import TierStack
 
 DISK = "disk"
@@ -22,7 +22,7 @@ K0, K, HOT, COLD = (f"{i:032x}" for i in (0xa0, 0xb1, 0xc2, 0xd3))   # chunk key
 
 @pytest.fixture
 def disk(tmp_path):
-    store = DiskStore(str(tmp_path / "disk"), None, "tests-ledger")
+    store = DiskTier.at(tmp_path / "disk", None, "tests-ledger")
     yield store
     store.close()
 

@@ -280,17 +280,17 @@ def test_mixed_tier_hit_pins_cpu_chunks_before_promoting_disk_ones(make_env, sto
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
 def test_disk_reads_keep_normal_priority_writes_run_idle(make_env, store_dir, monkeypatch):
     """A load is waited for by the forward: its reads must not wait for an idle core like the writes do."""
-    from kvx.store.disk import DiskStore
+    from kvx.store.disk import DiskTier
 
     policy = {"get_into": set(), "put": set()}
     for name in policy:
-        orig = getattr(DiskStore, name)
+        orig = getattr(DiskTier, name)
 
         def spy(self, *a, _orig=orig, _name=name, **k):
             policy[_name].add(os.sched_getscheduler(0))
             return _orig(self, *a, **k)
 
-        monkeypatch.setattr(DiskStore, name, spy)
+        monkeypatch.setattr(DiskTier, name, spy)
     ids = prompt(2 * CHUNK + 10, seed=31)
     env = make_env(tiers(store_dir, cpu=None))
     env.request("a", ids)
@@ -321,16 +321,16 @@ def test_disk_reads_keep_normal_priority_writes_run_idle(make_env, store_dir, mo
 def test_a_producers_writes_keep_normal_priority(make_env, store_dir, monkeypatch):
     """A P/D producer's chunk files are what its consumer waits for (pd_wait_ms): its writers must not wait
     for an idle core, which a busy producer may never have."""
-    from kvx.store.disk import DiskStore
+    from kvx.store.disk import DiskTier
 
     policy = set()
-    orig = DiskStore.put
+    orig = DiskTier.put
 
     def spy(self, *a, **k):
         policy.add(os.sched_getscheduler(0))
         return orig(self, *a, **k)
 
-    monkeypatch.setattr(DiskStore, "put", spy)
+    monkeypatch.setattr(DiskTier, "put", spy)
     env = make_env(tiers(store_dir, cpu=None), role="kv_producer")
     assert not env.worker._worker.background_writes
     env.request("a", prompt(2 * CHUNK + 10, seed=32))

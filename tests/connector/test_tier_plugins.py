@@ -11,7 +11,7 @@ from tests.helpers import flip_byte  # noqa: E402
 
 from .conftest import CHUNK, assert_pages_match, prompt, saves  # noqa: E402
 
-PLUGIN = "tests.connector.plugin_tier:SlowLookupDisk"
+PLUGIN = "tests.connector.plugin_tier:SlowLookupDiskTier"
 
 
 def slow_tiers(store, pending=3, cpu=None):
@@ -112,3 +112,14 @@ def test_a_chunk_whose_load_from_a_remote_tier_failed_is_stored_again(make_env, 
     env3.run()
     for e in (env, env2, env3):
         e.assert_clean()
+
+
+def test_a_third_party_config_is_strict_too():
+    """A plugin's config model derives from TierConfig, so the strict base refuses true for its numbers (the
+    plugin's ``pending: true`` was read as 1)."""
+    from kvx.connector.config import ConfigError, KVXConfig
+
+    with pytest.raises(ConfigError) as e:
+        KVXConfig.from_extra_config({"tiers": [{"type": PLUGIN, "path": "/kv", "pending": True}]})
+    assert "tiers.0.tests.connector.plugin_tier:SlowLookupDiskTier.pending: expected an integer, got True " \
+           "(given: True)" in str(e.value)

@@ -85,7 +85,7 @@ def test_a_chunk_evicted_between_lookup_and_read(model, reference, tmp_path, mon
     ref_b = reference(B)
     with engine(model, tiers(store, cpu=None)) as llm:
         H.generate(llm, A, MAX_TOKENS)
-    get, gone = disk_mod.DiskStore.get_into, []
+    get, gone = disk_mod.DiskTier.get_into, []
 
     def get_after_eviction(self, key, *a, **k):
         if not gone:
@@ -94,10 +94,10 @@ def test_a_chunk_evicted_between_lookup_and_read(model, reference, tmp_path, mon
             gone.append(path)
         return get(self, key, *a, **k)
 
-    monkeypatch.setattr(disk_mod.DiskStore, "get_into", get_after_eviction)
+    monkeypatch.setattr(disk_mod.DiskTier, "get_into", get_after_eviction)
     with engine(model, tiers(store, cpu=None)) as llm:
         assert H.generate(llm, B, MAX_TOKENS).tokens == ref_b
-        monkeypatch.setattr(disk_mod.DiskStore, "get_into", get)
+        monkeypatch.setattr(disk_mod.DiskTier, "get_into", get)
         settle(llm)                                        # the disk writes are asynchronous
         llm.reset_prefix_cache()
         again = H.generate(llm, B, MAX_TOKENS)

@@ -10,7 +10,6 @@ process-global, so no second engine is built in-process while one is alive.
 
 from __future__ import annotations
 
-import inspect
 import os
 import signal
 import subprocess
@@ -21,7 +20,7 @@ import time
 import pytest
 
 from kvx import harness as H
-from kvx.store.disk import DiskStore
+from kvx.store.disk import DiskTierConfig
 from tests.helpers import stopped, wait_for
 
 from .conftest import (
@@ -315,7 +314,7 @@ def test_two_engines_sharing_one_store(model, reference, tmp_path, capped):
     else:
         # README: N engines on one path stay within size + (N-1) x min(size, W x rescan + (io_threads + 1) x
         # chunk file), W one engine's write rate: what the others write between two counts of the directory
-        rescan_s = inspect.signature(DiskStore).parameters["rescan_s"].default
+        rescan_s = DiskTierConfig.model_fields["rescan_s"].default
         written = sampler.most_written_within(rescan_s)
         n = len(children)
         bound = cap + (n - 1) * min(cap, written + (IO_THREADS + 1) * file_bytes)

@@ -91,7 +91,7 @@ def refs_of(reference, prompts):
 
 
 def redis_tiers(url: str, *, cpu: str | None = None, **redis) -> dict:
-    """kvx config: an optional CPU tier, then a Redis tier (``redis``: RedisConfig options; timeout_ms
+    """kvx config: an optional CPU tier, then a Redis tier (``redis``: RedisTierConfig options; timeout_ms
     ``SLOW_BOX_TIMEOUT_MS`` and retry_s ``RETRY_S`` unless given)."""
     t = [{"type": "cpu", "size": cpu}] if cpu else []
     redis = {"timeout_ms": SLOW_BOX_TIMEOUT_MS, "retry_s": RETRY_S, **redis}

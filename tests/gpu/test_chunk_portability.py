@@ -12,7 +12,7 @@ runners' order with speculative decoding, the results before ``wait_for_save``: 
   through a CPU slot, one through a staging buffer: both save paths), until its worker reports every
   write done (``tier_written``); A is then closed;
 - the files hold *canonical* chunks ``[L, P, T, H, D]`` equal to A's KV of those tokens (read back with a
-  plain :class:`kvx.store.DiskStore`);
+  plain :class:`kvx.store.DiskTier`);
 - engine B, a fresh worker (its own empty CPU pool, so every byte comes from the disk files) with another
   block size (32, 64) and another page layout (head-major ``LBHNC`` = HND; block-outer ``BLHNC``; for MLA
   a layer-outer ``[B, 1, N, C]`` cache instead of A's block-outer ``[B, N, C]``), loads the chunks by the
@@ -67,7 +67,7 @@ from kvx.connector.config import KVXConfig
 from kvx.connector.keys import chunk_keys, request_root
 from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from kvx.connector.worker import KVXWorker
-from kvx.store import DiskStore
+from kvx.store import DiskTier
 from kvx.testing import RUNNER_ORDERS, TransferTally, end_step, make_kv_caches, random_fill_
 from tests.helpers import wait_for
 
@@ -466,7 +466,7 @@ def saved_by_a(tmp_path, queue, case: str, dtype: torch.dtype, tag: str):
 def test_chunks_load_across_block_sizes_and_layouts(case, dtype, queue, tmp_path):
     a, make_b, disk, kv = saved_by_a(tmp_path, queue, case, dtype, f"{case}/{dtype}")
     # on disk: canonical chunks [L, P, T, H, D], A's KV of those tokens whatever A's block size and layout
-    store = DiskStore(disk, fingerprint=a.fingerprint)
+    store = DiskTier.at(disk, fingerprint=a.fingerprint)
     try:
         for c in range(N_CHUNKS):
             chunk = store.get(a.keys[c])
@@ -506,7 +506,7 @@ def test_corrupt_chunk_is_reported_not_served(queue, tmp_path):
     leaves them as they were, and the file is dropped (a miss next time); chunk 0 still loads bit-exact."""
     case = "attn-16NHD-to-32HND"
     a, make_b, disk, kv = saved_by_a(tmp_path, queue, case, torch.bfloat16, f"corrupt/{case}")
-    store = DiskStore(disk, fingerprint=a.fingerprint)
+    store = DiskTier.at(disk, fingerprint=a.fingerprint)
     path = store.file_of(a.keys[1])
     with open(path, "r+b") as f:            # a byte of the payload (the file ends with the chunk's bytes)
         f.seek(os.path.getsize(path) - 1000)
@@ -563,7 +563,7 @@ def test_raw_pages_do_not_cross_block_sizes(queue, tmp_path):
         assert b.load_errors == set(table) and b.tally.failed_blocks == set(table), (b.load_errors, b.tally.failed_blocks)
         after = b.snapshot()
         assert all(torch.equal(x, y) for x, y in zip(before, after)), "B's cache was written by a refused load"
-        store = DiskStore(disk)
+        store = DiskTier.at(disk)
         kept = store.contains(a.keys[0])
         store.close()
         assert kept, "a file valid for A's kind of engine was dropped"

@@ -13,7 +13,7 @@ import torch
 from kvx.redis_server import RedisClusterServers, RedisServer
 from kvx.store import codec
 from kvx.store.errors import ChunkError, StoreUnavailableError
-from kvx.store.redis import RedisConfig, RedisTier
+from kvx.store.redis import RedisTier, RedisTierConfig
 from kvx.store.tier import TierContext
 from tests.helpers import need_redis, same_bytes
 
@@ -46,7 +46,7 @@ def open_tier():
     def make(url: str, fingerprint: str = FP, **cfg) -> RedisTier:
         cfg.setdefault("max_value_size", MVS)
         cfg.setdefault("lookup_wait_ms", 1000)   # tests want answers; test_contains_many_none_then_answer sets 0
-        t = RedisTier.open(RedisConfig(type="redis", url=url, **cfg), TierContext(fingerprint=fingerprint))
+        t = RedisTier.open(RedisTierConfig(type="redis", url=url, **cfg), TierContext(fingerprint=fingerprint))
         tiers.append(t)
         return t
 

@@ -1,4 +1,4 @@
-"""DiskStore: bit-exact round trips, the file format, verification on read, atomic writes, LRU capacity
+"""DiskTier: bit-exact round trips, the file format, verification on read, atomic writes, LRU capacity
 (also under concurrent writers: measured on the directory itself), sharing a path between engines, a
 full disk (simulated, and a real 8 MiB tmpfs when root), read-only and vanishing directories,
 temporary files (in flight or left by a killed writer), closed stores and bad input."""
@@ -27,7 +27,7 @@ import kvx.store.disk as disk_mod
 from kvx.store import StoreError, StoreFullError
 from kvx.store.codec import FORMAT_VERSION, ST_DTYPES, crc32
 from kvx.store.codec import crc32c as checksum
-from kvx.store.disk import ChunkError, DiskStore, StoreClosedError, survey
+from kvx.store.disk import ChunkError, DiskTier, StoreClosedError, survey
 from tests.helpers import assert_same_bytes, mount_tmpfs, remount, umount
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn]
@@ -99,20 +99,20 @@ def files_in(path) -> list[str]:
     return sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
 
 
-def set_mtime(store: DiskStore, key: str, t: float):
+def set_mtime(store: DiskTier, key: str, t: float):
     os.utime(store.file_of(key), (t, t))
 
 
 def one_file_bytes(tmp_path, shape=(2, 8), dtype=torch.float16) -> int:
     """Size of one chunk file of ``shape`` (every test chunk of a shape has the same file size)."""
-    probe = DiskStore(tmp_path / f"probe{'x'.join(map(str, shape))}")
+    probe = DiskTier.at(tmp_path / f"probe{'x'.join(map(str, shape))}")
     probe.put(key_of("probe"), torch.zeros(shape, dtype=dtype))
     return os.path.getsize(probe.file_of(key_of("probe")))
 
 
 @pytest.fixture
 def store(tmp_path):
-    s = DiskStore(tmp_path / "kv", fingerprint="fp-test")
+    s = DiskTier.at(tmp_path / "kv", fingerprint="fp-test")
     yield s
     s.close()
 
@@ -166,7 +166,7 @@ def test_round_trip_keeps_chunks_apart(store):
 
 
 def test_round_trip_with_fsync(tmp_path):
-    s = DiskStore(tmp_path, fsync=True)
+    s = DiskTier.at(tmp_path, fsync=True)
     c = rand_chunk((4, 4), torch.bfloat16, 3)
     assert s.put(key_of(1), c)
     assert_same_bytes(s.get(key_of(1)), c)
@@ -191,7 +191,7 @@ FILE_SHAPES = [(), (0, 3), (7,), (2, 3, 17, 2, 8)]
 def test_file_is_a_standard_safetensors_file(tmp_path, dtype, shape):
     """kvx writes the file itself: the safetensors library must read it as one of its own, with the data
     8-byte aligned after the header as the library's writer leaves it."""
-    s = DiskStore(tmp_path / "kv", fingerprint="fp")
+    s = DiskTier.at(tmp_path / "kv", fingerprint="fp")
     chunk = rand_chunk(shape, dtype, zlib.crc32(f"{dtype}{shape}".encode()))
     key = key_of(f"{dtype}{shape}")
     extra = {"tokens": "16", "note": "ünïcode ✓"}
@@ -339,8 +339,8 @@ def test_get_file_under_another_keys_name(store):
 
 
 def test_get_with_another_fingerprint(tmp_path):
-    writer = DiskStore(tmp_path, fingerprint="layout=LBNHC")
-    reader = DiskStore(tmp_path, fingerprint="layout=BLNHC")
+    writer = DiskTier.at(tmp_path, fingerprint="layout=LBNHC")
+    reader = DiskTier.at(tmp_path, fingerprint="layout=BLNHC")
     writer.put(key_of(1), torch.ones(4))
     with pytest.raises(ChunkError, match="fingerprint 'layout=LBNHC' != 'layout=BLNHC'"):
         reader.get(key_of(1))
@@ -499,7 +499,7 @@ MTIME_ORDERS = [[0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [2, 0, 4, 1, 3]]
 @pytest.mark.parametrize("order", MTIME_ORDERS, ids=str)
 def test_eviction_removes_least_recently_used_down_to_low_watermark(tmp_path, order):
     size = one_file_bytes(tmp_path)
-    s = DiskStore(tmp_path / "kv", capacity_bytes=5 * size, low_watermark=0.6)   # target: 3 files
+    s = DiskTier.at(tmp_path / "kv", capacity_bytes=5 * size, low_watermark=0.6)   # target: 3 files
     keys = [key_of(i) for i in range(5)]
     for k in keys:
         assert s.put(k, torch.zeros(2, 8, dtype=torch.float16))
@@ -517,7 +517,7 @@ def test_eviction_removes_least_recently_used_down_to_low_watermark(tmp_path, or
 
 def test_get_refreshes_recency(tmp_path):
     size = one_file_bytes(tmp_path)
-    s = DiskStore(tmp_path / "kv", capacity_bytes=3 * size, low_watermark=1.0)
+    s = DiskTier.at(tmp_path / "kv", capacity_bytes=3 * size, low_watermark=1.0)
     keys = [key_of(i) for i in range(3)]
     for k in keys:
         s.put(k, torch.zeros(2, 8, dtype=torch.float16))
@@ -531,7 +531,7 @@ def test_get_refreshes_recency(tmp_path):
 
 def test_put_of_existing_key_refreshes_recency(tmp_path):
     size = one_file_bytes(tmp_path)
-    s = DiskStore(tmp_path / "kv", capacity_bytes=3 * size, low_watermark=1.0)
+    s = DiskTier.at(tmp_path / "kv", capacity_bytes=3 * size, low_watermark=1.0)
     keys = [key_of(i) for i in range(3)]
     for i, k in enumerate(keys):
         s.put(k, torch.zeros(2, 8, dtype=torch.float16))
@@ -544,18 +544,18 @@ def test_put_of_existing_key_refreshes_recency(tmp_path):
 def test_capacity_counts_files_already_on_disk(tmp_path):
     """A store opened on a full directory (a restart) evicts on its first put."""
     size = one_file_bytes(tmp_path)
-    first = DiskStore(tmp_path / "kv")
+    first = DiskTier.at(tmp_path / "kv")
     for i in range(4):
         first.put(key_of(i), torch.zeros(2, 8, dtype=torch.float16))
         set_mtime(first, key_of(i), time.time() - 3600 + i)
-    s = DiskStore(tmp_path / "kv", capacity_bytes=4 * size + size // 2, low_watermark=0.5)
+    s = DiskTier.at(tmp_path / "kv", capacity_bytes=4 * size + size // 2, low_watermark=0.5)
     assert s.usage() == 4 * size
     s.put(key_of("new"), torch.zeros(2, 8, dtype=torch.float16))
     assert {c.key for c in s.scan()} == {key_of(3), key_of("new")}
 
 
 def test_unbounded_store_never_evicts(tmp_path):
-    s = DiskStore(tmp_path)
+    s = DiskTier.at(tmp_path)
     for i in range(10):
         s.put(key_of(i), torch.zeros(64))
     assert s.evict() == 0 and all(s.contains(key_of(i)) for i in range(10))
@@ -563,14 +563,14 @@ def test_unbounded_store_never_evicts(tmp_path):
 
 def test_evict_with_nothing_to_do(tmp_path):
     size = one_file_bytes(tmp_path)
-    s = DiskStore(tmp_path / "kv", capacity_bytes=10 * size)
+    s = DiskTier.at(tmp_path / "kv", capacity_bytes=10 * size)
     s.put(key_of(0), torch.zeros(2, 8, dtype=torch.float16))
     assert s.evict() == 0 and s.contains(key_of(0))
 
 
 # ------------------------------------------------------------------------------------------ two engines
 def test_two_stores_on_one_path_share_chunks(tmp_path):
-    a, b = DiskStore(tmp_path, fingerprint="f"), DiskStore(tmp_path, fingerprint="f")
+    a, b = DiskTier.at(tmp_path, fingerprint="f"), DiskTier.at(tmp_path, fingerprint="f")
     chunk = rand_chunk((4, 4), torch.bfloat16, 9)
     assert a.put(key_of(1), chunk)
     assert b.contains(key_of(1))
@@ -582,7 +582,7 @@ def test_two_stores_on_one_path_share_chunks(tmp_path):
 def test_engines_sharing_a_path_keep_it_within_its_budget(tmp_path, rescan_s):
     """Each engine re-counts the directory (after rescan_s), so together they stay within the budget."""
     size = one_file_bytes(tmp_path)
-    stores = [DiskStore(tmp_path / "kv", capacity_bytes=6 * size, low_watermark=1.0, rescan_s=rescan_s)
+    stores = [DiskTier.at(tmp_path / "kv", capacity_bytes=6 * size, low_watermark=1.0, rescan_s=rescan_s)
               for _ in range(3)]
     peak = 0
     for i in range(30):
@@ -596,8 +596,8 @@ def test_engines_sharing_a_path_keep_it_within_its_budget(tmp_path, rescan_s):
 
 def test_eviction_by_one_engine_is_a_miss_for_the_other(tmp_path):
     size = one_file_bytes(tmp_path)
-    a = DiskStore(tmp_path / "kv", capacity_bytes=2 * size, low_watermark=1.0)
-    b = DiskStore(tmp_path / "kv")
+    a = DiskTier.at(tmp_path / "kv", capacity_bytes=2 * size, low_watermark=1.0)
+    b = DiskTier.at(tmp_path / "kv")
     b.put(key_of("b"), torch.zeros(2, 8, dtype=torch.float16))
     set_mtime(b, key_of("b"), time.time() - 3600)
     a.put(key_of("a1"), torch.zeros(2, 8, dtype=torch.float16))
@@ -615,7 +615,7 @@ def test_eviction_by_one_engine_is_a_miss_for_the_other(tmp_path):
 
 def test_evict_tolerates_files_deleted_by_another_engine(tmp_path, monkeypatch):
     size = one_file_bytes(tmp_path)
-    s = DiskStore(tmp_path / "kv", capacity_bytes=4 * size, low_watermark=0.5)
+    s = DiskTier.at(tmp_path / "kv", capacity_bytes=4 * size, low_watermark=0.5)
     for i in range(4):
         s.put(key_of(i), torch.zeros(2, 8, dtype=torch.float16))
         set_mtime(s, key_of(i), time.time() - 3600 + i)
@@ -649,7 +649,7 @@ def test_put_when_another_engine_evicts_the_existing_file(store, monkeypatch):
 
 @pytest.mark.parametrize("threads", [2, 8])
 def test_concurrent_puts_of_one_key(tmp_path, threads):
-    stores = [DiskStore(tmp_path, fingerprint="f") for _ in range(2)]   # two engines, several threads
+    stores = [DiskTier.at(tmp_path, fingerprint="f") for _ in range(2)]   # two engines, several threads
     chunk = rand_chunk((64, 64), torch.float16, 4)
     key = key_of("same")
     barrier = threading.Barrier(threads)
@@ -782,7 +782,7 @@ def test_concurrent_puts_never_exceed_the_capacity(tmp_path, monkeypatch, thread
     one chunk over per writer thread)."""
     size = one_file_bytes(tmp_path, LOAD_SHAPE)
     path = tmp_path / "kv"
-    s = DiskStore(path, capacity_bytes=chunks * size, low_watermark=low_watermark)
+    s = DiskTier.at(path, capacity_bytes=chunks * size, low_watermark=low_watermark)
     meter = DirMeter(path, monkeypatch)
     results = put_from_threads([s], threads, 10, LOAD_SHAPE, meter)
     assert results == [True] * threads * 10
@@ -797,7 +797,7 @@ def test_engines_sharing_a_path_overshoot_at_most_the_others_writes_in_flight(tm
     n, threads, chunks = 2, 3, 4
     size = one_file_bytes(tmp_path, LOAD_SHAPE)
     path = tmp_path / "kv"
-    stores = [DiskStore(path, capacity_bytes=chunks * size, low_watermark=0.9, rescan_s=0) for _ in range(n)]
+    stores = [DiskTier.at(path, capacity_bytes=chunks * size, low_watermark=0.9, rescan_s=0) for _ in range(n)]
     meter = DirMeter(path, monkeypatch)
     put_from_threads(stores, threads, 8, LOAD_SHAPE, meter)
     assert meter.peak <= chunks * size + (n - 1) * (threads + 1) * size
@@ -806,7 +806,7 @@ def test_engines_sharing_a_path_overshoot_at_most_the_others_writes_in_flight(tm
 
 def test_chunk_larger_than_the_capacity_is_refused(tmp_path):
     size = one_file_bytes(tmp_path)
-    s = DiskStore(tmp_path / "kv", capacity_bytes=size - 1)
+    s = DiskTier.at(tmp_path / "kv", capacity_bytes=size - 1)
     with pytest.raises(StoreFullError, match=f"a file of {size} bytes cannot fit in capacity_bytes={size - 1}"):
         s.put(key_of(0), torch.zeros(2, 8, dtype=torch.float16))
     assert files_in(s.path) == [] and s.stats()["full"] == 1
@@ -816,7 +816,7 @@ def test_put_waits_for_its_own_writes_in_flight_when_they_fill_the_capacity(tmp_
     """Capacity for one chunk, two puts at once: the second waits until the first is on disk, then
     evicts it (LRU) rather than fail or overshoot."""
     size = one_file_bytes(tmp_path)
-    s = DiskStore(tmp_path / "kv", capacity_bytes=size)
+    s = DiskTier.at(tmp_path / "kv", capacity_bytes=size)
     real = disk_mod._write_all
     writing, release = threading.Event(), threading.Event()
     second = {}
@@ -851,7 +851,7 @@ def test_capacity_set_while_a_put_writes_keeps_the_count_exact(tmp_path, monkeyp
     one chunk under the truth, and held capacity + 1 chunks (tests/faults/test_soak.py sets the capacity
     while the engine writes)."""
     size = one_file_bytes(tmp_path)
-    s = DiskStore(tmp_path / "kv")
+    s = DiskTier.at(tmp_path / "kv")
     real = disk_mod._write_all
     writing, release = threading.Event(), threading.Event()
 
@@ -887,7 +887,7 @@ class FakeClock:
         return self.t
 
 
-def fill(s: DiskStore, n: int, shape=(2, 8)) -> list[str]:
+def fill(s: DiskTier, n: int, shape=(2, 8)) -> list[str]:
     """``n`` chunks, least recently used first (mtimes an hour apart, in the past)."""
     keys = [key_of(f"fill{i}") for i in range(n)]
     base = time.time() - (n + 1) * 3600
@@ -906,7 +906,7 @@ def temps_in(path) -> list[str]:
 def test_full_disk_evicts_least_recently_used_and_retries_once(tmp_path, monkeypatch, err, capacity):
     """A full disk is not the store's capacity: eviction there never ran, and every later put failed."""
     size = one_file_bytes(tmp_path)
-    s = DiskStore(tmp_path / "kv", capacity_bytes=capacity and capacity * size)
+    s = DiskTier.at(tmp_path / "kv", capacity_bytes=capacity and capacity * size)
     keys = fill(s, 20)
     real = disk_mod._write_all
     calls = []
@@ -929,7 +929,7 @@ def test_full_disk_evicts_least_recently_used_and_retries_once(tmp_path, monkeyp
 def test_full_disk_backs_off_then_recovers(tmp_path, monkeypatch):
     clock = FakeClock()
     path = tmp_path / "kv"
-    s = DiskStore(path, clock=clock)
+    s = DiskTier.at(path, clock=clock)
     fill(s, 30)
     real = disk_mod._write_all
     disk = {"full": True, "writes": 0}
@@ -980,7 +980,7 @@ def test_full_disk_backs_off_then_recovers(tmp_path, monkeypatch):
 def test_writers_hitting_a_full_disk_together_evict_once(tmp_path, monkeypatch):
     """Two puts fail on the full disk at once: the second retries in the room the first one made
     instead of evicting another 10%."""
-    s = DiskStore(tmp_path / "kv")
+    s = DiskTier.at(tmp_path / "kv")
     keys = fill(s, 20)
     real = disk_mod._write_all
     n = {"writes": 0}
@@ -1003,7 +1003,7 @@ def test_writers_hitting_a_full_disk_together_evict_once(tmp_path, monkeypatch):
 def test_full_tmpfs_is_relieved_by_eviction_and_backs_off_when_nothing_is_left(tmpfs):
     disk = tmpfs("8m")                                    # 8 MiB: a disk that really fills up
     clock = FakeClock()
-    s = DiskStore(disk / "kv", clock=clock)
+    s = DiskTier.at(disk / "kv", clock=clock)
     chunk = rand_chunk((1 << 20,), torch.uint8, 1)        # 1 MiB: 7 fit in 8 MiB with their headers
     base = time.time() - 3600
     for i in range(20):
@@ -1043,7 +1043,7 @@ def read_only_store(request, tmp_path, monkeypatch):
     path = tmp_path / "kv"
     if how == "read-only mount":
         mount_tmpfs(path, "1m")
-    s = DiskStore(path, capacity_bytes=1 << 20)
+    s = DiskTier.at(path, capacity_bytes=1 << 20)
     s.put(key_of("old"), torch.ones(4))
     if how == "EROFS":
         real_open = os.open
@@ -1086,7 +1086,7 @@ def test_put_to_a_read_only_directory_fails_clearly_and_leaves_nothing(read_only
 
 def test_store_directory_deleted_while_serving(tmp_path):
     size = one_file_bytes(tmp_path)
-    s = DiskStore(tmp_path / "kv", capacity_bytes=3 * size)
+    s = DiskTier.at(tmp_path / "kv", capacity_bytes=3 * size)
     chunk = torch.zeros(2, 8, dtype=torch.float16)
     for i in range(3):
         s.put(key_of(i), chunk)
@@ -1218,7 +1218,7 @@ def test_temporary_files_are_removed_only_when_their_writer_is_gone(tmp_path, pi
     sv = survey(str(tmp_path))                   # read-only
     assert [(t.path, t.bytes, t.stale) for t in sv.temps] == [(p, 1000, stale)] and sv.chunks == []
     assert os.path.exists(p)
-    s = DiskStore(tmp_path)                      # start-up removes the stale ones
+    s = DiskTier.at(tmp_path)                      # start-up removes the stale ones
     assert os.path.exists(p) is not stale
     assert s.stats()["tmp_removed"] == int(stale)
     assert s.usage() == (0 if stale else 1000)   # counted until removed
@@ -1229,7 +1229,7 @@ def test_a_live_writers_temporary_file_is_removed_once_it_dies(tmp_path):
     writer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     key = key_of("w")
     p = make_temp(tmp_path, key, f".{key}.{disk_mod._HOST}.{writer.pid}.0badf00d.tmp", 100)
-    s = DiskStore(tmp_path)
+    s = DiskTier.at(tmp_path)
     assert [t.reason for t in s.temp_files()] == [f"being written by pid {writer.pid}"]
     writer.stdin.close()
     writer.wait()
@@ -1238,7 +1238,7 @@ def test_a_live_writers_temporary_file_is_removed_once_it_dies(tmp_path):
 
 
 def test_files_that_are_not_kvx_files_are_left_alone(tmp_path):
-    s = DiskStore(tmp_path)
+    s = DiskTier.at(tmp_path)
     s.put(key_of(1), torch.ones(4))
     others = [tmp_path / "README", tmp_path / "ab" / "notes.txt", tmp_path / "ab" / ".hidden",
               tmp_path / "abc" / ".x.tmp"]                  # not a two-character subdirectory
@@ -1256,21 +1256,21 @@ def test_put_writes_only_names_kvx_recognises(tmp_path, monkeypatch):
     used its own .tmpXXXXXX name, which a crash leaked. Another engine starting meanwhile (in this
     process, and in another one) counts it as a write in flight and leaves it alone."""
     path = tmp_path / "kv"
-    s = DiskStore(path, capacity_bytes=1 << 20)
+    s = DiskTier.at(path, capacity_bytes=1 << 20)
     key = key_of("inflight")
     chunk = rand_chunk((64, 64), torch.float16, 1)
     real = disk_mod._write_all
     seen = {}
 
     def other_process(report):
-        other = DiskStore(path)
+        other = DiskTier.at(path)
         report(f"{len(other.temp_files())} {other.usage()}".encode())
 
     def write_with_others_looking(fd, bufs):
         real(fd, bufs[:1])                                   # the header
         seen["tmp"] = os.readlink(f"/proc/self/fd/{fd}")
         seen["names"] = files_in(path)
-        other = DiskStore(path)
+        other = DiskTier.at(path)
         seen["other"] = [(t.path, t.stale, t.reason) for t in other.temp_files()], other.usage()
         pid = in_child(other_process)
         seen["child"] = child_says(pid).decode()
@@ -1312,7 +1312,7 @@ def test_kill_9_leaves_only_a_temporary_file_that_the_next_start_removes(tmp_pat
             disk_mod._write_all = half
         else:                           # killed with the whole file written, before the rename
             os.replace = pause
-        DiskStore(path).put("ab" * 16, chunk)
+        DiskTier.at(path).put("ab" * 16, chunk)
         report(b"done")
 
     pid = in_child(writer)
@@ -1329,7 +1329,7 @@ def test_kill_9_leaves_only_a_temporary_file_that_the_next_start_removes(tmp_pat
     assert [(t.stale, t.reason) for t in sv.temps] == [(True, f"writer pid {pid} is gone")]
     assert store_cli.main(["inspect", str(path)]) == 0
     assert "0 in flight (0.0 MiB), 1 stale" in capsys.readouterr().out
-    s = DiskStore(path)
+    s = DiskTier.at(path)
     assert files_in(path) == [] and s.stats()["tmp_removed"] == 1 and s.usage() == 0
 
 
@@ -1338,7 +1338,7 @@ def test_temporary_files_count_against_the_capacity(tmp_path):
     path = tmp_path / "kv"
     # another host's write in flight, as large as two chunks
     tmp = make_temp(path, key_of("x"), f".{key_of('x')}.{OTHER_HOST}.1.deadbeef.tmp", 2 * size)
-    s = DiskStore(path, capacity_bytes=5 * size, low_watermark=1.0)
+    s = DiskTier.at(path, capacity_bytes=5 * size, low_watermark=1.0)
     assert s.usage() == 2 * size
     base = time.time() - 3600
     for i in range(4):
@@ -1353,7 +1353,7 @@ def test_removing_stale_files_is_logged_by_the_modules_logger(tmp_path, caplog):
     key = key_of("log")
     make_temp(tmp_path, key, f".{key}.{OTHER_HOST}.1.deadbeef.tmp", 10, OLD)
     caplog.set_level(logging.INFO, logger="kvx")
-    DiskStore(tmp_path)
+    DiskTier.at(tmp_path)
     assert [(r.name, r.levelno) for r in caplog.records] == [("kvx.store.disk", logging.INFO)]
     assert "removed 1 stale temporary files" in caplog.records[0].getMessage()
 
@@ -1361,7 +1361,7 @@ def test_removing_stale_files_is_logged_by_the_modules_logger(tmp_path, caplog):
 # ------------------------------------------------------------------------------------------ closed store
 @pytest.mark.parametrize("op", CLOSED_OPS)
 def test_closed_store_raises(tmp_path, op):
-    s = DiskStore(tmp_path)
+    s = DiskTier.at(tmp_path)
     k = key_of(0)
     s.put(k, torch.ones(4))
     s.close()
@@ -1387,13 +1387,13 @@ def test_closed_store_raises(tmp_path, op):
 def test_bad_constructor_args(tmp_path, kwargs, arg):
     kwargs = {"path": tmp_path, **kwargs}
     with pytest.raises(ValueError, match=f"^{arg}: "):
-        DiskStore(**kwargs)
+        DiskTier.at(**kwargs)
 
 
 def test_good_constructor_edge_values(tmp_path):
-    s = DiskStore(str(tmp_path / "new" / "dir"), capacity_bytes=1, low_watermark=1.0)
+    s = DiskTier.at(str(tmp_path / "new" / "dir"), capacity_bytes=1, low_watermark=1.0)
     assert os.path.isdir(s.path) and os.path.isabs(s.path)
-    assert DiskStore(tmp_path, low_watermark=1).low_watermark == 1
+    assert DiskTier.at(tmp_path, low_watermark=1).low_watermark == 1
 
 
 @pytest.mark.parametrize("op", KEY_OPS)

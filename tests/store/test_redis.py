@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from kvx.redis_server import RedisClusterServers, RedisServer
 from kvx.store import codec, resp
 from kvx.store.errors import ChunkError, StoreClosedError, StoreFullError, StoreUnavailableError
-from kvx.store.redis import _SNDBUF_UNIX, RedisConfig, RedisTier, _ChunkSink, redact
+from kvx.store.redis import _SNDBUF_UNIX, RedisTier, RedisTierConfig, _ChunkSink, redact
 from kvx.store.resp import ConnectionLost, RespConnection, ValueTooLarge
 from kvx.store.tier import REMOVED, STORED, parse_tier_config
 from tests.helpers import assert_same_bytes, need_redis, wait_for
@@ -961,18 +961,18 @@ def test_concurrent_gets_and_puts(redis_server, open_tier):
 
 def test_config_accepts_sizes_and_registry(redis_server):
     cfg = parse_tier_config({"type": "redis", "url": redis_server.url, "max_value_size": "4MiB"})
-    assert isinstance(cfg, RedisConfig) and cfg.max_value_size == 4 << 20
-    assert RedisConfig(type="redis", url="rediss://:pw@h:6380/0?ssl_cert_reqs=none").url.startswith("rediss")
+    assert isinstance(cfg, RedisTierConfig) and cfg.max_value_size == 4 << 20
+    assert RedisTierConfig(type="redis", url="rediss://:pw@h:6380/0?ssl_cert_reqs=none").url.startswith("rediss")
 
 
 def test_check_config_names_missing_tls_files(tmp_path):
-    cfg = RedisConfig(type="redis", url=f"rediss://:pw@h:6380/0?ssl_ca_certs={tmp_path}/ca.pem")
+    cfg = RedisTierConfig(type="redis", url=f"rediss://:pw@h:6380/0?ssl_ca_certs={tmp_path}/ca.pem")
     problems = RedisTier.check_config(cfg, "tiers.1", writes=True)
     assert len(problems) == 1 and "tiers.1.url" in problems[0] and "ssl_ca_certs" in problems[0]
     assert "pw@" not in problems[0]
     (tmp_path / "ca.pem").write_text("x")
     assert RedisTier.check_config(cfg, "tiers.1", writes=True) == []
-    assert RedisTier.check_config(RedisConfig(type="redis", url="redis://h:1/0"), "tiers.1", True) == []
+    assert RedisTier.check_config(RedisTierConfig(type="redis", url="redis://h:1/0"), "tiers.1", True) == []
 
 
 BAD_CONFIG = [
@@ -1001,7 +1001,7 @@ BAD_CONFIG = [
 def test_bad_config_names_the_key(bad, name):
     raw = {"type": "redis", "url": "redis://127.0.0.1:6379/0", **bad}
     with pytest.raises(ValidationError, match=name) as e:
-        RedisConfig.model_validate(raw)
+        RedisTierConfig.model_validate(raw)
     assert "pw@" not in str(e.value)
 
 

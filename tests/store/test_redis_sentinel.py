@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from kvx.redis_server import RedisSentinelServers, RedisServer
 from kvx.store.errors import ChunkError, StoreUnavailableError
-from kvx.store.redis import RedisConfig, RedisTier, _sentinel_url
+from kvx.store.redis import RedisTier, RedisTierConfig, _sentinel_url
 from kvx.store.tier import TierContext
 from tests.helpers import assert_same_bytes, need_redis, wait_for
 from tests.store.conftest import (
@@ -132,7 +132,7 @@ def test_master_killed_failover_serves_replicated_chunks(caplog, monkeypatch):
     back before the sentinels make it a replica, takes nothing."""
     caplog.set_level(logging.WARNING, logger="kvx")
     with deployment() as d:
-        tier = RedisTier.open(RedisConfig(type="redis", url=d.url, max_value_size=MVS, lookup_wait_ms=1000,
+        tier = RedisTier.open(RedisTierConfig(type="redis", url=d.url, max_value_size=MVS, lookup_wait_ms=1000,
                                           **FAST), TierContext(fingerprint=FP))
         try:
             old = d.master()
@@ -228,7 +228,7 @@ def test_sentinel_url_parsed():
     assert (spec.service, spec.db, spec.username, spec.password) == ("my svc", 3, "user", "p@ss")
     spec = _sentinel_url("redis+sentinel://h1/mymaster")
     assert (spec.sentinels, spec.db, spec.password) == ((("h1", 26379),), 0, None)
-    cfg = RedisConfig(type="redis", url="redis+sentinel://:pw@h1:26379/mymaster/0", sentinel_password="spw")
+    cfg = RedisTierConfig(type="redis", url="redis+sentinel://:pw@h1:26379/mymaster/0", sentinel_password="spw")
     assert cfg.sentinel_password == "spw" and not cfg.cluster
 
 
@@ -250,6 +250,6 @@ BAD_CONFIG = [
 @pytest.mark.parametrize("bad,name", BAD_CONFIG, ids=[f"{n}-{i}" for i, (_, n) in enumerate(BAD_CONFIG)])
 def test_bad_sentinel_config_names_the_key(bad, name):
     with pytest.raises(ValidationError, match=name) as e:
-        RedisConfig.model_validate({"type": "redis", **bad})
+        RedisTierConfig.model_validate({"type": "redis", **bad})
     assert f"Value error, {name}:" in str(e.value)
     assert ":pw@" not in str(e.value)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvx.store import DiskStore, TierContext
+from kvx.store import DiskTier, TierContext
 from kvx.store.stack import TierStack
 
 CHUNKS = [f"{i:032x}" for i in range(1, 6)]
@@ -19,11 +19,11 @@ def shards_of(key: str) -> list[str]:
 
 @pytest.fixture
 def tiers(tmp_path):
-    from tests.connector.plugin_tier import SlowLookupConfig, SlowLookupDisk
+    from tests.connector.plugin_tier import SlowLookupDiskTier, SlowLookupDiskTierConfig
 
-    fast = DiskStore(str(tmp_path / "fast"), None, "tests-stack")
-    slow = SlowLookupDisk.open(SlowLookupConfig(type="slow-lookup-disk", path=str(tmp_path / "slow"), pending=1),
-                               TierContext("tests-stack", role="scheduler", writes=True, io_threads=1))
+    fast = DiskTier.at(tmp_path / "fast", None, "tests-stack")
+    config = SlowLookupDiskTierConfig(type="slow-lookup-disk", path=str(tmp_path / "slow"), pending=1)
+    slow = SlowLookupDiskTier.open(config, TierContext("tests-stack", role="scheduler", writes=True, io_threads=1))
     yield fast, slow
     fast.close()
     slow.close()

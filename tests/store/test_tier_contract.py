@@ -11,31 +11,32 @@ import uuid
 import pytest
 import torch
 
-from kvx.store import REMOVED, STORED, ChunkError, CPUIndex, DiskStore, Tier, TierContext, tier_class
+from kvx.store import REMOVED, STORED, ChunkError, CPUIndex, DiskTier, Tier, TierContext, tier_class
 from kvx.store.errors import StoreClosedError
-from kvx.store.redis import RedisConfig, RedisTier
+from kvx.store.redis import RedisTier, RedisTierConfig
 from kvx.testing import random_fill_
 from tests.helpers import assert_same_bytes, wait_for
 
 
 def _disk(request, tmp_path, fp):
-    return DiskStore.open(DiskStore.config_model(type="disk", path=str(tmp_path / "kv")), TierContext(fp))
+    return DiskTier.open(DiskTier.config_model(type="disk", path=str(tmp_path / "kv")), TierContext(fp))
 
 
 def _redis(request, tmp_path, fp, **kw):
     server = request.getfixturevalue("redis_server")
-    return RedisTier.open(RedisConfig(type="redis", url=server.url, max_value_size=256 * 1024, **kw), TierContext(fp))
+    return RedisTier.open(RedisTierConfig(type="redis", url=server.url, max_value_size=256 * 1024, **kw),
+                          TierContext(fp))
 
 
 def _redis_unix(request, tmp_path, fp):
     server = request.getfixturevalue("redis_server")
-    return RedisTier.open(RedisConfig(type="redis", url=server.unix_url, max_value_size=256 * 1024),
+    return RedisTier.open(RedisTierConfig(type="redis", url=server.unix_url, max_value_size=256 * 1024),
                           TierContext(fp))
 
 
 def _cluster(request, tmp_path, fp):
     cluster = request.getfixturevalue("redis_cluster")
-    return RedisTier.open(RedisConfig(type="redis", url=cluster.url, cluster=True, max_value_size=256 * 1024),
+    return RedisTier.open(RedisTierConfig(type="redis", url=cluster.url, cluster=True, max_value_size=256 * 1024),
                           TierContext(fp))
 
 
@@ -224,7 +225,7 @@ def test_close_is_idempotent_and_final(open_tier):
 
 
 def test_every_tier_type_is_registered():
-    assert tier_class("disk") is DiskStore and tier_class("redis") is RedisTier
+    assert tier_class("disk") is DiskTier and tier_class("redis") is RedisTier
     assert tier_class("kvx.store.redis:RedisTier") is RedisTier         # a third-party tier: by import path
     with pytest.raises(ValueError, match="'cpu', 'disk'"):
         tier_class("nope")
