@@ -2,9 +2,10 @@
 
 Layout: ``<path>/<key[:2]>/<key>.safetensors`` holding one tensor ``"kv"`` (the chunk) and metadata
 ``{"kvx_format", "key", "fingerprint", "length", "crc32c", ...}`` (:mod:`kvx.store.codec`). Reads check
-the format version, key, fingerprint, dtype/shape and the checksum of the bytes; any mismatch is a :class:`ChunkError` (the
-connector reports it to vLLM, which recomputes). A corrupt file (unreadable, bad checksum, wrong key
-inside) is deleted, so the recomputed chunk is saved again rather than failing on every request.
+the format version, key, fingerprint, dtype/shape and the checksum of the bytes; any mismatch is a
+:class:`ChunkError` (the connector reports it to vLLM, which recomputes). A corrupt file (unreadable, bad
+checksum, wrong key inside) is deleted, so the recomputed chunk is saved again rather than failing on every
+request.
 
 Writes. kvx writes the safetensors file itself (8-byte little-endian header length, the JSON header
 padded with spaces to a multiple of 8, then the chunk's bytes straight from the tensor's memory, 1 MiB

@@ -147,7 +147,8 @@ class Tier(ABC):
 
     Subclasses set ``type`` (the config's ``"type"``), ``config_model`` (a :class:`TierConfig`) and
     ``hit_source`` (how vLLM's metrics name hits from it: a ``CacheHitSource`` value), ``event_medium``
-    (the ``medium`` of its KV cache events), and implement :meth:`open` and the operations below. Errors are the ones of :mod:`kvx.store.errors`.
+    (the ``medium`` of its KV cache events), and implement :meth:`open` and the operations below. Errors are
+    the ones of :mod:`kvx.store.errors`.
     """
 
     type: ClassVar[str]
@@ -221,7 +222,7 @@ class Tier(ABC):
         """Counters since open (gets, puts, bytes, errors, ...)."""
         return {}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a tier holding nothing to release keeps this one
         """Release connections, files and threads. Idempotent."""
 
     # ---------------------------------------------------------------- events

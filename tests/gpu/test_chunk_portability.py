@@ -250,8 +250,8 @@ class Engine:
     def settle(self, done, what: str, timeout_s: float = 60.0) -> None:
         """Step idle (vLLM keeps stepping while kvx has results to report) until ``done()``."""
         wait_for(lambda: done() or self.idle_step(), timeout_s,
-                 lambda: f"{self.name}: {what} to be reported (tier_done {self.tally.tier_done}, stored {self.tally.stored}, "
-                         f"loads_done {self.tally.loads_done})", interval=0.002)
+                 lambda: f"{self.name}: {what} to be reported (tier_done {self.tally.tier_done}, stored "
+                         f"{self.tally.stored}, loads_done {self.tally.loads_done})", interval=0.002)
 
     def finish(self) -> None:
         """Run everything queued (the deferred queue's lazy forwards and copies), then report it."""
@@ -320,7 +320,8 @@ def save_prompt(a: Engine, kv: torch.Tensor, chunks=range(N_CHUNKS)) -> list[int
     a.finish()
     assert a.tally.tier_done == want and a.tally.tier_written == want and not a.tally.tier_failed, (
         f"A's disk writes: done {a.tally.tier_done}, written {a.tally.tier_written}, failed {a.tally.tier_failed}")
-    assert a.tally.stored == {a.keys[c]: 1 for c in chunks if slots[c] is not None} and not a.tally.unstored, (a.tally.stored, a.tally.unstored)
+    assert a.tally.stored == {a.keys[c]: 1 for c in chunks if slots[c] is not None} and not a.tally.unstored, (
+        a.tally.stored, a.tally.unstored)
     for c in chunks:            # A's own CPU slots hold canonical chunks [L, P, T, H, D] too
         if slots[c] is not None and a.fmt == "canonical":
             assert_same(f"A's CPU slot {slots[c]} (chunk {c})", slot_bytes(a, slots[c]), kv,
@@ -493,7 +494,8 @@ def test_chunks_load_across_block_sizes_and_layouts(case, dtype, queue, tmp_path
         assert not found, "KV is not bit-exact:\n  " + "\n  ".join(found)
         assert not b.load_errors and not b.tally.failed_blocks, (b.load_errors, b.tally.failed_blocks)
         assert b.tally.loads_done == {"B": 1}, b.tally.loads_done
-        assert b.tally.stored == {b.keys[0]: 1, b.keys[1]: 1} and not b.tally.unstored, (b.tally.stored, b.tally.unstored)
+        assert b.tally.stored == {b.keys[0]: 1, b.keys[1]: 1} and not b.tally.unstored, (
+            b.tally.stored, b.tally.unstored)
         assert b.stats.get("disk_reads") == N_CHUNKS, f"B read {b.stats.get('disk_reads')} chunks from disk"
         assert got.loads[0].first_block == (1 if got.local else 0)
     finally:
@@ -520,8 +522,7 @@ def test_corrupt_chunk_is_reported_not_served(queue, tmp_path):
         chunk1 = got.loads[1].block_ids
         assert b.load_errors == set(chunk1), f"blocks with load errors: {b.load_errors}, chunk 1's: {chunk1}"
         assert b.tally.failed_blocks == set(chunk1), b.tally.failed_blocks
-        assert b.tally.loads_done == {"B": 1} and b.tally.stored == {b.keys[0]: 1} and b.tally.unstored == {b.keys[1]: 1}, (
-            b.tally.loads_done, b.tally.stored, b.tally.unstored)
+        assert (b.tally.loads_done, b.tally.stored, b.tally.unstored) == ({"B": 1}, {b.keys[0]: 1}, {b.keys[1]: 1})
         # chunk 0 (and B's own first block) bit-exact; chunk 1's blocks not written at all
         assert_same("B's cache, chunk 0", b.gather(got.table, range(CHUNK)), kv, range(CHUNK))
         after = b.snapshot()
@@ -560,7 +561,8 @@ def test_raw_pages_do_not_cross_block_sizes(queue, tmp_path):
         spec = LoadSpec(req_id="B", chunks=[forced], is_async=False, xfer=TALLY.id("load", "B"))
         b.step(KVXMetadata(loads=[spec]))
         b.finish()
-        assert b.load_errors == set(table) and b.tally.failed_blocks == set(table), (b.load_errors, b.tally.failed_blocks)
+        assert b.load_errors == set(table) and b.tally.failed_blocks == set(table), (
+            b.load_errors, b.tally.failed_blocks)
         after = b.snapshot()
         assert all(torch.equal(x, y) for x, y in zip(before, after)), "B's cache was written by a refused load"
         store = DiskTier.at(disk)
