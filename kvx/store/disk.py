@@ -456,12 +456,12 @@ class DiskTier(Tier):
                         raise
                     raise self._full(key, freed) from e2
         except BaseException as e:
-            self._settle(size, False, final, reserved)
+            self._end_reservation(size, False, final, reserved)
             if isinstance(e, OSError) and e.errno is not None:   # say which store and chunk, not the temp name
                 raise OSError(e.errno, f"disk store {self.path}: cannot write chunk {key}: {e.strerror}",
                               final) from e
             raise
-        self._settle(size, True, final, reserved)
+        self._end_reservation(size, True, final, reserved)
         self._emit(STORED, [key])
         return True
 
@@ -536,7 +536,7 @@ class DiskTier(Tier):
                 self._used += size
                 self._reserved += size
 
-    def _settle(self, size: int, written: bool, final: str, reserved: bool) -> None:
+    def _end_reservation(self, size: int, written: bool, final: str, reserved: bool) -> None:
         """A put's write is over: its reservation becomes a file on disk, or is returned (``reserved``: the
         put reserved, whatever ``capacity_bytes`` says now)."""
         with self._lock:
