@@ -49,7 +49,7 @@ from kvx.connector.metadata import KVXMetadata  # noqa: E402
 from kvx.connector.stats import GAUGES  # noqa: E402
 from kvx.store import SlotState  # noqa: E402
 from kvx.testing import RUNNER_ORDERS, end_step, make_kv_caches  # noqa: E402
-from tests.helpers import wait_for  # noqa: E402
+from tests.helpers import assert_same_bytes, wait_for  # noqa: E402
 
 BLOCK = 128
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -84,6 +84,16 @@ def sim_vllm_config(model_dir, extra, *, role="kv_both", policy="recompute", max
                       device_config=DeviceConfig("cpu"),
                       kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
                       if kv_events else None)
+
+
+def runner_output(sched: Scheduler, so, **kv_connector_output) -> ModelRunnerOutput:
+    """What the model runner returns for step ``so`` of ``sched``: one token sampled for each request whose prompt
+    is computed (its ``num_computed_tokens`` already advanced by ``schedule()``), and the connector's output."""
+    ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
+    sampled = [[7] if sched.requests[rid].num_computed_tokens >= sched.requests[rid].num_tokens else []
+               for rid in ids]
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                             sampled_token_ids=sampled, kv_connector_output=KVConnectorOutput(**kv_connector_output))
 
 
 class Env:
@@ -237,17 +247,9 @@ class Env:
         finished_recving = {rid for rid, n in self._recving.items() if n >= len(self.workers)}
         for rid in finished_recving:
             del self._recving[rid]
-        ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
-        sampled = []
-        for rid in ids:
-            req = self.sched.requests[rid]
-            done = req.num_computed_tokens  # already advanced by schedule()
-            sampled.append([7] if done >= req.num_tokens else [])
-        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=sampled,
-                                kv_connector_output=KVConnectorOutput(
-                                    finished_sending=sending or None, finished_recving=finished_recving or None,
-                                    invalid_block_ids=errors, kv_connector_worker_meta=wm))
+        out = runner_output(self.sched, so, finished_sending=sending or None,
+                            finished_recving=finished_recving or None, invalid_block_ids=errors,
+                            kv_connector_worker_meta=wm)
         for outs in self.sched.update_from_output(so, out).values():
             for o in outs.outputs:
                 if o.finish_reason is not None:
@@ -372,8 +374,8 @@ class Env:
                 for rank, w in enumerate(self.workers):
                     view = w._worker.slot_view(e.slot, len(want) // len(LAYERS) * BLOCK)
                     for (layer, i), page in want.items():
-                        assert torch.equal(view[layer, :, i].reshape(-1), page), (
-                            f"CPU tier chunk {key} rank {rank}: block {i} layer {layer} is not the cold KV")
+                        assert_same_bytes(view[layer, :, i].reshape(-1), page,
+                                          f"CPU tier chunk {key} rank {rank}: block {i} layer {layer}")
                 checked += 1
         from kvx.connector.keys import rank_key
 
@@ -391,8 +393,8 @@ class Env:
                 blocks = len(want) // len(LAYERS)
                 data = disk.get(c.key, w._worker.chunk_shape(blocks * BLOCK), w._worker.chunk_dtype)
                 for (layer, i), page in want.items():
-                    assert torch.equal(data[layer, :, i].reshape(-1), page), (
-                        f"disk chunk {key} rank {w._worker.shard}: block {i} layer {layer} is not the cold KV")
+                    assert_same_bytes(data[layer, :, i].reshape(-1), page,
+                                      f"disk chunk {key} rank {w._worker.shard}: block {i} layer {layer}")
                 checked += 1
         return checked
 

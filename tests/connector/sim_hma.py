@@ -29,14 +29,13 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     MambaSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvx.testing import RUNNER_ORDERS, end_step, make_kv_caches  # noqa: E402
-from tests.helpers import wait_for  # noqa: E402
+from tests.helpers import assert_same_bytes, wait_for  # noqa: E402
 
-from .sim import page_pattern, sim_vllm_config  # noqa: E402
+from .sim import page_pattern, runner_output, sim_vllm_config  # noqa: E402
 
 BLOCK = 128
 HEADS, HEAD = 2, 64
@@ -135,15 +134,8 @@ class HmaEnv:
         assert res.failed_recving <= res.finished_recving
         self.recving_failed |= res.failed_recving
         self.finished_recving |= res.finished_recving
-        ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
-        sampled = [[7] if self.sched.requests[rid].num_computed_tokens >= self.sched.requests[rid].num_tokens
-                   else [] for rid in ids]
-        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=sampled,
-                                kv_connector_output=KVConnectorOutput(
-                                    finished_recving=res.finished_recving or None,
-                                    failed_recving=res.failed_recving, kv_connector_worker_meta=wm))
-        self.sched.update_from_output(so, out)
+        self.sched.update_from_output(so, runner_output(self.sched, so, finished_recving=res.finished_recving or None,
+                                                        failed_recving=res.failed_recving, kv_connector_worker_meta=wm))
         return so
 
     def _forward(self, so):
@@ -160,8 +152,8 @@ class HmaEnv:
                 for bi in range(lo, start // BLOCK):
                     assert table[bi] != 0, f"request {rid} group {g} block {bi} is null but attention reads it"
                     for layer in range(2):
-                        assert torch.equal(self.page(layer, table[bi]), self.expected_page(tokens, bi, layer, g)), (
-                            f"request {rid} group {g} block {bi} layer {layer}: not the cold KV")
+                        assert_same_bytes(self.page(layer, table[bi]), self.expected_page(tokens, bi, layer, g),
+                                          f"request {rid} group {g} block {bi} layer {layer}: not the cold KV")
                 for bi in range(start // BLOCK, -(-end // BLOCK)):
                     for layer in range(2):
                         self.page(layer, table[bi]).copy_(self.expected_page(tokens, bi, layer, g))
