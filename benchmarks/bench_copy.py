@@ -7,7 +7,7 @@ sizes 2 KiB .. 1 MiB, with the measured kernel-or-DMA threshold) into results/co
 
 import sys
 
-from kvx.bench import main
+from kvx.testing.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

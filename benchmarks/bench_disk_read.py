@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvx.bench import machine
+from kvx.testing.bench import machine
 from kvx.connector.keys import chunk_keys
 from kvx.store.disk import DiskStore
 

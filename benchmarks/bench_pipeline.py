@@ -69,12 +69,12 @@ from dataclasses import dataclass
 import torch
 
 from kvx import engine as kvx_engine
-from kvx import ops
+from kvx.kernels import ops
 from kvx.connector.common import EngineGeometry
 from kvx.connector.config import KVXConfig
 from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from kvx.connector.worker import KVXWorker
-from kvx.bench import cpu_name
+from kvx.testing.bench import cpu_name
 from kvx.testing import make_kv_caches
 
 LOAD_TARGET = 0.80          # hidden fraction of the load copy time, layerwise, compute of equal length

@@ -1,4 +1,4 @@
-"""kvx.serving.VllmServer without vLLM: the command and environment it starts the server with."""
+"""kvx.testing.vllm_server.VllmServer without vLLM: the command and environment it starts the server with."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from kvx import serving as S
+from kvx.testing import vllm_server as S
 
 
 def _env_dumping_python(tmp_path):
@@ -18,7 +18,7 @@ def _env_dumping_python(tmp_path):
 
 
 def _run(tmp_path, monkeypatch, **kw):
-    # what kvx.harness sets for an offline engine in this process: must not reach a server
+    # what kvx.testing.harness sets for an offline engine in this process: must not reach a server
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("KVX_TEST_MARKER", "inherited")
@@ -38,7 +38,7 @@ def test_server_gets_vllm_serving_defaults_not_the_offline_ones(tmp_path, monkey
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"    # engine core in its own process
     assert env["KVX_TEST_MARKER"] == "inherited"
     assert env["PYTHONSAFEPATH"] == "1"
-    assert args == ["-m", "kvx.serving", "serve", "/models/m", "--dtype", "float32",
+    assert args == ["-m", "kvx.testing.vllm_server", "serve", "/models/m", "--dtype", "float32",
                     "--host", "127.0.0.1", "--port", str(srv.port)]
 
 

@@ -2,5 +2,5 @@
 ``triton_kernels``).
 
 - :mod:`.copy`: ``copy_rows``, the paged <-> contiguous KV copy (the address math of ``csrc/kv_layout.h``),
-  called by :func:`kvx.ops._run_triton`. Runs on CUDA caches, and on CPU caches under ``TRITON_INTERPRET=1``.
+  called by :func:`kvx.kernels.ops._run_triton`. Runs on CUDA caches, and on CPU caches under ``TRITON_INTERPRET=1``.
 """

@@ -47,9 +47,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import ops
 from ..engine import BlockOrder, Job, TransferEngine
-from ..layout import KVLayout
+from ..kernels import ops
+from ..kernels.layout import KVLayout
 from ..log import Throttle, get_logger
 from ..store import REMOVED, CPUPool, StoreFullError, Tier, TierContext, tier_class
 from .common import EngineGeometry, num_cpu_slots

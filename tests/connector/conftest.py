@@ -12,7 +12,7 @@ from kvx.testing import RUNNER_ORDERS
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from kvx.harness import make_tiny_llama
+    from kvx.testing.harness import make_tiny_llama
 
     return make_tiny_llama(str(tmp_path_factory.mktemp("model") / "tiny"))
 

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from kvx import harness as H
+from kvx.testing import harness as H
 from tests.conftest import flip_byte
 
 from .conftest import (CHUNK, CHUNK_BYTES, MAX_TOKENS, assert_store_sound, chunk_files, connector_sides, engine,

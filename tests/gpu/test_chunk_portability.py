@@ -147,7 +147,7 @@ class Engine:
         self.engine = self.worker.engine
         self.deferred = self.engine.mode == "deferred"
         self.pool = self.worker.pool
-        # byte views [B, N, H, D * itemsize] of every plane (K, V; or the MLA latent), independent of kvx.layout
+        # byte views [B, N, H, D * itemsize] of every plane (K, V; or the MLA latent), independent of kvx.kernels.layout
         self.views = [self._byte_planes(t) for t in self.caches]
         self.stored: dict[str, int] = {}
         self.unstored: dict[str, int] = {}

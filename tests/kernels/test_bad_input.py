@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvx import ops
-from kvx.layout import KVLayout
+from kvx.kernels import ops
+from kvx.kernels.layout import KVLayout
 from kvx.testing import make_kv_caches, make_layout
 
 GEOM = dict(num_layers=2, num_blocks=6, block_size=16, num_heads=2, head_size=8, dtype=torch.float16)
@@ -114,7 +114,7 @@ def test_impl_that_cannot_run_here(lay):
 
 
 def test_not_a_layout():
-    with pytest.raises(TypeError, match="layout: expected a kvx.layout.KVLayout, got Tensor"):
+    with pytest.raises(TypeError, match="layout: expected a kvx.kernels.layout.KVLayout, got Tensor"):
         ops.gather_blocks(torch.zeros(4), [0])
 
 

@@ -1,4 +1,4 @@
-"""``kvx.ops.CopyBatch``: copies checked once and run layer range by layer range, bit-exact against the
+"""``kvx.kernels.ops.CopyBatch``: copies checked once and run layer range by layer range, bit-exact against the
 reference running each op alone over every layer."""
 
 import re
@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 
-from kvx import ops
-from kvx.layout import KVLayout
+from kvx.kernels import ops
+from kvx.kernels.layout import KVLayout
 from kvx.testing import make_kv_caches, random_fill_
 
 from .test_copy import _assert_caches_equal, _assert_same_bytes, _impl_or_skip, _seed
@@ -142,7 +142,7 @@ def test_bad_op_name():
 
 
 def test_bad_layout():
-    with pytest.raises(TypeError, match="layout: expected a kvx.layout.KVLayout, got Tensor"):
+    with pytest.raises(TypeError, match="layout: expected a kvx.kernels.layout.KVLayout, got Tensor"):
         ops.CopyBatch(torch.empty(1))
 
 

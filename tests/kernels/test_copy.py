@@ -9,8 +9,8 @@ import zlib
 import pytest
 import torch
 
-from kvx import ops
-from kvx.layout import LAYOUTS, KVLayout
+from kvx.kernels import ops
+from kvx.kernels.layout import LAYOUTS, KVLayout
 from kvx.testing import make_kv_caches, random_fill_
 
 # Module-level parameter lists (stacked with parametrize).

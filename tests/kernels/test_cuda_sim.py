@@ -14,8 +14,8 @@ import re
 import pytest
 import torch
 
-from kvx import ops
-from kvx.layout import LAYOUTS, KVLayout
+from kvx.kernels import ops
+from kvx.kernels.layout import LAYOUTS, KVLayout
 from kvx.testing import make_kv_caches, make_layout, random_fill_
 
 from .test_copy import _assert_caches_equal, _assert_same_bytes, _impl_or_skip, _seed, _two_layouts

