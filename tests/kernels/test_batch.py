@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvx.kernels import ops
-from kvx.kernels.layout import KVLayout
+from kvx.kernels.layout import KVLayout, Op
 from kvx.testing import make_kv_caches, random_fill_
 
 from .test_copy import _assert_caches_equal, _assert_same_bytes, _impl_or_skip, _seed
@@ -105,6 +105,27 @@ def test_cpu_layout_pages_batch(impl):
     for ids, src in srcs:
         ops.scatter_pages(ref, ids, src, impl="reference")
     _assert_caches_equal(lay, ref)
+
+
+def test_an_op_is_named_once():
+    """An op's one encoding is :class:`Op`: its value names the op's function (and the oracle's), ``add`` takes it or
+    that name, and the extension's integers are derived from it."""
+    assert [op.value for op in Op] == ["gather_blocks", "scatter_blocks", "gather_slots", "scatter_slots",
+                                       "gather_pages", "scatter_pages"]
+    assert all(callable(getattr(ops, op.value)) for op in Op)
+    assert [(op.c_mode, op.c_direction) for op in Op] == [(0, 0), (0, 1), (1, 0), (1, 1), (0, 0), (0, 1)]
+    assert [op.id_name for op in Op if op.slots] == ["slot_ids", "slot_ids"]
+    g = torch.Generator().manual_seed(5)
+    lay, ref = _caches("LBNHC", torch.float16, 5)
+    src = random_fill_(torch.empty(lay.canonical_shape(2 * lay.block_size), dtype=lay.dtype), g)
+    batch = ops.CopyBatch(lay, impl="reference")
+    batch.add(Op.SCATTER_BLOCKS, [4, 2], src)
+    batch.add("gather_blocks", [4, 2], out := torch.empty_like(src))
+    assert len(batch) == 2
+    batch.run()
+    ops.scatter_blocks(ref, [4, 2], src, impl="reference")
+    _assert_caches_equal(lay, ref)
+    _assert_same_bytes(out, src)
 
 
 def test_run_touches_only_its_layers():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvx.kernels import ops
-from kvx.kernels.layout import LAYOUTS, KVLayout
+from kvx.kernels.layout import LAYOUTS, KVLayout, Op
 from kvx.testing import make_kv_caches, make_layout, random_fill_
 
 _C = ops._C  # None without the extension: then conftest.py fails every test, with the import error
@@ -35,7 +35,7 @@ def _seed(*key) -> int:
 def _plan_runs(kind, direction, lay, ids, buf, min_run_bytes=0):
     """(dst, src, bytes) int64 tensors, or None when the runs average fewer than ``min_run_bytes``."""
     ids = torch.as_tensor(ids, dtype=torch.int64).contiguous()
-    plan = ops._plan(kind, lay, buf, ids.numel())
+    plan = ops._plan(Op("gather_" + kind), lay, buf, ids.numel())
     runs = _C.plan_runs(lay.layer_ptrs().data_ptr(), plan.num_layers, ids.data_ptr(), plan.num_ids, buf.data_ptr(),
                         *ops._c_descs(plan), plan.row_bytes, plan.mode, direction, min_run_bytes)
     return None if runs is None else tuple(torch.from_numpy(a) for a in runs)
