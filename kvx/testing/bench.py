@@ -255,7 +255,7 @@ def run_h2d(quick: bool = False, repeats: int = 15, log: Callable[[str], None] =
     Each piece size is a vLLM >= 0.32 LBNHC cache (bf16, one head of 64: 256 bytes per token) whose block
     size makes one page of one layer ``piece`` bytes; 8 layers, even block ids only (no two pages adjacent:
     every page is its own run), ``32 MiB`` per copy (``8 MiB`` with ``quick``), all on a side stream (as
-    kvx's engine copies). The rule's threshold comes from :func:`kvx.kernels.ops.calibrate_h2d`, measured first.
+    kvx's engine copies). The rule's threshold comes from :func:`kvx.kernels.dma.calibrate_h2d`, measured first.
     """
     g = torch.Generator().manual_seed(0)
     stream = torch.cuda.Stream()
@@ -324,7 +324,7 @@ def write_h2d_results(rows: list[H2DRow], cal, path_stem: str, command: str) -> 
              f"per page. Kernel: the UVA copy kernel capped at {ops.H2D_MAX_CTAS} CTAs (so <= "
              f"{ops.H2D_MAX_CTAS} SMs). DMA: "
              f"{'`cudaMemcpyBatchAsync`' if cal.batched else 'one `cudaMemcpyAsync` per run (no batched API)'}. "
-             f"kvx auto: the rule, DMA from a mean run of {thresholds} (measured by `kvx.kernels.ops.calibrate_h2d`, "
+             f"kvx auto: the rule, DMA from a mean run of {thresholds} (measured by `kvx.kernels.dma.calibrate_h2d`, "
              "below). Targets: the chosen path >= 45 GB/s, and >= 5x per-block `cudaMemcpyAsync` for pieces "
              "<= 16 KiB.", "",
              "| direction | piece | pieces | roof GB/s | kernel GB/s | DMA GB/s | per-block GB/s | kernel x block | "
@@ -339,7 +339,7 @@ def write_h2d_results(rows: list[H2DRow], cal, path_stem: str, command: str) -> 
             lines.append(f"| {direction} | {_fmt_bytes(piece)} | {kern.pieces} | {roof.gbs:.1f} | {kern.gbs:.1f} | "
                          f"{dma.gbs:.1f} | {each.gbs:.1f} | {kern.x_each:.1f}x | {dma.x_each:.1f}x | "
                          f"{auto.auto_path} | {auto.gbs:.1f} | {auto.x_each:.1f}x |")
-    lines += ["", f"Calibration (`kvx.kernels.ops.calibrate_h2d`, {cal.device}): ms per copy of `runs` runs of "
+    lines += ["", f"Calibration (`kvx.kernels.dma.calibrate_h2d`, {cal.device}): ms per copy of `runs` runs of "
               "`run` bytes, kernel vs DMA; the threshold is the smallest size from which DMA is at least as fast at "
               f"every larger size. Threshold: {thresholds}.", "",
               "| run | runs | d->h kernel ms | d->h DMA ms | h->d kernel ms | h->d DMA ms |",
