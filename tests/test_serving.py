@@ -22,6 +22,7 @@ def _run(tmp_path, monkeypatch, **kw):
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("KVX_TEST_MARKER", "inherited")
+    monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
     srv = S.VllmServer("/models/m", ["--dtype", "float32"], python=_env_dumping_python(tmp_path),
                        log_path=tmp_path / "serve.log", wait=False, **kw)
     srv._proc.wait(timeout=30)
@@ -37,7 +38,7 @@ def test_server_gets_vllm_serving_defaults_not_the_offline_ones(tmp_path, monkey
     assert env["VLLM_LOGGING_LEVEL"] == "INFO"            # request / abort / "kvx: ... ready" lines
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"    # engine core in its own process
     assert env["KVX_TEST_MARKER"] == "inherited"
-    assert env["PYTHONSAFEPATH"] == "1"
+    assert "PYTHONSAFEPATH" not in env                    # the working directory is dropped by the server itself
     assert args == ["-m", "kvx.testing.vllm_server", "serve", "/models/m", "--dtype", "float32",
                     "--host", "127.0.0.1", "--port", str(srv.port)]
 
@@ -45,6 +46,20 @@ def test_server_gets_vllm_serving_defaults_not_the_offline_ones(tmp_path, monkey
 def test_explicit_env_wins(tmp_path, monkeypatch):
     _, env, _ = _run(tmp_path, monkeypatch, env={"VLLM_LOGGING_LEVEL": "DEBUG"})
     assert env["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+def test_server_drops_the_working_directory_python_m_put_first(monkeypatch, tmp_path):
+    """`python -m kvx.testing.vllm_server` from the repository root: vLLM's probe for a `triton_kernels` package
+    must not find the repository's folder of that name, so the server takes the working directory off sys.path
+    before importing vLLM; other entries stay."""
+    monkeypatch.chdir(tmp_path)
+    for first in ("", str(tmp_path)):
+        monkeypatch.setattr(S.sys, "path", [first, "/a", str(tmp_path / "b")])
+        S._drop_working_directory()
+        assert S.sys.path == ["/a", str(tmp_path / "b")]
+    monkeypatch.setattr(S.sys, "path", ["/a", str(tmp_path)])   # not put first by -m: left alone
+    S._drop_working_directory()
+    assert S.sys.path == ["/a", str(tmp_path)]
 
 
 def test_host_and_port_flags_are_refused():

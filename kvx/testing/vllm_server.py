@@ -168,12 +168,10 @@ class VllmServer:
         self.timeout_s = timeout_s
         self._fixed_port = port
         self._python = python or sys.executable
-        # PYTHONSAFEPATH (3.11+): no working directory on sys.path; a directory there named like a package
-        # vLLM probes (this repository's triton_kernels/) would shadow it
         # vLLM's own serving defaults, whatever an in-process engine in this process set (kvx.testing.harness sets
         # VLLM_LOGGING_LEVEL=WARNING and VLLM_ENABLE_V1_MULTIPROCESSING=0 for offline engines): the server
         # logs at INFO (request, abort and "kvx: ... ready" lines) and runs its engine core in its own process
-        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1", **SERVER_ENV, **(env or {})}
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **SERVER_ENV, **(env or {})}
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")
             os.close(fd)
@@ -564,5 +562,16 @@ def _vllm_cli(argv: list[str]) -> int:
     return main() or 0
 
 
+def _drop_working_directory() -> None:
+    """Take off ``sys.path`` the working directory ``python -m`` put first, before vLLM is imported (the engine's
+    spawned processes inherit the path). Nothing the server imports comes from there, and vLLM probes for an
+    optional package by finding it (``has_triton_kernels``: ``importlib.util.find_spec("triton_kernels")``),
+    which any folder of that name in the working directory answers, this repository's ``triton_kernels/``
+    included when the server starts from the checkout: the probe then fails to import it and logs a traceback."""
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
+
+
 if __name__ == "__main__":       # spawned children import this module as __mp_main__: nothing runs there
+    _drop_working_directory()
     sys.exit(_vllm_cli(sys.argv[1:]))
