@@ -1,5 +1,5 @@
 """Copy microbenchmarks under pytest-benchmark: a few representative cases of ``benchmarks/bench_copy.py``
-(kvx/bench.py), each timed for kvx's CPU kernels next to its baselines in the same run:
+(kvx/testing/bench.py), each timed for kvx's CPU kernels next to its baselines in the same run:
 
   memcpy         glibc memcpy of the same bytes on the same threads (the roof)
   kvx-cpu        kvx's C++ copy (``impl="cpu"``)
