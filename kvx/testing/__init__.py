@@ -9,9 +9,11 @@
 - :mod:`.bench`: the copy-kernel benchmark (``kvx bench``); :mod:`.demo`: cold vs warm vLLM (``kvx demo``).
 
 Importing this module imports torch and :mod:`kvx.kernels.layout` only; the others import vLLM, Redis clients
-or aiohttp when used. Used by the tests and the benchmarks. vLLM >= 0.32 layouts are views of one int8 buffer for all layers
-(as ``vllm.v1.kv_cache_interface.create_kv_cache_views`` makes them); legacy layouts are one tensor
-per layer. ``padded=True`` adds unused bytes to each row / page so the views are non-contiguous.
+or aiohttp where they use them. Used by the tests and the benchmarks.
+
+Cache builders: vLLM >= 0.32 layouts are views of one int8 buffer for all layers (as
+``vllm.v1.kv_cache_interface.create_kv_cache_views`` makes them); legacy layouts are one tensor per layer.
+``padded=True`` adds unused bytes to each row / page so the views are non-contiguous.
 """
 
 from __future__ import annotations
