@@ -1,4 +1,4 @@
-"""Copy-kernel benchmark (see kvx/bench.py): `python benchmarks/bench_copy.py [--quick] [--device cuda]`.
+"""Copy-kernel benchmark (see kvx/testing/bench.py): `python benchmarks/bench_copy.py [--quick] [--device cuda]`.
 
 On CUDA it also runs the host <-> device sweep (UVA kernel vs DMA vs one cudaMemcpyAsync per page, piece
 sizes 2 KiB .. 1 MiB, with the measured kernel-or-DMA threshold) into results/copy_h2d_cuda.{csv,md};
@@ -7,7 +7,7 @@ sizes 2 KiB .. 1 MiB, with the measured kernel-or-DMA threshold) into results/co
 
 import sys
 
-from kvx.bench import main
+from kvx.testing.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -31,12 +31,13 @@ import time
 import crc32c
 import numpy as np
 
-from kvx import _C
-from kvx.bench import cpu_name
+from kvx import _ext
 from kvx.store import codec
+from kvx.testing.bench import cpu_name
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MiB = 1 << 20
+_C = _ext.require()
 
 
 def libraries() -> dict:

@@ -34,9 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvx.bench import machine
 from kvx.connector.keys import chunk_keys
 from kvx.store.disk import DiskTier
+from kvx.testing.bench import machine
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 FINGERPRINT = "bench-disk-read"

@@ -69,13 +69,13 @@ from dataclasses import dataclass
 import torch
 
 from kvx import engine as kvx_engine
-from kvx import ops
-from kvx.bench import cpu_name
 from kvx.connector.common import EngineGeometry
 from kvx.connector.config import KVXConfig
 from kvx.connector.metadata import FAILED, ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from kvx.connector.worker import KVXWorker
+from kvx.kernels import ops
 from kvx.testing import TransferTally, make_kv_caches
+from kvx.testing.bench import cpu_name
 
 LOAD_TARGET = 0.80          # hidden fraction of the load copy time, layerwise, compute of equal length
 SAVE_TARGET = 0.05          # forward slowdown with save_layerwise

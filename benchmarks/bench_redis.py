@@ -3,7 +3,7 @@
 Why this exists: kvx's Redis tier (:mod:`kvx.store.redis`) speaks RESP itself and reads a value straight
 into the caller's CPU-pool slot, instead of letting redis-py build a ``bytes`` object and copying it out.
 This benchmark is the measurement behind that choice, and behind the tier's default part size
-(``max_value_size``). It starts its own ``redis-server`` processes (:mod:`kvx.redis_server`: one
+(``max_value_size``). It starts its own ``redis-server`` processes (:mod:`kvx.testing.redis_server`: one
 standalone server listening on loopback TCP and on a unix socket; a 3-node cluster for the lookups) and
 stops them at the end. Every method moves the same chunk: a bf16 KV chunk (8 layers x K/V x tokens x 8
 heads x 128, 32 KiB per token) of 1, 4 or 16 MiB, encoded by :mod:`kvx.store.codec` (a ~250-byte
@@ -91,9 +91,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvx.bench import cpu_name
 from kvx.store import CPUPool, codec
 from kvx.store.redis import _SNDBUF_UNIX, RedisTierConfig, _chunk_key
+from kvx.testing.bench import cpu_name
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:    # the benchmarks' shared modules
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -811,7 +811,7 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
               f"{info['load']:.2f}, at the end {info.get('load_end', float('nan')):.2f} (other work on the machine "
               f"shows here); total {info['elapsed']:.0f} s.", "",
               f"Reproduce: `{cmd}`", "",
-              "One local `redis-server` (started by the benchmark through `kvx.redis_server`: no persistence, "
+              "One local `redis-server` (started by the benchmark through `kvx.testing.redis_server`: no persistence, "
               "noeviction), the client on the same 2-core VM (the server takes one core). GB/s = payload bytes "
               "(the chunk; the ~"
               f"{max(info['header_bytes'].values()) if info.get('header_bytes') else 300}-byte codec header is "
@@ -1078,7 +1078,7 @@ def main(argv: list[str] | None = None) -> int:
         import hiredis
         import redis
 
-        from kvx import redis_server
+        from kvx.testing import redis_server
     except ImportError as e:
         print(f"bench_redis: needs redis-py and hiredis ({e})", file=sys.stderr)
         return 2
@@ -1140,7 +1140,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_cluster_lookup(lookups: int, warmup: int, log, info: dict) -> list[Result]:
     """The lookup on a 3-node cluster, if ``RedisClusterServers`` and the tier's cluster mode work here."""
-    from kvx import redis_server
+    from kvx.testing import redis_server
     try:
         cluster_cm = redis_server.RedisClusterServers(nodes=3)
         cl = cluster_cm.__enter__()
@@ -1177,7 +1177,7 @@ if pytest is not None:
     def _redis():
         pytest.importorskip("redis")
         pytest.importorskip("kvx.store.redis")
-        redis_server = pytest.importorskip("kvx.redis_server")
+        redis_server = pytest.importorskip("kvx.testing.redis_server")
         with redis_server.RedisServer() as srv:
             tier, r = open_tier(srv.url, lookup_wait_ms=LOOKUP_WAIT_MS), redis_py(srv.url)
             pool = make_pool(TARGET_MIB * MiB, n_rotate(TARGET_MIB * MiB, 64 * MiB), torch.Generator().manual_seed(0))

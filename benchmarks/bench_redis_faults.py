@@ -3,7 +3,7 @@
 Why this exists: the project's target for the Redis tier is "a stopped server turns a load into a
 recompute within ``timeout_ms`` + 100 ms": a load that fails is recomputed, so the time it takes to fail
 is added to the request. This benchmark measures that time against real ``redis-server`` processes
-(:class:`kvx.redis_server.RedisServer`, one standalone server on loopback TCP), never a mock: the fault
+(:class:`kvx.testing.redis_server.RedisServer`, one standalone server on loopback TCP), never a mock: the fault
 is a signal to the server process while kvx's :meth:`RedisTier.get_into` runs.
 
 Scenarios (each trial: put a new chunk, untimed; then time ``get_into(key, out)`` from the call until the
@@ -56,10 +56,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvx.bench import cpu_name
-from kvx.redis_server import RedisServer
 from kvx.store.errors import ChunkError, StoreError
 from kvx.store.redis import _ChunkSink
+from kvx.testing.bench import cpu_name
+from kvx.testing.redis_server import RedisServer
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:    # the benchmarks' shared modules
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -345,7 +345,7 @@ def write_md(path: str, cases: list[Case], info: dict, cmd: str, trials: int, sm
               f"per scenario, chunk and timeout_ms; retry_s {RETRY_S}; load average at start {info['load']:.2f}, "
               f"at the end {info['load_end']:.2f}; total {info['elapsed']:.0f} s.", "",
               f"Reproduce: `{cmd}`", "",
-              "One local `redis-server` (loopback TCP, started by the benchmark through `kvx.redis_server`: no "
+              "One local `redis-server` (loopback TCP, started by the benchmark through `kvx.testing.redis_server`: no "
               "persistence), one `RedisTier` per `timeout_ms` (opened as bench_redis.py does, `retry_s` "
               f"{RETRY_S}). Each trial puts a new chunk (untimed), then times `tier.get_into(key, out)` from the "
               "call to the exception it raises while a fault hits the server process:", ""]

@@ -198,7 +198,7 @@ class Phase:
     phase: str                  # "first", "warm", or "run<i>" (no-reuse)
     offered_rps: float
     requests: list[Request]
-    results: list[dict]         # kvx.serving result dicts, in request order
+    results: list[dict]         # kvx.testing.vllm_server result dicts, in request order
     start_s: float              # perf_counter of the first send
     end_s: float                # perf_counter of the last completion
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)   # /metrics deltas over the phase
@@ -489,7 +489,7 @@ def drop_page_cache(paths: list[str], try_drop_caches: bool = True) -> str:
 
 # ------------------------------------------------------------------------------------------------ running
 def server_args(spec: Spec, config: str, store: str) -> list[str]:
-    from kvx.serving import kv_transfer_args, kvx_config
+    from kvx.testing.vllm_server import kv_transfer_args, kvx_config
 
     args = ["--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--seed", "0",
             "--max-model-len", str(spec.max_model_len), "--kv-cache-memory-bytes", str(spec.kv_cache_bytes),
@@ -517,7 +517,7 @@ async def _send_all(url: str, model: str, reqs: list[Request], max_tokens: int) 
     """Send ``reqs`` open-loop at their arrival times; returns (results, first send, last completion)."""
     import aiohttp
 
-    from kvx.serving import acomplete
+    from kvx.testing.vllm_server import acomplete
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         t0 = time.perf_counter()
@@ -578,7 +578,7 @@ def run_phase(srv, workload: str, config: str, name: str, reqs: list[Request], r
     p = Phase(workload, config, name, rate, reqs, results, t0, t1,
               {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _COUNTERS} if after else {})
     if failed:
-        from kvx.serving import _logged_exceptions
+        from kvx.testing.vllm_server import _logged_exceptions
 
         causes = _logged_exceptions(srv.log_text(), limit=2)
         p.error = (f"{len(failed)} of {len(results)} requests failed ({failed[0][:120]})"
@@ -634,9 +634,9 @@ def main(argv: list[str] | None = None) -> int:
         k, v = item.split("=", 1)
         server_env[k] = v
 
-    from kvx import harness as H
-    from kvx.bench import cpu_name
-    from kvx.serving import VllmServer
+    from kvx.testing import harness as H
+    from kvx.testing.bench import cpu_name
+    from kvx.testing.vllm_server import VllmServer
 
     t_start = time.perf_counter()
     load1 = os.getloadavg()[0]

@@ -41,8 +41,8 @@ import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from kvx import harness as H  # noqa: E402
-from kvx.bench import cpu_name  # noqa: E402
+from kvx.testing import harness as H  # noqa: E402
+from kvx.testing.bench import cpu_name  # noqa: E402
 
 
 def _median(xs):
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
             H.shutdown(llm)
 
         if not args.no_redis:
-            from kvx.redis_server import RedisServer
+            from kvx.testing.redis_server import RedisServer
 
             with RedisServer() as server:
                 tiers = [{"type": "redis", "url": server.url}]

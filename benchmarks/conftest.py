@@ -11,7 +11,7 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     """Name the CPU and the torch build in the JSON (pytest-benchmark records only the architecture)."""
     import torch
 
-    from kvx.bench import cpu_name
+    from kvx.testing.bench import cpu_name
 
     machine_info["kvx_cpu"] = cpu_name()
     machine_info["torch"] = torch.__version__

@@ -53,7 +53,7 @@ def aggregate(raw_lines) -> dict:
         procs[proc] += n
         threads[(proc, thread)] += n
         ours = [f for f in frames if _KVX_FRAME.search(f)]
-        if ours and not proc.startswith("/"):      # the API server's process is `python -m kvx.serving`
+        if ours and not proc.startswith("/"):      # the API server's process is `python -m kvx.testing.vllm_server`
             kvx[proc] += n
             where[(proc, ours[0][:80])] += n
     return {"total": total, "procs": procs, "kvx": kvx, "threads": threads, "where": where}
@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         print("profile_serving: needs py-spy (pip install py-spy)", file=sys.stderr)
         return 2
 
-    from kvx import harness as H
-    from kvx.bench import cpu_name
-    from kvx.serving import VllmServer
+    from kvx.testing import harness as H
+    from kvx.testing.bench import cpu_name
+    from kvx.testing.vllm_server import VllmServer
 
     spec = S.Spec()
     heads = spec.hidden // 64
@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
              "", "Reproduce: `python benchmarks/profile_serving.py`", "",
              "| process | samples | with a kvx frame | kvx share |", "|---|---:|---:|---:|"]
     for p, n in procs.most_common():
-        share = f"{kvx[p] / n:.2%}" if not p.startswith("/") else "(the API server: `python -m kvx.serving`)"
+        share = (f"{kvx[p] / n:.2%}" if not p.startswith("/")
+                 else "(the API server: `python -m kvx.testing.vllm_server`)")
         lines.append(f"| {p} | {n} | {kvx[p]} | {share} |")
     lines += ["", "Threads:", "", "| process | thread | samples |", "|---|---|---:|"]
     lines += [f"| {p} | {t} | {n} |" for (p, t), n in agg["threads"].most_common(10)]

@@ -45,8 +45,8 @@ def open_tier(url: str, part: int | None = None, **kw):
 
 
 def server_version() -> str:
-    """``redis-server --version``'s v=... (the binary kvx.redis_server starts)."""
-    from kvx.redis_server import binary_env, redis_server_binary
+    """``redis-server --version``'s v=... (the binary kvx.testing.redis_server starts)."""
+    from kvx.testing.redis_server import binary_env, redis_server_binary
     try:
         out = subprocess.run([redis_server_binary(), "--version"], capture_output=True, text=True, timeout=10,
                              env=binary_env()).stdout

@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 KVX_CUDA=1 KVX_CUDA_ARCHS="${KVX_CUDA_ARCHS:-90}" "$PY" -m pip install --no-build-isolation --no-deps -e . -q || exit 1
-"$PY" -c "import kvx._C as C; assert C.has_cuda and C.cuda_device_count() > 0, 'CUDA kernels not usable'"
+"$PY" -c "from kvx._ext import require; C = require(); assert C.has_cuda and C.cuda_device_count() > 0, 'CUDA kernels not usable'"
 "$PY" -m pytest tests/kernels -q -m gpu -p no:cacheprovider; rc_tests=$?
 # cuda_sim (CPU) and its GPU twins in one run: the emulated launch decisions next to the device's own
 "$PY" -m pytest tests/kernels/test_cuda_sim.py -q -p no:cacheprovider || rc_tests=1

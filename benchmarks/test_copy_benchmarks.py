@@ -1,5 +1,5 @@
 """Copy microbenchmarks under pytest-benchmark: a few representative cases of ``benchmarks/bench_copy.py``
-(kvx/bench.py), each timed for kvx's CPU kernels next to its baselines in the same run:
+(kvx/testing/bench.py), each timed for kvx's CPU kernels next to its baselines in the same run:
 
   memcpy         glibc memcpy of the same bytes on the same threads (the roof)
   kvx-cpu        kvx's C++ copy (``impl="cpu"``)
@@ -21,8 +21,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvx import ops
-from kvx.bench import Case, _setup
+from kvx.kernels import ops
+from kvx.testing.bench import Case, _setup
 
 IMPLS = ("memcpy", "kvx-cpu", "torch-index")
 CASES = [Case(op, "LBNHC", torch.bfloat16, bs, 4096, 4, 8, 128)
@@ -41,7 +41,11 @@ def setup(case: Case):
 
 @pytest.fixture(scope="module")
 def ext():
-    return pytest.importorskip("kvx._C", reason="kvx's compiled extension is not built")
+    from kvx._ext import C
+
+    if C is None:
+        pytest.skip("kvx's compiled extension is not built")
+    return C
 
 
 @pytest.mark.parametrize("case, impl", [(c, i) for c in CASES for i in IMPLS],
@@ -83,7 +87,7 @@ LAYERWISE_ROWS = ("ops-per-chunk-and-layer", "batch-per-layer", "ops-per-chunk",
 
 @pytest.fixture(scope="module")
 def layerwise_setup():
-    from kvx.layout import KVLayout
+    from kvx.kernels.layout import KVLayout
     from kvx.testing import make_kv_caches, random_fill_
 
     p = LAYERWISE

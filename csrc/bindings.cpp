@@ -1,5 +1,5 @@
 // bindings.cpp - the one pybind11 module, kvx._C. Torch-free: every tensor arrives as an address.
-// Validation lives in kvx/ops.py; these entry points trust their arguments.
+// Validation lives in kvx/kernels/ops.py; these entry points trust their arguments.
 #include <pybind11/numpy.h>  // plan_runs returns int64 arrays
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>  // std::vector<int64_t> from a list of ints (plan_launch's layer addresses)
@@ -73,9 +73,9 @@ struct SimFault : std::runtime_error {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "kvx compiled kernels (torch-free). Use kvx.ops, which validates arguments.";
+  m.doc() = "kvx compiled kernels (torch-free). Use kvx.kernels.ops, which validates arguments.";
 
-  // The descriptors of kv_layout.h as named structs: built from kvx.layout.PagedDesc / ContigDesc by
+  // The descriptors of kv_layout.h as named structs: built from kvx.kernels.layout.PagedDesc / ContigDesc by
   // field name (keyword-only constructors), so a reordering of fields on either side cannot swap strides.
   py::class_<kvx::PagedDesc>(m, "PagedDesc", "kvx::PagedDesc: byte geometry of the paged side (kv_layout.h).")
       .def(py::init([](int64_t plane_stride, int64_t block_stride, int64_t token_stride, int64_t head_stride,

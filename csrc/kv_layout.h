@@ -223,7 +223,7 @@ inline int64_t payload_bytes(const CopyParams& p, const int64_t* ids) {
 }
 
 // Most runs a copy of `payload` bytes may have so that its runs average at least `min_run_bytes`
-// (the DMA side of the kernel-or-DMA rule in kvx/ops.py); -1 (no limit) when min_run_bytes <= 0.
+// (the DMA side of the kernel-or-DMA rule in kvx/kernels/dma.py); -1 (no limit) when min_run_bytes <= 0.
 inline int64_t max_runs_for(int64_t payload, int64_t min_run_bytes) {
   return min_run_bytes > 0 ? payload / min_run_bytes : -1;
 }

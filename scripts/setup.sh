@@ -43,7 +43,7 @@ if ! command -v redis-server >/dev/null 2>&1 && [ ! -x .deps/redis/usr/bin/redis
   if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     echo "setup: unpacking redis-server into .deps/redis (no root needed)"
     DEBS="$(mktemp -d)"
-    # with the libraries a minimal system may lack (kvx.redis_server puts them on LD_LIBRARY_PATH)
+    # with the libraries a minimal system may lack (kvx.testing.redis_server puts them on LD_LIBRARY_PATH)
     (cd "$DEBS" && apt-get download redis-server redis-tools libjemalloc2 liblzf1 libatomic1 >/dev/null)
     for deb in "$DEBS"/*.deb; do dpkg -x "$deb" .deps/redis; done
     rm -rf "$DEBS"
@@ -57,4 +57,4 @@ fi
 echo "setup: building kvx (compiled extension)"
 $UV pip install --quiet -p .venv/bin/python "${FIND_LINKS[@]}" --excludes "$EXCLUDES" -e .
 rm -f "$EXCLUDES"
-.venv/bin/python -c "import kvx._C as C; print('setup: kvx ready (CUDA kernels compiled: %s)' % C.has_cuda)"
+.venv/bin/python -c "from kvx._ext import require; C = require(); print('setup: kvx ready (CUDA kernels compiled: %s)' % C.has_cuda)"

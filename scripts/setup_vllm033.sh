@@ -47,6 +47,8 @@ echo "setup-vllm033: kvx built in $((SECONDS - start)) s"
 # kvx imports vLLM's CPU attention module on the CPU platform (the ISA of raw pages): a broken CUDA package
 # set fails here, named, rather than in every test
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c "
-import kvx._C as C, torch, vllm, vllm.v1.attention.backends.cpu_attn, kvx.connector
+import torch, vllm, vllm.v1.attention.backends.cpu_attn, kvx.connector
+from kvx._ext import require
+C = require()
 print('setup-vllm033: kvx ready (CUDA kernels compiled: %s), vllm %s, torch %s'
       % (C.has_cuda, vllm.__version__, torch.__version__))" 2>&1 | grep -v '^W[0-9]'

@@ -166,7 +166,7 @@ def load_benchmark(monkeypatch, name: str):
 def need_redis() -> None:
     """Skip without redis-server / redis-cli on a developer's machine; in CI (CI=true), where
     scripts/setup.sh installs them, their absence is a broken setup and fails."""
-    from kvx.redis_server import redis_cli_binary, redis_server_binary
+    from kvx.testing.redis_server import redis_cli_binary, redis_server_binary
 
     try:
         redis_server_binary()

@@ -199,19 +199,19 @@ def test_drop_page_cache_falls_back_to_fadvise(bench, tmp_path):
 
 def test_profile_counts_kvx_frames_per_process(monkeypatch):
     """benchmarks/profile_serving.py: a sample is kvx's when a kvx frame is on its stack, per process; the API
-    server (`python -m kvx.serving`, a kvx module by name only) is never counted as kvx's."""
+    server (`python -m kvx.testing.vllm_server`, a kvx module by name only) is never counted as kvx's."""
     prof = load_benchmark(monkeypatch, "profile_serving")
-    api = 'process 1:"/venv/bin/python -m kvx.serving serve /m --kv-transfer-config {}"'
+    api = 'process 1:"/venv/bin/python -m kvx.testing.vllm_server serve /m --kv-transfer-config {}"'
     worker, core = 'process 3:"VLLM::Worker"', 'process 2:"VLLM::EngineCore"'
     lines = [
         f"{api};{worker};thread (3): MainThread;execute_model (vllm/v1/worker/gpu_worker.py:1);mm (torch/x.py:2) 90\n",
         f"{api};{worker};thread (3): MainThread;execute_model (vllm/v1/worker/gpu_worker.py:1);"
-        "KVXConnector.save_kv_layer (kvx/connector/connector.py:189);_run (kvx/ops.py:521) 6\n",
+        "KVXConnector.save_kv_layer (kvx/connector/connector.py:189);_run (kvx/kernels/ops.py:521) 6\n",
         f"{api};{worker};thread (4): kvx-copy-save;TransferEngine._loop (kvx/engine.py:322) 4\n",
         f"{api};{core};thread (2): MainThread;schedule (vllm/v1/core/sched/scheduler.py:9) 49\n",
         f"{api};{core};thread (2): MainThread;KVXConnector.get_num_new_matched_tokens "
         "(kvx/connector/connector.py:221) 1\n",
-        f"{api};thread (1): MainThread;_vllm_cli (kvx/serving.py:564) 7\n",
+        f"{api};thread (1): MainThread;_vllm_cli (kvx/testing/vllm_server.py:564) 7\n",
         "not a sample line\n",
     ]
     agg = prof.aggregate(lines)

@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from kvx import cli
 from kvx.store import DiskTier
 from kvx.store import disk as disk_mod
+from kvx.tools import cli
 
 
 def test_help_and_unknown(capsys):

@@ -1,6 +1,6 @@
 import logging
 
-from kvx import harness
+from kvx.testing import harness
 
 
 def _record(msg, exc=None):

@@ -1,4 +1,4 @@
-"""Triton implementation of the paged <-> contiguous KV copy (the ``triton`` impl of :mod:`kvx.ops`).
+"""Triton implementation of the paged <-> contiguous KV copy (the ``triton`` impl of :mod:`kvx.kernels.ops`).
 
 The address math is the one of ``csrc/kv_layout.h`` (authoritative; read it first). The paged side is
 ``L`` layers with identical geometry; the row of (layer ``l``, plane ``p``, block ``b``, token ``t``,
@@ -14,7 +14,7 @@ token ``i``, a negative slot is padding and is skipped), after the row merging o
 The host-side plan is not re-implemented here: row merging (``collapse_rows()``), the strides that move an
 address (``moving_strides()``) and the alignment (``copy_width()``) come from ``kv_layout.h`` through
 ``kvx._C.plan_launch``, so this launcher and the C++ kernels cannot drift apart. ``kvx._C`` is therefore
-required (it is always built; without it ``kvx.ops`` reports the triton impl unavailable).
+required (it is always built; without it ``kvx.kernels.ops`` reports the triton impl unavailable).
 
 How it maps to Triton:
 
@@ -35,7 +35,7 @@ How it maps to Triton:
 
 How it was checked without a GPU (triton 3.9.0, no device on the development machine):
 
-- Correctness: ``kvx.ops.*(impl="triton")`` against ``impl="reference"``, bit-exact, under
+- Correctness: ``kvx.kernels.ops.*(impl="triton")`` against ``impl="reference"``, bit-exact, under
   ``TRITON_INTERPRET=1`` on CPU tensors, for every layout, bf16/fp16/fp32/uint8, odd head sizes,
   misaligned and non-contiguous contiguous sides, padding slots; also with the GPU tile choice forced,
   with tiny tiles (column loops, grid axis 1 > 1) and with int64 index math.
@@ -63,11 +63,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _C  # type: ignore[attr-defined]  # the host-side plan (kv_layout.h); always built
-from ..ops import _c_descs
+from .._ext import C as _C  # the host-side plan (kv_layout.h); always built
+from ..kernels.ops import _c_descs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvx.layout import CopyPlan
+    from kvx.kernels.layout import CopyPlan
 
 _BLOCKS, _SLOTS = 0, 1
 _GATHER, _SCATTER = 0, 1
@@ -256,7 +256,7 @@ def copy_rows(plan: CopyPlan, layer_ptrs: torch.Tensor, ids: torch.Tensor, buf: 
         anchor: tensor on the cache's device starting at ``layer_ptrs[0]`` (the first layer's first plane).
 
     Launches one kernel on the current stream; no host sync. Arguments are assumed validated by
-    :mod:`kvx.ops`; only what would otherwise corrupt memory silently is checked here.
+    :mod:`kvx.kernels.ops`; only what would otherwise corrupt memory silently is checked here.
     """
     if direction not in (_GATHER, _SCATTER):
         raise ValueError(f"direction: expected 0 (gather) or 1 (scatter), got {direction!r}")

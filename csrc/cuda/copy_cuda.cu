@@ -13,8 +13,8 @@
 //
 // copy_dma() is the other host<->device path: the copy as runs of contiguous bytes (for_each_run in
 // kv_layout.h) handed to the copy engines, batched (cudaMemcpyBatchAsync) where the runtime has it. No
-// SM is used; each run costs a DMA descriptor, so it wins once runs are large. kvx/ops.py picks between
-// the two per call by a threshold measured on the device.
+// SM is used; each run costs a DMA descriptor, so it wins once runs are large. kvx/kernels/dma.py picks
+// between the two per call by a threshold measured on the device.
 #include <cuda_runtime.h>
 
 #include <atomic>

@@ -9,7 +9,7 @@
 // allocation) or corrupt silently (two threads writing one byte) stops the run with the thread and row.
 //
 // Order: CTAs, then threads, ascending, one at a time. A correct launch has no two threads touching one
-// destination byte (checked) and never reads what it writes (kvx/ops.py refuses overlapping sides), so
+// destination byte (checked) and never reads what it writes (kvx/kernels/ops.py refuses overlapping sides), so
 // every order a GPU could pick gives these bytes; the emulation need not guess one.
 //
 // Cost: a thread is a few inlined calls per row and a check per vector; the largest kernel-test copy

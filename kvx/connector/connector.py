@@ -29,8 +29,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from .. import ops
 from ..engine import copy_queue_mode
+from ..kernels import ops
 from ..log import attach_to_vllm, get_logger
 from .common import (
     chunk_format,

@@ -1,7 +1,7 @@
 """The worker's load pipeline: chunk bytes from the tiers into the paged KV cache.
 
 The copies of chunks in the CPU tier are queued at once, one job per *layer group* running that group's layers
-of one :class:`kvx.ops.CopyBatch` of every chunk at hand (checked once, not once per layer); chunks in the other
+of one :class:`kvx.kernels.ops.CopyBatch` of every chunk at hand (checked once, not once per layer); chunks in the other
 tiers (disk, Redis, ...: :class:`kvx.store.Tier`) are read and verified on I/O threads straight into a CPU slot
 when the scheduler allotted one (promotion), and their copies are queued as soon as the read is in, at the latest
 in :meth:`LoadPipeline.wait_for_layer` of the first layer, the only place that waits for a read. That fences the
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import ops
 from ..engine import Job
+from ..kernels import ops
 from ..log import get_logger
 from .keys import rank_key
 from .metadata import FAILED, OK, ChunkLoad, LoadSpec
@@ -184,7 +184,7 @@ class LoadPipeline:
 
     def _queue_chunks(self, load: _Load, chunks: list[tuple[ChunkLoad, torch.Tensor]]) -> None:
         """One copy job per layer group for ``chunks`` (group order: the forward reads group 0 first), each
-        running that group's layers of one :class:`kvx.ops.CopyBatch` of them all."""
+        running that group's layers of one :class:`kvx.kernels.ops.CopyBatch` of them all."""
         if not chunks:
             return
         blocks = [b for ch, _ in chunks for b in ch.block_ids]

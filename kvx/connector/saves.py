@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import ops
 from ..engine import Job
+from ..kernels import ops
 from ..log import get_logger
 from ..store import StoreFullError
 from .keys import rank_key
@@ -182,7 +182,7 @@ class SavePipeline:
 
     def submit_group(self, g: int, marker, verdict: LoadOutcomes) -> None:
         """Queue the gathers of layer group ``g`` of this step's saves: one job, running that group's layers
-        of one :class:`kvx.ops.CopyBatch` of every save (built once, in the first group's job)."""
+        of one :class:`kvx.kernels.ops.CopyBatch` of every save (built once, in the first group's job)."""
         if g in self._submitted:
             return
         self._submitted.add(g)

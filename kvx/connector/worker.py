@@ -1,6 +1,6 @@
 """Worker side of the connector: the hooks vLLM calls in each worker process (one per TP/PP rank), in their order.
 
-What to move comes from the scheduler's :class:`KVXMetadata`; how is :mod:`kvx.ops` on the
+What to move comes from the scheduler's :class:`KVXMetadata`; how is :mod:`kvx.kernels.ops` on the
 :class:`kvx.engine.TransferEngine` copy queues; in what order against the forwards is
 :class:`kvx.engine.BlockOrder` (every copy goes through it). The work is two pipelines, one per direction:
 :class:`~.loads.LoadPipeline` (tiers -> paged KV cache) and :class:`~.saves.SavePipeline` (paged KV cache -> tiers);
@@ -34,9 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .. import ops
 from ..engine import BlockOrder, TransferEngine
-from ..layout import KVLayout
+from ..kernels import ops
+from ..kernels.layout import KVLayout
 from ..log import Throttle, get_logger
 from ..store import REMOVED, CPUPool, Tier, TierContext, tier_class
 from .common import EngineGeometry, num_cpu_slots

@@ -36,7 +36,7 @@ import torch
 from .errors import ChunkError
 
 try:
-    from .. import _C as _kvx_C
+    from .._ext import C as _kvx_C  # None when kvx._C is not built
 except ImportError:       # kvx not built: the package computes the same checksum
     _kvx_C = None
 

@@ -225,7 +225,8 @@ class CPUPool:
 
     def _populate(self) -> None:
         try:
-            from .. import _C  # type: ignore[attr-defined]
+            from .._ext import load
+            _C = load()  # ImportError when kvx._C is not built
         except ImportError:      # the pure-Python fallback: pages are committed on first write
             return
         err = _C.cpu_populate_write(self.data.data_ptr(), self.data.numel() * self.data.element_size())

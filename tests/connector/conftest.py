@@ -54,7 +54,7 @@ def assert_pages_match(env, req, block_ids, first_block_index):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from kvx.harness import make_tiny_llama
+    from kvx.testing.harness import make_tiny_llama
 
     return make_tiny_llama(str(tmp_path_factory.mktemp("model") / "tiny"))
 

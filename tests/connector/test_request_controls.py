@@ -213,7 +213,7 @@ def test_consumer_does_not_wait_for_another_prompts_chunks(make_env, store_dir):
 def test_pd_handoff_through_redis(make_env):
     """The same hand-off through a shared Redis (a real redis-server): the consumer waits for the chunks
     still landing (a lookup answers "not yet" meanwhile), then loads every one."""
-    from kvx.redis_server import RedisServer
+    from kvx.testing.redis_server import RedisServer
     from tests.helpers import need_redis
 
     need_redis()

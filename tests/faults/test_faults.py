@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from kvx import harness as H
+from kvx.testing import harness as H
 from tests.helpers import flip_byte
 
 from .conftest import (

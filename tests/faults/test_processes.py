@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from kvx import harness as H
 from kvx.store.disk import DiskTierConfig
+from kvx.testing import harness as H
 from tests.helpers import stopped, wait_for
 
 from .conftest import (
@@ -179,7 +179,7 @@ def test_kill_9_mid_write_then_restart_on_the_same_store(model, reference, tmp_p
     assert pid == str(child.proc.pid)
     left = {t.path: t for t in survey(str(store)).temps}   # read-only survey: names it stale, keeps it
     assert tmp in left and left[tmp].stale, left
-    p = subprocess.run([sys.executable, "-m", "kvx.cli", "store", "verify", str(store)], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "kvx.tools.cli", "store", "verify", str(store)], capture_output=True,
                        text=True, timeout=300)
     # verify passes, lists the leftover as stale and changes nothing
     assert p.returncode == 0, p.stdout + p.stderr

@@ -1,4 +1,4 @@
-"""Real vLLM engines with a Redis tier, under faults of real ``redis-server`` processes (kvx.redis_server):
+"""Real vLLM engines with a Redis tier, under faults of real ``redis-server`` processes (kvx.testing.redis_server):
 two engine processes sharing one server or cluster, a server down at start-up, stopped (SIGSTOP) in the
 middle of a load, killed (SIGKILL) and restarted, out of memory (noeviction) and evicting (allkeys-lru),
 and a cluster node killed. Each case: greedy tokens equal to an engine without kvx, no crash, no hang, and
@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvx import harness as H
+from kvx.testing import harness as H
 from tests.helpers import need_redis, stopped, wait_for
 
 from .conftest import (
@@ -124,7 +124,7 @@ def wait_tiers_up(llm, timeout: float = RETRY_S + 20.0) -> float:
 
 def timed_generate(llm, prompt, max_tokens: int = MAX_TOKENS, salt: str | None = None,
                    limit: float = REQUEST_LIMIT_S) -> H.Result:
-    """:func:`kvx.harness.generate` (optionally with a ``cache_salt``), failing if the request took longer
+    """:func:`kvx.testing.harness.generate` (optionally with a ``cache_salt``), failing if the request took longer
     than ``limit`` seconds (a request that waits on a faulty server instead of recomputing)."""
     t0 = time.monotonic()
     if salt is None:
@@ -213,7 +213,7 @@ def kvx_warnings():
 @contextmanager
 def redis_of(topology: str):
     """(the server or cluster, its RedisServer processes)."""
-    from kvx.redis_server import RedisClusterServers, RedisServer
+    from kvx.testing.redis_server import RedisClusterServers, RedisServer
 
     if topology == "cluster":
         with RedisClusterServers(3) as cl:
@@ -269,7 +269,7 @@ def test_two_engine_processes_share_one_redis(model, reference, tmp_path, topolo
 def test_server_down_at_engine_start(model, reference):
     """No server when the engine starts: it starts (a warning), serves misses; once a server listens on
     the port, the tier connects within retry_s, and requests store and then hit."""
-    from kvx.redis_server import RedisServer
+    from kvx.testing.redis_server import RedisServer
 
     ref_a, ref_a2 = refs_of(reference, [A, A2])
     probe = RedisServer()
@@ -306,9 +306,9 @@ def test_server_stopped_mid_load(model, reference, monkeypatch):
     """The server hangs (SIGSTOP) just before the first read of a load: the read fails at its deadline
     (timeout_ms), the chunks are reported as load errors and recomputed, tokens right; once the server
     resumes, the tier comes back and the stored chunks hit again."""
-    from kvx.redis_server import RedisServer
     from kvx.store.errors import ChunkError
     from kvx.store.redis import RedisTier
+    from kvx.testing.redis_server import RedisServer
 
     ref_a = refs_of(reference, [A])
     get = RedisTier.get_into
@@ -367,7 +367,7 @@ def test_server_stopped_mid_load(model, reference, monkeypatch):
 def test_server_killed_and_restarted_between_requests(model, reference):
     """SIGKILL between requests: the next requests miss (lookups and saves fail, at once), tokens right;
     the server restarts on the same port, empty: the tier reconnects, requests store and hit again."""
-    from kvx.redis_server import RedisServer
+    from kvx.testing.redis_server import RedisServer
 
     ref_a, ref_a2 = refs_of(reference, [A, A2])
     with RedisServer() as srv, engine(model, redis_tiers(srv.url)) as llm:
@@ -479,7 +479,7 @@ def test_maxmemory_noeviction_then_allkeys_lru_soak(model, reference):
     as an allkeys-lru cache of 8 MiB (chunks in 128 KiB parts, so evictions tear chunks): a soak of
     requests over 26 distinct chunks, every result compared with the reference, hits read from Redis,
     and the worker's and the tier's bookkeeping bounded after every settle."""
-    from kvx.redis_server import RedisServer
+    from kvx.testing.redis_server import RedisServer
 
     refs = refs_of(reference, FULL_PROMPTS)
     soak_refs = refs_of(reference, SOAK_PROMPTS)
@@ -561,7 +561,7 @@ def test_cluster_node_killed_while_serving(model, reference):
     """A node of a 3-node cluster is killed: requests go on with right tokens (its chunks miss, the other
     nodes serve until the cluster declares the failure, then every node refuses), none hangs. Restarted,
     the node rejoins and the tier stores and serves chunks again."""
-    from kvx.redis_server import RedisClusterServers
+    from kvx.testing.redis_server import RedisClusterServers
 
     refs = refs_of(reference, CLUSTER_PROMPTS)
     with RedisClusterServers(3) as cl, \

@@ -149,7 +149,7 @@ class Engine:
         self.engine = self.worker.engine
         self.deferred = self.engine.mode == "deferred"
         self.pool = self.worker.pool
-        # byte views [B, N, H, D * itemsize] of every plane (K, V; or the MLA latent), independent of kvx.layout
+        # byte views [B, N, H, D * itemsize] of every plane (K, V; or the MLA latent), independent of kvx.kernels.layout
         self.views = [self._byte_planes(t) for t in self.caches]
         self.tally = TALLY.fresh()     # the worker's results, by what each transfer is
         self.load_errors: set[int] = set()

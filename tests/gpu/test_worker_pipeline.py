@@ -79,11 +79,11 @@ import pytest
 import torch
 
 from kvx import engine as kvx_engine
-from kvx import ops
 from kvx.connector.common import EngineGeometry
 from kvx.connector.config import KVXConfig
 from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from kvx.connector.worker import KVXWorker
+from kvx.kernels import ops
 from kvx.testing import RUNNER_ORDERS, TransferTally, end_step, make_kv_caches
 from tests.helpers import same_bytes, wait_for
 
@@ -237,7 +237,7 @@ class Pipeline:
         self.pool = self.worker.pool
         for i in range(self.pool.num_slots):
             self.pool.slot(i).view(torch.int16).fill_(POISON)
-        # the fake forward's own [B, N, H, D] views (independent of kvx.layout)
+        # the fake forward's own [B, N, H, D] views (independent of kvx.kernels.layout)
         self.views = [self._plane_views(t) for t in self.caches]
         # KV of every source at every position: [L, P, MAX_TOKENS, H, D], small integers (exact in bf16/fp16)
         shape = (NUM_LAYERS, self.planes, MAX_TOKENS, self.heads, self.head_size)

@@ -15,15 +15,12 @@ import shutil
 import pytest
 import torch
 
-from kvx import ops
-from kvx.layout import KVLayout
+from kvx._ext import ERROR, C
+from kvx.kernels import ops
+from kvx.kernels.layout import KVLayout
 from kvx.testing import make_kv_caches
 
-try:
-    import kvx._C  # noqa: F401
-    C_ERROR = None
-except ImportError as e:  # the message names the missing .so or the unresolved symbol
-    C_ERROR = f"{type(e).__name__}: {e}"
+C_ERROR = None if C is not None else ERROR  # the message names the missing .so or the unresolved symbol
 
 
 @pytest.fixture(autouse=True)

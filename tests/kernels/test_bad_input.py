@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvx import ops
-from kvx.layout import KVLayout
+from kvx.kernels import ops
+from kvx.kernels.layout import KVLayout
 from kvx.testing import make_kv_caches, make_layout
 from tests.helpers import assert_all_same_bytes, assert_same_bytes
 
@@ -115,7 +115,7 @@ def test_impl_that_cannot_run_here(lay):
 
 
 def test_not_a_layout():
-    with pytest.raises(TypeError, match="layout: expected a kvx.layout.KVLayout, got Tensor"):
+    with pytest.raises(TypeError, match="layout: expected a kvx.kernels.layout.KVLayout, got Tensor"):
         ops.gather_blocks(torch.zeros(4), [0])
 
 

@@ -1,4 +1,4 @@
-"""``kvx.ops.CopyBatch``: copies checked once and run layer range by layer range, bit-exact against the
+"""``kvx.kernels.ops.CopyBatch``: copies checked once and run layer range by layer range, bit-exact against the
 reference running each op alone over every layer."""
 
 import re
@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 
-from kvx import ops
-from kvx.layout import KVLayout
+from kvx.kernels import ops
+from kvx.kernels.layout import KVLayout, Op
 from kvx.testing import make_kv_caches, random_fill_
 from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
 
@@ -108,6 +108,27 @@ def test_cpu_layout_pages_batch(impl):
     assert_all_same_bytes(lay.layers, ref.layers)
 
 
+def test_an_op_is_named_once():
+    """An op's one encoding is :class:`Op`: its value names the op's function (and the oracle's), ``add`` takes it or
+    that name, and the extension's integers are derived from it."""
+    assert [op.value for op in Op] == ["gather_blocks", "scatter_blocks", "gather_slots", "scatter_slots",
+                                       "gather_pages", "scatter_pages"]
+    assert all(callable(getattr(ops, op.value)) for op in Op)
+    assert [(op.c_mode, op.c_direction) for op in Op] == [(0, 0), (0, 1), (1, 0), (1, 1), (0, 0), (0, 1)]
+    assert [op.id_name for op in Op if op.slots] == ["slot_ids", "slot_ids"]
+    g = torch.Generator().manual_seed(5)
+    lay, ref = _caches("LBNHC", torch.float16, 5)
+    src = random_fill_(torch.empty(lay.canonical_shape(2 * lay.block_size), dtype=lay.dtype), g)
+    batch = ops.CopyBatch(lay, impl="reference")
+    batch.add(Op.SCATTER_BLOCKS, [4, 2], src)
+    batch.add("gather_blocks", [4, 2], out := torch.empty_like(src))
+    assert len(batch) == 2
+    batch.run()
+    ops.scatter_blocks(ref, [4, 2], src, impl="reference")
+    assert_all_same_bytes(lay.layers, ref.layers)
+    assert_same_bytes(out, src)
+
+
 def test_run_touches_only_its_layers():
     g = torch.Generator().manual_seed(4)
     lay, _ = _caches("LBNHC", torch.float16, 4)
@@ -143,7 +164,7 @@ def test_bad_op_name():
 
 
 def test_bad_layout():
-    with pytest.raises(TypeError, match="layout: expected a kvx.layout.KVLayout, got Tensor"):
+    with pytest.raises(TypeError, match="layout: expected a kvx.kernels.layout.KVLayout, got Tensor"):
         ops.CopyBatch(torch.empty(1))
 
 

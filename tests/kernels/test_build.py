@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from kvx import ops
+from kvx.kernels import ops
 
 
 def _nvcc_present() -> bool:
@@ -18,7 +18,7 @@ def test_extension_imports():
 
 
 def test_cpu_kernels_always_built():
-    from kvx import _C as C
+    from kvx._ext import C
 
     assert "cpu" in ops.available_impls("cpu")
     assert C.cpu_get_num_threads() >= 1
@@ -27,7 +27,7 @@ def test_cpu_kernels_always_built():
 @pytest.mark.skipif(not _nvcc_present() or os.environ.get("KVX_CUDA") == "0",
                     reason="nvcc not found (or KVX_CUDA=0): the CUDA kernels are not expected")
 def test_cuda_kernels_compiled_when_nvcc_is_present():
-    from kvx import _C as C
+    from kvx._ext import C
 
     assert C.has_cuda, "nvcc is on this machine but kvx._C was built without the CUDA kernels"
     # and their CPU emulation (copy_sim.cu): the kernel's source, run by the CPU tests as impl "cuda_sim"
@@ -42,8 +42,8 @@ def test_cuda_kernels_compiled_when_nvcc_is_present():
 
 def test_descriptors_are_built_by_field_name():
     """kvx._C.PagedDesc/ContigDesc take keywords only, so a positional tuple can never swap strides."""
-    from kvx import _C as C
-    from kvx.layout import ContigDesc, CopyPlan, PagedDesc
+    from kvx._ext import C
+    from kvx.kernels.layout import ContigDesc, CopyPlan, PagedDesc
 
     paged = PagedDesc(plane_stride=11, block_stride=12, token_stride=13, head_stride=14, num_blocks=15,
                       num_planes=2, block_size=16, num_heads=17)

@@ -5,8 +5,8 @@ import itertools
 import pytest
 import torch
 
-from kvx import ops
-from kvx.layout import LAYOUTS, KVLayout
+from kvx.kernels import ops
+from kvx.kernels.layout import LAYOUTS, KVLayout
 from kvx.testing import make_kv_caches, random_fill_
 from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
 

@@ -14,8 +14,8 @@ import re
 import pytest
 import torch
 
-from kvx import ops
-from kvx.layout import LAYOUTS, KVLayout
+from kvx.kernels import ops
+from kvx.kernels.layout import LAYOUTS, KVLayout, Op
 from kvx.testing import make_kv_caches, make_layout, random_fill_
 from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
 
@@ -102,7 +102,7 @@ def test_launch_config_checks_its_arguments():
 
 # ------------------------------------------------------------------------------ the emulation
 def _config(kind, lay, n, buf, *, sm_count=H100_SMS, max_ctas=0, contig=None):
-    plan = ops._plan(kind, lay, buf, n)
+    plan = ops._plan(Op("gather_" + kind), lay, buf, n)
     return _C.cuda_launch_config(*ops._c_descs(plan), plan.row_bytes, plan.num_layers, plan.num_ids, plan.mode,
                                  lay.layer_ptrs().tolist(), buf.data_ptr() if contig is None else contig, sm_count,
                                  max_ctas)
@@ -113,7 +113,7 @@ def _sim(kind, direction, lay, ids, buf, *, sm_count=H100_SMS, max_ctas=0, force
     layer index)."""
     impl_or_skip("cuda_sim")
     ids = torch.as_tensor(ids, dtype=torch.int64).contiguous()
-    plan = ops._plan(kind, lay, buf, ids.numel())
+    plan = ops._plan(Op("gather_" + kind), lay, buf, ids.numel())
     bounds, args = ops._cuda_sim_args(plan, lay, ids, buf)
     args = list(args)
     if short == "contig":
@@ -403,7 +403,7 @@ def test_gpu_launch_matches_the_function_and_the_sim(name, head_size, dtype, kin
     out = random_fill_(torch.empty(shape, dtype=torch.uint8 if kind == "pages" else dtype), g).cuda()
     expected = out.clone()
     ids_dev = torch.tensor(ids, dtype=torch.int64).cuda()
-    plan = ops._plan(kind, lay, out, n)
+    plan = ops._plan(Op("gather_" + kind), lay, out, n)
     used = _C.cuda_copy(lay.layer_ptrs().data_ptr(), lay.layer_ptrs(lay.device).data_ptr(), plan.num_layers,
                         ids_dev.data_ptr(), plan.num_ids, out.data_ptr(), *ops._c_descs(plan), plan.row_bytes,
                         plan.mode, _GATHER, torch.cuda.current_stream().cuda_stream, max_ctas)

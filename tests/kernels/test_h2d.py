@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
-from kvx import ops
-from kvx.layout import LAYOUTS
+from kvx.kernels import dma as h2d
+from kvx.kernels import ops
+from kvx.kernels.layout import LAYOUTS, Op
 from kvx.testing import random_fill_
 from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
 
@@ -33,26 +34,26 @@ def test_rule_picks_the_crossover():
     kernel, dma = _times(0.0, 20), _times(0.004, 50)
     crossover = 0.004 / (1 / 20e6 - 1 / 50e6)                                  # 133 kB
     expected = min(b for b in SIZES if b >= crossover)
-    assert ops.choose_dma_min_bytes(SIZES, kernel, dma) == expected == 256 * KiB
+    assert h2d.choose_dma_min_bytes(SIZES, kernel, dma) == expected == 256 * KiB
 
 
 def test_rule_never_dma_when_the_kernel_always_wins():
-    assert ops.choose_dma_min_bytes(SIZES, _times(0.0, 60), _times(0.004, 50)) == ops.DMA_NEVER
+    assert h2d.choose_dma_min_bytes(SIZES, _times(0.0, 60), _times(0.004, 50)) == h2d.DMA_NEVER
 
 
 def test_rule_dma_from_the_smallest_size_when_dma_always_wins():
-    assert ops.choose_dma_min_bytes(SIZES, _times(0.01, 20), _times(0.0, 50)) == SIZES[0]
+    assert h2d.choose_dma_min_bytes(SIZES, _times(0.01, 20), _times(0.0, 50)) == SIZES[0]
 
 
 def test_rule_tie_goes_to_dma():
-    assert ops.choose_dma_min_bytes([4096, 8192], [1.0, 2.0], [1.5, 2.0]) == 8192
+    assert h2d.choose_dma_min_bytes([4096, 8192], [1.0, 2.0], [1.5, 2.0]) == 8192
 
 
 def test_rule_ignores_a_dma_win_below_a_kernel_win():
     """Noise near the crossover: a size where the kernel wins moves the threshold above it."""
     kernel = [1.0, 1.0, 1.0, 1.0]
     dma = [0.9, 1.1, 0.9, 0.8]
-    assert ops.choose_dma_min_bytes([4096, 8192, 16384, 32768], kernel, dma) == 16384
+    assert h2d.choose_dma_min_bytes([4096, 8192, 16384, 32768], kernel, dma) == 16384
 
 
 @pytest.mark.parametrize("args,match", [
@@ -66,34 +67,47 @@ def test_rule_ignores_a_dma_win_below_a_kernel_win():
 ])
 def test_rule_rejects_bad_timings(args, match):
     with pytest.raises(ValueError, match=match):
-        ops.choose_dma_min_bytes(*args)
+        h2d.choose_dma_min_bytes(*args)
 
 
 def test_env_overrides_the_measurement(monkeypatch):
     """KVX_H2D_DMA_MIN_BYTES replaces the calibration (so nothing touches a device here)."""
-    monkeypatch.setenv(ops.H2D_ENV, "65536")
-    assert ops.h2d_dma_min_bytes("cuda:0", "scatter") == 65536
-    assert ops.h2d_dma_min_bytes("cuda:0", "gather") == 65536
-    monkeypatch.setenv(ops.H2D_ENV, " 0 ")
-    assert ops.h2d_dma_min_bytes("cuda:0", "gather") == 0
+    monkeypatch.setenv(h2d.H2D_ENV, "65536")
+    assert h2d.h2d_dma_min_bytes("cuda:0", "scatter") == 65536
+    assert h2d.h2d_dma_min_bytes("cuda:0", "gather") == 65536
+    monkeypatch.setenv(h2d.H2D_ENV, " 0 ")
+    assert h2d.h2d_dma_min_bytes("cuda:0", "gather") == 0
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "1.5", "64KiB", "0x100"])
 def test_env_must_be_a_non_negative_integer(monkeypatch, value):
-    monkeypatch.setenv(ops.H2D_ENV, value)
+    monkeypatch.setenv(h2d.H2D_ENV, value)
     with pytest.raises(ValueError, match=rf"KVX_H2D_DMA_MIN_BYTES: expected a non-negative integer .* got "
                                          rf"'{value}'"):
-        ops.h2d_dma_min_bytes("cuda:0", "scatter")
+        h2d.h2d_dma_min_bytes("cuda:0", "scatter")
 
 
 def test_threshold_arguments_are_checked(monkeypatch):
-    monkeypatch.setenv(ops.H2D_ENV, "4096")
+    monkeypatch.setenv(h2d.H2D_ENV, "4096")
     with pytest.raises(ValueError, match="direction: expected 'gather' .* or 'scatter' .* got 'up'"):
-        ops.h2d_dma_min_bytes("cuda:0", "up")
+        h2d.h2d_dma_min_bytes("cuda:0", "up")
     with pytest.raises(ValueError, match="device: expected a CUDA device, got cpu"):
-        ops.h2d_dma_min_bytes("cpu", "gather")
+        h2d.h2d_dma_min_bytes("cpu", "gather")
     with pytest.raises(ValueError, match="device: expected a CUDA device, got cpu"):
-        ops.calibrate_h2d("cpu")
+        h2d.calibrate_h2d("cpu")
+
+
+def test_each_copy_asks_the_rule(monkeypatch):
+    """kvx.kernels.dma.dma_min_run_bytes: the DMA threshold one copy of impl "cuda" hands the extension (the ops
+    re-export the rule's public names)."""
+    monkeypatch.setenv(h2d.H2D_ENV, "4096")
+    dev = torch.device("cuda", 0)
+    for op in Op:
+        assert h2d.dma_min_run_bytes(dev, op, "dma", host=False) == 0
+        assert h2d.dma_min_run_bytes(dev, op, "kernel", host=True) == h2d.DMA_NEVER
+        assert h2d.dma_min_run_bytes(dev, op, None, host=False) == h2d.DMA_NEVER   # device <-> device: the kernel
+        assert h2d.dma_min_run_bytes(dev, op, None, host=True) == 4096
+    assert ops.calibrate_h2d is h2d.calibrate_h2d and ops.DMA_NEVER == h2d.DMA_NEVER and ops.PATHS is h2d.PATHS
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -231,20 +245,20 @@ def test_dma_and_kernel_give_identical_bytes(stream):
 @pytest.mark.gpu
 def test_calibration_is_sane(monkeypatch):
     _need_cuda_impl()
-    monkeypatch.delenv(ops.H2D_ENV, raising=False)
-    cal = ops.calibrate_h2d()
+    monkeypatch.delenv(h2d.H2D_ENV, raising=False)
+    cal = h2d.calibrate_h2d()
     assert cal.device == torch.device("cuda", torch.cuda.current_device())
     assert list(cal.run_bytes) == SIZES and len(cal.runs) == len(SIZES)
     for d in (0, 1):
         for ts in (cal.kernel_ms[d], cal.dma_ms[d]):
             assert len(ts) == len(SIZES) and all(math.isfinite(t) and 0 < t < 1000 for t in ts)
-        assert cal.dma_min_bytes[d] in set(SIZES) | {ops.DMA_NEVER}
-        assert cal.dma_min_bytes[d] == ops.choose_dma_min_bytes(cal.run_bytes, cal.kernel_ms[d], cal.dma_ms[d])
-    assert ops.calibrate_h2d() is cal                                  # measured once per device
-    assert ops.h2d_dma_min_bytes(None, "gather") == cal.dma_min_bytes[0]
-    assert ops.h2d_dma_min_bytes(cal.device, "scatter") == cal.dma_min_bytes[1]
-    again = ops.calibrate_h2d(force=True)
-    assert again is not cal and ops.calibrate_h2d() is again
+        assert cal.dma_min_bytes[d] in set(SIZES) | {h2d.DMA_NEVER}
+        assert cal.dma_min_bytes[d] == h2d.choose_dma_min_bytes(cal.run_bytes, cal.kernel_ms[d], cal.dma_ms[d])
+    assert h2d.calibrate_h2d() is cal                                  # measured once per device
+    assert h2d.h2d_dma_min_bytes(None, "gather") == cal.dma_min_bytes[0]
+    assert h2d.h2d_dma_min_bytes(cal.device, "scatter") == cal.dma_min_bytes[1]
+    again = h2d.calibrate_h2d(force=True)
+    assert again is not cal and h2d.calibrate_h2d() is again
 
 
 class _Spy:
@@ -284,21 +298,21 @@ def test_each_call_takes_the_path_the_rule_says(monkeypatch):
         assert len(kernel.calls) == 1
         return "kernel", kernel.calls[0][0][-1]                        # max_ctas
 
-    monkeypatch.setenv(ops.H2D_ENV, str(lay.page_bytes))
+    monkeypatch.setenv(h2d.H2D_ENV, str(lay.page_bytes))
     assert taken() == ("dma", None)
-    monkeypatch.setenv(ops.H2D_ENV, str(lay.page_bytes + 1))
+    monkeypatch.setenv(h2d.H2D_ENV, str(lay.page_bytes + 1))
     assert taken() == ("kernel", ops.H2D_MAX_CTAS)
     assert taken(max_ctas=3) == ("kernel", 3)
     assert taken(max_ctas=100) == ("kernel", ops.H2D_MAX_CTAS)
     assert taken(path="dma") == ("dma", None)
-    monkeypatch.setenv(ops.H2D_ENV, "0")
+    monkeypatch.setenv(h2d.H2D_ENV, "0")
     assert taken() == ("dma", None)
     assert taken(path="kernel") == ("kernel", ops.H2D_MAX_CTAS)
-    monkeypatch.setenv(ops.H2D_ENV, str(ops.DMA_NEVER))
+    monkeypatch.setenv(h2d.H2D_ENV, str(h2d.DMA_NEVER))
     assert taken() == ("kernel", ops.H2D_MAX_CTAS)
     # device memory on the contiguous side: the kernel, uncapped, unless DMA is asked for
     hbm = torch.empty(lay.page_shape(3), dtype=torch.uint8, device="cuda")
-    monkeypatch.setenv(ops.H2D_ENV, "0")
+    monkeypatch.setenv(h2d.H2D_ENV, "0")
     kernel.calls.clear()
     ops.gather_pages(lay, ids, hbm, impl="cuda")
     assert len(kernel.calls) == 1 and kernel.calls[0][0][-1] == 0

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvx.layout import LAYOUTS, KVLayout
+from kvx.kernels.layout import LAYOUTS, KVLayout
 from kvx.testing import make_kv_caches
 
 GEOM = dict(num_layers=3, num_blocks=5, block_size=16, num_heads=4, head_size=8, dtype=torch.bfloat16)

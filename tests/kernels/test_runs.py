@@ -12,8 +12,8 @@ import itertools
 import pytest
 import torch
 
-from kvx import ops
-from kvx.layout import LAYOUTS, KVLayout
+from kvx.kernels import ops
+from kvx.kernels.layout import LAYOUTS, KVLayout, Op
 from kvx.testing import make_layout, random_fill_
 from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
 
@@ -33,7 +33,7 @@ _GATHER, _SCATTER = 0, 1
 def _plan_runs(kind, direction, lay, ids, buf, min_run_bytes=0):
     """(dst, src, bytes) int64 tensors, or None when the runs average fewer than ``min_run_bytes``."""
     ids = torch.as_tensor(ids, dtype=torch.int64).contiguous()
-    plan = ops._plan(kind, lay, buf, ids.numel())
+    plan = ops._plan(Op("gather_" + kind), lay, buf, ids.numel())
     runs = _C.plan_runs(lay.layer_ptrs().data_ptr(), plan.num_layers, ids.data_ptr(), plan.num_ids, buf.data_ptr(),
                         *ops._c_descs(plan), plan.row_bytes, plan.mode, direction, min_run_bytes)
     return None if runs is None else tuple(torch.from_numpy(a) for a in runs)

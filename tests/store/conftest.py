@@ -1,4 +1,4 @@
-"""Fixtures of the store tests: real ``redis-server`` processes (kvx.redis_server), stopped at teardown
+"""Fixtures of the store tests: real ``redis-server`` processes (kvx.testing.redis_server), stopped at teardown
 whatever the test did to them; and the helpers the Redis tests share (chunks, keys, checks of a tier)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import uuid
 import pytest
 import torch
 
-from kvx.redis_server import RedisClusterServers, RedisServer
 from kvx.store import codec
 from kvx.store.errors import ChunkError, StoreUnavailableError
 from kvx.store.redis import RedisTier, RedisTierConfig
 from kvx.store.tier import TierContext
+from kvx.testing.redis_server import RedisClusterServers, RedisServer
 from tests.helpers import need_redis, same_bytes
 
 FP = "fp-test-1"                  # the fingerprint of the Redis tests' tiers

@@ -587,7 +587,7 @@ def test_pool_bad_dtype(dtype):
 
 
 def _populate_supported() -> bool:
-    from kvx import _C
+    from kvx._ext import C as _C
 
     probe = CPUPool(1, (4096,), torch.uint8, populate=False)
     return _C.cpu_populate_write(probe.data.data_ptr(), 4096) == 0
@@ -613,7 +613,7 @@ def test_pool_pages_are_committed_up_front():
 
 @pytest.mark.parametrize("offset,length", [(0, 1), (1, 4095), (1, 4096), (4095, 8193), (3, 3 * 4096 + 5), (0, 0)])
 def test_populate_leaves_contents_alone(offset, length):
-    from kvx import _C
+    from kvx._ext import C as _C
 
     pool = CPUPool(1, (6 * 4096,), torch.uint8, populate=False)
     data = pool.data.view(-1)

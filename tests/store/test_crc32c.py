@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvx import _C
+from kvx._ext import C as _C
 from kvx.store import codec
 
 CPU_FLAGS = set()

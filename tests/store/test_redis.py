@@ -18,12 +18,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kvx.redis_server import RedisClusterServers, RedisServer
 from kvx.store import codec, resp
 from kvx.store.errors import ChunkError, StoreClosedError, StoreFullError, StoreUnavailableError
 from kvx.store.redis import _SNDBUF_UNIX, RedisTier, RedisTierConfig, _ChunkSink, redact
 from kvx.store.resp import ConnectionLost, RespConnection, ValueTooLarge
 from kvx.store.tier import REMOVED, STORED, parse_tier_config
+from kvx.testing.redis_server import RedisClusterServers, RedisServer
 from tests.helpers import assert_same_bytes, need_redis, wait_for
 from tests.store.conftest import (
     MVS,

@@ -1,5 +1,5 @@
 """RedisTier through Redis Sentinel against real processes (no mocks): a master, one replica and three
-sentinels (kvx.redis_server.RedisSentinelServers; failures detected after 500 ms). Round trips, a
+sentinels (kvx.testing.redis_server.RedisSentinelServers; failures detected after 500 ms). Round trips, a
 SIGKILLed master replaced by its replica (replicated chunks still served, new puts on the new master,
 nothing waits on the dead one), a master demoted to a replica under open connections (-READONLY: no
 write lands on a replica), sentinels all down at open, the sentinels' own password, and config errors."""
@@ -14,10 +14,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kvx.redis_server import RedisSentinelServers, RedisServer
 from kvx.store.errors import ChunkError, StoreUnavailableError
 from kvx.store.redis import RedisTier, RedisTierConfig, _sentinel_url
 from kvx.store.tier import TierContext
+from kvx.testing.redis_server import RedisSentinelServers, RedisServer
 from tests.helpers import assert_same_bytes, need_redis, wait_for
 from tests.store.conftest import (
     FP,

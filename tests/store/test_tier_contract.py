@@ -1,5 +1,5 @@
 """The tier interface's contract, run against every tier: disk, Redis standalone, Redis Cluster (real
-servers, kvx.redis_server), and the parts that apply to the CPU pool's index.
+servers, kvx.testing.redis_server), and the parts that apply to the CPU pool's index.
 
 A third-party tier passes this file by adding a factory to TIERS."""
 

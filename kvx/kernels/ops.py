@@ -1,6 +1,6 @@
 """The one door to the copy kernels: validate, then run the chosen implementation.
 
-Ops (``layout`` is a :class:`kvx.layout.KVLayout` describing ``L`` layers of ``P`` planes):
+Ops (``layout`` is a :class:`kvx.kernels.layout.KVLayout` describing ``L`` layers of ``P`` planes):
 
 ==================  ===========================  ===============================================
 op                  ids                          contiguous side
@@ -31,62 +31,49 @@ CPU, ``cuda`` then ``triton`` on CUDA. :func:`available_impls` lists what this i
 Ops launch on the caller's current stream (``with torch.cuda.stream(s):`` to use another) and never
 synchronize the host.
 
-Host <-> device path (``impl="cuda"``, contiguous side in pinned host memory). Two ways move the bytes:
-the copy kernel reading/writing the mapped host memory over PCIe (capped at :data:`H2D_MAX_CTAS` = 8
-thread blocks, so at most 8 SMs, whatever ``max_ctas`` says above that), or DMA on the copy engines (no
-SM): the copy listed as runs of bytes contiguous on both sides (adjacent rows and blocks merged), issued
-with ``cudaMemcpyBatchAsync`` (CUDA >= 12.8, on any stream but the legacy default one) or one
-``cudaMemcpyAsync`` per run. Each DMA run has a fixed cost, so small pieces go faster through the kernel
-and large ones through DMA. Per call, ``path=None`` takes DMA when the copy's runs average at least
-:func:`h2d_dma_min_bytes` bytes, else the kernel. That threshold is measured once per device and process
-(:func:`calibrate_h2d`: both paths timed with CUDA events on runs of 4 KiB .. 1 MiB, each direction, about
-20 ms and one sync of its own stream, lazily at the first such copy unless called before) and chosen by
-:func:`choose_dma_min_bytes`; ``KVX_H2D_DMA_MIN_BYTES`` (bytes, ``0`` = always DMA) replaces the
-measurement. ``path="kernel"`` or ``path="dma"`` forces one (``"dma"`` also works with the contiguous side
-on the device). Other implementations take ``path=None`` only.
+Host <-> device copies of impl ``cuda`` (contiguous side in pinned host memory) go through the copy kernel or
+by DMA: :mod:`kvx.kernels.dma` holds that rule (``path=None``) and its calibration; ``path="kernel"`` or
+``path="dma"`` forces one (``"dma"`` also works with the contiguous side on the device). Other implementations
+take ``path=None`` only. The rule's public names are re-exported here (:func:`calibrate_h2d`, ...).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import threading
 from collections.abc import Sequence
 
 import torch
 
+# the compiled extension (None when it failed to import: the ops then say how to build it)
+from .._ext import BUILD_HINT as _BUILD_HINT
+from .._ext import ERROR as _C_ERROR
+from .._ext import C as _C
+from .._ext import require as _require_ext
 from . import reference
-from .layout import ContigDesc, CopyPlan, KVLayout, PagedDesc, _byte_span, non_overlapping
+from .dma import (  # noqa: F401 - the host <-> device rule (path=None follows it); its public names are the ops' too
+    DMA_NEVER,
+    H2D_ENV,
+    H2D_MAX_CTAS,
+    PATHS,
+    H2DCalibration,
+    calibrate_h2d,
+    choose_dma_min_bytes,
+    dma_min_run_bytes,
+    h2d_dma_min_bytes,
+    h2d_env_min_bytes,
+)
+from .layout import ContigDesc, CopyPlan, KVLayout, Op, PagedDesc, _byte_span, non_overlapping
 
 IMPLS = ("reference", "cpu", "triton", "cuda", "cuda_sim")
-PATHS = ("kernel", "dma")   # host <-> device paths of impl "cuda" (``path=``); None = by the measured rule
-
-H2D_MAX_CTAS = 8            # thread blocks (so SMs) the copy kernel may use for a host <-> device copy
 CUDA_SIM_SM_COUNT = 132     # SMs of the device impl "cuda_sim" emulates (an H100 SXM): its grid's fill cap
-DMA_NEVER = 2**63 - 1       # a DMA threshold no copy reaches: always the kernel
-H2D_ENV = "KVX_H2D_DMA_MIN_BYTES"
-
-_BLOCKS, _SLOTS = 0, 1
-_GATHER, _SCATTER = 0, 1
-_DIRECTIONS = ("gather", "scatter")   # index = _GATHER / _SCATTER
-
-try:  # the compiled extension is optional at import time; the ops say how to build it
-    from . import _C  # type: ignore[attr-defined]
-    _C_ERROR: str | None = None
-except ImportError as e:  # pragma: no cover - exercised only on broken installs
-    _C = None
-    _C_ERROR = str(e)
-
-_BUILD_HINT = ("the compiled extension kvx._C is not available ({err}); build it with `pip install .` "
-               "(or `pip install -e .`) from the kvx source tree, with a C++17 compiler on PATH")
 
 
 def _triton_usable(device: torch.device) -> bool:
     if _C is None:  # the Triton launcher takes its plan (row merging, word width) from kvx._C
         return False
     try:
-        from .triton_kernels import copy as _  # noqa: F401
+        from ..triton_kernels import copy as _  # noqa: F401
     except Exception:
         return False
     if device.type == "cuda":
@@ -122,23 +109,17 @@ def set_num_threads(n: int) -> None:
     _C.cpu_set_num_threads(n)
 
 
-def _require_ext():
-    if _C is None:
-        raise RuntimeError(_BUILD_HINT.format(err=_C_ERROR))
-    return _C
-
-
 # ---------------------------------------------------------------------------------------- ops
 def gather_blocks(layout: KVLayout, block_ids, out: torch.Tensor | None = None, *, impl: str | None = None,
                   max_ctas: int = 0, path: str | None = None) -> torch.Tensor:
     """Copy whole blocks of every layer into the canonical chunk ``[L, P, n*N, H, D]`` (returned)."""
-    return _run("blocks", _GATHER, layout, block_ids, out, impl, max_ctas, path)
+    return _run(Op.GATHER_BLOCKS, layout, block_ids, out, impl, max_ctas, path)
 
 
 def scatter_blocks(layout: KVLayout, block_ids, src: torch.Tensor, *, impl: str | None = None,
                    max_ctas: int = 0, path: str | None = None) -> None:
     """Write the canonical chunk ``src`` ``[L, P, n*N, H, D]`` into blocks ``block_ids`` of every layer."""
-    _run("blocks", _SCATTER, layout, block_ids, src, impl, max_ctas, path)
+    _run(Op.SCATTER_BLOCKS, layout, block_ids, src, impl, max_ctas, path)
 
 
 def gather_slots(layout: KVLayout, slot_ids, out: torch.Tensor | None = None, *, impl: str | None = None,
@@ -147,205 +128,25 @@ def gather_slots(layout: KVLayout, slot_ids, out: torch.Tensor | None = None, *,
 
     Rows of padding slots (negative ids) are left as they were in ``out``.
     """
-    return _run("slots", _GATHER, layout, slot_ids, out, impl, max_ctas, path)
+    return _run(Op.GATHER_SLOTS, layout, slot_ids, out, impl, max_ctas, path)
 
 
 def scatter_slots(layout: KVLayout, slot_ids, src: torch.Tensor, *, impl: str | None = None,
                   max_ctas: int = 0, path: str | None = None) -> None:
     """Write ``src`` ``[L, P, n, H, D]`` into the listed slots; negative slots are skipped."""
-    _run("slots", _SCATTER, layout, slot_ids, src, impl, max_ctas, path)
+    _run(Op.SCATTER_SLOTS, layout, slot_ids, src, impl, max_ctas, path)
 
 
 def gather_pages(layout: KVLayout, block_ids, out: torch.Tensor | None = None, *, impl: str | None = None,
                  max_ctas: int = 0, path: str | None = None) -> torch.Tensor:
     """Copy the raw bytes of whole pages into ``[L, S, n, segment_bytes]`` uint8 (returned)."""
-    return _run("pages", _GATHER, layout, block_ids, out, impl, max_ctas, path)
+    return _run(Op.GATHER_PAGES, layout, block_ids, out, impl, max_ctas, path)
 
 
 def scatter_pages(layout: KVLayout, block_ids, src: torch.Tensor, *, impl: str | None = None,
                   max_ctas: int = 0, path: str | None = None) -> None:
     """Write raw pages ``src`` ``[L, S, n, segment_bytes]`` uint8 into blocks ``block_ids``."""
-    _run("pages", _SCATTER, layout, block_ids, src, impl, max_ctas, path)
-
-
-# ---------------------------------------------------------------------------------------- host <-> device rule
-@dataclasses.dataclass(frozen=True)
-class H2DCalibration:
-    """What :func:`calibrate_h2d` measured on one device: milliseconds per copy of ``runs[i]`` runs of
-    ``run_bytes[i]`` bytes each (device memory <-> pinned host), by the kernel (``H2D_MAX_CTAS`` CTAs) and
-    by DMA, for ``gather`` (device -> host) and ``scatter`` (host -> device), and the thresholds
-    :func:`choose_dma_min_bytes` drew from them.
-
-    ``kernel_ms[d][i]`` / ``dma_ms[d][i]``: direction ``d`` (0 gather, 1 scatter), size ``i``.
-    ``dma_min_bytes[d]``: DMA from this mean run size on (:data:`DMA_NEVER`: never).
-    ``batched``: DMA went through ``cudaMemcpyBatchAsync`` (else one ``cudaMemcpyAsync`` per run).
-    """
-
-    device: torch.device
-    run_bytes: tuple[int, ...]
-    runs: tuple[int, ...]
-    kernel_ms: tuple[tuple[float, ...], tuple[float, ...]]
-    dma_ms: tuple[tuple[float, ...], tuple[float, ...]]
-    dma_min_bytes: tuple[int, int]
-    batched: bool
-
-
-def choose_dma_min_bytes(run_bytes: Sequence[int], kernel_ms: Sequence[float], dma_ms: Sequence[float]) -> int:
-    """The DMA threshold from timings of both paths over increasing run sizes.
-
-    Returns the smallest measured size from which DMA is at least as fast as the kernel at that size and
-    every larger one (a tie goes to DMA: it uses no SM), or :data:`DMA_NEVER` when the kernel wins at the
-    largest size. Sizes below the smallest measured one stay with the kernel. A size where the kernel wins
-    above one where DMA won (noise near the crossover) moves the threshold up past it.
-
-    Args:
-        run_bytes: ``[n]`` strictly increasing run sizes in bytes.
-        kernel_ms, dma_ms: ``[n]`` time per copy of each path at each size (any unit, the same for both).
-    """
-    sizes, k_ms, d_ms = list(run_bytes), list(kernel_ms), list(dma_ms)
-    if not sizes:
-        raise ValueError("run_bytes: expected at least one run size, got none")
-    if len(k_ms) != len(sizes) or len(d_ms) != len(sizes):
-        raise ValueError(f"kernel_ms, dma_ms: expected one time per run size ({len(sizes)}), got {len(k_ms)} and "
-                         f"{len(d_ms)}")
-    for i, b in enumerate(sizes):
-        if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or (i and b <= sizes[i - 1]):
-            raise ValueError(f"run_bytes: expected strictly increasing positive ints, got {sizes}")
-    for name, ts in (("kernel_ms", k_ms), ("dma_ms", d_ms)):
-        if any(not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0 for t in ts):
-            raise ValueError(f"{name}: expected positive finite times, got {ts}")
-    threshold = DMA_NEVER
-    for b, k, d in reversed(list(zip(sizes, k_ms, d_ms))):
-        if d > k:
-            break
-        threshold = b
-    return threshold
-
-
-def h2d_env_min_bytes() -> int | None:
-    """``KVX_H2D_DMA_MIN_BYTES`` as bytes (None when unset); ValueError naming it when malformed."""
-    raw = os.environ.get(H2D_ENV)
-    if raw is None or not raw.strip():
-        return None
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{H2D_ENV}: expected a non-negative integer (the mean run size in bytes from which "
-                         f"host <-> device copies use DMA; 0 = always), got {raw!r}")
-    return value
-
-
-def _cuda_device(device) -> torch.device:
-    try:
-        dev = torch.device("cuda" if device is None else device)
-    except (TypeError, RuntimeError) as e:
-        raise ValueError(f"device: expected a CUDA device, got {device!r} ({e})") from None
-    if dev.type != "cuda":
-        raise ValueError(f"device: expected a CUDA device, got {dev}")
-    return dev
-
-
-def h2d_dma_min_bytes(device: str | torch.device | None = None, direction: str = "scatter") -> int:
-    """Mean run size in bytes from which a host <-> device copy of impl ``cuda`` uses DMA (``path=None``).
-
-    ``KVX_H2D_DMA_MIN_BYTES`` when set, else the threshold :func:`calibrate_h2d` measured on ``device``
-    (measuring it on first use). ``direction``: ``"gather"`` (device -> host) or ``"scatter"`` (host ->
-    device). :data:`DMA_NEVER` means the kernel always.
-    """
-    if direction not in _DIRECTIONS:
-        raise ValueError(f"direction: expected 'gather' (device -> host) or 'scatter' (host -> device), got "
-                         f"{direction!r}")
-    dev = _cuda_device(device)
-    env = h2d_env_min_bytes()
-    if env is not None:
-        return env
-    return calibrate_h2d(dev).dma_min_bytes[_DIRECTIONS.index(direction)]
-
-
-_CAL_RUN_BYTES = tuple(4096 << k for k in range(9))    # 4 KiB .. 1 MiB
-_CAL_BYTES = 2 << 20        # bytes per timed copy: 4 .. 256 runs of a size
-_CAL_REPEATS = 3
-_CALIBRATIONS: dict[torch.device, H2DCalibration] = {}
-_CAL_LOCK = threading.Lock()
-
-
-def calibrate_h2d(device: str | torch.device | None = None, *, force: bool = False) -> H2DCalibration:
-    """Measure the kernel-or-DMA threshold of host <-> device copies on ``device`` (cached per process).
-
-    Times, on a stream of its own, copies of ``n`` runs of each size in 4 KiB .. 1 MiB (2 MiB per copy, 4 to
-    256 runs) between device memory and pinned host memory, through the kernel (``H2D_MAX_CTAS`` CTAs) and
-    through DMA, in both directions, with CUDA events; about 20 ms, and it synchronizes its own stream. The
-    ops call it on their first host <-> device copy with ``path=None`` (unless ``KVX_H2D_DMA_MIN_BYTES`` is
-    set); call it earlier to keep that out of the first copy. ``force=True`` measures again.
-    """
-    dev = _cuda_device(device)
-    ext = _require_ext()
-    if not getattr(ext, "has_cuda", False):
-        raise RuntimeError("calibrate_h2d: kvx._C was built without the CUDA kernels; rebuild with nvcc on PATH "
-                           "(KVX_CUDA=1)")
-    if dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    with _CAL_LOCK:
-        cal = None if force else _CALIBRATIONS.get(dev)
-        if cal is None:
-            cal = _measure_h2d(ext, dev)
-            _CALIBRATIONS[dev] = cal
-    return cal
-
-
-def _time_copy(fn, stream) -> float:
-    """Milliseconds per call of ``fn`` (which enqueues one copy on ``stream``), back to back after a warm-up,
-    from an idle stream so that the host's cost of issuing the copies is timed too."""
-    fn()
-    stream.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(stream)
-    for _ in range(_CAL_REPEATS):
-        fn()
-    end.record(stream)
-    end.synchronize()
-    return start.elapsed_time(end) / _CAL_REPEATS
-
-
-def _measure_h2d(ext, dev: torch.device) -> H2DCalibration:
-    runs = tuple(max(4, min(256, _CAL_BYTES // b)) for b in _CAL_RUN_BYTES)
-    most = max(n * b for n, b in zip(runs, _CAL_RUN_BYTES))
-    kernel_ms: tuple[list[float], list[float]] = ([], [])
-    dma_ms: tuple[list[float], list[float]] = ([], [])
-    with torch.cuda.device(dev):
-        stream = torch.cuda.Stream(dev)   # not the legacy default stream: DMA may batch, as on kvx's copy stream
-        with torch.cuda.stream(stream):
-            # runs of b bytes: every other b-byte piece of `paged` (never adjacent), dense in `host`
-            paged = torch.empty(2 * most, dtype=torch.uint8, device=dev)
-            host = torch.empty(most, dtype=torch.uint8, pin_memory=True)
-            host_alias = ext.cuda_host_device_pointer(host.data_ptr())
-            ids = torch.arange(max(runs), dtype=torch.int64)
-            ids_dev = ids.to(dev)
-            layers = torch.tensor([paged.data_ptr()], dtype=torch.int64)
-            layers_dev = layers.to(dev)
-            for b, n in zip(_CAL_RUN_BYTES, runs):
-                pd = ext.PagedDesc(plane_stride=0, block_stride=2 * b, token_stride=0, head_stride=0, num_blocks=n,
-                                   num_planes=1, block_size=1, num_heads=1)
-                cd = ext.ContigDesc(layer_stride=n * b, plane_stride=0, token_stride=b, head_stride=b)
-                for d in (_GATHER, _SCATTER):
-                    def kernel(d=d, n=n, b=b, pd=pd, cd=cd):
-                        ext.cuda_copy(layers.data_ptr(), layers_dev.data_ptr(), 1, ids_dev.data_ptr(), n, host_alias,
-                                      pd, cd, b, _BLOCKS, d, stream.cuda_stream, H2D_MAX_CTAS)
-
-                    def dma(d=d, n=n, b=b, pd=pd, cd=cd):
-                        ext.cuda_copy_dma(layers.data_ptr(), 1, ids.data_ptr(), n, host.data_ptr(), True, pd, cd, b,
-                                          _BLOCKS, d, stream.cuda_stream, 0)
-
-                    kernel_ms[d].append(_time_copy(kernel, stream))
-                    dma_ms[d].append(_time_copy(dma, stream))
-    k = (tuple(kernel_ms[0]), tuple(kernel_ms[1]))
-    m = (tuple(dma_ms[0]), tuple(dma_ms[1]))
-    return H2DCalibration(dev, _CAL_RUN_BYTES, runs, k, m,
-                          (choose_dma_min_bytes(_CAL_RUN_BYTES, k[0], m[0]),
-                           choose_dma_min_bytes(_CAL_RUN_BYTES, k[1], m[1])),
-                          bool(ext.cuda_batch_memcpy()))
+    _run(Op.SCATTER_PAGES, layout, block_ids, src, impl, max_ctas, path)
 
 
 # ---------------------------------------------------------------------------------------- validation
@@ -374,16 +175,16 @@ def _as_ids(name: str, ids) -> torch.Tensor:
     return t.to(torch.int64)
 
 
-def _check_ids(name: str, ids: torch.Tensor, kind: str, layout: KVLayout, direction: int) -> None:
+def _check_ids(name: str, ids: torch.Tensor, op: Op, layout: KVLayout) -> None:
     if ids.numel() == 0:
         return
-    if kind == "slots":
+    if op.slots:
         limit = layout.num_blocks * layout.block_size
         hi = int(ids.max())
         if hi >= limit:
             raise ValueError(f"{name}: expected slot ids in [0, {limit}) or negative for padding "
                              f"({layout.num_blocks} blocks x {layout.block_size} tokens), got max {hi}")
-        if direction == _SCATTER:
+        if not op.gather:
             valid = ids[ids >= 0]
             if valid.unique().numel() != valid.numel():
                 raise ValueError(f"{name}: expected distinct slot ids for a scatter (two rows would write the "
@@ -393,19 +194,19 @@ def _check_ids(name: str, ids: torch.Tensor, kind: str, layout: KVLayout, direct
     if lo < 0 or hi >= layout.num_blocks:
         raise ValueError(f"{name}: expected block ids in [0, {layout.num_blocks}), got "
                          f"{'min ' + str(lo) if lo < 0 else 'max ' + str(hi)}")
-    if direction == _SCATTER and ids.unique().numel() != ids.numel():
+    if not op.gather and ids.unique().numel() != ids.numel():
         raise ValueError(f"{name}: expected distinct block ids for a scatter (two chunks would write the same "
                          "block), got duplicates")
 
 
-def _check_buffer(arg: str, buf: torch.Tensor, kind: str, layout: KVLayout, n: int, direction: int) -> None:
+def _check_buffer(arg: str, buf: torch.Tensor, op: Op, layout: KVLayout, n: int) -> None:
     if not isinstance(buf, torch.Tensor):
         raise TypeError(f"{arg}: expected a torch.Tensor, got {type(buf).__name__}")
-    if kind == "pages":
+    if op.pages:
         shape, dtype = layout.page_shape(n), torch.uint8
         what = "raw-page chunk [L, S, n, segment_bytes]"
     else:
-        shape = layout.canonical_shape(n * layout.block_size if kind == "blocks" else n)
+        shape = layout.canonical_shape(n if op.slots else n * layout.block_size)
         dtype, what = layout.dtype, "canonical chunk [L, P, T, H, D]"
     if buf.dtype != dtype:
         raise TypeError(f"{arg}: expected dtype {dtype} for the {what}, got {buf.dtype}")
@@ -420,7 +221,7 @@ def _check_buffer(arg: str, buf: torch.Tensor, kind: str, layout: KVLayout, n: i
     elif buf.device != dev and not (buf.device.type == "cpu" and buf.is_pinned()):
         raise ValueError(f"{arg}: expected a tensor on {dev} or in pinned host memory, got "
                          f"{'pageable host memory' if buf.device.type == 'cpu' else buf.device}")
-    if direction == _GATHER and not non_overlapping(buf.shape, buf.stride()):
+    if op.gather and not non_overlapping(buf.shape, buf.stride()):
         raise ValueError(f"{arg}: its elements overlap in memory (stride {buf.stride()}); the output must not "
                          "alias itself")
     if buf.numel() and buf.device == dev:
@@ -451,10 +252,10 @@ def _pick_impl(impl: str | None, layout: KVLayout, buf: torch.Tensor) -> str:
     return impl
 
 
-def _plan(kind: str, layout: KVLayout, buf: torch.Tensor, n: int) -> CopyPlan:
+def _plan(op: Op, layout: KVLayout, buf: torch.Tensor, n: int) -> CopyPlan:
     item = buf.element_size()
     layer_stride, plane_stride, token_stride, head_stride = (int(s) * item for s in buf.stride()[:4])
-    if kind == "pages":
+    if op.pages:
         # [L, S, n, segment_bytes]: segments are the planes, ids the tokens, one "head" of one segment
         g = layout.page
         paged = PagedDesc(plane_stride=g.segment_stride, block_stride=layout.paged.block_stride, token_stride=0,
@@ -462,11 +263,10 @@ def _plan(kind: str, layout: KVLayout, buf: torch.Tensor, n: int) -> CopyPlan:
                           num_heads=1)
         contig = ContigDesc(layer_stride=layer_stride, plane_stride=plane_stride, token_stride=token_stride,
                             head_stride=g.segment_bytes)
-        return CopyPlan(paged, contig, g.segment_bytes, layout.num_layers, n, _BLOCKS)
+        return CopyPlan(paged, contig, g.segment_bytes, layout.num_layers, n, op.c_mode)
     contig = ContigDesc(layer_stride=layer_stride, plane_stride=plane_stride, token_stride=token_stride,
                         head_stride=head_stride)
-    return CopyPlan(layout.paged, contig, layout.row_bytes, layout.num_layers, n,
-                    _BLOCKS if kind == "blocks" else _SLOTS)
+    return CopyPlan(layout.paged, contig, layout.row_bytes, layout.num_layers, n, op.c_mode)
 
 
 _PAGED_FIELDS = tuple(f.name for f in dataclasses.fields(PagedDesc))
@@ -485,34 +285,29 @@ def _c_descs(plan: CopyPlan) -> tuple:
             ext.ContigDesc(**{f: getattr(plan.contig, f) for f in _CONTIG_FIELDS}))
 
 
-_REFERENCE = {
-    ("blocks", _GATHER): reference.gather_blocks, ("blocks", _SCATTER): reference.scatter_blocks,
-    ("slots", _GATHER): reference.gather_slots, ("slots", _SCATTER): reference.scatter_slots,
-    ("pages", _GATHER): reference.gather_pages, ("pages", _SCATTER): reference.scatter_pages,
-}
+_REFERENCE = {op: getattr(reference, op.value) for op in Op}   # the oracle's function of the same name
 
 
-def _check(kind: str, direction: int, layout: KVLayout, ids, buf, impl, max_ctas, path):
+def _check(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path):
     """Validate one op's arguments; returns ``(ids, buf, impl)``: the ids as an int64 CPU tensor, the buffer
     (allocated for a gather without ``out``) and the implementation to run."""
     if not isinstance(layout, KVLayout):
-        raise TypeError(f"layout: expected a kvx.layout.KVLayout, got {type(layout).__name__}")
-    if layout.opaque and kind != "pages":
+        raise TypeError(f"layout: expected a kvx.kernels.layout.KVLayout, got {type(layout).__name__}")
+    if layout.opaque and not op.pages:
         raise ValueError(f"layout: {layout.name!r} pages are packed by the attention backend (opaque bytes); only "
                          "whole pages can be copied (gather_pages/scatter_pages), not tokens or canonical chunks")
-    if kind == "pages" and layout.page is None:
+    if op.pages and layout.page is None:
         layout.page_shape(0)  # raises the explanatory error
-    id_name = "slot_ids" if kind == "slots" else "block_ids"
-    ids = _as_ids(id_name, ids)
-    _check_ids(id_name, ids, kind, layout, direction)
+    ids = _as_ids(op.id_name, ids)
+    _check_ids(op.id_name, ids, op, layout)
     n = ids.numel()
     if buf is None:
-        if direction == _SCATTER:
+        if not op.gather:
             raise TypeError("src: expected a tensor to scatter, got None")
-        shape = layout.page_shape(n) if kind == "pages" else layout.canonical_shape(
-            n * layout.block_size if kind == "blocks" else n)
-        buf = torch.empty(shape, dtype=torch.uint8 if kind == "pages" else layout.dtype, device=layout.device)
-    _check_buffer("out" if direction == _GATHER else "src", buf, kind, layout, n, direction)
+        shape = layout.page_shape(n) if op.pages else layout.canonical_shape(
+            n if op.slots else n * layout.block_size)
+        buf = torch.empty(shape, dtype=torch.uint8 if op.pages else layout.dtype, device=layout.device)
+    _check_buffer("out" if op.gather else "src", buf, op, layout, n)
     if not isinstance(max_ctas, int) or max_ctas < 0:
         raise ValueError(f"max_ctas: expected an int >= 0 (0 = no cap), got {max_ctas!r}")
     if path is not None and path not in PATHS:
@@ -524,34 +319,41 @@ def _check(kind: str, direction: int, layout: KVLayout, ids, buf, impl, max_ctas
     return ids, buf, impl
 
 
-def _run(kind: str, direction: int, layout: KVLayout, ids, buf, impl, max_ctas, path):
-    ids, buf, impl = _check(kind, direction, layout, ids, buf, impl, max_ctas, path)
+def _run(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path):
+    ids, buf, impl = _check(op, layout, ids, buf, impl, max_ctas, path)
     if ids.numel():
-        _execute(kind, direction, layout, ids, buf, impl, max_ctas, path)
+        _execute(op, layout, ids, buf, impl, max_ctas, path)
     return buf
 
 
-def _execute(kind: str, direction: int, layout: KVLayout, ids, buf, impl, max_ctas, path, ids_dev=None) -> None:
+def _execute(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path, ids_dev=None) -> None:
     """Run a validated copy (:func:`_check`). ``ids_dev``: the ids already on the cache's device (CUDA)."""
     if impl == "reference":
-        _REFERENCE[(kind, direction)](layout, ids, buf)
+        _REFERENCE[op](layout, ids, buf)
         return
-    plan = _plan(kind, layout, buf, ids.numel())
+    plan = _plan(op, layout, buf, ids.numel())
     if impl == "cpu":
         paged, contig = _c_descs(plan)
         _C.cpu_copy(layout.layer_ptrs().data_ptr(), plan.num_layers, ids.data_ptr(), plan.num_ids, buf.data_ptr(),
-                    paged, contig, plan.row_bytes, plan.mode, direction)
+                    paged, contig, plan.row_bytes, plan.mode, op.c_direction)
     elif impl == "cuda":
-        _run_cuda(plan, layout, ids, buf, direction, max_ctas, path, ids_dev)
+        _run_cuda(plan, layout, ids, buf, op, max_ctas, path, ids_dev)
     elif impl == "cuda_sim":
-        _run_cuda_sim(plan, layout, ids, buf, direction, max_ctas)
+        _run_cuda_sim(plan, layout, ids, buf, op, max_ctas)
     else:
-        _run_triton(plan, layout, ids, buf, direction)
+        _run_triton(plan, layout, ids, buf, op)
 
 
-_OPS = {"gather_blocks": ("blocks", _GATHER), "scatter_blocks": ("blocks", _SCATTER),
-        "gather_slots": ("slots", _GATHER), "scatter_slots": ("slots", _SCATTER),
-        "gather_pages": ("pages", _GATHER), "scatter_pages": ("pages", _SCATTER)}
+@dataclasses.dataclass(slots=True)
+class _Copy:
+    """One copy of a :class:`CopyBatch`, checked by :meth:`CopyBatch.add`. Owned by its batch: added and run by
+    the batch's thread (a copy job), never by two threads at once."""
+
+    op: Op
+    ids: torch.Tensor                       # int64, on the CPU
+    buf: torch.Tensor                       # the contiguous side, every layer of the batch's layout
+    impl: str
+    ids_dev: torch.Tensor | None = None     # impl "cuda": the ids on the device, uploaded by the first run
 
 
 class CopyBatch:
@@ -559,7 +361,8 @@ class CopyBatch:
     layer range: what a layer-wise pipeline issues for each layer (every chunk of a step), without paying
     each op's argument checks per layer, and on CPU in one parallel region per range.
 
-    ``add(op, ids, buf)`` takes the arguments of the op of that name (``"scatter_blocks"``, ...), with
+    ``add(op, ids, buf)`` takes the arguments of the op of that name (``"scatter_blocks"``, ... or its
+    :class:`kvx.kernels.layout.Op`), with
     ``buf`` holding every layer of ``layout``, and checks them as the op does (same errors). ``run(a, b)``
     copies layers ``[a, b)`` of every added copy, in the order added; ``run()`` all layers. Copies of one
     batch must not overlap (a scatter's blocks are distinct across the batch, as within one op); the CPU
@@ -569,10 +372,10 @@ class CopyBatch:
     def __init__(self, layout: KVLayout, *, impl: str | None = None, max_ctas: int = 0,
                  path: str | None = None):
         if not isinstance(layout, KVLayout):
-            raise TypeError(f"layout: expected a kvx.layout.KVLayout, got {type(layout).__name__}")
+            raise TypeError(f"layout: expected a kvx.kernels.layout.KVLayout, got {type(layout).__name__}")
         self.layout = layout
         self._impl, self._max_ctas, self._path = impl, max_ctas, path
-        self._items: list[list] = []       # [kind, direction, ids, buf, impl, ids on the device or None]
+        self._items: list[_Copy] = []
         self._bytes = 0                    # of every copy, every layer: the transfer a run is part of
         self._blocks: set[int] = set()     # written by the scatters so far: whole blocks,
         self._slots: set[int] = set()      # single slots,
@@ -581,25 +384,25 @@ class CopyBatch:
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, op: str, ids, buf: torch.Tensor) -> None:
-        if op not in _OPS:
-            raise ValueError(f"op: expected one of {tuple(_OPS)}, got {op!r}")
-        kind, direction = _OPS[op]
+    def add(self, op: str | Op, ids, buf: torch.Tensor) -> None:
+        try:
+            op = Op(op)
+        except ValueError:
+            raise ValueError(f"op: expected one of {tuple(o.value for o in Op)}, got {op!r}") from None
         if buf is None:
-            raise TypeError(f"{'out' if direction == _GATHER else 'src'}: expected a tensor, got None")
-        ids, buf, impl = _check(kind, direction, self.layout, ids, buf, self._impl, self._max_ctas, self._path)
+            raise TypeError(f"{'out' if op.gather else 'src'}: expected a tensor, got None")
+        ids, buf, impl = _check(op, self.layout, ids, buf, self._impl, self._max_ctas, self._path)
         if not ids.numel():
             return
-        if direction == _SCATTER:
-            self._claim(kind, ids)
-        self._items.append([kind, direction, ids, buf, impl, None])
+        if not op.gather:
+            self._claim(op, ids)
+        self._items.append(_Copy(op, ids, buf, impl))
         self._bytes += buf.numel() * buf.element_size()
 
-    def _claim(self, kind: str, ids: torch.Tensor) -> None:
+    def _claim(self, op: Op, ids: torch.Tensor) -> None:
         """Refuse a scatter that writes what an earlier scatter of the batch writes (their order within a
         batch is not defined)."""
-        name = "slot_ids" if kind == "slots" else "block_ids"
-        if kind == "slots":
+        if op.slots:
             slots = [s for s in ids.tolist() if s >= 0]
             blocks = {s // self.layout.block_size for s in slots}
             clash = (self._slots.intersection(slots) or blocks & self._blocks)
@@ -613,8 +416,8 @@ class CopyBatch:
             if not clash:
                 self._blocks |= blocks
                 return
-        raise ValueError(f"{name}: expected blocks and slots no earlier scatter of this batch writes (copies of a "
-                         f"batch run in no defined order), got {sorted(clash)[:8]} again")
+        raise ValueError(f"{op.id_name}: expected blocks and slots no earlier scatter of this batch writes (copies "
+                         f"of a batch run in no defined order), got {sorted(clash)[:8]} again")
 
     def run(self, start: int = 0, end: int | None = None) -> None:
         """Copy layers ``[start, end)`` (``end`` None: the last layer) of every added copy."""
@@ -626,26 +429,26 @@ class CopyBatch:
         i = 0
         while i < len(self._items):
             item = self._items[i]
-            kind, direction, ids, buf, impl = item[:5]
+            buf = item.buf
             part = buf.narrow(0, start, end - start) if sub is not layout else buf
-            if impl != "cpu":
-                if impl == "cuda" and item[5] is None:   # the ids go to the device once, not once per range
-                    item[5] = _device_ids(ids, layout.device)
-                _execute(kind, direction, sub, ids, part, impl, self._max_ctas, self._path, item[5])
+            if item.impl != "cpu":
+                if item.impl == "cuda" and item.ids_dev is None:   # the ids go to the device once, not per range
+                    item.ids_dev = _device_ids(item.ids, layout.device)
+                _execute(item.op, sub, item.ids, part, item.impl, self._max_ctas, self._path, item.ids_dev)
                 i += 1
                 continue
             # CPU: this copy and the following ones of the same geometry, in one call
             j = i + 1
-            while j < len(self._items) and self._items[j][:2] == [kind, direction] and self._items[j][4] == "cpu" \
-                    and self._items[j][3].stride() == buf.stride() and self._items[j][3].dtype == buf.dtype:
+            while j < len(self._items) and (nxt := self._items[j]).op is item.op and nxt.impl == "cpu" \
+                    and nxt.buf.stride() == buf.stride() and nxt.buf.dtype == buf.dtype:
                 j += 1
-            plan = _plan(kind, sub, part, ids.numel())
+            plan = _plan(item.op, sub, part, item.ids.numel())
             paged, contig = _c_descs(plan)
             offset = start * buf.stride(0) * buf.element_size()
             group = self._items[i:j]
-            _C.cpu_copy_many(sub.layer_ptrs().data_ptr(), plan.num_layers, [it[2].data_ptr() for it in group],
-                             [it[2].numel() for it in group], [it[3].data_ptr() + offset for it in group],
-                             paged, contig, plan.row_bytes, plan.mode, direction, whole_bytes=self._bytes)
+            _C.cpu_copy_many(sub.layer_ptrs().data_ptr(), plan.num_layers, [it.ids.data_ptr() for it in group],
+                             [it.ids.numel() for it in group], [it.buf.data_ptr() + offset for it in group],
+                             paged, contig, plan.row_bytes, plan.mode, item.op.c_direction, whole_bytes=self._bytes)
             i = j
 
 
@@ -655,19 +458,18 @@ def _device_ids(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     return ids.pin_memory().to(device, non_blocking=True)
 
 
-def _run_cuda(plan: CopyPlan, layout: KVLayout, ids, buf, direction, max_ctas, path, ids_dev=None):
+def _run_cuda(plan: CopyPlan, layout: KVLayout, ids, buf, op: Op, max_ctas, path, ids_dev=None):
     # The caller's current stream on the cache's device; entering it also makes that device current.
     stream = torch.cuda.current_stream(layout.device)
     host = buf.device.type == "cpu"
     with torch.cuda.stream(stream):
-        if path == "dma" or (path is None and host):
-            # DMA from the host-side tables; the C++ side declines (nothing issued) when the runs average
-            # fewer bytes than the threshold, and the kernel below takes the copy.
-            min_run = 0 if path == "dma" else h2d_dma_min_bytes(layout.device, _DIRECTIONS[direction])
-            if min_run < DMA_NEVER and _C.cuda_copy_dma(
-                    layout.layer_ptrs().data_ptr(), plan.num_layers, ids.data_ptr(), plan.num_ids, buf.data_ptr(),
-                    host, *_c_descs(plan), plan.row_bytes, plan.mode, direction, stream.cuda_stream, min_run):
-                return
+        # DMA from the host-side tables; the C++ side declines (nothing issued) when the runs average fewer bytes
+        # than the rule's threshold, and the kernel below takes the copy.
+        min_run = dma_min_run_bytes(layout.device, op, path, host)
+        if min_run < DMA_NEVER and _C.cuda_copy_dma(
+                layout.layer_ptrs().data_ptr(), plan.num_layers, ids.data_ptr(), plan.num_ids, buf.data_ptr(),
+                host, *_c_descs(plan), plan.row_bytes, plan.mode, op.c_direction, stream.cuda_stream, min_run):
+            return
         if ids_dev is None:
             ids_dev = _device_ids(ids, layout.device)
         contig = buf.data_ptr()
@@ -677,7 +479,7 @@ def _run_cuda(plan: CopyPlan, layout: KVLayout, ids, buf, direction, max_ctas, p
             max_ctas = min(max_ctas, H2D_MAX_CTAS) if max_ctas else H2D_MAX_CTAS
         _C.cuda_copy(layout.layer_ptrs().data_ptr(), layout.layer_ptrs(layout.device).data_ptr(), plan.num_layers,
                      ids_dev.data_ptr(), plan.num_ids, contig, *_c_descs(plan), plan.row_bytes, plan.mode,
-                     direction, stream.cuda_stream, max_ctas)
+                     op.c_direction, stream.cuda_stream, max_ctas)
 
 
 def _cuda_sim_args(plan: CopyPlan, layout: KVLayout, ids: torch.Tensor, buf: torch.Tensor) -> tuple:
@@ -694,18 +496,18 @@ def _cuda_sim_args(plan: CopyPlan, layout: KVLayout, ids: torch.Tensor, buf: tor
                     plan.num_ids, buf.data_ptr(), lo, hi, *_c_descs(plan))
 
 
-def _run_cuda_sim(plan: CopyPlan, layout: KVLayout, ids, buf, direction, max_ctas):
+def _run_cuda_sim(plan: CopyPlan, layout: KVLayout, ids, buf, op: Op, max_ctas):
     _bounds, args = _cuda_sim_args(plan, layout, ids, buf)   # held: the call reads the bounds by address
-    _C.cuda_sim_copy(*args, plan.row_bytes, plan.mode, direction, CUDA_SIM_SM_COUNT, max_ctas)
+    _C.cuda_sim_copy(*args, plan.row_bytes, plan.mode, op.c_direction, CUDA_SIM_SM_COUNT, max_ctas)
 
 
-def _run_triton(plan: CopyPlan, layout: KVLayout, ids, buf, direction):
-    from .triton_kernels import copy as tk
+def _run_triton(plan: CopyPlan, layout: KVLayout, ids, buf, op: Op):
+    from ..triton_kernels import copy as tk
 
     if layout.device.type == "cuda":
         # The caller's current stream on the cache's device; entering it also makes that device current.
         with torch.cuda.stream(torch.cuda.current_stream(layout.device)):
-            tk.copy_rows(plan, layout.layer_ptrs(), _device_ids(ids, layout.device), buf, direction,
+            tk.copy_rows(plan, layout.layer_ptrs(), _device_ids(ids, layout.device), buf, op.c_direction,
                          anchor=layout.plane_views(0)[0])
     else:
-        tk.copy_rows(plan, layout.layer_ptrs(), ids, buf, direction, anchor=layout.plane_views(0)[0])
+        tk.copy_rows(plan, layout.layer_ptrs(), ids, buf, op.c_direction, anchor=layout.plane_views(0)[0])

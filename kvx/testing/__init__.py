@@ -1,9 +1,19 @@
-"""Builders of paged KV caches in every layout, allocated the way their engines allocate them, and the
-end-of-step hook orders of vLLM's model runners (:func:`end_step`).
+"""Test and benchmark tooling of kvx (not imported by the product: :mod:`kvx.kernels`, :mod:`kvx.engine`,
+:mod:`kvx.store`, :mod:`kvx.connector`).
 
-Used by the tests and the benchmarks. vLLM >= 0.32 layouts are views of one int8 buffer for all layers
-(as ``vllm.v1.kv_cache_interface.create_kv_cache_views`` makes them); legacy layouts are one tensor
-per layer. ``padded=True`` adds unused bytes to each row / page so the views are non-contiguous.
+- this module: builders of paged KV caches in every layout, allocated the way their engines allocate them, and
+  the end-of-step hook orders of vLLM's model runners (:data:`RUNNER_ORDERS`, :func:`end_step`);
+- :mod:`.harness`: a random-weight model built locally and an in-process vLLM engine with kvx;
+- :mod:`.vllm_server`: ``vllm serve`` as a subprocess and its HTTP client helpers;
+- :mod:`.redis_server`: real ``redis-server`` processes (standalone, cluster, sentinel);
+- :mod:`.bench`: the copy-kernel benchmark (``kvx bench``); :mod:`.demo`: cold vs warm vLLM (``kvx demo``).
+
+Importing this module imports torch and :mod:`kvx.kernels.layout` only; the others import vLLM, Redis clients
+or aiohttp where they use them. Used by the tests and the benchmarks.
+
+Cache builders: vLLM >= 0.32 layouts are views of one int8 buffer for all layers (as
+``vllm.v1.kv_cache_interface.create_kv_cache_views`` makes them); legacy layouts are one tensor per layer.
+``padded=True`` adds unused bytes to each row / page so the views are non-contiguous.
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ from typing import TypeVar
 
 import torch
 
-from .layout import KVLayout
+from ..kernels.layout import KVLayout
 
 # physical order of the logical [L, B, H, N, C] dims (as vLLM's KVCacheLayout values)
 _ORDERS = {"LBNHC": (0, 1, 3, 2, 4), "LBHNC": (0, 1, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4),
@@ -36,7 +46,7 @@ def random_fill_(t: torch.Tensor, generator: torch.Generator | None = None) -> t
 def make_kv_caches(layout: str, *, num_layers: int, num_blocks: int, block_size: int, num_heads: int,
                    head_size: int, dtype: torch.dtype, device: str | torch.device = "cpu",
                    padded: bool = False, generator: torch.Generator | None = None) -> list[torch.Tensor]:
-    """Per-layer cache tensors in ``layout`` (one of :data:`kvx.layout.LAYOUTS`), filled with random bytes.
+    """Per-layer cache tensors in ``layout`` (one of :data:`kvx.kernels.layout.LAYOUTS`), filled with random bytes.
 
     ``head_size`` is D (the packed vLLM layouts get ``C = 2D``; ``mla`` gets ``C = D`` and one head).
     """

@@ -1,6 +1,6 @@
 """Pure-torch reference of every copy op: the oracle the compiled kernels are tested against.
 
-Same semantics as :mod:`kvx.ops` (which validates the arguments and then may call these): it indexes
+Same semantics as :mod:`kvx.kernels.ops` (which validates the arguments and then may call these): it indexes
 the layout's logical plane views ``[B, N, H, D]`` with torch, so it shares no address arithmetic with
 the kernels. Negative slots are padding: skipped on read and on write.
 

@@ -35,6 +35,7 @@ the fast path when source and destination layouts are identical.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -83,12 +84,60 @@ class PageGeometry:
         return self.segments * self.segment_bytes
 
 
+class Op(enum.Enum):
+    """A copy op of :mod:`kvx.kernels.ops`: which way (gather: paged cache -> contiguous side; scatter: back) and
+    what the ids name (whole blocks, single slots, raw pages of whole blocks). The value is the op's name: its
+    function in :mod:`kvx.kernels.ops` and the ``op`` of :meth:`kvx.kernels.ops.CopyBatch.add`.
+
+    The one encoding of an op in Python; the extension's integers (:attr:`c_mode`, :attr:`c_direction`) are
+    read only where a kernel is called. Immutable: any thread.
+    """
+
+    GATHER_BLOCKS = "gather_blocks"
+    SCATTER_BLOCKS = "scatter_blocks"
+    GATHER_SLOTS = "gather_slots"
+    SCATTER_SLOTS = "scatter_slots"
+    GATHER_PAGES = "gather_pages"
+    SCATTER_PAGES = "scatter_pages"
+
+    @property
+    def gather(self) -> bool:
+        """Paged cache -> contiguous side (False: a scatter, contiguous side -> paged cache)."""
+        return self.value.startswith("gather_")
+
+    @property
+    def slots(self) -> bool:
+        """The ids are slots (``block * N + offset``; negative = padding), one token each."""
+        return self.value.endswith("_slots")
+
+    @property
+    def pages(self) -> bool:
+        """The ids are blocks copied as raw pages (``[L, S, n, segment_bytes]`` uint8)."""
+        return self.value.endswith("_pages")
+
+    @property
+    def id_name(self) -> str:
+        """The ids' argument name, as errors say it."""
+        return "slot_ids" if self.slots else "block_ids"
+
+    @property
+    def c_mode(self) -> int:
+        """The extension's id mode (``kvx::CopyParams::mode``): 0 block ids (pages too), 1 slot ids."""
+        return 1 if self.slots else 0
+
+    @property
+    def c_direction(self) -> int:
+        """The extension's direction argument: 0 gather, 1 scatter."""
+        return 0 if self.gather else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class CopyPlan:
     """Everything a backend needs for one copy, mirrored by ``kvx::CopyParams`` (before collapsing).
 
-    ``mode`` is 0 for block ids, 1 for slot ids. ``kvx.ops`` hands ``paged`` and ``contig`` to the
-    compiled kernels field by field, by name (``kvx._C.PagedDesc`` / ``kvx._C.ContigDesc``).
+    ``mode`` is the extension's id mode, :attr:`Op.c_mode` (0 block ids, 1 slot ids). ``kvx.kernels.ops`` hands
+    ``paged`` and ``contig`` to the compiled kernels field by field, by name (``kvx._C.PagedDesc`` /
+    ``kvx._C.ContigDesc``).
     """
 
     paged: PagedDesc

@@ -10,10 +10,10 @@ import importlib
 import sys
 
 COMMANDS = {
-    "bench": ("kvx.bench", "copy-kernel benchmark: GB/s and % of a memcpy roof, vs torch indexing"),
-    "demo": ("kvx.demo", "tiny local Llama on vLLM: cold run, then a fresh engine warm from the kvx store"),
+    "bench": ("kvx.testing.bench", "copy-kernel benchmark: GB/s and % of a memcpy roof, vs torch indexing"),
+    "demo": ("kvx.testing.demo", "tiny local Llama on vLLM: cold run, then a fresh engine warm from the kvx store"),
     "store": ("kvx.store.cli", "inspect, verify or clear a kvx disk store"),
-    "pd-proxy": ("kvx.pd_proxy", "prefill/decode proxy: prompt on a kv_producer, answer from a kv_consumer"),
+    "pd-proxy": ("kvx.tools.pd_proxy", "prefill/decode proxy: prompt on a kv_producer, answer from a kv_consumer"),
 }
 
 

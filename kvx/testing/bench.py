@@ -27,9 +27,10 @@ from collections.abc import Callable
 
 import torch
 
-from . import ops
-from .layout import KVLayout
-from .testing import make_kv_caches
+from .. import _ext
+from ..kernels import ops
+from ..kernels.layout import KVLayout
+from . import make_kv_caches
 
 
 @dataclasses.dataclass
@@ -150,8 +151,7 @@ def _setup(case: Case, device: str, host: bool, g: torch.Generator):
 
 def _per_block_memcpy(lay: KVLayout, ids: torch.Tensor, buf: torch.Tensor, gather: bool, stream: int):
     """Baseline: one cudaMemcpyAsync per (layer, block) page (vLLM's old swap_blocks)."""
-    from . import _C
-
+    _C = _ext.require()
     g = lay.page
     page = g.segment_bytes
     n = ids.numel()
@@ -194,7 +194,7 @@ def run(device: str = "cpu", quick: bool = False, repeats: int = 15, impls: list
                 src, dst = (flat_a, flat_b) if gather else (flat_b, flat_a)
                 fns = [lambda: dst.copy_(src, non_blocking=True)]
             else:
-                from . import _C
+                _C = _ext.require()
                 fns = [lambda: _C.cpu_memcpy(flat_b.data_ptr(), flat_a.data_ptr(), nbytes)]
             labels = ["memcpy (roof)"]
             fn = getattr(ops, case.op)
@@ -255,7 +255,7 @@ def run_h2d(quick: bool = False, repeats: int = 15, log: Callable[[str], None] =
     Each piece size is a vLLM >= 0.32 LBNHC cache (bf16, one head of 64: 256 bytes per token) whose block
     size makes one page of one layer ``piece`` bytes; 8 layers, even block ids only (no two pages adjacent:
     every page is its own run), ``32 MiB`` per copy (``8 MiB`` with ``quick``), all on a side stream (as
-    kvx's engine copies). The rule's threshold comes from :func:`kvx.ops.calibrate_h2d`, measured first.
+    kvx's engine copies). The rule's threshold comes from :func:`kvx.kernels.dma.calibrate_h2d`, measured first.
     """
     g = torch.Generator().manual_seed(0)
     stream = torch.cuda.Stream()
@@ -324,7 +324,7 @@ def write_h2d_results(rows: list[H2DRow], cal, path_stem: str, command: str) -> 
              f"per page. Kernel: the UVA copy kernel capped at {ops.H2D_MAX_CTAS} CTAs (so <= "
              f"{ops.H2D_MAX_CTAS} SMs). DMA: "
              f"{'`cudaMemcpyBatchAsync`' if cal.batched else 'one `cudaMemcpyAsync` per run (no batched API)'}. "
-             f"kvx auto: the rule, DMA from a mean run of {thresholds} (measured by `kvx.ops.calibrate_h2d`, "
+             f"kvx auto: the rule, DMA from a mean run of {thresholds} (measured by `kvx.kernels.dma.calibrate_h2d`, "
              "below). Targets: the chosen path >= 45 GB/s, and >= 5x per-block `cudaMemcpyAsync` for pieces "
              "<= 16 KiB.", "",
              "| direction | piece | pieces | roof GB/s | kernel GB/s | DMA GB/s | per-block GB/s | kernel x block | "
@@ -339,9 +339,9 @@ def write_h2d_results(rows: list[H2DRow], cal, path_stem: str, command: str) -> 
             lines.append(f"| {direction} | {_fmt_bytes(piece)} | {kern.pieces} | {roof.gbs:.1f} | {kern.gbs:.1f} | "
                          f"{dma.gbs:.1f} | {each.gbs:.1f} | {kern.x_each:.1f}x | {dma.x_each:.1f}x | "
                          f"{auto.auto_path} | {auto.gbs:.1f} | {auto.x_each:.1f}x |")
-    lines += ["", f"Calibration (`kvx.ops.calibrate_h2d`, {cal.device}): ms per copy of `runs` runs of `run` bytes, "
-              "kernel vs DMA; the threshold is the smallest size from which DMA is at least as fast at every "
-              f"larger size. Threshold: {thresholds}.", "",
+    lines += ["", f"Calibration (`kvx.kernels.dma.calibrate_h2d`, {cal.device}): ms per copy of `runs` runs of "
+              "`run` bytes, kernel vs DMA; the threshold is the smallest size from which DMA is at least as fast at "
+              f"every larger size. Threshold: {thresholds}.", "",
               "| run | runs | d->h kernel ms | d->h DMA ms | h->d kernel ms | h->d DMA ms |",
               "|---:|---:|---:|---:|---:|---:|"]
     for i, b in enumerate(cal.run_bytes):
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="cpu or cuda (default: cuda when present)")
     ap.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--impls", default=None, help="comma-separated subset of kvx.ops.IMPLS")
+    ap.add_argument("--impls", default=None, help="comma-separated subset of kvx.kernels.ops.IMPLS")
     ap.add_argument("--out", default=None, help="results path stem (default: benchmarks/results/copy_<device>; "
                                                 "the CUDA host <-> device sweep goes to copy_h2d_cuda beside it)")
     ap.add_argument("--h2d-only", action="store_true", help="CUDA: only the host <-> device sweep")

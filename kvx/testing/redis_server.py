@@ -210,7 +210,7 @@ class RedisServer:
         with self._lock:
             if self.running:
                 return
-            for attempt in range(5):
+            for _attempt in range(5):
                 self._spawn()
                 err = self._wait_ready()
                 if err is None:
