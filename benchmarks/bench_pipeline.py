@@ -1,7 +1,7 @@
 """Layer-wise loads and saves of the connector's worker against a synthetic forward, on a GPU.
 
 Two targets of the layer-wise pipeline, measured on :class:`kvx.connector.worker.KVXWorker` built by hand
-(as ``tests/gpu/test_worker_pipeline.py`` builds it: an ``EngineGeometry``, a ``KVXConfig`` with a CPU tier,
+(as ``tests/worker/test_worker_pipeline.py`` builds it: an ``EngineGeometry``, a ``KVXConfig`` with a CPU tier,
 per-layer caches as vLLM >= 0.32 hands them over; no vLLM) and driven through vLLM's per-step hooks with
 hand-written ``KVXMetadata``::
 

@@ -20,7 +20,7 @@ KVX_CUDA=1 KVX_CUDA_ARCHS="${KVX_CUDA_ARCHS:-90}" "$PY" -m pip install --no-buil
 # cuda_sim (CPU) and its GPU twins in one run: the emulated launch decisions next to the device's own
 "$PY" -m pytest tests/kernels/test_cuda_sim.py -q -p no:cacheprovider || rc_tests=1
 # the connector's worker racing a slow fake forward through finish / reuse / preempt / load steps
-"$PY" -m pytest tests/gpu -q -m gpu -p no:cacheprovider || rc_tests=1
+"$PY" -m pytest tests/worker -q -m gpu -p no:cacheprovider || rc_tests=1
 if command -v compute-sanitizer >/dev/null 2>&1; then
   for tool in memcheck racecheck; do
     compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" -m pytest tests/kernels/test_copy.py \
@@ -30,7 +30,7 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
     compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" -m pytest tests/kernels/test_cuda_sim.py -q -m gpu \
       -p no:cacheprovider > "/tmp/kvx-sanitizer-$tool-grids.log" 2>&1
     echo "compute-sanitizer $tool (grid-stride, CTA caps, UVA): exit $? (log /tmp/kvx-sanitizer-$tool-grids.log)"
-    compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" -m pytest tests/gpu -q -m gpu -k bit_exact \
+    compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" -m pytest tests/worker -q -m gpu -k bit_exact \
       -p no:cacheprovider > "/tmp/kvx-sanitizer-$tool-pipeline.log" 2>&1
     echo "compute-sanitizer $tool (worker pipeline): exit $? (log /tmp/kvx-sanitizer-$tool-pipeline.log)"
   done

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
-except ImportError:  # the worker side also runs without vLLM (tests/gpu drive it on a GPU machine without vLLM)
+except ImportError:  # the worker side also runs without vLLM (tests/worker drive it on a GPU machine without vLLM)
     class KVConnectorMetadata:  # type: ignore[no-redef]
         pass
 

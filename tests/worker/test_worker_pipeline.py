@@ -56,10 +56,10 @@ pending.
 
 Run::
 
-    python -m pytest tests/gpu -q                   # CPU (deferred queue); CUDA cases skip without a GPU
-    python -m pytest tests/gpu -q -m gpu            # the CUDA cases
-    compute-sanitizer --tool racecheck --error-exitcode 9 python -m pytest tests/gpu -q -m gpu -k bit_exact
-    compute-sanitizer --tool memcheck --error-exitcode 9 python -m pytest tests/gpu -q -m gpu -k bit_exact
+    python -m pytest tests/worker -q                   # CPU (deferred queue); CUDA cases skip without a GPU
+    python -m pytest tests/worker -q -m gpu            # the CUDA cases
+    compute-sanitizer --tool racecheck --error-exitcode 9 python -m pytest tests/worker -q -m gpu -k bit_exact
+    compute-sanitizer --tool memcheck --error-exitcode 9 python -m pytest tests/worker -q -m gpu -k bit_exact
 
 (racecheck looks for shared-memory hazards inside kernels, memcheck for out-of-bounds and misaligned
 accesses, including the copy kernels' reads and writes of pinned host slots; the races between streams

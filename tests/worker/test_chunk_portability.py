@@ -47,8 +47,8 @@ misses. Canonical chunks are the default wherever pages are not opaque (GPU back
 
 Run::
 
-    python -m pytest tests/gpu/test_chunk_portability.py -q          # CPU; CUDA cases skip without a GPU
-    python -m pytest tests/gpu/test_chunk_portability.py -q -m gpu   # the CUDA cases
+    python -m pytest tests/worker/test_chunk_portability.py -q          # CPU; CUDA cases skip without a GPU
+    python -m pytest tests/worker/test_chunk_portability.py -q -m gpu   # the CUDA cases
 """
 
 from __future__ import annotations
