@@ -152,7 +152,7 @@ class TransferTally:
 
     def collect(self, out) -> None:
         """Tally one :class:`kvx.connector.metadata.KVXWorkerMetadata` (None: nothing reported)."""
-        from .connector.metadata import FAILED, OK
+        from ..connector.metadata import FAILED, OK
 
         if out is None:
             return
