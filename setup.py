@@ -90,8 +90,21 @@ class BuildExt(build_ext):
         for src in CUDA_SOURCES:
             obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
             targets = gencode if src not in HOST_ONLY_CUDA_SOURCES else gencode[-2:]
-            cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
-                   "-cudart", "static", "-lineinfo", *targets]
+            cmd = [
+                nvcc,
+                "-c",
+                src,
+                "-o",
+                obj,
+                "-O3",
+                "-std=c++17",
+                "-Xcompiler",
+                "-fPIC,-fvisibility=hidden",
+                "-cudart",
+                "static",
+                "-lineinfo",
+                *targets,
+            ]
             print(" ".join(cmd))
             subprocess.check_call(cmd)
             objects.append(obj)

@@ -49,6 +49,7 @@ def libraries() -> dict:
     libs["crc32c"] = crc32c.crc32c
     try:
         import google_crc32c
+
         libs["google-crc32c"] = google_crc32c.value
     except ImportError:
         print("bench_crc: google-crc32c is not installed (pip install google-crc32c): crc32c only")
@@ -60,7 +61,7 @@ def speed(fn, nbytes: int, repeats: int) -> tuple[float, float]:
     n = max(2, (64 * MiB) // nbytes)
     bufs = [np.random.default_rng(i).integers(0, 255, nbytes, dtype=np.uint8) for i in range(n)]
     cold, hot = [], []
-    for i in range(repeats + n):        # the first n: warm-up, one pass over every buffer
+    for i in range(repeats + n):  # the first n: warm-up, one pass over every buffer
         b = bufs[i % n]
         t0 = time.perf_counter()
         fn(b)
@@ -111,32 +112,49 @@ def main() -> None:
         for name, fn in libs.items():
             cold, hot = speed(fn, int(mib * MiB), args.repeats)
             rows.append((name, mib, cold, hot))
-            print(f"{name:14s} {mib:5g} MiB cold {cold:.3f} ms ({mib * MiB / cold / 1e6:.1f} GB/s) "
-                  f"hot {hot:.3f} ms ({mib * MiB / hot / 1e6:.1f} GB/s)")
+            print(
+                f"{name:14s} {mib:5g} MiB cold {cold:.3f} ms ({mib * MiB / cold / 1e6:.1f} GB/s) "
+                f"hot {hot:.3f} ms ({mib * MiB / hot / 1e6:.1f} GB/s)"
+            )
     ref = {m: (c, h) for n, m, c, h in rows if n == "crc32c"}
     stalls = [("nothing (sleep 0.3 ms)", gil_stall(None, args.repeats))]
     stalls += [(name, gil_stall(fn, args.repeats)) for name, fn in libs.items()]
     for name, (p50, p90, mx) in stalls:
         print(f"GIL: beside {name:24s} wake-up p50 {p50:.3f} p90 {p90:.3f} max {mx:.3f} ms")
     lines = [
-        "# CRC32C: kvx._C against crc32c and google-crc32c", "",
+        "# CRC32C: kvx._C against crc32c and google-crc32c",
+        "",
         f"Machine: {cpu_name()}; crc32c {crc32c.__version__} (hardware: {crc32c.hardware_based}); kvx._C.crc32c "
         f"{'runs (AVX-512 VPCLMULQDQ)' if _C.crc32c_accelerated() else 'not run: the CPU lacks AVX-512 VPCLMULQDQ'}; "
         f"the codec uses {codec.CRC32C_IMPL}. "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. {args.repeats} repeats.", "",
-        "Reproduce: `pip install google-crc32c; python benchmarks/bench_crc.py`", "",
-        "## Speed", "",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. {args.repeats} repeats.",
+        "",
+        "Reproduce: `pip install google-crc32c; python benchmarks/bench_crc.py`",
+        "",
+        "## Speed",
+        "",
         "Median ms per checksum. Cold: the buffers rotate over 64 MiB; hot: the same buffer again at once. "
-        "`x crc32c` = the crc32c package's median time / the library's (same run; > 1: faster).", "",
+        "`x crc32c` = the crc32c package's median time / the library's (same run; > 1: faster).",
+        "",
         "| library | bytes | cold ms | cold GB/s | cold x crc32c | hot ms | hot GB/s | hot x crc32c |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {n} | {m:g} MiB | {c:.3f} | {m * MiB / c / 1e6:.1f} | {ref[m][0] / c:.2f} | {h:.3f} | "
-              f"{m * MiB / h / 1e6:.1f} | {ref[m][1] / h:.2f} |" for n, m, c, h in rows]
-    lines += ["", "## GIL", "",
-              "Wake-up latency of a thread that sleeps 0.2 ms in a loop while the main thread checksums 4 MiB "
-              "buffers back to back: a library that holds the GIL makes it wait for the checksum, then for the "
-              "interpreter's switch interval (5 ms).", "",
-              "| beside | p50 ms | p90 ms | max ms |", "|---|---:|---:|---:|"]
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {n} | {m:g} MiB | {c:.3f} | {m * MiB / c / 1e6:.1f} | {ref[m][0] / c:.2f} | {h:.3f} | "
+        f"{m * MiB / h / 1e6:.1f} | {ref[m][1] / h:.2f} |"
+        for n, m, c, h in rows
+    ]
+    lines += [
+        "",
+        "## GIL",
+        "",
+        "Wake-up latency of a thread that sleeps 0.2 ms in a loop while the main thread checksums 4 MiB "
+        "buffers back to back: a library that holds the GIL makes it wait for the checksum, then for the "
+        "interpreter's switch interval (5 ms).",
+        "",
+        "| beside | p50 ms | p90 ms | max ms |",
+        "|---|---:|---:|---:|",
+    ]
     lines += [f"| {n} | {a:.3f} | {b:.3f} | {c:.3f} |" for n, (a, b, c) in stalls]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "crc_cpu.md"), "w") as f:

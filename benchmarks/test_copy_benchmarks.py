@@ -25,9 +25,11 @@ from kvx.kernels import ops
 from kvx.testing.bench import Case, _setup
 
 IMPLS = ("memcpy", "kvx-cpu", "torch-index")
-CASES = [Case(op, "LBNHC", torch.bfloat16, bs, 4096, 4, 8, 128)
-         for bs in (16, 128)
-         for op in ("gather_blocks", "scatter_blocks", "gather_slots", "scatter_slots")]
+CASES = [
+    Case(op, "LBNHC", torch.bfloat16, bs, 4096, 4, 8, 128)
+    for bs in (16, 128)
+    for op in ("gather_blocks", "scatter_blocks", "gather_slots", "scatter_slots")
+]
 _setups: dict[str, tuple] = {}
 
 
@@ -48,8 +50,11 @@ def ext():
     return C
 
 
-@pytest.mark.parametrize("case, impl", [(c, i) for c in CASES for i in IMPLS],
-                         ids=[f"{c.label.replace(' ', '-')}-{i}" for c in CASES for i in IMPLS])
+@pytest.mark.parametrize(
+    "case, impl",
+    [(c, i) for c in CASES for i in IMPLS],
+    ids=[f"{c.label.replace(' ', '-')}-{i}" for c in CASES for i in IMPLS],
+)
 def test_copy(benchmark, ext, case, impl):
     lay, ids, buf, nbytes = setup(case)
     op = getattr(ops, case.op)
@@ -58,7 +63,7 @@ def test_copy(benchmark, ext, case, impl):
         b = torch.empty(nbytes, dtype=torch.uint8)
         a.fill_(1)
         b.fill_(2)
-        fn = lambda: ext.cpu_memcpy(b.data_ptr(), a.data_ptr(), nbytes)          # noqa: E731
+        fn = lambda: ext.cpu_memcpy(b.data_ptr(), a.data_ptr(), nbytes)  # noqa: E731
     else:
         name = "cpu" if impl == "kvx-cpu" else "reference"
         if case.op.startswith("gather") and name != "reference":
@@ -67,10 +72,11 @@ def test_copy(benchmark, ext, case, impl):
             op(lay, ids, want, impl="reference")
             op(lay, ids, buf, impl=name)
             assert torch.equal(buf.view(torch.uint8), want.view(torch.uint8))
-        fn = lambda: op(lay, ids, buf, impl=name)                                 # noqa: E731
+        fn = lambda: op(lay, ids, buf, impl=name)  # noqa: E731
     benchmark.group = case.label
-    benchmark.extra_info.update(bytes=nbytes, impl=impl, op=case.op, block_size=case.block_size,
-                                threads=ops.get_num_threads())
+    benchmark.extra_info.update(
+        bytes=nbytes, impl=impl, op=case.op, block_size=case.block_size, threads=ops.get_num_threads()
+    )
     benchmark.pedantic(fn, rounds=10, iterations=1, warmup_rounds=1)
     benchmark.extra_info["GB/s"] = round(nbytes / benchmark.stats.stats.median / 1e9, 3)
 
@@ -93,13 +99,20 @@ def layerwise_setup():
     p = LAYERWISE
     g = torch.Generator().manual_seed(0)
     blocks_per_chunk = p["tokens"] // p["block_size"]
-    caches = make_kv_caches("LBNHC", num_layers=p["layers"], num_blocks=p["chunks"] * blocks_per_chunk + 7,
-                            block_size=p["block_size"], num_heads=p["heads"], head_size=p["head_size"],
-                            dtype=torch.bfloat16, generator=g)
+    caches = make_kv_caches(
+        "LBNHC",
+        num_layers=p["layers"],
+        num_blocks=p["chunks"] * blocks_per_chunk + 7,
+        block_size=p["block_size"],
+        num_heads=p["heads"],
+        head_size=p["head_size"],
+        dtype=torch.bfloat16,
+        generator=g,
+    )
     lay = KVLayout.from_tensors(caches, "LBNHC")
     pool = random_fill_(torch.empty(p["chunks"], *lay.canonical_shape(p["tokens"]), dtype=torch.bfloat16), g)
     order = torch.randperm(lay.num_blocks, generator=g).tolist()
-    ids = [order[c * blocks_per_chunk:(c + 1) * blocks_per_chunk] for c in range(p["chunks"])]
+    ids = [order[c * blocks_per_chunk : (c + 1) * blocks_per_chunk] for c in range(p["chunks"])]
     return lay, pool, ids
 
 
@@ -111,24 +124,28 @@ def test_layerwise_load(benchmark, ext, layerwise_setup, row):
     if row == "memcpy":
         dst = torch.empty(nbytes, dtype=torch.uint8)
         dst.fill_(1)
-        fn = lambda: ext.cpu_memcpy(dst.data_ptr(), pool.data_ptr(), nbytes)          # noqa: E731
+        fn = lambda: ext.cpu_memcpy(dst.data_ptr(), pool.data_ptr(), nbytes)  # noqa: E731
     elif row == "ops-per-chunk-and-layer":
+
         def fn():
             for i, sub in enumerate(subs):
                 for c, blocks in enumerate(ids):
-                    ops.scatter_blocks(sub, blocks, pool[c, i:i + 1])
+                    ops.scatter_blocks(sub, blocks, pool[c, i : i + 1])
     elif row == "ops-per-chunk":
+
         def fn():
             for c, blocks in enumerate(ids):
                 ops.scatter_blocks(lay, blocks, pool[c])
     else:
+
         def fn():
             batch = ops.CopyBatch(lay)
             for c, blocks in enumerate(ids):
                 batch.add("scatter_blocks", blocks, pool[c])
             for i in range(lay.num_layers):
                 batch.run(i, i + 1)
-    if row != "memcpy":          # every row lands the same bytes
+
+    if row != "memcpy":  # every row lands the same bytes
         fn()
         for c, blocks in enumerate(ids):
             assert torch.equal(ops.gather_blocks(lay, blocks).view(torch.uint8), pool[c].view(torch.uint8))

@@ -17,13 +17,16 @@ from types import ModuleType
 
 try:
     from . import _C as C  # type: ignore[attr-defined]
+
     ERROR: str | None = None
 except ImportError as e:  # pragma: no cover - exercised only on broken installs
     C: ModuleType | None = None  # type: ignore[no-redef]
     ERROR = str(e)
 
-BUILD_HINT = ("the compiled extension kvx._C is not available ({err}); build it with `pip install .` "
-              "(or `pip install -e .`) from the kvx source tree, with a C++17 compiler on PATH")
+BUILD_HINT = (
+    "the compiled extension kvx._C is not available ({err}); build it with `pip install .` "
+    "(or `pip install -e .`) from the kvx source tree, with a C++17 compiler on PATH"
+)
 
 
 def require() -> ModuleType:

@@ -78,13 +78,13 @@ class Job:
     def __init__(self, name: str = "", queue: str = "load", event=None):
         self.name = name
         self.queue = queue
-        self._event = event                       # CUDA event, or None
+        self._event = event  # CUDA event, or None
         self._done = threading.Event() if event is None else None
         self._error: BaseException | None = None
         self._fn: Callable[[], None] | None = None  # deferred: what is still to run
-        self._deps: list[Job] = []                 # deferred / thread: jobs and markers it follows
+        self._deps: list[Job] = []  # deferred / thread: jobs and markers it follows
         self._epoch = 0
-        self._owner = None                         # deferred: the engine that may run it
+        self._owner = None  # deferred: the engine that may run it
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
@@ -128,9 +128,11 @@ class TransferEngine:
         self._queues: dict[str, queue_mod.SimpleQueue] = {}
         self._threads: list[threading.Thread] = []
         if self.mode == "cuda":
-            low, high = torch.cuda.Stream.priority_range()      # (lowest, highest): high is the smaller number
-            self._streams = {"load": torch.cuda.Stream(device=self.device, priority=high),
-                             "save": torch.cuda.Stream(device=self.device, priority=low)}
+            low, high = torch.cuda.Stream.priority_range()  # (lowest, highest): high is the smaller number
+            self._streams = {
+                "load": torch.cuda.Stream(device=self.device, priority=high),
+                "save": torch.cuda.Stream(device=self.device, priority=low),
+            }
         elif self.mode == "thread":
             for q in QUEUES:
                 self._queues[q] = queue_mod.SimpleQueue()
@@ -141,11 +143,11 @@ class TransferEngine:
             self._lock = threading.RLock()
             self._owner_thread = threading.get_ident()
             self._tails: dict[str, Job | None] = {"load": None, "save": None, "compute": None}
-            self._pending: list[Job] = []         # submitted, not run (submission order)
-            self._compute_waits: list[Job] = []   # jobs fenced since the last compute op
-            self._virtual = False                 # a simulated forward uses compute()
-            self._hold_loads = False              # while forward_done runs virtual compute ops
-            self._epoch = 0                       # steps begun
+            self._pending: list[Job] = []  # submitted, not run (submission order)
+            self._compute_waits: list[Job] = []  # jobs fenced since the last compute op
+            self._virtual = False  # a simulated forward uses compute()
+            self._hold_loads = False  # while forward_done runs virtual compute ops
+            self._epoch = 0  # steps begun
 
     @property
     def stream(self):
@@ -165,7 +167,7 @@ class TransferEngine:
             return ev
         if self.mode == "thread":
             return None
-        with self._lock:       # after every op on the virtual compute stream so far (None: nothing to wait for)
+        with self._lock:  # after every op on the virtual compute stream so far (None: nothing to wait for)
             if self._compute_waits:
                 # fences since the last compute op are part of the stream, as a CUDA stream wait is: a node
                 # after them, and the stream's new tail
@@ -216,7 +218,7 @@ class TransferEngine:
             self._tails[queue] = job
             self._pending.append(job)
             if queue == "load":
-                self._loads_asap()          # a load runs as early as its edges allow
+                self._loads_asap()  # a load runs as early as its edges allow
             return job
 
     def fence(self, job: Job) -> None:
@@ -245,8 +247,9 @@ class TransferEngine:
         """Deferred mode only: put ``fn`` (a simulated forward) on a virtual compute stream. It runs lazily,
         after every job fenced before it."""
         if self.mode != "deferred":
-            raise RuntimeError(f"compute(): only the deferred copy queue has a virtual compute stream "
-                               f"(mode is {self.mode!r})")
+            raise RuntimeError(
+                f"compute(): only the deferred copy queue has a virtual compute stream (mode is {self.mode!r})"
+            )
         with self._lock:
             self._virtual = True
             op = Job(name, "compute")
@@ -317,14 +320,15 @@ class TransferEngine:
                 return
             fn, job = item
             try:
-                for d in job._deps:               # a job of the other queue it must follow
+                for d in job._deps:  # a job of the other queue it must follow
                     d._done.wait()
                 fn()
             except BaseException as e:
                 job._finish(e)
             else:
                 job._finish()
-            del item, fn, job     # the closure holds a load's buffers: not until the next job arrives
+            del item, fn, job  # the closure holds a load's buffers: not until the next job arrives
+
     # ---------------------------------------------------------------- deferred mode
     def _force_from(self, job: Job) -> None:
         """A host wait: on the engine's thread run the job now; elsewhere (an I/O thread) leave it to the
@@ -390,8 +394,8 @@ class BlockOrder:
 
     def __init__(self, engine: TransferEngine):
         self.engine = engine
-        self._readers: dict[int, list[Job]] = {}    # block -> queued saves reading it
-        self._writers: dict[int, list[Job]] = {}    # block -> queued loads writing it
+        self._readers: dict[int, list[Job]] = {}  # block -> queued saves reading it
+        self._writers: dict[int, list[Job]] = {}  # block -> queued loads writing it
         self._since_prune = 0
 
     def load(self, blocks: Sequence[int], fn: Callable[[], None], name: str = "", after: Iterable = ()) -> Job:

@@ -36,7 +36,7 @@ def attach_to_vllm() -> bool:
     except Exception:  # noqa: BLE001 - no vLLM: standard logging
         return False
     kvx = logging.getLogger(ROOT)
-    kvx.parent = logging.getLogger("vllm")   # a top-level logger's parent is the root: re-parent it
+    kvx.parent = logging.getLogger("vllm")  # a top-level logger's parent is the root: re-parent it
     kvx.propagate = True
     return True
 
@@ -69,7 +69,7 @@ class Throttle:
             self._last[cause] = now
         if held:
             msg = f"{msg} (and {held} more like it in the last {self.interval_s:.0f} s)"
-        self.logger.log(level, msg, *args, stacklevel=stacklevel)   # file:line of the caller, not this
+        self.logger.log(level, msg, *args, stacklevel=stacklevel)  # file:line of the caller, not this
         return True
 
     def warning(self, cause: str, msg: str, *args) -> bool:

@@ -50,7 +50,7 @@ def _check_config_on_resolve(factory) -> None:
     """Wrap ``factory.get_connector_class`` so that resolving a kvx connector checks its config."""
     original = factory.__dict__.get("get_connector_class")
     if not isinstance(original, classmethod) or getattr(original.__func__, "_kvx_checks", False):
-        return          # an API we do not know, or wrapped already
+        return  # an API we do not know, or wrapped already
 
     def get_connector_class(cls, kv_transfer_config):
         connector_cls = original.__func__(cls, kv_transfer_config)

@@ -41,7 +41,7 @@ def _element(t: torch.Tensor, i: int) -> str:
     bits = int.from_bytes(bytes(_raw(x).reshape(-1).tolist()), "little")
     try:
         value = x.item()
-    except (RuntimeError, TypeError):           # a dtype .item() cannot convert
+    except (RuntimeError, TypeError):  # a dtype .item() cannot convert
         value = x.float().item()
     return f"{value!r} (0x{bits:0{2 * x.element_size()}x})"
 
@@ -61,8 +61,10 @@ def assert_same_bytes(a: torch.Tensor, b: torch.Tensor, what: str = "tensors") -
     for n in reversed(a.shape):
         index.append(rest % n)
         rest //= n
-    raise AssertionError(f"{what} differ at {tuple(reversed(index))} ({len(differ)} of {a.numel()} elements): "
-                         f"{_element(a, first)} != {_element(b, first)}")
+    raise AssertionError(
+        f"{what} differ at {tuple(reversed(index))} ({len(differ)} of {a.numel()} elements): "
+        f"{_element(a, first)} != {_element(b, first)}"
+    )
 
 
 def assert_all_same_bytes(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor], what: str = "layer") -> None:
@@ -106,7 +108,7 @@ def stopped(pid: int) -> bool:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except FileNotFoundError:     # a thread that has just exited
+        except FileNotFoundError:  # a thread that has just exited
             pass
     return bool(states) and all(s in ("T", "t") for s in states)
 
@@ -120,8 +122,9 @@ def mount_tmpfs(path, size: str = "8m"):
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     os.makedirs(path, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if r.returncode:
         pytest.skip(f"mount -t tmpfs is not permitted here: {r.stderr.strip()}")
     return path
@@ -158,7 +161,7 @@ def load_benchmark(monkeypatch, name: str):
     path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)     # dataclasses look their module up there
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 

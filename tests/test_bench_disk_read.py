@@ -14,22 +14,27 @@ from tests.helpers import load_benchmark
 def test_bench_disk_read_small_run(monkeypatch, tmp_path):
     bench = load_benchmark(monkeypatch, "bench_disk_read")
     out = str(tmp_path / "disk_read")
-    assert bench.main(["--chunks", "2", "--runs", "2", "--fadvise", "--dir", str(tmp_path / "fs"),
-                       "--out", out]) == 0
+    assert bench.main(["--chunks", "2", "--runs", "2", "--fadvise", "--dir", str(tmp_path / "fs"), "--out", out]) == 0
     rows = list(csv.DictReader(open(out + ".csv")))
     methods = sorted({r["method"] for r in rows})
-    n = 4 + bool(shutil.which("fio"))             # dd, kvx with 1 / 2 / 4 readers, fio where it is installed
+    n = 4 + bool(shutil.which("fio"))  # dd, kvx with 1 / 2 / 4 readers, fio where it is installed
     assert len(rows) == 2 * n and len(methods) == n
-    assert all(float(r["gb_s"]) > 0 and abs(float(r["bytes"]) / float(r["seconds"]) / 1e9 - float(r["gb_s"])) < 1e-6
-               for r in rows)
+    assert all(
+        float(r["gb_s"]) > 0 and abs(float(r["bytes"]) / float(r["seconds"]) / 1e9 - float(r["gb_s"])) < 1e-6
+        for r in rows
+    )
     md = open(out + ".md").read()
     assert "Data check after the runs: ok" in md and "(fadvise)" in md
     base = statistics.median(float(r["gb_s"]) for r in rows if r["method"].startswith("dd"))
     for m in methods:
         med = statistics.median(float(r["gb_s"]) for r in rows if r["method"] == m)
         assert f"| {m} | {med:.2f} | {med / base:.2f} |" in md
-    ref = max(statistics.median(float(r["gb_s"]) for r in rows if r["method"] == m)
-              for m in methods if not m.startswith("kvx"))
-    best = max(statistics.median(float(r["gb_s"]) for r in rows if r["method"] == m)
-               for m in methods if m.startswith("kvx"))
+    ref = max(
+        statistics.median(float(r["gb_s"]) for r in rows if r["method"] == m)
+        for m in methods
+        if not m.startswith("kvx")
+    )
+    best = max(
+        statistics.median(float(r["gb_s"]) for r in rows if r["method"] == m) for m in methods if m.startswith("kvx")
+    )
     assert f"{best / ref:.2f}x: {'met' if best / ref >= 0.8 else 'NOT met'}" in md

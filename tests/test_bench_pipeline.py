@@ -13,7 +13,7 @@ import pytest
 from kvx import engine as kvx_engine
 from tests.helpers import load_benchmark
 
-CHUNKS = ("1", "2")                          # what --quick runs on CPU
+CHUNKS = ("1", "2")  # what --quick runs on CPU
 LOAD_MODES = ("compute only", "copy only", "layerwise", "all at start")
 SAVE_MODES = ("no saves", "save_layerwise", "all at once")
 
@@ -53,21 +53,23 @@ def test_cpu_smoke_run_writes_sane_results(bench, tmp_path, monkeypatch):
         assert (r["device"], r["copy_queue"], r["smoke"], r["shape"]) == ("cpu", "thread", "True", "tiny")
         assert int(r["repeats"]) == 2 and int(r["host_behind"]) == 0
         assert _num(r, "step_ms") > 0 and _num(r, "host_ms") > 0 and _num(r, "copy_layer_ms") > 0
-        assert int(r["layer_bytes"]) == int(r["chunks"]) * 2 * 32 * 2 * 64 * 2    # P x T x H x D x bf16
+        assert int(r["layer_bytes"]) == int(r["chunks"]) * 2 * 32 * 2 * 64 * 2  # P x T x H x D x bf16
         assert r["compute_desc"].startswith("matmul 64^2 x ")
     for r in loads:
         assert _num(r, "compute_ms") > 0 and _num(r, "copy_ms") > 0
         if r["mode"] in ("layerwise", "all at start"):
             hidden = _num(r, "hidden_frac")
             # 1 - (overlap - compute) / copy, recomputed from the row's own medians
-            assert hidden == pytest.approx(1 - (_num(r, "step_ms") - _num(r, "compute_ms")) / _num(r, "copy_ms"),
-                                           abs=0.01, rel=1e-3)
+            assert hidden == pytest.approx(
+                1 - (_num(r, "step_ms") - _num(r, "compute_ms")) / _num(r, "copy_ms"), abs=0.01, rel=1e-3
+            )
         else:
             assert r["hidden_frac"] == ""
     for r in saves:
         assert _num(r, "fwd_ms") > 0 and _num(r, "fwd_nosave_ms") > 0
-        assert _num(r, "slowdown_pct") == pytest.approx(100 * (_num(r, "fwd_ms") / _num(r, "fwd_nosave_ms") - 1),
-                                                        abs=0.1, rel=1e-3)
+        assert _num(r, "slowdown_pct") == pytest.approx(
+            100 * (_num(r, "fwd_ms") / _num(r, "fwd_nosave_ms") - 1), abs=0.1, rel=1e-3
+        )
         if r["mode"] == "no saves":
             assert r["saved_ms"] == "" and _num(r, "slowdown_pct") == 0
         else:
@@ -76,22 +78,32 @@ def test_cpu_smoke_run_writes_sane_results(bench, tmp_path, monkeypatch):
 
 def test_save_winner_rule(bench):
     nosave = {"fwd_ms": 100.0}
-    assert bench.save_winner(nosave, {"fwd_ms": 103.0, "saved_ms": 150.0},
-                             {"fwd_ms": 108.0, "saved_ms": 120.0}) == "save_layerwise"
-    assert bench.save_winner(nosave, {"fwd_ms": 108.0, "saved_ms": 110.0},
-                             {"fwd_ms": 103.0, "saved_ms": 150.0}) == "all at once"
+    assert (
+        bench.save_winner(nosave, {"fwd_ms": 103.0, "saved_ms": 150.0}, {"fwd_ms": 108.0, "saved_ms": 120.0})
+        == "save_layerwise"
+    )
+    assert (
+        bench.save_winner(nosave, {"fwd_ms": 108.0, "saved_ms": 110.0}, {"fwd_ms": 103.0, "saved_ms": 150.0})
+        == "all at once"
+    )
     # forwards within 1% of the forward without saves: the earlier saved-at decides
-    assert bench.save_winner(nosave, {"fwd_ms": 103.0, "saved_ms": 110.0},
-                             {"fwd_ms": 103.5, "saved_ms": 150.0}) == "save_layerwise (saved sooner)"
-    assert bench.save_winner(nosave, {"fwd_ms": 103.0, "saved_ms": 110.0},
-                             {"fwd_ms": 103.0, "saved_ms": 110.5}) == "tie"
+    assert (
+        bench.save_winner(nosave, {"fwd_ms": 103.0, "saved_ms": 110.0}, {"fwd_ms": 103.5, "saved_ms": 150.0})
+        == "save_layerwise (saved sooner)"
+    )
+    assert (
+        bench.save_winner(nosave, {"fwd_ms": 103.0, "saved_ms": 110.0}, {"fwd_ms": 103.0, "saved_ms": 110.5}) == "tie"
+    )
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--compute", "sleep"], "--compute sleep"),
-    (["--shapes", "llama-70b"], "--shapes"),
-    (["--chunk-size", "20"], "--chunk-size"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--compute", "sleep"], "--compute sleep"),
+        (["--shapes", "llama-70b"], "--shapes"),
+        (["--chunk-size", "20"], "--chunk-size"),
+    ],
+)
 def test_bad_arguments_fail_before_any_work(bench, tmp_path, capsys, argv, expected):
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--quick", "--out", str(tmp_path / "x"), *argv])

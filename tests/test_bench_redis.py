@@ -15,6 +15,7 @@ from tests.helpers import load_benchmark, need_redis, redis_server_pids
 def _need_redis():
     need_redis()
 
+
 MiB = 1 << 20
 
 
@@ -38,7 +39,7 @@ def test_quick_run_writes_consistent_results(bench, tmp_path):
     assert md.startswith("# SMOKE RUN, not a measurement")
     assert f"Reproduce: `python benchmarks/bench_redis.py --quick --out {tmp_path}`" in md
     assert "## Targets" in md and "## GET into a slot and PUT" in md and "## Lookup of a 256-chunk prefix" in md
-    assert "MISSED" not in md and "| met |" not in md       # targets are named, not judged, in a smoke run
+    assert "MISSED" not in md and "| met |" not in md  # targets are named, not judged, in a smoke run
 
     with open(tmp_path / "redis_cpu.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -48,23 +49,30 @@ def test_quick_run_writes_consistent_results(bench, tmp_path):
     assert {*gp, "sweep-get", "sweep-put", "pieces-get", "sndbuf-put", "lookup"} <= sections
     # every method of every GET / PUT case, shuffled and back to back, over TCP and the unix socket, at 1 MiB
     got = {(r["section"], r["transport"], r["method"]) for r in rows if r["section"] in gp}
-    assert got == {(s + b2b, t, m) for t in ("tcp", "unix") for s, ms in (("get", bench.GET_METHODS),
-                                                                         ("put", bench.PUT_METHODS))
-                   for m in ms for b2b in ("", "-b2b")}
+    assert got == {
+        (s + b2b, t, m)
+        for t in ("tcp", "unix")
+        for s, ms in (("get", bench.GET_METHODS), ("put", bench.PUT_METHODS))
+        for m in ms
+        for b2b in ("", "-b2b")
+    }
     assert {int(r["chunk_bytes"]) for r in rows if r["section"] in gp} == {1 * MiB}
     assert "## GET into a slot and PUT, back to back" in md and "a PING right after the server was busy" in md
     assert {int(r["part_bytes"]) for r in rows if r["section"].startswith("sweep")} == set(bench.PART_SIZES)
     # the send-buffer sweep: every size over both transports, compared with the tier's own choice
     sb = [r for r in rows if r["section"] == "sndbuf-put"]
-    assert {(r["transport"], r["part_bytes"] and int(r["part_bytes"])) for r in sb} == \
-        {(t, b or "") for t in ("tcp", "unix") for b in bench.SEND_BUFFERS}
-    assert {(r["transport"], r["method"]) for r in sb if not r["baseline"]} == \
-        {("tcp", "kernel default"), ("unix", f"SO_SNDBUF {bench._fmt(bench._SNDBUF_UNIX)}")}
+    assert {(r["transport"], r["part_bytes"] and int(r["part_bytes"])) for r in sb} == {
+        (t, b or "") for t in ("tcp", "unix") for b in bench.SEND_BUFFERS
+    }
+    assert {(r["transport"], r["method"]) for r in sb if not r["baseline"]} == {
+        ("tcp", "kernel default"),
+        ("unix", f"SO_SNDBUF {bench._fmt(bench._SNDBUF_UNIX)}"),
+    }
     assert "## PUT: socket send buffer" in md
 
     by_case = {}
     for r in rows:
-        case = (r["section"], r["transport"], r["deployment"], r["chunk_bytes"], r["run"])   # sweep: parts = methods
+        case = (r["section"], r["transport"], r["deployment"], r["chunk_bytes"], r["run"])  # sweep: parts = methods
         by_case.setdefault(case, {})[r["method"]] = r
     for case, methods in by_case.items():
         for r in methods.values():
@@ -118,12 +126,14 @@ def test_each_method_follows_each_other_one_about_equally_often(bench):
     """A call leaves state behind for the next (a put after a redis-py put measured slower than one after
     another kvx put): the shuffled order gives every method every predecessor. A rotated order gave each
     method the same predecessor in 3 repeats of 4. The orders repeat from run to run (seeded)."""
+
     def run():
         seen = []
         bench.time_interleaved({m: (lambda i, m=m: seen.append(m)) for m in "abcd"}, repeats=400, warmup=0)
         return seen
+
     seen = run()
-    assert all(sorted(seen[k:k + 4]) == list("abcd") for k in range(0, len(seen), 4))   # each repeat: each once
+    assert all(sorted(seen[k : k + 4]) == list("abcd") for k in range(0, len(seen), 4))  # each repeat: each once
     pairs = {}
     for a, b in zip(seen, seen[1:]):
         pairs[(a, b)] = pairs.get((a, b), 0) + 1
@@ -142,11 +152,11 @@ def test_back_to_back_times_each_call_right_after_the_methods_own_previous_one(b
     times = bench.time_back_to_back(fns, blocks=20, calls=3, after=lambda m, i: after.append((m, i)))
     assert [i for _, i in seen] == list(range(3 * 20 * 4)) and after == seen
     assert all(len(t) == 20 * 3 for t in times.values())
-    blocks = [seen[k:k + 4] for k in range(0, len(seen), 4)]
-    assert all(len({m for m, _ in b}) == 1 for b in blocks)             # a block: one method
+    blocks = [seen[k : k + 4] for k in range(0, len(seen), 4)]
+    assert all(len({m for m, _ in b}) == 1 for b in blocks)  # a block: one method
     order = [b[0][0] for b in blocks]
-    assert all(sorted(order[k:k + 3]) == list("abc") for k in range(0, len(order), 3))
-    assert len({tuple(order[k:k + 3]) for k in range(0, len(order), 3)}) > 1      # shuffled, not rotated
+    assert all(sorted(order[k : k + 3]) == list("abc") for k in range(0, len(order), 3))
+    assert len({tuple(order[k : k + 3]) for k in range(0, len(order), 3)}) > 1  # shuffled, not rotated
     seen2 = []
     bench.time_back_to_back({m: (lambda i, m=m: seen2.append((m, i))) for m in "abc"}, blocks=20, calls=3)
-    assert seen2 == seen                                                  # seeded: the same order every run
+    assert seen2 == seen  # seeded: the same order every run

@@ -34,10 +34,12 @@ def test_small_run_every_load_fails_with_a_chunk_error(bench, tmp_path):
 
     md = (tmp_path / "redis_faults_cpu.md").read_text()
     assert md.startswith("# SMOKE RUN, not a measurement (2 trials)")
-    assert f"Reproduce: `python benchmarks/bench_redis_faults.py --trials 2 --timeouts 300 --sizes 64 --out " \
-           f"{tmp_path}`" in md
+    assert (
+        f"Reproduce: `python benchmarks/bench_redis_faults.py --trials 2 --timeouts 300 --sizes 64 --out "
+        f"{tmp_path}`" in md
+    )
     assert "## Target: the error within timeout_ms + 100 ms" in md and "## Every trial checked" in md
-    assert "| MISSED |" not in md and "| met |" not in md       # a smoke run names the target, does not judge it
+    assert "| MISSED |" not in md and "| met |" not in md  # a smoke run names the target, does not judge it
 
     with open(tmp_path / "redis_faults_cpu.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -62,8 +64,11 @@ def test_small_run_every_load_fails_with_a_chunk_error(bench, tmp_path):
 
 
 def test_bad_arguments_fail_before_any_work(bench, tmp_path, capsys):
-    for args, flag in ((["--trials", "0"], "--trials"), (["--timeouts", "300,soon"], "--timeouts"),
-                       (["--scenarios", "sigterm"], "--scenarios")):
+    for args, flag in (
+        (["--trials", "0"], "--trials"),
+        (["--timeouts", "300,soon"], "--timeouts"),
+        (["--scenarios", "sigterm"], "--scenarios"),
+    ):
         with pytest.raises(SystemExit):
             bench.main([*args, "--out", str(tmp_path / "x")])
         assert flag in capsys.readouterr().err

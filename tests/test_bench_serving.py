@@ -20,14 +20,14 @@ def bench(monkeypatch):
 
 
 def _chunks(ids, n=256):
-    return {tuple(ids[i:i + n]) for i in range(0, len(ids) - n + 1, n)}
+    return {tuple(ids[i : i + n]) for i in range(0, len(ids) - n + 1, n)}
 
 
 def test_workload_is_deterministic_and_reuses_prefixes(bench):
     spec = bench.Spec()
     a, b = bench.build_workload(spec, 0, 1.0), bench.build_workload(spec, 0, 1.0)
     other = bench.build_workload(spec, 1, 1.0)
-    flat = lambda w: [(r.rid, r.prompt, r.arrival_s) for p in ("first", "warm") for r in w[p]]   # noqa: E731
+    flat = lambda w: [(r.rid, r.prompt, r.arrival_s) for p in ("first", "warm") for r in w[p]]  # noqa: E731
     assert flat(a) == flat(b)
     assert flat(a) != flat(other)
     first, warm = a["first"], a["warm"]
@@ -35,8 +35,8 @@ def test_workload_is_deterministic_and_reuses_prefixes(bench):
     assert len(warm) == spec.convs * (spec.turns - 1) + spec.docs * (spec.questions - 1)
     every = first + warm
     assert len({r.rid for r in every}) == len(every)
-    system = first[0].prompt[:spec.system_tokens]
-    assert all(r.prompt[:spec.system_tokens] == system for r in every)
+    system = first[0].prompt[: spec.system_tokens]
+    assert all(r.prompt[: spec.system_tokens] == system for r in every)
     assert max(len(r.prompt) for r in every) + 64 <= spec.max_model_len
     # a conversation's turns come in order, each prompt extending the previous turn's
     by_rid = {r.rid: r for r in every}
@@ -48,14 +48,14 @@ def test_workload_is_deterministic_and_reuses_prefixes(bench):
             seen[c] = t
             if t > 1:
                 prev = by_rid[f"chat{c}.t{t - 1}"].prompt
-                assert r.prompt[:len(prev)] == prev and len(r.prompt) > len(prev)
+                assert r.prompt[: len(prev)] == prev and len(r.prompt) > len(prev)
     assert seen == {c: spec.turns for c in range(spec.convs)}
     # every document of the warm phase was read in the first pass
     for r in warm:
         if r.kind == "rag":
             d = r.rid.split(".")[0]
-            doc = by_rid[f"{d}.q1"].prompt[:spec.system_tokens + spec.doc_tokens]
-            assert r.prompt[:len(doc)] == doc
+            doc = by_rid[f"{d}.q1"].prompt[: spec.system_tokens + spec.doc_tokens]
+            assert r.prompt[: len(doc)] == doc
     # Poisson arrivals: start at 0, increase, mean gap ~ 1 / rate
     for reqs in (first, warm):
         ts = [r.arrival_s for r in reqs]
@@ -77,11 +77,13 @@ def test_no_reuse_prompts_share_nothing(bench):
         for r in reqs:
             assert spec.unique_tokens[0] <= len(r.prompt) <= spec.unique_tokens[1]
             first = tuple(r.prompt[:128])
-            assert first not in seen           # not even the first block repeats
+            assert first not in seen  # not even the first block repeats
             seen.add(first)
     reuse = bench.build_workload(spec, 0, 1.0)
-    assert not (set().union(*(_chunks(r.prompt) for reqs in runs for r in reqs))
-                & set().union(*(_chunks(r.prompt) for p in reuse.values() for r in p)))
+    assert not (
+        set().union(*(_chunks(r.prompt) for reqs in runs for r in reqs))
+        & set().union(*(_chunks(r.prompt) for p in reuse.values() for r in p))
+    )
 
 
 def test_percentile(bench):
@@ -95,9 +97,19 @@ def test_percentile(bench):
 
 def _phase(bench, workload, config, phase, ttfts, duration, cached_frac=0.5, metrics=None):
     reqs = [bench.Request(f"r{i}", "rag", [5] * 1000, float(i)) for i in range(len(ttfts))]
-    results = [{"tokens": [1, 2], "ttft_s": t, "latency_s": t + 0.1, "prompt_tokens": 1000,
-                "cached_tokens": int(1000 * cached_frac), "finish_reason": "length", "kv_transfer_params": None,
-                "usage": {}} for t in ttfts]
+    results = [
+        {
+            "tokens": [1, 2],
+            "ttft_s": t,
+            "latency_s": t + 0.1,
+            "prompt_tokens": 1000,
+            "cached_tokens": int(1000 * cached_frac),
+            "finish_reason": "length",
+            "kv_transfer_params": None,
+            "usage": {},
+        }
+        for t in ttfts
+    ]
     return bench.Phase(workload, config, phase, 1.0, reqs, results, 10.0, 10.0 + duration, metrics or {})
 
 
@@ -105,22 +117,36 @@ def test_report_from_synthetic_numbers(bench, tmp_path):
     spec = bench.Spec()
     phases = [
         _phase(bench, "no-reuse", "vllm", "all", [1.0] * 4, 8.0, 0.0),
-        _phase(bench, "no-reuse", "kvx-cpu", "all", [1.0] * 4, 8.1, 0.0),           # 0.988x: within 3%
+        _phase(bench, "no-reuse", "kvx-cpu", "all", [1.0] * 4, 8.1, 0.0),  # 0.988x: within 3%
         _phase(bench, "reuse", "vllm", "first", [2.0, 3.0, 4.0], 6.0, 0.1),
         _phase(bench, "reuse", "vllm", "warm", [4.0, 5.0, 6.0, 7.0], 10.0, 0.2),
         _phase(bench, "reuse", "kvx-cpu", "first", [2.0, 3.0, 4.0], 6.2, 0.1),
-        _phase(bench, "reuse", "kvx-cpu", "warm", [0.5, 0.6, 0.7, 0.8], 4.0, 0.9,
-               {"vllm:kvx_hit_tokens_cpu_total": 2800.0, "vllm:external_prefix_cache_hits_total": 2800.0}),
+        _phase(
+            bench,
+            "reuse",
+            "kvx-cpu",
+            "warm",
+            [0.5, 0.6, 0.7, 0.8],
+            4.0,
+            0.9,
+            {"vllm:kvx_hit_tokens_cpu_total": 2800.0, "vllm:external_prefix_cache_hits_total": 2800.0},
+        ),
         _phase(bench, "reuse", "kvx-disk", "warm", [1.0, 1.1, 1.2, 1.3], 5.0, 0.9),
         _phase(bench, "reuse", "example", "warm", [3.0, 3.5, 4.0, 4.5], 9.0, 0.3),
     ]
     phases[-2].page_cache = "drop_caches"
     info = {"machine": "test", "vllm": "0", "elapsed_s": 1.0, "seed": 0, "rate": 1.0, "notes": ["a note"]}
-    paths = bench.write_results(phases, str(tmp_path), command="python benchmarks/bench_serving.py --x", spec=spec,
-                                info=info, smoke=False)
+    paths = bench.write_results(
+        phases, str(tmp_path), command="python benchmarks/bench_serving.py --x", spec=spec, info=info, smoke=False
+    )
     names = sorted(os.path.basename(p) for p in paths)
-    assert names == ["serving_cpu.csv", "serving_cpu.md", "serving_cpu_requests.csv", "serving_cpu_throughput.png",
-                     "serving_cpu_ttft_cdf.png"]
+    assert names == [
+        "serving_cpu.csv",
+        "serving_cpu.md",
+        "serving_cpu_requests.csv",
+        "serving_cpu_throughput.png",
+        "serving_cpu_ttft_cdf.png",
+    ]
     for p in paths:
         if p.endswith(".png"):
             with open(p, "rb") as f:
@@ -182,8 +208,11 @@ def test_server_args(bench, tmp_path):
     assert ktc("vllm") is None
     assert ktc("kvx-cpu")["kv_connector_extra_config"]["tiers"] == [{"type": "cpu", "size": spec.cpu_tier}]
     assert ktc("kvx-disk")["kv_connector_extra_config"]["tiers"] == [{"type": "disk", "path": store}]
-    assert ktc("example") == {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                              "kv_connector_extra_config": {"shared_storage_path": store}}
+    assert ktc("example") == {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": store},
+    }
     with pytest.raises(ValueError, match="unknown config"):
         bench.server_args(spec, "nope", store)
 

@@ -45,7 +45,7 @@ def test_store_inspect_verify_clear(tmp_path, capsys, monkeypatch):
     assert cli.main(["store", "verify", path, "--delete-bad"]) == 0
     assert not os.path.exists(bad)
     monkeypatch.setattr("sys.stdin.isatty", lambda: False)
-    assert cli.main(["store", "clear", path]) == 2            # no --yes, nobody to ask
+    assert cli.main(["store", "clear", path]) == 2  # no --yes, nobody to ask
     assert cli.main(["store", "clear", path, "--yes"]) == 0
     assert "deleted 2 chunks" in capsys.readouterr().out
     assert cli.main(["store", "inspect", str(tmp_path / "missing")]) == 2
@@ -62,7 +62,7 @@ def test_store_inspect_and_verify_show_temporary_files(tmp_path, capsys, monkeyp
     stale = path / "ab" / f".{key}.{disk_mod._HOST}.{dead.pid}.deadbeef.tmp"
     stale.write_bytes(b"\0" * (3 << 20))
     other_host = f"{(int(disk_mod._HOST, 16) + 1) % 2**32:08x}"
-    live = path / "ab" / f".{'ab' * 15}cd.{other_host}.1.cafebabe.tmp"   # another host's write in flight
+    live = path / "ab" / f".{'ab' * 15}cd.{other_host}.1.cafebabe.tmp"  # another host's write in flight
     live.write_bytes(b"\0" * (1 << 20))
     assert cli.main(["store", "inspect", str(path)]) == 0
     out = capsys.readouterr().out
@@ -79,7 +79,7 @@ def test_store_inspect_and_verify_show_temporary_files(tmp_path, capsys, monkeyp
     stale.write_bytes(b"\0")
     assert cli.main(["store", "clear", str(path), "--yes"]) == 0
     assert "deleted 1 chunks" in capsys.readouterr().out
-    assert not stale.exists() and live.exists()            # another engine's write in flight is left alone
+    assert not stale.exists() and live.exists()  # another engine's write in flight is left alone
     assert os.listdir(path / "ab") == [live.name]
 
 
@@ -90,7 +90,8 @@ def test_plugin_registers_once():
     from kvx import plugin
 
     plugin.register()
-    plugin.register()                                      # idempotent: the factory refuses duplicates
+    plugin.register()  # idempotent: the factory refuses duplicates
     assert "KVXConnector" in KVConnectorFactory._registry
     from kvx.connector import KVXConnector
+
     assert KVConnectorFactory.get_connector_class_by_name("KVXConnector") is KVXConnector

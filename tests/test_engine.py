@@ -14,8 +14,9 @@ from tests.helpers import wait_for
 def test_jobs_run_in_submission_order_off_the_caller_thread():
     eng = TransferEngine("cpu")
     seen, caller = [], threading.get_ident()
-    jobs = [eng.submit(lambda i=i: (time.sleep(0.002 * (3 - i)), seen.append((i, threading.get_ident()))))
-            for i in range(3)]
+    jobs = [
+        eng.submit(lambda i=i: (time.sleep(0.002 * (3 - i)), seen.append((i, threading.get_ident())))) for i in range(3)
+    ]
     eng.fence(jobs[-1])
     assert [i for i, _ in seen] == [0, 1, 2]
     assert all(tid != caller for _, tid in seen)
@@ -29,7 +30,7 @@ def test_errors_are_kept_and_reraised():
     with pytest.raises(ZeroDivisionError):
         job.wait()
     assert isinstance(job.error(), ZeroDivisionError)
-    ok = eng.submit(lambda: None)          # the queue keeps working after a failed job
+    ok = eng.submit(lambda: None)  # the queue keeps working after a failed job
     ok.wait()
     assert ok.error() is None
     eng.close()
@@ -62,7 +63,7 @@ def test_close_drains_and_refuses_new_work():
 def test_cuda_side_stream_orders_after_marker():
     eng = TransferEngine("cuda")
     a = torch.zeros(1 << 20, device="cuda")
-    a.add_(1)                                   # compute-stream work
+    a.add_(1)  # compute-stream work
     marker = eng.marker()
     b = torch.empty_like(a)
     job = eng.submit(lambda: b.copy_(a), queue="save", after=[marker])
@@ -80,13 +81,13 @@ def test_deferred_save_runs_only_after_the_next_forward():
     eng, ran = deferred(), []
     eng.step_begin()
     job = eng.submit(lambda: ran.append("save"), queue="save")
-    eng.forward_done()                      # the forward of the step that queued it: not yet
+    eng.forward_done()  # the forward of the step that queued it: not yet
     assert not job.done() and ran == []
     eng.step_begin()
-    eng.forward_done()                      # the next step's forward: on a GPU, perhaps still running
+    eng.forward_done()  # the next step's forward: on a GPU, perhaps still running
     assert not job.done()
     eng.step_begin()
-    eng.forward_done()                      # it has surely written the cache: now (too late, unless fenced)
+    eng.forward_done()  # it has surely written the cache: now (too late, unless fenced)
     assert job.done() and ran == ["save"]
     eng.close()
 
@@ -95,7 +96,7 @@ def test_deferred_fence_runs_the_job_and_what_it_follows_now():
     eng, ran = deferred(), []
     eng.step_begin()
     a = eng.submit(lambda: ran.append("a"), queue="save")
-    b = eng.submit(lambda: ran.append("b"), queue="save")        # follows a on its queue
+    b = eng.submit(lambda: ran.append("b"), queue="save")  # follows a on its queue
     eng.fence(b)
     assert ran == ["a", "b"] and a.done()
     eng.close()
@@ -106,7 +107,7 @@ def test_deferred_load_runs_as_early_as_its_edges_allow():
     eng.step_begin()
     save = eng.submit(lambda: ran.append("save"), queue="save")
     eng.submit(lambda: ran.append("free load"), queue="load")
-    assert ran == ["free load"]                                   # nothing to wait for: at once
+    assert ran == ["free load"]  # nothing to wait for: at once
     after = eng.submit(lambda: ran.append("load after save"), queue="load", after=[save])
     assert not after.done()
     eng.fence(save)
@@ -122,7 +123,7 @@ def test_deferred_virtual_compute_orders_markers_and_fences():
     eng.compute(lambda: ran.append("forward 1"))
     racing = eng.submit(lambda: ran.append("unordered load"), queue="load")
     ordered = eng.submit(lambda: ran.append("ordered load"), queue="load", after=[eng.marker()])
-    assert ran == ["unordered load"] and not ordered.done()      # the race a GPU's host-ahead step allows
+    assert ran == ["unordered load"] and not ordered.done()  # the race a GPU's host-ahead step allows
     eng.fence(ordered)
     eng.compute(lambda: ran.append("forward 2"))
     eng.flush()
@@ -161,7 +162,7 @@ def test_thread_mode_two_queues_and_a_cross_queue_edge():
     free = eng.submit(lambda: ran.append("other load"), queue="load")
     loader = next(t for t in eng._threads if t.name.endswith("-load"))
     wait_for(lambda: parked(loader), 10, "the load queue's thread to wait for the save")
-    assert ran == []                  # the load queue waits for the save it must follow
+    assert ran == []  # the load queue waits for the save it must follow
     gate.set()
     free.wait()
     assert ran == ["save", "load", "other load"] and load.done()
@@ -187,14 +188,14 @@ def test_block_order_the_rule():
     order = BlockOrder(eng)
     eng.step_begin()
     save = order.save([3, 4], lambda: ran.append("save 3,4"))
-    load = order.load([4, 5], lambda: ran.append("load 4,5"))     # rule 1: after the save reading block 4
-    other = order.load([9], lambda: ran.append("load 9"))          # behind it on the load queue
+    load = order.load([4, 5], lambda: ran.append("load 4,5"))  # rule 1: after the save reading block 4
+    other = order.load([9], lambda: ran.append("load 9"))  # behind it on the load queue
     assert ran == [] and not load.done() and not other.done()
-    order.before_forward([3])                                       # rule 3: the forward writes block 3
+    order.before_forward([3])  # rule 3: the forward writes block 3
     assert ran == ["save 3,4", "load 4,5", "load 9"]
     assert save.done() and other.done()
     eng.step_begin()
     late = order.save([7], lambda: ran.append("save 7"))
-    assert order.before_forward([7]) == [] and late.done()          # fenced: ran before the forward
+    assert order.before_forward([7]) == [] and late.done()  # fenced: ran before the forward
     assert order.pending() == 0
     eng.close()

@@ -10,8 +10,9 @@ def _record(msg, exc=None):
 
 def test_chat_warmup_noise_filter_drops_only_the_tokenizerless_warmup_failure():
     f = harness._NoChatWarmupWithoutTokenizer()
-    assert not f.filter(_record("Chat template warmup failed",
-                                ValueError("Tokenizer not available when `skip_tokenizer_init=True`")))
+    assert not f.filter(
+        _record("Chat template warmup failed", ValueError("Tokenizer not available when `skip_tokenizer_init=True`"))
+    )
     assert f.filter(_record("Chat template warmup failed", ValueError("bad template")))
     assert f.filter(_record("Chat template warmup failed", RuntimeError("skip_tokenizer_init")))
     assert f.filter(_record("something else"))

@@ -33,8 +33,7 @@ def _probe(extra_path: str | None = None) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
     if extra_path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH")) if p)
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout.splitlines()
 
@@ -52,7 +51,7 @@ def test_a_triton_kernels_package_later_on_sys_path_wins(tmp_path):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("WHO = 'the real one'\n")
     (pkg / "matmul.py").write_text("")
-    lines = _probe(str(tmp_path))          # after the repository root ("") on sys.path
+    lines = _probe(str(tmp_path))  # after the repository root ("") on sys.path
     assert lines[0] == f"other triton_kernels {[os.path.realpath(pkg)]}", lines
     assert lines[-1] == "kvx kvx.triton_kernels.copy"
 

@@ -23,8 +23,14 @@ def _run(tmp_path, monkeypatch, **kw):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("KVX_TEST_MARKER", "inherited")
     monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
-    srv = S.VllmServer("/models/m", ["--dtype", "float32"], python=_env_dumping_python(tmp_path),
-                       log_path=tmp_path / "serve.log", wait=False, **kw)
+    srv = S.VllmServer(
+        "/models/m",
+        ["--dtype", "float32"],
+        python=_env_dumping_python(tmp_path),
+        log_path=tmp_path / "serve.log",
+        wait=False,
+        **kw,
+    )
     srv._proc.wait(timeout=30)
     srv.stop()
     lines = srv.log_text().splitlines()
@@ -35,12 +41,22 @@ def _run(tmp_path, monkeypatch, **kw):
 
 def test_server_gets_vllm_serving_defaults_not_the_offline_ones(tmp_path, monkeypatch):
     srv, env, args = _run(tmp_path, monkeypatch)
-    assert env["VLLM_LOGGING_LEVEL"] == "INFO"            # request / abort / "kvx: ... ready" lines
-    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"    # engine core in its own process
+    assert env["VLLM_LOGGING_LEVEL"] == "INFO"  # request / abort / "kvx: ... ready" lines
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"  # engine core in its own process
     assert env["KVX_TEST_MARKER"] == "inherited"
-    assert "PYTHONSAFEPATH" not in env                    # the working directory is dropped by the server itself
-    assert args == ["-m", "kvx.testing.vllm_server", "serve", "/models/m", "--dtype", "float32",
-                    "--host", "127.0.0.1", "--port", str(srv.port)]
+    assert "PYTHONSAFEPATH" not in env  # the working directory is dropped by the server itself
+    assert args == [
+        "-m",
+        "kvx.testing.vllm_server",
+        "serve",
+        "/models/m",
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(srv.port),
+    ]
 
 
 def test_explicit_env_wins(tmp_path, monkeypatch):
@@ -57,7 +73,7 @@ def test_server_drops_the_working_directory_python_m_put_first(monkeypatch, tmp_
         monkeypatch.setattr(S.sys, "path", [first, "/a", str(tmp_path / "b")])
         S._drop_working_directory()
         assert S.sys.path == ["/a", str(tmp_path / "b")]
-    monkeypatch.setattr(S.sys, "path", ["/a", str(tmp_path)])   # not put first by -m: left alone
+    monkeypatch.setattr(S.sys, "path", ["/a", str(tmp_path)])  # not put first by -m: left alone
     S._drop_working_directory()
     assert S.sys.path == ["/a", str(tmp_path)]
 

@@ -21,9 +21,11 @@ if __name__ == "triton_kernels":
     _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     _rest = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root]
     _spec = _machinery.PathFinder.find_spec(__name__, _rest)
-    if _spec is None or _spec.loader is None:   # none, or only namespace portions: as if this folder were absent
-        raise ModuleNotFoundError(f"No module named {__name__!r} (this repository's {__name__}/ is kvx's, imported "
-                                  f"as kvx.{__name__})", name=__name__)
+    if _spec is None or _spec.loader is None:  # none, or only namespace portions: as if this folder were absent
+        raise ModuleNotFoundError(
+            f"No module named {__name__!r} (this repository's {__name__}/ is kvx's, imported as kvx.{__name__})",
+            name=__name__,
+        )
     _module = _util.module_from_spec(_spec)
-    _sys.modules[__name__] = _module            # what the import statement returns (importlib re-reads the entry)
+    _sys.modules[__name__] = _module  # what the import statement returns (importlib re-reads the entry)
     _spec.loader.exec_module(_module)

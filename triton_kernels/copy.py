@@ -76,32 +76,56 @@ _GATHER, _SCATTER = 0, 1
 # by its value (i32 when it fits, i64 otherwise, a constexpr when it equals 1), so every new geometry or
 # buffer distance could compile another kernel, and 32-bit products of offsets would overflow (caches
 # exceed 2 GiB; offsets from the anchor span the address space).
-_SCALARS = ("contig_off", "total_rows", "row_units", "num_ids", "num_planes", "block_size", "iter_heads",
-            "rows_per_entry", "p_plane", "p_block", "p_token", "p_head", "c_layer", "c_plane", "c_token",
-            "c_head")
+_SCALARS = (
+    "contig_off",
+    "total_rows",
+    "row_units",
+    "num_ids",
+    "num_planes",
+    "block_size",
+    "iter_heads",
+    "rows_per_entry",
+    "p_plane",
+    "p_block",
+    "p_token",
+    "p_head",
+    "c_layer",
+    "c_plane",
+    "c_token",
+    "c_head",
+)
 
 
 @triton.jit(do_not_specialize=_SCALARS)
 def _copy_rows_kernel(
-    anchor_ptr,      # uint8 alias of the anchor: its address is layer_ptrs[0], the origin of every offset
-    layer_off_ptr,   # [num_layers] int64: offset of each layer's base from anchor_ptr, in units
-    ids_ptr,         # [num_ids] int64: block ids (MODE 0) or slot ids (MODE 1, < 0 = padding)
+    anchor_ptr,  # uint8 alias of the anchor: its address is layer_ptrs[0], the origin of every offset
+    layer_off_ptr,  # [num_layers] int64: offset of each layer's base from anchor_ptr, in units
+    ids_ptr,  # [num_ids] int64: block ids (MODE 0) or slot ids (MODE 1, < 0 = padding)
     # Offsets and strides below are in units of VEC words (16 bytes when every address allows it).
-    contig_off: tl.int64,      # offset of the contiguous side's base from anchor_ptr
-    total_rows: tl.int64,      # num_layers * num_planes * num_ids * rows_per_entry
-    row_units: tl.int64,       # length of a row (after merging)
-    num_ids: tl.int64, num_planes: tl.int64, block_size: tl.int64, iter_heads: tl.int64,
+    contig_off: tl.int64,  # offset of the contiguous side's base from anchor_ptr
+    total_rows: tl.int64,  # num_layers * num_planes * num_ids * rows_per_entry
+    row_units: tl.int64,  # length of a row (after merging)
+    num_ids: tl.int64,
+    num_planes: tl.int64,
+    block_size: tl.int64,
+    iter_heads: tl.int64,
     rows_per_entry: tl.int64,
-    p_plane: tl.int64, p_block: tl.int64, p_token: tl.int64, p_head: tl.int64,  # paged strides
-    c_layer: tl.int64, c_plane: tl.int64, c_token: tl.int64, c_head: tl.int64,  # contiguous strides
-    WORD: tl.constexpr,        # tl.int64 / int32 / int16 / int8: the type every load/store moves
-    VEC: tl.constexpr,         # words per unit: 16 // word size when every address is 16-byte aligned, else 1
-    IDX: tl.constexpr,         # tl.int32 when row indices and slots fit (cheaper divisions), else tl.int64
-    MODE: tl.constexpr,        # 0 = block ids, 1 = slot ids
-    GATHER: tl.constexpr,      # True: paged -> contiguous; False: contiguous -> paged
-    BLOCK_R: tl.constexpr,     # rows per tile
-    BLOCK_C: tl.constexpr,     # words per tile row (power of two)
-    COL_ITERS: tl.constexpr,   # tiles per program along a row; grid axis 1 covers the rest of long rows
+    p_plane: tl.int64,
+    p_block: tl.int64,
+    p_token: tl.int64,
+    p_head: tl.int64,  # paged strides
+    c_layer: tl.int64,
+    c_plane: tl.int64,
+    c_token: tl.int64,
+    c_head: tl.int64,  # contiguous strides
+    WORD: tl.constexpr,  # tl.int64 / int32 / int16 / int8: the type every load/store moves
+    VEC: tl.constexpr,  # words per unit: 16 // word size when every address is 16-byte aligned, else 1
+    IDX: tl.constexpr,  # tl.int32 when row indices and slots fit (cheaper divisions), else tl.int64
+    MODE: tl.constexpr,  # 0 = block ids, 1 = slot ids
+    GATHER: tl.constexpr,  # True: paged -> contiguous; False: contiguous -> paged
+    BLOCK_R: tl.constexpr,  # rows per tile
+    BLOCK_C: tl.constexpr,  # words per tile row (power of two)
+    COL_ITERS: tl.constexpr,  # tiles per program along a row; grid axis 1 covers the rest of long rows
 ):
     # Row -> (entry, token, head) -> (layer, plane, id index): entry_offsets() and row_*_offset() of
     # kv_layout.h, vectorized over the BLOCK_R rows of this tile. The divisions run in IDX (32-bit when
@@ -164,14 +188,14 @@ def _copy_rows_kernel(
 # The interpreter costs a few ms per program instance (Python work per op) plus numpy work proportional
 # to the tile, so it wants few big tiles; a GPU wants many small programs with few registers each.
 _INTERPRETED = type(_copy_rows_kernel).__name__ == "InterpretedFunction"
-_INTERP_TILE = 1 << 17     # words per tile in the interpreter (1 MiB of int64): 1 program per MiB
-_GPU_TILE = 1024           # words per tile: 8 per thread at 4 warps (each needs two 64-bit addresses);
-                           # at most 58 registers and no spills for 16-byte-aligned rows on sm_90
-_GPU_MAX_ROWS = 256        # rows per tile: the per-row index math of 8 rows/thread took 96 registers
-_GPU_COL_ITERS = 4         # tiles per program along a long row (32 KiB of int64 per program)
-_GPU_MIN_PROGRAMS = 1024   # below this, give long rows one tile per program (fill ~132 SMs x 8)
+_INTERP_TILE = 1 << 17  # words per tile in the interpreter (1 MiB of int64): 1 program per MiB
+_GPU_TILE = 1024  # words per tile: 8 per thread at 4 warps (each needs two 64-bit addresses);
+# at most 58 registers and no spills for 16-byte-aligned rows on sm_90
+_GPU_MAX_ROWS = 256  # rows per tile: the per-row index math of 8 rows/thread took 96 registers
+_GPU_COL_ITERS = 4  # tiles per program along a long row (32 KiB of int64 per program)
+_GPU_MIN_PROGRAMS = 1024  # below this, give long rows one tile per program (fill ~132 SMs x 8)
 _GPU_NUM_WARPS = 4
-_IDX32_LIMIT = 1 << 31     # indices below this may be divided in int32
+_IDX32_LIMIT = 1 << 31  # indices below this may be divided in int32
 
 # Word type per word size in bytes. Triton has no 128-bit integer type: a 16-byte copy_width() moves int64
 # words two per 16-byte unit (VEC = 2), which the compiler turns into 128-bit accesses.
@@ -219,8 +243,7 @@ def _layer_table(ptrs: list[int], anchor_ptr: int, unit: int, device: torch.devi
     return table
 
 
-def _tiles(total_rows: int, row_words: int, vec: int,
-           interpreted: bool = _INTERPRETED) -> tuple[int, int, int, int]:
+def _tiles(total_rows: int, row_words: int, vec: int, interpreted: bool = _INTERPRETED) -> tuple[int, int, int, int]:
     """(BLOCK_R, BLOCK_C, COL_ITERS, grid axis 1) for ``total_rows`` rows of ``row_words`` words, ``vec``
     words per 16-byte-aligned vector (1: unaligned)."""
     if interpreted:
@@ -234,17 +257,19 @@ def _tiles(total_rows: int, row_words: int, vec: int,
     block_c = min(_next_pow2(row_words), tile)
     block_r = min(tile // block_c, _GPU_MAX_ROWS)
     col_iters = 1
-    if (row_words >= _GPU_COL_ITERS * block_c
-            and triton.cdiv(total_rows, block_r) * triton.cdiv(row_words, _GPU_COL_ITERS * block_c)
-            >= _GPU_MIN_PROGRAMS):
+    if (
+        row_words >= _GPU_COL_ITERS * block_c
+        and triton.cdiv(total_rows, block_r) * triton.cdiv(row_words, _GPU_COL_ITERS * block_c) >= _GPU_MIN_PROGRAMS
+    ):
         col_iters = _GPU_COL_ITERS
     # Grid axis 1 is limited to 65535 programs: rows of more than ~64 Mi words get more tiles each.
     col_iters = max(col_iters, triton.cdiv(triton.cdiv(row_words, block_c), 65535))
     return block_r, block_c, col_iters, triton.cdiv(row_words, block_c * col_iters)
 
 
-def copy_rows(plan: CopyPlan, layer_ptrs: torch.Tensor, ids: torch.Tensor, buf: torch.Tensor, direction: int,
-              anchor: torch.Tensor) -> None:
+def copy_rows(
+    plan: CopyPlan, layer_ptrs: torch.Tensor, ids: torch.Tensor, buf: torch.Tensor, direction: int, anchor: torch.Tensor
+) -> None:
     """Copy every row of ``plan`` between the paged cache and ``buf`` (see the module docstring for shapes).
 
     Args:
@@ -266,18 +291,25 @@ def copy_rows(plan: CopyPlan, layer_ptrs: torch.Tensor, ids: torch.Tensor, buf: 
     if _INTERPRETED and device.type != "cpu":
         # The interpreter copies tensor arguments to host memory, so offsets from the anchor would land
         # in that copy, not in the other layers.
-        raise RuntimeError(f"anchor: the Triton interpreter (TRITON_INTERPRET=1) only runs CPU caches, got "
-                           f"a cache on {device}; unset TRITON_INTERPRET to run on the GPU")
+        raise RuntimeError(
+            f"anchor: the Triton interpreter (TRITON_INTERPRET=1) only runs CPU caches, got "
+            f"a cache on {device}; unset TRITON_INTERPRET to run on the GPU"
+        )
     if not _INTERPRETED and device.type != "cuda":
-        raise RuntimeError(f"anchor: Triton needs a CUDA cache, got {device}; set TRITON_INTERPRET=1 before "
-                           "importing kvx.triton_kernels to run CPU caches in the interpreter")
+        raise RuntimeError(
+            f"anchor: Triton needs a CUDA cache, got {device}; set TRITON_INTERPRET=1 before "
+            "importing kvx.triton_kernels to run CPU caches in the interpreter"
+        )
     if ids.dtype != torch.int64 or ids.device != device or ids.numel() != plan.num_ids:
-        raise ValueError(f"ids: expected {plan.num_ids} int64 ids on {device}, got {ids.numel()} {ids.dtype} "
-                         f"on {ids.device}")
+        raise ValueError(
+            f"ids: expected {plan.num_ids} int64 ids on {device}, got {ids.numel()} {ids.dtype} on {ids.device}"
+        )
     ptrs = [int(p) for p in layer_ptrs.tolist()]
     if len(ptrs) != plan.num_layers or ptrs[0] != anchor.data_ptr():
-        raise ValueError(f"layer_ptrs: expected {plan.num_layers} addresses starting at anchor.data_ptr() "
-                         f"({anchor.data_ptr():#x}), got {len(ptrs)} starting at {ptrs[0] if ptrs else None}")
+        raise ValueError(
+            f"layer_ptrs: expected {plan.num_layers} addresses starting at anchor.data_ptr() "
+            f"({anchor.data_ptr():#x}), got {len(ptrs)} starting at {ptrs[0] if ptrs else None}"
+        )
 
     # Triton launches on the current device: make it the cache's (the caller only set the stream).
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
@@ -288,8 +320,9 @@ def copy_rows(plan: CopyPlan, layer_ptrs: torch.Tensor, ids: torch.Tensor, buf: 
         _copy_rows_kernel[grid](*args, **meta)
 
 
-def _launch_args(plan: CopyPlan, ptrs: list[int], ids: torch.Tensor, buf: torch.Tensor, direction: int,
-                 anchor: torch.Tensor) -> tuple[tuple[int, int], tuple, dict] | None:
+def _launch_args(
+    plan: CopyPlan, ptrs: list[int], ids: torch.Tensor, buf: torch.Tensor, direction: int, anchor: torch.Tensor
+) -> tuple[tuple[int, int], tuple, dict] | None:
     """Grid, arguments and meta-parameters of the kernel launch for ``plan`` (``None``: nothing to copy).
 
     Kept apart from :func:`copy_rows` so a compile check can build the exact launch without a GPU.
@@ -300,8 +333,7 @@ def _launch_args(plan: CopyPlan, ptrs: list[int], ids: torch.Tensor, buf: torch.
         contig_ptr = _host_device_pointer(contig_ptr)
     # plan_launch() of kv_layout.h: collapse_rows(), then the strides whose index is always 0 set to 0
     # (they must not narrow the word nor be divided into units), and copy_width() over the rest.
-    launch = _C.plan_launch(*_c_descs(plan), plan.row_bytes, plan.num_layers, plan.num_ids, plan.mode, ptrs,
-                            contig_ptr)
+    launch = _C.plan_launch(*_c_descs(plan), plan.row_bytes, plan.num_layers, plan.num_ids, plan.mode, ptrs, contig_ptr)
     p = launch.params
     row_bytes, iter_heads = p.row_bytes, p.iter_heads
     rows_per_entry = p.iter_tokens * iter_heads
@@ -318,7 +350,8 @@ def _launch_args(plan: CopyPlan, ptrs: list[int], ids: torch.Tensor, buf: torch.
     row_words = row_bytes // word
     block_r, block_c, col_iters, grid_c = _tiles(total_rows, row_words, unit // word)
     idx32 = total_rows + block_r < _IDX32_LIMIT and (
-        plan.mode == _BLOCKS or p.paged.num_blocks * p.paged.block_size < _IDX32_LIMIT)
+        plan.mode == _BLOCKS or p.paged.num_blocks * p.paged.block_size < _IDX32_LIMIT
+    )
     paged = (p.paged.plane_stride, p.paged.block_stride, p.paged.token_stride, p.paged.head_stride)
     contig = (p.contig.layer_stride, p.contig.plane_stride, p.contig.token_stride, p.contig.head_stride)
 
@@ -326,14 +359,35 @@ def _launch_args(plan: CopyPlan, ptrs: list[int], ids: torch.Tensor, buf: torch.
     # The kernel sees the anchor as bytes: its element type is part of Triton's compile key, so passing the
     # cache-typed view would compile one kernel per cache dtype (bf16, fp16, ...) for the same copy.
     anchor_bytes = torch.empty(0, dtype=torch.uint8, device=device).set_(
-        anchor.untyped_storage(), anchor.storage_offset() * anchor.element_size(), (1,), (1,))
+        anchor.untyped_storage(), anchor.storage_offset() * anchor.element_size(), (1,), (1,)
+    )
     table = _layer_table(ptrs, anchor_ptr, unit, device)
     grid = (triton.cdiv(total_rows, block_r), grid_c)
-    args = (anchor_bytes, table, ids, (contig_ptr - anchor_ptr) // unit,
-            total_rows, row_bytes // unit, plan.num_ids, p.paged.num_planes, p.paged.block_size, iter_heads,
-            rows_per_entry, *(s // unit for s in paged), *(s // unit for s in contig))
-    meta = dict(WORD=word_dtype, VEC=unit // word, IDX=tl.int32 if idx32 else tl.int64, MODE=plan.mode,
-                GATHER=direction == _GATHER, BLOCK_R=block_r, BLOCK_C=block_c, COL_ITERS=col_iters)
+    args = (
+        anchor_bytes,
+        table,
+        ids,
+        (contig_ptr - anchor_ptr) // unit,
+        total_rows,
+        row_bytes // unit,
+        plan.num_ids,
+        p.paged.num_planes,
+        p.paged.block_size,
+        iter_heads,
+        rows_per_entry,
+        *(s // unit for s in paged),
+        *(s // unit for s in contig),
+    )
+    meta = dict(
+        WORD=word_dtype,
+        VEC=unit // word,
+        IDX=tl.int32 if idx32 else tl.int64,
+        MODE=plan.mode,
+        GATHER=direction == _GATHER,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        COL_ITERS=col_iters,
+    )
     if not _INTERPRETED:
         meta["num_warps"] = _GPU_NUM_WARPS
     return grid, args, meta

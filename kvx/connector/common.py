@@ -37,17 +37,17 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class EngineGeometry:
-    block_size: int          # tokens per vLLM block
-    num_layers: int          # attention layers in the KV cache group
-    num_kv_heads: int        # per rank
+    block_size: int  # tokens per vLLM block
+    num_layers: int  # attention layers in the KV cache group
+    num_kv_heads: int  # per rank
     head_size: int
     dtype: torch.dtype
     use_mla: bool
-    opaque: bool             # vLLM CPU backend: ISA-packed pages
-    isa: str                 # the CPU attention ISA path ("" elsewhere)
-    page_bytes: int          # one block of one layer
-    num_groups: int = 1      # KV cache groups; a chunk holds every group's blocks (see the module docstring)
-    group_kinds: tuple[str, ...] = ()   # several groups: per group "full" or "sliding<window>"
+    opaque: bool  # vLLM CPU backend: ISA-packed pages
+    isa: str  # the CPU attention ISA path ("" elsewhere)
+    page_bytes: int  # one block of one layer
+    num_groups: int = 1  # KV cache groups; a chunk holds every group's blocks (see the module docstring)
+    group_kinds: tuple[str, ...] = ()  # several groups: per group "full" or "sliding<window>"
 
     @property
     def planes(self) -> int:
@@ -63,23 +63,26 @@ def _cpu_attention_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_c
     engine would store chunks under it that another, which could tell, never finds, or worse)."""
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
         isa = _get_attn_isa(dtype, block_size, head_size, kv_cache_dtype)
     except Exception as e:  # noqa: BLE001 - whatever the cause, the fingerprint cannot be made
         raise UnsupportedModelError(
             f"kv_cache_config: kvx could not determine the CPU attention ISA vLLM packs KV pages for (dtype "
             f"{dtype}, block size {block_size}, head size {head_size}, kv cache dtype {kv_cache_dtype!r}): "
-            f"vllm.v1.attention.backends.cpu_attn._get_attn_isa failed with {type(e).__name__}: {e}") from e
+            f"vllm.v1.attention.backends.cpu_attn._get_attn_isa failed with {type(e).__name__}: {e}"
+        ) from e
     if not isinstance(isa, str) or not isa:
-        raise UnsupportedModelError(f"kv_cache_config: expected vLLM's CPU attention ISA as a non-empty name, "
-                                    f"got {isa!r}")
+        raise UnsupportedModelError(
+            f"kv_cache_config: expected vLLM's CPU attention ISA as a non-empty name, got {isa!r}"
+        )
     return isa
 
 
-_NULL_BLOCK = 0   # vLLM's null block (BlockPool.null_block: the first block id), e.g. outside a window
+_NULL_BLOCK = 0  # vLLM's null block (BlockPool.null_block: the first block id), e.g. outside a window
 
 
 def group_kind(spec) -> str | None:
-    """"full", "sliding<window>", or None for a spec kvx cannot hold in a multi-group chunk."""
+    """ "full", "sliding<window>", or None for a spec kvx cannot hold in a multi-group chunk."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     if type(spec) is FullAttentionSpec and getattr(spec, "sliding_window", None) is None:
@@ -97,12 +100,13 @@ def hma_unsupported_reason(kv_cache_config) -> str | None:
     specs = [g.kv_cache_spec for g in groups]
     for g, spec in zip(groups, specs):
         if group_kind(spec) is None:
-            return (f"KV cache group of {type(spec).__name__} ({len(g.layer_names)} layers): kvx stores full and "
-                    "sliding-window attention KV only, not Mamba/linear-attention state or other specs")
+            return (
+                f"KV cache group of {type(spec).__name__} ({len(g.layer_names)} layers): kvx stores full and "
+                "sliding-window attention KV only, not Mamba/linear-attention state or other specs"
+            )
         if not getattr(g, "enable_kv_transfer", True) or getattr(g, "host_resident", False):
             return "a KV cache group that vLLM marks host-resident or not transferable"
-    shape = {(int(s.block_size), int(s.num_kv_heads), int(s.head_size), s.dtype, int(s.page_size_bytes))
-             for s in specs}
+    shape = {(int(s.block_size), int(s.num_kv_heads), int(s.head_size), s.dtype, int(s.page_size_bytes)) for s in specs}
     if len(shape) != 1:
         return f"KV cache groups with different block/head shapes {sorted(map(str, shape))}"
     return None
@@ -125,21 +129,37 @@ def engine_geometry(vllm_config, kv_cache_config) -> EngineGeometry:
 
     opaque = bool(current_platform.is_cpu())
     block_size = int(spec.block_size)
-    isa = (_cpu_attention_isa(vllm_config.model_config.dtype, block_size, int(spec.head_size),
-                              str(vllm_config.cache_config.cache_dtype)) if opaque else "")
+    isa = (
+        _cpu_attention_isa(
+            vllm_config.model_config.dtype, block_size, int(spec.head_size), str(vllm_config.cache_config.cache_dtype)
+        )
+        if opaque
+        else ""
+    )
     kinds = tuple(group_kind(g.kv_cache_spec) for g in groups) if len(groups) > 1 else ()
     # several groups alias layer i of each group onto the same tensor: the physical layers are the largest group's
-    return EngineGeometry(block_size=block_size, num_layers=max(len(g.layer_names) for g in groups),
-                          num_kv_heads=1 if use_mla else int(spec.num_kv_heads), head_size=int(spec.head_size),
-                          dtype=spec.dtype, use_mla=use_mla, opaque=opaque, isa=isa,
-                          page_bytes=int(spec.page_size_bytes), num_groups=len(groups), group_kinds=kinds)
+    return EngineGeometry(
+        block_size=block_size,
+        num_layers=max(len(g.layer_names) for g in groups),
+        num_kv_heads=1 if use_mla else int(spec.num_kv_heads),
+        head_size=int(spec.head_size),
+        dtype=spec.dtype,
+        use_mla=use_mla,
+        opaque=opaque,
+        isa=isa,
+        page_bytes=int(spec.page_size_bytes),
+        num_groups=len(groups),
+        group_kinds=kinds,
+    )
 
 
 def chunk_format(config: KVXConfig, geom: EngineGeometry) -> str:
-    """"canonical" ([L, P, T, H, D], layout independent) or "pages" (raw pages, same engine kind only)."""
+    """ "canonical" ([L, P, T, H, D], layout independent) or "pages" (raw pages, same engine kind only)."""
     if config.format == "canonical" and geom.opaque:
-        raise UnsupportedModelError("format: 'canonical' is impossible on vLLM's CPU backend, whose pages are "
-                                    "ISA-packed opaque bytes; use 'auto' or 'pages'")
+        raise UnsupportedModelError(
+            "format: 'canonical' is impossible on vLLM's CPU backend, whose pages are "
+            "ISA-packed opaque bytes; use 'auto' or 'pages'"
+        )
     if config.format == "auto":
         return "pages" if geom.opaque else "canonical"
     return config.format
@@ -151,7 +171,7 @@ def format_fingerprint(geom: EngineGeometry, fmt: str, layout_name: str = "") ->
     parts = [fmt, f"P{geom.planes}", f"H{geom.num_kv_heads}", f"D{geom.head_size}", str(geom.dtype)]
     if fmt == "pages":
         parts += [f"N{geom.block_size}", "cpu_attn" if geom.opaque else layout_name, geom.isa]
-    if geom.num_groups > 1:     # every group's blocks, in group order (single-group fingerprints unchanged)
+    if geom.num_groups > 1:  # every group's blocks, in group order (single-group fingerprints unchanged)
         parts += ["groups=" + ",".join(geom.group_kinds)]
     return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
 
@@ -170,6 +190,7 @@ def worker_shard(vllm_config, use_mla: bool) -> tuple[int, int, bool]:
     tp = int(pc.tensor_parallel_size)
     try:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
         tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
     except Exception:  # not initialised (single process tests)
         tp_rank, pp_rank = 0, 0
@@ -183,11 +204,17 @@ def namespace(vllm_config, geom: EngineGeometry, fingerprint: str) -> bytes:
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     # several groups: the group structure is named (the fingerprint holds it too); one group: as it always was
     more = {"kv_groups": list(geom.group_kinds)} if geom.num_groups > 1 else {}
-    return namespace_digest(model=str(mc.model), revision=str(getattr(mc, "revision", None)),
-                            quantization=str(getattr(mc, "quantization", None)),
-                            kv_cache_dtype=str(cc.cache_dtype), dtype=str(geom.dtype), format=fingerprint,
-                            tp=1 if geom.use_mla else int(pc.tensor_parallel_size),
-                            pp=int(pc.pipeline_parallel_size), **more)
+    return namespace_digest(
+        model=str(mc.model),
+        revision=str(getattr(mc, "revision", None)),
+        quantization=str(getattr(mc, "quantization", None)),
+        kv_cache_dtype=str(cc.cache_dtype),
+        dtype=str(geom.dtype),
+        format=fingerprint,
+        tp=1 if geom.use_mla else int(pc.tensor_parallel_size),
+        pp=int(pc.pipeline_parallel_size),
+        **more,
+    )
 
 
 def chunk_bytes(config: KVXConfig, geom: EngineGeometry) -> int:

@@ -48,31 +48,55 @@ class KVXConfig(StrictConfig):
     """Validated ``kv_connector_extra_config`` of :class:`kvx.connector.KVXConnector`."""
 
     chunk_size: int = Field(default=256, gt=0, description="tokens per chunk; a multiple of vLLM's block size")
-    tiers: list[TierConfig] = Field(default_factory=lambda: [CPUTierConfig(type="cpu", size=4 * 2**30)],
-                                    min_length=1, description="fastest first: cpu, then any registered tier "
-                                    "type (kvx.store.tier_types()) or 'module:Class'")
+    tiers: list[TierConfig] = Field(
+        default_factory=lambda: [CPUTierConfig(type="cpu", size=4 * 2**30)],
+        min_length=1,
+        description="fastest first: cpu, then any registered tier type (kvx.store.tier_types()) or 'module:Class'",
+    )
     save_decode: bool = Field(default=False, description="also save chunks completed during decode")
-    save_partial_chunks: bool = Field(default=False, description="save a request's trailing partial chunk "
-                                      "(rounded down to whole blocks) when it finishes its prompt")
+    save_partial_chunks: bool = Field(
+        default=False,
+        description="save a request's trailing partial chunk "
+        "(rounded down to whole blocks) when it finishes its prompt",
+    )
     skip_last_n_tokens: int = Field(default=0, ge=0, description="never save the last n prompt tokens")
-    load_async: bool = Field(default=False, description="report hits as async loads (the request waits for "
-                             "the load off the critical path) instead of sync layer-wise loads")
+    load_async: bool = Field(
+        default=False,
+        description="report hits as async loads (the request waits for "
+        "the load off the critical path) instead of sync layer-wise loads",
+    )
     promote: bool = Field(default=True, description="copy hits from slower tiers into the CPU tier")
     format: Literal["auto", "canonical", "pages"] = Field(
-        default="auto", description="chunk format: canonical [L,P,T,H,D] (layout independent) or raw pages; "
-                                    "auto = canonical unless the backend's pages are opaque")
+        default="auto",
+        description="chunk format: canonical [L,P,T,H,D] (layout independent) or raw pages; "
+        "auto = canonical unless the backend's pages are opaque",
+    )
     kv_layout: str | None = Field(default=None, description="preferred vLLM KV layout (e.g. 'LBNHC')")
-    layerwise: bool = Field(default=True, description="CUDA: fence each layer's load in wait_for_layer_load "
-                            "(loads overlap the forward; vLLM then uses piecewise CUDA graphs); false: fence "
-                            "all loads before the forward")
-    save_layerwise: bool = Field(default=True, description="queue each layer group's save gathers as soon as "
-                                 "the forward wrote it (save_kv_layer), so the copies overlap the rest of the "
-                                 "forward; false: all layers at once in wait_for_save")
-    save_priority_limit: int | None = Field(default=None, description="save only requests whose vLLM priority "
-                                            "is at most this (lower is more important); null: every request")
-    pd_wait_ms: int = Field(default=3000, ge=0, le=600_000, description="kv_consumer: how long a request waits for "
-                            "the chunks its producer announced (kvx_pd_chunks) to reach a shared tier before it "
-                            "computes without them")
+    layerwise: bool = Field(
+        default=True,
+        description="CUDA: fence each layer's load in wait_for_layer_load "
+        "(loads overlap the forward; vLLM then uses piecewise CUDA graphs); false: fence "
+        "all loads before the forward",
+    )
+    save_layerwise: bool = Field(
+        default=True,
+        description="queue each layer group's save gathers as soon as "
+        "the forward wrote it (save_kv_layer), so the copies overlap the rest of the "
+        "forward; false: all layers at once in wait_for_save",
+    )
+    save_priority_limit: int | None = Field(
+        default=None,
+        description="save only requests whose vLLM priority "
+        "is at most this (lower is more important); null: every request",
+    )
+    pd_wait_ms: int = Field(
+        default=3000,
+        ge=0,
+        le=600_000,
+        description="kv_consumer: how long a request waits for "
+        "the chunks its producer announced (kvx_pd_chunks) to reach a shared tier before it "
+        "computes without them",
+    )
     io_threads: int = Field(default=2, ge=1, le=64, description="threads for disk reads, and as many for disk writes")
     max_ctas: int = Field(default=8, ge=0, description="CUDA thread-block cap for copies (0 = no cap)")
 

@@ -79,13 +79,18 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
         if self.passive is not None:
             # vLLM runs such models only with its hybrid manager, which needs SupportsHMA: serve nothing
             # rather than fail the engine or serve state kvx does not hold
-            log.warning("kvx: %s: this engine's KV cache is not something kvx can store (%s); kvx loads and "
-                        "saves nothing for it (every request is computed by vLLM)", role.name, self.passive)
+            log.warning(
+                "kvx: %s: this engine's KV cache is not something kvx can store (%s); kvx loads and "
+                "saves nothing for it (every request is computed by vLLM)",
+                role.name,
+                self.passive,
+            )
             return
         geom = engine_geometry(vllm_config, kv_cache_config)
         if self.config.chunk_size % geom.block_size:
-            raise ConfigError(f"chunk_size: expected a multiple of vLLM's block size {geom.block_size}"
-                              f", got {self.config.chunk_size}")
+            raise ConfigError(
+                f"chunk_size: expected a multiple of vLLM's block size {geom.block_size}, got {self.config.chunk_size}"
+            )
         self.geom = geom
         layout = _layout_name(vllm_config, kv_cache_config)
         fmt = chunk_format(self.config, geom)
@@ -94,20 +99,40 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
         self._layout_name = layout
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = KVXScheduler(
-                self.config, geom, ns, fingerprint, shards=shard_count(vllm_config, geom.use_mla),
+                self.config,
+                geom,
+                ns,
+                fingerprint,
+                shards=shard_count(vllm_config, geom.use_mla),
                 num_workers=int(vllm_config.parallel_config.world_size),
-                producer=bool(ktc.is_kv_producer), consumer=bool(ktc.is_kv_consumer),
-                kv_events=bool(getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events",
-                                       False)))
+                producer=bool(ktc.is_kv_producer),
+                consumer=bool(ktc.is_kv_consumer),
+                kv_events=bool(
+                    getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False)
+                ),
+            )
         else:
             shard, shards, writes = worker_shard(vllm_config, geom.use_mla)
             # a kv_producer's chunks are the hand-off its consumer waits for (pd_wait_ms): written at normal
             # priority; otherwise writes only fill idle cores and never slow the forward
-            self._worker = KVXWorker(self.config, geom, fmt, fingerprint, shard, shards, writes,
-                                     fence_loads_at_start=not self.config.layerwise,
-                                     background_writes=not (ktc.is_kv_producer and not ktc.is_kv_consumer))
-        log.info("kvx: %s ready: chunk %d tokens, format %s, tiers %s", role.name, self.config.chunk_size, fmt,
-                 [t.type for t in self.config.tiers])
+            self._worker = KVXWorker(
+                self.config,
+                geom,
+                fmt,
+                fingerprint,
+                shard,
+                shards,
+                writes,
+                fence_loads_at_start=not self.config.layerwise,
+                background_writes=not (ktc.is_kv_producer and not ktc.is_kv_consumer),
+            )
+        log.info(
+            "kvx: %s ready: chunk %d tokens, format %s, tiers %s",
+            role.name,
+            self.config.chunk_size,
+            fmt,
+            [t.type for t in self.config.tiers],
+        )
 
     # ------------------------------------------------------------------ class-level hooks
     @classmethod
@@ -122,8 +147,8 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
         config = KVXConfig.from_extra_config(kv_transfer_config.kv_connector_extra_config)
         check_paths(config, writes=bool(kv_transfer_config.is_kv_producer))
         try:
-            copy_queue_mode("cpu")      # KVX_COPY_QUEUE: a bad value fails here, not in the worker
-            ops.h2d_env_min_bytes()     # KVX_H2D_DMA_MIN_BYTES: likewise
+            copy_queue_mode("cpu")  # KVX_COPY_QUEUE: a bad value fails here, not in the worker
+            ops.h2d_env_min_bytes()  # KVX_H2D_DMA_MIN_BYTES: likewise
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return config
@@ -178,8 +203,9 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None:
-            self._worker.handle_preemptions(kv_connector_metadata if isinstance(kv_connector_metadata, KVXMetadata)
-                                            else None)
+            self._worker.handle_preemptions(
+                kv_connector_metadata if isinstance(kv_connector_metadata, KVXMetadata) else None
+            )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -216,8 +242,9 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
         (``get_block_ids_with_load_errors``) cannot name it."""
         sending, recving = self.get_finished(finished_req_ids)
         failed = self._worker.take_failed_requests() if self._worker is not None else set()
-        return KVConnectorTransferResults(finished_sending=set(sending or ()),
-                                          finished_recving=set(recving or ()) | failed, failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()) | failed, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
@@ -251,8 +278,9 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
-    def request_finished_all_groups(self, request,
-                                   block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Every group's blocks are freed at once (kvx never delays a free: its copies are fenced)."""
         if self._scheduler is None:
             return False, None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from ..store import REMOVED, STORED
 
-MAX_TRACKED = 1 << 18      # chunk payloads kept at most (LRU), bounding memory whatever the tiers' sizes
+MAX_TRACKED = 1 << 18  # chunk payloads kept at most (LRU), bounding memory whatever the tiers' sizes
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,13 @@ class KVEvents:
     def __init__(self, enabled: bool, block_size: int, media: dict[str, str]):
         self.enabled = enabled
         self.block_size = block_size
-        self.media = dict(media)                       # tier name -> event medium
+        self.media = dict(media)  # tier name -> event medium
         self._payloads: OrderedDict[str, _Payload] = OrderedDict()
-        self._where: dict[str, set[str]] = {}          # key -> tiers announced as holding it
+        self._where: dict[str, set[str]] = {}  # key -> tiers announced as holding it
         self._events: list = []
-        self._observed: list[tuple[str, str, list[str]]] = []   # from other threads
+        self._observed: list[tuple[str, str, list[str]]] = []  # from other threads
         self._lock = threading.Lock()
-        self.counts: dict[str, int] = {}               # "<tier>_stored" / "<tier>_evictions" (since last take)
+        self.counts: dict[str, int] = {}  # "<tier>_stored" / "<tier>_evictions" (since last take)
 
     # ------------------------------------------------------------------ payloads
     def record(self, key: str, request, first_block: int, num_blocks: int) -> None:
@@ -61,17 +61,18 @@ class KVEvents:
             return
         hashes = list(getattr(request, "block_hashes", ()) or ())
         if len(hashes) < first_block + num_blocks:
-            return          # vLLM hashes at another granularity (or not at all): nothing a router could match
+            return  # vLLM hashes at another granularity (or not at all): nothing a router could match
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         bs = self.block_size
         lora = getattr(request, "lora_request", None)
         self._payloads[key] = _Payload(
-            tuple(maybe_convert_block_hash(h) for h in hashes[first_block: first_block + num_blocks]),
+            tuple(maybe_convert_block_hash(h) for h in hashes[first_block : first_block + num_blocks]),
             maybe_convert_block_hash(hashes[first_block - 1]) if first_block > 0 else None,
-            tuple(request.all_token_ids[first_block * bs: (first_block + num_blocks) * bs]),
+            tuple(request.all_token_ids[first_block * bs : (first_block + num_blocks) * bs]),
             getattr(lora, "lora_int_id", None) if lora is not None else None,
-            getattr(lora, "lora_name", None) if lora is not None else None)
+            getattr(lora, "lora_name", None) if lora is not None else None,
+        )
         while len(self._payloads) > MAX_TRACKED:
             old, _ = self._payloads.popitem(last=False)
             self._where.pop(old, None)
@@ -86,7 +87,7 @@ class KVEvents:
         self._count(f"{tier}_stored")
         p = self._payloads.get(key)
         if p is None:
-            return          # events off, or a chunk whose request this process never saw
+            return  # events off, or a chunk whose request this process never saw
         where = self._where.setdefault(key, set())
         if tier in where:
             return
@@ -94,21 +95,29 @@ class KVEvents:
         self._payloads.move_to_end(key)
         from vllm.distributed.kv_events import BlockStored
 
-        self._events.append(BlockStored(block_hashes=list(p.block_hashes), parent_block_hash=p.parent,
-                                        token_ids=list(p.token_ids), block_size=self.block_size,
-                                        lora_id=p.lora_id, medium=self.media.get(tier, tier.upper()),
-                                        lora_name=p.lora_name))
+        self._events.append(
+            BlockStored(
+                block_hashes=list(p.block_hashes),
+                parent_block_hash=p.parent,
+                token_ids=list(p.token_ids),
+                block_size=self.block_size,
+                lora_id=p.lora_id,
+                medium=self.media.get(tier, tier.upper()),
+                lora_name=p.lora_name,
+            )
+        )
 
     def removed(self, tier: str, key: str) -> None:
         self._count(f"{tier}_evictions")
         where = self._where.get(key)
         if where is None or tier not in where:
-            return          # never announced here (another instance's chunk), or announced gone already
+            return  # never announced here (another instance's chunk), or announced gone already
         where.discard(tier)
         from vllm.distributed.kv_events import BlockRemoved
 
-        self._events.append(BlockRemoved(block_hashes=list(self._payloads[key].block_hashes),
-                                         medium=self.media.get(tier, tier.upper())))
+        self._events.append(
+            BlockRemoved(block_hashes=list(self._payloads[key].block_hashes), medium=self.media.get(tier, tier.upper()))
+        )
         if not where:
             del self._where[key]
             self._payloads.pop(key, None)

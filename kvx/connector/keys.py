@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KEY_VERSION = "kvx-key-2"   # 2: multimodal items hashed one by one (1 joined them with "|")
+KEY_VERSION = "kvx-key-2"  # 2: multimodal items hashed one by one (1 joined them with "|")
 _KEY_RE = re.compile(r"[0-9a-f]{32}")
 
 
@@ -54,16 +54,24 @@ class MMItem:
     length: int
 
 
-def request_root(namespace: bytes, cache_salt: str | None = None, lora: str | None = None,
-                 kvx_namespace: str | None = None) -> bytes:
+def request_root(
+    namespace: bytes, cache_salt: str | None = None, lora: str | None = None, kvx_namespace: str | None = None
+) -> bytes:
     """The chain root of one request. ``kvx_namespace``: the request's own isolation key (its
     ``kv_transfer_params``); without one the root is what it always was, so stored chunks stay valid."""
     root = _digest(namespace, (cache_salt or "").encode(), (lora or "").encode())
     return _digest(root, b"kvx_namespace", kvx_namespace.encode()) if kvx_namespace else root
 
 
-def chunk_keys(root: bytes, token_ids: Sequence[int], chunk_size: int, *, num_chunks: int | None = None,
-               mm_items: Sequence[MMItem] = (), partial_tokens: int = 0) -> list[str]:
+def chunk_keys(
+    root: bytes,
+    token_ids: Sequence[int],
+    chunk_size: int,
+    *,
+    num_chunks: int | None = None,
+    mm_items: Sequence[MMItem] = (),
+    partial_tokens: int = 0,
+) -> list[str]:
     """Keys of the leading full chunks of ``token_ids`` (at most ``num_chunks``), then, if
     ``partial_tokens > 0``, one more key for a trailing chunk of exactly that many tokens.
 
@@ -92,13 +100,18 @@ def chunk_keys(root: bytes, token_ids: Sequence[int], chunk_size: int, *, num_ch
     if partial_tokens > 0:
         start = full * chunk_size
         if partial_tokens >= chunk_size or start + partial_tokens > len(toks):
-            raise ValueError(f"partial_tokens: expected < {chunk_size} tokens after the {full} full chunks of a "
-                             f"{len(toks)}-token sequence, got {partial_tokens}")
+            raise ValueError(
+                f"partial_tokens: expected < {chunk_size} tokens after the {full} full chunks of a "
+                f"{len(toks)}-token sequence, got {partial_tokens}"
+            )
         spans.append((start, start + partial_tokens))
     for start, end in spans:
         # one fixed-size digest per item: no content hash can forge an item boundary
-        extras = b"".join(_digest(m.hash.encode(), str(m.offset - start).encode(), str(m.length).encode())
-                          for m in mm_items if m.offset < end and m.offset + m.length > start)
+        extras = b"".join(
+            _digest(m.hash.encode(), str(m.offset - start).encode(), str(m.length).encode())
+            for m in mm_items
+            if m.offset < end and m.offset + m.length > start
+        )
         prev = _digest(prev, toks[start:end].tobytes(), extras, str(end - start).encode())
         keys.append(prev.hex())
     return keys
@@ -111,8 +124,11 @@ def rank_key(key: str, rank: int, world: int) -> str:
     if not _is_int(world) or world < 0:
         raise ValueError(f"world: expected a non-negative int, got {world!r}")
     if not _is_int(rank) or rank < 0 or (world > 0 and rank >= world):
-        raise ValueError(f"rank: expected an int in [0, {world}), got {rank!r}" if world else
-                         f"rank: expected a non-negative int, got {rank!r}")
+        raise ValueError(
+            f"rank: expected an int in [0, {world}), got {rank!r}"
+            if world
+            else f"rank: expected a non-negative int, got {rank!r}"
+        )
     if world == 0:
         return key
     return _digest(bytes.fromhex(key), f"tp{rank}/{world}".encode()).hex()

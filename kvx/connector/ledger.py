@@ -40,9 +40,9 @@ log = get_logger(__name__)
 
 
 class Kind(enum.Enum):
-    SLOT = "slot"     # a CPU slot written (save or promotion)
-    TIER = "tier"     # a chunk written to a byte tier
-    LOAD = "load"     # a request's load
+    SLOT = "slot"  # a CPU slot written (save or promotion)
+    TIER = "tier"  # a chunk written to a byte tier
+    LOAD = "load"  # a request's load
 
 
 @dataclass
@@ -51,26 +51,26 @@ class Transfer:
 
     id: int
     kind: Kind
-    key: str                                  # the chunk's key; LOAD: the request id
-    tier: str = "cpu"                         # TIER: the tier written
-    holds: bool = False                       # TIER: reads the chunk's CPU slot, held until the write ends
-    pins: list[str] = field(default_factory=list)             # LOAD: CPU chunks pinned for it
-    through: tuple[int, list[str]] | None = None              # SLOT: (tokens, tiers) to write through once committed
+    key: str  # the chunk's key; LOAD: the request id
+    tier: str = "cpu"  # TIER: the tier written
+    holds: bool = False  # TIER: reads the chunk's CPU slot, held until the write ends
+    pins: list[str] = field(default_factory=list)  # LOAD: CPU chunks pinned for it
+    through: tuple[int, list[str]] | None = None  # SLOT: (tokens, tiers) to write through once committed
     # SLOT: requests that counted the chunk as saved because this write was in flight: {request: its chunk index
     # (None: its trailing partial chunk)}; planned again if the write is aborted
     awaiting: dict[str, int | None] = field(default_factory=dict)
-    poisoned: bool = False                    # SLOT: written with KV of a failed load: aborted, never committed
-    outcomes: list[str] = field(default_factory=list)         # one per worker that reported
+    poisoned: bool = False  # SLOT: written with KV of a failed load: aborted, never committed
+    outcomes: list[str] = field(default_factory=list)  # one per worker that reported
 
 
 @dataclass
 class Settled:
     """What the transfers that ended in one :meth:`ChunkLedger.settle` mean for the requests."""
 
-    loads_done: list[str] = field(default_factory=list)       # requests whose load every worker finished
+    loads_done: list[str] = field(default_factory=list)  # requests whose load every worker finished
     # (request, its chunk to plan again; None: its partial chunk), per aborted write it counted on
     rewind: list[tuple[str, int | None]] = field(default_factory=list)
-    aborted: int = 0                                           # CPU slot writes aborted
+    aborted: int = 0  # CPU slot writes aborted
 
 
 def _first_chunk(a: int | None, b: int | None) -> int | None:
@@ -83,15 +83,15 @@ class ChunkLedger:
 
     def __init__(self, cpu: CPUIndex | None, stack: TierStack, num_workers: int, events: KVEvents, writes: bool):
         self.cpu = cpu
-        self.writes = writes          # a producer: promoted chunks are written through to the faster tiers
+        self.writes = writes  # a producer: promoted chunks are written through to the faster tiers
         self.stack = stack
         self.num_workers = num_workers
         self.events = events
         self._next_id = 0
         self._open: dict[int, Transfer] = {}
-        self._slot_writes: dict[str, int] = {}                 # chunk key -> its SLOT transfer
-        self._tier_writes: dict[tuple[str, str], int] = {}     # (tier, chunk key) -> its TIER transfer
-        self._through: list[tuple[str, int, list[str]]] = []   # committed: (key, tokens, tiers) to write through
+        self._slot_writes: dict[str, int] = {}  # chunk key -> its SLOT transfer
+        self._tier_writes: dict[tuple[str, str], int] = {}  # (tier, chunk key) -> its TIER transfer
+        self._through: list[tuple[str, int, list[str]]] = []  # committed: (key, tokens, tiers) to write through
 
     # ---------------------------------------------------------------- queries
     def idle(self) -> bool:
@@ -131,8 +131,17 @@ class ChunkLedger:
             out[name] = self._open_transfer(Kind.TIER, key, tier=name, holds=holds).id
         return out, slot
 
-    def plan_save(self, req_id: str, chunk: int | None, key: str, block_ids: list[int], tokens: int,
-                  deps: Sequence[int], skip_tier: str | None, gather_first: bool) -> ChunkSave | None:
+    def plan_save(
+        self,
+        req_id: str,
+        chunk: int | None,
+        key: str,
+        block_ids: list[int],
+        tokens: int,
+        deps: Sequence[int],
+        skip_tier: str | None,
+        gather_first: bool,
+    ) -> ChunkSave | None:
         """Plan saving ``block_ids`` as chunk ``key`` (request ``req_id``'s ``chunk``-th; None: its partial chunk):
         into a free CPU slot if the CPU tier lacks it, and to every byte tier lacking it but ``skip_tier`` (the
         one the request loaded it from). ``gather_first``: gather into the CPU tier only, and write the chunk
@@ -156,18 +165,27 @@ class ChunkLedger:
         writes, held = self._write_tiers(key, to_tiers, holds)
         if slot is None and not writes:
             return None
-        return ChunkSave(req_id, key, list(block_ids), tokens, slot, writes,
-                         held if state is SlotState.READY else None, deps=sorted(deps),
-                         slot_xfer=slot_tr.id if slot_tr is not None else None)
+        return ChunkSave(
+            req_id,
+            key,
+            list(block_ids),
+            tokens,
+            slot,
+            writes,
+            held if state is SlotState.READY else None,
+            deps=sorted(deps),
+            slot_xfer=slot_tr.id if slot_tr is not None else None,
+        )
 
-    def plan_load(self, req_id: str, chunks: Sequence[tuple[str, str, int, bool]]
-                  ) -> tuple[int, list[tuple[int | None, int | None]]]:
+    def plan_load(
+        self, req_id: str, chunks: Sequence[tuple[str, str, int, bool]]
+    ) -> tuple[int, list[tuple[int | None, int | None]]]:
         """Plan request ``req_id``'s load of ``chunks`` ((key, tier, tokens, promote) each): pin the CPU hits, and
         for a hit from another tier with ``promote``, allocate a CPU slot to read it into (written through, once
         committed, to the tiers faster than its own that lack it, by a producer). Returns the load's transfer id
         and, per chunk, (slot, the slot write's transfer id)."""
         pins = [key for key, tier, _, _ in chunks if tier == "cpu"]
-        pinned = dict(zip(pins, self.cpu.pin(pins))) if pins else {}   # before allocating: that may evict
+        pinned = dict(zip(pins, self.cpu.pin(pins))) if pins else {}  # before allocating: that may evict
         out = []
         for key, tier, tokens, promote in chunks:
             if tier == "cpu":
@@ -221,7 +239,7 @@ class ChunkLedger:
             elif tr.kind is Kind.TIER:
                 del self._tier_writes[(tr.tier, tr.key)]
                 if OK in tr.outcomes and FAILED not in tr.outcomes:
-                    self.events.stored(tr.tier, tr.key)     # new bytes, every rank's share in
+                    self.events.stored(tr.tier, tr.key)  # new bytes, every rank's share in
                 if tr.holds:
                     self.cpu.unpin([tr.key])
             else:
@@ -232,7 +250,7 @@ class ChunkLedger:
 
     def _end_slot(self, tr: Transfer, out: Settled) -> None:
         del self._slot_writes[tr.key]
-        if self.cpu.state(tr.key) is not SlotState.PENDING:   # cleared meanwhile (reset_cache)
+        if self.cpu.state(tr.key) is not SlotState.PENDING:  # cleared meanwhile (reset_cache)
             return
         if all(o == OK for o in tr.outcomes) and not tr.poisoned:
             self.cpu.commit(tr.key)

@@ -80,14 +80,14 @@ class _Load:
     """One request's load in flight. Worker thread only, except ``failed`` / ``keep`` (I/O threads)."""
 
     spec: LoadSpec
-    jobs: dict[int, list[Job]] = field(default_factory=dict)   # layer group -> its copy jobs
+    jobs: dict[int, list[Job]] = field(default_factory=dict)  # layer group -> its copy jobs
     pending: list[tuple[ChunkLoad, Future]] = field(default_factory=list)  # reads not done at submission
     failed: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    keep: list[torch.Tensor] = field(default_factory=list)   # pinned sources the kernels may still read
-    early: Job | None = None                  # raw pages that must land before the forward (see ChunkLoad)
+    keep: list[torch.Tensor] = field(default_factory=list)  # pinned sources the kernels may still read
+    early: Job | None = None  # raw pages that must land before the forward (see ChunkLoad)
     started: float = 0.0
-    reported: bool = False                    # failures reported to vLLM and the scheduler
+    reported: bool = False  # failures reported to vLLM and the scheduler
 
     def all_jobs(self) -> list[Job]:
         return ([self.early] if self.early is not None else []) + [j for js in self.jobs.values() for j in js]
@@ -101,14 +101,14 @@ class LoadPipeline:
 
     def __init__(self, w: KVXWorker, reader: ThreadPoolExecutor | None, fence_at_start: bool):
         self.w = w
-        self.reader = reader                     # tier reads: on the critical path, normal priority
-        self.fence_at_start = fence_at_start     # fence every load in start (no per-layer fences)
-        self.outcomes = LoadOutcomes()           # the verdict handed to the save pipeline
+        self.reader = reader  # tier reads: on the critical path, normal priority
+        self.fence_at_start = fence_at_start  # fence every load in start (no per-layer fences)
+        self.outcomes = LoadOutcomes()  # the verdict handed to the save pipeline
         self._sync: list[_Load] = []
         self._async: dict[str, _Load] = {}
-        self._retiring: list[_Load] = []         # reported to vLLM, copies maybe still running
-        self._errors: set[int] = set()           # blocks that failed to load, for vLLM
-        self._failed_reqs: set[str] = set()      # several groups: async loads that failed, for failed_recving
+        self._retiring: list[_Load] = []  # reported to vLLM, copies maybe still running
+        self._errors: set[int] = set()  # blocks that failed to load, for vLLM
+        self._failed_reqs: set[str] = set()  # several groups: async loads that failed, for failed_recving
 
     def idle(self) -> bool:
         return not (self._sync or self._async or self._retiring)
@@ -153,8 +153,11 @@ class LoadPipeline:
             ready = [(ch, src) for ch, src in ready if not ch.before_forward]
             if srcs:
                 batch = Once(lambda srcs=srcs: self.scatter_batch(srcs))
-                load.early = w.order.load([b for ch, _ in srcs for b in ch.block_ids],
-                                          lambda: batch.get().run(), name=f"load {spec.req_id} before forward")
+                load.early = w.order.load(
+                    [b for ch, _ in srcs for b in ch.block_ids],
+                    lambda: batch.get().run(),
+                    name=f"load {spec.req_id} before forward",
+                )
         self._queue_chunks(load, ready + self._take_ready(load))
         w.stats["loaded_chunks"] += len(spec.chunks)
         w.stats["loaded_blocks"] += sum(len(c.block_ids) for c in spec.chunks)
@@ -188,10 +191,11 @@ class LoadPipeline:
         if not chunks:
             return
         blocks = [b for ch, _ in chunks for b in ch.block_ids]
-        batch = Once(lambda: self.scatter_batch(chunks))    # checked once, in the first job
+        batch = Once(lambda: self.scatter_batch(chunks))  # checked once, in the first job
         for g, (a, b, _) in enumerate(self.w.groups):
-            job = self.w.order.load(blocks, lambda a=a, b=b: batch.get().run(a, b),
-                                    name=f"load {load.spec.req_id} group {g}")
+            job = self.w.order.load(
+                blocks, lambda a=a, b=b: batch.get().run(a, b), name=f"load {load.spec.req_id} group {g}"
+            )
             load.jobs.setdefault(g, []).append(job)
 
     def scatter_batch(self, chunks) -> ops.CopyBatch:
@@ -203,17 +207,24 @@ class LoadPipeline:
 
     def _add_scatters(self, batch: ops.CopyBatch, ch: ChunkLoad, src: torch.Tensor) -> None:
         w = self.w
-        if ch.positions is not None:     # several groups / null blocks skipped: contiguous runs
-            if ch.before_forward and w.fmt == "pages":     # the scheduler never plans this
+        if ch.positions is not None:  # several groups / null blocks skipped: contiguous runs
+            if ch.before_forward and w.fmt == "pages":  # the scheduler never plans this
                 raise RuntimeError(f"load {ch.key}: raw pages before the forward must come in one run")
             i = 0
             while i < len(ch.block_ids):
                 j = i + 1
                 while j < len(ch.block_ids) and ch.positions[j] == ch.positions[i] + j - i:
                     j += 1
-                run = ChunkLoad(ch.key, ch.tier, ch.slot, ch.block_ids[i:j], ch.positions[i], ch.tokens,
-                                before_forward=ch.before_forward and j == len(ch.block_ids),
-                                shared_tokens=ch.shared_tokens)
+                run = ChunkLoad(
+                    ch.key,
+                    ch.tier,
+                    ch.slot,
+                    ch.block_ids[i:j],
+                    ch.positions[i],
+                    ch.tokens,
+                    before_forward=ch.before_forward and j == len(ch.block_ids),
+                    shared_tokens=ch.shared_tokens,
+                )
                 self._add_scatters(batch, run, src)
                 i = j
             return
@@ -239,8 +250,13 @@ class LoadPipeline:
             load.failed.add(ch.key)
         # log the text, not the exception: a handler that keeps records (a QueueHandler, pytest's capture)
         # would keep its traceback, and the frames' chunk buffers with it
-        self.w.throttle.warning(failure_cause("load", e), "kvx: request %s: chunk %s not loaded (%s); vLLM "
-                                "recomputes it", load.spec.req_id, ch.key, str(e))
+        self.w.throttle.warning(
+            failure_cause("load", e),
+            "kvx: request %s: chunk %s not loaded (%s); vLLM recomputes it",
+            load.spec.req_id,
+            ch.key,
+            str(e),
+        )
 
     def _read_chunk(self, ch: ChunkLoad, load: _Load) -> torch.Tensor:
         """Read and verify one chunk from its tier, into its CPU slot if it has one (promotion); return a
@@ -251,7 +267,7 @@ class LoadPipeline:
         dst = w.slot_view(ch.slot, ch.tokens) if ch.slot is not None else None
         if dst is not None and dst.is_contiguous():
             out = dst
-        else:   # a partial chunk's slot view is strided; the kernels read host memory only when pinned
+        else:  # a partial chunk's slot view is strided; the kernels read host memory only when pinned
             out = torch.empty(shape, dtype=w.chunk_dtype, pin_memory=w.layout.device.type == "cuda")
         w.tiers[ch.tier].get_into(key, out)
         w.stats[f"{ch.tier}_reads"] += 1
@@ -261,7 +277,7 @@ class LoadPipeline:
             out = dst
         elif dst is None and w.layout.device.type == "cuda":
             with load.lock:
-                load.keep.append(out)              # alive until the copy jobs finished
+                load.keep.append(out)  # alive until the copy jobs finished
         return out
 
     # ---------------------------------------------------------------- the forward
@@ -283,8 +299,12 @@ class LoadPipeline:
     def _fail_all(self, load: _Load, e: BaseException) -> None:
         with load.lock:
             if len(load.failed) < len(load.spec.chunks):
-                self.w.throttle.error(failure_cause("copy", e), "kvx: request %s: load failed (%s); vLLM "
-                                      "recomputes it", load.spec.req_id, str(e))
+                self.w.throttle.error(
+                    failure_cause("copy", e),
+                    "kvx: request %s: load failed (%s); vLLM recomputes it",
+                    load.spec.req_id,
+                    str(e),
+                )
                 load.failed.update(ch.key for ch in load.spec.chunks)
 
     def verdict(self) -> LoadOutcomes:
@@ -321,14 +341,14 @@ class LoadPipeline:
                 self._fail_all(load, job.error())
         for ch in load.spec.chunks:
             if ch.key in load.failed:
-                if w.kv_groups > 1:       # block ids cannot name it to vLLM: the request fails (async)
+                if w.kv_groups > 1:  # block ids cannot name it to vLLM: the request fails (async)
                     self._failed_reqs.add(load.spec.req_id)
                 else:
                     self._errors.update(ch.block_ids)
                 self.outcomes.failed(ch.block_ids)
                 w.out.failed_blocks.extend(ch.block_ids)
                 w.stats["load_errors"] += 1
-            if ch.slot_xfer is not None:      # the promotion into a CPU slot
+            if ch.slot_xfer is not None:  # the promotion into a CPU slot
                 w.out.report(ch.slot_xfer, FAILED if ch.key in load.failed else OK)
 
     # ---------------------------------------------------------------- results

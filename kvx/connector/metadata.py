@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 except ImportError:  # the worker side also runs without vLLM (tests/worker drive it on a GPU machine without vLLM)
+
     class KVConnectorMetadata:  # type: ignore[no-redef]
         pass
 
@@ -23,8 +24,8 @@ except ImportError:  # the worker side also runs without vLLM (tests/worker driv
 
 
 # What one worker reports for one transfer (:attr:`KVXWorkerMetadata.results`)
-OK = "ok"          # done: the CPU slot written, the tier stored new bytes, the load finished
-NOOP = "noop"      # nothing to do here: the tier held the chunk already, the save was dropped or is not this rank's
+OK = "ok"  # done: the CPU slot written, the tier stored new bytes, the load finished
+NOOP = "noop"  # nothing to do here: the tier held the chunk already, the save was dropped or is not this rank's
 FAILED = "failed"  # the copy, read or write failed
 
 
@@ -47,11 +48,11 @@ class ChunkLoad:
     first_block: int
     tokens: int
     before_forward: bool = False
-    shared_tokens: int = 0       # with before_forward: tokens of the last block the chunk provides
+    shared_tokens: int = 0  # with before_forward: tokens of the last block the chunk provides
     # Several KV cache groups (or null blocks skipped): the chunk's block index of each of ``block_ids``
     # (group g's j-th block of a chunk of n blocks per group is g * n + j); None: first_block + i
     positions: list[int] | None = None
-    span: int = 0                # with positions: blocks of each group this load covers (tokens = span * block)
+    span: int = 0  # with positions: blocks of each group this load covers (tokens = span * block)
     slot_xfer: int | None = None  # with a slot, for a load from another tier: the transfer writing that slot
 
 
@@ -60,7 +61,7 @@ class LoadSpec:
     req_id: str
     chunks: list[ChunkLoad]
     is_async: bool
-    xfer: int = -1               # the load's transfer (reported when every copy of it has run)
+    xfer: int = -1  # the load's transfer (reported when every copy of it has run)
 
 
 @dataclass
@@ -125,8 +126,9 @@ class KVXWorkerMetadata(KVConnectorWorkerMetadata):
         results = {x: list(o) for x, o in self.results.items()}
         for x, o in other.results.items():
             results.setdefault(x, []).extend(o)
-        return KVXWorkerMetadata(results, sorted(set(self.failed_blocks) | set(other.failed_blocks)),
-                                 self.removed + other.removed)
+        return KVXWorkerMetadata(
+            results, sorted(set(self.failed_blocks) | set(other.failed_blocks)), self.removed + other.removed
+        )
 
     def is_empty(self) -> bool:
         return not (self.results or self.failed_blocks or self.removed)

@@ -42,8 +42,8 @@ class RequestControls:
     skip_load: bool = False
     skip_save: bool = False
     namespace: str | None = None
-    pd_chunks: int | None = None     # consumer: chunks the producer announced
-    pd_key: str | None = None        # consumer: the key of the last announced chunk
+    pd_chunks: int | None = None  # consumer: chunks the producer announced
+    pd_key: str | None = None  # consumer: the key of the last announced chunk
 
     @property
     def pd(self) -> bool:
@@ -58,8 +58,9 @@ def _bool(key: str, v: Any) -> bool:
 
 def _namespace(key: str, v: Any) -> str:
     if not isinstance(v, str) or not v or len(v) > 256:
-        raise RequestParamsError(f"kv_transfer_params.{key}: expected a non-empty string of at most 256 "
-                                 f"characters, got {v!r}")
+        raise RequestParamsError(
+            f"kv_transfer_params.{key}: expected a non-empty string of at most 256 characters, got {v!r}"
+        )
     return v
 
 
@@ -71,14 +72,19 @@ def _count(key: str, v: Any) -> int:
 
 def _chunk_key(key: str, v: Any) -> str:
     if not isinstance(v, str) or not _KEY_RE.fullmatch(v):
-        raise RequestParamsError(f"kv_transfer_params.{key}: expected a kvx chunk key (32 lowercase hex "
-                                 f"digits), got {v!r}")
+        raise RequestParamsError(
+            f"kv_transfer_params.{key}: expected a kvx chunk key (32 lowercase hex digits), got {v!r}"
+        )
     return v
 
 
-_FIELDS = {"kvx_skip_load": ("skip_load", _bool), "kvx_skip_save": ("skip_save", _bool),
-           "kvx_namespace": ("namespace", _namespace), "kvx_pd_chunks": ("pd_chunks", _count),
-           "kvx_pd_key": ("pd_key", _chunk_key)}
+_FIELDS = {
+    "kvx_skip_load": ("skip_load", _bool),
+    "kvx_skip_save": ("skip_save", _bool),
+    "kvx_namespace": ("namespace", _namespace),
+    "kvx_pd_chunks": ("pd_chunks", _count),
+    "kvx_pd_key": ("pd_key", _chunk_key),
+}
 KNOWN_KEYS = tuple(_FIELDS)
 NONE = RequestControls()
 
@@ -93,15 +99,16 @@ def parse_request_params(params: Any) -> RequestControls:
     fields = {}
     for k, v in params.items():
         if not isinstance(k, str) or not k.startswith(PREFIX):
-            continue                  # another connector's key
+            continue  # another connector's key
         if k not in _FIELDS:
             raise RequestParamsError(f"kv_transfer_params.{k}: unknown kvx key (known: {', '.join(KNOWN_KEYS)})")
         name, check = _FIELDS[k]
         fields[name] = check(k, v)
     if ("pd_chunks" in fields) != ("pd_key" in fields):
         given, missing = ("kvx_pd_chunks", "kvx_pd_key") if "pd_chunks" in fields else ("kvx_pd_key", "kvx_pd_chunks")
-        raise RequestParamsError(f"kv_transfer_params.{missing}: expected together with {given} (a producer "
-                                 f"returns both), got {given} alone")
+        raise RequestParamsError(
+            f"kv_transfer_params.{missing}: expected together with {given} (a producer returns both), got {given} alone"
+        )
     return RequestControls(**fields) if fields else NONE
 
 
@@ -124,9 +131,11 @@ def uses_kvx(kv_transfer_config) -> bool:
         return True
     extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
     subs = extra.get("connectors") if isinstance(extra, dict) else None
-    return any(isinstance(c, dict) and (c.get("kv_connector") == "KVXConnector"
-                                        or str(c.get("kv_connector_module_path") or "").startswith("kvx"))
-               for c in subs or ())
+    return any(
+        isinstance(c, dict)
+        and (c.get("kv_connector") == "KVXConnector" or str(c.get("kv_connector_module_path") or "").startswith("kvx"))
+        for c in subs or ()
+    )
 
 
 def install_request_check() -> bool:
@@ -152,8 +161,9 @@ def install_request_check() -> bool:
             try:
                 parse_request_params(extra["kv_transfer_params"])
             except RequestParamsError as e:
-                raise VLLMValidationError(str(e), parameter="kv_transfer_params",
-                                          value=extra["kv_transfer_params"]) from None
+                raise VLLMValidationError(
+                    str(e), parameter="kv_transfer_params", value=extra["kv_transfer_params"]
+                ) from None
         return out
 
     _validate_params._kvx_checks = True

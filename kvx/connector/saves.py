@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-_MAX_RANK_KEYS = 1 << 18    # TP: storage keys remembered to name evicted chunks (bounded memory)
+_MAX_RANK_KEYS = 1 << 18  # TP: storage keys remembered to name evicted chunks (bounded memory)
 
 
 def _background_priority() -> None:
@@ -66,9 +66,9 @@ def _background_priority() -> None:
 @dataclass
 class _Save:
     save: ChunkSave
-    jobs: list[Job] = field(default_factory=list)    # one gather per layer group (none: from a CPU slot)
+    jobs: list[Job] = field(default_factory=list)  # one gather per layer group (none: from a CPU slot)
     dest: torch.Tensor | None = None
-    writes: dict[str, Future] = field(default_factory=dict)   # tier name -> its write in flight
+    writes: dict[str, Future] = field(default_factory=dict)  # tier name -> its write in flight
     staging: int | None = None
     slot_reported: bool = False
     started: float = field(default_factory=time.perf_counter)
@@ -118,15 +118,15 @@ class SavePipeline:
 
     def __init__(self, w: KVXWorker, writer: ThreadPoolExecutor | None, staging: list[torch.Tensor]):
         self.w = w
-        self.writer = writer                     # tier writes: background unless a P/D producer's
+        self.writer = writer  # tier writes: background unless a P/D producer's
         self.staging = _Staging(staging)
-        self._saves: list[_Save] = []            # handed to the writers, not all reported yet
+        self._saves: list[_Save] = []  # handed to the writers, not all reported yet
         self._meta: KVXMetadata | None = None
-        self._step: list[_Save] | None = None    # this step's saves, once begun
+        self._step: list[_Save] | None = None  # this step's saves, once begun
         # this step's gathers, fixed when the first group is queued: (batch, its saves, their blocks)
         self._gathers: tuple[Once, list[_Save], list[int]] | None = None
-        self._submitted: set[int] = set()        # layer groups whose gathers are queued this step
-        self._rank_keys: OrderedDict[str, str] = OrderedDict()   # TP: storage key -> chunk key, written here
+        self._submitted: set[int] = set()  # layer groups whose gathers are queued this step
+        self._rank_keys: OrderedDict[str, str] = OrderedDict()  # TP: storage key -> chunk key, written here
         self.rank_keys_lock = threading.Lock()
 
     def idle(self) -> bool:
@@ -169,7 +169,7 @@ class SavePipeline:
                 rec.dest = w.slot_view(s.from_slot, s.tokens)
             elif s.slot is not None:
                 rec.dest = w.slot_view(s.slot, s.tokens)
-            else:      # other tiers only: a staging buffer if one is free now, else one in finish_step
+            else:  # other tiers only: a staging buffer if one is free now, else one in finish_step
                 self._stage(rec, self.staging.take())
             self._step.append(rec)
         return self._step
@@ -191,13 +191,17 @@ class SavePipeline:
         if self._gathers is None:
             recs = [rec for rec in self._begin(verdict) if rec.save.from_slot is None and rec.dest is not None]
             pairs = [(r.save.block_ids, r.dest) for r in recs]
-            self._gathers = (Once(lambda: self._gather_batch(pairs)), recs,
-                             [blk for r in recs for blk in r.save.block_ids])
+            self._gathers = (
+                Once(lambda: self._gather_batch(pairs)),
+                recs,
+                [blk for r in recs for blk in r.save.block_ids],
+            )
         batch, recs, blocks = self._gathers
         if not recs:
             return
-        job = w.order.save(blocks, lambda: batch.get().run(a, b), name=f"save {len(recs)} chunks group {g}",
-                           marker=marker)
+        job = w.order.save(
+            blocks, lambda: batch.get().run(a, b), name=f"save {len(recs)} chunks group {g}", marker=marker
+        )
         for rec in recs:
             rec.jobs.append(job)
 
@@ -222,9 +226,14 @@ class SavePipeline:
                 # every staging buffer was taken when the step began: wait for one (earlier disk writes free
                 # them; their gathers are queued) and gather all layers at once
                 self._stage(rec, self.staging.acquire(self._poll_while_staging))
-                rec.jobs.append(w.order.save(
-                    s.block_ids, lambda pairs=[(s.block_ids, rec.dest)]: self._gather_batch(pairs).run(),
-                    name=f"save {s.key}", marker=marker))
+                rec.jobs.append(
+                    w.order.save(
+                        s.block_ids,
+                        lambda pairs=[(s.block_ids, rec.dest)]: self._gather_batch(pairs).run(),
+                        name=f"save {s.key}",
+                        marker=marker,
+                    )
+                )
             for name, xfer in s.to_tiers.items():
                 if w.writes:
                     rec.writes[name] = self.writer.submit(self._write_chunk, name, s, rec.dest, list(rec.jobs))
@@ -243,7 +252,7 @@ class SavePipeline:
     def _poll_while_staging(self) -> None:
         self.poll()
         if not self.staging.has_free() and self.w.engine.mode == "deferred":
-            self.w.engine.flush()        # the writers wait for copies only this thread runs
+            self.w.engine.flush()  # the writers wait for copies only this thread runs
 
     def _write_chunk(self, name: str, s: ChunkSave, src: torch.Tensor, jobs: list[Job]) -> bool:
         """One tier write, on a writer thread, once the chunk's gathers ran."""
@@ -276,8 +285,7 @@ class SavePipeline:
                     rec.slot_reported = True
                     err = rec.copy_error()
                     if err is not None:
-                        w.throttle.error(failure_cause("save", err), "kvx: saving chunk %s failed: %s", s.key,
-                                         str(err))
+                        w.throttle.error(failure_cause("save", err), "kvx: saving chunk %s failed: %s", s.key, str(err))
                         w.stats["save_errors"] += 1
                     if s.slot_xfer is not None:
                         w.out.report(s.slot_xfer, FAILED if err is not None else OK)
@@ -289,13 +297,19 @@ class SavePipeline:
                 if not fut.done():
                     continue
                 err = fut.exception()
-                if isinstance(err, StoreFullError):     # expected under pressure: the chunk stays uncached
-                    w.throttle.warning(failure_cause(f"{name} full", err), "kvx: chunk %s not written to %s: %s",
-                                       s.key, name, str(err))
+                if isinstance(err, StoreFullError):  # expected under pressure: the chunk stays uncached
+                    w.throttle.warning(
+                        failure_cause(f"{name} full", err), "kvx: chunk %s not written to %s: %s", s.key, name, str(err)
+                    )
                     w.stats[f"{name}_full"] += 1
                 elif err is not None:
-                    w.throttle.error(failure_cause(f"{name} write", err), "kvx: writing chunk %s to %s failed: %s",
-                                     s.key, name, str(err))
+                    w.throttle.error(
+                        failure_cause(f"{name} write", err),
+                        "kvx: writing chunk %s to %s failed: %s",
+                        s.key,
+                        name,
+                        str(err),
+                    )
                     w.stats[f"{name}_write_errors"] += 1
                 elif fut.result():
                     w.stats[f"{name}_writes"] += 1

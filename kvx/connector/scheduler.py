@@ -59,7 +59,7 @@ log = get_logger(__name__)
 
 class Phase(enum.Enum):
     NEW = "new"
-    LOADING = "loading"       # async load in flight
+    LOADING = "loading"  # async load in flight
     RUNNING = "running"
     PREEMPTED = "preempted"
 
@@ -70,8 +70,8 @@ class LoadPlan:
 
     num_computed: int
     hit_tokens: int
-    tiers: list[str]          # per chunk: "cpu" or the name of the tier serving it
-    keys: list[str]           # per chunk (the last may be a partial chunk's key)
+    tiers: list[str]  # per chunk: "cpu" or the name of the tier serving it
+    keys: list[str]  # per chunk (the last may be a partial chunk's key)
     chunk_tokens: list[int]
 
 
@@ -80,17 +80,17 @@ class RequestTracker:
     """What the scheduler knows about one request. Owned by :class:`KVXScheduler`."""
 
     req_id: str
-    request: object                      # vllm.v1.request.Request (live object, same process)
+    request: object  # vllm.v1.request.Request (live object, same process)
     root: bytes
     mm_items: tuple[MMItem, ...] = ()
-    controls: RequestControls = RequestControls()   # the request's kvx_* kv_transfer_params
-    saves: bool = True                    # skip_save / save_priority_limit
-    pd_since: float | None = None         # consumer: when it began waiting for its producer's chunks
-    pd_settled: bool = False              # consumer: done waiting (all there, timed out, or not ours)
-    local_hit: int | None = None          # vLLM's own prefix hit at the last lookup (None: not looked up)
-    counted: bool = False                 # hit/miss tokens counted (once per request)
-    keys: list[str] = field(default_factory=list)    # keys of full chunks hashed so far
-    saved_chunks: int = 0                 # full chunks handled by the save planner
+    controls: RequestControls = RequestControls()  # the request's kvx_* kv_transfer_params
+    saves: bool = True  # skip_save / save_priority_limit
+    pd_since: float | None = None  # consumer: when it began waiting for its producer's chunks
+    pd_settled: bool = False  # consumer: done waiting (all there, timed out, or not ours)
+    local_hit: int | None = None  # vLLM's own prefix hit at the last lookup (None: not looked up)
+    counted: bool = False  # hit/miss tokens counted (once per request)
+    keys: list[str] = field(default_factory=list)  # keys of full chunks hashed so far
+    saved_chunks: int = 0  # full chunks handled by the save planner
     partial_done: bool = False
     phase: Phase = Phase.NEW
     plan: LoadPlan | None = None
@@ -106,7 +106,7 @@ class RequestTracker:
         if want > len(self.keys):
             start = len(self.keys) * chunk_size
             prev = bytes.fromhex(self.keys[-1]) if self.keys else self.root
-            toks = list(self.request.all_token_ids[start: want * chunk_size])
+            toks = list(self.request.all_token_ids[start : want * chunk_size])
             mm = tuple(MMItem(m.hash, m.offset - start, m.length) for m in self.mm_items)
             self.keys += chunk_keys(prev, toks, chunk_size, mm_items=mm)
         return self.keys[:want]
@@ -115,7 +115,7 @@ class RequestTracker:
         """Key of a trailing partial chunk of ``tokens`` tokens after ``num_full`` full chunks."""
         start = num_full * chunk_size
         prev = bytes.fromhex(self.keys[num_full - 1]) if num_full else self.root
-        toks = list(self.request.all_token_ids[start: start + tokens])
+        toks = list(self.request.all_token_ids[start : start + tokens])
         mm = tuple(MMItem(m.hash, m.offset - start, m.length) for m in self.mm_items)
         return chunk_keys(prev, toks, chunk_size, mm_items=mm, num_chunks=0, partial_tokens=tokens)[0]
 
@@ -133,8 +133,18 @@ def _mm_items(request) -> tuple[MMItem, ...]:
 class KVXScheduler:
     """The scheduler-side state machine of :class:`kvx.connector.KVXConnector`."""
 
-    def __init__(self, config: KVXConfig, geom: EngineGeometry, namespace: bytes, fingerprint: str,
-                 shards: int, num_workers: int, producer: bool, consumer: bool, kv_events: bool = False):
+    def __init__(
+        self,
+        config: KVXConfig,
+        geom: EngineGeometry,
+        namespace: bytes,
+        fingerprint: str,
+        shards: int,
+        num_workers: int,
+        producer: bool,
+        consumer: bool,
+        kv_events: bool = False,
+    ):
         self.config = config
         self.geom = geom
         self.namespace = namespace
@@ -148,22 +158,25 @@ class KVXScheduler:
         self.load_async = config.load_async or self.ngroups > 1
         n_slots = num_cpu_slots(config, geom)
         if config.cpu_tier is not None and n_slots < 1:
-            raise ValueError(f"tiers: the cpu tier ({config.cpu_tier.size} bytes) cannot hold one chunk "
-                             f"of {config.chunk_size} tokens ({geom.num_layers} layers x {geom.page_bytes} "
-                             f"bytes per block); raise its size or lower chunk_size")
+            raise ValueError(
+                f"tiers: the cpu tier ({config.cpu_tier.size} bytes) cannot hold one chunk "
+                f"of {config.chunk_size} tokens ({geom.num_layers} layers x {geom.page_bytes} "
+                f"bytes per block); raise its size or lower chunk_size"
+            )
         self.cpu = CPUIndex(n_slots) if config.cpu_tier is not None else None
         ctx = TierContext(fingerprint, role="scheduler", writes=producer, io_threads=config.io_threads)
         self.tiers = {t.type: tier_class(t.type).open(t, ctx) for t in config.byte_tiers}
         self.stack = TierStack(list(self.tiers.values()), self._shard_keys)
-        self.events = KVEvents(kv_events, geom.block_size,
-                               {"cpu": "CPU", **{n: type(t).event_medium for n, t in self.tiers.items()}})
+        self.events = KVEvents(
+            kv_events, geom.block_size, {"cpu": "CPU", **{n: type(t).event_medium for n, t in self.tiers.items()}}
+        )
         for source in ([self.cpu] if self.cpu is not None else []) + list(self.tiers.values()):
             source.subscribe(self.events.observe)
         self.trackers: dict[str, RequestTracker] = {}
         self.ledger = ChunkLedger(self.cpu, self.stack, num_workers, self.events, writes=producer)
         self._new_loads: list[LoadSpec] = []
         self.validity = BlockValidity(self.blocks_per_chunk)
-        self._freed: list[int] = []                      # blocks freed since the last step (for the workers)
+        self._freed: list[int] = []  # blocks freed since the last step (for the workers)
         self._pending_reported = 0
         self.stats = Counter()
 
@@ -172,13 +185,16 @@ class KVXScheduler:
         t = self.trackers.get(request.request_id)
         if t is None or t.request is not request:
             controls, error = controls_of(request)
-            if error is not None:    # refused by the front end's check where it is installed
+            if error is not None:  # refused by the front end's check where it is installed
                 log.error("kvx: request %s: %s; kvx neither loads nor saves it", request.request_id, error)
                 self.stats["bad_request_params"] += 1
             lora = getattr(request, "lora_request", None)
-            root = request_root(self.namespace, getattr(request, "cache_salt", None),
-                                getattr(lora, "lora_name", None) if lora is not None else None,
-                                controls.namespace)
+            root = request_root(
+                self.namespace,
+                getattr(request, "cache_salt", None),
+                getattr(lora, "lora_name", None) if lora is not None else None,
+                controls.namespace,
+            )
             limit = self.config.save_priority_limit
             saves = not controls.skip_save and (limit is None or int(getattr(request, "priority", 0)) <= limit)
             t = RequestTracker(request.request_id, request, root, _mm_items(request), controls=controls, saves=saves)
@@ -259,8 +275,13 @@ class KVXScheduler:
             return False
         if n > len(keys) or keys[n - 1] != t.controls.pd_key:
             # another prompt, model or engine namespace: those chunks can never be ours
-            log.warning("kvx: request %s: its producer's chunks (%d, last %s) are not this prompt's chunks in this "
-                        "engine's namespace; not waiting for them", t.req_id, n, t.controls.pd_key)
+            log.warning(
+                "kvx: request %s: its producer's chunks (%d, last %s) are not this prompt's chunks in this "
+                "engine's namespace; not waiting for them",
+                t.req_id,
+                n,
+                t.controls.pd_key,
+            )
             self.stats["pd_mismatches"] += 1
             t.pd_settled = True
             return False
@@ -270,8 +291,14 @@ class KVXScheduler:
             self.stats["pd_waits"] += 1
         if (now - t.pd_since) * 1e3 < self.config.pd_wait_ms:
             return True
-        log.warning("kvx: request %s: %d of the %d chunks its producer announced arrived within pd_wait_ms=%d; "
-                    "computing the rest", t.req_id, hits, n, self.config.pd_wait_ms)
+        log.warning(
+            "kvx: request %s: %d of the %d chunks its producer announced arrived within pd_wait_ms=%d; "
+            "computing the rest",
+            t.req_id,
+            hits,
+            n,
+            self.config.pd_wait_ms,
+        )
         self.stats["pd_timeouts"] += 1
         t.pd_settled = True
         return False
@@ -289,14 +316,16 @@ class KVXScheduler:
         if t.phase is Phase.PREEMPTED:
             t.phase = Phase.NEW
         if num_external_tokens == 0:
-            if t.phase is not Phase.LOADING:     # the second call of an async load changes nothing
+            if t.phase is not Phase.LOADING:  # the second call of an async load changes nothing
                 t.plan = None
                 t.phase = Phase.RUNNING
             return
         plan = t.plan
         if plan is None:
-            raise RuntimeError(f"request {request.request_id}: update_state_after_alloc with "
-                               f"{num_external_tokens} external tokens but no lookup plan")
+            raise RuntimeError(
+                f"request {request.request_id}: update_state_after_alloc with "
+                f"{num_external_tokens} external tokens but no lookup plan"
+            )
         bs = self.geom.block_size
         start, end = plan.num_computed, plan.num_computed + num_external_tokens
         first_blk, end_blk = start // bs, -(-end // bs)
@@ -308,20 +337,35 @@ class KVXScheduler:
                 spans.append((key, tier, ntok, cb0, lo, hi))
         # a hit from a slower tier is promoted into the CPU tier (and, once there, written through to the faster
         # tiers lacking it, by a producer)
-        promote = [tier != "cpu" and self.cpu is not None and self.config.promote and self.cpu.state(key) is None
-                   for key, tier, *_ in spans]
-        xfer, slots = self.ledger.plan_load(request.request_id, [(key, tier, ntok, p) for (key, tier, ntok, *_), p
-                                                                 in zip(spans, promote)])
+        promote = [
+            tier != "cpu" and self.cpu is not None and self.config.promote and self.cpu.state(key) is None
+            for key, tier, *_ in spans
+        ]
+        xfer, slots = self.ledger.plan_load(
+            request.request_id, [(key, tier, ntok, p) for (key, tier, ntok, *_), p in zip(spans, promote)]
+        )
         chunks: list[ChunkLoad] = []
         loaded: dict[int, int] = {}
         for (key, tier, ntok, cb0, lo, hi), (slot, slot_xfer), p in zip(spans, slots, promote):
             if p:
                 self.events.record(key, request, cb0, ntok // bs)
-            shared = end % bs != 0 and hi == end_blk     # the last block also gets this step's tokens
+            shared = end % bs != 0 and hi == end_blk  # the last block also gets this step's tokens
             ids, positions = self._load_blocks(tables, lo, hi, cb0, ntok // bs)
-            chunks.append(ChunkLoad(key, tier, slot, ids, lo - cb0, ntok, before_forward=shared,
-                                    shared_tokens=end % bs if shared else 0, positions=positions,
-                                    span=hi - lo if positions is not None else 0, slot_xfer=slot_xfer))
+            chunks.append(
+                ChunkLoad(
+                    key,
+                    tier,
+                    slot,
+                    ids,
+                    lo - cb0,
+                    ntok,
+                    before_forward=shared,
+                    shared_tokens=end % bs if shared else 0,
+                    positions=positions,
+                    span=hi - lo if positions is not None else 0,
+                    slot_xfer=slot_xfer,
+                )
+            )
             loaded.update((b, cb0 // self.blocks_per_chunk) for b in ids)
             t.loaded_from[key] = tier
             self.stats[f"hit_tokens_{tier}"] += min(hi * bs, end) - max(lo * bs, start)
@@ -347,10 +391,12 @@ class KVXScheduler:
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict | None:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
         spec = next((s for s in reversed(self._new_loads) if s.req_id == request.request_id), None)
         if spec is None:
             return None
         bs = self.geom.block_size
+
         def source(tier: str) -> CacheHitSource:
             if tier == "cpu":
                 return CacheHitSource.HOST
@@ -363,21 +409,24 @@ class KVXScheduler:
         for ch in spec.chunks:
             counts[source(ch.tier)] += (ch.span if ch.positions is not None else len(ch.block_ids)) * bs
         total = sum(counts.values())
-        if total > num_external_tokens:   # the full-prompt hit leaves one token to compute
+        if total > num_external_tokens:  # the full-prompt hit leaves one token to compute
             counts[source(spec.chunks[-1].tier)] -= total - num_external_tokens
         return {k: v for k, v in counts.items() if v > 0}
 
     # ------------------------------------------------------------------ step 3: per-step metadata
     def build_connector_meta(self, so) -> KVXMetadata:
-        meta = KVXMetadata(loads=self._new_loads, preempted=sorted(getattr(so, "preempted_req_ids", None) or ()),
-                           finished=sorted(getattr(so, "finished_req_ids", None) or ()))
+        meta = KVXMetadata(
+            loads=self._new_loads,
+            preempted=sorted(getattr(so, "preempted_req_ids", None) or ()),
+            finished=sorted(getattr(so, "finished_req_ids", None) or ()),
+        )
         self._new_loads = []
         freed, self._freed = self._freed, []
         for rid in meta.preempted:
             t = self.trackers.get(rid)
             if t is not None:
                 t.phase = Phase.PREEMPTED
-                freed += [b for ids in t.block_ids for b in ids if b != _NULL_BLOCK]   # freed at once
+                freed += [b for ids in t.block_ids for b in ids if b != _NULL_BLOCK]  # freed at once
         # keep fallback block tables current (vLLM < 0.32 has no KVConnectorBlockState)
         cached = so.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
@@ -398,8 +447,13 @@ class KVXScheduler:
             for rid, computed in entries:
                 t = self.trackers.get(rid)
                 if t is not None and t.saves:
-                    self._plan_saves(t, computed + so.num_scheduled_tokens.get(rid, 0),
-                                     len(so.scheduled_spec_decode_tokens.get(rid, ())), block_state, meta)
+                    self._plan_saves(
+                        t,
+                        computed + so.num_scheduled_tokens.get(rid, 0),
+                        len(so.scheduled_spec_decode_tokens.get(rid, ())),
+                        block_state,
+                        meta,
+                    )
             meta.saves += self.ledger.plan_write_through()
         return meta
 
@@ -436,10 +490,16 @@ class KVXScheduler:
             for c in range(t.saved_chunks, nfull):
                 b0 = c * self.blocks_per_chunk
                 if not self._plan_one(t, c, keys[c], table, b0, b0 + self.blocks_per_chunk, self.chunk_size, meta):
-                    return      # depends on a failed load: saved from here once vLLM recomputed it
+                    return  # depends on a failed load: saved from here once vLLM recomputed it
                 t.saved_chunks = c + 1
-        if (self.config.save_partial_chunks and not t.partial_done and done >= prompt and end > 0
-                and limit < (nfull + 1) * self.chunk_size and t.saved_chunks == nfull):
+        if (
+            self.config.save_partial_chunks
+            and not t.partial_done
+            and done >= prompt
+            and end > 0
+            and limit < (nfull + 1) * self.chunk_size
+            and t.saved_chunks == nfull
+        ):
             rest = ((end - nfull * self.chunk_size) // self.geom.block_size) * self.geom.block_size
             if rest > 0:
                 t.full_keys(nfull * self.chunk_size, self.chunk_size)
@@ -458,14 +518,27 @@ class KVXScheduler:
         ids = block_state.get_block_ids(rid) if block_state is not None else None
         return [list(g) for g in ids] if ids is not None and ids and ids[0] else []
 
-    def _plan_one(self, t: RequestTracker, chunk: int | None, key: str, tables: list[list[int]], b0: int, b1: int,
-                  tokens: int, meta: KVXMetadata) -> bool:
+    def _plan_one(
+        self,
+        t: RequestTracker,
+        chunk: int | None,
+        key: str,
+        tables: list[list[int]],
+        b0: int,
+        b1: int,
+        tokens: int,
+        meta: KVXMetadata,
+    ) -> bool:
         """Plan saving blocks [b0, b1) of every group's table as chunk ``key`` (the request's ``chunk``-th; None:
         its trailing partial chunk) to every tier lacking it. Returns False (nothing planned) if its KV depends
         on a block whose load is known to have failed."""
         if len(tables) != self.ngroups or any(len(tb[b0:b1]) * self.geom.block_size != tokens for tb in tables):
-            log.warning("kvx: request %s: %s blocks for a %d-token chunk; not saving it", t.req_id,
-                        [len(tb[b0:b1]) for tb in tables], tokens)
+            log.warning(
+                "kvx: request %s: %s blocks for a %d-token chunk; not saving it",
+                t.req_id,
+                [len(tb[b0:b1]) for tb in tables],
+                tokens,
+            )
             return True
         block_ids = [b for tb in tables for b in tb[b0:b1]]
         if _NULL_BLOCK in block_ids:
@@ -484,8 +557,16 @@ class KVXScheduler:
         # A rank cannot know in time that a load failed on another rank (only the scheduler hears every worker):
         # with several workers, a save depending on loads is gathered into the CPU tier only, and written through
         # to the other tiers once committed.
-        save = self.ledger.plan_save(t.req_id, chunk, key, block_ids, tokens, deps, skip_tier=t.loaded_from.get(key),
-                                     gather_first=bool(deps) and self.num_workers > 1)
+        save = self.ledger.plan_save(
+            t.req_id,
+            chunk,
+            key,
+            block_ids,
+            tokens,
+            deps,
+            skip_tier=t.loaded_from.get(key),
+            gather_first=bool(deps) and self.num_workers > 1,
+        )
         if save is None:
             return True
         if deps:
@@ -529,7 +610,7 @@ class KVXScheduler:
         """Workers could not load these blocks; vLLM recomputes them. Saves computed against them are
         poisoned, and every request affected saves its chunks again from the first failed one."""
         verdict = self.validity.failed(blocks)
-        self.ledger.poison(verdict.poisoned)   # the slots they gather into are aborted when the workers report them
+        self.ledger.poison(verdict.poisoned)  # the slots they gather into are aborted when the workers report them
         for rid, chunk in verdict.rewind.items():
             t = self.trackers.get(rid)
             if t is not None:
@@ -549,8 +630,15 @@ class KVXScheduler:
         response's ``kv_transfer_params``: a consumer given them waits for those chunks to land."""
         t = self.trackers.pop(request.request_id, None)
         self._freed += [b for ids in block_ids or () for b in ids if b != _NULL_BLOCK]
-        if (t is not None and self.producer and not self.consumer and self.stack and t.saves
-                and t.saved_chunks > 0 and len(t.keys) >= t.saved_chunks):
+        if (
+            t is not None
+            and self.producer
+            and not self.consumer
+            and self.stack
+            and t.saves
+            and t.saved_chunks > 0
+            and len(t.keys) >= t.saved_chunks
+        ):
             return False, {"kvx_pd_chunks": t.saved_chunks, "kvx_pd_key": t.keys[t.saved_chunks - 1]}
         return False, None
 
@@ -577,7 +665,7 @@ class KVXScheduler:
         self.events.apply_observed()
         ok = self.cpu.clear()
         if ok and not self.stack:
-            self.events.cleared()        # nothing is left in any kvx tier
+            self.events.cleared()  # nothing is left in any kvx tier
         return ok
 
     def close(self) -> None:

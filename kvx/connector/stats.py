@@ -26,9 +26,9 @@ class KVXStats(KVConnectorStats):
         if other is not None and not other.is_empty():
             for k, v in other.data.items():
                 if k in GAUGES:
-                    self.data[k] = v                                  # the latest value
+                    self.data[k] = v  # the latest value
                 elif isinstance(v, list):
-                    self.data[k] = list(self.data.get(k, [])) + v     # latency samples
+                    self.data[k] = list(self.data.get(k, [])) + v  # latency samples
                 else:
                     self.data[k] = self.data.get(k, 0) + v
         return self
@@ -36,7 +36,7 @@ class KVXStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         out = {}
         for k, v in sorted(self.data.items()):
-            if isinstance(v, list):      # samples: their count and mean in the log line
+            if isinstance(v, list):  # samples: their count and mean in the log line
                 if v:
                     out[f"{k}_count"], out[f"{k}_avg_ms"] = len(v), round(sum(v) / len(v) * 1e3, 3)
             else:
@@ -97,7 +97,7 @@ _PER_TIER = {
 }
 HISTOGRAMS = {
     "load_seconds": "Time to load one request's chunks into the KV cache, from its first read to its last copy "
-                    "(per worker)",
+    "(per worker)",
     "save_seconds": "Time to save one chunk, from the gather being queued to its last tier write (per worker)",
 }
 GAUGES = {
@@ -126,20 +126,24 @@ def build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelva
             super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
             def per_engine(cls, name, doc, **kw):
-                return create_metric_per_engine(cls(name=name, documentation=doc, labelnames=labelnames, **kw),
-                                                per_engine_labelvalues)
+                return create_metric_per_engine(
+                    cls(name=name, documentation=doc, labelnames=labelnames, **kw), per_engine_labelvalues
+                )
 
-            self._counters = {name: per_engine(self._counter_cls, f"vllm:kvx_{name}_total", doc)
-                              for name, doc in counters().items()}
-            self._histograms = {name: per_engine(self._histogram_cls, f"vllm:kvx_{name}", doc, buckets=_BUCKETS)
-                                for name, doc in HISTOGRAMS.items()}
+            self._counters = {
+                name: per_engine(self._counter_cls, f"vllm:kvx_{name}_total", doc) for name, doc in counters().items()
+            }
+            self._histograms = {
+                name: per_engine(self._histogram_cls, f"vllm:kvx_{name}", doc, buckets=_BUCKETS)
+                for name, doc in HISTOGRAMS.items()
+            }
             self._gauges = {name: per_engine(self._gauge_cls, f"vllm:kvx_{name}", doc) for name, doc in GAUGES.items()}
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
             for name, value in (transfer_stats_data or {}).items():
                 if name in self._histograms:
                     metric = self._histograms[name].get(engine_idx)
-                    for sample in (value if metric is not None else ()):
+                    for sample in value if metric is not None else ():
                         metric.observe(sample)
                 elif name in self._gauges:
                     metric = self._gauges[name].get(engine_idx)

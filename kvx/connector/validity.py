@@ -43,14 +43,14 @@ class Guard:
 
     req_id: str
     key: str
-    deps: dict[int, int]      # unverified block -> index of the request's chunk holding it
+    deps: dict[int, int]  # unverified block -> index of the request's chunk holding it
 
 
 @dataclass
 class Verdict:
     """What a batch of load failures means for kvx's bookkeeping."""
 
-    poisoned: set[str] = field(default_factory=set)    # keys of in-flight saves that must not be kept
+    poisoned: set[str] = field(default_factory=set)  # keys of in-flight saves that must not be kept
     rewind: dict[str, int] = field(default_factory=dict)  # request -> first chunk to save again
 
     def _rewind(self, req_id: str, chunk: int) -> None:
@@ -62,9 +62,9 @@ class BlockValidity:
 
     def __init__(self, blocks_per_chunk: int) -> None:
         self.blocks_per_chunk = blocks_per_chunk
-        self._pending: dict[int, str] = {}              # block -> request whose load writes it
+        self._pending: dict[int, str] = {}  # block -> request whose load writes it
         self._invalid: set[int] = set()
-        self._loads: dict[str, dict[int, int]] = {}     # request -> {block its load writes: chunk index}
+        self._loads: dict[str, dict[int, int]] = {}  # request -> {block its load writes: chunk index}
         self._guards: list[Guard] = []
 
     def __bool__(self) -> bool:
@@ -98,7 +98,7 @@ class BlockValidity:
         v = Verdict()
         if not hit:
             return v
-        for req_id, loaded in self._loads.items():   # the loading requests recompute from there
+        for req_id, loaded in self._loads.items():  # the loading requests recompute from there
             for b in hit.intersection(loaded):
                 v._rewind(req_id, loaded[b])
         keep = []
@@ -116,8 +116,11 @@ class BlockValidity:
         """{block: chunk index} of the pending or invalid blocks among ``table[:end_block]``."""
         if not self:
             return {}
-        return {b: i // self.blocks_per_chunk for i, b in enumerate(table[:end_block])
-                if b in self._pending or b in self._invalid}
+        return {
+            b: i // self.blocks_per_chunk
+            for i, b in enumerate(table[:end_block])
+            if b in self._pending or b in self._invalid
+        }
 
     def known_bad(self, deps: Iterable[int]) -> bool:
         """True if one of ``deps`` is known to hold KV of a failed load (do not plan the save yet)."""

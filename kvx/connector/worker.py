@@ -51,9 +51,18 @@ log = get_logger(__name__)
 class KVXWorker:
     """Worker-side half of :class:`kvx.connector.KVXConnector`."""
 
-    def __init__(self, config: KVXConfig, geom: EngineGeometry, fmt: str, fingerprint: str,
-                 shard: int, shards: int, writes: bool, fence_loads_at_start: bool = False,
-                 background_writes: bool = True):
+    def __init__(
+        self,
+        config: KVXConfig,
+        geom: EngineGeometry,
+        fmt: str,
+        fingerprint: str,
+        shard: int,
+        shards: int,
+        writes: bool,
+        fence_loads_at_start: bool = False,
+        background_writes: bool = True,
+    ):
         """``fence_loads_at_start``: fence every load in ``start_load_kv`` (no per-layer fences: a connector not
         ``layerwise``). ``background_writes``: tier writes run only on idle cores (SCHED_IDLE); a P/D producer's
         writes are what its consumer waits for, so it passes False (normal priority)."""
@@ -61,16 +70,16 @@ class KVXWorker:
         self.geom = geom
         self.fmt = fmt
         self.shard, self.shards, self.writes = shard, shards, writes
-        self.kv_groups = geom.num_groups      # vLLM KV cache groups: a chunk holds each one's blocks
+        self.kv_groups = geom.num_groups  # vLLM KV cache groups: a chunk holds each one's blocks
         self.fingerprint = fingerprint
         self.background_writes = background_writes
         self.layout: KVLayout | None = None
-        self.ratio = 1                         # kernel blocks per vLLM block
-        self.groups: list[tuple[int, int, KVLayout]] = []   # (first layer, end layer, sub-layout)
+        self.ratio = 1  # kernel blocks per vLLM block
+        self.groups: list[tuple[int, int, KVLayout]] = []  # (first layer, end layer, sub-layout)
         self.group_of: dict[str, int] = {}
-        self.layer_of: dict[str, int] = {}      # layer name -> layer index in the layout
+        self.layer_of: dict[str, int] = {}  # layer name -> layer index in the layout
         self.pool: CPUPool | None = None
-        self.tiers: dict[str, Tier] = {}               # the tiers after the CPU pool, by name
+        self.tiers: dict[str, Tier] = {}  # the tiers after the CPU pool, by name
         self.engine: TransferEngine | None = None
         self.order: BlockOrder | None = None
         self._meta: KVXMetadata | None = None
@@ -81,10 +90,10 @@ class KVXWorker:
         # results and counters: written by the pipelines (worker thread; I/O threads add to ``stats`` only)
         self.out = KVXWorkerMetadata()
         self.stats = Counter()
-        self._polled_for_stats = False        # take_stats polled the saves since build_worker_meta last ran
-        self.totals = Counter()               # every counter since start (take_stats adds to it)
-        self.hist: dict[str, list[float]] = {"load_seconds": [], "save_seconds": []}   # latency samples
-        self._removed: list[tuple[str, str]] = []   # (tier, chunk key) removed from a byte tier here (any thread)
+        self._polled_for_stats = False  # take_stats polled the saves since build_worker_meta last ran
+        self.totals = Counter()  # every counter since start (take_stats adds to it)
+        self.hist: dict[str, list[float]] = {"load_seconds": [], "save_seconds": []}  # latency samples
+        self._removed: list[tuple[str, str]] = []  # (tier, chunk key) removed from a byte tier here (any thread)
         self._removed_lock = threading.Lock()
         # (views, geometry, layout name, vLLM block count) registered last: kept across a sleep, to check and
         # describe the restored caches (vLLM's tensor objects, which vLLM keeps too: no memory held here; the
@@ -117,14 +126,26 @@ class KVXWorker:
             # Reads keep normal priority: the forward waits for them (a SCHED_IDLE reader runs only when a
             # core is idle). Writers: as many per tier, so a slow tier does not hold up the others.
             reader = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvx-read")
-            writer = ThreadPoolExecutor(self.config.io_threads * len(self.tiers), thread_name_prefix="kvx-write",
-                                        initializer=_background_priority if self.background_writes else None)
-            staging = [torch.empty(self.chunk_shape(self.config.chunk_size), dtype=self.chunk_dtype, pin_memory=pin)
-                       for _ in range(2 * self.config.io_threads)]
+            writer = ThreadPoolExecutor(
+                self.config.io_threads * len(self.tiers),
+                thread_name_prefix="kvx-write",
+                initializer=_background_priority if self.background_writes else None,
+            )
+            staging = [
+                torch.empty(self.chunk_shape(self.config.chunk_size), dtype=self.chunk_dtype, pin_memory=pin)
+                for _ in range(2 * self.config.io_threads)
+            ]
             self.loads = LoadPipeline(self, reader, self.loads.fence_at_start)
             self.saves = SavePipeline(self, writer, staging)
-        log.info("kvx: worker %d/%d registered %s, format %s, %d CPU slots, tiers %s", self.shard, self.shards,
-                 lay, self.fmt, n_slots, list(self.tiers) or "none")
+        log.info(
+            "kvx: worker %d/%d registered %s, format %s, %d CPU slots, tiers %s",
+            self.shard,
+            self.shards,
+            lay,
+            self.fmt,
+            n_slots,
+            list(self.tiers) or "none",
+        )
 
     def _describe(self, kv_caches: dict[str, torch.Tensor], layout_name, num_blocks: int) -> None:
         """Everything tied to the KV tensors' addresses: the layout (layer pointers, the kernels' device tables),
@@ -135,22 +156,30 @@ class KVXWorker:
         if num_blocks <= 0 or rows % num_blocks:
             raise ValueError(f"kv_caches: expected views with a multiple of {num_blocks} blocks, got {rows}")
         ratio = rows // num_blocks
-        lay = KVLayout.from_vllm(views, layout_name, use_mla=self.geom.use_mla,
-                                 backend="CPU_ATTN" if self.geom.opaque else None)
+        lay = KVLayout.from_vllm(
+            views, layout_name, use_mla=self.geom.use_mla, backend="CPU_ATTN" if self.geom.opaque else None
+        )
         if lay.block_size * ratio != self.geom.block_size or lay.num_heads != self.geom.num_kv_heads:
-            raise ValueError(f"kv_caches: expected blocks of {self.geom.block_size} tokens x "
-                             f"{self.geom.num_kv_heads} heads, got {lay}")
+            raise ValueError(
+                f"kv_caches: expected blocks of {self.geom.block_size} tokens x "
+                f"{self.geom.num_kv_heads} heads, got {lay}"
+            )
         if self.kv_groups > 1 and lay.num_layers != self.geom.num_layers:
-            raise ValueError(f"kv_caches: expected the {self.kv_groups} KV cache groups' layers to alias "
-                             f"{self.geom.num_layers} tensors, got {lay.num_layers}")
+            raise ValueError(
+                f"kv_caches: expected the {self.kv_groups} KV cache groups' layers to alias "
+                f"{self.geom.num_layers} tensors, got {lay.num_layers}"
+            )
         if self.fmt == "pages" and lay.page is None:
-            raise ValueError(f"kv_caches: the {lay.name} views have no contiguous page per block; use "
-                             "format 'canonical'")
+            raise ValueError(
+                f"kv_caches: the {lay.name} views have no contiguous page per block; use format 'canonical'"
+            )
         geometry = (lay.dtype, lay.num_layers, lay.device, self.chunk_shape_of(lay, self.config.chunk_size))
         if self._registered is not None and geometry != self._registered[1]:
             # restored after a sleep: the chunks in the tiers and the CPU pool's slots must still fit
-            raise ValueError(f"kv_caches: expected caches of the geometry registered before the sleep "
-                             f"(dtype, layers, device, chunk shape {self._registered[1]}), got {geometry}")
+            raise ValueError(
+                f"kv_caches: expected caches of the geometry registered before the sleep "
+                f"(dtype, layers, device, chunk shape {self._registered[1]}), got {geometry}"
+            )
         if self.engine is None:
             self.engine = TransferEngine(lay.device)
         self.ratio, self.layout = ratio, lay
@@ -188,14 +217,18 @@ class KVXWorker:
         cache) and their results, which later steps report; the H2D calibration (per device). Idempotent."""
         if self.layout is None:
             return
-        self.loads.drain()                # every read in: its copies are queued, then run by the flush
-        self.engine.flush()               # every copy of the KV cache, loads and gathers, has run
-        self.loads.after_drain()          # a step vLLM did not finish (it drains them first): reported
+        self.loads.drain()  # every read in: its copies are queued, then run by the flush
+        self.engine.flush()  # every copy of the KV cache, loads and gathers, has run
+        self.loads.after_drain()  # a step vLLM did not finish (it drains them first): reported
         self.layout, self.groups, self.layer_of, self.group_of = None, [], {}, {}
-        self.order = BlockOrder(self.engine)      # no job refers to the old blocks any more
+        self.order = BlockOrder(self.engine)  # no job refers to the old blocks any more
         self.saves.bind(None)
-        log.info("kvx: worker %d/%d unregistered its KV caches (sleep); %s chunks stay in the tiers", self.shard,
-                 self.shards, "CPU and byte tier" if self.pool is not None else "byte tier")
+        log.info(
+            "kvx: worker %d/%d unregistered its KV caches (sleep); %s chunks stay in the tiers",
+            self.shard,
+            self.shards,
+            "CPU and byte tier" if self.pool is not None else "byte tier",
+        )
 
     def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor] | None = None) -> None:
         """After vLLM's wake-up: describe the KV cache again, from ``kv_caches`` (new tensors, at new addresses
@@ -225,7 +258,7 @@ class KVXWorker:
         """The part of a chunk tensor that holds vLLM blocks [first_block, first_block + n_blocks)."""
         unit = self.ratio if self.fmt == "pages" else self.geom.block_size
         view = chunk.narrow(2, first_block * unit, n_blocks * unit)
-        return view if layers is None else view[layers[0]: layers[1]]
+        return view if layers is None else view[layers[0] : layers[1]]
 
     def kernel_ids(self, block_ids: list[int]) -> list[int]:
         if self.ratio == 1:
@@ -258,7 +291,7 @@ class KVXWorker:
         meta = self._meta
         if meta is None or self.layout is None or self._loads_started:
             return
-        self._loads_started = True   # start each step's loads once, even if called again
+        self._loads_started = True  # start each step's loads once, even if called again
         self.loads.start(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -331,7 +364,7 @@ class KVXWorker:
         write, a corrupt copy dropped), for the scheduler's KV events and eviction counts."""
         if event != REMOVED:
             return
-        if self.shards > 1:     # a rank's storage key: the chunk's key, if this process wrote it
+        if self.shards > 1:  # a rank's storage key: the chunk's key, if this process wrote it
             keys = [k for k in map(self.saves.chunk_of, keys) if k is not None]
         with self._removed_lock:
             self._removed += [(tier, k) for k in keys]

@@ -32,12 +32,12 @@ import torch
 from .._ext import require as _require_ext
 from .layout import Op
 
-PATHS = ("kernel", "dma")   # host <-> device paths of impl "cuda" (the ops' ``path=``); None = by the measured rule
-H2D_MAX_CTAS = 8            # thread blocks (so SMs) the copy kernel may use for a host <-> device copy
-DMA_NEVER = 2**63 - 1       # a DMA threshold no copy reaches: always the kernel
+PATHS = ("kernel", "dma")  # host <-> device paths of impl "cuda" (the ops' ``path=``); None = by the measured rule
+H2D_MAX_CTAS = 8  # thread blocks (so SMs) the copy kernel may use for a host <-> device copy
+DMA_NEVER = 2**63 - 1  # a DMA threshold no copy reaches: always the kernel
 H2D_ENV = "KVX_H2D_DMA_MIN_BYTES"
 
-_DIRECTIONS = ("gather", "scatter")   # index = Op.c_direction
+_DIRECTIONS = ("gather", "scatter")  # index = Op.c_direction
 
 
 def dma_min_run_bytes(device: torch.device, op: Op, path: str | None, host: bool) -> int:
@@ -92,8 +92,9 @@ def choose_dma_min_bytes(run_bytes: Sequence[int], kernel_ms: Sequence[float], d
     if not sizes:
         raise ValueError("run_bytes: expected at least one run size, got none")
     if len(k_ms) != len(sizes) or len(d_ms) != len(sizes):
-        raise ValueError(f"kernel_ms, dma_ms: expected one time per run size ({len(sizes)}), got {len(k_ms)} and "
-                         f"{len(d_ms)}")
+        raise ValueError(
+            f"kernel_ms, dma_ms: expected one time per run size ({len(sizes)}), got {len(k_ms)} and {len(d_ms)}"
+        )
     for i, b in enumerate(sizes):
         if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or (i and b <= sizes[i - 1]):
             raise ValueError(f"run_bytes: expected strictly increasing positive ints, got {sizes}")
@@ -118,8 +119,10 @@ def h2d_env_min_bytes() -> int | None:
     except ValueError:
         value = -1
     if value < 0:
-        raise ValueError(f"{H2D_ENV}: expected a non-negative integer (the mean run size in bytes from which "
-                         f"host <-> device copies use DMA; 0 = always), got {raw!r}")
+        raise ValueError(
+            f"{H2D_ENV}: expected a non-negative integer (the mean run size in bytes from which "
+            f"host <-> device copies use DMA; 0 = always), got {raw!r}"
+        )
     return value
 
 
@@ -141,8 +144,9 @@ def h2d_dma_min_bytes(device: str | torch.device | None = None, direction: str =
     device). :data:`DMA_NEVER` means the kernel always.
     """
     if direction not in _DIRECTIONS:
-        raise ValueError(f"direction: expected 'gather' (device -> host) or 'scatter' (host -> device), got "
-                         f"{direction!r}")
+        raise ValueError(
+            f"direction: expected 'gather' (device -> host) or 'scatter' (host -> device), got {direction!r}"
+        )
     dev = _cuda_device(device)
     env = h2d_env_min_bytes()
     if env is not None:
@@ -150,8 +154,8 @@ def h2d_dma_min_bytes(device: str | torch.device | None = None, direction: str =
     return calibrate_h2d(dev).dma_min_bytes[_DIRECTIONS.index(direction)]
 
 
-_CAL_RUN_BYTES = tuple(4096 << k for k in range(9))    # 4 KiB .. 1 MiB
-_CAL_BYTES = 2 << 20        # bytes per timed copy: 4 .. 256 runs of a size
+_CAL_RUN_BYTES = tuple(4096 << k for k in range(9))  # 4 KiB .. 1 MiB
+_CAL_BYTES = 2 << 20  # bytes per timed copy: 4 .. 256 runs of a size
 _CAL_REPEATS = 3
 _CALIBRATIONS: dict[torch.device, H2DCalibration] = {}
 _CAL_LOCK = threading.Lock()
@@ -169,8 +173,9 @@ def calibrate_h2d(device: str | torch.device | None = None, *, force: bool = Fal
     dev = _cuda_device(device)
     ext = _require_ext()
     if not getattr(ext, "has_cuda", False):
-        raise RuntimeError("calibrate_h2d: kvx._C was built without the CUDA kernels; rebuild with nvcc on PATH "
-                           "(KVX_CUDA=1)")
+        raise RuntimeError(
+            "calibrate_h2d: kvx._C was built without the CUDA kernels; rebuild with nvcc on PATH (KVX_CUDA=1)"
+        )
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     with _CAL_LOCK:
@@ -201,7 +206,7 @@ def _measure_h2d(ext, dev: torch.device) -> H2DCalibration:
     kernel_ms: tuple[list[float], list[float]] = ([], [])
     dma_ms: tuple[list[float], list[float]] = ([], [])
     with torch.cuda.device(dev):
-        stream = torch.cuda.Stream(dev)   # not the legacy default stream: DMA may batch, as on kvx's copy stream
+        stream = torch.cuda.Stream(dev)  # not the legacy default stream: DMA may batch, as on kvx's copy stream
         with torch.cuda.stream(stream):
             # runs of b bytes: every other b-byte piece of `paged` (never adjacent), dense in `host`
             paged = torch.empty(2 * most, dtype=torch.uint8, device=dev)
@@ -212,23 +217,63 @@ def _measure_h2d(ext, dev: torch.device) -> H2DCalibration:
             layers = torch.tensor([paged.data_ptr()], dtype=torch.int64)
             layers_dev = layers.to(dev)
             for b, n in zip(_CAL_RUN_BYTES, runs):
-                pd = ext.PagedDesc(plane_stride=0, block_stride=2 * b, token_stride=0, head_stride=0, num_blocks=n,
-                                   num_planes=1, block_size=1, num_heads=1)
+                pd = ext.PagedDesc(
+                    plane_stride=0,
+                    block_stride=2 * b,
+                    token_stride=0,
+                    head_stride=0,
+                    num_blocks=n,
+                    num_planes=1,
+                    block_size=1,
+                    num_heads=1,
+                )
                 cd = ext.ContigDesc(layer_stride=n * b, plane_stride=0, token_stride=b, head_stride=b)
                 for op in (Op.GATHER_BLOCKS, Op.SCATTER_BLOCKS):
+
                     def kernel(op=op, n=n, b=b, pd=pd, cd=cd):
-                        ext.cuda_copy(layers.data_ptr(), layers_dev.data_ptr(), 1, ids_dev.data_ptr(), n, host_alias,
-                                      pd, cd, b, op.c_mode, op.c_direction, stream.cuda_stream, H2D_MAX_CTAS)
+                        ext.cuda_copy(
+                            layers.data_ptr(),
+                            layers_dev.data_ptr(),
+                            1,
+                            ids_dev.data_ptr(),
+                            n,
+                            host_alias,
+                            pd,
+                            cd,
+                            b,
+                            op.c_mode,
+                            op.c_direction,
+                            stream.cuda_stream,
+                            H2D_MAX_CTAS,
+                        )
 
                     def dma(op=op, n=n, b=b, pd=pd, cd=cd):
-                        ext.cuda_copy_dma(layers.data_ptr(), 1, ids.data_ptr(), n, host.data_ptr(), True, pd, cd, b,
-                                          op.c_mode, op.c_direction, stream.cuda_stream, 0)
+                        ext.cuda_copy_dma(
+                            layers.data_ptr(),
+                            1,
+                            ids.data_ptr(),
+                            n,
+                            host.data_ptr(),
+                            True,
+                            pd,
+                            cd,
+                            b,
+                            op.c_mode,
+                            op.c_direction,
+                            stream.cuda_stream,
+                            0,
+                        )
 
                     kernel_ms[op.c_direction].append(_time_copy(kernel, stream))
                     dma_ms[op.c_direction].append(_time_copy(dma, stream))
     k = (tuple(kernel_ms[0]), tuple(kernel_ms[1]))
     m = (tuple(dma_ms[0]), tuple(dma_ms[1]))
-    return H2DCalibration(dev, _CAL_RUN_BYTES, runs, k, m,
-                          (choose_dma_min_bytes(_CAL_RUN_BYTES, k[0], m[0]),
-                           choose_dma_min_bytes(_CAL_RUN_BYTES, k[1], m[1])),
-                          bool(ext.cuda_batch_memcpy()))
+    return H2DCalibration(
+        dev,
+        _CAL_RUN_BYTES,
+        runs,
+        k,
+        m,
+        (choose_dma_min_bytes(_CAL_RUN_BYTES, k[0], m[0]), choose_dma_min_bytes(_CAL_RUN_BYTES, k[1], m[1])),
+        bool(ext.cuda_batch_memcpy()),
+    )

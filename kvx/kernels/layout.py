@@ -190,14 +190,20 @@ class KVLayout:
             of run (raw-page copies are then refused).
     """
 
-    def __init__(self, name: str, layers: Sequence[torch.Tensor], planes: Sequence[Sequence[torch.Tensor]],
-                 layer_names: Sequence[str] | None = None):
+    def __init__(
+        self,
+        name: str,
+        layers: Sequence[torch.Tensor],
+        planes: Sequence[Sequence[torch.Tensor]],
+        layer_names: Sequence[str] | None = None,
+    ):
         if not layers:
             raise ValueError("layers: expected at least one layer tensor, got none")
         self.name = name
         self.layers = tuple(layers)
-        self.layer_names = tuple(layer_names) if layer_names is not None else tuple(
-            f"layer.{i}" for i in range(len(layers)))
+        self.layer_names = (
+            tuple(layer_names) if layer_names is not None else tuple(f"layer.{i}" for i in range(len(layers)))
+        )
         self.opaque = name == "cpu"
         p0 = planes[0][0]
         self.dtype = p0.dtype
@@ -208,28 +214,52 @@ class KVLayout:
         item = p0.element_size()
         self.itemsize = item
         if p0.stride(3) != 1 and self.head_size > 1:
-            raise ValueError(f"layers: rows must be contiguous (stride 1 along the head dim), got plane "
-                             f"strides {tuple(p0.stride())} for layout {name!r}")
+            raise ValueError(
+                f"layers: rows must be contiguous (stride 1 along the head dim), got plane "
+                f"strides {tuple(p0.stride())} for layout {name!r}"
+            )
         plane_stride = (planes[0][1].data_ptr() - p0.data_ptr()) if self.num_planes == 2 else 0
-        self.paged = PagedDesc(plane_stride, p0.stride(0) * item, p0.stride(1) * item, p0.stride(2) * item,
-                               self.num_blocks, self.num_planes, self.block_size, self.num_heads)
+        self.paged = PagedDesc(
+            plane_stride,
+            p0.stride(0) * item,
+            p0.stride(1) * item,
+            p0.stride(2) * item,
+            self.num_blocks,
+            self.num_planes,
+            self.block_size,
+            self.num_heads,
+        )
         self.row_bytes = self.head_size * item
         for i, (t, ps) in enumerate(zip(layers, planes)):
             q = ps[0]
-            if (tuple(q.shape) != tuple(p0.shape) or q.stride() != p0.stride() or q.dtype != p0.dtype
-                    or q.device != p0.device or len(ps) != self.num_planes
-                    or (self.num_planes == 2 and ps[1].data_ptr() - q.data_ptr() != plane_stride)):
+            if (
+                tuple(q.shape) != tuple(p0.shape)
+                or q.stride() != p0.stride()
+                or q.dtype != p0.dtype
+                or q.device != p0.device
+                or len(ps) != self.num_planes
+                or (self.num_planes == 2 and ps[1].data_ptr() - q.data_ptr() != plane_stride)
+            ):
                 raise ValueError(
                     f"layers[{i}]: expected the geometry of layers[0] (shape {tuple(layers[0].shape)}, stride "
                     f"{layers[0].stride()}, {layers[0].dtype}, {layers[0].device}), got shape {tuple(t.shape)}, "
-                    f"stride {t.stride()}, {t.dtype}, {t.device}")
+                    f"stride {t.stride()}, {t.dtype}, {t.device}"
+                )
         sizes = (self.num_planes, self.num_blocks, self.block_size, self.num_heads, self.head_size)
         strides = (plane_stride // item if self.num_planes == 2 else 0, *p0.stride())
         if plane_stride % item or not non_overlapping(sizes, strides):
-            raise ValueError(f"layers: the rows of layout {name!r} overlap in memory (shape "
-                             f"{tuple(layers[0].shape)}, stride {layers[0].stride()}); cannot copy into it")
-        self.page = _dense_page([(self.num_planes, plane_stride), (self.block_size, self.paged.token_stride),
-                                 (self.num_heads, self.paged.head_stride)], self.row_bytes)
+            raise ValueError(
+                f"layers: the rows of layout {name!r} overlap in memory (shape "
+                f"{tuple(layers[0].shape)}, stride {layers[0].stride()}); cannot copy into it"
+            )
+        self.page = _dense_page(
+            [
+                (self.num_planes, plane_stride),
+                (self.block_size, self.paged.token_stride),
+                (self.num_heads, self.paged.head_stride),
+            ],
+            self.row_bytes,
+        )
         self._planes = tuple(tuple(ps) for ps in planes)
         self.spans = tuple((_byte_span(pl), i) for i, ps in enumerate(self._planes) for pl in ps)  # ((lo, hi), layer)
         self._layer_ptrs = torch.tensor([ps[0].data_ptr() for ps in planes], dtype=torch.int64)
@@ -238,8 +268,9 @@ class KVLayout:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def from_tensors(cls, tensors: torch.Tensor | Sequence[torch.Tensor], layout: str,
-                     layer_names: Sequence[str] | None = None) -> KVLayout:
+    def from_tensors(
+        cls, tensors: torch.Tensor | Sequence[torch.Tensor], layout: str, layer_names: Sequence[str] | None = None
+    ) -> KVLayout:
         """Describe one layer tensor, or a sequence of per-layer tensors, in the named layout.
 
         Args:
@@ -259,8 +290,9 @@ class KVLayout:
         return cls(name, tensors, planes, layer_names)
 
     @classmethod
-    def from_vllm(cls, kv_caches: Mapping[str, torch.Tensor], layout: object, *, use_mla: bool = False,
-                  backend: str | None = None) -> KVLayout:
+    def from_vllm(
+        cls, kv_caches: Mapping[str, torch.Tensor], layout: object, *, use_mla: bool = False, backend: str | None = None
+    ) -> KVLayout:
         """Describe the per-layer views vLLM passes to ``register_kv_caches``.
 
         Args:
@@ -282,8 +314,10 @@ class KVLayout:
         elif lname in _PACKED:
             name = lname
         else:
-            raise ValueError(f"layout: expected a vLLM KVCacheLayout among {_PACKED} (or NHD/HND), got "
-                             f"{layout!r}; head-outer layouts (LHBNC, BHLNC) have no per-block page")
+            raise ValueError(
+                f"layout: expected a vLLM KVCacheLayout among {_PACKED} (or NHD/HND), got "
+                f"{layout!r}; head-outer layouts (LHBNC, BHLNC) have no per-block page"
+            )
         seen: dict[tuple, str] = {}
         names, tensors = [], []
         for lname_, t in kv_caches.items():
@@ -307,8 +341,10 @@ class KVLayout:
     def page_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
         """Shape of the raw-page chunk ``[L, S, n, segment_bytes]`` (uint8) holding ``num_blocks`` blocks."""
         if self.page is None:
-            raise ValueError(f"layout: {self.name!r} with strides {self.layers[0].stride()} has no "
-                             "contiguous page per block; use the canonical format")
+            raise ValueError(
+                f"layout: {self.name!r} with strides {self.layers[0].stride()} has no "
+                "contiguous page per block; use the canonical format"
+            )
         return (self.num_layers, self.page.segments, num_blocks, self.page.segment_bytes)
 
     @property
@@ -341,9 +377,11 @@ class KVLayout:
         return table
 
     def __repr__(self) -> str:
-        return (f"KVLayout({self.name}, layers={self.num_layers}, planes={self.num_planes}, "
-                f"blocks={self.num_blocks}, block_size={self.block_size}, heads={self.num_heads}, "
-                f"head_size={self.head_size}, {self.dtype}, {self.device})")
+        return (
+            f"KVLayout({self.name}, layers={self.num_layers}, planes={self.num_planes}, "
+            f"blocks={self.num_blocks}, block_size={self.block_size}, heads={self.num_heads}, "
+            f"head_size={self.head_size}, {self.dtype}, {self.device})"
+        )
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -358,9 +396,11 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 
 def _plane_views(name: str, t: torch.Tensor, i: int) -> tuple[torch.Tensor, ...]:
     """Logical ``[B, N, H, D]`` views of one layer tensor in layout ``name``."""
+
     def bad(expected: str) -> ValueError:
-        return ValueError(f"tensors[{i}]: layout {name!r} expects {expected}, got shape {tuple(t.shape)} "
-                          f"with stride {t.stride()}")
+        return ValueError(
+            f"tensors[{i}]: layout {name!r} expects {expected}, got shape {tuple(t.shape)} with stride {t.stride()}"
+        )
 
     if name in _PACKED or name == "cpu":
         if t.dim() != 4:

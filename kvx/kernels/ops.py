@@ -66,7 +66,7 @@ from .dma import (  # noqa: F401 - the host <-> device rule (path=None follows i
 from .layout import ContigDesc, CopyPlan, KVLayout, Op, PagedDesc, _byte_span, non_overlapping
 
 IMPLS = ("reference", "cpu", "triton", "cuda", "cuda_sim")
-CUDA_SIM_SM_COUNT = 132     # SMs of the device impl "cuda_sim" emulates (an H100 SXM): its grid's fill cap
+CUDA_SIM_SM_COUNT = 132  # SMs of the device impl "cuda_sim" emulates (an H100 SXM): its grid's fill cap
 
 
 def _triton_usable(device: torch.device) -> bool:
@@ -110,20 +110,41 @@ def set_num_threads(n: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------- ops
-def gather_blocks(layout: KVLayout, block_ids, out: torch.Tensor | None = None, *, impl: str | None = None,
-                  max_ctas: int = 0, path: str | None = None) -> torch.Tensor:
+def gather_blocks(
+    layout: KVLayout,
+    block_ids,
+    out: torch.Tensor | None = None,
+    *,
+    impl: str | None = None,
+    max_ctas: int = 0,
+    path: str | None = None,
+) -> torch.Tensor:
     """Copy whole blocks of every layer into the canonical chunk ``[L, P, n*N, H, D]`` (returned)."""
     return _run(Op.GATHER_BLOCKS, layout, block_ids, out, impl, max_ctas, path)
 
 
-def scatter_blocks(layout: KVLayout, block_ids, src: torch.Tensor, *, impl: str | None = None,
-                   max_ctas: int = 0, path: str | None = None) -> None:
+def scatter_blocks(
+    layout: KVLayout,
+    block_ids,
+    src: torch.Tensor,
+    *,
+    impl: str | None = None,
+    max_ctas: int = 0,
+    path: str | None = None,
+) -> None:
     """Write the canonical chunk ``src`` ``[L, P, n*N, H, D]`` into blocks ``block_ids`` of every layer."""
     _run(Op.SCATTER_BLOCKS, layout, block_ids, src, impl, max_ctas, path)
 
 
-def gather_slots(layout: KVLayout, slot_ids, out: torch.Tensor | None = None, *, impl: str | None = None,
-                 max_ctas: int = 0, path: str | None = None) -> torch.Tensor:
+def gather_slots(
+    layout: KVLayout,
+    slot_ids,
+    out: torch.Tensor | None = None,
+    *,
+    impl: str | None = None,
+    max_ctas: int = 0,
+    path: str | None = None,
+) -> torch.Tensor:
     """Copy single tokens (``slot = block * N + offset``) into ``[L, P, n, H, D]`` (returned).
 
     Rows of padding slots (negative ids) are left as they were in ``out``.
@@ -131,20 +152,41 @@ def gather_slots(layout: KVLayout, slot_ids, out: torch.Tensor | None = None, *,
     return _run(Op.GATHER_SLOTS, layout, slot_ids, out, impl, max_ctas, path)
 
 
-def scatter_slots(layout: KVLayout, slot_ids, src: torch.Tensor, *, impl: str | None = None,
-                  max_ctas: int = 0, path: str | None = None) -> None:
+def scatter_slots(
+    layout: KVLayout,
+    slot_ids,
+    src: torch.Tensor,
+    *,
+    impl: str | None = None,
+    max_ctas: int = 0,
+    path: str | None = None,
+) -> None:
     """Write ``src`` ``[L, P, n, H, D]`` into the listed slots; negative slots are skipped."""
     _run(Op.SCATTER_SLOTS, layout, slot_ids, src, impl, max_ctas, path)
 
 
-def gather_pages(layout: KVLayout, block_ids, out: torch.Tensor | None = None, *, impl: str | None = None,
-                 max_ctas: int = 0, path: str | None = None) -> torch.Tensor:
+def gather_pages(
+    layout: KVLayout,
+    block_ids,
+    out: torch.Tensor | None = None,
+    *,
+    impl: str | None = None,
+    max_ctas: int = 0,
+    path: str | None = None,
+) -> torch.Tensor:
     """Copy the raw bytes of whole pages into ``[L, S, n, segment_bytes]`` uint8 (returned)."""
     return _run(Op.GATHER_PAGES, layout, block_ids, out, impl, max_ctas, path)
 
 
-def scatter_pages(layout: KVLayout, block_ids, src: torch.Tensor, *, impl: str | None = None,
-                  max_ctas: int = 0, path: str | None = None) -> None:
+def scatter_pages(
+    layout: KVLayout,
+    block_ids,
+    src: torch.Tensor,
+    *,
+    impl: str | None = None,
+    max_ctas: int = 0,
+    path: str | None = None,
+) -> None:
     """Write raw pages ``src`` ``[L, S, n, segment_bytes]`` uint8 into blocks ``block_ids``."""
     _run(Op.SCATTER_PAGES, layout, block_ids, src, impl, max_ctas, path)
 
@@ -153,8 +195,10 @@ def scatter_pages(layout: KVLayout, block_ids, src: torch.Tensor, *, impl: str |
 def _as_ids(name: str, ids) -> torch.Tensor:
     if isinstance(ids, torch.Tensor):
         if ids.device.type != "cpu":
-            raise ValueError(f"{name}: expected a CPU tensor or a sequence of ints (ids are checked on the "
-                             f"host, without a device sync), got a tensor on {ids.device}")
+            raise ValueError(
+                f"{name}: expected a CPU tensor or a sequence of ints (ids are checked on the "
+                f"host, without a device sync), got a tensor on {ids.device}"
+            )
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
             raise TypeError(f"{name}: expected an integer tensor, got {ids.dtype}")
         if ids.dim() != 1:
@@ -182,21 +226,28 @@ def _check_ids(name: str, ids: torch.Tensor, op: Op, layout: KVLayout) -> None:
         limit = layout.num_blocks * layout.block_size
         hi = int(ids.max())
         if hi >= limit:
-            raise ValueError(f"{name}: expected slot ids in [0, {limit}) or negative for padding "
-                             f"({layout.num_blocks} blocks x {layout.block_size} tokens), got max {hi}")
+            raise ValueError(
+                f"{name}: expected slot ids in [0, {limit}) or negative for padding "
+                f"({layout.num_blocks} blocks x {layout.block_size} tokens), got max {hi}"
+            )
         if not op.gather:
             valid = ids[ids >= 0]
             if valid.unique().numel() != valid.numel():
-                raise ValueError(f"{name}: expected distinct slot ids for a scatter (two rows would write the "
-                                 "same slot), got duplicates")
+                raise ValueError(
+                    f"{name}: expected distinct slot ids for a scatter (two rows would write the "
+                    "same slot), got duplicates"
+                )
         return
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= layout.num_blocks:
-        raise ValueError(f"{name}: expected block ids in [0, {layout.num_blocks}), got "
-                         f"{'min ' + str(lo) if lo < 0 else 'max ' + str(hi)}")
+        raise ValueError(
+            f"{name}: expected block ids in [0, {layout.num_blocks}), got "
+            f"{'min ' + str(lo) if lo < 0 else 'max ' + str(hi)}"
+        )
     if not op.gather and ids.unique().numel() != ids.numel():
-        raise ValueError(f"{name}: expected distinct block ids for a scatter (two chunks would write the same "
-                         "block), got duplicates")
+        raise ValueError(
+            f"{name}: expected distinct block ids for a scatter (two chunks would write the same block), got duplicates"
+        )
 
 
 def _check_buffer(arg: str, buf: torch.Tensor, op: Op, layout: KVLayout, n: int) -> None:
@@ -219,36 +270,45 @@ def _check_buffer(arg: str, buf: torch.Tensor, op: Op, layout: KVLayout, n: int)
         if buf.device.type != "cpu":
             raise ValueError(f"{arg}: expected a CPU tensor for a CPU cache, got {buf.device}")
     elif buf.device != dev and not (buf.device.type == "cpu" and buf.is_pinned()):
-        raise ValueError(f"{arg}: expected a tensor on {dev} or in pinned host memory, got "
-                         f"{'pageable host memory' if buf.device.type == 'cpu' else buf.device}")
+        raise ValueError(
+            f"{arg}: expected a tensor on {dev} or in pinned host memory, got "
+            f"{'pageable host memory' if buf.device.type == 'cpu' else buf.device}"
+        )
     if op.gather and not non_overlapping(buf.shape, buf.stride()):
-        raise ValueError(f"{arg}: its elements overlap in memory (stride {buf.stride()}); the output must not "
-                         "alias itself")
+        raise ValueError(
+            f"{arg}: its elements overlap in memory (stride {buf.stride()}); the output must not alias itself"
+        )
     if buf.numel() and buf.device == dev:
         lo, hi = _byte_span(buf)
         for (plo, phi), l in layout.spans:
             if lo < phi and plo < hi:
-                raise ValueError(f"{arg}: overlaps the paged KV cache ({layout.layer_names[l]}); the "
-                                 "contiguous side must be separate memory")
+                raise ValueError(
+                    f"{arg}: overlaps the paged KV cache ({layout.layer_names[l]}); the "
+                    "contiguous side must be separate memory"
+                )
 
 
 def _pick_impl(impl: str | None, layout: KVLayout, buf: torch.Tensor) -> str:
     avail = available_impls(layout.device)
     if impl is None:
-        for cand in (("cpu",) if layout.device.type == "cpu" else ("cuda", "triton")):
+        for cand in ("cpu",) if layout.device.type == "cpu" else ("cuda", "triton"):
             if cand in avail:
                 return cand
         if layout.device.type == "cpu":
             raise RuntimeError(_BUILD_HINT.format(err=_C_ERROR))
-        raise RuntimeError(f"no kernel for a cache on {layout.device}: kvx._C was built without CUDA and triton "
-                           "is not importable; rebuild with nvcc on PATH (KVX_CUDA=1) or pass impl='reference'")
+        raise RuntimeError(
+            f"no kernel for a cache on {layout.device}: kvx._C was built without CUDA and triton "
+            "is not importable; rebuild with nvcc on PATH (KVX_CUDA=1) or pass impl='reference'"
+        )
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS} or None, got {impl!r}")
     if impl not in avail:
         if _C is None:
             raise RuntimeError(_BUILD_HINT.format(err=_C_ERROR))
-        raise ValueError(f"impl: {impl!r} cannot run for a cache on {layout.device} here (available: {avail}"
-                         f"{'; the Triton interpreter needs TRITON_INTERPRET=1' if impl == 'triton' else ''})")
+        raise ValueError(
+            f"impl: {impl!r} cannot run for a cache on {layout.device} here (available: {avail}"
+            f"{'; the Triton interpreter needs TRITON_INTERPRET=1' if impl == 'triton' else ''})"
+        )
     return impl
 
 
@@ -258,14 +318,23 @@ def _plan(op: Op, layout: KVLayout, buf: torch.Tensor, n: int) -> CopyPlan:
     if op.pages:
         # [L, S, n, segment_bytes]: segments are the planes, ids the tokens, one "head" of one segment
         g = layout.page
-        paged = PagedDesc(plane_stride=g.segment_stride, block_stride=layout.paged.block_stride, token_stride=0,
-                          head_stride=0, num_blocks=layout.num_blocks, num_planes=g.segments, block_size=1,
-                          num_heads=1)
-        contig = ContigDesc(layer_stride=layer_stride, plane_stride=plane_stride, token_stride=token_stride,
-                            head_stride=g.segment_bytes)
+        paged = PagedDesc(
+            plane_stride=g.segment_stride,
+            block_stride=layout.paged.block_stride,
+            token_stride=0,
+            head_stride=0,
+            num_blocks=layout.num_blocks,
+            num_planes=g.segments,
+            block_size=1,
+            num_heads=1,
+        )
+        contig = ContigDesc(
+            layer_stride=layer_stride, plane_stride=plane_stride, token_stride=token_stride, head_stride=g.segment_bytes
+        )
         return CopyPlan(paged, contig, g.segment_bytes, layout.num_layers, n, op.c_mode)
-    contig = ContigDesc(layer_stride=layer_stride, plane_stride=plane_stride, token_stride=token_stride,
-                        head_stride=head_stride)
+    contig = ContigDesc(
+        layer_stride=layer_stride, plane_stride=plane_stride, token_stride=token_stride, head_stride=head_stride
+    )
     return CopyPlan(layout.paged, contig, layout.row_bytes, layout.num_layers, n, op.c_mode)
 
 
@@ -281,11 +350,13 @@ def _c_descs(plan: CopyPlan) -> tuple:
     Triton launcher's planning).
     """
     ext = _require_ext()
-    return (ext.PagedDesc(**{f: getattr(plan.paged, f) for f in _PAGED_FIELDS}),
-            ext.ContigDesc(**{f: getattr(plan.contig, f) for f in _CONTIG_FIELDS}))
+    return (
+        ext.PagedDesc(**{f: getattr(plan.paged, f) for f in _PAGED_FIELDS}),
+        ext.ContigDesc(**{f: getattr(plan.contig, f) for f in _CONTIG_FIELDS}),
+    )
 
 
-_REFERENCE = {op: getattr(reference, op.value) for op in Op}   # the oracle's function of the same name
+_REFERENCE = {op: getattr(reference, op.value) for op in Op}  # the oracle's function of the same name
 
 
 def _check(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path):
@@ -294,8 +365,10 @@ def _check(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path):
     if not isinstance(layout, KVLayout):
         raise TypeError(f"layout: expected a kvx.kernels.layout.KVLayout, got {type(layout).__name__}")
     if layout.opaque and not op.pages:
-        raise ValueError(f"layout: {layout.name!r} pages are packed by the attention backend (opaque bytes); only "
-                         "whole pages can be copied (gather_pages/scatter_pages), not tokens or canonical chunks")
+        raise ValueError(
+            f"layout: {layout.name!r} pages are packed by the attention backend (opaque bytes); only "
+            "whole pages can be copied (gather_pages/scatter_pages), not tokens or canonical chunks"
+        )
     if op.pages and layout.page is None:
         layout.page_shape(0)  # raises the explanatory error
     ids = _as_ids(op.id_name, ids)
@@ -304,8 +377,7 @@ def _check(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path):
     if buf is None:
         if not op.gather:
             raise TypeError("src: expected a tensor to scatter, got None")
-        shape = layout.page_shape(n) if op.pages else layout.canonical_shape(
-            n if op.slots else n * layout.block_size)
+        shape = layout.page_shape(n) if op.pages else layout.canonical_shape(n if op.slots else n * layout.block_size)
         buf = torch.empty(shape, dtype=torch.uint8 if op.pages else layout.dtype, device=layout.device)
     _check_buffer("out" if op.gather else "src", buf, op, layout, n)
     if not isinstance(max_ctas, int) or max_ctas < 0:
@@ -314,8 +386,10 @@ def _check(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path):
         raise ValueError(f"path: expected one of {PATHS} or None, got {path!r}")
     impl = _pick_impl(impl, layout, buf)
     if path is not None and impl != "cuda":
-        raise ValueError(f"path: {path!r} picks between the CUDA copy kernel and DMA, which only impl 'cuda' has; "
-                         f"this copy runs impl {impl!r} (cache on {layout.device}): pass path=None")
+        raise ValueError(
+            f"path: {path!r} picks between the CUDA copy kernel and DMA, which only impl 'cuda' has; "
+            f"this copy runs impl {impl!r} (cache on {layout.device}): pass path=None"
+        )
     return ids, buf, impl
 
 
@@ -334,8 +408,18 @@ def _execute(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path, ids_dev=N
     plan = _plan(op, layout, buf, ids.numel())
     if impl == "cpu":
         paged, contig = _c_descs(plan)
-        _C.cpu_copy(layout.layer_ptrs().data_ptr(), plan.num_layers, ids.data_ptr(), plan.num_ids, buf.data_ptr(),
-                    paged, contig, plan.row_bytes, plan.mode, op.c_direction)
+        _C.cpu_copy(
+            layout.layer_ptrs().data_ptr(),
+            plan.num_layers,
+            ids.data_ptr(),
+            plan.num_ids,
+            buf.data_ptr(),
+            paged,
+            contig,
+            plan.row_bytes,
+            plan.mode,
+            op.c_direction,
+        )
     elif impl == "cuda":
         _run_cuda(plan, layout, ids, buf, op, max_ctas, path, ids_dev)
     elif impl == "cuda_sim":
@@ -350,10 +434,10 @@ class _Copy:
     the batch's thread (a copy job), never by two threads at once."""
 
     op: Op
-    ids: torch.Tensor                       # int64, on the CPU
-    buf: torch.Tensor                       # the contiguous side, every layer of the batch's layout
+    ids: torch.Tensor  # int64, on the CPU
+    buf: torch.Tensor  # the contiguous side, every layer of the batch's layout
     impl: str
-    ids_dev: torch.Tensor | None = None     # impl "cuda": the ids on the device, uploaded by the first run
+    ids_dev: torch.Tensor | None = None  # impl "cuda": the ids on the device, uploaded by the first run
 
 
 class CopyBatch:
@@ -369,16 +453,15 @@ class CopyBatch:
     implementation runs those that share a geometry together, in any order.
     """
 
-    def __init__(self, layout: KVLayout, *, impl: str | None = None, max_ctas: int = 0,
-                 path: str | None = None):
+    def __init__(self, layout: KVLayout, *, impl: str | None = None, max_ctas: int = 0, path: str | None = None):
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout: expected a kvx.kernels.layout.KVLayout, got {type(layout).__name__}")
         self.layout = layout
         self._impl, self._max_ctas, self._path = impl, max_ctas, path
         self._items: list[_Copy] = []
-        self._bytes = 0                    # of every copy, every layer: the transfer a run is part of
-        self._blocks: set[int] = set()     # written by the scatters so far: whole blocks,
-        self._slots: set[int] = set()      # single slots,
+        self._bytes = 0  # of every copy, every layer: the transfer a run is part of
+        self._blocks: set[int] = set()  # written by the scatters so far: whole blocks,
+        self._slots: set[int] = set()  # single slots,
         self._slot_blocks: set[int] = set()  # and the blocks those slots are in
 
     def __len__(self) -> int:
@@ -405,7 +488,7 @@ class CopyBatch:
         if op.slots:
             slots = [s for s in ids.tolist() if s >= 0]
             blocks = {s // self.layout.block_size for s in slots}
-            clash = (self._slots.intersection(slots) or blocks & self._blocks)
+            clash = self._slots.intersection(slots) or blocks & self._blocks
             if not clash:
                 self._slots.update(slots)
                 self._slot_blocks |= blocks
@@ -416,8 +499,10 @@ class CopyBatch:
             if not clash:
                 self._blocks |= blocks
                 return
-        raise ValueError(f"{op.id_name}: expected blocks and slots no earlier scatter of this batch writes (copies "
-                         f"of a batch run in no defined order), got {sorted(clash)[:8]} again")
+        raise ValueError(
+            f"{op.id_name}: expected blocks and slots no earlier scatter of this batch writes (copies "
+            f"of a batch run in no defined order), got {sorted(clash)[:8]} again"
+        )
 
     def run(self, start: int = 0, end: int | None = None) -> None:
         """Copy layers ``[start, end)`` (``end`` None: the last layer) of every added copy."""
@@ -432,23 +517,38 @@ class CopyBatch:
             buf = item.buf
             part = buf.narrow(0, start, end - start) if sub is not layout else buf
             if item.impl != "cpu":
-                if item.impl == "cuda" and item.ids_dev is None:   # the ids go to the device once, not per range
+                if item.impl == "cuda" and item.ids_dev is None:  # the ids go to the device once, not per range
                     item.ids_dev = _device_ids(item.ids, layout.device)
                 _execute(item.op, sub, item.ids, part, item.impl, self._max_ctas, self._path, item.ids_dev)
                 i += 1
                 continue
             # CPU: this copy and the following ones of the same geometry, in one call
             j = i + 1
-            while j < len(self._items) and (nxt := self._items[j]).op is item.op and nxt.impl == "cpu" \
-                    and nxt.buf.stride() == buf.stride() and nxt.buf.dtype == buf.dtype:
+            while (
+                j < len(self._items)
+                and (nxt := self._items[j]).op is item.op
+                and nxt.impl == "cpu"
+                and nxt.buf.stride() == buf.stride()
+                and nxt.buf.dtype == buf.dtype
+            ):
                 j += 1
             plan = _plan(item.op, sub, part, item.ids.numel())
             paged, contig = _c_descs(plan)
             offset = start * buf.stride(0) * buf.element_size()
             group = self._items[i:j]
-            _C.cpu_copy_many(sub.layer_ptrs().data_ptr(), plan.num_layers, [it.ids.data_ptr() for it in group],
-                             [it.ids.numel() for it in group], [it.buf.data_ptr() + offset for it in group],
-                             paged, contig, plan.row_bytes, plan.mode, item.op.c_direction, whole_bytes=self._bytes)
+            _C.cpu_copy_many(
+                sub.layer_ptrs().data_ptr(),
+                plan.num_layers,
+                [it.ids.data_ptr() for it in group],
+                [it.ids.numel() for it in group],
+                [it.buf.data_ptr() + offset for it in group],
+                paged,
+                contig,
+                plan.row_bytes,
+                plan.mode,
+                item.op.c_direction,
+                whole_bytes=self._bytes,
+            )
             i = j
 
 
@@ -467,8 +567,19 @@ def _run_cuda(plan: CopyPlan, layout: KVLayout, ids, buf, op: Op, max_ctas, path
         # than the rule's threshold, and the kernel below takes the copy.
         min_run = dma_min_run_bytes(layout.device, op, path, host)
         if min_run < DMA_NEVER and _C.cuda_copy_dma(
-                layout.layer_ptrs().data_ptr(), plan.num_layers, ids.data_ptr(), plan.num_ids, buf.data_ptr(),
-                host, *_c_descs(plan), plan.row_bytes, plan.mode, op.c_direction, stream.cuda_stream, min_run):
+            layout.layer_ptrs().data_ptr(),
+            plan.num_layers,
+            ids.data_ptr(),
+            plan.num_ids,
+            buf.data_ptr(),
+            host,
+            *_c_descs(plan),
+            plan.row_bytes,
+            plan.mode,
+            op.c_direction,
+            stream.cuda_stream,
+            min_run,
+        ):
             return
         if ids_dev is None:
             ids_dev = _device_ids(ids, layout.device)
@@ -477,9 +588,20 @@ def _run_cuda(plan: CopyPlan, layout: KVLayout, ids, buf, op: Op, max_ctas, path
             contig = _C.cuda_host_device_pointer(contig)
             # PCIe saturates with a few SMs; more would only take them from the model
             max_ctas = min(max_ctas, H2D_MAX_CTAS) if max_ctas else H2D_MAX_CTAS
-        _C.cuda_copy(layout.layer_ptrs().data_ptr(), layout.layer_ptrs(layout.device).data_ptr(), plan.num_layers,
-                     ids_dev.data_ptr(), plan.num_ids, contig, *_c_descs(plan), plan.row_bytes, plan.mode,
-                     op.c_direction, stream.cuda_stream, max_ctas)
+        _C.cuda_copy(
+            layout.layer_ptrs().data_ptr(),
+            layout.layer_ptrs(layout.device).data_ptr(),
+            plan.num_layers,
+            ids_dev.data_ptr(),
+            plan.num_ids,
+            contig,
+            *_c_descs(plan),
+            plan.row_bytes,
+            plan.mode,
+            op.c_direction,
+            stream.cuda_stream,
+            max_ctas,
+        )
 
 
 def _cuda_sim_args(plan: CopyPlan, layout: KVLayout, ids: torch.Tensor, buf: torch.Tensor) -> tuple:
@@ -492,12 +614,21 @@ def _cuda_sim_args(plan: CopyPlan, layout: KVLayout, ids: torch.Tensor, buf: tor
     """
     bounds = torch.tensor([_byte_span(t) for t in layout.layers], dtype=torch.int64)
     lo, hi = _byte_span(buf)
-    return bounds, (layout.layer_ptrs().data_ptr(), bounds.data_ptr(), plan.num_layers, ids.data_ptr(),
-                    plan.num_ids, buf.data_ptr(), lo, hi, *_c_descs(plan))
+    return bounds, (
+        layout.layer_ptrs().data_ptr(),
+        bounds.data_ptr(),
+        plan.num_layers,
+        ids.data_ptr(),
+        plan.num_ids,
+        buf.data_ptr(),
+        lo,
+        hi,
+        *_c_descs(plan),
+    )
 
 
 def _run_cuda_sim(plan: CopyPlan, layout: KVLayout, ids, buf, op: Op, max_ctas):
-    _bounds, args = _cuda_sim_args(plan, layout, ids, buf)   # held: the call reads the bounds by address
+    _bounds, args = _cuda_sim_args(plan, layout, ids, buf)  # held: the call reads the bounds by address
     _C.cuda_sim_copy(*args, plan.row_bytes, plan.mode, op.c_direction, CUDA_SIM_SM_COUNT, max_ctas)
 
 
@@ -507,7 +638,13 @@ def _run_triton(plan: CopyPlan, layout: KVLayout, ids, buf, op: Op):
     if layout.device.type == "cuda":
         # The caller's current stream on the cache's device; entering it also makes that device current.
         with torch.cuda.stream(torch.cuda.current_stream(layout.device)):
-            tk.copy_rows(plan, layout.layer_ptrs(), _device_ids(ids, layout.device), buf, op.c_direction,
-                         anchor=layout.plane_views(0)[0])
+            tk.copy_rows(
+                plan,
+                layout.layer_ptrs(),
+                _device_ids(ids, layout.device),
+                buf,
+                op.c_direction,
+                anchor=layout.plane_views(0)[0],
+            )
     else:
         tk.copy_rows(plan, layout.layer_ptrs(), ids, buf, op.c_direction, anchor=layout.plane_views(0)[0])

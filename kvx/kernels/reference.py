@@ -50,8 +50,7 @@ def scatter_blocks(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor)
     src = _bits(src)
     for l in range(layout.num_layers):
         for p, plane in enumerate(_planes(layout, l)):
-            plane[ids] = src[l, p].reshape(n, layout.block_size, layout.num_heads, layout.head_size).to(
-                plane.device)
+            plane[ids] = src[l, p].reshape(n, layout.block_size, layout.num_heads, layout.head_size).to(plane.device)
 
 
 def _split_slots(layout: KVLayout, slot_ids: torch.Tensor):
@@ -87,9 +86,11 @@ def _page_views(layout: KVLayout, layer: int) -> torch.Tensor:
     plane = layout.plane_views(layer)[0]
     raw = torch.empty(0, dtype=torch.uint8, device=plane.device).set_(plane.untyped_storage())
     g = layout.page
-    return raw.as_strided((layout.num_blocks, g.segments, g.segment_bytes),
-                          (layout.paged.block_stride, g.segment_stride, 1),
-                          plane.storage_offset() * plane.element_size())
+    return raw.as_strided(
+        (layout.num_blocks, g.segments, g.segment_bytes),
+        (layout.paged.block_stride, g.segment_stride, 1),
+        plane.storage_offset() * plane.element_size(),
+    )
 
 
 def gather_pages(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -44,8 +44,10 @@ def _check(path: str, key: str) -> str | None:
 def _temps_line(temps: list[TempInfo]) -> str:
     stale = [t for t in temps if t.stale]
     live = [t for t in temps if not t.stale]
-    return (f"temporary files: {len(live)} in flight ({sum(t.bytes for t in live) / 2**20:.1f} MiB), "
-            f"{len(stale)} stale ({sum(t.bytes for t in stale) / 2**20:.1f} MiB)")
+    return (
+        f"temporary files: {len(live)} in flight ({sum(t.bytes for t in live) / 2**20:.1f} MiB), "
+        f"{len(stale)} stale ({sum(t.bytes for t in stale) / 2**20:.1f} MiB)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("path")
         if name == "verify":
-            p.add_argument("--delete-bad", action="store_true",
-                           help="delete chunks that fail verification, and stale temporary files")
+            p.add_argument(
+                "--delete-bad",
+                action="store_true",
+                help="delete chunks that fail verification, and stale temporary files",
+            )
         if name == "clear":
             p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     args = ap.parse_args(argv)
@@ -67,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _inspect(args) -> int:
-    sv = survey(args.path)               # read-only: stale temporary files are listed, not removed
+    sv = survey(args.path)  # read-only: stale temporary files are listed, not removed
     fps: collections.Counter = collections.Counter()
     for c in sv.chunks:
         try:
@@ -98,10 +103,14 @@ def _verify(args) -> int:
                 _remove(c.path)
     for t in sv.temps:
         gone = t.stale and args.delete_bad and _remove(t.path)
-        print(f"TMP {t.path}: {t.bytes / 2**20:.1f} MiB, {'stale' if t.stale else 'in flight'} ({t.reason})"
-              f"{' (deleted)' if gone else ''}")
-    print(f"{len(sv.chunks) - bad} good, {bad} bad{' (deleted)' if bad and args.delete_bad else ''}; "
-          f"{_temps_line(sv.temps)}")
+        print(
+            f"TMP {t.path}: {t.bytes / 2**20:.1f} MiB, {'stale' if t.stale else 'in flight'} ({t.reason})"
+            f"{' (deleted)' if gone else ''}"
+        )
+    print(
+        f"{len(sv.chunks) - bad} good, {bad} bad{' (deleted)' if bad and args.delete_bad else ''}; "
+        f"{_temps_line(sv.temps)}"
+    )
     return 1 if bad and not args.delete_bad else 0
 
 
@@ -109,7 +118,7 @@ def _remove(path: str) -> bool:
     try:
         os.unlink(path)
     except FileNotFoundError:
-        pass                             # another engine removed it first
+        pass  # another engine removed it first
     except OSError as e:
         print(f"  cannot delete {path}: {e.strerror}")
         return False
@@ -117,7 +126,7 @@ def _remove(path: str) -> bool:
 
 
 def _clear(args) -> int:
-    store = DiskTier.at(args.path)         # removes stale temporary files on start-up
+    store = DiskTier.at(args.path)  # removes stale temporary files on start-up
     n = sum(1 for _ in store.scan())
     if not args.yes:
         if not sys.stdin.isatty():

@@ -37,7 +37,7 @@ from .errors import ChunkError
 
 try:
     from .._ext import C as _kvx_C  # None when kvx._C is not built
-except ImportError:       # kvx not built: the package computes the same checksum
+except ImportError:  # kvx not built: the package computes the same checksum
     _kvx_C = None
 
 if _kvx_C is not None and _kvx_C.crc32c_accelerated():
@@ -53,18 +53,36 @@ def crc32c_update(data, value: int = 0) -> int:
 
 
 FORMAT_VERSION = "kvx-2"
-READABLE_VERSIONS = ("kvx-1", "kvx-2")   # kvx-1: zlib crc32
+READABLE_VERSIONS = ("kvx-1", "kvx-2")  # kvx-1: zlib crc32
 PREFIX_BYTES = 8
-_MAX_HEADER = 1 << 20          # a kvx header is a few hundred bytes; a larger length is not a chunk
+_MAX_HEADER = 1 << 20  # a kvx header is a few hundred bytes; a larger length is not a chunk
 RESERVED_META = ("kvx_format", "key", "fingerprint", "crc32", "crc32c", "length", "created")
 # torch dtype -> safetensors dtype name: the library's own table (safetensors.torch._TYPES, 0.8), less the
 # dtypes this torch lacks
-ST_DTYPES = {getattr(torch, t): name for t, name in (
-    ("float64", "F64"), ("float32", "F32"), ("float16", "F16"), ("bfloat16", "BF16"), ("int64", "I64"),
-    ("int32", "I32"), ("int16", "I16"), ("int8", "I8"), ("uint8", "U8"), ("bool", "BOOL"),
-    ("float8_e4m3fn", "F8_E4M3"), ("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2", "F8_E5M2"),
-    ("float8_e5m2fnuz", "F8_E5M2FNUZ"), ("complex64", "C64"), ("uint64", "U64"), ("uint32", "U32"),
-    ("uint16", "U16")) if hasattr(torch, t)}
+ST_DTYPES = {
+    getattr(torch, t): name
+    for t, name in (
+        ("float64", "F64"),
+        ("float32", "F32"),
+        ("float16", "F16"),
+        ("bfloat16", "BF16"),
+        ("int64", "I64"),
+        ("int32", "I32"),
+        ("int16", "I16"),
+        ("int8", "I8"),
+        ("uint8", "U8"),
+        ("bool", "BOOL"),
+        ("float8_e4m3fn", "F8_E4M3"),
+        ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+        ("float8_e5m2", "F8_E5M2"),
+        ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+        ("complex64", "C64"),
+        ("uint64", "U64"),
+        ("uint32", "U32"),
+        ("uint16", "U16"),
+    )
+    if hasattr(torch, t)
+}
 _DTYPES = {name: dt for dt, name in ST_DTYPES.items()}
 
 if sys.byteorder != "little":  # the payload is written as it lies in memory
@@ -76,7 +94,7 @@ class Header:
     """A decoded chunk header. ``size``: bytes before the payload (prefix + JSON)."""
 
     meta: dict[str, str]
-    dtype: torch.dtype | None        # None: a dtype this torch lacks
+    dtype: torch.dtype | None  # None: a dtype this torch lacks
     shape: tuple[int, ...]
     nbytes: int
     size: int
@@ -95,9 +113,9 @@ def byte_view(t: torch.Tensor):
     """The bytes of a contiguous CPU tensor as a flat uint8 numpy array sharing its memory (no copy)."""
     if not t.is_contiguous():
         raise ValueError(f"chunk: expected a contiguous tensor, got strides {tuple(t.stride())}")
-    try:        # one torch call fewer than reshape(-1) first: 28 us instead of 53 with cold caches
+    try:  # one torch call fewer than reshape(-1) first: 28 us instead of 53 with cold caches
         return t.detach().view(torch.uint8).numpy().reshape(-1)
-    except RuntimeError:        # a 0-d tensor of a dtype wider than a byte
+    except RuntimeError:  # a 0-d tensor of a dtype wider than a byte
         return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
@@ -113,51 +131,66 @@ def crc32c(t: torch.Tensor) -> str:
 
 def check_chunk(chunk) -> None:
     """A chunk that can be encoded: a CPU tensor of a safetensors dtype."""
-    if not isinstance(chunk, torch.Tensor) or not chunk.is_cpu:      # is_cpu: no device object made
+    if not isinstance(chunk, torch.Tensor) or not chunk.is_cpu:  # is_cpu: no device object made
         raise ValueError(f"chunk: expected a CPU tensor, got {type(chunk).__name__} {getattr(chunk, 'device', '')}")
     if chunk.dtype not in ST_DTYPES:
         raise ValueError(f"chunk: expected a dtype in {sorted(str(d) for d in ST_DTYPES)}, got {chunk.dtype}")
 
 
 def check_extra(extra) -> None:
-    if extra is not None and (not isinstance(extra, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in extra.items())):
+    if extra is not None and (
+        not isinstance(extra, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items())
+    ):
         raise ValueError(f"extra: expected a dict of str -> str, got {extra!r}")
     if extra and any(k in RESERVED_META for k in extra):
         # would overwrite the fields readers verify (key, fingerprint, checksum, ...)
         raise ValueError(f"extra: keys {sorted(set(extra) & set(RESERVED_META))} are reserved")
 
 
-def encode_header(chunk: torch.Tensor, key: str, fingerprint: str, extra: dict[str, str] | None = None,
-                  created: float | None = None) -> bytes:
+def encode_header(
+    chunk: torch.Tensor, key: str, fingerprint: str, extra: dict[str, str] | None = None, created: float | None = None
+) -> bytes:
     """The header of ``chunk`` (computes its CRC: one pass over the bytes)."""
     check_chunk(chunk)
     chunk = chunk.contiguous()
     return _header(chunk, byte_view(chunk), key, fingerprint, extra, created)
 
 
-def _header(chunk: torch.Tensor, payload, key: str, fingerprint: str, extra: dict[str, str] | None,
-            created: float | None) -> bytes:
+def _header(
+    chunk: torch.Tensor, payload, key: str, fingerprint: str, extra: dict[str, str] | None, created: float | None
+) -> bytes:
     """The header of ``chunk``, whose bytes are ``payload`` (its :func:`byte_view`)."""
     check_extra(extra)
     nbytes = payload.nbytes
-    meta = {**(extra or {}), "kvx_format": FORMAT_VERSION, "key": key, "fingerprint": fingerprint,
-            "length": str(nbytes), "crc32c": f"{_crc(payload):08x}"}
+    meta = {
+        **(extra or {}),
+        "kvx_format": FORMAT_VERSION,
+        "key": key,
+        "fingerprint": fingerprint,
+        "length": str(nbytes),
+        "crc32c": f"{_crc(payload):08x}",
+    }
     if created is not None:
         meta["created"] = f"{created:.3f}"
-    head = json.dumps({"__metadata__": meta, "kv": {"dtype": ST_DTYPES[chunk.dtype], "shape": list(chunk.shape),
-                                                    "data_offsets": [0, nbytes]}},
-                      separators=(",", ":"), ensure_ascii=False).encode()
+    head = json.dumps(
+        {
+            "__metadata__": meta,
+            "kv": {"dtype": ST_DTYPES[chunk.dtype], "shape": list(chunk.shape), "data_offsets": [0, nbytes]},
+        },
+        separators=(",", ":"),
+        ensure_ascii=False,
+    ).encode()
     head += b" " * (-len(head) % 8)
     return struct.pack("<Q", len(head)) + head
 
 
-def encode(chunk: torch.Tensor, key: str, fingerprint: str, extra: dict[str, str] | None = None,
-           created: float | None = None) -> tuple[bytes, object]:
+def encode(
+    chunk: torch.Tensor, key: str, fingerprint: str, extra: dict[str, str] | None = None, created: float | None = None
+) -> tuple[bytes, object]:
     """(header, payload): the payload is a view of the chunk's memory, not a copy."""
     check_chunk(chunk)
     chunk = chunk.contiguous()
-    payload = byte_view(chunk)         # one view for the CRC and the sender (each costs ~10 us of torch calls)
+    payload = byte_view(chunk)  # one view for the CRC and the sender (each costs ~10 us of torch calls)
     return _header(chunk, payload, key, fingerprint, extra, created), payload
 
 
@@ -177,7 +210,7 @@ def decode_header(buf) -> Header:
     if len(buf) < PREFIX_BYTES + n:
         raise ChunkError(f"chunk header: expected {PREFIX_BYTES + n} bytes, got {len(buf)}")
     try:
-        doc = json.loads(bytes(buf[PREFIX_BYTES: PREFIX_BYTES + n]))
+        doc = json.loads(bytes(buf[PREFIX_BYTES : PREFIX_BYTES + n]))
         meta = doc.get("__metadata__") or {}
         kv = doc["kv"]
         lo, hi = kv["data_offsets"]
@@ -192,8 +225,9 @@ def decode_header(buf) -> Header:
     return Header({str(k): str(v) for k, v in meta.items()}, dtype, shape, int(hi), PREFIX_BYTES + n)
 
 
-def check(h: Header, key: str, fingerprint: str, shape: Sequence[int] | None = None,
-          dtype: torch.dtype | None = None) -> list[str]:
+def check(
+    h: Header, key: str, fingerprint: str, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None
+) -> list[str]:
     """What is wrong with a chunk's header for this reader (empty: nothing)."""
     problems = []
     if h.meta.get("kvx_format") not in READABLE_VERSIONS:
@@ -231,7 +265,7 @@ class RunningChecksum:
 
     def update(self, data) -> None:
         if self.kind == "crc32c":
-            self.value = _crc(data, self.value)    # any C-contiguous buffer, no copy; GIL released
+            self.value = _crc(data, self.value)  # any C-contiguous buffer, no copy; GIL released
         elif self.kind == "crc32":
             self.value = zlib.crc32(data, self.value)
 

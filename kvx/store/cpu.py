@@ -86,8 +86,7 @@ class CPUIndex:
         if key in self._entries:
             return None
         if not self._free:
-            victim = next((k for k, e in self._entries.items() if e.state is SlotState.READY and e.pins == 0),
-                          None)
+            victim = next((k for k, e in self._entries.items() if e.state is SlotState.READY and e.pins == 0), None)
             if victim is None:
                 return None
             self._free.append(self._entries.pop(victim).slot)
@@ -102,8 +101,10 @@ class CPUIndex:
         """The slot's bytes are written on every worker: serve it from now on."""
         e = self._entries.get(key)
         if e is None or e.state is not SlotState.PENDING or e.doomed:
-            raise RuntimeError(f"commit({key}): expected a PENDING slot, got "
-                               f"{('aborted' if e.doomed else e.state) if e else 'no entry'}")
+            raise RuntimeError(
+                f"commit({key}): expected a PENDING slot, got "
+                f"{('aborted' if e.doomed else e.state) if e else 'no entry'}"
+            )
         e.state = SlotState.READY
         self._entries.move_to_end(key)
         self.stats["committed"] += 1
@@ -118,7 +119,7 @@ class CPUIndex:
         if e.state is SlotState.READY:
             self._emit(REMOVED, [key])
         if e.pins:
-            e.doomed = True       # still read by a load or a write elsewhere: free on the last unpin
+            e.doomed = True  # still read by a load or a write elsewhere: free on the last unpin
             e.state = SlotState.PENDING
             return
         del self._entries[key]
@@ -196,8 +197,9 @@ class CPUPool:
             the critical path of a disk hit promoted into the slot.
     """
 
-    def __init__(self, num_slots: int, slot_shape: Sequence[int], dtype: torch.dtype, pin: bool = False,
-                 populate: bool = True):
+    def __init__(
+        self, num_slots: int, slot_shape: Sequence[int], dtype: torch.dtype, pin: bool = False, populate: bool = True
+    ):
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots: expected a positive int, got {num_slots!r}")
         if not isinstance(dtype, torch.dtype):
@@ -219,18 +221,19 @@ class CPUPool:
         self.data = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(num_slots, *shape)
         self.pinned = False
         if pin:
-            self._pin()                 # page-locking commits every page
+            self._pin()  # page-locking commits every page
         elif populate:
             self._populate()
 
     def _populate(self) -> None:
         try:
             from .._ext import load
+
             _C = load()  # ImportError when kvx._C is not built
-        except ImportError:      # the pure-Python fallback: pages are committed on first write
+        except ImportError:  # the pure-Python fallback: pages are committed on first write
             return
         err = _C.cpu_populate_write(self.data.data_ptr(), self.data.numel() * self.data.element_size())
-        if err:   # EINVAL: kernel < 5.14
+        if err:  # EINVAL: kernel < 5.14
             log.info("kvx: CPU pool pages not committed ahead (madvise errno %d); first writes fault", err)
 
     def _pin(self):

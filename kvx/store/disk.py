@@ -94,9 +94,13 @@ class DiskTierConfig(TierConfig):
     path: str
     size: int | None = Field(default=None, description="capacity in bytes, e.g. '100GiB'; none = unbounded")
     fsync: bool = False
-    rescan_s: float = Field(default=5.0, ge=0, description="with a size: re-count the (shared) directory at most "
-                            "this many seconds apart when writing; engines sharing a path overshoot size by at "
-                            "most what the others write in that time")
+    rescan_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="with a size: re-count the (shared) directory at most "
+        "this many seconds apart when writing; engines sharing a path overshoot size by at "
+        "most what the others write in that time",
+    )
 
     @field_validator("size", mode="before")
     @classmethod
@@ -117,31 +121,39 @@ def check_path(config: DiskTierConfig, where: str, writes: bool) -> list[str]:
     path = os.path.abspath(os.path.expanduser(config.path))
     if os.path.lexists(path) and not os.path.isdir(path):
         kind = "a file" if os.path.isfile(path) else "not a directory"
-        return [f"{where}: expected a directory (or a path where one can be created), "
-                f"got {config.path!r}, which is {kind}"]
+        return [
+            f"{where}: expected a directory (or a path where one can be created), got {config.path!r}, which is {kind}"
+        ]
     probe = path
-    while not os.path.isdir(probe):         # the nearest existing ancestor decides what can be created
+    while not os.path.isdir(probe):  # the nearest existing ancestor decides what can be created
         parent = os.path.dirname(probe)
         if parent == probe:
             break
         if os.path.lexists(parent) and not os.path.isdir(parent):
-            return [f"{where}: expected a directory (or a path where one can be created), "
-                    f"got {config.path!r}, whose parent {parent!r} is not a directory"]
+            return [
+                f"{where}: expected a directory (or a path where one can be created), "
+                f"got {config.path!r}, whose parent {parent!r} is not a directory"
+            ]
         probe = parent
     if os.access(probe, os.W_OK | os.X_OK):
         return []
     if probe != path:
-        return [f"{where}: expected a directory that exists or can be created, got {config.path!r} "
-                f"(it does not exist, and {probe!r} is not writable)"]
+        return [
+            f"{where}: expected a directory that exists or can be created, got {config.path!r} "
+            f"(it does not exist, and {probe!r} is not writable)"
+        ]
     if writes:
-        return [f"{where}: expected a writable directory (this engine saves chunks: kv_role "
-                f"kv_producer or kv_both), got {config.path!r}, which this process cannot write"]
+        return [
+            f"{where}: expected a writable directory (this engine saves chunks: kv_role "
+            f"kv_producer or kv_both), got {config.path!r}, which this process cannot write"
+        ]
     return []
 
 
 @dataclass(frozen=True)
 class ChunkInfo:
     """A chunk file: its key, path, size and mtime (the LRU clock: a read or a repeated put touches it)."""
+
     key: str
     path: str
     bytes: int
@@ -151,19 +163,21 @@ class ChunkInfo:
 @dataclass(frozen=True)
 class TempInfo:
     """A temporary file under the store: a write in flight, or the leftover of a crashed writer."""
+
     path: str
     bytes: int
     mtime: float
     stale: bool
-    reason: str   # why it is stale or in flight, for people ("writer pid 123 is gone")
+    reason: str  # why it is stale or in flight, for people ("writer pid 123 is gone")
 
 
 @dataclass
 class Survey:
     """One pass over a store directory (:func:`survey`)."""
+
     chunks: list[ChunkInfo] = field(default_factory=list)
-    temps: list[TempInfo] = field(default_factory=list)     # still on disk (stale ones: removal failed or not asked)
-    removed: list[TempInfo] = field(default_factory=list)   # stale temporary files this pass deleted
+    temps: list[TempInfo] = field(default_factory=list)  # still on disk (stale ones: removal failed or not asked)
+    removed: list[TempInfo] = field(default_factory=list)  # stale temporary files this pass deleted
 
     @property
     def chunk_bytes(self) -> int:
@@ -197,7 +211,7 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:        # EPERM: it exists, as another user
+    except OSError:  # EPERM: it exists, as another user
         return True
     return True
 
@@ -212,7 +226,7 @@ def _classify_temp(path: str, name: str, mtime: float, now: float) -> tuple[bool
     age = now - mtime
     if age > _TMP_MAX_AGE_S:
         return True, f"{age:.0f} s old, more than {_TMP_MAX_AGE_S:.0f} s"
-    parts = name[1:-len(".tmp")].split(".") if name.endswith(".tmp") else []
+    parts = name[1 : -len(".tmp")].split(".") if name.endswith(".tmp") else []
     if len(parts) != 4 or parts[1] != _HOST or not parts[2].isdigit() or int(parts[2]) <= 0:
         return False, f"written by another host or an older kvx, {age:.0f} s old"
     pid = int(parts[2])
@@ -233,7 +247,7 @@ def survey(path: str, remove_stale: bool = False) -> Survey:
     now = time.time()
     try:
         subdirs = list(os.scandir(path))
-    except OSError:          # deleted under us, or not readable: nothing to count
+    except OSError:  # deleted under us, or not readable: nothing to count
         return out
     for d in subdirs:
         try:
@@ -256,9 +270,9 @@ def survey(path: str, remove_stale: bool = False) -> Survey:
                         out.removed.append(info)
                         continue
                     except FileNotFoundError:
-                        continue     # renamed into place or removed by another engine meanwhile
+                        continue  # renamed into place or removed by another engine meanwhile
                     except OSError:
-                        pass         # read-only: still there, still counted
+                        pass  # read-only: still there, still counted
                 out.temps.append(info)
             elif e.name.endswith(_SUFFIX):
                 out.chunks.append(ChunkInfo(e.name[: -len(_SUFFIX)], e.path, st.st_size, st.st_mtime))
@@ -282,11 +296,11 @@ def _check_args(path, capacity_bytes, fingerprint, low_watermark, rescan_s, cloc
     """ValueError naming the first of a disk tier's arguments that is not what it must be."""
     if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str) or not os.fspath(path):
         raise ValueError(f"path: expected a directory path, got {path!r}")
-    if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
-                                       or capacity_bytes <= 0):
+    if capacity_bytes is not None and (
+        isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0
+    ):
         raise ValueError(f"capacity_bytes: expected a positive int or None, got {capacity_bytes!r}")
-    if (isinstance(low_watermark, bool) or not isinstance(low_watermark, (int, float))
-            or not 0.0 < low_watermark <= 1.0):
+    if isinstance(low_watermark, bool) or not isinstance(low_watermark, (int, float)) or not 0.0 < low_watermark <= 1.0:
         raise ValueError(f"low_watermark: expected a fraction in (0, 1], got {low_watermark!r}")
     if isinstance(rescan_s, bool) or not isinstance(rescan_s, (int, float)) or not rescan_s >= 0:
         raise ValueError(f"rescan_s: expected seconds >= 0, got {rescan_s!r}")
@@ -329,8 +343,14 @@ class DiskTier(Tier):
     event_medium = "DISK"
     local_lookup = True
 
-    def __init__(self, config: DiskTierConfig, ctx: TierContext, *, low_watermark: float = 0.9,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        config: DiskTierConfig,
+        ctx: TierContext,
+        *,
+        low_watermark: float = 0.9,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         super().__init__()
         path, capacity_bytes, fingerprint = config.path, config.size, ctx.fingerprint
         fsync, rescan_s = config.fsync, config.rescan_s
@@ -350,34 +370,51 @@ class DiskTier(Tier):
         # _room: one re-count, eviction or reservation at a time (they read and set _used from a scan);
         # puts waiting for room sleep on it. Held across directory scans, never across a chunk write.
         self._room = threading.Condition(threading.Lock())
-        self._used = 0             # bytes under path at the last count + this store's reservations since
-        self._reserved = 0         # this store's puts being written (inside _used)
-        self._mine: set[str] = set()   # their temporary files (counted as reservations, not as files)
-        self._ended: list | None = None    # during a count: (final path or None if failed, size) of puts ending
-        self._waiting = 0          # puts waiting in _reserve for this store's writes to finish
+        self._used = 0  # bytes under path at the last count + this store's reservations since
+        self._reserved = 0  # this store's puts being written (inside _used)
+        self._mine: set[str] = set()  # their temporary files (counted as reservations, not as files)
+        self._ended: list | None = None  # during a count: (final path or None if failed, size) of puts ending
+        self._waiting = 0  # puts waiting in _reserve for this store's writes to finish
         self._counted_at = -math.inf
-        self._relief = 0           # evictions for a full disk so far (a put that fails after one retries)
-        self._backoff_s = 0.0      # current full-disk back-off; 0 = none
+        self._relief = 0  # evictions for a full disk so far (a put that fails after one retries)
+        self._backoff_s = 0.0  # current full-disk back-off; 0 = none
         self._full_until = -math.inf
-        self.counters = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "evicted": 0, "errors": 0,
-                      "full": 0, "tmp_removed": 0}
+        self.counters = {
+            "puts": 0,
+            "put_bytes": 0,
+            "gets": 0,
+            "get_bytes": 0,
+            "evicted": 0,
+            "errors": 0,
+            "full": 0,
+            "tmp_removed": 0,
+        }
         with self._room:
-            self._recount_locked()     # also removes what crashed writers left behind
+            self._recount_locked()  # also removes what crashed writers left behind
 
     @classmethod
     def open(cls, config: DiskTierConfig, ctx: TierContext) -> DiskTier:
         return cls(config, ctx)
 
     @classmethod
-    def at(cls, path: str | os.PathLike, capacity_bytes: int | None = None, fingerprint: str = "",
-           fsync: bool = False, low_watermark: float = 0.9, rescan_s: float = 5.0, *,
-           clock: Callable[[], float] = time.monotonic) -> DiskTier:
+    def at(
+        cls,
+        path: str | os.PathLike,
+        capacity_bytes: int | None = None,
+        fingerprint: str = "",
+        fsync: bool = False,
+        low_watermark: float = 0.9,
+        rescan_s: float = 5.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> DiskTier:
         """A disk tier at ``path`` from plain arguments (``capacity_bytes``: the config's ``size``), checked
         as the constructor checks them (ValueError naming the argument)."""
         _check_args(path, capacity_bytes, fingerprint, low_watermark, rescan_s, clock)
         # checked above, by the rules of these arguments (a path object, any fsync value); not the config's
-        config = DiskTierConfig.model_construct(type="disk", path=path, size=capacity_bytes, fsync=fsync,
-                                                rescan_s=rescan_s)
+        config = DiskTierConfig.model_construct(
+            type="disk", path=path, size=capacity_bytes, fsync=fsync, rescan_s=rescan_s
+        )
         return cls(config, TierContext(fingerprint), low_watermark=low_watermark, clock=clock)
 
     @classmethod
@@ -424,11 +461,13 @@ class DiskTier(Tier):
         codec.check_chunk(chunk)
         codec.check_extra(extra)
         full_for = self._full_until - self._clock()
-        if full_for > 0:   # a full disk: fail at once rather than write (and evict) for every chunk
+        if full_for > 0:  # a full disk: fail at once rather than write (and evict) for every chunk
             with self._lock:
                 self.counters["full"] += 1
-            raise StoreFullError(f"disk store {self.path}: no space left on device; puts refused during a "
-                                 f"back-off ({self._backoff_s:.0f} s, {full_for:.1f} s left)")
+            raise StoreFullError(
+                f"disk store {self.path}: no space left on device; puts refused during a "
+                f"back-off ({self._backoff_s:.0f} s, {full_for:.1f} s left)"
+            )
         if os.path.exists(final):
             try:
                 os.utime(final)
@@ -457,9 +496,8 @@ class DiskTier(Tier):
                     raise self._full(key, freed) from e2
         except BaseException as e:
             self._end_reservation(size, False, final, reserved)
-            if isinstance(e, OSError) and e.errno is not None:   # say which store and chunk, not the temp name
-                raise OSError(e.errno, f"disk store {self.path}: cannot write chunk {key}: {e.strerror}",
-                              final) from e
+            if isinstance(e, OSError) and e.errno is not None:  # say which store and chunk, not the temp name
+                raise OSError(e.errno, f"disk store {self.path}: cannot write chunk {key}: {e.strerror}", final) from e
             raise
         self._end_reservation(size, True, final, reserved)
         self._emit(STORED, [key])
@@ -480,7 +518,7 @@ class DiskTier(Tier):
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
             try:
                 fd = os.open(tmp, flags, 0o666)
-            except FileNotFoundError:        # first chunk of this subdirectory, or the store was deleted
+            except FileNotFoundError:  # first chunk of this subdirectory, or the store was deleted
                 os.makedirs(d, exist_ok=True)
                 fd = os.open(tmp, flags, 0o666)
             try:
@@ -524,8 +562,9 @@ class DiskTier(Tier):
                         self.counters["full"] += 1
                     raise StoreFullError(
                         f"chunk {key}: no room under {self.path} ({self._used} of {cap} bytes used by files "
-                        f"this store cannot evict, {size} needed)")
-                if self._reserved:     # this store's own writes fill the budget: wait for one to end
+                        f"this store cannot evict, {size} needed)"
+                    )
+                if self._reserved:  # this store's own writes fill the budget: wait for one to end
                     self._waiting += 1
                     try:
                         self._room.wait(_WAIT_S)
@@ -551,7 +590,7 @@ class DiskTier(Tier):
             if written:
                 self.counters["puts"] += 1
                 self.counters["put_bytes"] += size
-                self._backoff_s, self._full_until = 0.0, -math.inf   # there was room: the disk is not full
+                self._backoff_s, self._full_until = 0.0, -math.inf  # there was room: the disk is not full
             waiting = self._waiting
         if waiting:
             with self._room:
@@ -562,29 +601,42 @@ class DiskTier(Tier):
         bytes, at least ``size``) unless another put did so since ``relief`` was read. Returns the count."""
         with self._room:
             if self._relief != relief:
-                return 0                        # another writer just made room: only retry
+                return 0  # another writer just made room: only retry
             self._relief += 1
             sv, used, _ = self._count_locked()
             goal = max(int(sv.chunk_bytes * _FULL_EVICT_FRACTION), size)
             removed, freed = self._unlink_lru(sv.chunks, lambda freed: freed >= goal)
             self._set_count(used - freed, evicted=removed)
-        self._throttle.warning("full", "kvx: disk store %s: no space left on device; evicted %d least recently "
-                               "used chunks (%.1f MiB) and retrying", self.path, removed, freed / 2**20)
+        self._throttle.warning(
+            "full",
+            "kvx: disk store %s: no space left on device; evicted %d least recently "
+            "used chunks (%.1f MiB) and retrying",
+            self.path,
+            removed,
+            freed / 2**20,
+        )
         return removed
 
     def _full(self, key: str, evicted: int) -> StoreFullError:
         """Still no space after an eviction: start (or keep) the back-off; the error to raise."""
         with self._lock:
             now = self._clock()
-            if now >= self._full_until:       # one doubling per episode, not one per failing thread
+            if now >= self._full_until:  # one doubling per episode, not one per failing thread
                 self._backoff_s = min(max(2 * self._backoff_s, _BACKOFF_MIN_S), _BACKOFF_MAX_S)
                 self._full_until = now + self._backoff_s
             backoff = self._backoff_s
             self.counters["full"] += 1
-        self._throttle.warning("full-backoff", "kvx: disk store %s: still no space left on device after evicting "
-                               "%d chunks; refusing writes for %.0f s", self.path, evicted, backoff)
-        return StoreFullError(f"disk store {self.path}: no space left on device for chunk {key} even after "
-                              f"evicting ({evicted} chunks); puts refused for a back-off ({backoff:.0f} s)")
+        self._throttle.warning(
+            "full-backoff",
+            "kvx: disk store %s: still no space left on device after evicting %d chunks; refusing writes for %.0f s",
+            self.path,
+            evicted,
+            backoff,
+        )
+        return StoreFullError(
+            f"disk store {self.path}: no space left on device for chunk {key} even after "
+            f"evicting ({evicted} chunks); puts refused for a back-off ({backoff:.0f} s)"
+        )
 
     def get(self, key: str, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Read and verify chunk ``key`` into a new tensor (of ``shape`` / ``dtype`` if given, else the
@@ -598,8 +650,9 @@ class DiskTier(Tier):
     def get_into(self, key: str, out: torch.Tensor) -> None:
         """Read and verify chunk ``key`` straight into ``out`` (one copy: the page cache to ``out``)."""
         if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError(f"out: expected a contiguous CPU tensor, got {type(out).__name__} "
-                             f"{getattr(out, 'device', '')}")
+            raise ValueError(
+                f"out: expected a contiguous CPU tensor, got {type(out).__name__} {getattr(out, 'device', '')}"
+            )
         self._read(key, out, tuple(out.shape), out.dtype)
 
     def _read(self, key: str, out: torch.Tensor | None, shape, dtype) -> torch.Tensor:
@@ -702,8 +755,12 @@ class DiskTier(Tier):
         if sv.removed:
             with self._lock:
                 self.counters["tmp_removed"] += len(sv.removed)
-            log.info("kvx: disk store %s: removed %d stale temporary files (%.1f MiB) left by crashed writers",
-                     self.path, len(sv.removed), sum(t.bytes for t in sv.removed) / 2**20)
+            log.info(
+                "kvx: disk store %s: removed %d stale temporary files (%.1f MiB) left by crashed writers",
+                self.path,
+                len(sv.removed),
+                sum(t.bytes for t in sv.removed) / 2**20,
+            )
         return sv
 
     def _count_locked(self) -> tuple[Survey, int, int]:
@@ -724,7 +781,7 @@ class DiskTier(Tier):
             sv = self._survey()
         finally:
             with self._lock:
-                mine |= self._mine     # a reserved put that created its temporary file during the scan
+                mine |= self._mine  # a reserved put that created its temporary file during the scan
                 ended, self._ended = self._ended, None
         seen = {c.path for c in sv.chunks}
         reserved -= sum(size for final, size in ended if final is None or final in seen)
@@ -752,9 +809,9 @@ class DiskTier(Tier):
                 removed += 1
                 keys.append(c.key)
             except FileNotFoundError:
-                pass               # another engine evicted it first
+                pass  # another engine evicted it first
             except OSError:
-                continue           # cannot be deleted (read-only): still there
+                continue  # cannot be deleted (read-only): still there
             freed += c.bytes
         if keys:
             self._emit(REMOVED, keys)

@@ -33,12 +33,12 @@ from typing import Protocol
 from .errors import StoreError, StoreFullError, StoreUnavailableError
 
 _CRLF = b"\r\n"
-_BUF = 1 << 16             # read buffer for reply lines and small values
-_DIRECT = _BUF // 2        # a read at least this big goes straight into the caller's memory
-_REARM_S = 0.005           # a socket call may end this much before or after its deadline (see _arm)
-_MAX_LINE = 1 << 16        # a reply line (status, error, length) longer than this is not RESP
-_BULK_REFUSED = "ERR Protocol error: invalid bulk length"     # a value over proto-max-bulk-len
-_LAST_WORDS_S = 0.05       # how long a failed SET waits for the server's reason (_set_failed)
+_BUF = 1 << 16  # read buffer for reply lines and small values
+_DIRECT = _BUF // 2  # a read at least this big goes straight into the caller's memory
+_REARM_S = 0.005  # a socket call may end this much before or after its deadline (see _arm)
+_MAX_LINE = 1 << 16  # a reply line (status, error, length) longer than this is not RESP
+_BULK_REFUSED = "ERR Protocol error: invalid bulk length"  # a value over proto-max-bulk-len
+_LAST_WORDS_S = 0.05  # how long a failed SET waits for the server's reason (_set_failed)
 
 
 def _timeval(seconds: float) -> bytes:
@@ -166,10 +166,20 @@ class RespConnection:
             kernel's default (TCP: autotuned).
     """
 
-    def __init__(self, host: str | None = None, port: int | None = None, *, unix_path: str | None = None,
-                 ssl_context: ssl.SSLContext | None = None, server_hostname: str | None = None,
-                 username: str | None = None, password: str | None = None, db: int = 0,
-                 deadline: float, send_buffer: int | None = None):
+    def __init__(
+        self,
+        host: str | None = None,
+        port: int | None = None,
+        *,
+        unix_path: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        username: str | None = None,
+        password: str | None = None,
+        db: int = 0,
+        deadline: float,
+        send_buffer: int | None = None,
+    ):
         self.address = unix_path or f"{host}:{port}"
         self._rbuf = bytearray(_BUF)
         self._rview = memoryview(self._rbuf)
@@ -202,10 +212,10 @@ class RespConnection:
             raise ConnectionLost(f"redis {self.address}: cannot connect ({e.strerror or e})") from None
         self.sock = s
         self._tls = isinstance(s, ssl.SSLSocket)
-        self._armed = -1.0           # seconds the socket's timeout was last set to (-1: not yet)
+        self._armed = -1.0  # seconds the socket's timeout was last set to (-1: not yet)
         try:
             if not self._tls:
-                s.settimeout(None)       # blocking; the kernel's SO_RCVTIMEO / SO_SNDTIMEO bound each call
+                s.settimeout(None)  # blocking; the kernel's SO_RCVTIMEO / SO_SNDTIMEO bound each call
             if send_buffer is not None:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         except OSError as e:
@@ -245,8 +255,8 @@ class RespConnection:
         if self.sock is None or self._rpos != self._rend:
             return True
         if isinstance(self.sock, ssl.SSLSocket):
-            return False        # TLS 1.3 servers send session tickets after the handshake: readable, not stale
-        try:     # poll, not select: an engine process may hold more than select's 1024 descriptors
+            return False  # TLS 1.3 servers send session tickets after the handshake: readable, not stale
+        try:  # poll, not select: an engine process may hold more than select's 1024 descriptors
             p = select.poll()
             p.register(self.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
             return bool(p.poll(0))
@@ -292,10 +302,10 @@ class RespConnection:
         with an error and closes the connection, so sending the rest fails with EPIPE / ECONNRESET), else
         :meth:`_failed`'s error."""
         if isinstance(e, (BrokenPipeError, ConnectionResetError)) and self.sock is not None:
-            words = _CRLF + self._last_words()          # the replies of earlier commands may come first
+            words = _CRLF + self._last_words()  # the replies of earlier commands may come first
             i = words.find(_CRLF + b"-" + _BULK_REFUSED.encode())
             if i >= 0:
-                line = words[i + 3:words.find(_CRLF, i + 3)]
+                line = words[i + 3 : words.find(_CRLF, i + 3)]
                 return self._refused(reply_error(line.decode(errors="replace")), sizes)
         return self._failed(e, "SET")
 
@@ -306,13 +316,14 @@ class RespConnection:
             return r
         self.close()
         size = max(sizes, default=None)
-        return ValueTooLarge(f"redis {self.address}: value of {size} bytes refused: longer than the server's "
-                             f"proto-max-bulk-len", size)
+        return ValueTooLarge(
+            f"redis {self.address}: value of {size} bytes refused: longer than the server's proto-max-bulk-len", size
+        )
 
     def _last_words(self) -> bytes:
         """What the server sent before it dropped the connection: the unread bytes, and what arrives within
         _LAST_WORDS_S (TLS: the unread bytes only)."""
-        got = bytes(self._rbuf[self._rpos:self._rend])
+        got = bytes(self._rbuf[self._rpos : self._rend])
         if self._tls:
             return got
         try:
@@ -330,7 +341,7 @@ class RespConnection:
         self.close()
         if isinstance(e, ConnectionLost):
             return e
-        if isinstance(e, (socket.timeout, TimeoutError, BlockingIOError)):     # BlockingIOError: SO_RCVTIMEO
+        if isinstance(e, (socket.timeout, TimeoutError, BlockingIOError)):  # BlockingIOError: SO_RCVTIMEO
             err = ConnectionLost(f"redis {addr}: no answer in time ({what})", timeout=True)
         elif isinstance(e, ssl.SSLError):
             err = ConnectionLost(f"redis {addr}: TLS error ({what}: {e})")
@@ -348,12 +359,12 @@ class RespConnection:
             raise ConnectionLost(f"redis {self.address}: connection is closed")
         for b in bufs:
             if self._tls:
-                self._arm(deadline)     # Python's timeout bounds the whole sendall
+                self._arm(deadline)  # Python's timeout bounds the whole sendall
                 s.sendall(b)
                 continue
             mv = memoryview(b).cast("B")
             off, end = 0, len(mv)
-            while off < end:            # a blocking send queues it all (one syscall) or times out partway
+            while off < end:  # a blocking send queues it all (one syscall) or times out partway
                 self._arm(deadline)
                 off += s.send(mv[off:])
 
@@ -363,10 +374,10 @@ class RespConnection:
             self._rpos = self._rend = 0
         elif self._rend == _BUF:
             n = self._rend - self._rpos
-            self._rbuf[:n] = self._rbuf[self._rpos:self._rend]
+            self._rbuf[:n] = self._rbuf[self._rpos : self._rend]
             self._rpos, self._rend = 0, n
         self._arm(deadline)
-        n = self.sock.recv_into(self._rview[self._rend:])
+        n = self.sock.recv_into(self._rview[self._rend :])
         if n == 0:
             raise ConnectionLost(f"redis {self.address}: connection closed by the server")
         self._rend += n
@@ -375,7 +386,7 @@ class RespConnection:
         while True:
             i = self._rbuf.find(_CRLF, self._rpos, self._rend)
             if i >= 0:
-                line = bytes(self._rbuf[self._rpos:i])
+                line = bytes(self._rbuf[self._rpos : i])
                 self._rpos = i + 2
                 return line
             if self._rend - self._rpos >= _MAX_LINE - 2:
@@ -402,14 +413,14 @@ class RespConnection:
             self._fill(deadline)
             have = self._rend - self._rpos
         k = min(have, len(mv))
-        mv[:k] = self._rview[self._rpos:self._rpos + k]
+        mv[:k] = self._rview[self._rpos : self._rpos + k]
         self._rpos += k
         return k
 
     def _expect_crlf(self, deadline: float) -> None:
         while self._rend - self._rpos < 2:
             self._fill(deadline)
-        if self._rbuf[self._rpos:self._rpos + 2] != _CRLF:
+        if self._rbuf[self._rpos : self._rpos + 2] != _CRLF:
             raise ProtocolError(f"redis {self.address}: bulk reply not followed by CRLF")
         self._rpos += 2
 
@@ -489,7 +500,7 @@ class RespConnection:
                         raise ProtocolError(f"redis {self.address}: reply line longer than {_MAX_LINE} bytes")
                     self._fill(deadline)
                     continue
-                lines = bytes(self._rbuf[self._rpos:end]).split(_CRLF)[:n - len(out)]
+                lines = bytes(self._rbuf[self._rpos : end]).split(_CRLF)[: n - len(out)]
                 for line in lines:
                     kind = line[:1]
                     if kind == b":":
@@ -501,13 +512,13 @@ class RespConnection:
                     self._rpos += len(line) + 2
             return out
         except ValueError as e:
-            raise self._failed(ProtocolError(f"redis {self.address}: EXISTS answered a bad integer ({e})"),
-                               "EXISTS") from None
+            raise self._failed(
+                ProtocolError(f"redis {self.address}: EXISTS answered a bad integer ({e})"), "EXISTS"
+            ) from None
         except BaseException as e:  # noqa: BLE001 - close on anything, interrupts included
             raise self._failed(e, "EXISTS")
 
-    def set_value(self, key: str, bufs: Sequence, options: Sequence, deadline: float,
-                  prefix: Sequence[Sequence] = ()):
+    def set_value(self, key: str, bufs: Sequence, options: Sequence, deadline: float, prefix: Sequence[Sequence] = ()):
         """``SET key <value> *options`` where the value is the concatenation of ``bufs`` (bytes-like,
         sent as they are: no copy). ``prefix``: small commands sent before it in the same write (e.g.
         ``ASKING``). Returns the SET's reply ("OK", or None when NX/XX refused); raises error replies."""
@@ -555,8 +566,14 @@ class RespConnection:
             raise self._refused(replies[-1], sizes)
         return replies
 
-    def get_into(self, keys: Sequence[str], sink: Sink, deadline: float, prefix: Sequence[Sequence] = (),
-                 ready: Callable[[], None] | None = None) -> None:
+    def get_into(
+        self,
+        keys: Sequence[str],
+        sink: Sink,
+        deadline: float,
+        prefix: Sequence[Sequence] = (),
+        ready: Callable[[], None] | None = None,
+    ) -> None:
         """``GET`` of ``keys``, one ahead: the GET of key i+1 goes out as soon as reply i's length line is in,
         so the server prepares value i+1 while value i is on the wire. (All at once, redis-server 7.0 builds
         every reply before it writes the first byte: a 16 MiB chunk in 4 parts took 8.7 ms over TCP, one
@@ -568,8 +585,8 @@ class RespConnection:
         closes the connection."""
         if not keys:
             return
-        pending = True        # replies left unread: the connection cannot be reused
-        sent = 0              # GETs sent
+        pending = True  # replies left unread: the connection cannot be reused
+        sent = 0  # GETs sent
 
         def send_next() -> None:
             nonlocal sent
@@ -606,9 +623,9 @@ class RespConnection:
                     continue
                 sink.begin(i, n)
                 send_next()
-                while n:        # the sink sees each receive's bytes at once (checksummed while in cache)
+                while n:  # the sink sees each receive's bytes at once (checksummed while in cache)
                     mv = sink.buffer()
-                    k = self._read_some(mv[:min(len(mv), n)], deadline)
+                    k = self._read_some(mv[: min(len(mv), n)], deadline)
                     sink.advance(k)
                     n -= k
                 self._expect_crlf(deadline)

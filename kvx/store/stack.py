@@ -22,7 +22,7 @@ from .tier import Tier
 
 class TierStack:
     def __init__(self, tiers: Sequence[Tier], shard_keys: Callable[[str], list[str]]):
-        names = [t.type for t in tiers]     # a tier is named by its type: one tier per type
+        names = [t.type for t in tiers]  # a tier is named by its type: one tier per type
         if len(set(names)) != len(names):
             raise ValueError(f"tiers: expected at most one tier of each type, got {names}")
         self.tiers = list(tiers)
@@ -51,7 +51,7 @@ class TierStack:
                 return None
             rest, at = [], 0
             for i, ks in zip(todo, per):
-                if all(answers[at: at + len(ks)]):
+                if all(answers[at : at + len(ks)]):
                     found[i] = tier.type
                 else:
                     rest.append(i)
@@ -66,7 +66,7 @@ class TierStack:
         asked on the scheduler's path (a network round trip per chunk): their puts check for the key before
         sending the bytes, and never overwrite."""
         out = []
-        for name in (self.names() if among is None else among):
+        for name in self.names() if among is None else among:
             tier = self.by_name[name]
             if tier.local_lookup:
                 ks = self._shard_keys(key)

@@ -47,11 +47,25 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 # tier events (the serving work turns them into vLLM KV events): a chunk became readable / was removed
 STORED, REMOVED = "stored", "removed"
-Listener = Callable[[str, str, Sequence[str]], None]     # (tier name, STORED | REMOVED, keys)
+Listener = Callable[[str, str, Sequence[str]], None]  # (tier name, STORED | REMOVED, keys)
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 _KEY = re.compile(r"[0-9a-f]{8,}")
@@ -85,7 +99,7 @@ def parse_size(value: Any) -> int:
 
 
 def _number_kind(annotation: Any) -> str | None:
-    """"an integer" / "a number" if a field of this type takes numbers (and not booleans), else None."""
+    """ "an integer" / "a number" if a field of this type takes numbers (and not booleans), else None."""
     kinds = set()
     todo = [annotation]
     while todo:
@@ -154,7 +168,7 @@ class Tier(ABC):
     type: ClassVar[str]
     config_model: ClassVar[type[TierConfig]]
     hit_source: ClassVar[str] = "external_unspecified"
-    event_medium: ClassVar[str] = "REMOTE"      # KV events: "DISK" for a local file system, "REMOTE" if shared
+    event_medium: ClassVar[str] = "REMOTE"  # KV events: "DISK" for a local file system, "REMOTE" if shared
     # contains_many answers from local state (a file system stat), cheaply enough for the scheduler to
     # ask before planning each save
     local_lookup: ClassVar[bool] = False
@@ -255,8 +269,7 @@ def register_tier(cls: type[Tier]) -> type[Tier]:
     if not (isinstance(model, type) and issubclass(model, TierConfig)):
         raise TypeError(f"register_tier: {cls.__name__}.config_model must be a TierConfig subclass")
     old = _REGISTRY.get(kind)
-    if old is not None and old is not cls and (old.__module__, old.__qualname__) != (cls.__module__,
-                                                                                     cls.__qualname__):
+    if old is not None and old is not cls and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
         raise ValueError(f"register_tier: type {kind!r} is taken by {old.__module__}.{old.__qualname__}")
     _REGISTRY[kind] = cls
     return cls
@@ -279,7 +292,7 @@ def tier_class(kind: str) -> type[Tier]:
             raise ValueError(f"expected an importable 'module:Class', got {kind!r} ({e})") from None
         if not (isinstance(cls, type) and issubclass(cls, Tier)):
             raise ValueError(f"expected {kind!r} to name a kvx.store.Tier subclass, got {cls!r}")
-        return register_tier(cls)     # from now on known by its type too (the config carries the type)
+        return register_tier(cls)  # from now on known by its type too (the config carries the type)
     raise ValueError(f"expected one of {['cpu'] + tier_types()} or 'module:Class', got {kind!r}")
 
 
@@ -292,9 +305,10 @@ def parse_tier_config(raw: Any) -> TierConfig:
         raise ValueError(f"expected a JSON object with a 'type', got {raw!r}")
     kind = raw.get("type")
     if not isinstance(kind, str):
-        raise ValueError(f"expected a 'type' naming a tier (one of {['cpu'] + tier_types()} or 'module:Class'), "
-                         f"got {kind!r}")
+        raise ValueError(
+            f"expected a 'type' naming a tier (one of {['cpu'] + tier_types()} or 'module:Class'), got {kind!r}"
+        )
     cls = tier_class(kind)
-    if ":" in kind:     # the model's type field names the registered type; accept the import path too
+    if ":" in kind:  # the model's type field names the registered type; accept the import path too
         raw = {**raw, "type": cls.type}
     return cls.config_model.model_validate(raw)

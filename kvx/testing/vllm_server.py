@@ -55,8 +55,19 @@ import urllib.request
 import weakref
 from typing import Any
 
-__all__ = ["VllmServer", "ServerError", "complete", "acomplete", "aabort", "complete_many", "scrape_metrics",
-           "parse_prometheus", "kv_transfer_args", "kvx_config", "free_port"]
+__all__ = [
+    "VllmServer",
+    "ServerError",
+    "complete",
+    "acomplete",
+    "aabort",
+    "complete_many",
+    "scrape_metrics",
+    "parse_prometheus",
+    "kv_transfer_args",
+    "kvx_config",
+    "free_port",
+]
 
 
 class ServerError(RuntimeError):
@@ -73,8 +84,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 def kvx_config(extra: dict | None = None, role: str = "kv_both", module_path: bool = False) -> dict:
     """A ``--kv-transfer-config`` object for KVXConnector (``kv_load_failure_policy: recompute``);
     ``extra`` is its ``kv_connector_extra_config``."""
-    cfg = {"kv_connector": "KVXConnector", "kv_role": role, "kv_load_failure_policy": "recompute",
-           "kv_connector_extra_config": dict(extra or {})}
+    cfg = {
+        "kv_connector": "KVXConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": dict(extra or {}),
+    }
     if module_path:
         cfg["kv_connector_module_path"] = "kvx.connector"
     return cfg
@@ -93,7 +108,7 @@ def _stop_all() -> None:
     for srv in list(_RUNNING):
         try:
             srv.stop(timeout_s=10)
-        except Exception:       # noqa: BLE001 - best effort at exit
+        except Exception:  # noqa: BLE001 - best effort at exit
             pass
 
 
@@ -102,7 +117,7 @@ def _group_alive(pgid: int) -> list[int]:
     pids = []
     try:
         entries = os.listdir("/proc")
-    except OSError:               # no procfs: ask the kernel whether the group still exists
+    except OSError:  # no procfs: ask the kernel whether the group still exists
         try:
             os.killpg(pgid, 0)
             return [pgid]
@@ -116,7 +131,7 @@ def _group_alive(pgid: int) -> list[int]:
                 stat = f.read()
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()     # after "pid (comm) ": state ppid pgrp ...
+        fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
         if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
             pids.append(int(d))
     return pids
@@ -154,9 +169,19 @@ class VllmServer:
     ``pid``.
     """
 
-    def __init__(self, model: str, args: list[str] | tuple[str, ...] = (), *, env: dict[str, str] | None = None,
-                 log_path: str | os.PathLike | None = None, host: str = "127.0.0.1", port: int | None = None,
-                 timeout_s: float = 300.0, wait: bool = True, python: str | None = None):
+    def __init__(
+        self,
+        model: str,
+        args: list[str] | tuple[str, ...] = (),
+        *,
+        env: dict[str, str] | None = None,
+        log_path: str | os.PathLike | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        timeout_s: float = 300.0,
+        wait: bool = True,
+        python: str | None = None,
+    ):
         args = [str(a) for a in args]
         for flag in ("--host", "--port"):
             if any(a == flag or a.startswith(flag + "=") for a in args):
@@ -196,13 +221,29 @@ class VllmServer:
     def _start(self) -> None:
         self.port = self._fixed_port or free_port(self.host)
         self.url = f"http://{self.host}:{self.port}"
-        cmd = [self._python, "-m", "kvx.testing.vllm_server", "serve", self.model_path, *self.args,
-               "--host", self.host, "--port", str(self.port)]
+        cmd = [
+            self._python,
+            "-m",
+            "kvx.testing.vllm_server",
+            "serve",
+            self.model_path,
+            *self.args,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
         self._log = open(self.log_path, "ab")
         self._log.write(f"$ {' '.join(cmd)}\n".encode())
         self._log.flush()
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                      env=self._env, start_new_session=True)
+        self._proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self._env,
+            start_new_session=True,
+        )
         self.pid = self._proc.pid
         self._started = time.monotonic()
         _RUNNING.add(self)
@@ -240,12 +281,17 @@ class VllmServer:
                 self._start()
                 continue
             self.stop()
-            what = (f"exited with code {self._proc.returncode}" if died
-                    else f"was not healthy after {time.monotonic() - self._started:.0f} s")
+            what = (
+                f"exited with code {self._proc.returncode}"
+                if died
+                else f"was not healthy after {time.monotonic() - self._started:.0f} s"
+            )
             causes = _logged_exceptions(self.log_text())
-            raise ServerError(f"vllm serve {self.model_path} on {self.url} {what}; log {self.log_path}"
-                              + (", exceptions logged:\n" + "\n".join(causes) if causes else "")
-                              + f"\nlast lines:\n{tail}")
+            raise ServerError(
+                f"vllm serve {self.model_path} on {self.url} {what}; log {self.log_path}"
+                + (", exceptions logged:\n" + "\n".join(causes) if causes else "")
+                + f"\nlast lines:\n{tail}"
+            )
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """Stop the server and every process it started; returns the server's exit code (None if it was
@@ -255,7 +301,7 @@ class VllmServer:
             proc = self._proc
             if proc is None:
                 return None
-            pgid = proc.pid           # start_new_session: the server leads its own group
+            pgid = proc.pid  # start_new_session: the server leads its own group
             for sig, wait_s in ((signal.SIGINT, timeout_s), (signal.SIGTERM, 10.0)):
                 if proc.poll() is not None:
                     break
@@ -381,8 +427,13 @@ def scrape_metrics(url: str, timeout_s: float = 10.0) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------------------------- requests
 def _body(ids: list[int], max_tokens: int, model: str | None, stream: bool, extra: dict) -> dict:
-    body = {"prompt": list(ids), "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True}
+    body = {
+        "prompt": list(ids),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     if model is not None:
         body["model"] = model
     if stream:
@@ -434,10 +485,16 @@ class _Result:
     def result(self, now: float) -> dict:
         usage = self.usage or {}
         details = usage.get("prompt_tokens_details") or {}
-        return {"tokens": self.tokens, "ttft_s": self.ttft_s, "latency_s": now - self.t0,
-                "prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": details.get("cached_tokens"),
-                "finish_reason": self.finish_reason, "kv_transfer_params": self.kv_transfer_params,
-                "usage": self.usage}
+        return {
+            "tokens": self.tokens,
+            "ttft_s": self.ttft_s,
+            "latency_s": now - self.t0,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": details.get("cached_tokens"),
+            "finish_reason": self.finish_reason,
+            "kv_transfer_params": self.kv_transfer_params,
+            "usage": self.usage,
+        }
 
 
 def _check(status: int, text: str) -> None:
@@ -445,8 +502,16 @@ def _check(status: int, text: str) -> None:
         raise RuntimeError(f"HTTP {status}: {text[:2000]}")
 
 
-def complete(url: str, ids: list[int], max_tokens: int = 16, *, model: str | None = None, stream: bool = False,
-             timeout_s: float = 600.0, **body_extra: Any) -> dict:
+def complete(
+    url: str,
+    ids: list[int],
+    max_tokens: int = 16,
+    *,
+    model: str | None = None,
+    stream: bool = False,
+    timeout_s: float = 600.0,
+    **body_extra: Any,
+) -> dict:
     """``POST url/v1/completions`` with the token-id prompt ``ids``, greedy; returns the result dict (see the
     module doc). ``stream``: SSE, which gives ``ttft_s``. ``body_extra``: more request fields, overriding the
     defaults (``temperature``, ``ignore_eos``, ``kv_transfer_params``, ``cache_salt``, ...). Raises
@@ -468,16 +533,26 @@ def complete(url: str, ids: list[int], max_tokens: int = 16, *, model: str | Non
     return acc.result(time.perf_counter())
 
 
-async def acomplete(session, url: str, ids: list[int], max_tokens: int = 16, *, model: str | None = None,
-                    stream: bool = True, timeout_s: float = 600.0, **body_extra: Any) -> dict:
+async def acomplete(
+    session,
+    url: str,
+    ids: list[int],
+    max_tokens: int = 16,
+    *,
+    model: str | None = None,
+    stream: bool = True,
+    timeout_s: float = 600.0,
+    **body_extra: Any,
+) -> dict:
     """:func:`complete` on an ``aiohttp.ClientSession`` (streaming by default, for ``ttft_s``)."""
     import aiohttp
 
     body = _body(ids, max_tokens, model, stream, body_extra)
     t0 = time.perf_counter()
     acc = _Result(t0)
-    async with session.post(url.rstrip("/") + "/v1/completions", json=body,
-                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+    async with session.post(
+        url.rstrip("/") + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+    ) as r:
         if r.status != 200:
             _check(r.status, await r.text())
         if stream:
@@ -489,8 +564,16 @@ async def acomplete(session, url: str, ids: list[int], max_tokens: int = 16, *, 
     return acc.result(time.perf_counter())
 
 
-async def aabort(session, url: str, ids: list[int], max_tokens: int = 16, *, after_s: float = 0.0,
-                 model: str | None = None, **body_extra: Any) -> bool:
+async def aabort(
+    session,
+    url: str,
+    ids: list[int],
+    max_tokens: int = 16,
+    *,
+    after_s: float = 0.0,
+    model: str | None = None,
+    **body_extra: Any,
+) -> bool:
     """A client that gives up before its first token: send a streaming request, wait for the response
     headers and then up to ``after_s`` more, and close the connection (vLLM aborts the request). Returns
     True if the connection was closed before any generated token arrived, False if a token came first
@@ -499,8 +582,7 @@ async def aabort(session, url: str, ids: list[int], max_tokens: int = 16, *, aft
 
     body = _body(ids, max_tokens, model, True, body_extra)
     acc = _Result(time.perf_counter())
-    r = await session.post(url.rstrip("/") + "/v1/completions", json=body,
-                           timeout=aiohttp.ClientTimeout(total=600.0))
+    r = await session.post(url.rstrip("/") + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=600.0))
     try:
         if r.status != 200:
             _check(r.status, await r.text())
@@ -517,11 +599,12 @@ async def aabort(session, url: str, ids: list[int], max_tokens: int = 16, *, aft
                 break
         return acc.ttft_s is None
     finally:
-        r.close()                      # closes the connection (release() would reuse it)
+        r.close()  # closes the connection (release() would reuse it)
 
 
-def complete_many(url: str, prompts: list[list[int]], max_tokens: int = 16, *, concurrency: int = 4,
-                  stream: bool = True, **kw: Any) -> list[dict]:
+def complete_many(
+    url: str, prompts: list[list[int]], max_tokens: int = 16, *, concurrency: int = 4, stream: bool = True, **kw: Any
+) -> list[dict]:
     """Send ``prompts`` with at most ``concurrency`` in flight (aiohttp, in a new event loop); results in
     prompt order. ``kw`` goes to :func:`acomplete`."""
     import aiohttp
@@ -530,9 +613,11 @@ def complete_many(url: str, prompts: list[list[int]], max_tokens: int = 16, *, c
         sem = asyncio.Semaphore(concurrency)
         conn = aiohttp.TCPConnector(limit=concurrency)
         async with aiohttp.ClientSession(connector=conn) as session:
+
             async def one(ids):
                 async with sem:
                     return await acomplete(session, url, ids, max_tokens, stream=stream, **kw)
+
             return await asyncio.gather(*(one(p) for p in prompts))
 
     return asyncio.run(run())
@@ -572,6 +657,6 @@ def _drop_working_directory() -> None:
         del sys.path[0]
 
 
-if __name__ == "__main__":       # spawned children import this module as __mp_main__: nothing runs there
+if __name__ == "__main__":  # spawned children import this module as __mp_main__: nothing runs there
     _drop_working_directory()
     sys.exit(_vllm_cli(sys.argv[1:]))

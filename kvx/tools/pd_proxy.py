@@ -96,8 +96,9 @@ class PDProxy:
         pre["stream"] = False
         t0 = time.monotonic()
         try:
-            async with self.session.post(url, json=pre,
-                                         timeout=aiohttp.ClientTimeout(total=self.prefill_timeout_s)) as r:
+            async with self.session.post(
+                url, json=pre, timeout=aiohttp.ClientTimeout(total=self.prefill_timeout_s)
+            ) as r:
                 text = await r.text()
                 if r.status != 200:
                     if 400 <= r.status < 500:
@@ -106,8 +107,13 @@ class PDProxy:
                 params = json.loads(text).get("kv_transfer_params")
         except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, json.JSONDecodeError) as e:
             self.counts["prefill_failed"] += 1
-            log.warning("pd-proxy: prefill at %s failed after %.1f s (%s: %s); the decode instance computes the "
-                        "prompt", url, time.monotonic() - t0, type(e).__name__, e)
+            log.warning(
+                "pd-proxy: prefill at %s failed after %.1f s (%s: %s); the decode instance computes the prompt",
+                url,
+                time.monotonic() - t0,
+                type(e).__name__,
+                e,
+            )
             return None
         self.counts["prefill_ok"] += 1
         return params if isinstance(params, dict) else None
@@ -119,8 +125,10 @@ class PDProxy:
         except aiohttp.ClientError as e:
             return web.json_response({"error": {"message": f"decode instance {url}: {e}"}}, status=502)
         async with upstream:
-            resp = web.StreamResponse(status=upstream.status, headers={
-                k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS})
+            resp = web.StreamResponse(
+                status=upstream.status,
+                headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS},
+            )
             await resp.prepare(request)
             try:
                 async for chunk in upstream.content.iter_any():
@@ -139,8 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", action="append", required=True, help="decode (kv_consumer) server URL; repeatable")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--prefill-timeout", type=float, default=60.0,
-                    help="seconds to wait for a prefill before the decode instance computes the prompt itself")
+    ap.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for a prefill before the decode instance computes the prompt itself",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     proxy = PDProxy(args.prefill, args.decode, args.prefill_timeout)

@@ -12,8 +12,8 @@ from kvx.connector.metadata import KVXMetadata
 from kvx.testing import RUNNER_ORDERS
 from tests.helpers import assert_same_bytes
 
-BLOCK = 128                       # vLLM's block size in the simulated engines (sim.py)
-CHUNK = 256                       # kvx's chunk size in most tests
+BLOCK = 128  # vLLM's block size in the simulated engines (sim.py)
+CHUNK = 256  # kvx's chunk size in most tests
 
 
 def tiers(store, cpu="64MiB", disk=True):
@@ -74,7 +74,7 @@ def make_env(tiny_model, runner_order):
     from .sim import Env
 
     envs = []
-    chunks = {}     # shared by the engines of a test: one may check chunks another one stored
+    chunks = {}  # shared by the engines of a test: one may check chunks another one stored
 
     def make(extra, **kw):
         kw.setdefault("order", runner_order)

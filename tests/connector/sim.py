@@ -54,7 +54,7 @@ from tests.helpers import assert_same_bytes, wait_for  # noqa: E402
 BLOCK = 128
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 HEADS, HEAD = 2, 64
-POISON = 1 << 30     # salt of a block computed against a wrong prefix
+POISON = 1 << 30  # salt of a block computed against a wrong prefix
 
 
 def page_pattern(tokens: list[int], layer: int, page_bytes: int, salt: int = 0) -> torch.Tensor:
@@ -64,36 +64,58 @@ def page_pattern(tokens: list[int], layer: int, page_bytes: int, salt: int = 0) 
     seed = zlib.crc32(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes()) ^ (layer * 0x9E3779B1) ^ salt
     g = torch.Generator().manual_seed(seed & 0x7FFFFFFF)
     # finite bf16 values only: stale NaN bytes in a page would be a hazard on the real CPU backend
-    return torch.randint(-100, 100, (page_bytes // 2,), dtype=torch.int16, generator=g).to(torch.bfloat16).view(
-        torch.uint8)
+    return (
+        torch.randint(-100, 100, (page_bytes // 2,), dtype=torch.int16, generator=g)
+        .to(torch.bfloat16)
+        .view(torch.uint8)
+    )
 
 
-def sim_vllm_config(model_dir, extra, *, role="kv_both", policy="recompute", max_batched=4096, hybrid=False,
-                    kv_events=False) -> VllmConfig:
+def sim_vllm_config(
+    model_dir, extra, *, role="kv_both", policy="recompute", max_batched=4096, hybrid=False, kv_events=False
+) -> VllmConfig:
     """The simulated engine's VllmConfig: KVXConnector in ``role``, blocks of BLOCK, CPU device, synchronous
     scheduling; ``hybrid``: vLLM's hybrid KV cache manager on (several KV cache groups)."""
     mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=4096)
-    sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
-                         enable_chunked_prefill=True, is_encoder_decoder=False,
-                         disable_hybrid_kv_cache_manager=not hybrid, async_scheduling=False)
+    sc = SchedulerConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=max_batched,
+        max_model_len=4096,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        disable_hybrid_kv_cache_manager=not hybrid,
+        async_scheduling=False,
+    )
     cc = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     cc.kv_cache_layout = "LBHNC"
-    kvt = KVTransferConfig(kv_connector="KVXConnector", kv_connector_module_path="kvx.connector",
-                           kv_role=role, kv_load_failure_policy=policy, kv_connector_extra_config=extra)
-    return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kvt,
-                      device_config=DeviceConfig("cpu"),
-                      kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-                      if kv_events else None)
+    kvt = KVTransferConfig(
+        kv_connector="KVXConnector",
+        kv_connector_module_path="kvx.connector",
+        kv_role=role,
+        kv_load_failure_policy=policy,
+        kv_connector_extra_config=extra,
+    )
+    return VllmConfig(
+        model_config=mc,
+        scheduler_config=sc,
+        cache_config=cc,
+        kv_transfer_config=kvt,
+        device_config=DeviceConfig("cpu"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
+    )
 
 
 def runner_output(sched: Scheduler, so, **kv_connector_output) -> ModelRunnerOutput:
     """What the model runner returns for step ``so`` of ``sched``: one token sampled for each request whose prompt
     is computed (its ``num_computed_tokens`` already advanced by ``schedule()``), and the connector's output."""
     ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
-    sampled = [[7] if sched.requests[rid].num_computed_tokens >= sched.requests[rid].num_tokens else []
-               for rid in ids]
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                             sampled_token_ids=sampled, kv_connector_output=KVConnectorOutput(**kv_connector_output))
+    sampled = [[7] if sched.requests[rid].num_computed_tokens >= sched.requests[rid].num_tokens else [] for rid in ids]
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=KVConnectorOutput(**kv_connector_output),
+    )
 
 
 class Env:
@@ -103,23 +125,51 @@ class Env:
 
     pattern = staticmethod(page_pattern)
 
-    def __init__(self, model_dir, extra, *, role="kv_both", num_blocks=64, max_batched=4096, policy="recompute",
-                 tp=1, chunks=None, copy_queue=None, virtual_forward=False, kv_events=False, order="save-first"):
+    def __init__(
+        self,
+        model_dir,
+        extra,
+        *,
+        role="kv_both",
+        num_blocks=64,
+        max_batched=4096,
+        policy="recompute",
+        tp=1,
+        chunks=None,
+        copy_queue=None,
+        virtual_forward=False,
+        kv_events=False,
+        order="save-first",
+    ):
         if order not in RUNNER_ORDERS:
             raise ValueError(f"order: expected one of {RUNNER_ORDERS}, got {order!r}")
-        self.order = order        # the runner order of the end-of-step hooks (kvx.testing.end_step)
-        self.vc = sim_vllm_config(model_dir, extra, role=role, policy=policy, max_batched=max_batched,
-                                  kv_events=kv_events)
-        self.kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                 kv_cache_groups=[KVCacheGroupSpec(LAYERS, FullAttentionSpec(
-                                     block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16))],
-                                 kv_cache_layout="LBHNC", hash_block_size=BLOCK)
+        self.order = order  # the runner order of the end-of-step hooks (kvx.testing.end_step)
+        self.vc = sim_vllm_config(
+            model_dir, extra, role=role, policy=policy, max_batched=max_batched, kv_events=kv_events
+        )
+        self.kcc = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    LAYERS,
+                    FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16),
+                )
+            ],
+            kv_cache_layout="LBHNC",
+            hash_block_size=BLOCK,
+        )
         self.vc.cache_config.num_gpu_blocks = num_blocks
-        self.sched = Scheduler(vllm_config=self.vc, kv_cache_config=self.kcc,
-                               structured_output_manager=StructuredOutputManager(self.vc), block_size=BLOCK,
-                               hash_block_size=BLOCK, log_stats=True)
+        self.sched = Scheduler(
+            vllm_config=self.vc,
+            kv_cache_config=self.kcc,
+            structured_output_manager=StructuredOutputManager(self.vc),
+            block_size=BLOCK,
+            hash_block_size=BLOCK,
+            log_stats=True,
+        )
         self.conn: KVXConnector = self.sched.connector
-        self.sched_stats = {}     # the scheduler side's counters, as vLLM takes them each step
+        self.sched_stats = {}  # the scheduler side's counters, as vLLM takes them each step
         take = self.conn.get_kv_connector_stats
 
         def keep_scheduler_stats():
@@ -129,7 +179,7 @@ class Env:
             return st
 
         self.conn.get_kv_connector_stats = keep_scheduler_stats
-        self.kv_events = []       # the connector's KV cache events, as vLLM takes them each step
+        self.kv_events = []  # the connector's KV cache events, as vLLM takes them each step
         take_events = self.conn.take_events
 
         def keep_events():
@@ -138,7 +188,7 @@ class Env:
             return events
 
         self.conn.take_events = keep_events
-        if tp > 1:   # one level below real TP: the scheduler counts tp workers, each stores its own shard
+        if tp > 1:  # one level below real TP: the scheduler counts tp workers, each stores its own shard
             self.conn._scheduler.num_workers = self.conn._scheduler.shards = tp
             self.conn._scheduler.ledger.num_workers = tp
         self.workers: list[KVXConnector] = []
@@ -148,7 +198,7 @@ class Env:
         self.virtual_forward = virtual_forward
         saved_env = os.environ.get("KVX_COPY_QUEUE")
         if copy_queue is not None:
-            os.environ["KVX_COPY_QUEUE"] = copy_queue     # read when the worker registers its caches
+            os.environ["KVX_COPY_QUEUE"] = copy_queue  # read when the worker registers its caches
         for rank in range(tp):
             w = KVXConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
             w._worker.shard, w._worker.shards = rank, tp
@@ -165,24 +215,34 @@ class Env:
             self.rank_caches.append(caches)
         self.worker, self.caches = self.workers[0], self.rank_caches[0]
         self.page_bytes = HEADS * BLOCK * 2 * HEAD * 2
-        self.chunks = chunks if chunks is not None else {}   # key -> (tokens, first block): every chunk planned
+        self.chunks = chunks if chunks is not None else {}  # key -> (tokens, first block): every chunk planned
         self.writes: dict[tuple[int, int], tuple[int, int]] = {}  # (layer, block) -> (tokens, salt) last written
         self._recving: dict[str, int] = {}
-        self.metas = []           # scheduler->worker metadata per step
+        self.metas = []  # scheduler->worker metadata per step
         self.stats = {}
-        self.load_errors = []     # invalid block ids reported per step
-        self.kv_params = {}       # finished request -> the kv_transfer_params returned to its client
+        self.load_errors = []  # invalid block ids reported per step
+        self.kv_params = {}  # finished request -> the kv_transfer_params returned to its client
         self.steps = 0
         self.fail_next_loads = False
 
     # -------------------------------------------------------------- requests
     def request(self, req_id, tokens, max_tokens=2, kv_transfer_params=None, **kw) -> Request:
         init_none_hash(sha256)
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
+        sp = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
+        )
         sp.update_from_generation_config({}, None)
-        r = Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None,
-                    block_hasher=get_request_block_hasher(BLOCK, sha256), **kw)
+        r = Request(
+            request_id=req_id,
+            prompt_token_ids=list(tokens),
+            sampling_params=sp,
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(BLOCK, sha256),
+            **kw,
+        )
         self.sched.add_request(r)
         return r
 
@@ -229,27 +289,33 @@ class Env:
 
             # the drafter's forward writes only its own layers, which this engine does not have: what kvx sees
             # of a speculator is the runner's order of the end-of-step hooks
-            s_, r_, errs, stats, wm = end_step(self.order, results=results, wait_for_save=w.wait_for_save,
-                                               clear=w.clear_connector_metadata)
+            s_, r_, errs, stats, wm = end_step(
+                self.order, results=results, wait_for_save=w.wait_for_save, clear=w.clear_connector_metadata
+            )
             sending |= s_ or set()
             for rid in r_ or ():
                 self._recving[rid] = self._recving.get(rid, 0) + 1
             errors |= errs
             wms.append(wm)
             if stats is not None:
-                for k, v in stats.data.items():   # counters add up; latency samples (lists) concatenate
+                for k, v in stats.data.items():  # counters add up; latency samples (lists) concatenate
                     self.stats[k] = self.stats.get(k, [] if isinstance(v, list) else 0) + v
         self.load_errors.append(errors)
         wm = None
-        for m in wms:              # vLLM's KVOutputAggregator: merge the ranks' metadata
+        for m in wms:  # vLLM's KVOutputAggregator: merge the ranks' metadata
             wm = m if wm is None else (wm.aggregate(m) if m is not None else wm)
         # ... and pass a finished id on once every rank reported it
         finished_recving = {rid for rid, n in self._recving.items() if n >= len(self.workers)}
         for rid in finished_recving:
             del self._recving[rid]
-        out = runner_output(self.sched, so, finished_sending=sending or None,
-                            finished_recving=finished_recving or None, invalid_block_ids=errors,
-                            kv_connector_worker_meta=wm)
+        out = runner_output(
+            self.sched,
+            so,
+            finished_sending=sending or None,
+            finished_recving=finished_recving or None,
+            invalid_block_ids=errors,
+            kv_connector_worker_meta=wm,
+        )
         for outs in self.sched.update_from_output(so, out).values():
             for o in outs.outputs:
                 if o.finish_reason is not None:
@@ -269,8 +335,14 @@ class Env:
         plan = []
         for rid, start in entries:
             req = self.sched.requests[rid]
-            plan.append((list(req.all_token_ids), start, start + so.num_scheduled_tokens[rid],
-                         list(self.sched.kv_cache_manager.get_block_ids(rid)[0])))
+            plan.append(
+                (
+                    list(req.all_token_ids),
+                    start,
+                    start + so.num_scheduled_tokens[rid],
+                    list(self.sched.kv_cache_manager.get_block_ids(rid)[0]),
+                )
+            )
         if self.virtual_forward:
             self.worker._worker.engine.compute(lambda: self._forward_layer(plan, layer), name=f"forward layer {layer}")
         else:
@@ -278,8 +350,15 @@ class Env:
 
     def _new_caches(self) -> list[torch.Tensor]:
         """One rank's zeroed KV caches, as vLLM allocates them for this engine's CPU backend."""
-        caches = make_kv_caches("cpu", num_layers=2, num_blocks=self.kcc.num_blocks, block_size=BLOCK,
-                                num_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+        caches = make_kv_caches(
+            "cpu",
+            num_layers=2,
+            num_blocks=self.kcc.num_blocks,
+            block_size=BLOCK,
+            num_heads=HEADS,
+            head_size=HEAD,
+            dtype=torch.bfloat16,
+        )
         for t in caches:
             t.zero_()
         return caches
@@ -306,7 +385,7 @@ class Env:
         else:
             for w in self.workers:
                 w.restore_kv_caches()
-        self.writes.clear()       # what the forwards wrote is gone with the old contents
+        self.writes.clear()  # what the forwards wrote is gone with the old contents
         return old
 
     def flush(self):
@@ -316,8 +395,11 @@ class Env:
 
     def _forward_layer(self, plan, layer):
         for tokens, start, end, table in plan:
-            clean = all(self.holds_cold_kv(tokens, bi, table[bi], lower)
-                        for lower in range(layer) for bi in range(start // BLOCK))
+            clean = all(
+                self.holds_cold_kv(tokens, bi, table[bi], lower)
+                for lower in range(layer)
+                for bi in range(start // BLOCK)
+            )
             for bi in range(start // BLOCK, -(-end // BLOCK)):
                 n = min((bi + 1) * BLOCK, end)
                 salt = start if (start % BLOCK and bi == start // BLOCK) else 0
@@ -336,8 +418,9 @@ class Env:
         if (layer, block) in self.writes:
             n, salt = self.writes[(layer, block)]
             want.append(page_pattern(tokens[:n], layer, self.page_bytes, salt))
-        return all(any(torch.equal(self.page(layer, block, rank), w) for w in want)
-                   for rank in range(len(self.workers)))
+        return all(
+            any(torch.equal(self.page(layer, block, rank), w) for w in want) for rank in range(len(self.workers))
+        )
 
     def _note_chunks(self, meta):
         """Remember which tokens every planned chunk holds (for :meth:`assert_store_sound`)."""
@@ -348,7 +431,7 @@ class Env:
             t = s.trackers.get(sv.req_id)
             if t is None:
                 continue
-            c = t.keys.index(sv.key) if sv.key in t.keys else len(t.keys)   # else the trailing partial chunk
+            c = t.keys.index(sv.key) if sv.key in t.keys else len(t.keys)  # else the trailing partial chunk
             chunk = s.chunk_size
             self.chunks[sv.key] = (list(t.request.all_token_ids[: c * chunk + sv.tokens]), c * chunk // BLOCK)
 
@@ -356,8 +439,11 @@ class Env:
         """{(layer, i): page} of the cold computation of chunk ``key``'s i-th block."""
         tokens, b0 = self.chunks[key]
         n = len(tokens) // BLOCK - b0
-        return {(layer, i): page_pattern(tokens[: (b0 + i + 1) * BLOCK], layer, self.page_bytes)
-                for layer in range(len(LAYERS)) for i in range(n)}
+        return {
+            (layer, i): page_pattern(tokens[: (b0 + i + 1) * BLOCK], layer, self.page_bytes)
+            for layer in range(len(LAYERS))
+            for i in range(n)
+        }
 
     def assert_store_sound(self) -> int:
         """Every chunk in every tier (CPU slots on each rank, disk files of each rank) is exactly the cold
@@ -374,8 +460,11 @@ class Env:
                 for rank, w in enumerate(self.workers):
                     view = w._worker.slot_view(e.slot, len(want) // len(LAYERS) * BLOCK)
                     for (layer, i), page in want.items():
-                        assert_same_bytes(view[layer, :, i].reshape(-1), page,
-                                          f"CPU tier chunk {key} rank {rank}: block {i} layer {layer}")
+                        assert_same_bytes(
+                            view[layer, :, i].reshape(-1),
+                            page,
+                            f"CPU tier chunk {key} rank {rank}: block {i} layer {layer}",
+                        )
                 checked += 1
         from kvx.connector.keys import rank_key
 
@@ -387,24 +476,28 @@ class Env:
             names = {(rank_key(k, w._worker.shard, tp) if tp > 1 else k): k for k in self.chunks}
             for c in disk.scan():
                 if c.key not in names:
-                    continue   # another rank's shard
+                    continue  # another rank's shard
                 key = names[c.key]
                 want = self.expected_chunk_pages(key)
                 blocks = len(want) // len(LAYERS)
                 data = disk.get(c.key, w._worker.chunk_shape(blocks * BLOCK), w._worker.chunk_dtype)
                 for (layer, i), page in want.items():
-                    assert_same_bytes(data[layer, :, i].reshape(-1), page,
-                                      f"disk chunk {key} rank {w._worker.shard}: block {i} layer {layer}")
+                    assert_same_bytes(
+                        data[layer, :, i].reshape(-1),
+                        page,
+                        f"disk chunk {key} rank {w._worker.shard}: block {i} layer {layer}",
+                    )
                 checked += 1
         return checked
 
     def run(self, timeout_s=60.0, settle_writes=False):
         """Step until vLLM has nothing left (requests, or kvx writes still draining)."""
+
         def finished() -> bool:
             if not self.sched.has_requests():
                 return True
             if self.step(settle_writes).total_num_scheduled_tokens == 0:
-                time.sleep(0.001)   # idle steps while disk writes finish, as the engine loop does
+                time.sleep(0.001)  # idle steps while disk writes finish, as the engine loop does
             return False
 
         wait_for(finished, timeout_s, "the requests to finish", interval=0)

@@ -39,7 +39,7 @@ from .sim import page_pattern, runner_output, sim_vllm_config  # noqa: E402
 
 BLOCK = 128
 HEADS, HEAD = 2, 64
-WINDOW = 200              # tokens: the sliding-window group keeps the blocks of the last 199 tokens
+WINDOW = 200  # tokens: the sliding-window group keeps the blocks of the last 199 tokens
 FULL = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
 SLIDING = ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"]
 GROUPS = [FULL, SLIDING]
@@ -53,25 +53,46 @@ def spec(kind, window=WINDOW):
 class HmaEnv:
     """A real Scheduler (hybrid KV cache manager on) + one worker-role KVXConnector, stepped by hand."""
 
-    def __init__(self, model_dir, extra, *, num_blocks=64, max_batched=4096, policy="recompute", mamba=False,
-                 window=WINDOW, order="save-first"):
+    def __init__(
+        self,
+        model_dir,
+        extra,
+        *,
+        num_blocks=64,
+        max_batched=4096,
+        policy="recompute",
+        mamba=False,
+        window=WINDOW,
+        order="save-first",
+    ):
         if order not in RUNNER_ORDERS:
             raise ValueError(f"order: expected one of {RUNNER_ORDERS}, got {order!r}")
-        self.order = order        # the runner order of the end-of-step hooks (kvx.testing.end_step)
+        self.order = order  # the runner order of the end-of-step hooks (kvx.testing.end_step)
         self.window = window
         self.vc = sim_vllm_config(model_dir, extra, policy=policy, max_batched=max_batched, hybrid=True)
         groups = [KVCacheGroupSpec(FULL, spec("full")), KVCacheGroupSpec(SLIDING, spec("sliding", window))]
         if mamba:
-            groups[1] = KVCacheGroupSpec(SLIDING, MambaSpec(block_size=BLOCK, shapes=((16, 64),),
-                                                            dtypes=(torch.bfloat16,)))
-        self.kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
-                                 kv_cache_layout="LBHNC", hash_block_size=BLOCK)
+            groups[1] = KVCacheGroupSpec(
+                SLIDING, MambaSpec(block_size=BLOCK, shapes=((16, 64),), dtypes=(torch.bfloat16,))
+            )
+        self.kcc = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=groups,
+            kv_cache_layout="LBHNC",
+            hash_block_size=BLOCK,
+        )
         self.vc.cache_config.num_gpu_blocks = num_blocks
-        self.sched = Scheduler(vllm_config=self.vc, kv_cache_config=self.kcc,
-                               structured_output_manager=StructuredOutputManager(self.vc), block_size=BLOCK,
-                               hash_block_size=BLOCK, log_stats=True)
+        self.sched = Scheduler(
+            vllm_config=self.vc,
+            kv_cache_config=self.kcc,
+            structured_output_manager=StructuredOutputManager(self.vc),
+            block_size=BLOCK,
+            hash_block_size=BLOCK,
+            log_stats=True,
+        )
         self.conn = self.sched.connector
-        self.sched_stats = {}     # the scheduler side's counters, as vLLM takes them each step
+        self.sched_stats = {}  # the scheduler side's counters, as vLLM takes them each step
         take = self.conn.get_kv_connector_stats
 
         def keep_scheduler_stats():
@@ -84,8 +105,15 @@ class HmaEnv:
         self.conn.get_kv_connector_stats = keep_scheduler_stats
         self.worker = type(self.conn)(self.vc, KVConnectorRole.WORKER, self.kcc)
         # vLLM's layout of two groups: layer i of every group aliases physical tensor i
-        self.caches = make_kv_caches("cpu", num_layers=2, num_blocks=num_blocks, block_size=BLOCK, num_heads=HEADS,
-                                     head_size=HEAD, dtype=torch.bfloat16)
+        self.caches = make_kv_caches(
+            "cpu",
+            num_layers=2,
+            num_blocks=num_blocks,
+            block_size=BLOCK,
+            num_heads=HEADS,
+            head_size=HEAD,
+            dtype=torch.bfloat16,
+        )
         for t in self.caches:
             t.zero_()
         self.worker.register_kv_caches({name: self.caches[i] for group in GROUPS for i, name in enumerate(group)})
@@ -98,8 +126,13 @@ class HmaEnv:
         init_none_hash(sha256)
         sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         sp.update_from_generation_config({}, None)
-        r = Request(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None,
-                    block_hasher=get_request_block_hasher(BLOCK, sha256))
+        r = Request(
+            request_id=req_id,
+            prompt_token_ids=list(tokens),
+            sampling_params=sp,
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(BLOCK, sha256),
+        )
         self.sched.add_request(r)
         return r
 
@@ -129,13 +162,20 @@ class HmaEnv:
             w._worker.saves.poll(block=True)
             return res, w.build_connector_worker_meta()
 
-        res, wm = end_step(self.order, results=results, wait_for_save=w.wait_for_save,
-                           clear=w.clear_connector_metadata)
+        res, wm = end_step(self.order, results=results, wait_for_save=w.wait_for_save, clear=w.clear_connector_metadata)
         assert res.failed_recving <= res.finished_recving
         self.recving_failed |= res.failed_recving
         self.finished_recving |= res.finished_recving
-        self.sched.update_from_output(so, runner_output(self.sched, so, finished_recving=res.finished_recving or None,
-                                                        failed_recving=res.failed_recving, kv_connector_worker_meta=wm))
+        self.sched.update_from_output(
+            so,
+            runner_output(
+                self.sched,
+                so,
+                finished_recving=res.finished_recving or None,
+                failed_recving=res.failed_recving,
+                kv_connector_worker_meta=wm,
+            ),
+        )
         return so
 
     def _forward(self, so):
@@ -152,8 +192,11 @@ class HmaEnv:
                 for bi in range(lo, start // BLOCK):
                     assert table[bi] != 0, f"request {rid} group {g} block {bi} is null but attention reads it"
                     for layer in range(2):
-                        assert_same_bytes(self.page(layer, table[bi]), self.expected_page(tokens, bi, layer, g),
-                                          f"request {rid} group {g} block {bi} layer {layer}: not the cold KV")
+                        assert_same_bytes(
+                            self.page(layer, table[bi]),
+                            self.expected_page(tokens, bi, layer, g),
+                            f"request {rid} group {g} block {bi} layer {layer}: not the cold KV",
+                        )
                 for bi in range(start // BLOCK, -(-end // BLOCK)):
                     for layer in range(2):
                         self.page(layer, table[bi]).copy_(self.expected_page(tokens, bi, layer, g))

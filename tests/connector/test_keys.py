@@ -19,18 +19,33 @@ namespace_digest, request_root = K.namespace_digest, K.request_root
 CHUNK_SIZES = [1, 4, 7, 16]
 SEEDS = [0, 1, 2]
 HEX32 = re.compile(r"[0-9a-f]{32}")
-NS = namespace_digest(model="meta-llama/Llama-3.1-8B", kv_cache_dtype="auto", dtype="torch.bfloat16",
-                      format="canonical-v1", tp=2, pp=1)
+NS = namespace_digest(
+    model="meta-llama/Llama-3.1-8B", kv_cache_dtype="auto", dtype="torch.bfloat16", format="canonical-v1", tp=2, pp=1
+)
 ROOT = request_root(NS)
 # Keys name files that outlive the process (disk tier): a change of the derivation must be deliberate
 # (bump KEY_VERSION). These were computed once from the implementation and cross-checked below by an
 # independent re-derivation of the documented formula.
-GOLDEN_INPUT = dict(ns_fields=dict(model="m", tp=2), salt="salt", lora="lora-a", tokens=list(range(10)),
-                    chunk_size=4, mm=[("img0", 3, 2)], partial=2, rank=(1, 2))
-GOLDEN = {"ns": "79f01e5e280f5b52b2cfbd0d73e7fa5d", "root": "b86927ad072f6dc8800c78498861bc70",
-          "keys": ["a794df47cc8e2e42850726ede35a9913", "b1d6200b3c25749186beb0cbf1ec1526",
-                   "a9009d2bc54e13193afa6d2f2b33abf2"],
-          "rank": "f6ec9ada0b99b23b3e7c51b80ea66d87"}
+GOLDEN_INPUT = dict(
+    ns_fields=dict(model="m", tp=2),
+    salt="salt",
+    lora="lora-a",
+    tokens=list(range(10)),
+    chunk_size=4,
+    mm=[("img0", 3, 2)],
+    partial=2,
+    rank=(1, 2),
+)
+GOLDEN = {
+    "ns": "79f01e5e280f5b52b2cfbd0d73e7fa5d",
+    "root": "b86927ad072f6dc8800c78498861bc70",
+    "keys": [
+        "a794df47cc8e2e42850726ede35a9913",
+        "b1d6200b3c25749186beb0cbf1ec1526",
+        "a9009d2bc54e13193afa6d2f2b33abf2",
+    ],
+    "rank": "f6ec9ada0b99b23b3e7c51b80ea66d87",
+}
 # what the subprocess prints: the golden input, run through the module loaded from its file
 GOLDEN_SCRIPT = """
 import importlib.util, json, sys
@@ -51,9 +66,9 @@ BAD_CHUNK_KEYS_ARGS = [
     (dict(chunk_size=None), "chunk_size"),
     (dict(num_chunks=-1), "num_chunks"),
     (dict(num_chunks=1.0), "num_chunks"),
-    (dict(partial_tokens=4), "partial_tokens"),     # == chunk_size
-    (dict(partial_tokens=5), "partial_tokens"),     # > chunk_size
-    (dict(partial_tokens=3, num_chunks=None), "partial_tokens"),   # 10 tokens = 2 chunks + 2: only 2 left
+    (dict(partial_tokens=4), "partial_tokens"),  # == chunk_size
+    (dict(partial_tokens=5), "partial_tokens"),  # > chunk_size
+    (dict(partial_tokens=3, num_chunks=None), "partial_tokens"),  # 10 tokens = 2 chunks + 2: only 2 left
     (dict(partial_tokens=-1), "partial_tokens"),
     (dict(partial_tokens=1.5), "partial_tokens"),
     (dict(token_ids=[[1, 2], [3, 4]]), "token_ids"),
@@ -68,10 +83,10 @@ BAD_RANK_ARGS = [
     (dict(rank=0.0, world=2), "rank"),
     (dict(rank=0, world=2.0), "world"),
     (dict(rank=True, world=2), "rank"),
-    (dict(key="0123456789abcdef"), "key"),                       # too short
-    (dict(key="0123456789ABCDEF0123456789ABCDEF"), "key"),       # uppercase
-    (dict(key="0123456789abcdef0123456789abcdeg"), "key"),       # not hex
-    (dict(key="0123456789abcdef0123456789abcdef00"), "key"),     # too long
+    (dict(key="0123456789abcdef"), "key"),  # too short
+    (dict(key="0123456789ABCDEF0123456789ABCDEF"), "key"),  # uppercase
+    (dict(key="0123456789abcdef0123456789abcdeg"), "key"),  # not hex
+    (dict(key="0123456789abcdef0123456789abcdef00"), "key"),  # too long
     (dict(key=None), "key"),
 ]
 
@@ -123,7 +138,7 @@ def test_deterministic_and_independent_of_the_token_container():
     assert chunk_keys(ROOT, tuple(toks), 16) == ref
     assert chunk_keys(ROOT, np.array(toks, dtype=np.int64), 16) == ref
     assert chunk_keys(ROOT, np.array(toks, dtype=np.int32), 16) == ref
-    assert chunk_keys(ROOT, np.array(toks, dtype=">i8"), 16) == ref     # big-endian input, same keys
+    assert chunk_keys(ROOT, np.array(toks, dtype=">i8"), 16) == ref  # big-endian input, same keys
     assert chunk_keys(ROOT, [np.int64(t) for t in toks], 16) == ref
 
 
@@ -131,13 +146,15 @@ def test_golden_keys():
     g = GOLDEN_INPUT
     ns = namespace_digest(**g["ns_fields"])
     root = request_root(ns, g["salt"], g["lora"])
-    keys = chunk_keys(root, g["tokens"], g["chunk_size"], mm_items=[MMItem(*m) for m in g["mm"]],
-                      partial_tokens=g["partial"])
+    keys = chunk_keys(
+        root, g["tokens"], g["chunk_size"], mm_items=[MMItem(*m) for m in g["mm"]], partial_tokens=g["partial"]
+    )
     assert {"ns": ns.hex(), "root": root.hex(), "keys": keys, "rank": rank_key(keys[0], *g["rank"])} == GOLDEN
 
 
 def test_golden_keys_match_the_documented_formula():
     """Re-derive the golden keys from the module docstring's formula with hashlib alone."""
+
     def digest(*parts: bytes) -> bytes:
         h = hashlib.blake2b(digest_size=16)
         for p in parts:
@@ -149,8 +166,7 @@ def test_golden_keys_match_the_documented_formula():
     prev = digest(ns, g["salt"].encode(), g["lora"].encode())
     toks = np.array(g["tokens"], dtype="<i8")
     keys = []
-    for start, end, extras in [(0, 4, digest(b"img0", b"3", b"2")), (4, 8, digest(b"img0", b"-1", b"2")),
-                               (8, 10, b"")]:
+    for start, end, extras in [(0, 4, digest(b"img0", b"3", b"2")), (4, 8, digest(b"img0", b"-1", b"2")), (8, 10, b"")]:
         prev = digest(prev, toks[start:end].tobytes(), extras, str(end - start).encode())
         keys.append(prev.hex())
     assert [ns.hex(), keys] == [GOLDEN["ns"], GOLDEN["keys"]]
@@ -161,8 +177,14 @@ def test_golden_keys_match_the_documented_formula():
 def test_identical_across_processes(hashseed):
     """No Python hash() (salted per process by PYTHONHASHSEED) goes into a key."""
     env = {**os.environ, "PYTHONHASHSEED": hashseed}
-    out = subprocess.run([sys.executable, "-c", GOLDEN_SCRIPT, K.__file__, json.dumps(GOLDEN_INPUT)],
-                         env=env, capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", GOLDEN_SCRIPT, K.__file__, json.dumps(GOLDEN_INPUT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert json.loads(out.stdout) == GOLDEN
 
 
@@ -170,7 +192,7 @@ def test_namespace_digest_ignores_field_order_only():
     a = namespace_digest(model="m", tp=2, dtype="bf16")
     assert namespace_digest(dtype="bf16", tp=2, model="m") == a
     assert namespace_digest(model="m", tp=4, dtype="bf16") != a
-    assert namespace_digest(model="m", tp="2", dtype="bf16") != a      # 2 and "2" are different values
+    assert namespace_digest(model="m", tp="2", dtype="bf16") != a  # 2 and "2" are different values
     assert namespace_digest(model="m", tp=2) != a
     assert len(a) == 16
 
@@ -187,8 +209,8 @@ def test_changing_the_first_token_changes_every_key(chunk_size):
 @pytest.mark.parametrize("pos_in_chunk", ["first", "last"])
 def test_a_key_depends_on_every_earlier_token_only(chunk_size, pos_in_chunk):
     toks = rand_tokens(6 * chunk_size, 4)
-    i = 3 * chunk_size + (0 if pos_in_chunk == "first" else chunk_size - 1)   # a token of chunk 3
-    other = toks[:i] + [toks[i] ^ 1] + toks[i + 1:]
+    i = 3 * chunk_size + (0 if pos_in_chunk == "first" else chunk_size - 1)  # a token of chunk 3
+    other = toks[:i] + [toks[i] ^ 1] + toks[i + 1 :]
     a, b = chunk_keys(ROOT, toks, chunk_size), chunk_keys(ROOT, other, chunk_size)
     assert a[:3] == b[:3]
     assert_all_differ(a[3:], b[3:])
@@ -197,7 +219,7 @@ def test_a_key_depends_on_every_earlier_token_only(chunk_size, pos_in_chunk):
 def test_token_values_are_hashed_as_int64():
     a = chunk_keys(ROOT, [1, 2, 3, 2**40], 4)
     assert chunk_keys(ROOT, [1, 2, 3, 2**40 + 1], 4) != a
-    assert chunk_keys(ROOT, [1, 2, 3, 2**40 - 2**32], 4) != a   # no truncation to 32 bits
+    assert chunk_keys(ROOT, [1, 2, 3, 2**40 - 2**32], 4) != a  # no truncation to 32 bits
     assert chunk_keys(ROOT, [1, 2, 3, -1], 4) != chunk_keys(ROOT, [1, 2, 3, 2**32 - 1], 4)
 
 
@@ -216,19 +238,37 @@ def test_the_chain_can_be_extended_from_its_last_key(split):
     whole = chunk_keys(ROOT, toks, cs, mm_items=mm)
     head = chunk_keys(ROOT, toks[: split * cs], cs, mm_items=mm)
     start = split * cs
-    tail = chunk_keys(bytes.fromhex(head[-1]), toks[start:], cs,
-                      mm_items=[MMItem(m.hash, m.offset - start, m.length) for m in mm])
+    tail = chunk_keys(
+        bytes.fromhex(head[-1]), toks[start:], cs, mm_items=[MMItem(m.hash, m.offset - start, m.length) for m in mm]
+    )
     assert head + tail == whole
-    partial = chunk_keys(bytes.fromhex(whole[split - 1]), toks[start: start + 3], cs, num_chunks=0,
-                         mm_items=[MMItem(m.hash, m.offset - start, m.length) for m in mm], partial_tokens=3)
+    partial = chunk_keys(
+        bytes.fromhex(whole[split - 1]),
+        toks[start : start + 3],
+        cs,
+        num_chunks=0,
+        mm_items=[MMItem(m.hash, m.offset - start, m.length) for m in mm],
+        partial_tokens=3,
+    )
     assert partial == chunk_keys(ROOT, toks, cs, num_chunks=split, mm_items=mm, partial_tokens=3)[-1:]
 
 
 # ------------------------------------------------------------------------------------------ isolation
 ROOT_VARIANTS = [
     ("namespace", dict(namespace=namespace_digest(model="other"))),
-    ("namespace tp", dict(namespace=namespace_digest(model="meta-llama/Llama-3.1-8B", kv_cache_dtype="auto",
-                                                     dtype="torch.bfloat16", format="canonical-v1", tp=4, pp=1))),
+    (
+        "namespace tp",
+        dict(
+            namespace=namespace_digest(
+                model="meta-llama/Llama-3.1-8B",
+                kv_cache_dtype="auto",
+                dtype="torch.bfloat16",
+                format="canonical-v1",
+                tp=4,
+                pp=1,
+            )
+        ),
+    ),
     ("cache_salt", dict(cache_salt="user-42")),
     ("lora", dict(lora="sql-adapter")),
     ("salt+lora", dict(cache_salt="user-42", lora="sql-adapter")),
@@ -241,14 +281,16 @@ def test_isolation_inputs_change_every_key(name, kw):
     root = request_root(kw.get("namespace", NS), kw.get("cache_salt"), kw.get("lora"))
     assert root != ROOT
     assert_all_differ(chunk_keys(ROOT, toks, 16), chunk_keys(root, toks, 16))
-    assert_all_differ(chunk_keys(ROOT, toks, 16, num_chunks=0, partial_tokens=8),
-                      chunk_keys(root, toks, 16, num_chunks=0, partial_tokens=8))
+    assert_all_differ(
+        chunk_keys(ROOT, toks, 16, num_chunks=0, partial_tokens=8),
+        chunk_keys(root, toks, 16, num_chunks=0, partial_tokens=8),
+    )
 
 
 def test_salt_and_lora_are_not_interchangeable():
     assert request_root(NS, cache_salt="x") != request_root(NS, lora="x")
     assert request_root(NS, cache_salt="ab", lora="c") != request_root(NS, cache_salt="a", lora="bc")
-    assert request_root(NS, None, None) == request_root(NS, "", "") == ROOT   # no salt is the empty salt
+    assert request_root(NS, None, None) == request_root(NS, "", "") == ROOT  # no salt is the empty salt
     assert request_root(NS, "user-1") != request_root(NS, "user-2")
 
 
@@ -257,13 +299,13 @@ def test_salt_and_lora_are_not_interchangeable():
 MM_SPANS = [
     ((0, 8), [0]),
     ((3, 2), [0]),
-    ((7, 2), [0, 1]),         # straddles a boundary
-    ((8, 8), [1]),            # exactly chunk 1
+    ((7, 2), [0, 1]),  # straddles a boundary
+    ((8, 8), [1]),  # exactly chunk 1
     ((10, 20), [1, 2, 3]),
-    ((16, 1), [2]),           # first token of chunk 2
-    ((15, 1), [1]),           # last token of chunk 1
-    ((39, 5), [4]),           # runs past the prompt's end
-    ((40, 4), []),            # after the prompt
+    ((16, 1), [2]),  # first token of chunk 2
+    ((15, 1), [1]),  # last token of chunk 1
+    ((39, 5), [4]),  # runs past the prompt's end
+    ((40, 4), []),  # after the prompt
 ]
 
 
@@ -274,32 +316,33 @@ def test_an_image_changes_exactly_the_chunks_it_overlaps(span, overlapped):
     img = MMItem("sha256:img-1", *span)
     plain, with_img = chunk_keys(ROOT, toks, cs), chunk_keys(ROOT, toks, cs, mm_items=[img])
     first = overlapped[0] if overlapped else 5
-    assert with_img[:first] == plain[:first]                    # earlier chunks: untouched
+    assert with_img[:first] == plain[:first]  # earlier chunks: untouched
     if overlapped:
-        assert_all_differ(with_img[first:], plain[first:])      # the first overlapped one, then the chain
+        assert_all_differ(with_img[first:], plain[first:])  # the first overlapped one, then the chain
     # Each chunk's own step, from the same previous key: changed iff the image overlaps that chunk.
     for i in range(5):
         prev = bytes.fromhex(plain[i - 1]) if i else ROOT
-        step = chunk_keys(prev, toks[i * cs:(i + 1) * cs], cs,
-                          mm_items=[MMItem(img.hash, img.offset - i * cs, img.length)])
+        step = chunk_keys(
+            prev, toks[i * cs : (i + 1) * cs], cs, mm_items=[MMItem(img.hash, img.offset - i * cs, img.length)]
+        )
         assert (step[0] != plain[i]) == (i in overlapped), i
 
 
 def test_different_images_at_the_same_placeholders_share_no_chunk_from_there():
     cs = 8
-    toks = [7] * 8 + [32000] * 16 + [9] * 8             # same placeholder ids in both prompts
+    toks = [7] * 8 + [32000] * 16 + [9] * 8  # same placeholder ids in both prompts
     a = chunk_keys(ROOT, toks, cs, mm_items=[MMItem("img-a", 8, 16)])
     b = chunk_keys(ROOT, toks, cs, mm_items=[MMItem("img-b", 8, 16)])
     assert a[0] == b[0]
     assert_all_differ(a[1:], b[1:])
     assert chunk_keys(ROOT, toks, cs, mm_items=[MMItem("img-a", 8, 16)]) == a
-    assert chunk_keys(ROOT, toks, cs, mm_items=[MMItem("img-a", 9, 15)]) != a       # the position matters
+    assert chunk_keys(ROOT, toks, cs, mm_items=[MMItem("img-a", 9, 15)]) != a  # the position matters
 
 
 def test_a_multimodal_hash_cannot_forge_an_item_boundary():
     toks = list(range(32))
     two = chunk_keys(ROOT, toks, 16, mm_items=[MMItem("a", 0, 1), MMItem("b", 0, 1)])
-    one = chunk_keys(ROOT, toks, 16, mm_items=[MMItem("a@0:1|b", 0, 1)])   # spells the two items' old join
+    one = chunk_keys(ROOT, toks, 16, mm_items=[MMItem("a@0:1|b", 0, 1)])  # spells the two items' old join
     assert two[0] != one[0]
 
 
@@ -314,18 +357,18 @@ def test_partial_key_differs_from_every_full_key_and_depends_on_its_length(chunk
             keys = chunk_keys(ROOT, toks, chunk_size, num_chunks=n_full, partial_tokens=p)
             assert keys[:-1] == full[:n_full]
             partials[(n_full, p)] = keys[-1]
-    assert len(set(partials.values())) == len(partials)            # length and position both matter
+    assert len(set(partials.values())) == len(partials)  # length and position both matter
     assert not set(partials.values()) & set(full)
     # deterministic, and a function of its own tokens only (not of what follows)
-    assert chunk_keys(ROOT, toks[:chunk_size + 2], chunk_size, partial_tokens=2)[-1] == partials[(1, 2)]
+    assert chunk_keys(ROOT, toks[: chunk_size + 2], chunk_size, partial_tokens=2)[-1] == partials[(1, 2)]
 
 
 def test_partial_key_depends_on_its_tokens_and_the_chain():
     toks = rand_tokens(12, 10)
     p = chunk_keys(ROOT, toks, 8, partial_tokens=3)[-1]
     assert chunk_keys(ROOT, toks[:10] + [toks[10] ^ 1] + toks[11:], 8, partial_tokens=3)[-1] != p
-    assert chunk_keys(ROOT, toks[:11] + [toks[11] ^ 1], 8, partial_tokens=3)[-1] == p        # not in it
-    assert chunk_keys(ROOT, [toks[0] ^ 1] + toks[1:], 8, partial_tokens=3)[-1] != p          # chain
+    assert chunk_keys(ROOT, toks[:11] + [toks[11] ^ 1], 8, partial_tokens=3)[-1] == p  # not in it
+    assert chunk_keys(ROOT, [toks[0] ^ 1] + toks[1:], 8, partial_tokens=3)[-1] != p  # chain
 
 
 def test_partial_of_zero_tokens_adds_no_key():
@@ -369,7 +412,7 @@ def test_partial_tokens_beyond_the_sequence():
         chunk_keys(ROOT, list(range(10)), 4, partial_tokens=3)
     with pytest.raises(ValueError, match="^partial_tokens: "):
         chunk_keys(ROOT, list(range(10)), 4, num_chunks=0, partial_tokens=4)
-    assert len(chunk_keys(ROOT, list(range(10)), 4, partial_tokens=2)) == 3        # exactly what is left
+    assert len(chunk_keys(ROOT, list(range(10)), 4, partial_tokens=2)) == 3  # exactly what is left
     assert len(chunk_keys(ROOT, list(range(10)), 4, num_chunks=1, partial_tokens=3)) == 2
 
 
@@ -400,14 +443,24 @@ def _engine_keys(kv_cache_dtype, model_dtype, storage, fmt):
 
     from kvx.connector.common import EngineGeometry, format_fingerprint, namespace
 
-    geom = EngineGeometry(block_size=16, num_layers=2, num_kv_heads=2, head_size=64, dtype=getattr(torch, storage),
-                          use_mla=False, opaque=fmt == "pages", isa="vec" if fmt == "pages" else "",
-                          page_bytes=2 * 16 * 2 * 64 * getattr(torch, storage).itemsize)
+    geom = EngineGeometry(
+        block_size=16,
+        num_layers=2,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=getattr(torch, storage),
+        use_mla=False,
+        opaque=fmt == "pages",
+        isa="vec" if fmt == "pages" else "",
+        page_bytes=2 * 16 * 2 * 64 * getattr(torch, storage).itemsize,
+    )
     vc = types.SimpleNamespace(
-        model_config=types.SimpleNamespace(model="meta-llama/Llama-3.1-8B", revision=None, quantization=None,
-                                           dtype=getattr(torch, model_dtype)),
+        model_config=types.SimpleNamespace(
+            model="meta-llama/Llama-3.1-8B", revision=None, quantization=None, dtype=getattr(torch, model_dtype)
+        ),
         cache_config=types.SimpleNamespace(cache_dtype=kv_cache_dtype),
-        parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+    )
     ns = namespace(vc, geom, format_fingerprint(geom, fmt, "LBHNC"))
     return ns, chunk_keys(request_root(ns), rand_tokens(64, 11), 16)
 
@@ -421,7 +474,7 @@ def test_kv_cache_dtype_changes_the_namespace_and_every_key(a, b, fmt):
     ns_b, keys_b = _engine_keys(*b, fmt)
     assert ns_a != ns_b
     assert_all_differ(keys_a, keys_b)
-    assert _engine_keys(*a, fmt) == (ns_a, keys_a)            # and it is deterministic, not random
+    assert _engine_keys(*a, fmt) == (ns_a, keys_a)  # and it is deterministic, not random
 
 
 def test_kv_cache_dtype_namespace_through_vllm():
@@ -437,21 +490,28 @@ def test_kv_cache_dtype_namespace_through_vllm():
     from kvx.connector.common import engine_geometry, format_fingerprint, namespace
 
     def ns_of(kv_cache_dtype, model_dtype):
-        mc = types.SimpleNamespace(model="tiny", revision=None, quantization=None, use_mla=False,
-                                   dtype=getattr(torch, model_dtype))
+        mc = types.SimpleNamespace(
+            model="tiny", revision=None, quantization=None, use_mla=False, dtype=getattr(torch, model_dtype)
+        )
         cc = CacheConfig(block_size=128, cache_dtype=kv_cache_dtype)
-        spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64,
-                                 dtype=kv_cache_dtype_str_to_dtype(cc.cache_dtype, mc))
+        spec = FullAttentionSpec(
+            block_size=128, num_kv_heads=2, head_size=64, dtype=kv_cache_dtype_str_to_dtype(cc.cache_dtype, mc)
+        )
         kcc = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a", "b"], spec)])
         vc = types.SimpleNamespace(model_config=mc, cache_config=cc, parallel_config=ParallelConfig())
         geom = engine_geometry(vc, kcc)
         return str(geom.dtype), namespace(vc, geom, format_fingerprint(geom, "pages"))
 
-    engines = [("auto", "float16"), ("auto", "float32"), ("fp8", "float16"), ("fp8_e4m3", "float16"),
-               ("fp8_e5m2", "float16")]
+    engines = [
+        ("auto", "float16"),
+        ("auto", "float32"),
+        ("fp8", "float16"),
+        ("fp8_e4m3", "float16"),
+        ("fp8_e5m2", "float16"),
+    ]
     got = [ns_of(*e) for e in engines]
     assert [d for d, _ in got] == ["torch.float16", "torch.float32"] + ["torch.uint8"] * 3
-    assert len({ns for _, ns in got}) == len(engines)          # five engines, five namespaces
+    assert len({ns for _, ns in got}) == len(engines)  # five engines, five namespaces
 
 
 def test_cpu_attention_isa_that_cannot_be_determined_is_an_error(monkeypatch):
@@ -467,7 +527,7 @@ def test_cpu_attention_isa_that_cannot_be_determined_is_an_error(monkeypatch):
 
     try:
         isa = _cpu_attention_isa(torch.bfloat16, 128, 64, "auto")
-    except UnsupportedModelError as e:      # a vLLM build without the CPU backend (the CUDA wheel)
+    except UnsupportedModelError as e:  # a vLLM build without the CPU backend (the CUDA wheel)
         assert "_get_attn_isa failed" in str(e)
     else:
         assert isa and isa != "unknown" and isa == _cpu_attention_isa(torch.bfloat16, 128, 64, "auto")
@@ -479,6 +539,6 @@ def test_cpu_attention_isa_that_cannot_be_determined_is_an_error(monkeypatch):
     if cpu_attn is not None:
         monkeypatch.setattr(cpu_attn, "_get_attn_isa", broken)
     else:
-        monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.cpu_attn", None)   # the import fails
+        monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.cpu_attn", None)  # the import fails
     with pytest.raises(UnsupportedModelError, match=r"kv_cache_config: .*CPU attention ISA.*bfloat16.*block size 128"):
         _cpu_attention_isa(torch.bfloat16, 128, 64, "auto")

@@ -17,7 +17,7 @@ from kvx.store import CPUIndex, DiskTier, SlotState
 from kvx.store.stack import TierStack
 
 DISK = "disk"
-K0, K, HOT, COLD = (f"{i:032x}" for i in (0xa0, 0xb1, 0xc2, 0xd3))   # chunk keys
+K0, K, HOT, COLD = (f"{i:032x}" for i in (0xA0, 0xB1, 0xC2, 0xD3))  # chunk keys
 
 
 @pytest.fixture
@@ -45,38 +45,39 @@ def test_a_save_commits_its_slot_and_ends_its_tier_write_when_every_worker_repor
     save = led.plan_save("r", 0, K0, [1, 2], 32, deps=[], skip_tier=None, gather_first=False)
     assert save.slot is not None and list(save.to_tiers) == [DISK] and save.from_slot is None
     assert led.cpu.state(K0) is SlotState.PENDING and led.writes_in_flight() == 2
-    assert led.plan_save("r2", 0, K0, [5, 6], 32, [], None, False) is None    # in flight: not planned twice
-    led.settle(results((save.slot_xfer, OK), (save.to_tiers[DISK], OK)))       # one worker of two
+    assert led.plan_save("r2", 0, K0, [5, 6], 32, [], None, False) is None  # in flight: not planned twice
+    led.settle(results((save.slot_xfer, OK), (save.to_tiers[DISK], OK)))  # one worker of two
     assert led.cpu.state(K0) is SlotState.PENDING and not led.idle()
     done = led.settle(results((save.slot_xfer, OK), (save.to_tiers[DISK], NOOP)))
     assert K0 in led.cpu and led.cpu.pinned() == 0 and led.idle() and not done.rewind
-    assert led.events.take_counts() == {"disk_stored": 1}     # new bytes from one worker, no failure
+    assert led.events.take_counts() == {"disk_stored": 1}  # new bytes from one worker, no failure
 
 
 def test_an_aborted_slot_write_rewinds_the_requests_that_counted_on_it(disk):
     led = ledger(disk, num_workers=2)
     save = led.plan_save("r", 3, K, [1], 16, deps=[7], skip_tier=None, gather_first=True)
-    assert save.to_tiers == {} and save.slot is not None      # with deps and several workers: CPU first
-    other = led.plan_save("other", 1, K, [9], 16, [], None, False)   # counts the CPU copy as saved on that write
-    assert other.slot is None and list(other.to_tiers) == [DISK]       # (no deps: it writes the disk copy itself)
+    assert save.to_tiers == {} and save.slot is not None  # with deps and several workers: CPU first
+    other = led.plan_save("other", 1, K, [9], 16, [], None, False)  # counts the CPU copy as saved on that write
+    assert other.slot is None and list(other.to_tiers) == [DISK]  # (no deps: it writes the disk copy itself)
     led.poison([K])
-    done = led.settle(results((save.slot_xfer, OK), (save.slot_xfer, OK), (other.to_tiers[DISK], OK),
-                              (other.to_tiers[DISK], OK)))
+    done = led.settle(
+        results((save.slot_xfer, OK), (save.slot_xfer, OK), (other.to_tiers[DISK], OK), (other.to_tiers[DISK], OK))
+    )
     assert led.cpu.state(K) is None and done.aborted == 1
     assert sorted(done.rewind) == [("other", 1)] and led.idle()
-    assert led.plan_write_through() == []                      # nothing committed: nothing written through
+    assert led.plan_write_through() == []  # nothing committed: nothing written through
 
 
 def test_a_committed_chunk_planned_through_is_written_through_from_its_held_slot(disk):
     led = ledger(disk, num_workers=2)
     save = led.plan_save("r", 0, K, [1], 16, deps=[7], skip_tier=None, gather_first=True)
     led.settle(results((save.slot_xfer, OK), (save.slot_xfer, OK)))
-    assert K in led.cpu and not led.idle()                  # waiting to be written through
+    assert K in led.cpu and not led.idle()  # waiting to be written through
     (through,) = led.plan_write_through()
     assert through.from_slot == save.slot and list(through.to_tiers) == [DISK] and led.cpu.pinned() == 1
     led.settle(results((through.to_tiers[DISK], FAILED), (through.to_tiers[DISK], OK)))
     assert led.cpu.pinned() == 0 and led.idle()
-    assert led.events.take_counts() == {}                     # a rank failed: the chunk is not announced
+    assert led.events.take_counts() == {}  # a rank failed: the chunk is not announced
 
 
 def test_a_load_pins_its_hits_until_every_worker_finished_it_and_promotes_the_others(disk):
@@ -88,7 +89,7 @@ def test_a_load_pins_its_hits_until_every_worker_finished_it_and_promotes_the_ot
     assert hot_slot == save.slot and none is None and cold_slot is not None and cold_xfer is not None
     assert led.cpu.pinned() == 1
     done = led.settle(results((xfer, OK), (cold_xfer, OK), (cold_xfer, FAILED)))
-    assert done.loads_done == [] and led.cpu.pinned() == 1 and led.cpu.state(COLD) is None   # promotion aborted
+    assert done.loads_done == [] and led.cpu.pinned() == 1 and led.cpu.state(COLD) is None  # promotion aborted
     done = led.settle(results((xfer, OK)))
     assert done.loads_done == ["q"] and led.cpu.pinned() == 0 and led.idle()
     assert [t.kind for t in led.open_transfers()] == []

@@ -30,11 +30,11 @@ def damage(env, keys, how, monkeypatch):
         flip_byte(path)
     elif how == "truncate":
         os.truncate(path, os.path.getsize(path) // 2)
-    elif how == "swap":                      # another chunk's (valid) file under this key's name
+    elif how == "swap":  # another chunk's (valid) file under this key's name
         shutil.copyfile(chunk_file(env, keys[0]), path)
     elif how == "missing":
         os.unlink(path)
-    elif how == "vanish":                    # present at lookup, gone when the worker reads it
+    elif how == "vanish":  # present at lookup, gone when the worker reads it
         return path
     return None
 
@@ -48,7 +48,7 @@ def test_failed_load_never_poisons_chunks_computed_in_the_same_step(make_env, st
     keys = [s.key for s in saves(env)]
     assert len(keys) == 2
     vanish = damage(env, keys, how, monkeypatch)
-    b = a[: 2 * CHUNK] + prompt(3 * CHUNK + 20, seed=41)     # A's two chunks, then three of its own
+    b = a[: 2 * CHUNK] + prompt(3 * CHUNK + 20, seed=41)  # A's two chunks, then three of its own
     env2 = make_env(tiers(store_dir))
     if vanish:
         disk = env2.worker._worker.tiers["disk"]
@@ -58,7 +58,7 @@ def test_failed_load_never_poisons_chunks_computed_in_the_same_step(make_env, st
 
         def get_after_eviction(key, *a, **k):
             if key == keys[1] and not gone:
-                os.unlink(vanish)             # another engine evicted it between lookup and read
+                os.unlink(vanish)  # another engine evicted it between lookup and read
                 gone.append(key)
             return get_into(key, *a, **k)
 
@@ -67,16 +67,16 @@ def test_failed_load_never_poisons_chunks_computed_in_the_same_step(make_env, st
     so = env2.step()
     new = so.scheduled_new_reqs[0]
     table = new.block_ids[0]
-    if how == "missing":                     # a miss at lookup: only chunk 0 is claimed
+    if how == "missing":  # a miss at lookup: only chunk 0 is claimed
         assert new.num_computed_tokens == CHUNK
         assert not env2.load_errors[-1]
-    else:                                    # claimed both chunks, computed B's 3 chunks in the same step
+    else:  # claimed both chunks, computed B's 3 chunks in the same step
         assert new.num_computed_tokens == 2 * CHUNK
         assert so.num_scheduled_tokens["b"] == len(b) - 2 * CHUNK
         assert env2.load_errors[-1] == set(table[2:4])
-        assert env2.stats.get("saves_dropped") == 3          # chunks 2-4 were computed against chunk 1
+        assert env2.stats.get("saves_dropped") == 3  # chunks 2-4 were computed against chunk 1
     env2.run()
-    assert env2.assert_store_sound() == 5 + 5          # B's 5 chunks, in the CPU tier and on disk, all cold KV
+    assert env2.assert_store_sound() == 5 + 5  # B's 5 chunks, in the CPU tier and on disk, all cold KV
     # the recomputed chunks were stored again: a fresh engine gets B's whole prompt from disk, right
     env3 = make_env(tiers(store_dir, cpu=None))
     r3 = env3.request("c", b)
@@ -89,8 +89,7 @@ def test_failed_load_never_poisons_chunks_computed_in_the_same_step(make_env, st
         e.assert_clean()
 
 
-def test_a_request_sharing_the_failed_blocks_in_the_same_step_is_not_stored_either(make_env, store_dir,
-                                                                                      monkeypatch):
+def test_a_request_sharing_the_failed_blocks_in_the_same_step_is_not_stored_either(make_env, store_dir, monkeypatch):
     a = prompt(2 * CHUNK + 10, seed=42)
     env = make_env(tiers(store_dir, cpu=None))
     env.request("a", a)
@@ -106,11 +105,11 @@ def test_a_request_sharing_the_failed_blocks_in_the_same_step_is_not_stored_eith
     computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
     tables = {r.req_id: r.block_ids[0] for r in so.scheduled_new_reqs}
     assert computed == {"b": 2 * CHUNK, "c": 2 * CHUNK}
-    assert tables["b"][:4] == tables["c"][:4]     # c found b's blocks, still loading, in vLLM's prefix cache
+    assert tables["b"][:4] == tables["c"][:4]  # c found b's blocks, still loading, in vLLM's prefix cache
     assert env2.load_errors[-1] == set(tables["b"][2:4])
-    assert env2.stats.get("saves_dropped") == 3   # b's chunk 2, c's chunks 2 and 3: computed against chunk 1
+    assert env2.stats.get("saves_dropped") == 3  # b's chunk 2, c's chunks 2 and 3: computed against chunk 1
     env2.run()
-    assert env2.assert_store_sound() == 5 + 5     # chunks 0, 1 (shared), b's 2, c's 2 and 3: CPU tier and disk
+    assert env2.assert_store_sound() == 5 + 5  # chunks 0, 1 (shared), b's 2, c's 2 and 3: CPU tier and disk
     env3 = make_env(tiers(store_dir, cpu=None))
     for rid, ids, n in (("b2", b, 3), ("c2", c, 4)):
         r = env3.request(rid, ids)
@@ -134,7 +133,7 @@ def test_tensor_parallel_a_failure_on_one_rank_keeps_every_rank_from_storing(mak
     env.request("a", a)
     env.run()
     keys = [s.key for s in saves(env)]
-    assert sum(1 for _ in env.conn._scheduler.tiers["disk"].scan()) == 4        # 2 chunks x 2 ranks
+    assert sum(1 for _ in env.conn._scheduler.tiers["disk"].scan()) == 4  # 2 chunks x 2 ranks
     env2 = make_env(tiers(store_dir), tp=2)
     rank0 = env2.workers[0]._worker.tiers["disk"]
     get = rank0.get_into
@@ -154,10 +153,10 @@ def test_tensor_parallel_a_failure_on_one_rank_keeps_every_rank_from_storing(mak
     table = so.scheduled_new_reqs[0].block_ids[0]
     assert env2.load_errors[-1] == set(table[2:4])
     planned = [s for s in saves(env2) if s.deps]
-    assert planned and not any(s.to_tiers for s in planned)           # with deps: CPU tier first, disk later
+    assert planned and not any(s.to_tiers for s in planned)  # with deps: CPU tier first, disk later
     env2.run()
-    assert env2.stats.get("saves_dropped") == 3                       # rank 0 knew at once; rank 1 could not
-    assert sum(1 for _ in env2.conn._scheduler.tiers["disk"].scan()) == 2 * 5   # every shard of B's 5 chunks on disk
+    assert env2.stats.get("saves_dropped") == 3  # rank 0 knew at once; rank 1 could not
+    assert sum(1 for _ in env2.conn._scheduler.tiers["disk"].scan()) == 2 * 5  # every shard of B's 5 chunks on disk
     # and all sound, every chunk in every tier: B's 5 in the CPU tier (its chunks 2-4 again, although each was
     # planned again while its poisoned slot was still being written on the rank that could not know), 2 x 5 on
     # disk

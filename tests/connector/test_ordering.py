@@ -24,35 +24,35 @@ def test_a_finished_requests_save_is_fenced_before_its_blocks_are_rewritten(make
     env = make_env(tiers(store_dir, cpu="8MiB", disk=True), **TIGHT)
     a = prompt(2 * CHUNK, seed=60)
     b = prompt(2 * CHUNK, seed=61)
-    env.request("a", a, max_tokens=1)          # a prefill-only request: done after one step
+    env.request("a", a, max_tokens=1)  # a prefill-only request: done after one step
     so_a = env.step()
     a_blocks = so_a.scheduled_new_reqs[0].block_ids[0]
     assert [s.req_id for s in saves(env)] == ["a", "a"]
     env.request("b", b, max_tokens=1)
-    so_b = env.step()                           # b gets a's blocks; its forward writes them
+    so_b = env.step()  # b gets a's blocks; its forward writes them
     assert set(so_b.scheduled_new_reqs[0].block_ids[0]) == set(a_blocks)
     assert set(a_blocks) <= set(env.metas[-1].forward_blocks)
     env.run()
-    assert env.assert_store_sound() == 2 * 2 + 2 * 2     # a's and b's 2 chunks: CPU tier and disk
+    assert env.assert_store_sound() == 2 * 2 + 2 * 2  # a's and b's 2 chunks: CPU tier and disk
     env.assert_clean()
 
 
 def test_a_load_waits_for_the_earlier_forward_still_reading_its_blocks(make_env, store_dir):
     env = make_env({**tiers(store_dir, cpu="8MiB", disk=False)}, max_batched=CHUNK, **TIGHT)
     c = prompt(2 * CHUNK, seed=62)
-    env.request("c", c, max_tokens=1)           # stores the chunks b will load
+    env.request("c", c, max_tokens=1)  # stores the chunks b will load
     env.run()
     env.request("a", prompt(2 * CHUNK, seed=63), max_tokens=1)
-    env.step()                                  # a's first chunk
-    env.step()                                  # a's second chunk: its forward reads the first one's blocks
-    r = env.request("b", c, max_tokens=1)       # a full hit: loaded into a's freed blocks, while (on a GPU,
-    so = env.step()                             # and here on the virtual compute stream) a's forward may not
-    assert loads(env)[-1].req_id == "b"         # have run yet
+    env.step()  # a's first chunk
+    env.step()  # a's second chunk: its forward reads the first one's blocks
+    r = env.request("b", c, max_tokens=1)  # a full hit: loaded into a's freed blocks, while (on a GPU,
+    so = env.step()  # and here on the virtual compute stream) a's forward may not
+    assert loads(env)[-1].req_id == "b"  # have run yet
     assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK - 1
     env.run()
     env.flush()
     assert_pages_match(env, r, so.scheduled_new_reqs[0].block_ids[0][:3], 0)
-    assert env.assert_store_sound() == 2 * 2     # c's and a's chunks in the CPU tier: cold KV
+    assert env.assert_store_sound() == 2 * 2  # c's and a's chunks in the CPU tier: cold KV
     env.assert_clean()
 
 

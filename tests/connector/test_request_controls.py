@@ -20,27 +20,40 @@ def test_defaults_and_other_connectors_keys():
     assert parse_request_params({}) == RequestControls()
     # keys of other connectors (P/D connectors' do_remote_prefill, ...) are not kvx's business
     assert parse_request_params({"do_remote_prefill": True, "remote_host": "x"}) == RequestControls()
-    c = parse_request_params({"kvx_skip_load": True, "kvx_skip_save": False, "kvx_namespace": "tenant-7",
-                              "kvx_pd_chunks": 3, "kvx_pd_key": KEY})
+    c = parse_request_params(
+        {
+            "kvx_skip_load": True,
+            "kvx_skip_save": False,
+            "kvx_namespace": "tenant-7",
+            "kvx_pd_chunks": 3,
+            "kvx_pd_key": KEY,
+        }
+    )
     assert c == RequestControls(skip_load=True, skip_save=False, namespace="tenant-7", pd_chunks=3, pd_key=KEY)
     assert c.pd and not RequestControls().pd
 
 
-@pytest.mark.parametrize("params,where,expected", [
-    ({"kvx_skip_load": "yes"}, "kv_transfer_params.kvx_skip_load", "expected true or false, got 'yes'"),
-    ({"kvx_skip_save": 1}, "kv_transfer_params.kvx_skip_save", "expected true or false, got 1"),
-    ({"kvx_namespace": 5}, "kv_transfer_params.kvx_namespace", "expected a non-empty string"),
-    ({"kvx_namespace": ""}, "kv_transfer_params.kvx_namespace", "expected a non-empty string"),
-    ({"kvx_namespace": "x" * 257}, "kv_transfer_params.kvx_namespace", "at most 256"),
-    ({"kvx_pd_chunks": -1, "kvx_pd_key": KEY}, "kv_transfer_params.kvx_pd_chunks", "non-negative integer, got -1"),
-    ({"kvx_pd_chunks": True, "kvx_pd_key": KEY}, "kv_transfer_params.kvx_pd_chunks", "non-negative integer"),
-    ({"kvx_pd_chunks": 2, "kvx_pd_key": "abc"}, "kv_transfer_params.kvx_pd_key", "32 lowercase hex digits"),
-    ({"kvx_pd_chunks": 2}, "kv_transfer_params.kvx_pd_key", "got kvx_pd_chunks alone"),
-    ({"kvx_pd_key": KEY}, "kv_transfer_params.kvx_pd_chunks", "got kvx_pd_key alone"),
-    ({"kvx_skip_saves": True}, "kv_transfer_params.kvx_skip_saves", "unknown kvx key (known: "
-                                                                      + ", ".join(KNOWN_KEYS)),
-    ([1, 2], "kv_transfer_params", "expected a JSON object, got list"),
-])
+@pytest.mark.parametrize(
+    "params,where,expected",
+    [
+        ({"kvx_skip_load": "yes"}, "kv_transfer_params.kvx_skip_load", "expected true or false, got 'yes'"),
+        ({"kvx_skip_save": 1}, "kv_transfer_params.kvx_skip_save", "expected true or false, got 1"),
+        ({"kvx_namespace": 5}, "kv_transfer_params.kvx_namespace", "expected a non-empty string"),
+        ({"kvx_namespace": ""}, "kv_transfer_params.kvx_namespace", "expected a non-empty string"),
+        ({"kvx_namespace": "x" * 257}, "kv_transfer_params.kvx_namespace", "at most 256"),
+        ({"kvx_pd_chunks": -1, "kvx_pd_key": KEY}, "kv_transfer_params.kvx_pd_chunks", "non-negative integer, got -1"),
+        ({"kvx_pd_chunks": True, "kvx_pd_key": KEY}, "kv_transfer_params.kvx_pd_chunks", "non-negative integer"),
+        ({"kvx_pd_chunks": 2, "kvx_pd_key": "abc"}, "kv_transfer_params.kvx_pd_key", "32 lowercase hex digits"),
+        ({"kvx_pd_chunks": 2}, "kv_transfer_params.kvx_pd_key", "got kvx_pd_chunks alone"),
+        ({"kvx_pd_key": KEY}, "kv_transfer_params.kvx_pd_chunks", "got kvx_pd_key alone"),
+        (
+            {"kvx_skip_saves": True},
+            "kv_transfer_params.kvx_skip_saves",
+            "unknown kvx key (known: " + ", ".join(KNOWN_KEYS),
+        ),
+        ([1, 2], "kv_transfer_params", "expected a JSON object, got list"),
+    ],
+)
 def test_bad_params_name_the_key(params, where, expected):
     with pytest.raises(RequestParamsError) as e:
         parse_request_params(params)
@@ -52,9 +65,15 @@ def test_uses_kvx():
 
     assert uses_kvx(NS(kv_connector="KVXConnector", kv_connector_module_path=None, kv_connector_extra_config={}))
     assert uses_kvx(NS(kv_connector="Mine", kv_connector_module_path="kvx.connector", kv_connector_extra_config={}))
-    assert uses_kvx(NS(kv_connector="MultiConnector", kv_connector_module_path=None,
-                       kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector"},
-                                                                 {"kv_connector": "KVXConnector"}]}))
+    assert uses_kvx(
+        NS(
+            kv_connector="MultiConnector",
+            kv_connector_module_path=None,
+            kv_connector_extra_config={
+                "connectors": [{"kv_connector": "NixlConnector"}, {"kv_connector": "KVXConnector"}]
+            },
+        )
+    )
     assert not uses_kvx(NS(kv_connector="NixlConnector", kv_connector_module_path=None, kv_connector_extra_config={}))
     assert not uses_kvx(None)
 
@@ -77,7 +96,7 @@ def test_skip_save_and_skip_load(make_env, store_dir):
     assert env.sched.reset_prefix_cache()
     env.request("c", ids, kv_transfer_params={"kvx_skip_load": True})
     env.run()
-    assert loads(env) == []                     # the chunks are there; the request did not want them
+    assert loads(env) == []  # the chunks are there; the request did not want them
     assert env.sched.reset_prefix_cache()
     env.request("d", ids)
     env.run()
@@ -97,7 +116,7 @@ def test_namespace_isolates_chunks(make_env, store_dir):
         env.request(rid, ids, kv_transfer_params=params)
         env.run()
         assert loads(env) == [], f"request {rid} must not see tenant-a's chunks"
-    assert len({s.key for s in saves(env)}) == 6                # each namespace saved its own copies
+    assert len({s.key for s in saves(env)}) == 6  # each namespace saved its own copies
     assert env.sched.reset_prefix_cache()
     env.request("d", ids, kv_transfer_params={"kvx_namespace": "tenant-a"})
     env.run()
@@ -154,7 +173,7 @@ def test_producer_announces_its_chunks(make_env, store_dir):
     ids = prompt(1000, seed=15)
     params = _produce(make_env, store_dir, ids)
     assert params["kvx_pd_chunks"] == 3 and len(params["kvx_pd_key"]) == 32
-    assert parse_request_params(params).pd_chunks == 3          # a consumer accepts exactly what it returns
+    assert parse_request_params(params).pd_chunks == 3  # a consumer accepts exactly what it returns
 
 
 def _consumer_waits(env, rid, ids, params):
@@ -167,15 +186,15 @@ def test_consumer_waits_for_announced_chunks_then_loads_them(make_env, store_dir
     ids = prompt(1000, seed=16)
     params = _produce(make_env, store_dir, ids)
     hidden = str(tmp_path / "in-flight")
-    shutil.move(store_dir, hidden)               # the producer's writes have not landed yet
+    shutil.move(store_dir, hidden)  # the producer's writes have not landed yet
     os.makedirs(store_dir)
     cons = make_env({**tiers(store_dir, cpu=None), "pd_wait_ms": 60_000}, role="kv_consumer")
     _consumer_waits(cons, "c", ids, params)
-    _consumer_waits(cons, "c2", ids, params)     # a second request of the same prompt waits too
+    _consumer_waits(cons, "c2", ids, params)  # a second request of the same prompt waits too
     shutil.rmtree(store_dir)
-    shutil.move(hidden, store_dir)               # ... now they have
+    shutil.move(hidden, store_dir)  # ... now they have
     cons.run()
-    assert [len(s.chunks) for s in loads(cons)] == [3]    # c2 then finds them in vLLM's own prefix cache
+    assert [len(s.chunks) for s in loads(cons)] == [3]  # c2 then finds them in vLLM's own prefix cache
     st = cons.sched_stats
     assert "pd_timeouts" not in st and st["pd_waits"] == 2
     cons.assert_clean()
@@ -184,14 +203,14 @@ def test_consumer_waits_for_announced_chunks_then_loads_them(make_env, store_dir
 def test_dead_producer_costs_at_most_pd_wait_ms(make_env, store_dir):
     ids = prompt(1000, seed=17)
     params = _produce(make_env, store_dir, ids)
-    shutil.rmtree(store_dir)                     # the producer died before writing anything
+    shutil.rmtree(store_dir)  # the producer died before writing anything
     os.makedirs(store_dir)
     cons = make_env({**tiers(store_dir, cpu=None), "pd_wait_ms": 300}, role="kv_consumer")
     t0 = time.monotonic()
     cons.request("c", ids, kv_transfer_params=params)
     cons.run()
     waited = time.monotonic() - t0
-    assert loads(cons) == []                     # computed from scratch
+    assert loads(cons) == []  # computed from scratch
     assert 0.3 <= waited < 30
     assert cons.sched_stats["pd_timeouts"] == 1
     cons.assert_clean()
@@ -204,7 +223,7 @@ def test_consumer_does_not_wait_for_another_prompts_chunks(make_env, store_dir):
     other = prompt(1000, seed=19)
     cons.request("c", other, kv_transfer_params=params)
     so = cons.step()
-    assert so.total_num_scheduled_tokens > 0      # no wait: the announced key is not this prompt's
+    assert so.total_num_scheduled_tokens > 0  # no wait: the announced key is not this prompt's
     cons.run()
     assert cons.sched_stats["pd_mismatches"] == 1
     cons.assert_clean()
@@ -227,12 +246,12 @@ def test_pd_handoff_through_redis(make_env):
         assert params["kvx_pd_chunks"] == 3
         keys = server.client().keys("kvx:*")
         dump = {k: server.client().dump(k) for k in keys}
-        server.client().delete(*keys)            # not landed yet
+        server.client().delete(*keys)  # not landed yet
         cons = make_env({**redis, "pd_wait_ms": 60_000}, role="kv_consumer")
         cons.request("c", ids, kv_transfer_params=params)
         for _ in range(3):
             assert cons.step().total_num_scheduled_tokens == 0
-        for k, v in dump.items():                # ... now they have
+        for k, v in dump.items():  # ... now they have
             server.client().restore(k, 0, v)
         cons.run()
         assert [len(s.chunks) for s in loads(cons)] == [3]

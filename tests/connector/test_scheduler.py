@@ -19,10 +19,10 @@ def test_cold_request_saves_full_prompt_chunks_only(make_env, store_dir):
     env.request("a", prompt(600))
     env.run()
     sv = saves(env)
-    assert [s.tokens for s in sv] == [CHUNK, CHUNK]              # 600 tokens: 2 full chunks, no partial
+    assert [s.tokens for s in sv] == [CHUNK, CHUNK]  # 600 tokens: 2 full chunks, no partial
     assert all(s.slot is not None and s.to_tiers for s in sv)
     s = env.conn._scheduler
-    assert all(x.key in s.cpu for x in sv)                # committed after the workers reported
+    assert all(x.key in s.cpu for x in sv)  # committed after the workers reported
     assert sum(1 for _ in s.tiers["disk"].scan()) == 2
     env.assert_clean()
 
@@ -32,11 +32,11 @@ def test_second_request_loads_the_prefix_from_the_cpu_tier(make_env, store_dir):
     ids = prompt(700, seed=1)
     env.request("a", ids)
     env.run()
-    assert env.sched.reset_prefix_cache()                        # forget vLLM's own copy
+    assert env.sched.reset_prefix_cache()  # forget vLLM's own copy
     b = env.request("b", ids + [5, 6])
     so = env.step()
     new = so.scheduled_new_reqs[0]
-    assert new.num_computed_tokens == 2 * CHUNK                   # 512 tokens from kvx
+    assert new.num_computed_tokens == 2 * CHUNK  # 512 tokens from kvx
     assert so.has_sync_kv_loads
     spec = loads(env)[-1]
     assert [c.tier for c in spec.chunks] == ["cpu", "cpu"]
@@ -57,7 +57,7 @@ def test_lookup_is_idempotent_and_side_effect_free(make_env, store_dir):
     first = s.get_num_new_matched_tokens(r, 0)
     second = s.get_num_new_matched_tokens(r, 0)
     assert first == second == (2 * CHUNK, False)
-    assert s.cpu.pinned() == 0                                    # nothing pinned until admission
+    assert s.cpu.pinned() == 0  # nothing pinned until admission
     assert s.get_num_new_matched_tokens(r, 2 * BLOCK) == (2 * CHUNK - 2 * BLOCK, False)
     env.run()
     env.assert_clean()
@@ -71,18 +71,19 @@ def test_full_prompt_hit_leaves_only_the_last_token_to_compute(make_env, store_d
     env.sched.reset_prefix_cache()
     build = env.worker._worker.loads.scatter_batch
 
-    def slow(chunks):           # slow loads: a load that is not fenced before the forward lands after its write
+    def slow(chunks):  # slow loads: a load that is not fenced before the forward lands after its write
         batch = build(chunks)
         run = batch.run
         batch.run = lambda *a: (time.sleep(0.05), run(*a))
         return batch
+
     monkeypatch.setattr(env.worker._worker.loads, "scatter_batch", slow)
     r = env.request("b", ids)
     so = env.step()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK - 1
     assert so.num_scheduled_tokens["b"] == 1
     spec = loads(env)[-1]
-    assert [c.before_forward for c in spec.chunks] == [False, True]   # the last block gets the last token
+    assert [c.before_forward for c in spec.chunks] == [False, True]  # the last block gets the last token
     table = so.scheduled_new_reqs[0].block_ids[0]
     assert_pages_match(env, r, table[:3], 0)
     # the forward's write of the last token (salted: not bit-identical to the cold run's) survived the load
@@ -98,7 +99,7 @@ def test_chunked_prefill_saves_each_chunk_when_it_is_complete(make_env, store_di
     for _ in range(3):
         env.step()
     per_step = [[s.tokens for s in m.saves] for m in env.metas]
-    assert per_step == [[CHUNK], [CHUNK], []]                     # chunk 0 after step 1, chunk 1 after step 2
+    assert per_step == [[CHUNK], [CHUNK], []]  # chunk 0 after step 1, chunk 1 after step 2
     env.run()
     env.assert_clean()
 
@@ -119,11 +120,11 @@ def test_partial_chunks_saved_when_enabled(make_env, store_dir):
 
 def test_skip_last_n_tokens_and_decode_saves(make_env, store_dir):
     env = make_env({**tiers(store_dir), "skip_last_n_tokens": 100})
-    env.request("a", prompt(600, seed=6))                         # 600 - 100 = 500 -> one chunk
+    env.request("a", prompt(600, seed=6))  # 600 - 100 = 500 -> one chunk
     env.run()
     assert [s.tokens for s in saves(env)] == [CHUNK]
     env2 = make_env({**tiers(store_dir + "-2"), "save_decode": True})
-    env2.request("d", prompt(500, seed=7), max_tokens=20)          # 500 prompt + 20 decode -> 2 chunks
+    env2.request("d", prompt(500, seed=7), max_tokens=20)  # 500 prompt + 20 decode -> 2 chunks
     env2.run()
     assert [s.tokens for s in saves(env2)] == [CHUNK, CHUNK]
     env.assert_clean()
@@ -135,13 +136,13 @@ def test_disk_tier_serves_a_fresh_scheduler(make_env, store_dir):
     env = make_env(tiers(store_dir, cpu=None))
     env.request("a", ids)
     env.run()
-    env2 = make_env(tiers(store_dir))                            # another engine on the same path
+    env2 = make_env(tiers(store_dir))  # another engine on the same path
     r = env2.request("b", ids)
     so = env2.step()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK
     spec = loads(env2)[-1]
     assert [c.tier for c in spec.chunks] == ["disk", "disk"]
-    assert all(c.slot is not None for c in spec.chunks)          # promoted into the CPU tier
+    assert all(c.slot is not None for c in spec.chunks)  # promoted into the CPU tier
     assert_pages_match(env2, r, so.scheduled_new_reqs[0].block_ids[0][:4], 0)
     env2.run()
     assert all(c.key in env2.conn._scheduler.cpu for c in spec.chunks)
@@ -164,21 +165,21 @@ def test_corrupt_chunk_is_reported_and_recomputed(make_env, store_dir):
     assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK
     bad = env2.load_errors[-1]
     table = so.scheduled_new_reqs[0].block_ids[0]
-    assert bad == set(table[2:4])                                 # the corrupt chunk's blocks, reported
-    so2 = env2.step()                                             # vLLM rescheduled from the last good block
+    assert bad == set(table[2:4])  # the corrupt chunk's blocks, reported
+    so2 = env2.step()  # vLLM rescheduled from the last good block
     assert so2.scheduled_cached_reqs.num_computed_tokens[0] == CHUNK
     env2.run()
     assert env2.stats.get("load_errors") == 1
-    assert env2.assert_store_sound() == 2                         # the recomputed chunk was written again
+    assert env2.assert_store_sound() == 2  # the recomputed chunk was written again
     env2.assert_clean()
 
 
 def test_preempted_request_resumes_from_the_store(make_env, store_dir):
     env = make_env(tiers(store_dir))
     r = env.request("a", prompt(600, seed=10), max_tokens=6)
-    env.step(settle_writes=True)                                  # prefill: 2 chunks saved (and reported)
+    env.step(settle_writes=True)  # prefill: 2 chunks saved (and reported)
     env.step(settle_writes=True)
-    assert env.sched.reset_prefix_cache(reset_running_requests=True)   # preempt everything
+    assert env.sched.reset_prefix_cache(reset_running_requests=True)  # preempt everything
     so = env.step()
     assert "a" in (so.preempted_req_ids or set()) or r.num_preemptions == 1
     env.run()
@@ -199,8 +200,7 @@ def test_abort_mid_prefill_leaves_nothing_behind(make_env, store_dir):
     env.assert_clean()
 
 
-@pytest.mark.parametrize("role,expect_saves,expect_loads", [("kv_producer", True, False),
-                                                             ("kv_consumer", False, True)])
+@pytest.mark.parametrize("role,expect_saves,expect_loads", [("kv_producer", True, False), ("kv_consumer", False, True)])
 def test_roles(make_env, store_dir, role, expect_saves, expect_loads):
     ids = prompt(600, seed=12)
     seed_env = make_env(tiers(store_dir, cpu=None))
@@ -223,7 +223,7 @@ def test_async_loads(make_env, store_dir):
     env.run()
     env.sched.reset_prefix_cache()
     r = env.request("b", ids)
-    so = env.step()                                               # the load runs; nothing scheduled for b
+    so = env.step()  # the load runs; nothing scheduled for b
     assert "b" not in so.num_scheduled_tokens
     env.run()
     assert loads(env)[-1].is_async
@@ -232,8 +232,8 @@ def test_async_loads(make_env, store_dir):
 
 
 def test_cpu_tier_eviction_under_pressure(make_env, store_dir):
-    chunk_bytes = 2 * 2 * 64 * 1024              # 2 layers x 2 blocks x 64 KiB pages
-    env = make_env(tiers(store_dir, cpu=str(2 * chunk_bytes), disk=False))   # exactly 2 chunk slots
+    chunk_bytes = 2 * 2 * 64 * 1024  # 2 layers x 2 blocks x 64 KiB pages
+    env = make_env(tiers(store_dir, cpu=str(2 * chunk_bytes), disk=False))  # exactly 2 chunk slots
     s = env.conn._scheduler
     assert s.cpu.num_slots == 2
     for i in range(3):
@@ -241,7 +241,7 @@ def test_cpu_tier_eviction_under_pressure(make_env, store_dir):
         env.run()
     assert s.cpu.stats["evicted"] >= 2
     env.sched.reset_prefix_cache()
-    r = env.request("again", prompt(600, seed=22))                # the newest prompt is still there
+    r = env.request("again", prompt(600, seed=22))  # the newest prompt is still there
     so = env.step()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK
     assert_pages_match(env, r, so.scheduled_new_reqs[0].block_ids[0][:4], 0)
@@ -264,14 +264,14 @@ def test_mixed_tier_hit_pins_cpu_chunks_before_promoting_disk_ones(make_env, sto
     env = make_env(tiers(store_dir, cpu=str(2 * chunk_bytes)), max_batched=CHUNK)  # 2 CPU slots; 1 chunk/step
     ids = prompt(4 * CHUNK + 10, seed=30)
     env.request("a", ids)
-    env.run(settle_writes=True)               # 4 chunks on disk; only the newest 2 still in the CPU tier
+    env.run(settle_writes=True)  # 4 chunks on disk; only the newest 2 still in the CPU tier
     env.sched.reset_prefix_cache()
     r = env.request("b", ids)
     so = env.step()
     spec = loads(env)[-1]
     tiers_ = [c.tier for c in spec.chunks]
-    assert tiers_[0] == "disk" and "cpu" in tiers_[1:]       # a promotion comes before a CPU hit
-    assert all(c.slot is None for c in spec.chunks if c.tier == "disk")   # no free slot: nothing evicted
+    assert tiers_[0] == "disk" and "cpu" in tiers_[1:]  # a promotion comes before a CPU hit
+    assert all(c.slot is None for c in spec.chunks if c.tier == "disk")  # no free slot: nothing evicted
     assert_pages_match(env, r, so.scheduled_new_reqs[0].block_ids[0][:8], 0)
     env.run()
     env.assert_clean()
@@ -301,7 +301,7 @@ def test_disk_reads_keep_normal_priority_writes_run_idle(make_env, store_dir, mo
     assert policy["get_into"] and os.SCHED_IDLE not in policy["get_into"]
     probe = []
 
-    def try_idle():                       # is SCHED_IDLE permitted here? (asked on a throwaway thread)
+    def try_idle():  # is SCHED_IDLE permitted here? (asked on a throwaway thread)
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
             probe.append(True)

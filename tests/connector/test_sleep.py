@@ -24,20 +24,20 @@ def test_chunks_saved_before_a_sleep_load_bit_exact_after_it(make_env, store_dir
     env = make_env(tiers(store_dir), tp=tp)
     ids = prompt(2 * CHUNK + 40, seed=60)
     env.request("a", ids)
-    while "a" in env.sched.requests:      # A runs to its end; its saves may still be in flight (deferred queue)
+    while "a" in env.sched.requests:  # A runs to its end; its saves may still be in flight (deferred queue)
         env.step()
-    old = env.sleep_and_wake(move)        # the old caches are overwritten once unregistered: a late gather shows
+    old = env.sleep_and_wake(move)  # the old caches are overwritten once unregistered: a late gather shows
     for w, caches in zip(env.workers, env.rank_caches):
         lay = w._worker.layout
         assert [t.data_ptr() for t in lay.layers] == [t.data_ptr() for t in caches]
         if move:
             assert not {t.data_ptr() for t in caches} & {t.data_ptr() for t in old[env.workers.index(w)]}
     env.run()
-    assert env.assert_store_sound() == 2 + 2 * tp      # the saves queued before the sleep landed whole
+    assert env.assert_store_sound() == 2 + 2 * tp  # the saves queued before the sleep landed whole
     b = env.request("b", ids + [1, 2, 3])
     so = env.step()
     new = so.scheduled_new_reqs[0]
-    assert new.num_computed_tokens == 2 * CHUNK          # both chunks from kvx's CPU tier, into the caches now
+    assert new.num_computed_tokens == 2 * CHUNK  # both chunks from kvx's CPU tier, into the caches now
     assert [c.tier for c in loads(env)[-1].chunks] == ["cpu", "cpu"]
     env.flush()
     for rank in range(tp):
@@ -46,7 +46,7 @@ def test_chunks_saved_before_a_sleep_load_bit_exact_after_it(make_env, store_dir
                 assert bytes(env.page(layer, blk, rank)) == bytes(env.expected_page(b, i, layer))
     assert_pages_match(env, b, new.block_ids[0][:4], 0)
     env.run()
-    if move:                    # kvx wrote nothing into the KV tensors of before the sleep
+    if move:  # kvx wrote nothing into the KV tensors of before the sleep
         for caches in old:
             assert all(bool((t.view(torch.uint8) == 0xFF).all()) for t in caches)
     env.assert_clean()
@@ -68,11 +68,18 @@ def test_restored_caches_of_another_geometry_are_refused(make_env, store_dir):
     env = make_env(tiers(store_dir))
     w = env.worker
     w.unregister_kv_caches()
-    w.unregister_kv_caches()                                           # idempotent
-    wrong = make_kv_caches("cpu", num_layers=2, num_blocks=env.kcc.num_blocks, block_size=BLOCK, num_heads=1,
-                           head_size=HEAD, dtype=torch.bfloat16)
+    w.unregister_kv_caches()  # idempotent
+    wrong = make_kv_caches(
+        "cpu",
+        num_layers=2,
+        num_blocks=env.kcc.num_blocks,
+        block_size=BLOCK,
+        num_heads=1,
+        head_size=HEAD,
+        dtype=torch.bfloat16,
+    )
     with pytest.raises(ValueError, match=r"kv_caches: expected blocks of 128 tokens x 2 heads"):
         w.restore_kv_caches(dict(zip(LAYERS, wrong)))
     w.restore_kv_caches()
-    w.restore_kv_caches()                                              # idempotent
+    w.restore_kv_caches()  # idempotent
     assert [t.data_ptr() for t in w._worker.layout.layers] == [t.data_ptr() for t in env.caches]

@@ -33,7 +33,7 @@ def test_a_tier_loaded_by_import_path_saves_and_serves(make_env, store_dir):
     env.request("a", ids)
     env.run()
     assert [list(s.to_tiers) for s in saves(env)] == [["slow-lookup-disk"]] * 2
-    assert tier_class("slow-lookup-disk") is tier_class(PLUGIN)       # registered under its type once loaded
+    assert tier_class("slow-lookup-disk") is tier_class(PLUGIN)  # registered under its type once loaded
     env2 = make_env(slow_tiers(store_dir, pending=0))
     req = env2.request("b", ids)
     _, so = steps_until_scheduled(env2, "b")
@@ -41,7 +41,7 @@ def test_a_tier_loaded_by_import_path_saves_and_serves(make_env, store_dir):
     assert new.num_computed_tokens == 2 * CHUNK
     env2.run()
     assert_pages_match(env2, req, new.block_ids[0][:4], 0)
-    assert env2.stats.get("slow-lookup-disk_reads") == 2                # read through the plugin
+    assert env2.stats.get("slow-lookup-disk_reads") == 2  # read through the plugin
 
 
 @pytest.mark.parametrize("pending", [1, 3])
@@ -51,10 +51,10 @@ def test_a_lookup_not_known_yet_holds_the_request_back_then_hits(make_env, store
     env.request("a", ids)
     env.run()
     env2 = make_env(slow_tiers(store_dir, pending=pending))
-    other = env2.request("other", prompt(100, seed=72))           # not held back by b's lookup
+    other = env2.request("other", prompt(100, seed=72))  # not held back by b's lookup
     req = env2.request("b", ids)
     n, so = steps_until_scheduled(env2, "b")
-    assert n == pending + 1                                        # skipped while the tier was looking
+    assert n == pending + 1  # skipped while the tier was looking
     assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK
     env2.run()
     assert_pages_match(env2, req, so.scheduled_new_reqs[0].block_ids[0][:4], 0)
@@ -72,7 +72,7 @@ def test_chunks_loaded_from_a_remote_tier_are_not_written_back_to_it(make_env, s
     loaded = [s.key for s in saves(env)]
     assert len(loaded) == 2
     env2 = make_env(slow_tiers(store_dir, pending=0, cpu=cpu))
-    req = env2.request("b", a[: 2 * CHUNK] + prompt(CHUNK + 10, seed=74))   # a's 2 chunks, then one of its own
+    req = env2.request("b", a[: 2 * CHUNK] + prompt(CHUNK + 10, seed=74))  # a's 2 chunks, then one of its own
     _, so = steps_until_scheduled(env2, "b")
     assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK
     env2.run()
@@ -80,7 +80,7 @@ def test_chunks_loaded_from_a_remote_tier_are_not_written_back_to_it(make_env, s
     planned = [(s.key, list(s.to_tiers)) for s in saves(env2)]
     assert len(planned) == 1 and planned[0][0] not in loaded and planned[0][1] == ["slow-lookup-disk"], planned
     assert_pages_match(env2, req, so.scheduled_new_reqs[0].block_ids[0][:4], 0)
-    env3 = make_env(slow_tiers(store_dir, pending=0))                        # and b's 3 chunks are all served
+    env3 = make_env(slow_tiers(store_dir, pending=0))  # and b's 3 chunks are all served
     env3.request("c", a[: 2 * CHUNK] + prompt(CHUNK + 10, seed=74))
     _, so3 = steps_until_scheduled(env3, "c")
     assert so3.scheduled_new_reqs[0].num_computed_tokens == 3 * CHUNK
@@ -103,7 +103,7 @@ def test_a_chunk_whose_load_from_a_remote_tier_failed_is_stored_again(make_env, 
     env2.request("b", a)
     env2.run()
     assert env2.stats.get("load_errors") == 1
-    assert [s.key for s in saves(env2)] == [keys[1]]          # chunk 0 loaded fine: not written back
+    assert [s.key for s in saves(env2)] == [keys[1]]  # chunk 0 loaded fine: not written back
     env3 = make_env(slow_tiers(store_dir, pending=0))
     r3 = env3.request("c", a)
     _, so3 = steps_until_scheduled(env3, "c")
@@ -121,5 +121,7 @@ def test_a_third_party_config_is_strict_too():
 
     with pytest.raises(ConfigError) as e:
         KVXConfig.from_extra_config({"tiers": [{"type": PLUGIN, "path": "/kv", "pending": True}]})
-    assert "tiers.0.tests.connector.plugin_tier:SlowLookupDiskTier.pending: expected an integer, got True " \
-           "(given: True)" in str(e.value)
+    assert (
+        "tiers.0.tests.connector.plugin_tier:SlowLookupDiskTier.pending: expected an integer, got True "
+        "(given: True)" in str(e.value)
+    )

@@ -38,7 +38,7 @@ def model(tmp_path_factory):
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
-    cfg["layer_types"] = ["sliding_attention", "full_attention"] * 2   # vLLM's Llama reads these
+    cfg["layer_types"] = ["sliding_attention", "full_attention"] * 2  # vLLM's Llama reads these
     cfg["sliding_window"] = 200
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2)
@@ -62,7 +62,7 @@ def test_sliding_window_model_cold_warm_and_fresh_engine(model, reference, tmp_p
     llm = H.build_llm(model, H.kvx_transfer_config(extra), kv_cache_bytes=KV_BYTES, dtype="float32")
     try:
         groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
-        assert len(groups) == 2          # vLLM kept its hybrid manager for kvx (SupportsHMA)
+        assert len(groups) == 2  # vLLM kept its hybrid manager for kvx (SupportsHMA)
         cold = H.generate(llm, IDS, MAX_TOKENS)
         assert cold.num_cached_tokens == 0
         assert cold.tokens == reference
@@ -90,11 +90,25 @@ def qwen3_next(tmp_path_factory):
 
     out = str(tmp_path_factory.mktemp("m") / "tiny-qwen3-next")
     torch.manual_seed(0)
-    cfg = T.Qwen3NextConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_value_heads=4,
-                            linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4,
-                            num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
-                            full_attention_interval=2, max_position_embeddings=8192)
+    cfg = T.Qwen3NextConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        full_attention_interval=2,
+        max_position_embeddings=8192,
+    )
     cfg.architectures = ["Qwen3NextForCausalLM"]
     return H._save_random(T.Qwen3NextForCausalLM(cfg), out, {"arch": "qwen3_next"}, "bfloat16", 0.05)
 
@@ -117,7 +131,7 @@ def test_hybrid_gdn_model_is_served_by_vllm_alone(qwen3_next, tmp_path):
         assert cold.tokens == ref
         llm.reset_prefix_cache()
         warm = H.generate(llm, IDS, MAX_TOKENS)
-        assert warm.num_cached_tokens == 0          # kvx serves nothing, and vLLM forgot
+        assert warm.num_cached_tokens == 0  # kvx serves nothing, and vLLM forgot
         assert warm.tokens == ref
     finally:
         H.shutdown(llm)

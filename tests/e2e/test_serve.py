@@ -42,8 +42,8 @@ CONCURRENCY = 6
 # room for 2-3 of the prompts below (the minimum for max-model-len 2048)
 VLLM_KV_BYTES = 8 << 20
 VLLM_KV_TOKENS = VLLM_KV_BYTES // 2048
-CHUNK_BYTES = 2 * 2 * 64 * 2 * 4 * CHUNK          # 512 KiB
-CPU_TIER = 8 * CHUNK_BYTES                        # 8 chunks, fewer than the traffic writes: the disk holds the rest
+CHUNK_BYTES = 2 * 2 * 64 * 2 * 4 * CHUNK  # 512 KiB
+CPU_TIER = 8 * CHUNK_BYTES  # 8 chunks, fewer than the traffic writes: the disk holds the rest
 
 SYSTEM = H.prompt_ids(2 * CHUNK, seed=500)
 
@@ -63,7 +63,7 @@ def _workload():
 
 PROMPTS, PLAN = _workload()
 ABORTS = 4
-ABORT_MAX_TOKENS = 256     # a try that sees a token first is still decoding (seconds) when its client hangs up
+ABORT_MAX_TOKENS = 256  # a try that sees a token first is still decoding (seconds) when its client hangs up
 
 
 def aborted_prompt(k: int, attempt: int) -> list[int]:
@@ -99,14 +99,16 @@ async def _traffic(url: str, model: str):
 
     sem = asyncio.Semaphore(CONCURRENCY)
     results: dict[int, dict] = {}
-    attempts: list[int] = []                     # per hang-up: the connections it took to hang up before a token
+    attempts: list[int] = []  # per hang-up: the connections it took to hang up before a token
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
         async def one(kind, i):
             async with sem:
                 if kind == "done":
                     results.setdefault(i, []).append(
-                        await S.acomplete(session, url, PROMPTS[i], MAX_TOKENS, model=model))
+                        await S.acomplete(session, url, PROMPTS[i], MAX_TOKENS, model=model)
+                    )
                 else:
                     # hang up 0-60 ms after the response headers: lookup, load or prefill. An aborted prompt's
                     # prefill is 3 steps of 512 tokens among 5 other requests, but its first token can still
@@ -114,8 +116,9 @@ async def _traffic(url: str, model: str):
                     # then that try is an abort during decode, and the client tries again with a new prompt
                     # and half the wait, down to hanging up at the headers, until it hangs up before a token
                     wait, attempt = 0.02 * i, 0
-                    while not await S.aabort(session, url, aborted_prompt(i, attempt), ABORT_MAX_TOKENS,
-                                             model=model, after_s=wait):
+                    while not await S.aabort(
+                        session, url, aborted_prompt(i, attempt), ABORT_MAX_TOKENS, model=model, after_s=wait
+                    ):
                         attempt += 1
                         wait = wait / 2 if wait > 0.005 else 0.0
                     attempts.append(attempt + 1)
@@ -131,9 +134,11 @@ def _log_problems(log: str) -> list[str]:
     problems = [ln for ln in lines if re.search(r"\b(ERROR|CRITICAL)\b", ln)]
     for i, ln in enumerate(lines):
         if "Traceback (most recent call last)" in ln:
-            block = "\n".join(lines[i:i + 40])
-            if not ("Chat template warmup failed" in "\n".join(lines[max(0, i - 2):i + 1])
-                    and "skip_tokenizer_init" in block):
+            block = "\n".join(lines[i : i + 40])
+            if not (
+                "Chat template warmup failed" in "\n".join(lines[max(0, i - 2) : i + 1])
+                and "skip_tokenizer_init" in block
+            ):
                 problems.append(block)
     return problems
 
@@ -141,23 +146,36 @@ def _log_problems(log: str) -> list[str]:
 def test_serve_under_load_with_aborts(model, tmp_path):
     store = tmp_path / "store"
     extra = {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": CPU_TIER}, {"type": "disk", "path": str(store)}]}
-    args = ["--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--seed", "0",
-            "--max-model-len", "2048", "--kv-cache-memory-bytes", str(VLLM_KV_BYTES),
-            "--max-num-batched-tokens", "512", "--enable-prompt-tokens-details", "--enable-log-requests",
-            *S.kv_transfer_args(S.kvx_config(extra))]
+    args = [
+        "--dtype",
+        "float32",
+        "--skip-tokenizer-init",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory-bytes",
+        str(VLLM_KV_BYTES),
+        "--max-num-batched-tokens",
+        "512",
+        "--enable-prompt-tokens-details",
+        "--enable-log-requests",
+        *S.kv_transfer_args(S.kvx_config(extra)),
+    ]
     srv = S.VllmServer(model, args, log_path=tmp_path / "serve.log", wait=False)
     try:
-        reference = reference_tokens(model)      # while the server imports vLLM (mostly one core)
+        reference = reference_tokens(model)  # while the server imports vLLM (mostly one core)
         srv.wait_healthy()
 
         results, attempts = asyncio.run(_traffic(srv.url, srv.model))
         assert len(attempts) == ABORTS, attempts
-        wrong = [(i, r["tokens"], reference[i]) for i, rs in results.items() for r in rs
-                 if r["tokens"] != reference[i]]
+        wrong = [(i, r["tokens"], reference[i]) for i, rs in results.items() for r in rs if r["tokens"] != reference[i]]
         assert not wrong, f"{len(wrong)} completions differ from the engine without a connector: {wrong[:3]}"
         assert sum(len(rs) for rs in results.values()) == 20
-        assert all(r["finish_reason"] == "length" and len(r["tokens"]) == MAX_TOKENS
-                   for rs in results.values() for r in rs)
+        assert all(
+            r["finish_reason"] == "length" and len(r["tokens"]) == MAX_TOKENS for rs in results.values() for r in rs
+        )
         busy = srv.metrics()
 
         # the 8 prompts again, one at a time: vLLM's cache (48 blocks) cannot hold them; kvx has every chunk

@@ -26,7 +26,7 @@ from tests.helpers import wait_for  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.once]
 
 CHUNK = 256
-CHUNK_BYTES = 2 * 2 * 64 * 2 * 4 * CHUNK           # layers x KV heads x head size x (K, V) x fp32 x tokens
+CHUNK_BYTES = 2 * 2 * 64 * 2 * 4 * CHUNK  # layers x KV heads x head size x (K, V) x fp32 x tokens
 PROMPTS = [H.prompt_ids(700, seed=900 + i) for i in range(7)]
 
 
@@ -82,14 +82,35 @@ def test_kv_events_and_metrics_of_a_serving_engine(tmp_path):
 
     model = H.make_tiny_llama(str(tmp_path / "tiny-fp32"), dtype="float32")
     port = S.free_port()
-    extra = {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": 4 * CHUNK_BYTES},
-                                            {"type": "disk", "path": str(tmp_path / "store"),
-                                             "size": int(10.5 * CHUNK_BYTES)}]}
-    events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}",
-                  "topic": "kv"}
-    args = ["--dtype", "float32", "--skip-tokenizer-init", "--enforce-eager", "--seed", "0", "--max-model-len",
-            "1536", "--kv-cache-memory-bytes", str(4 << 20), "--enable-prompt-tokens-details",
-            "--kv-events-config", json.dumps(events_cfg), *S.kv_transfer_args(S.kvx_config(extra))]
+    extra = {
+        "chunk_size": CHUNK,
+        "tiers": [
+            {"type": "cpu", "size": 4 * CHUNK_BYTES},
+            {"type": "disk", "path": str(tmp_path / "store"), "size": int(10.5 * CHUNK_BYTES)},
+        ],
+    }
+    events_cfg = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{port}",
+        "topic": "kv",
+    }
+    args = [
+        "--dtype",
+        "float32",
+        "--skip-tokenizer-init",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--max-model-len",
+        "1536",
+        "--kv-cache-memory-bytes",
+        str(4 << 20),
+        "--enable-prompt-tokens-details",
+        "--kv-events-config",
+        json.dumps(events_cfg),
+        *S.kv_transfer_args(S.kvx_config(extra)),
+    ]
     sub = Subscriber(f"tcp://127.0.0.1:{port}")
     with S.VllmServer(model, args, log_path=tmp_path / "serve.log") as srv:
         try:
@@ -99,14 +120,18 @@ def test_kv_events_and_metrics_of_a_serving_engine(tmp_path):
             again = srv.complete(PROMPTS[3], 4)
             assert again["cached_tokens"] >= 2 * CHUNK, again  # from kvx's disk tier
 
-            def settled():                    # writes drain on idle steps; then the counts settle
+            def settled():  # writes drain on idle steps; then the counts settle
                 m = srv.metrics()
                 disk_events = sum(isinstance(e, BlockStored) and e.medium == "DISK" for e in sub.events)
                 drained = m.get("vllm:kvx_pending_writes", 1) == 0
                 return m if drained and disk_events == m.get("vllm:kvx_disk_stored_total", -1) else None
 
-            m = wait_for(settled, 60, lambda: f"kvx's writes to drain and their DISK events to arrive: {srv.metrics()}",
-                         interval=0.5)
+            m = wait_for(
+                settled,
+                60,
+                lambda: f"kvx's writes to drain and their DISK events to arrive: {srv.metrics()}",
+                interval=0.5,
+            )
         finally:
             sub.close()
         ev = sub.events
@@ -123,8 +148,11 @@ def test_kv_events_and_metrics_of_a_serving_engine(tmp_path):
         gpu = {h for e in ev if isinstance(e, BlockStored) and e.medium == "GPU" for h in e.block_hashes}
         kvx = [h for e in ev if isinstance(e, BlockStored) and e.medium in ("CPU", "DISK") for h in e.block_hashes]
         assert gpu and kvx and set(kvx) <= gpu
-        assert all(len(e.block_hashes) == CHUNK // 128 and len(e.token_ids) == CHUNK
-                   for e in ev if isinstance(e, BlockStored) and e.medium in ("CPU", "DISK"))
+        assert all(
+            len(e.block_hashes) == CHUNK // 128 and len(e.token_ids) == CHUNK
+            for e in ev
+            if isinstance(e, BlockStored) and e.medium in ("CPU", "DISK")
+        )
 
         # metrics
         assert m["vllm:kvx_hit_tokens_disk_total"] >= 2 * CHUNK

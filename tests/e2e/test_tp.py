@@ -18,7 +18,7 @@ from kvx.testing import harness as H  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.once]
 
 CHUNK = 256
-IDS = H.prompt_ids(900, seed=31)               # 3 whole chunks
+IDS = H.prompt_ids(900, seed=31)  # 3 whole chunks
 MAX_TOKENS = 8
 CORES = sorted(os.sched_getaffinity(0))
 
@@ -26,8 +26,9 @@ CORES = sorted(os.sched_getaffinity(0))
 def build(model, store, cpu="64MiB"):
     tiers = ([{"type": "cpu", "size": cpu}] if cpu else []) + [{"type": "disk", "path": store}]
     kvt = H.kvx_transfer_config({"chunk_size": CHUNK, "tiers": tiers})
-    return H.build_llm(model, kvt, kv_cache_bytes=128 << 20, dtype="float32", tensor_parallel_size=2,
-                       distributed_executor_backend="mp")
+    return H.build_llm(
+        model, kvt, kv_cache_bytes=128 << 20, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="mp"
+    )
 
 
 def chunk_files(store):
@@ -42,7 +43,7 @@ def test_tp2_per_rank_chunks_restart_and_a_missing_share(tmp_path, monkeypatch):
     store = str(tmp_path / "store")
     llm = build(model, store)
     try:
-        cold = H.generate(llm, IDS, MAX_TOKENS)   # saving changes nothing (test_vllm_e2e): the reference
+        cold = H.generate(llm, IDS, MAX_TOKENS)  # saving changes nothing (test_vllm_e2e): the reference
         assert cold.num_cached_tokens == 0
         reference = cold.tokens
         llm.reset_prefix_cache()
@@ -51,7 +52,7 @@ def test_tp2_per_rank_chunks_restart_and_a_missing_share(tmp_path, monkeypatch):
     finally:
         H.shutdown(llm)
     files = chunk_files(store)
-    assert len(files) == 3 * 2                 # a share per rank and chunk
+    assert len(files) == 3 * 2  # a share per rank and chunk
 
     # a restart: a fresh TP=2 engine, no CPU tier, every share from disk; then one rank's share of the
     # second chunk goes missing (evicted, deleted by another engine): chunk 1 is a miss for both ranks

@@ -24,8 +24,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CHUNK = 256
 KV_BYTES = 256 << 20
-PROMPTS = {name: H.prompt_ids(n, seed=seed) for name, n, seed in
-           [("p1", 1000, 1), ("p2", 1300, 2), ("p3", 777, 3), ("p4", 1100, 4)]}
+PROMPTS = {
+    name: H.prompt_ids(n, seed=seed)
+    for name, n, seed in [("p1", 1000, 1), ("p2", 1300, 2), ("p3", 777, 3), ("p4", 1100, 4)]
+}
 MAX_TOKENS = 12
 
 
@@ -68,8 +70,8 @@ def test_cold_warm_and_fresh_engine(model, reference, tmp_path):
     try:
         cold = H.generate(llm, ids, MAX_TOKENS)
         assert cold.num_cached_tokens == 0
-        assert cold.tokens == reference["p1"][0]               # saving changes nothing
-        llm.reset_prefix_cache()                               # vLLM forgets; kvx's CPU tier remembers
+        assert cold.tokens == reference["p1"][0]  # saving changes nothing
+        llm.reset_prefix_cache()  # vLLM forgets; kvx's CPU tier remembers
         warm = H.generate(llm, ids, MAX_TOKENS)
         assert warm.num_cached_tokens == full_hit(len(ids))
         assert warm.tokens == cold.tokens
@@ -77,13 +79,14 @@ def test_cold_warm_and_fresh_engine(model, reference, tmp_path):
         H.shutdown(llm)
     files = [f for _, _, fs in os.walk(store) for f in fs if f.endswith(".safetensors")]
     assert len(files) == len(ids) // CHUNK
-    llm = H.build_llm(model, H.kvx_transfer_config(extra(store), module_path=True), kv_cache_bytes=KV_BYTES,
-                      dtype="float32")
+    llm = H.build_llm(
+        model, H.kvx_transfer_config(extra(store), module_path=True), kv_cache_bytes=KV_BYTES, dtype="float32"
+    )
     try:
-        fresh = H.generate(llm, ids, MAX_TOKENS)               # a new engine: only the disk has it
+        fresh = H.generate(llm, ids, MAX_TOKENS)  # a new engine: only the disk has it
         assert fresh.num_cached_tokens == full_hit(len(ids))
         assert fresh.tokens == reference["p1"][0]
-        longer = H.generate(llm, ids + PROMPTS["p3"][:100], MAX_TOKENS)   # same prefix, new tail
+        longer = H.generate(llm, ids + PROMPTS["p3"][:100], MAX_TOKENS)  # same prefix, new tail
         assert longer.num_cached_tokens >= full_hit(len(ids))
     finally:
         H.shutdown(llm)
@@ -91,8 +94,9 @@ def test_cold_warm_and_fresh_engine(model, reference, tmp_path):
 
 def test_cpu_tier_eviction_keeps_outputs_right(model, reference, tmp_path):
     # 2 layers x 2 KV heads x 64 x 2 (K,V) x 4 B x 256 tokens = 512 KiB per chunk: room for 5 chunks
-    llm = H.build_llm(model, H.kvx_transfer_config(extra(None, cpu=str(5 * 512 * 1024))), kv_cache_bytes=KV_BYTES,
-                      dtype="float32")
+    llm = H.build_llm(
+        model, H.kvx_transfer_config(extra(None, cpu=str(5 * 512 * 1024))), kv_cache_bytes=KV_BYTES, dtype="float32"
+    )
     try:
         for round_ in range(2):
             for name in ("p1", "p2", "p3", "p4"):
@@ -115,7 +119,7 @@ def test_corrupt_chunk_is_recomputed_not_served(model, reference, tmp_path):
         H.shutdown(llm)
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(store) for f in fs if f.endswith(".safetensors"))
     assert len(files) == 5
-    for path in files[:2]:                                  # corrupt two chunks (any position in the chain)
+    for path in files[:2]:  # corrupt two chunks (any position in the chain)
         with open(path, "r+b") as f:
             f.seek(-64, os.SEEK_END)
             f.write(b"\x7f" * 16)
@@ -133,10 +137,21 @@ def test_child_of_multiconnector(model, reference, tmp_path):
     store = str(tmp_path / "store")
 
     def cfg():
-        return KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
-                                kv_connector_extra_config={"connectors": [
-                                    {"kv_connector": "KVXConnector", "kv_connector_module_path": "kvx.connector",
-                                     "kv_role": "kv_both", "kv_connector_extra_config": extra(store, cpu=None)}]})
+        return KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={
+                "connectors": [
+                    {
+                        "kv_connector": "KVXConnector",
+                        "kv_connector_module_path": "kvx.connector",
+                        "kv_role": "kv_both",
+                        "kv_connector_extra_config": extra(store, cpu=None),
+                    }
+                ]
+            },
+        )
 
     ids = PROMPTS["p4"]
     for expect_hit in (False, True):
@@ -160,11 +175,19 @@ def test_config_errors_are_clear_and_early(model, tmp_path):
     f = tmp_path / "not-a-dir"
     f.write_text("x")
     with pytest.raises(ValueError, match=r"(?s)VllmConfig.*tiers\.0\.path: expected a directory .*which is a file"):
-        H.build_llm(model, H.kvx_transfer_config({"tiers": [{"type": "disk", "path": str(f)}]}),
-                    kv_cache_bytes=KV_BYTES, dtype="float32")
+        H.build_llm(
+            model,
+            H.kvx_transfer_config({"tiers": [{"type": "disk", "path": str(f)}]}),
+            kv_cache_bytes=KV_BYTES,
+            dtype="float32",
+        )
     with pytest.raises(ConfigError, match="chunk_size: expected a multiple of vLLM's block size 128"):
-        H.build_llm(model, H.kvx_transfer_config({"chunk_size": 100, "tiers": [{"type": "cpu", "size": "8MiB"}]}),
-                    kv_cache_bytes=KV_BYTES, dtype="float32")
+        H.build_llm(
+            model,
+            H.kvx_transfer_config({"chunk_size": 100, "tiers": [{"type": "cpu", "size": "8MiB"}]}),
+            kv_cache_bytes=KV_BYTES,
+            dtype="float32",
+        )
 
 
 _SCRIPT = textwrap.dedent("""
@@ -190,8 +213,14 @@ def test_default_multiprocess_engine_and_restart(model, reference, tmp_path):
     env["PYTHONHASHSEED"] = "random"
     results = []
     for _ in range(2):
-        p = subprocess.run([sys.executable, str(script), model, store, json.dumps(PROMPTS["p3"]), str(MAX_TOKENS)],
-                           env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+        p = subprocess.run(
+            [sys.executable, str(script), model, store, json.dumps(PROMPTS["p3"]), str(MAX_TOKENS)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=str(tmp_path),
+        )
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
         assert p.returncode == 0 and line, p.stdout[-3000:] + p.stderr[-3000:]
         results.append(json.loads(line[0][7:]))

@@ -72,8 +72,9 @@ def reference(model):
     return Reference(model)
 
 
-def shared_prefix_prompts(rng_seed: int, prefix_seed: int, tail_seed: int, tails: int,
-                          tail_chunks: tuple[int, int]) -> list[list[int]]:
+def shared_prefix_prompts(
+    rng_seed: int, prefix_seed: int, tail_seed: int, tails: int, tail_chunks: tuple[int, int]
+) -> list[list[int]]:
     """Prompts over 4 shared prefixes of 1-3 chunks, ``tails`` per prefix, each tail of
     ``randrange(*tail_chunks)`` full chunks and an odd remainder (the soaks' workloads)."""
     rng = random.Random(rng_seed)
@@ -81,8 +82,12 @@ def shared_prefix_prompts(rng_seed: int, prefix_seed: int, tail_seed: int, tails
     for root in range(4):
         prefix = H.prompt_ids((1 + root % 3) * CHUNK, seed=prefix_seed + root)
         for tail in range(tails):
-            prompts.append(prefix + H.prompt_ids(rng.randrange(*tail_chunks) * CHUNK + rng.randrange(1, 200),
-                                                 seed=tail_seed + 10 * root + tail))
+            prompts.append(
+                prefix
+                + H.prompt_ids(
+                    rng.randrange(*tail_chunks) * CHUNK + rng.randrange(1, 200), seed=tail_seed + 10 * root + tail
+                )
+            )
     return prompts
 
 
@@ -151,8 +156,12 @@ def assert_store_sound(path, *, min_chunks: int = 0) -> int:
     files = store_files(path)
     stray = [f for f in files if not f.endswith(".safetensors")]
     assert not stray, f"files other than chunks left in the store: {stray}"
-    p = subprocess.run([sys.executable, "-m", "kvx.tools.cli", "store", "verify", str(path)], capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "kvx.tools.cli", "store", "verify", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     n = len(files)
     assert n >= min_chunks, f"expected at least {min_chunks} chunks in {path}, found {n}"
@@ -191,9 +200,15 @@ def engine_process(tmp_path, model, extra, prompts, max_tokens=MAX_TOKENS, write
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONHASHSEED": "random"}
     if write_delay_s:
         env["KVX_TEST_WRITE_DELAY_S"] = str(write_delay_s)
-    return subprocess.Popen([sys.executable, str(script), model, json.dumps(extra), json.dumps(prompts),
-                             str(max_tokens)], env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, str(script), model, json.dumps(extra), json.dumps(prompts), str(max_tokens)],
+        env=env,
+        cwd=str(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
 
 
 def results(stdout: str) -> list[dict]:

@@ -33,18 +33,18 @@ B = A[: 3 * CHUNK] + H.prompt_ids(8 * CHUNK + 17, seed=102)
 
 
 def damage(files, how):
-    if how == "flip":                      # one byte of each chunk's data
+    if how == "flip":  # one byte of each chunk's data
         for f in files:
             flip_byte(f)
     elif how == "truncate":
         for f in files:
             os.truncate(f, os.path.getsize(f) // 2)
-    elif how == "swap":                    # each file holds another chunk's (valid) bytes
+    elif how == "swap":  # each file holds another chunk's (valid) bytes
         data = [open(f, "rb").read() for f in files]
         for f, d in zip(files, data[1:] + data[:1]):
             with open(f, "wb") as fh:
                 fh.write(d)
-    elif how == "missing":                 # the chain breaks in the middle
+    elif how == "missing":  # the chain breaks in the middle
         os.unlink(files[len(files) // 2])
 
 
@@ -58,18 +58,18 @@ def test_damaged_prefix_never_poisons_the_chunks_computed_with_it(model, referen
     assert len(files) == 3
     damage(files, how)
     with engine(model, tiers(store)) as llm:
-        r = H.generate(llm, B, MAX_TOKENS)     # claims A's chunks, fails to load them, computes the rest
+        r = H.generate(llm, B, MAX_TOKENS)  # claims A's chunks, fails to load them, computes the rest
         assert r.tokens == ref_b
         sched, worker = connector_sides(llm)
         if how != "missing":
             assert worker.totals["load_errors"] + worker.stats["load_errors"] >= 1
-        llm.reset_prefix_cache()                # vLLM forgets; the CPU tier has the recomputed chunks
+        llm.reset_prefix_cache()  # vLLM forgets; the CPU tier has the recomputed chunks
         again = H.generate(llm, B, MAX_TOKENS)
         assert again.num_cached_tokens == full_hit(len(B))
         assert again.tokens == ref_b
     assert_store_sound(store, min_chunks=len(B) // CHUNK)
-    with engine(model, tiers(store, cpu=None)) as llm:   # a fresh engine: everything from disk
-        assert H.generate(llm, A, MAX_TOKENS).tokens == ref_a   # (would restore A's chunks if lost)
+    with engine(model, tiers(store, cpu=None)) as llm:  # a fresh engine: everything from disk
+        assert H.generate(llm, A, MAX_TOKENS).tokens == ref_a  # (would restore A's chunks if lost)
         settle(llm)
         llm.reset_prefix_cache()
         fresh = H.generate(llm, B, MAX_TOKENS)
@@ -98,11 +98,11 @@ def test_a_chunk_evicted_between_lookup_and_read(model, reference, tmp_path, mon
     with engine(model, tiers(store, cpu=None)) as llm:
         assert H.generate(llm, B, MAX_TOKENS).tokens == ref_b
         monkeypatch.setattr(disk_mod.DiskTier, "get_into", get)
-        settle(llm)                                        # the disk writes are asynchronous
+        settle(llm)  # the disk writes are asynchronous
         llm.reset_prefix_cache()
         again = H.generate(llm, B, MAX_TOKENS)
         assert again.num_cached_tokens == full_hit(len(B)) and again.tokens == ref_b
-    assert gone and os.path.exists(gone[0])                # the recomputed chunk was stored again
+    assert gone and os.path.exists(gone[0])  # the recomputed chunk was stored again
     assert_store_sound(store, min_chunks=len(B) // CHUNK)
 
 
@@ -119,9 +119,9 @@ def test_store_on_a_full_file_system(model, reference, tmp_path, tmpfs):
                 assert H.generate(llm, p, MAX_TOKENS).tokens == ref
         _, worker = connector_sides(llm)
         stats = worker.tiers["disk"].stats()
-        assert stats["evicted"] > 0                         # ENOSPC relieved by evicting, not just failing
+        assert stats["evicted"] > 0  # ENOSPC relieved by evicting, not just failing
     files = chunk_files(store)
-    assert 0 < len(files) < 4 * 4                          # some of the 16 chunks, not all: the disk filled up
+    assert 0 < len(files) < 4 * 4  # some of the 16 chunks, not all: the disk filled up
     assert_store_sound(store)
     with engine(model, tiers(store, cpu=None)) as llm:
         for p, ref in zip(prompts, refs):
@@ -142,9 +142,9 @@ def test_store_turning_read_only_while_serving(model, reference, tmp_path, tmpfs
         remount(mnt, "ro")
         try:
             llm.reset_prefix_cache()
-            hit = H.generate(llm, old, MAX_TOKENS)           # loads still work
+            hit = H.generate(llm, old, MAX_TOKENS)  # loads still work
             assert hit.num_cached_tokens == full_hit(len(old)) and hit.tokens == ref_old
-            assert H.generate(llm, new, MAX_TOKENS).tokens == ref_new   # saves fail (EROFS), serving goes on
+            assert H.generate(llm, new, MAX_TOKENS).tokens == ref_new  # saves fail (EROFS), serving goes on
             _, worker = connector_sides(llm)
             worker.saves.poll(block=True)
             assert worker.totals["disk_write_errors"] + worker.stats["disk_write_errors"] >= 1
@@ -163,7 +163,7 @@ def test_store_directory_deleted_while_serving(model, reference, tmp_path):
         settle(llm)
         shutil.rmtree(store)
         llm.reset_prefix_cache()
-        assert H.generate(llm, A, MAX_TOKENS).tokens == ref_a      # a miss now; saved again
+        assert H.generate(llm, A, MAX_TOKENS).tokens == ref_a  # a miss now; saved again
         assert H.generate(llm, a2, MAX_TOKENS).tokens == ref_a2
         settle(llm)
         llm.reset_prefix_cache()
@@ -186,7 +186,7 @@ def test_abort_mid_prefill(model, reference, tmp_path):
         eng = llm.llm_engine
         for i in range(3):
             eng.add_request(f"abort-{i}", TokensPrompt(prompt_token_ids=long_), sp)
-            for _ in range(2 + i):                      # a few prefill chunks in, then abort
+            for _ in range(2 + i):  # a few prefill chunks in, then abort
                 eng.step()
             eng.abort_request([f"abort-{i}"])
         eng.add_request("never-ran", TokensPrompt(prompt_token_ids=A), sp)

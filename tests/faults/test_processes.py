@@ -45,13 +45,14 @@ KILL_PROMPTS = [H.prompt_ids(8 * CHUNK + 17 + i, seed=200 + i) for i in range(6)
 # their own of 0-6 full chunks and an odd remainder: (shared chunks, own chunks, extra tokens).
 BRANCHES = [(2, 1, 37), (5, 2, 100), (8, 0, 9), (3, 4, 200), (6, 1, 128), (1, 6, 5)]
 _SHARED = H.prompt_ids(8 * CHUNK, seed=300)
-SHARED_PROMPTS = [_SHARED[: k * CHUNK] + H.prompt_ids(m * CHUNK + r, seed=310 + i)
-                  for i, (k, m, r) in enumerate(BRANCHES)]
-DISTINCT_CHUNKS = 8 + sum(m for _, m, _ in BRANCHES)     # 22 chunk files in all
+SHARED_PROMPTS = [
+    _SHARED[: k * CHUNK] + H.prompt_ids(m * CHUNK + r, seed=310 + i) for i, (k, m, r) in enumerate(BRANCHES)
+]
+DISTINCT_CHUNKS = 8 + sum(m for _, m, _ in BRANCHES)  # 22 chunk files in all
 ALL_PROMPTS = KILL_PROMPTS + SHARED_PROMPTS
 
-IO_THREADS = 2                 # kvx's default io_threads
-START_TIMEOUT_S = 600          # an engine's whole run, on a slow, loaded 2-core machine
+IO_THREADS = 2  # kvx's default io_threads
+START_TIMEOUT_S = 600  # an engine's whole run, on a slow, loaded 2-core machine
 
 
 def refs_of(reference, prompts):
@@ -68,8 +69,10 @@ class Child:
         self.proc = proc
         self._out: list[str] = []
         self._err: list[str] = []
-        self._threads = [threading.Thread(target=self._read, args=(s, buf), daemon=True)
-                         for s, buf in ((proc.stdout, self._out), (proc.stderr, self._err))]
+        self._threads = [
+            threading.Thread(target=self._read, args=(s, buf), daemon=True)
+            for s, buf in ((proc.stdout, self._out), (proc.stderr, self._err))
+        ]
         for t in self._threads:
             t.start()
 
@@ -99,8 +102,9 @@ class Child:
             self.proc.wait(60)
 
     def describe(self) -> str:
-        return (f"pid {self.proc.pid} rc {self.proc.poll()}\nstdout:\n{self.stdout[-2000:]}\n"
-                f"stderr:\n{self.stderr[-4000:]}")
+        return (
+            f"pid {self.proc.pid} rc {self.proc.poll()}\nstdout:\n{self.stdout[-2000:]}\nstderr:\n{self.stderr[-4000:]}"
+        )
 
 
 def temp_files(path) -> list[str]:
@@ -119,8 +123,7 @@ def dir_bytes(path) -> int:
     return total
 
 
-def kill_mid_write(child: Child, store, after_results: int, after_chunks: int,
-                   timeout: float) -> tuple[str, list[str]]:
+def kill_mid_write(child: Child, store, after_results: int, after_chunks: int, timeout: float) -> tuple[str, list[str]]:
     """Once ``child`` has printed ``after_results`` results and ``store`` holds ``after_chunks`` chunk files,
     wait for a temporary file in ``store``; stop the process, and if the file is still there (its write
     has not finished), kill it. Returns (the temporary file, the chunk files present at the kill)."""
@@ -128,8 +131,10 @@ def kill_mid_write(child: Child, store, after_results: int, after_chunks: int,
 
     def killed() -> tuple[str, list[str]] | None:
         if child.proc.poll() is not None:
-            pytest.fail(f"the engine ended before the kill could land in the middle of a chunk write "
-                        f"(no temporary file seen while it ran):\n{child.describe()}")
+            pytest.fail(
+                f"the engine ended before the kill could land in the middle of a chunk write "
+                f"(no temporary file seen while it ran):\n{child.describe()}"
+            )
         if len(results(child.stdout)) < after_results or len(chunk_files(store)) < after_chunks:
             time.sleep(0.05)
             return None
@@ -140,18 +145,20 @@ def kill_mid_write(child: Child, store, after_results: int, after_chunks: int,
             time.sleep(0.001)
             return None
         os.kill(pid, signal.SIGSTOP)
-        wait_for(lambda: stopped(pid), 60, lambda: f"pid {pid} to stop after SIGSTOP:\n{child.describe()}",
-                 interval=0.001)
+        wait_for(
+            lambda: stopped(pid), 60, lambda: f"pid {pid} to stop after SIGSTOP:\n{child.describe()}", interval=0.001
+        )
         alive = [t for t in tmps if os.path.exists(t)]
         if alive:
             present = chunk_files(store)
             os.kill(pid, signal.SIGKILL)
             return alive[0], present
-        os.kill(pid, signal.SIGCONT)    # renamed into place meanwhile: try the next write
+        os.kill(pid, signal.SIGCONT)  # renamed into place meanwhile: try the next write
         return None
 
-    return wait_for(killed, timeout, lambda: f"a kill to land in the middle of a chunk write:\n{child.describe()}",
-                    interval=0)
+    return wait_for(
+        killed, timeout, lambda: f"a kill to land in the middle of a chunk write:\n{child.describe()}", interval=0
+    )
 
 
 def test_kill_9_mid_write_then_restart_on_the_same_store(model, reference, tmp_path):
@@ -175,12 +182,16 @@ def test_kill_9_mid_write_then_restart_on_the_same_store(model, reference, tmp_p
     assert rc == -signal.SIGKILL, child.describe()
     assert os.path.exists(tmp), "the killed write left no temporary file"
     assert sorted(chunk_files(store)) == sorted(present)
-    _, key, _, pid, _, _ = os.path.basename(tmp).split(".")      # .<key>.<host>.<pid>.<random>.tmp
+    _, key, _, pid, _, _ = os.path.basename(tmp).split(".")  # .<key>.<host>.<pid>.<random>.tmp
     assert pid == str(child.proc.pid)
-    left = {t.path: t for t in survey(str(store)).temps}   # read-only survey: names it stale, keeps it
+    left = {t.path: t for t in survey(str(store)).temps}  # read-only survey: names it stale, keeps it
     assert tmp in left and left[tmp].stale, left
-    p = subprocess.run([sys.executable, "-m", "kvx.tools.cli", "store", "verify", str(store)], capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "kvx.tools.cli", "store", "verify", str(store)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     # verify passes, lists the leftover as stale and changes nothing
     assert p.returncode == 0, p.stdout + p.stderr
     assert any(ln.startswith(f"TMP {tmp}:") and "stale" in ln for ln in p.stdout.splitlines()), p.stdout
@@ -195,8 +206,9 @@ def test_kill_9_mid_write_then_restart_on_the_same_store(model, reference, tmp_p
         root = request_root(sched.namespace)
         leading = []
         for prompt in KILL_PROMPTS:
-            on_disk = [all(sched.tiers["disk"].contains_many(sched._shard_keys(k)))
-                       for k in chunk_keys(root, prompt, CHUNK)]
+            on_disk = [
+                all(sched.tiers["disk"].contains_many(sched._shard_keys(k))) for k in chunk_keys(root, prompt, CHUNK)
+            ]
             leading.append(on_disk.index(False) if False in on_disk else len(on_disk))
         keys = {k for prompt in KILL_PROMPTS for k in chunk_keys(root, prompt, CHUNK)}
         assert {os.path.basename(f)[: -len(".safetensors")] for f in present} <= keys
@@ -209,7 +221,7 @@ def test_kill_9_mid_write_then_restart_on_the_same_store(model, reference, tmp_p
             assert r.tokens == ref
             assert r.num_cached_tokens == min(lead * CHUNK, full_hit(len(prompt))), (leading, r.num_cached_tokens)
         settle(llm)
-        for prompt, ref in zip(KILL_PROMPTS, refs):   # everything from disk now, the recomputed chunks too
+        for prompt, ref in zip(KILL_PROMPTS, refs):  # everything from disk now, the recomputed chunks too
             llm.reset_prefix_cache()
             r = H.generate(llm, prompt, MAX_TOKENS)
             assert r.num_cached_tokens == full_hit(len(prompt)) and r.tokens == ref
@@ -228,8 +240,8 @@ class DirSampler:
     def __init__(self, path, period: float = 0.02):
         self.path, self.period = path, period
         self.samples = 0
-        self.peak = 0              # most bytes on disk at one instant (files seen by two consecutive walks)
-        self.appeared: dict[tuple[str, int], tuple[float, int]] = {}   # chunk (path, inode) -> (time, bytes)
+        self.peak = 0  # most bytes on disk at one instant (files seen by two consecutive walks)
+        self.appeared: dict[tuple[str, int], tuple[float, int]] = {}  # chunk (path, inode) -> (time, bytes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -253,7 +265,7 @@ class DirSampler:
             self.samples += 1
             self.peak = max(self.peak, sum(size for k, size in cur.items() if k in prev))
             prev = cur
-            if self._stop.is_set():     # a last pair of walks after the engines ended
+            if self._stop.is_set():  # a last pair of walks after the engines ended
                 break
             self._stop.wait(self.period)
 
@@ -285,7 +297,7 @@ def test_two_engines_sharing_one_store(model, reference, tmp_path, capped):
     the same chunks); with a cap of a third of the chunks they also evict each other's files."""
     refs = refs_of(reference, SHARED_PROMPTS)
     store = tmp_path / "store"
-    file_bytes_guess = 2 * 2 * 64 * 2 * 4 * CHUNK + 4096      # chunk bytes + header (< 4 KiB)
+    file_bytes_guess = 2 * 2 * 64 * 2 * 4 * CHUNK + 4096  # chunk bytes + header (< 4 KiB)
     cap = DISTINCT_CHUNKS // 3 * file_bytes_guess if capped else None
     extra = tiers(store, disk_size=cap)
     orders = [list(range(len(SHARED_PROMPTS))), list(reversed(range(len(SHARED_PROMPTS))))]
@@ -294,8 +306,9 @@ def test_two_engines_sharing_one_store(model, reference, tmp_path, capped):
         with DirSampler(store) as sampler:
             for n, order in enumerate(orders):
                 (tmp_path / f"e{n}").mkdir()
-                children.append(Child(engine_process(tmp_path / f"e{n}", model, extra,
-                                                     [SHARED_PROMPTS[i] for i in order])))
+                children.append(
+                    Child(engine_process(tmp_path / f"e{n}", model, extra, [SHARED_PROMPTS[i] for i in order]))
+                )
             rcs = [c.wait(START_TIMEOUT_S) for c in children]
     finally:
         for c in children:
@@ -322,7 +335,8 @@ def test_two_engines_sharing_one_store(model, reference, tmp_path, capped):
         assert peak <= bound, (
             f"store held {peak} bytes at once ({peak / file_bytes:.1f} chunk files), bound {bound} "
             f"({bound / file_bytes:.1f} files: cap {cap / file_bytes:.1f}, {written / file_bytes:.1f} files written "
-            f"within {rescan_s} s; {sampler.samples} samples)")
+            f"within {rescan_s} s; {sampler.samples} samples)"
+        )
         assert peak > 0 and dir_bytes(store) <= bound
 
     # a third engine, in this process, after them: every chunk on disk serves (unbounded), tokens right

@@ -39,16 +39,16 @@ from .conftest import (
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TOPOLOGIES = ["standalone", "cluster"]
-TIMEOUT_MS = 1000              # the Redis tier's default deadline, measured by the SIGSTOP case
+TIMEOUT_MS = 1000  # the Redis tier's default deadline, measured by the SIGSTOP case
 # The other cases' deadline: kvx's writers run under SCHED_IDLE, and on a busy 2-core box a writer can be
 # off the CPU for seconds in the middle of a put; the tier then takes the server for down (a put "timed
 # out") and fails the reads too, for retry_s. Faults here are refused connections and error replies,
 # answered at once: no case waits for this deadline.
 SLOW_BOX_TIMEOUT_MS = 10_000
-NO_WAIT_S = 0.8 * SLOW_BOX_TIMEOUT_MS / 1e3   # a request faster than this waited for no deadline
-RETRY_S = 0.5                  # reconnection attempts: short, so the cases wait little for them
-START_TIMEOUT_S = 600          # an engine process's whole run, on a slow, loaded 2-core machine
-REQUEST_LIMIT_S = 60.0         # "no hang": one request on a loaded 2-core box, faults included
+NO_WAIT_S = 0.8 * SLOW_BOX_TIMEOUT_MS / 1e3  # a request faster than this waited for no deadline
+RETRY_S = 0.5  # reconnection attempts: short, so the cases wait little for them
+START_TIMEOUT_S = 600  # an engine process's whole run, on a slow, loaded 2-core machine
+REQUEST_LIMIT_S = 60.0  # "no hang": one request on a loaded 2-core box, faults included
 
 # Two engines, one server: the second prompt shares the first one's first chunk (5 distinct chunks).
 _S = H.prompt_ids(3 * CHUNK + 40, seed=500)
@@ -59,7 +59,7 @@ A = H.prompt_ids(3 * CHUNK + 40, seed=510)
 A2 = H.prompt_ids(2 * CHUNK + 30, seed=511)
 # Out of memory: 3 prompts of 3 chunks (9 chunks of 0.5 MiB) for a server with room for ~4.
 FULL_PROMPTS = [H.prompt_ids(3 * CHUNK + 11 + i, seed=520 + i) for i in range(3)]
-FULL_MAXMEMORY = "4mb"         # an empty server uses ~1 MiB of it
+FULL_MAXMEMORY = "4mb"  # an empty server uses ~1 MiB of it
 # A cluster: 3 prompts of 3 chunks, spread over the 3 nodes.
 CLUSTER_PROMPTS = [H.prompt_ids(3 * CHUNK + 20 + i, seed=530 + i) for i in range(3)]
 
@@ -72,9 +72,9 @@ def soak_pool() -> list[list[int]]:
 
 SOAK_PROMPTS = soak_pool()
 SOAK_REQUESTS = int(os.environ.get("KVX_REDIS_SOAK_REQUESTS", "120"))
-SOAK_MAXMEMORY = os.environ.get("KVX_REDIS_SOAK_MAXMEMORY", "8mb")     # chunks in 128 KiB parts
+SOAK_MAXMEMORY = os.environ.get("KVX_REDIS_SOAK_MAXMEMORY", "8mb")  # chunks in 128 KiB parts
 SOAK_MAX_TOKENS = 4
-LOOSE_CHUNKS_MAX = 16          # chunk buffers the copy threads may keep: their last job's (<= 6 chunks) each
+LOOSE_CHUNKS_MAX = 16  # chunk buffers the copy threads may keep: their last job's (<= 6 chunks) each
 ALL_PROMPTS = SHARE_PROMPTS + [A, A2] + FULL_PROMPTS + CLUSTER_PROMPTS + SOAK_PROMPTS
 
 
@@ -117,13 +117,18 @@ def wait_tiers_up(llm, timeout: float = RETRY_S + 20.0) -> float:
     returns the seconds waited."""
     t0 = time.monotonic()
     tiers = redis_sides(llm)
-    wait_for(lambda: not any(t.stats()["nodes_down"] for t in tiers), timeout,
-             lambda: f"the Redis tier to reconnect: {[t.stats() for t in tiers]}", interval=0.02)
+    wait_for(
+        lambda: not any(t.stats()["nodes_down"] for t in tiers),
+        timeout,
+        lambda: f"the Redis tier to reconnect: {[t.stats() for t in tiers]}",
+        interval=0.02,
+    )
     return time.monotonic() - t0
 
 
-def timed_generate(llm, prompt, max_tokens: int = MAX_TOKENS, salt: str | None = None,
-                   limit: float = REQUEST_LIMIT_S) -> H.Result:
+def timed_generate(
+    llm, prompt, max_tokens: int = MAX_TOKENS, salt: str | None = None, limit: float = REQUEST_LIMIT_S
+) -> H.Result:
     """:func:`kvx.testing.harness.generate` (optionally with a ``cache_salt``), failing if the request took longer
     than ``limit`` seconds (a request that waits on a faulty server instead of recomputing)."""
     t0 = time.monotonic()
@@ -159,8 +164,9 @@ def assert_redis_hit(llm, prompt, ref, tokens: int | None = None) -> None:
     counts the tokens of a load that failed, and was recomputed, as cached too)."""
     tokens = full_hit(len(prompt)) if tokens is None else tokens
     r, reads, failed = serve_again(llm, prompt, ref)
-    assert (r.num_cached_tokens, reads, failed) == (tokens, -(-tokens // CHUNK), 0), \
+    assert (r.num_cached_tokens, reads, failed) == (tokens, -(-tokens // CHUNK), 0), (
         "(cached tokens, chunks read from Redis, failed chunk loads)"
+    )
 
 
 def store_all(llm, prompt, ref, servers, n: int, attempts: int = 5) -> None:
@@ -243,26 +249,28 @@ def test_two_engine_processes_share_one_redis(model, reference, tmp_path, topolo
         res = results(out)
         assert [r["tokens"] for r in res] == refs
         assert res[0]["cached"] == 0
-        assert chunk_keys_on(nodes) == SHARE_CHUNKS       # A's shutdown waited for its writes
+        assert chunk_keys_on(nodes) == SHARE_CHUNKS  # A's shutdown waited for its writes
 
         with engine(model, extra) as llm:
             _, worker = connector_sides(llm)
             salted = timed_generate(llm, SHARE_PROMPTS[0], salt="another-tenant")
             assert salted.num_cached_tokens == 0 and salted.tokens == refs[0]
             assert totals(worker).get("redis_reads", 0) == 0
-            for prompt, ref in zip(SHARE_PROMPTS, refs):     # vLLM's own cache holds the shared first chunk
+            for prompt, ref in zip(SHARE_PROMPTS, refs):  # vLLM's own cache holds the shared first chunk
                 r = timed_generate(llm, prompt)
                 assert r.tokens == ref and r.num_cached_tokens == full_hit(len(prompt))
             reads = totals(worker).get("redis_reads", 0)
             assert reads == SHARE_CHUNKS and not totals(worker).get("load_errors"), "B's hits not read from Redis"
             settle(llm)
-            assert chunk_keys_on(nodes) == SHARE_CHUNKS + 3     # the salted request's own 3 chunks
-            llm.reset_prefix_cache(reset_connector=True)      # vLLM and kvx's CPU tier forget
+            assert chunk_keys_on(nodes) == SHARE_CHUNKS + 3  # the salted request's own 3 chunks
+            llm.reset_prefix_cache(reset_connector=True)  # vLLM and kvx's CPU tier forget
             again = timed_generate(llm, SHARE_PROMPTS[0], salt="another-tenant")
             assert again.num_cached_tokens == full_hit(len(SHARE_PROMPTS[0])) and again.tokens == refs[0]
             assert totals(worker)["redis_reads"] == reads + 3 and not totals(worker).get("load_errors")
-        print(f"\n{topology}: A stored {SHARE_CHUNKS} chunks; B: {reads} chunk reads from Redis, "
-              f"hits {[full_hit(len(p)) for p in SHARE_PROMPTS]} tokens")
+        print(
+            f"\n{topology}: A stored {SHARE_CHUNKS} chunks; B: {reads} chunk reads from Redis, "
+            f"hits {[full_hit(len(p)) for p in SHARE_PROMPTS]} tokens"
+        )
 
 
 # ------------------------------------------------------------------------------------------ one server's faults
@@ -274,7 +282,7 @@ def test_server_down_at_engine_start(model, reference):
     ref_a, ref_a2 = refs_of(reference, [A, A2])
     probe = RedisServer()
     port = probe.port
-    probe.cleanup()                                        # a free port with nothing listening on it
+    probe.cleanup()  # a free port with nothing listening on it
     url = f"redis://127.0.0.1:{port}/0"
     with kvx_warnings() as warned, engine(model, redis_tiers(url)) as llm:
         _, worker = connector_sides(llm)
@@ -286,7 +294,7 @@ def test_server_down_at_engine_start(model, reference):
             r = timed_generate(llm, A, limit=NO_WAIT_S)
             assert r.num_cached_tokens == 0 and r.tokens == ref_a
         settle(llm)
-        assert totals(worker).get("redis_write_errors", 0) >= 3   # saves refused at once, not waited for
+        assert totals(worker).get("redis_write_errors", 0) >= 3  # saves refused at once, not waited for
         assert totals(worker).get("redis_writes", 0) == 0
         with RedisServer(port=port) as srv:
             waited = wait_tiers_up(llm)
@@ -294,12 +302,12 @@ def test_server_down_at_engine_start(model, reference):
             assert waited <= RETRY_S + 5.0
             for prompt, ref in ((A, ref_a), (A2, ref_a2)):
                 llm.reset_prefix_cache()
-                assert timed_generate(llm, prompt).tokens == ref       # a miss; stored now
+                assert timed_generate(llm, prompt).tokens == ref  # a miss; stored now
             settle(llm)
             assert chunk_keys_on([srv]) == 3 + 2
             for prompt, ref in ((A, ref_a), (A2, ref_a2)):
                 assert_redis_hit(llm, prompt, ref)
-            settle(llm)                                    # before the server stops
+            settle(llm)  # before the server stops
 
 
 def test_server_stopped_mid_load(model, reference, monkeypatch):
@@ -313,17 +321,19 @@ def test_server_stopped_mid_load(model, reference, monkeypatch):
     ref_a = refs_of(reference, [A])
     get = RedisTier.get_into
     lock = threading.Lock()
-    reads: list[tuple[float, BaseException | None, bool]] = []    # (seconds, error, this read paused)
+    reads: list[tuple[float, BaseException | None, bool]] = []  # (seconds, error, this read paused)
     paused: list[bool] = []
 
     with RedisServer() as srv:
+
         def get_after_pause(self, key, out):
-            with lock:                    # the other reader threads wait here until the server is stopped
+            with lock:  # the other reader threads wait here until the server is stopped
                 first = not paused
                 if first:
                     srv.pause()
-                    wait_for(lambda: stopped(srv.pid), 10, f"redis-server {srv.pid} to stop after SIGSTOP",
-                             interval=0.001)
+                    wait_for(
+                        lambda: stopped(srv.pid), 10, f"redis-server {srv.pid} to stop after SIGSTOP", interval=0.001
+                    )
                     paused.append(True)
             t0, err = time.monotonic(), None
             try:
@@ -349,14 +359,16 @@ def test_server_stopped_mid_load(model, reference, monkeypatch):
                 first = [(s, e) for s, e, f in reads if f]
                 assert len(first) == 1
                 failed_after, err = first[0]
-                print(f"\nSIGSTOP mid-load: the read failed after {failed_after * 1e3:.0f} ms "
-                      f"(timeout_ms={TIMEOUT_MS}); other reads {[round(s * 1e3) for s, _, f in reads if not f]} ms; "
-                      f"request {took:.2f} s; {type(err).__name__}: {err}")
+                print(
+                    f"\nSIGSTOP mid-load: the read failed after {failed_after * 1e3:.0f} ms "
+                    f"(timeout_ms={TIMEOUT_MS}); other reads {[round(s * 1e3) for s, _, f in reads if not f]} ms; "
+                    f"request {took:.2f} s; {type(err).__name__}: {err}"
+                )
                 assert isinstance(err, ChunkError) and f"did not answer within {TIMEOUT_MS} ms" in str(err)
                 assert TIMEOUT_MS / 1e3 - 0.05 <= failed_after <= TIMEOUT_MS / 1e3 + 1.0
-                assert all(e is not None for _, e, _ in reads)      # nothing read from a stopped server
+                assert all(e is not None for _, e, _ in reads)  # nothing read from a stopped server
                 assert totals(worker).get("load_errors", 0) >= 1
-                settle(llm)                                         # the saves of the recomputed chunks fail
+                settle(llm)  # the saves of the recomputed chunks fail
                 srv.resume()
                 wait_tiers_up(llm)
                 assert_redis_hit(llm, A, ref_a)
@@ -383,15 +395,15 @@ def test_server_killed_and_restarted_between_requests(model, reference):
             assert r.num_cached_tokens == 0 and r.tokens == ref
         settle(llm)
         assert totals(worker).get("redis_write_errors", 0) >= 1
-        assert sched_tier.stats()["nodes_down"] == 1        # the lookup found it gone
-        srv.restart()                                        # same port, data lost
+        assert sched_tier.stats()["nodes_down"] == 1  # the lookup found it gone
+        srv.restart()  # same port, data lost
         wait_tiers_up(llm)
         assert sched_tier.stats()["reconnects"] >= 1
         writes = totals(worker).get("redis_writes", 0)
         for prompt, ref in ((A, ref_a), (A2, ref_a2)):
             llm.reset_prefix_cache()
             r = timed_generate(llm, prompt)
-            assert r.num_cached_tokens == 0 and r.tokens == ref     # the restart lost A's chunks
+            assert r.num_cached_tokens == 0 and r.tokens == ref  # the restart lost A's chunks
         settle(llm)
         assert totals(worker)["redis_writes"] == writes + 3 + 2 and chunk_keys_on([srv]) == 3 + 2
         for prompt, ref in ((A, ref_a), (A2, ref_a2)):
@@ -418,8 +430,9 @@ def loose_chunk_buffers(worker) -> list:
     flatten_kept_log_records()
     shape, staging = tuple(worker.chunk_shape(CHUNK)), {id(t) for t in worker._staging}
     gc.collect()
-    return [o for o in gc.get_objects()
-            if isinstance(o, torch.Tensor) and tuple(o.shape) == shape and id(o) not in staging]
+    return [
+        o for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == shape and id(o) not in staging
+    ]
 
 
 def holders(objs) -> dict[str, int]:
@@ -439,8 +452,11 @@ def holders(objs) -> dict[str, int]:
             if not refs:
                 break
             o = refs[0]
-            chain.append(f"{o.f_code.co_name}:{o.f_lineno}" if isinstance(o, types.FrameType)
-                         else getattr(o, "__qualname__", type(o).__name__))
+            chain.append(
+                f"{o.f_code.co_name}:{o.f_lineno}"
+                if isinstance(o, types.FrameType)
+                else getattr(o, "__qualname__", type(o).__name__)
+            )
         out[" <- ".join(chain)] += 1
     return dict(out)
 
@@ -454,12 +470,15 @@ def assert_worker_bounded(llm, loose_before: int = 0) -> dict[str, int]:
     sched, worker = connector_sides(llm)
     tiers = redis_sides(llm)
     loose = loose_chunk_buffers(worker)
-    state = {"worker_busy": int(not worker.idle()),
-             "staging_out": len(worker.saves.staging.buffers) - len(worker.saves.staging._free),
-             "inflight": len(sched.ledger.open_transfers()), "trackers": len(sched.trackers),
-             "lookups": max(len(t._lookups) for t in tiers),
-             "idle_conns": max(len(n._idle) for t in tiers for n in t._nodes.values()),
-             "loose_chunks": len(loose) - loose_before}
+    state = {
+        "worker_busy": int(not worker.idle()),
+        "staging_out": len(worker.saves.staging.buffers) - len(worker.saves.staging._free),
+        "inflight": len(sched.ledger.open_transfers()),
+        "trackers": len(sched.trackers),
+        "lookups": max(len(t._lookups) for t in tiers),
+        "idle_conns": max(len(n._idle) for t in tiers for n in t._nodes.values()),
+        "loose_chunks": len(loose) - loose_before,
+    }
     assert state["worker_busy"] == state["staging_out"] == 0, state
     assert state["inflight"] == 0 and state["trackers"] == 0, state
     assert state["lookups"] <= redis_mod._LOOKUP_KEEP, state
@@ -483,8 +502,10 @@ def test_maxmemory_noeviction_then_allkeys_lru_soak(model, reference):
 
     refs = refs_of(reference, FULL_PROMPTS)
     soak_refs = refs_of(reference, SOAK_PROMPTS)
-    with RedisServer(maxmemory=FULL_MAXMEMORY, policy="noeviction") as srv, \
-            engine(model, redis_tiers(srv.url, max_value_size="128KiB")) as llm:
+    with (
+        RedisServer(maxmemory=FULL_MAXMEMORY, policy="noeviction") as srv,
+        engine(model, redis_tiers(srv.url, max_value_size="128KiB")) as llm,
+    ):
         sched, worker = connector_sides(llm)
         loose_before = len(loose_chunk_buffers(worker))
         t0 = time.monotonic()
@@ -502,15 +523,17 @@ def test_maxmemory_noeviction_then_allkeys_lru_soak(model, reference):
             for prompt in FULL_PROMPTS:
                 present = [redis_key(sched, prompt, i).encode() in keys for i in range(len(prompt) // CHUNK)]
                 leads.append(present.index(False) if False in present else len(present))
-        print(f"\nnoeviction, maxmemory {FULL_MAXMEMORY}: {stored} of 9 chunks stored (leading chunks per prompt "
-              f"{leads}), redis_full {stats.get('redis_full', 0)}, redis_write_errors "
-              f"{stats.get('redis_write_errors', 0)}; 3 requests in {took:.1f} s")
+        print(
+            f"\nnoeviction, maxmemory {FULL_MAXMEMORY}: {stored} of 9 chunks stored (leading chunks per prompt "
+            f"{leads}), redis_full {stats.get('redis_full', 0)}, redis_write_errors "
+            f"{stats.get('redis_write_errors', 0)}; 3 requests in {took:.1f} s"
+        )
         assert stats.get("redis_full", 0) >= 1 and stats.get("redis_writes", 0) == stored
         assert 0 < stored < 9
         # the refused chunks' parts were taken back
         orphans = [k for k in keys if not k.endswith(b"}") and k[: k.index(b"}") + 1] not in keys]
         assert not orphans, f"parts of refused chunks left behind: {orphans[:5]}"
-        for prompt, ref, lead in zip(FULL_PROMPTS, refs, leads):      # what fits is served, the rest computed
+        for prompt, ref, lead in zip(FULL_PROMPTS, refs, leads):  # what fits is served, the rest computed
             assert_redis_hit(llm, prompt, ref, min(lead * CHUNK, full_hit(len(prompt))))
         assert_worker_bounded(llm, loose_before)
 
@@ -527,7 +550,7 @@ def test_maxmemory_noeviction_then_allkeys_lru_soak(model, reference):
         sp = SamplingParams(temperature=0, ignore_eos=True, detokenize=False, max_tokens=SOAK_MAX_TOKENS)
         t0, rss0 = time.monotonic(), rss_mib()
         while served < SOAK_REQUESTS:
-            llm.reset_prefix_cache()                        # vLLM forgets: the tokens come from Redis or compute
+            llm.reset_prefix_cache()  # vLLM forgets: the tokens come from Redis or compute
             batch = rng.sample(range(len(SOAK_PROMPTS)), rng.choice((1, 1, 2, 3)))
             outs = llm.generate([TokensPrompt(prompt_token_ids=SOAK_PROMPTS[i]) for i in batch], sp, use_tqdm=False)
             H.drain(llm)
@@ -545,12 +568,14 @@ def test_maxmemory_noeviction_then_allkeys_lru_soak(model, reference):
             used = c.info("memory")["used_memory"]
         reads = stats.get("redis_reads", 0) - reads0
         tier = worker.tiers["redis"].stats()
-        print(f"allkeys-lru soak ({SOAK_MAXMEMORY}): {served} requests in {took:.1f} s, {len(wrong)} wrong, {hits} "
-              f"with hits, {reads} chunk reads from Redis, {stats.get('load_errors', 0)} failed chunk loads (tier: "
-              f"{tier['misses']} evicted after the lookup, {tier['errors']} torn or failed, {tier['dropped']} "
-              f"dropped), {stats.get('redis_full', 0)} puts refused, {evicted} keys evicted, used_memory "
-              f"{used / 2**20:.1f} MiB; RSS {rss0:.0f} -> {rss_mib():.0f} MiB; bookkeeping after settles {states[-1]}, "
-              f"at most {max(st['loose_chunks'] for st in states)} loose chunk buffers")
+        print(
+            f"allkeys-lru soak ({SOAK_MAXMEMORY}): {served} requests in {took:.1f} s, {len(wrong)} wrong, {hits} "
+            f"with hits, {reads} chunk reads from Redis, {stats.get('load_errors', 0)} failed chunk loads (tier: "
+            f"{tier['misses']} evicted after the lookup, {tier['errors']} torn or failed, {tier['dropped']} "
+            f"dropped), {stats.get('redis_full', 0)} puts refused, {evicted} keys evicted, used_memory "
+            f"{used / 2**20:.1f} MiB; RSS {rss0:.0f} -> {rss_mib():.0f} MiB; bookkeeping after settles {states[-1]}, "
+            f"at most {max(st['loose_chunks'] for st in states)} loose chunk buffers"
+        )
         assert not wrong, f"{len(wrong)} of {served} requests got wrong tokens: {wrong[:10]}"
         assert hits > 0 and reads > 0 and evicted > 0 and len(states) >= 2
         assert_worker_bounded(llm, loose_before)
@@ -564,8 +589,7 @@ def test_cluster_node_killed_while_serving(model, reference):
     from kvx.testing.redis_server import RedisClusterServers
 
     refs = refs_of(reference, CLUSTER_PROMPTS)
-    with RedisClusterServers(3) as cl, \
-            engine(model, redis_tiers(cl.url, cluster=True)) as llm:
+    with RedisClusterServers(3) as cl, engine(model, redis_tiers(cl.url, cluster=True)) as llm:
         sched, worker = connector_sides(llm)
         for prompt, ref in zip(CLUSTER_PROMPTS, refs):
             assert timed_generate(llm, prompt).tokens == ref
@@ -575,7 +599,7 @@ def test_cluster_node_killed_while_serving(model, reference):
         victim.kill()
         t_kill = time.monotonic()
         rounds = []
-        for _ in range(3):                 # right after the kill, and after the cluster noticed (~2-4 s)
+        for _ in range(3):  # right after the kill, and after the cluster noticed (~2-4 s)
             t0 = time.monotonic()
             cached = []
             for prompt, ref in zip(CLUSTER_PROMPTS, refs):
@@ -584,25 +608,28 @@ def test_cluster_node_killed_while_serving(model, reference):
                 assert r.tokens == ref
                 cached.append(r.num_cached_tokens)
             rounds.append((round(t0 - t_kill, 1), round(time.monotonic() - t0, 1), cached))
-            assert cached[0] == 0                          # its first chunk lived on the killed node
+            assert cached[0] == 0  # its first chunk lived on the killed node
             if time.monotonic() - t_kill < 4.5:
                 time.sleep(max(0.0, 4.5 - (time.monotonic() - t_kill)))
         settle(llm)
-        print(f"\ncluster node killed: rounds (s after the kill, s taken, cached tokens) {rounds}; "
-              f"worker {dict((k, v) for k, v in totals(worker).items() if k.startswith(('redis', 'load_err')))}")
+        print(
+            f"\ncluster node killed: rounds (s after the kill, s taken, cached tokens) {rounds}; "
+            f"worker {dict((k, v) for k, v in totals(worker).items() if k.startswith(('redis', 'load_err')))}"
+        )
         victim.restart()
         cl.wait_ok()
         wait_tiers_up(llm)
         tries, last = 0, None
 
-        def hit_again() -> bool:           # the tier's slot map and the nodes' state settle after the rejoin
+        def hit_again() -> bool:  # the tier's slot map and the nodes' state settle after the rejoin
             nonlocal tries, last
-            serve_again(llm, CLUSTER_PROMPTS[0], refs[0])      # stores the chunks the kill lost
+            serve_again(llm, CLUSTER_PROMPTS[0], refs[0])  # stores the chunks the kill lost
             settle(llm)
             r, reads, failed = serve_again(llm, CLUSTER_PROMPTS[0], refs[0])
             tries, last = tries + 1, (r.num_cached_tokens, reads, failed)
             return r.num_cached_tokens == full_hit(len(CLUSTER_PROMPTS[0])) and reads == 3 and not failed
 
-        wait_for(hit_again, 30, lambda: f"a full hit after the rejoin (cached tokens, reads, failed): {last}",
-                 interval=0.5)
+        wait_for(
+            hit_again, 30, lambda: f"a full hit after the rejoin (cached tokens, reads, failed): {last}", interval=0.5
+        )
         print(f"rejoined: a full hit from Redis after {tries} tries")

@@ -41,7 +41,7 @@ def test_soak_under_eviction_and_damaged_files(model, reference, tmp_path):
     sp = SamplingParams(temperature=0, ignore_eos=True, detokenize=False, max_tokens=MAX_TOKENS)
     chunk_file_bytes = None
     wrong, served, deleted, damages = [], 0, 0, 0
-    damaged: dict[str, tuple[int, int]] = {}      # path -> (inode, mtime) right after the test damaged it
+    damaged: dict[str, tuple[int, int]] = {}  # path -> (inode, mtime) right after the test damaged it
     # CPU tier: 3 chunks; disk: 10 chunks, of the ~40 the pool needs: both tiers evict all the time
     with engine(model, tiers(store, cpu=str(3 * CHUNK_BYTES))) as llm:
         sched, worker = connector_sides(llm)
@@ -50,7 +50,7 @@ def test_soak_under_eviction_and_damaged_files(model, reference, tmp_path):
             if files and chunk_file_bytes is None:
                 chunk_file_bytes = os.path.getsize(files[0])
                 worker.tiers["disk"].capacity_bytes = sched.tiers["disk"].capacity_bytes = 10 * chunk_file_bytes
-            if files and rng.random() < 0.25:           # damage a stored chunk: a flipped byte ...
+            if files and rng.random() < 0.25:  # damage a stored chunk: a flipped byte ...
                 f = rng.choice(files)
                 try:
                     with open(f, "r+b") as fh:
@@ -63,14 +63,14 @@ def test_soak_under_eviction_and_damaged_files(model, reference, tmp_path):
                     damages += 1
                 except (FileNotFoundError, ValueError):
                     pass
-            if files and rng.random() < 0.1:            # ... or a file another engine evicted
+            if files and rng.random() < 0.1:  # ... or a file another engine evicted
                 try:
                     os.unlink(rng.choice(files))
                     deleted += 1
                 except FileNotFoundError:
                     pass
             if rng.random() < 0.7:
-                llm.reset_prefix_cache()                # vLLM forgets: the tokens come from kvx or compute
+                llm.reset_prefix_cache()  # vLLM forgets: the tokens come from kvx or compute
             batch = rng.sample(range(len(prompts)), rng.choice((1, 1, 2, 3)))
             outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in batch], sp, use_tqdm=False)
             for i, out in zip(batch, outs):
@@ -79,14 +79,16 @@ def test_soak_under_eviction_and_damaged_files(model, reference, tmp_path):
                     wrong.append((served, i, out.num_cached_tokens))
         totals = dict(worker.totals)
         totals.update({k: totals.get(k, 0) + v for k, v in worker.stats.items()})
-    print(f"soak: {served} requests, {len(wrong)} wrong; {damages} damaged files, {deleted} deleted; "
-          f"{totals.get('load_errors', 0)} failed chunk loads, {totals.get('loaded_chunks', 0)} chunks loaded, "
-          f"{totals.get('saves_dropped', 0)} saves dropped; evictions: CPU {sched.cpu.stats['evicted']}, "
-          f"disk {worker.tiers['disk'].stats()['evicted']}")
+    print(
+        f"soak: {served} requests, {len(wrong)} wrong; {damages} damaged files, {deleted} deleted; "
+        f"{totals.get('load_errors', 0)} failed chunk loads, {totals.get('loaded_chunks', 0)} chunks loaded, "
+        f"{totals.get('saves_dropped', 0)} saves dropped; evictions: CPU {sched.cpu.stats['evicted']}, "
+        f"disk {worker.tiers['disk'].stats()['evicted']}"
+    )
     assert not wrong, f"{len(wrong)} of {served} requests got wrong tokens: {wrong[:10]}"
     # the soak did what it claims: hits from both tiers, failed loads, evictions
     assert totals.get("load_errors", 0) > 0 and damages > 10 and deleted > 0
-    for f, (ino, mtime) in damaged.items():              # damage no request read since: the test's, not kvx's
+    for f, (ino, mtime) in damaged.items():  # damage no request read since: the test's, not kvx's
         try:
             st = os.stat(f)
         except FileNotFoundError:
@@ -96,6 +98,6 @@ def test_soak_under_eviction_and_damaged_files(model, reference, tmp_path):
     assert totals.get("loaded_chunks", 0) > 50
     assert sched.cpu.stats["evicted"] > 0
     assert worker.tiers["disk"].stats()["evicted"] > 0
-    n = assert_store_sound(store)                        # no stray or temporary files, every chunk verifies
+    n = assert_store_sound(store)  # no stray or temporary files, every chunk verifies
     assert n * chunk_file_bytes <= 10 * chunk_file_bytes
     assert all(f.endswith(".safetensors") for f in store_files(store))

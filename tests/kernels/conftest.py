@@ -26,9 +26,12 @@ C_ERROR = None if C is not None else ERROR  # the message names the missing .so 
 @pytest.fixture(autouse=True)
 def _require_compiled_extension():
     if C_ERROR is not None:
-        pytest.fail(f"kvx._C failed to import ({C_ERROR}); the kernel tests need it. Build it with "
-                    "`./scripts/setup.sh` or `pip install -e .` from the kvx source tree (a C++17 compiler on "
-                    "PATH).", pytrace=False)
+        pytest.fail(
+            f"kvx._C failed to import ({C_ERROR}); the kernel tests need it. Build it with "
+            "`./scripts/setup.sh` or `pip install -e .` from the kvx source tree (a C++17 compiler on "
+            "PATH).",
+            pytrace=False,
+        )
 
 
 def nvcc_path() -> str | None:
@@ -53,24 +56,35 @@ def impl_or_skip(impl, device="cpu"):
         if impl == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("Triton runs CPU caches only in its interpreter: set TRITON_INTERPRET=1")
         if impl == "cuda_sim" and ops._C is not None and nvcc_path() is None:
-            pytest.skip("cuda_sim is the CUDA kernel compiled by nvcc as host code: no nvcc here (or KVX_CUDA=0), "
-                        "so kvx._C has none")
+            pytest.skip(
+                "cuda_sim is the CUDA kernel compiled by nvcc as host code: no nvcc here (or KVX_CUDA=0), "
+                "so kvx._C has none"
+            )
         why = ops._C_ERROR or ""
         if impl == "cuda_sim" and ops._C is not None:
-            why = (f"nvcc is at {nvcc_path()} but kvx._C was built without it (has_cuda_sim is False): rebuild "
-                   "with `pip install -e .` (KVX_CUDA=1 makes a missing nvcc a build error)")
+            why = (
+                f"nvcc is at {nvcc_path()} but kvx._C was built without it (has_cuda_sim is False): rebuild "
+                "with `pip install -e .` (KVX_CUDA=1 makes a missing nvcc a build error)"
+            )
         if impl == "triton":
             try:
                 import kvx.triton_kernels.copy  # noqa: F401
             except Exception as e:  # noqa: BLE001 - the message is the point
                 why = f"{type(e).__name__}: {e}"
-        pytest.fail(f"impl {impl!r} should run on {device} here but is unavailable "
-                    f"(available: {ops.available_impls(device)}){'; ' + why if why else ''}", pytrace=False)
+        pytest.fail(
+            f"impl {impl!r} should run on {device} here but is unavailable "
+            f"(available: {ops.available_impls(device)}){'; ' + why if why else ''}",
+            pytrace=False,
+        )
     return impl
 
 
 def two_layouts(name, geom, dtype, padded, seed, device="cpu"):
     """Two identical caches (one for the implementation under test, one for the reference)."""
-    a, b = (make_kv_caches(name, **geom, dtype=dtype, device=device, padded=padded,
-                           generator=torch.Generator().manual_seed(seed)) for _ in range(2))
+    a, b = (
+        make_kv_caches(
+            name, **geom, dtype=dtype, device=device, padded=padded, generator=torch.Generator().manual_seed(seed)
+        )
+        for _ in range(2)
+    )
     return KVLayout.from_tensors(a, name), KVLayout.from_tensors(b, name)

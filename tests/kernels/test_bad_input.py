@@ -104,8 +104,11 @@ def test_ids_wrong_shape_and_device(lay):
 
 
 def test_unknown_impl(lay):
-    with pytest.raises(ValueError, match=r"impl: expected one of \('reference', 'cpu', 'triton', 'cuda', "
-                                         r"'cuda_sim'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"impl: expected one of \('reference', 'cpu', 'triton', 'cuda', "
+        r"'cuda_sim'\)",
+    ):
         ops.gather_blocks(lay, [0], impl="magic")
 
 
@@ -136,8 +139,11 @@ def test_unknown_path(lay):
 
 def test_path_needs_the_cuda_impl(lay):
     src = torch.zeros(lay.canonical_shape(16), dtype=torch.float16)
-    with pytest.raises(ValueError, match="path: 'dma' picks between the CUDA copy kernel and DMA, which only impl "
-                                         "'cuda' has; this copy runs impl 'cpu'"):
+    with pytest.raises(
+        ValueError,
+        match="path: 'dma' picks between the CUDA copy kernel and DMA, which only impl "
+        "'cuda' has; this copy runs impl 'cpu'",
+    ):
         ops.scatter_blocks(lay, [0], src, path="dma")
     with pytest.raises(ValueError, match="path: 'kernel' .* runs impl 'reference'"):
         ops.gather_blocks(lay, [0], impl="reference", path="kernel")
@@ -149,7 +155,7 @@ def test_opaque_cpu_backend_pages_refuse_tokens():
         ops.gather_slots(lay, [0, 1])
     with pytest.raises(ValueError, match="layout: 'cpu' pages are packed by the attention backend"):
         ops.gather_blocks(lay, [0])
-    pages = ops.gather_pages(lay, [2, 0])            # whole pages are fine
+    pages = ops.gather_pages(lay, [2, 0])  # whole pages are fine
     assert_same_bytes(pages, ops.gather_pages(lay, [2, 0], impl="reference"))
 
 
@@ -164,4 +170,4 @@ def test_empty_ids_are_a_no_op(lay):
     out = ops.gather_blocks(lay, [])
     assert out.shape == lay.canonical_shape(0)
     ops.scatter_slots(lay, torch.empty(0, dtype=torch.int64), torch.empty(lay.canonical_shape(0), dtype=torch.float16))
-    assert_all_same_bytes(lay.layers, before)       # bitwise: the random cache bytes include NaNs
+    assert_all_same_bytes(lay.layers, before)  # bitwise: the random cache bytes include NaNs

@@ -13,15 +13,20 @@ from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
 
 from .conftest import impl_or_skip
 
-IMPLS = ["reference", "cpu", "triton", "cuda_sim"]   # cuda_sim's GPU twin: test_gpu_batch_by_layer_ranges
+IMPLS = ["reference", "cpu", "triton", "cuda_sim"]  # cuda_sim's GPU twin: test_gpu_batch_by_layer_ranges
 DTYPES = [torch.bfloat16, torch.float8_e4m3fn, torch.uint8]
 LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "flash", "flashinfer", "mla"]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none present)")
 
 
 def _caches(name, dtype, seed, device="cpu", layers=3, blocks=12, block_size=16):
-    geom = dict(num_layers=layers, num_blocks=blocks, block_size=block_size, num_heads=1 if name == "mla" else 2,
-                head_size=40 if name == "mla" else 5)
+    geom = dict(
+        num_layers=layers,
+        num_blocks=blocks,
+        block_size=block_size,
+        num_heads=1 if name == "mla" else 2,
+        head_size=40 if name == "mla" else 5,
+    )
     a = make_kv_caches(name, **geom, dtype=dtype, device=device, generator=torch.Generator().manual_seed(seed))
     b = make_kv_caches(name, **geom, dtype=dtype, device=device, generator=torch.Generator().manual_seed(seed))
     return KVLayout.from_tensors(a, name), KVLayout.from_tensors(b, name)
@@ -37,10 +42,12 @@ def _copies(lay, g, device, pinned=False):
         return t.pin_memory() if pinned else t.to(device)
 
     pool = buf((2, lay.num_planes, lay.num_layers, 3 * bs, lay.num_heads, lay.head_size), lay.dtype)
-    out = [("blocks", [4, 0], buf(lay.canonical_shape(2 * bs), lay.dtype)),
-           ("blocks", [7, 2, 9], pool[1].transpose(0, 1)),                       # strided: a pool slot
-           ("blocks", [5], buf(lay.canonical_shape(bs), lay.dtype)),
-           ("slots", [11 * bs + 3, -1, 11 * bs, 10 * bs + bs - 1, -1], buf(lay.canonical_shape(5), lay.dtype))]
+    out = [
+        ("blocks", [4, 0], buf(lay.canonical_shape(2 * bs), lay.dtype)),
+        ("blocks", [7, 2, 9], pool[1].transpose(0, 1)),  # strided: a pool slot
+        ("blocks", [5], buf(lay.canonical_shape(bs), lay.dtype)),
+        ("slots", [11 * bs + 3, -1, 11 * bs, 10 * bs + bs - 1, -1], buf(lay.canonical_shape(5), lay.dtype)),
+    ]
     if lay.page is not None:
         out.append(("pages", [1, 8], buf(lay.page_shape(2), torch.uint8)))
     return out
@@ -96,8 +103,10 @@ def test_cpu_layout_pages_batch(impl):
     impl_or_skip(impl)
     g = torch.Generator().manual_seed(9)
     lay, ref = _caches("cpu", torch.bfloat16, 9, layers=4)
-    srcs = [(ids, random_fill_(torch.empty(lay.page_shape(len(ids)), dtype=torch.uint8), g))
-            for ids in ([3, 1], [0], [11, 6, 7])]
+    srcs = [
+        (ids, random_fill_(torch.empty(lay.page_shape(len(ids)), dtype=torch.uint8), g))
+        for ids in ([3, 1], [0], [11, 6, 7])
+    ]
     batch = ops.CopyBatch(lay, impl=impl)
     for ids, src in srcs:
         batch.add("scatter_pages", ids, src)
@@ -111,8 +120,14 @@ def test_cpu_layout_pages_batch(impl):
 def test_an_op_is_named_once():
     """An op's one encoding is :class:`Op`: its value names the op's function (and the oracle's), ``add`` takes it or
     that name, and the extension's integers are derived from it."""
-    assert [op.value for op in Op] == ["gather_blocks", "scatter_blocks", "gather_slots", "scatter_slots",
-                                       "gather_pages", "scatter_pages"]
+    assert [op.value for op in Op] == [
+        "gather_blocks",
+        "scatter_blocks",
+        "gather_slots",
+        "scatter_slots",
+        "gather_pages",
+        "scatter_pages",
+    ]
     assert all(callable(getattr(ops, op.value)) for op in Op)
     assert [(op.c_mode, op.c_direction) for op in Op] == [(0, 0), (0, 1), (1, 0), (1, 1), (0, 0), (0, 1)]
     assert [op.id_name for op in Op if op.slots] == ["slot_ids", "slot_ids"]
@@ -183,12 +198,16 @@ def test_add_checks_as_the_op_does():
     assert len(batch) == 0
 
 
-@pytest.mark.parametrize("first,second,clash", [
-    (("scatter_blocks", [2, 5]), ("scatter_blocks", [7, 5]), "[5]"),
-    (("scatter_blocks", [2]), ("scatter_slots", [2 * 16 + 3]), "[2]"),
-    (("scatter_slots", [4 * 16 + 1]), ("scatter_blocks", [4]), "[4]"),
-    (("scatter_slots", [4 * 16 + 1, -1]), ("scatter_slots", [-1, 4 * 16 + 1]), "[65]"),
-], ids=["blocks", "slot-in-block", "block-of-slot", "slots"])
+@pytest.mark.parametrize(
+    "first,second,clash",
+    [
+        (("scatter_blocks", [2, 5]), ("scatter_blocks", [7, 5]), "[5]"),
+        (("scatter_blocks", [2]), ("scatter_slots", [2 * 16 + 3]), "[2]"),
+        (("scatter_slots", [4 * 16 + 1]), ("scatter_blocks", [4]), "[4]"),
+        (("scatter_slots", [4 * 16 + 1, -1]), ("scatter_slots", [-1, 4 * 16 + 1]), "[65]"),
+    ],
+    ids=["blocks", "slot-in-block", "block-of-slot", "slots"],
+)
 def test_scatters_of_a_batch_must_not_overlap(first, second, clash):
     lay, batch = _batch()
 
@@ -197,10 +216,13 @@ def test_scatters_of_a_batch_must_not_overlap(first, second, clash):
         return torch.zeros(lay.canonical_shape(n), dtype=lay.dtype)
 
     batch.add(first[0], first[1], src(*first))
-    with pytest.raises(ValueError, match=rf"expected blocks and slots no earlier scatter of this batch writes.*"
-                                         rf"got {re.escape(clash)} again"):
+    with pytest.raises(
+        ValueError,
+        match=rf"expected blocks and slots no earlier scatter of this batch writes.*"
+        rf"got {re.escape(clash)} again",
+    ):
         batch.add(second[0], second[1], src(*second))
-    batch.add("scatter_slots", [4 * 16 + 2], src("scatter_slots", [0]))   # another slot of a slot's block: fine
+    batch.add("scatter_slots", [4 * 16 + 2], src("scatter_slots", [0]))  # another slot of a slot's block: fine
 
 
 def test_gathers_may_overlap():

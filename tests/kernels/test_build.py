@@ -24,8 +24,10 @@ def test_cpu_kernels_always_built():
     assert C.cpu_get_num_threads() >= 1
 
 
-@pytest.mark.skipif(not _nvcc_present() or os.environ.get("KVX_CUDA") == "0",
-                    reason="nvcc not found (or KVX_CUDA=0): the CUDA kernels are not expected")
+@pytest.mark.skipif(
+    not _nvcc_present() or os.environ.get("KVX_CUDA") == "0",
+    reason="nvcc not found (or KVX_CUDA=0): the CUDA kernels are not expected",
+)
 def test_cuda_kernels_compiled_when_nvcc_is_present():
     from kvx._ext import C
 
@@ -45,8 +47,16 @@ def test_descriptors_are_built_by_field_name():
     from kvx._ext import C
     from kvx.kernels.layout import ContigDesc, CopyPlan, PagedDesc
 
-    paged = PagedDesc(plane_stride=11, block_stride=12, token_stride=13, head_stride=14, num_blocks=15,
-                      num_planes=2, block_size=16, num_heads=17)
+    paged = PagedDesc(
+        plane_stride=11,
+        block_stride=12,
+        token_stride=13,
+        head_stride=14,
+        num_blocks=15,
+        num_planes=2,
+        block_size=16,
+        num_heads=17,
+    )
     contig = ContigDesc(layer_stride=21, plane_stride=22, token_stride=23, head_stride=24)
     cp, cc = ops._c_descs(CopyPlan(paged, contig, 8, 1, 1, 0))
     for name, value in vars(paged).items():

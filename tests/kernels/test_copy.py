@@ -19,9 +19,9 @@ FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 # uint8 fp8 cache holds) and uint8 (kv_cache_dtype "fp8" / "fp8_e4m3" / "fp8_e5m2" are stored as uint8).
 VLLM_DTYPES = [torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES, torch.uint8]
 BLOCK_SIZES = [16, 32, 128]
-HEAD_SIZES = [64, 5]            # an odd head size exercises the 1- and 2-byte copy widths
+HEAD_SIZES = [64, 5]  # an odd head size exercises the 1- and 2-byte copy widths
 MLA_HEAD_SIZES = [576, 5]
-TOKEN_LAYOUTS = [name for name in LAYOUTS if name != "cpu"]    # the CPU backend's pages are opaque
+TOKEN_LAYOUTS = [name for name in LAYOUTS if name != "cpu"]  # the CPU backend's pages are opaque
 # compared with "reference"; "cuda_sim" is the CUDA kernel's own source emulated on CPU (its twin on a GPU is
 # impl "cuda" in test_gpu_matches_reference below, on the same CASES)
 IMPLS = ["cpu", "triton", "cuda_sim"]
@@ -31,8 +31,13 @@ def _geometry(layout, block_size, head_size, seed):
     g = torch.Generator().manual_seed(seed)
     heads = 1 if layout == "mla" else int(torch.randint(1, 4, (1,), generator=g))
     num_blocks = int(torch.randint(5, 9, (1,), generator=g))
-    return dict(num_layers=int(torch.randint(1, 4, (1,), generator=g)), num_blocks=num_blocks,
-                block_size=block_size, num_heads=heads, head_size=head_size), g
+    return dict(
+        num_layers=int(torch.randint(1, 4, (1,), generator=g)),
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_heads=heads,
+        head_size=head_size,
+    ), g
 
 
 def _cases(head_sizes_for):
@@ -49,7 +54,7 @@ def _fp8_cases():
     a float8 copy runs the 1-byte uint8 code, which CASES covers at every block size)."""
     for i, (name, dtype) in enumerate(itertools.product(TOKEN_LAYOUTS, FP8_DTYPES)):
         bs = BLOCK_SIZES[i % len(BLOCK_SIZES)]
-        for hs in (MLA_HEAD_SIZES if name == "mla" else HEAD_SIZES):
+        for hs in MLA_HEAD_SIZES if name == "mla" else HEAD_SIZES:
             yield pytest.param(name, dtype, bs, hs, id=f"{name}-{str(dtype)[6:]}-bs{bs}-hs{hs}")
 
 
@@ -91,21 +96,23 @@ def test_slots(impl, name, dtype, block_size, head_size):
     num_slots = geom["num_blocks"] * block_size
     n = int(torch.randint(1, 40, (1,), generator=g))
     slots = torch.randperm(num_slots, generator=g)[: 2 * n]
-    slots[torch.rand(slots.shape, generator=g) < 0.25] = -1          # padding slots
-    slots = slots[::2]                                                # a non-contiguous ids tensor
+    slots[torch.rand(slots.shape, generator=g) < 0.25] = -1  # padding slots
+    slots = slots[::2]  # a non-contiguous ids tensor
     out = random_fill_(torch.empty(lay.canonical_shape(len(slots)), dtype=dtype), g)
     expected = out.clone()
     ops.gather_slots(lay, slots, out, impl=impl)
     ops.gather_slots(ref, slots, expected, impl="reference")
-    assert_same_bytes(out, expected)                                  # padding rows keep the poison
+    assert_same_bytes(out, expected)  # padding rows keep the poison
     src = random_fill_(torch.empty_like(out), g)
     ops.scatter_slots(lay, slots, src, impl=impl)
     ops.scatter_slots(ref, slots, src, impl="reference")
     assert_all_same_bytes(lay.layers, ref.layers)
 
 
-PAGE_CASES = [pytest.param(name, dtype, bs, id=f"{name}-{str(dtype)[6:]}-bs{bs}")
-              for name, dtype, bs in itertools.product(LAYOUTS, [torch.bfloat16, torch.uint8], BLOCK_SIZES)]
+PAGE_CASES = [
+    pytest.param(name, dtype, bs, id=f"{name}-{str(dtype)[6:]}-bs{bs}")
+    for name, dtype, bs in itertools.product(LAYOUTS, [torch.bfloat16, torch.uint8], BLOCK_SIZES)
+]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -143,9 +150,20 @@ def test_round_trip_restores_touched_blocks_only(impl, name):
 
 def _round_trip_case(impl, name, device="cpu"):
     g = torch.Generator().manual_seed(7)
-    lay = KVLayout.from_tensors(make_kv_caches(name, num_layers=2, num_blocks=9, block_size=16,
-                                               num_heads=1 if name == "mla" else 2, head_size=24, dtype=torch.bfloat16,
-                                               device=device, generator=g), name)
+    lay = KVLayout.from_tensors(
+        make_kv_caches(
+            name,
+            num_layers=2,
+            num_blocks=9,
+            block_size=16,
+            num_heads=1 if name == "mla" else 2,
+            head_size=24,
+            dtype=torch.bfloat16,
+            device=device,
+            generator=g,
+        ),
+        name,
+    )
     before = [t.clone() for t in lay.layers]
     ids = [6, 1, 4]
     chunk = ops.gather_blocks(lay, ids, impl=impl)
@@ -167,12 +185,36 @@ def test_canonical_chunk_moves_between_layouts_and_block_sizes(impl):
 
 def _chunk_between_layouts_case(impl, device="cpu"):
     g = torch.Generator().manual_seed(3)
-    src = KVLayout.from_tensors(make_kv_caches("LBNHC", num_layers=2, num_blocks=4, block_size=32, num_heads=2,
-                                               head_size=8, dtype=torch.float16, device=device, generator=g), "LBNHC")
-    dst = KVLayout.from_tensors(make_kv_caches("flash", num_layers=2, num_blocks=9, block_size=16, num_heads=2,
-                                               head_size=8, dtype=torch.float16, device=device, generator=g), "flash")
-    chunk = ops.gather_blocks(src, [2, 0], impl=impl)                   # 64 tokens
-    ops.scatter_blocks(dst, [5, 1, 8, 3], chunk, impl=impl)             # 4 blocks of 16
+    src = KVLayout.from_tensors(
+        make_kv_caches(
+            "LBNHC",
+            num_layers=2,
+            num_blocks=4,
+            block_size=32,
+            num_heads=2,
+            head_size=8,
+            dtype=torch.float16,
+            device=device,
+            generator=g,
+        ),
+        "LBNHC",
+    )
+    dst = KVLayout.from_tensors(
+        make_kv_caches(
+            "flash",
+            num_layers=2,
+            num_blocks=9,
+            block_size=16,
+            num_heads=2,
+            head_size=8,
+            dtype=torch.float16,
+            device=device,
+            generator=g,
+        ),
+        "flash",
+    )
+    chunk = ops.gather_blocks(src, [2, 0], impl=impl)  # 64 tokens
+    ops.scatter_blocks(dst, [5, 1, 8, 3], chunk, impl=impl)  # 4 blocks of 16
     assert_same_bytes(ops.gather_blocks(dst, [5, 1, 8, 3], impl=impl), chunk)
     # token (b, t) of the source equals the token it landed on
     k_src, k_dst = src.plane_views(1)[0], dst.plane_views(1)[0]
@@ -192,12 +234,24 @@ def test_strided_contiguous_side(impl, dtype):
 
 def _strided_contiguous_side_case(impl, dtype, device="cpu"):
     g = torch.Generator().manual_seed(11)
-    lay = KVLayout.from_tensors(make_kv_caches("LBHNC", num_layers=3, num_blocks=6, block_size=16, num_heads=2,
-                                               head_size=16, dtype=dtype, device=device, generator=g), "LBHNC")
-    pool = random_fill_(torch.empty(2, 2, 3, 48, 2, 16, dtype=dtype), g).to(device)   # [slot, P, L, T, H, D]
-    out = pool[1].transpose(0, 1)                                                   # [L, P, T, H, D], strided
+    lay = KVLayout.from_tensors(
+        make_kv_caches(
+            "LBHNC",
+            num_layers=3,
+            num_blocks=6,
+            block_size=16,
+            num_heads=2,
+            head_size=16,
+            dtype=dtype,
+            device=device,
+            generator=g,
+        ),
+        "LBHNC",
+    )
+    pool = random_fill_(torch.empty(2, 2, 3, 48, 2, 16, dtype=dtype), g).to(device)  # [slot, P, L, T, H, D]
+    out = pool[1].transpose(0, 1)  # [L, P, T, H, D], strided
     ops.gather_blocks(lay, [3, 0, 5], out, impl=impl)
-    assert_same_bytes(out, ops.gather_blocks(lay, [3, 0, 5], impl="reference"))    # vs a contiguous chunk
+    assert_same_bytes(out, ops.gather_blocks(lay, [3, 0, 5], impl="reference"))  # vs a contiguous chunk
     before = pool[0].clone()
     ops.gather_blocks(lay, [1, 2, 4], out, impl=impl)
     assert_same_bytes(pool[0], before)
@@ -208,8 +262,9 @@ def test_reference_matches_hand_indexing():
     g = torch.Generator().manual_seed(5)
     for name in ("LBNHC", "flash", "mla"):
         H = 1 if name == "mla" else 3
-        caches = make_kv_caches(name, num_layers=2, num_blocks=4, block_size=16, num_heads=H, head_size=4,
-                                dtype=torch.float32, generator=g)
+        caches = make_kv_caches(
+            name, num_layers=2, num_blocks=4, block_size=16, num_heads=H, head_size=4, dtype=torch.float32, generator=g
+        )
         lay = KVLayout.from_tensors(caches, name)
         ids = [3, 1]
         out = ops.gather_blocks(lay, ids, impl="reference")
@@ -217,11 +272,11 @@ def test_reference_matches_hand_indexing():
             for i, b in enumerate(ids):
                 for tok in range(16):
                     for h in range(H):
-                        if name == "LBNHC":        # view [B, H, N, 2D], K = first D of the content
+                        if name == "LBNHC":  # view [B, H, N, 2D], K = first D of the content
                             k, v = t[b, h, tok, :4], t[b, h, tok, 4:]
-                        elif name == "flash":      # [2, B, N, H, D]
+                        elif name == "flash":  # [2, B, N, H, D]
                             k, v = t[0, b, tok, h], t[1, b, tok, h]
-                        else:                      # [B, N, C]
+                        else:  # [B, N, C]
                             k, v = t[b, tok], None
                         assert_same_bytes(out[l, 0, i * 16 + tok, h], k)
                         if v is not None:
@@ -231,14 +286,14 @@ def test_reference_matches_hand_indexing():
 def _hand_row(t, name, b, tok, h, p):
     """Row ``[D]`` of plane ``p``, block ``b``, token ``tok``, head ``h`` in one layer's cache tensor ``t`` as
     make_kv_caches builds it, by plain indexing (no KVLayout)."""
-    if name in ("LBNHC", "LBHNC", "BLNHC", "BLHNC"):    # [B, H, N, 2D]: K is the first D of the content
+    if name in ("LBNHC", "LBHNC", "BLNHC", "BLHNC"):  # [B, H, N, 2D]: K is the first D of the content
         d = t.shape[-1] // 2
-        return t[b, h, tok, p * d:(p + 1) * d]
-    if name == "flash":                                 # [2, B, N, H, D]
+        return t[b, h, tok, p * d : (p + 1) * d]
+    if name == "flash":  # [2, B, N, H, D]
         return t[p, b, tok, h]
-    if name == "flashinfer":                            # [B, 2, N, H, D]
+    if name == "flashinfer":  # [B, 2, N, H, D]
         return t[b, p, tok, h]
-    assert name == "mla" and p == 0 and h == 0          # [B, N, D]
+    assert name == "mla" and p == 0 and h == 0  # [B, N, D]
     return t[b, tok]
 
 
@@ -253,8 +308,9 @@ def test_reference_every_vllm_dtype_by_hand(name, dtype):
     blocks and slots, both directions, against per-row byte comparisons on padded (non-contiguous) caches."""
     g = torch.Generator().manual_seed(case_seed("by-hand", name, str(dtype)))
     N, B, H = 16, 4, 1 if name == "mla" else 2
-    caches = make_kv_caches(name, num_layers=2, num_blocks=B, block_size=N, num_heads=H, head_size=6,
-                            dtype=dtype, padded=True, generator=g)
+    caches = make_kv_caches(
+        name, num_layers=2, num_blocks=B, block_size=N, num_heads=H, head_size=6, dtype=dtype, padded=True, generator=g
+    )
     lay = KVLayout.from_tensors(caches, name)
     P = lay.num_planes
     rows = [(l, p, h) for l in range(2) for p in range(P) for h in range(H)]
@@ -279,14 +335,23 @@ def test_reference_every_vllm_dtype_by_hand(name, dtype):
         return expected
 
     src = random_fill_(torch.empty(lay.canonical_shape(len(slots)), dtype=dtype), g)
-    expected = expect_writes([(l, p, h, s // N, s % N, src[l, p, i, h])
-                              for (l, p, h), (i, s) in itertools.product(rows, enumerate(slots)) if s >= 0])
-    ops.scatter_slots(lay, slots, src, impl="reference")               # padding slots write nothing
+    expected = expect_writes(
+        [
+            (l, p, h, s // N, s % N, src[l, p, i, h])
+            for (l, p, h), (i, s) in itertools.product(rows, enumerate(slots))
+            if s >= 0
+        ]
+    )
+    ops.scatter_slots(lay, slots, src, impl="reference")  # padding slots write nothing
     assert_all_same_bytes(caches, expected)
 
     src = random_fill_(torch.empty(lay.canonical_shape(2 * N), dtype=dtype), g)
-    expected = expect_writes([(l, p, h, b, tok, src[l, p, i * N + tok, h])
-                              for (l, p, h), (i, b), tok in itertools.product(rows, enumerate([2, 0]), range(N))])
+    expected = expect_writes(
+        [
+            (l, p, h, b, tok, src[l, p, i * N + tok, h])
+            for (l, p, h), (i, b), tok in itertools.product(rows, enumerate([2, 0]), range(N))
+        ]
+    )
     ops.scatter_blocks(lay, [2, 0], src, impl="reference")
     assert_all_same_bytes(caches, expected)
 
@@ -295,10 +360,21 @@ def test_cpu_large_copies_and_thread_counts():
     """Copies above the streaming-store threshold (16 MiB) and any thread count give the reference bytes."""
     impl_or_skip("cpu")
     g = torch.Generator().manual_seed(1)
-    lay = KVLayout.from_tensors(make_kv_caches("LBNHC", num_layers=4, num_blocks=96, block_size=16, num_heads=8,
-                                               head_size=128, dtype=torch.bfloat16, generator=g), "LBNHC")
+    lay = KVLayout.from_tensors(
+        make_kv_caches(
+            "LBNHC",
+            num_layers=4,
+            num_blocks=96,
+            block_size=16,
+            num_heads=8,
+            head_size=128,
+            dtype=torch.bfloat16,
+            generator=g,
+        ),
+        "LBNHC",
+    )
     ref = KVLayout.from_tensors([t.clone() for t in lay.layers], "LBNHC")
-    ids = torch.randperm(96, generator=g)[:80]                     # 4 x 80 x 16 KiB x 2 planes = 21 MB
+    ids = torch.randperm(96, generator=g)[:80]  # 4 x 80 x 16 KiB x 2 planes = 21 MB
     expected = ops.gather_blocks(lay, ids, impl="reference")
     default_threads = ops.get_num_threads()
     try:

@@ -20,7 +20,7 @@ from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
 from .conftest import two_layouts
 
 KiB = 1024
-SIZES = [4 * KiB << k for k in range(9)]          # 4 KiB .. 1 MiB, as the calibration sweeps
+SIZES = [4 * KiB << k for k in range(9)]  # 4 KiB .. 1 MiB, as the calibration sweeps
 
 
 # ------------------------------------------------------------------------------------------ the rule (CPU)
@@ -32,7 +32,7 @@ def _times(per_run_ms, gbs, sizes=SIZES, runs=64):
 def test_rule_picks_the_crossover():
     # kernel: no per-run cost, 20 GB/s; DMA: 4 us per run, 50 GB/s -> equal at b = 4e-3 / (1/20e6 - 1/50e6)
     kernel, dma = _times(0.0, 20), _times(0.004, 50)
-    crossover = 0.004 / (1 / 20e6 - 1 / 50e6)                                  # 133 kB
+    crossover = 0.004 / (1 / 20e6 - 1 / 50e6)  # 133 kB
     expected = min(b for b in SIZES if b >= crossover)
     assert h2d.choose_dma_min_bytes(SIZES, kernel, dma) == expected == 256 * KiB
 
@@ -56,15 +56,18 @@ def test_rule_ignores_a_dma_win_below_a_kernel_win():
     assert h2d.choose_dma_min_bytes([4096, 8192, 16384, 32768], kernel, dma) == 16384
 
 
-@pytest.mark.parametrize("args,match", [
-    (([], [], []), "run_bytes: expected at least one run size"),
-    (([4096, 8192], [1.0], [1.0, 1.0]), "kernel_ms, dma_ms: expected one time per run size"),
-    (([8192, 4096], [1.0, 1.0], [1.0, 1.0]), "run_bytes: expected strictly increasing positive ints"),
-    (([0, 4096], [1.0, 1.0], [1.0, 1.0]), "run_bytes: expected strictly increasing positive ints"),
-    (([4096.0], [1.0], [1.0]), "run_bytes: expected strictly increasing positive ints"),
-    (([4096], [0.0], [1.0]), "kernel_ms: expected positive finite times"),
-    (([4096], [1.0], [math.nan]), "dma_ms: expected positive finite times"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (([], [], []), "run_bytes: expected at least one run size"),
+        (([4096, 8192], [1.0], [1.0, 1.0]), "kernel_ms, dma_ms: expected one time per run size"),
+        (([8192, 4096], [1.0, 1.0], [1.0, 1.0]), "run_bytes: expected strictly increasing positive ints"),
+        (([0, 4096], [1.0, 1.0], [1.0, 1.0]), "run_bytes: expected strictly increasing positive ints"),
+        (([4096.0], [1.0], [1.0]), "run_bytes: expected strictly increasing positive ints"),
+        (([4096], [0.0], [1.0]), "kernel_ms: expected positive finite times"),
+        (([4096], [1.0], [math.nan]), "dma_ms: expected positive finite times"),
+    ],
+)
 def test_rule_rejects_bad_timings(args, match):
     with pytest.raises(ValueError, match=match):
         h2d.choose_dma_min_bytes(*args)
@@ -82,8 +85,11 @@ def test_env_overrides_the_measurement(monkeypatch):
 @pytest.mark.parametrize("value", ["abc", "-1", "1.5", "64KiB", "0x100"])
 def test_env_must_be_a_non_negative_integer(monkeypatch, value):
     monkeypatch.setenv(h2d.H2D_ENV, value)
-    with pytest.raises(ValueError, match=rf"KVX_H2D_DMA_MIN_BYTES: expected a non-negative integer .* got "
-                                         rf"'{value}'"):
+    with pytest.raises(
+        ValueError,
+        match=rf"KVX_H2D_DMA_MIN_BYTES: expected a non-negative integer .* got "
+        rf"'{value}'",
+    ):
         h2d.h2d_dma_min_bytes("cuda:0", "scatter")
 
 
@@ -105,7 +111,7 @@ def test_each_copy_asks_the_rule(monkeypatch):
     for op in Op:
         assert h2d.dma_min_run_bytes(dev, op, "dma", host=False) == 0
         assert h2d.dma_min_run_bytes(dev, op, "kernel", host=True) == h2d.DMA_NEVER
-        assert h2d.dma_min_run_bytes(dev, op, None, host=False) == h2d.DMA_NEVER   # device <-> device: the kernel
+        assert h2d.dma_min_run_bytes(dev, op, None, host=False) == h2d.DMA_NEVER  # device <-> device: the kernel
         assert h2d.dma_min_run_bytes(dev, op, None, host=True) == 4096
     assert ops.calibrate_h2d is h2d.calibrate_h2d and ops.DMA_NEVER == h2d.DMA_NEVER and ops.PATHS is h2d.PATHS
 
@@ -117,19 +123,22 @@ FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 BLOCK_SIZES = [16, 32, 128]
 TOKEN_LAYOUTS = [name for name in LAYOUTS if name != "cpu"]
 # (path, contiguous side): the kernel on device memory is test_copy.py's
-ROUTES = [pytest.param("dma", True, id="dma-pinned"), pytest.param("dma", False, id="dma-hbm"),
-          pytest.param("kernel", True, id="kernel-pinned")]
+ROUTES = [
+    pytest.param("dma", True, id="dma-pinned"),
+    pytest.param("dma", False, id="dma-hbm"),
+    pytest.param("kernel", True, id="kernel-pinned"),
+]
 
 
 def _cases():
     for name, dtype, bs in itertools.product(TOKEN_LAYOUTS, DTYPES, BLOCK_SIZES):
-        for hs in ([576, 5] if name == "mla" else [64, 5]):
+        for hs in [576, 5] if name == "mla" else [64, 5]:
             yield pytest.param(name, dtype, bs, hs, id=f"{name}-{str(dtype)[6:]}-bs{bs}-hs{hs}")
     # float8 (vLLM's fp8_inc caches) on every layout and head size, one block size per layout in turn: the
     # copy moves bytes, so it is the 1-byte uint8 case above at the other block sizes
     for i, (name, dtype) in enumerate(itertools.product(TOKEN_LAYOUTS, FP8_DTYPES)):
         bs = BLOCK_SIZES[i % len(BLOCK_SIZES)]
-        for hs in ([576, 5] if name == "mla" else [64, 5]):
+        for hs in [576, 5] if name == "mla" else [64, 5]:
             yield pytest.param(name, dtype, bs, hs, id=f"{name}-{str(dtype)[6:]}-bs{bs}-hs{hs}")
 
 
@@ -158,8 +167,11 @@ def _check_op(kind, lay, ref, gather_ids, scatter_ids, shape_of, dtype, host, pa
 
 def _need_cuda_impl():
     if "cuda" not in ops.available_impls("cuda"):
-        pytest.fail(f"impl 'cuda' should run here but is unavailable ({ops.available_impls('cuda')}); "
-                    f"{ops._C_ERROR or 'kvx._C built without CUDA'}", pytrace=False)
+        pytest.fail(
+            f"impl 'cuda' should run here but is unavailable ({ops.available_impls('cuda')}); "
+            f"{ops._C_ERROR or 'kvx._C built without CUDA'}",
+            pytrace=False,
+        )
 
 
 @needs_cuda
@@ -171,18 +183,22 @@ def test_cuda_path_matches_reference(path, host, name, dtype, block_size, head_s
     seed = case_seed("h2d", name, str(dtype), block_size, head_size)
     g = torch.Generator().manual_seed(seed)
     B = 8
-    geom = dict(num_layers=int(torch.randint(1, 4, (1,), generator=g)), num_blocks=B, block_size=block_size,
-                num_heads=1 if name == "mla" else int(torch.randint(1, 4, (1,), generator=g)), head_size=head_size)
+    geom = dict(
+        num_layers=int(torch.randint(1, 4, (1,), generator=g)),
+        num_blocks=B,
+        block_size=block_size,
+        num_heads=1 if name == "mla" else int(torch.randint(1, 4, (1,), generator=g)),
+        head_size=head_size,
+    )
     lay, ref = two_layouts(name, geom, dtype, bool(seed % 2), seed, device="cuda")
-    ids = torch.tensor([5, 6, 2, 0])                                  # 5, 6 adjacent: a merged run
-    gather_ids = torch.cat([ids, ids[:1]])                            # a block read twice
-    _check_op("blocks", lay, ref, gather_ids, ids, lambda n: lay.canonical_shape(n * block_size), dtype, host, path,
-              g)
-    run = torch.arange(3 * block_size, 3 * block_size + 8)            # consecutive slots: a merged run
+    ids = torch.tensor([5, 6, 2, 0])  # 5, 6 adjacent: a merged run
+    gather_ids = torch.cat([ids, ids[:1]])  # a block read twice
+    _check_op("blocks", lay, ref, gather_ids, ids, lambda n: lay.canonical_shape(n * block_size), dtype, host, path, g)
+    run = torch.arange(3 * block_size, 3 * block_size + 8)  # consecutive slots: a merged run
     rest = torch.randperm(B * block_size, generator=g)
     rest = rest[(rest < run[0]) | (rest > run[-1])][:29]
     slots = torch.cat([rest[:4], run, rest[4:]])
-    slots[::5] = -1                                                   # padding
+    slots[::5] = -1  # padding
     _check_op("slots", lay, ref, slots, slots, lay.canonical_shape, dtype, host, path, g)
     if not lay.opaque and lay.page is not None:
         _check_op("pages", lay, ref, ids, ids, lay.page_shape, torch.uint8, host, path, g)
@@ -195,8 +211,14 @@ def test_cuda_path_with_strided_pinned_chunk(path):
     """The contiguous side as a strided view of a pinned pool (a slot of kvx's CPU tier)."""
     _need_cuda_impl()
     g = torch.Generator().manual_seed(11)
-    lay, ref = two_layouts("LBHNC", dict(num_layers=3, num_blocks=6, block_size=16, num_heads=2, head_size=16),
-                     torch.bfloat16, False, 11, device="cuda")
+    lay, ref = two_layouts(
+        "LBHNC",
+        dict(num_layers=3, num_blocks=6, block_size=16, num_heads=2, head_size=16),
+        torch.bfloat16,
+        False,
+        11,
+        device="cuda",
+    )
     pool = random_fill_(torch.empty(2, 2, 3, 48, 2, 16, dtype=torch.bfloat16), g).pin_memory()  # [slot, P, L, ...]
     out = pool[1].transpose(0, 1)
     before = pool[0].clone()
@@ -224,7 +246,7 @@ def test_dma_and_kernel_give_identical_bytes(stream):
             geom = dict(num_layers=4, num_blocks=96, block_size=16, num_heads=8, head_size=128)
             a, b = two_layouts(name, geom, torch.bfloat16, False, 5, device="cuda")
             rest = torch.randperm(96, generator=g)
-            ids = torch.cat([torch.arange(50, 58), rest[(rest < 50) | (rest >= 58)][:32]])   # 8 adjacent blocks
+            ids = torch.cat([torch.arange(50, 58), rest[(rest < 50) | (rest >= 58)][:32]])  # 8 adjacent blocks
             shape = a.page_shape(40) if kind == "pages" else a.canonical_shape(40 * 16)
             dt = torch.uint8 if kind == "pages" else torch.bfloat16
             gather, scatter = getattr(ops, f"gather_{kind}"), getattr(ops, f"scatter_{kind}")
@@ -254,7 +276,7 @@ def test_calibration_is_sane(monkeypatch):
             assert len(ts) == len(SIZES) and all(math.isfinite(t) and 0 < t < 1000 for t in ts)
         assert cal.dma_min_bytes[d] in set(SIZES) | {h2d.DMA_NEVER}
         assert cal.dma_min_bytes[d] == h2d.choose_dma_min_bytes(cal.run_bytes, cal.kernel_ms[d], cal.dma_ms[d])
-    assert h2d.calibrate_h2d() is cal                                  # measured once per device
+    assert h2d.calibrate_h2d() is cal  # measured once per device
     assert h2d.h2d_dma_min_bytes(None, "gather") == cal.dma_min_bytes[0]
     assert h2d.h2d_dma_min_bytes(cal.device, "scatter") == cal.dma_min_bytes[1]
     again = h2d.calibrate_h2d(force=True)
@@ -279,8 +301,14 @@ def test_each_call_takes_the_path_the_rule_says(monkeypatch):
     """Pages of non-adjacent blocks are runs of exactly one page: DMA from a threshold of one page, the kernel
     (at most 8 CTAs) above it; an explicit path wins over the rule."""
     _need_cuda_impl()
-    lay, _ = two_layouts("LBNHC", dict(num_layers=2, num_blocks=16, block_size=16, num_heads=2, head_size=64),
-                    torch.float16, False, 1, device="cuda")
+    lay, _ = two_layouts(
+        "LBNHC",
+        dict(num_layers=2, num_blocks=16, block_size=16, num_heads=2, head_size=64),
+        torch.float16,
+        False,
+        1,
+        device="cuda",
+    )
     ids = [1, 5, 9]
     out = torch.empty(lay.page_shape(3), dtype=torch.uint8).pin_memory()
     dma, kernel = _Spy(ops._C.cuda_copy_dma), _Spy(ops._C.cuda_copy)
@@ -296,7 +324,7 @@ def test_each_call_takes_the_path_the_rule_says(monkeypatch):
             assert not kernel.calls
             return "dma", None
         assert len(kernel.calls) == 1
-        return "kernel", kernel.calls[0][0][-1]                        # max_ctas
+        return "kernel", kernel.calls[0][0][-1]  # max_ctas
 
     monkeypatch.setenv(h2d.H2D_ENV, str(lay.page_bytes))
     assert taken() == ("dma", None)

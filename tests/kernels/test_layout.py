@@ -31,11 +31,17 @@ def test_from_vllm_views(name):
     views = vllm_views(name)
     lay = KVLayout.from_vllm(views, name)
     assert (lay.num_layers, lay.num_planes, lay.num_blocks, lay.num_heads, lay.block_size, lay.head_size) == (
-        3, 2, 5, 4, 16, 8)
-    assert lay.paged.plane_stride == 8 * 2             # V follows K inside the content dim
+        3,
+        2,
+        5,
+        4,
+        16,
+        8,
+    )
+    assert lay.paged.plane_stride == 8 * 2  # V follows K inside the content dim
     assert lay.page.segments == 1 and lay.page.segment_bytes == 4 * 16 * 16 * 2
     if name.startswith("BL"):
-        assert lay.paged.block_stride == 3 * lay.page_bytes   # a block spans every layer
+        assert lay.paged.block_stride == 3 * lay.page_bytes  # a block spans every layer
     else:
         assert lay.paged.block_stride == lay.page_bytes
     assert lay.layer_names[0] == "model.layers.0.self_attn.attn"
@@ -127,13 +133,18 @@ def test_empty_layers():
 def test_every_layout_builds(name):
     geom = {**GEOM, "num_heads": 1} if name == "mla" else GEOM
     lay = KVLayout.from_tensors(make_kv_caches(name, **geom), name)
-    planes, head_size = {"mla": (1, 8), "cpu": (1, 16)}.get(name, (2, 8))   # cpu: one plane, rows of 2D
+    planes, head_size = {"mla": (1, 8), "cpu": (1, 16)}.get(name, (2, 8))  # cpu: one plane, rows of 2D
     assert (lay.num_layers, lay.num_planes, lay.num_blocks, lay.block_size, lay.num_heads, lay.head_size) == (
-        3, planes, 5, 16, geom["num_heads"], head_size)
-    assert lay.page is not None and lay.page.page_bytes == lay.page_bytes    # the runs cover the whole block
+        3,
+        planes,
+        5,
+        16,
+        geom["num_heads"],
+        head_size,
+    )
+    assert lay.page is not None and lay.page.page_bytes == lay.page_bytes  # the runs cover the whole block
 
 
 def test_legacy_flash_page_has_two_segments():
     lay = KVLayout.from_tensors(make_kv_caches("flash", **GEOM), "flash")
     assert lay.page.segments == 2 and lay.page.segment_bytes == 16 * 4 * 8 * 2
-

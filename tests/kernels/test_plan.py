@@ -21,13 +21,28 @@ _BLOCKS, _SLOTS = 0, 1
 
 def _launch(kind, lay, buf, n):
     plan = ops._plan(Op("gather_" + kind), lay, buf, n)
-    return _C.plan_launch(*ops._c_descs(plan), plan.row_bytes, plan.num_layers, plan.num_ids, plan.mode,
-                          lay.layer_ptrs().tolist(), buf.data_ptr())
+    return _C.plan_launch(
+        *ops._c_descs(plan),
+        plan.row_bytes,
+        plan.num_layers,
+        plan.num_ids,
+        plan.mode,
+        lay.layer_ptrs().tolist(),
+        buf.data_ptr(),
+    )
 
 
 def _paged(**kw):
-    base = dict(plane_stride=0, block_stride=4096, token_stride=256, head_stride=64, num_blocks=8, num_planes=1,
-                block_size=4, num_heads=4)
+    base = dict(
+        plane_stride=0,
+        block_stride=4096,
+        token_stride=256,
+        head_stride=64,
+        num_blocks=8,
+        num_planes=1,
+        block_size=4,
+        num_heads=4,
+    )
     return _C.PagedDesc(**{**base, **kw})
 
 
@@ -55,7 +70,7 @@ def test_packed_kv_rows_do_not_merge():
 
 
 def test_odd_rows_narrow_the_width():
-    lay = make_layout("LBNHC", **{**GEOM, "head_size": 5})                 # 10-byte rows
+    lay = make_layout("LBNHC", **{**GEOM, "head_size": 5})  # 10-byte rows
     buf = torch.empty(lay.canonical_shape(16), dtype=torch.float16)
     assert _launch("blocks", lay, buf, 1).width == 2
 
@@ -68,8 +83,9 @@ def test_strides_that_never_move_do_not_narrow_the_width():
     two = _C.plan_launch(_paged(), _contig(layer_stride=3), 64, 2, 4, _SLOTS, [1 << 20, 1 << 21], 1 << 22)
     assert two.width == 1 and two.params.contig.layer_stride == 3
     # one head per token: the head strides never move
-    heads = _C.plan_launch(_paged(num_heads=1, head_stride=7), _contig(head_stride=7), 64, 1, 4, _SLOTS, [1 << 20],
-                           1 << 21)
+    heads = _C.plan_launch(
+        _paged(num_heads=1, head_stride=7), _contig(head_stride=7), 64, 1, 4, _SLOTS, [1 << 20], 1 << 21
+    )
     assert heads.width == 16 and heads.params.paged.head_stride == 0 and heads.params.contig.head_stride == 0
 
 
@@ -105,7 +121,8 @@ def test_triton_word_and_unit_come_from_copy_width(head_size, word, vec):
     lay = make_layout("LBNHC", **{**GEOM, "head_size": head_size})
     buf = torch.empty(lay.canonical_shape(16), dtype=torch.float16)
     plan = ops._plan(Op.GATHER_BLOCKS, lay, buf, 1)
-    _, args, meta = tk._launch_args(plan, lay.layer_ptrs().tolist(), torch.zeros(1, dtype=torch.int64), buf, 0,
-                                    lay.plane_views(0)[0])
+    _, args, meta = tk._launch_args(
+        plan, lay.layer_ptrs().tolist(), torch.zeros(1, dtype=torch.int64), buf, 0, lay.plane_views(0)[0]
+    )
     assert meta["WORD"] == words[word] and meta["VEC"] == vec
-    assert args[5] == head_size * 2 // (word * vec)          # row length in units
+    assert args[5] == head_size * 2 // (word * vec)  # row length in units

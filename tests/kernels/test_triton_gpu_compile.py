@@ -63,8 +63,9 @@ SCRIPT = textwrap.dedent("""
 def test_triton_kernel_compiles_for_sm90_and_sm80(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900,
-                       cwd=str(tmp_path))
+    p = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900, cwd=str(tmp_path)
+    )
     out = p.stdout + p.stderr
     if p.stdout.startswith("SKIP"):
         pytest.skip(f"this Triton's internals differ: {p.stdout.strip()}")

@@ -17,9 +17,9 @@ from kvx.store.tier import TierContext
 from kvx.testing.redis_server import RedisClusterServers, RedisServer
 from tests.helpers import need_redis, same_bytes
 
-FP = "fp-test-1"                  # the fingerprint of the Redis tests' tiers
-MVS = 64 << 10                    # max_value_size of most Redis tests: small, so multi-part is cheap to exercise
-SLACK_S = 0.5                     # timing bounds are generous: a busy 2-core CI box
+FP = "fp-test-1"  # the fingerprint of the Redis tests' tiers
+MVS = 64 << 10  # max_value_size of most Redis tests: small, so multi-part is cheap to exercise
+SLACK_S = 0.5  # timing bounds are generous: a busy 2-core CI box
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def open_tier():
 
     def make(url: str, fingerprint: str = FP, **cfg) -> RedisTier:
         cfg.setdefault("max_value_size", MVS)
-        cfg.setdefault("lookup_wait_ms", 1000)   # tests want answers; test_contains_many_none_then_answer sets 0
+        cfg.setdefault("lookup_wait_ms", 1000)  # tests want answers; test_contains_many_none_then_answer sets 0
         t = RedisTier.open(RedisTierConfig(type="redis", url=url, **cfg), TierContext(fingerprint=fingerprint))
         tiers.append(t)
         return t
@@ -88,7 +88,7 @@ def shape_for(size: str, dtype, key: str) -> tuple[int, ...]:
     if size == "odd":
         return (7,)
     if size == "5d":
-        return (2, 3, 17, 2, 8)        # [L, P, T, H, D]
+        return (2, 3, 17, 2, 8)  # [L, P, T, H, D]
     n = numel_for_total(MVS, dtype, key)
     return {"below": (n - 1,), "equal": (n,), "above": (n + 1,), "multi": (3 * n + 5,)}[size]
 

@@ -17,17 +17,17 @@ from kvx.store.cpu import CPUIndex, CPUPool, SlotState
 NUM_SLOTS = [1, 3, 8]
 SEEDS = [0, 1, 2, 3, 4]
 BAD_NUM_SLOTS = [0, -1, 1.5, "4", True, None]
-POOL_SHAPES = [(4,), (2, 3, 5), (2, 1, 16, 2, 8)]   # odd sizes; the last: one chunk [L, P, T, H, D]
+POOL_SHAPES = [(4,), (2, 3, 5), (2, 1, 16, 2, 8)]  # odd sizes; the last: one chunk [L, P, T, H, D]
 POOL_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]
 BAD_SLOT_SHAPES = [(0,), (2, -1), (2.5,), (True, 2), "ab", None, 4]
 BAD_DTYPES = ["float16", np.float16, None]
 # (refresh action on the oldest entry "a", expected victim when the full pool needs a slot)
 REFRESH = [
     ("nothing", "a"),
-    ("pin+unpin", "b"),       # only a load (pin) makes a chunk recent
-    ("contains", "a"),        # lookups are read-only
+    ("pin+unpin", "b"),  # only a load (pin) makes a chunk recent
+    ("contains", "a"),  # lookups are read-only
     ("state", "a"),
-    ("hold+unpin", "a"),      # a hold keeps a chunk for a disk write; it is not a use
+    ("hold+unpin", "a"),  # a hold keeps a chunk for a disk write; it is not a use
 ]
 
 
@@ -67,7 +67,7 @@ def test_allocate_commit_contains():
     idx.commit("a")
     idx.commit("b")
     assert idx.state("a") is SlotState.READY and "a" in idx
-    assert ["a" in idx, "b" in idx, "c" in idx] == [True, True, False]    # c is PENDING: not a hit
+    assert ["a" in idx, "b" in idx, "c" in idx] == [True, True, False]  # c is PENDING: not a hit
     assert idx.state("zz") is None and slot_of(idx, "zz") is None and "zz" not in idx
     assert idx.stats == {"allocated": 3, "evicted": 0, "committed": 2, "aborted": 0}
 
@@ -101,10 +101,10 @@ def test_commit_requires_a_pending_slot(case):
 def test_slots_are_reused_after_eviction_and_abort():
     idx = CPUIndex(2)
     s = ready(idx, "a", "b")
-    assert idx.allocate("c") == s["a"]            # pool full: the LRU READY slot is reused
+    assert idx.allocate("c") == s["a"]  # pool full: the LRU READY slot is reused
     assert idx.state("a") is None and idx.stats["evicted"] == 1
     idx.abort("c")
-    assert idx.allocate("d") == s["a"]            # the aborted slot is free again
+    assert idx.allocate("d") == s["a"]  # the aborted slot is free again
     assert idx.stats["evicted"] == 1
 
 
@@ -112,7 +112,7 @@ def test_slots_are_reused_after_eviction_and_abort():
 @pytest.mark.parametrize("action, victim", REFRESH, ids=[a for a, _ in REFRESH])
 def test_lru_eviction_order(action, victim):
     idx = CPUIndex(3)
-    ready(idx, "a", "b", "c")                     # a is the least recently used
+    ready(idx, "a", "b", "c")  # a is the least recently used
     if action == "pin+unpin":
         use(idx, "a")
     elif action == "contains":
@@ -131,7 +131,7 @@ def test_commit_makes_a_chunk_recent():
     idx = CPUIndex(2)
     idx.allocate("a")
     ready(idx, "b")
-    idx.commit("a")          # a was allocated first but committed last
+    idx.commit("a")  # a was allocated first but committed last
     idx.allocate("c")
     assert idx.state("b") is None and idx.state("a") is SlotState.READY
 
@@ -139,7 +139,7 @@ def test_commit_makes_a_chunk_recent():
 def test_eviction_follows_full_lru_order():
     idx = CPUIndex(4)
     ready(idx, "a", "b", "c", "d")
-    use(idx, "b", "a")                             # order now: c, d, b, a
+    use(idx, "b", "a")  # order now: c, d, b, a
     evicted = []
     for k in "wxyz":
         before = {x for x in "abcd" if idx.state(x) is not None}
@@ -156,7 +156,7 @@ def test_pinned_entries_are_never_evicted():
     assert idx.pin(["a", "b"]) == [slot_of(idx, "a"), slot_of(idx, "b")]
     use(idx, "c")
     assert idx.allocate("d") == slot_of(idx, "d")
-    assert idx.state("c") is None                  # the only unpinned READY entry, though most recent
+    assert idx.state("c") is None  # the only unpinned READY entry, though most recent
     assert idx.state("a") is SlotState.READY and idx.state("b") is SlotState.READY
     assert idx.pinned() == 2
 
@@ -164,8 +164,8 @@ def test_pinned_entries_are_never_evicted():
 def test_held_entries_are_never_evicted():
     idx = CPUIndex(2)
     idx.allocate("a")
-    assert idx.hold("a") == slot_of(idx, "a")       # held while PENDING (gather + disk write)
-    idx.commit("a")                                  # READY but still held
+    assert idx.hold("a") == slot_of(idx, "a")  # held while PENDING (gather + disk write)
+    idx.commit("a")  # READY but still held
     ready(idx, "b")
     use(idx, "b")
     assert idx.allocate("c") is not None
@@ -203,7 +203,7 @@ def test_allocate_returns_none_when_every_slot_is_busy(busy):
     stats = dict(idx.stats)
     assert idx.allocate("d") is None
     assert idx.stats == stats and idx.state("d") is None and len(idx) == 3
-    if busy != "pending":                          # releasing one READY entry makes room again
+    if busy != "pending":  # releasing one READY entry makes room again
         idx.unpin(["a"])
         assert idx.allocate("d") is not None
         assert idx.state("a") is None
@@ -216,7 +216,7 @@ def test_pins_are_counted():
     idx.pin(["a"])
     idx.hold("a")
     idx.unpin(["a", "a"])
-    assert idx.allocate("c") is not None and idx.state("b") is None   # a still held once
+    assert idx.allocate("c") is not None and idx.state("b") is None  # a still held once
     idx.unpin(["a"])
     with pytest.raises(RuntimeError, match=r"unpin\(a\): the slot is not pinned"):
         idx.unpin(["a"])
@@ -230,7 +230,7 @@ def test_pin_is_all_or_nothing():
         with pytest.raises(RuntimeError, match=r"pin\((missing|p)\): expected a READY slot"):
             idx.pin(keys)
         assert idx.pinned() == 0
-    idx.allocate("d")                      # a failed pin did not make "a" recent either
+    idx.allocate("d")  # a failed pin did not make "a" recent either
     assert idx.state("a") is None and idx.state("b") is SlotState.READY
 
 
@@ -281,7 +281,7 @@ def test_abort_while_pinned_is_deferred_to_the_last_unpin(how):
         idx.pin(["a"])
         idx.pin(["a"])
     idx.abort("a")
-    idx.abort("a")                                       # a second abort changes nothing
+    idx.abort("a")  # a second abort changes nothing
     assert idx.stats["aborted"] == 1
     # doomed: not a hit, not committable, not pinnable, not re-allocatable, slot not free
     assert "a" not in idx
@@ -291,13 +291,13 @@ def test_abort_while_pinned_is_deferred_to_the_last_unpin(how):
         idx.pin(["a"])
     assert idx.allocate("a") is None
     ready(idx, "b")
-    assert idx.allocate("c") is not None and idx.state("b") is None   # evicts b, never the doomed slot
+    assert idx.allocate("c") is not None and idx.state("b") is None  # evicts b, never the doomed slot
     idx.abort("c")
     assert slot_of(idx, "a") == s
     idx.unpin(["a"])
-    assert slot_of(idx, "a") == s                        # one pin left
+    assert slot_of(idx, "a") == s  # one pin left
     idx.unpin(["a"])
-    assert idx.state("a") is None and len(idx) == 0      # freed by the last unpin
+    assert idx.state("a") is None and len(idx) == 0  # freed by the last unpin
     assert sorted(idx.allocate(k) for k in "xy") == [0, 1]
     with pytest.raises(RuntimeError, match="not pinned"):
         idx.unpin(["a"])
@@ -323,7 +323,7 @@ def test_clear_keeps_pinned_and_pending_entries():
     idx.commit("p")
     assert idx.clear() is True
     assert len(idx) == 0
-    assert sorted(idx.allocate(k) for k in "vwxyz") == [0, 1, 2, 3, 4]   # every slot free again
+    assert sorted(idx.allocate(k) for k in "vwxyz") == [0, 1, 2, 3, 4]  # every slot free again
     assert idx.stats["evicted"] == 0
 
 
@@ -350,8 +350,8 @@ class RefIndex:
 
     def __init__(self, n):
         self.n = n
-        self.order: list[str] = []                 # LRU first
-        self.state: dict[str, str] = {}            # "pending" | "ready" | "doomed"
+        self.order: list[str] = []  # LRU first
+        self.state: dict[str, str] = {}  # "pending" | "ready" | "doomed"
         self.pins: dict[str, int] = {}
 
     def _bump(self, k):
@@ -459,7 +459,7 @@ def test_random_operations_against_a_model(n, seed):
             assert (slot is not None) == ok, (step, op, k)
             if ok:
                 assert slot not in [s for x, s in before.items() if x != victim]
-                if victim is not None:       # only READY, unpinned entries are evicted, LRU first
+                if victim is not None:  # only READY, unpinned entries are evicted, LRU first
                     assert slot == before[victim] and idx.state(victim) is None
         elif op == "commit":
             if ref.commit(k):
@@ -540,7 +540,7 @@ def test_pool_slots_are_distinct_memory(shape, dtype):
     for i in range(n):
         v = pool.slot(i)
         assert v.shape == shape and v.dtype == dtype and v.is_contiguous()
-        assert v.data_ptr() == pool.data.data_ptr() + i * pool.slot_bytes   # back to back, no overlap
+        assert v.data_ptr() == pool.data.data_ptr() + i * pool.slot_bytes  # back to back, no overlap
         v.fill_(i + 1)
     for i in range(n):
         assert torch.all(pool.slot(i) == i + 1), f"slot {i} was overwritten by another slot"
@@ -603,12 +603,12 @@ def _minor_faults_writing(t: torch.Tensor) -> int:
 def test_pool_pages_are_committed_up_front():
     if not _populate_supported():
         pytest.skip("the kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
-    slot_shape = (2, 2, 256, 2, 64)                          # 256 KiB bf16 slots, 16 of them: 1024 pages
+    slot_shape = (2, 2, 256, 2, 64)  # 256 KiB bf16 slots, 16 of them: 1024 pages
     pool = CPUPool(16, slot_shape, torch.bfloat16)
     faults = sum(_minor_faults_writing(pool.slot(i)) for i in range(16))
     assert faults < 64, f"{faults} page faults writing 1024 pages of a populated pool"
     lazy = CPUPool(16, slot_shape, torch.bfloat16, populate=False)
-    assert sum(_minor_faults_writing(lazy.slot(i)) for i in range(16)) > faults   # what populate saves
+    assert sum(_minor_faults_writing(lazy.slot(i)) for i in range(16)) > faults  # what populate saves
 
 
 @pytest.mark.parametrize("offset,length", [(0, 1), (1, 4095), (1, 4096), (4095, 8193), (3, 3 * 4096 + 5), (0, 0)])

@@ -20,10 +20,11 @@ if os.path.exists("/proc/cpuinfo"):
     m = re.search(r"^flags\s*:(.*)$", open("/proc/cpuinfo").read(), re.M)
     CPU_FLAGS = set(m.group(1).split()) if m else set()
 
-needs_vpclmul = pytest.mark.skipif(not _C.crc32c_accelerated(),
-                                   reason="this CPU lacks AVX-512 VPCLMULQDQ: the codec uses the crc32c package")
+needs_vpclmul = pytest.mark.skipif(
+    not _C.crc32c_accelerated(), reason="this CPU lacks AVX-512 VPCLMULQDQ: the codec uses the crc32c package"
+)
 
-POLY = 0x1EDC6F41   # CRC32C (Castagnoli), x^32 implied
+POLY = 0x1EDC6F41  # CRC32C (Castagnoli), x^32 implied
 
 
 def fold_constant(distance: int, sign: int) -> int:
@@ -67,8 +68,8 @@ def test_bit_exact_with_the_crc32c_package_on_random_data():
     # every length through several folds (256-byte blocks, 64-byte blocks, the tail), then odd large ones
     lengths = list(range(0, 1100)) + [rng.randrange(1100, 300_000) for _ in range(300)] + [1 << 20, 4 << 20]
     for n in lengths:
-        off, init = rng.randrange(0, 64), rng.getrandbits(32)     # unaligned starts, any running value
-        view = mv[off:off + n]
+        off, init = rng.randrange(0, 64), rng.getrandbits(32)  # unaligned starts, any running value
+        view = mv[off : off + n]
         assert _C.crc32c(view, init) == pkg.crc32c(view, init), (n, off, init)
 
 
@@ -77,7 +78,7 @@ def test_pieces_chain_like_one_pass():
     data = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
     mv, value, pos = memoryview(data), 0, 0
     for step in (1, 255, 256, 257, 4096, 65535, 65536, 300_001):
-        value, pos = _C.crc32c(mv[pos:pos + step], value), pos + step
+        value, pos = _C.crc32c(mv[pos : pos + step], value), pos + step
     value = _C.crc32c(mv[pos:], value)
     assert value == pkg.crc32c(data)
 
@@ -98,7 +99,7 @@ def test_bad_input_names_the_argument():
     with pytest.raises(TypeError, match=r"data: expected a C-contiguous bytes-like object, got str"):
         _C.crc32c("text")
     with pytest.raises(TypeError):
-        _C.crc32c(b"x", -1)        # the running value is an unsigned 32-bit CRC
+        _C.crc32c(b"x", -1)  # the running value is an unsigned 32-bit CRC
 
 
 def test_the_codec_checksum_equals_the_packages():

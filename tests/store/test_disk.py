@@ -34,8 +34,19 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float
 SHAPES = [(1,), (7,), (3, 5), (2, 3, 17, 2, 8), (4, 1, 16, 2, 8)]  # odd sizes; the last two: [L, P, T, H, D]
 FLIP_AT = ["first", "middle", "last"]
 TRUNCATE_TO = [0, 7, 8, 40, "half", "minus_one"]
-BAD_KEYS = ["", "abc", "0123456", "ABCDEF0123456789", "0123456789abcdeG", "0123456789abcdef\n", "01234567/../../x",
-            "0123 4567", 12345678, None, b"0123456789abcdef"]
+BAD_KEYS = [
+    "",
+    "abc",
+    "0123456",
+    "ABCDEF0123456789",
+    "0123456789abcdeG",
+    "0123456789abcdef\n",
+    "01234567/../../x",
+    "0123 4567",
+    12345678,
+    None,
+    b"0123456789abcdef",
+]
 KEY_OPS = ["file_of", "contains", "put", "get", "delete"]
 CLOSED_OPS = ["put", "get", "contains", "delete", "scan", "usage", "evict", "clear", "temp_files"]
 BAD_CTOR = [
@@ -139,7 +150,7 @@ def test_round_trip_bit_exact(store, dtype, shape):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_round_trip_non_contiguous_view(store, dtype):
     base = rand_chunk((5, 3, 9), dtype, 7)
-    view = base.transpose(0, 2)[1:]          # [8, 3, 5], not contiguous
+    view = base.transpose(0, 2)[1:]  # [8, 3, 5], not contiguous
     assert not view.is_contiguous()
     store.put(key_of("nc"), view)
     assert_same_bytes(store.get(key_of("nc"), view.shape, dtype), view)
@@ -147,10 +158,10 @@ def test_round_trip_non_contiguous_view(store, dtype):
 
 def test_round_trip_of_views_into_a_pool(store):
     """What the worker writes: a pool slot (contiguous, at an offset) or a narrowed part of one."""
-    pool = rand_chunk((3, 2, 4, 8, 2), torch.bfloat16, 8)       # [slots, L, T, H, D]
+    pool = rand_chunk((3, 2, 4, 8, 2), torch.bfloat16, 8)  # [slots, L, T, H, D]
     slot = pool[2]
     assert slot.is_contiguous() and slot.storage_offset() > 0
-    part = slot.narrow(1, 1, 2)                                  # tokens 1..2 of every layer
+    part = slot.narrow(1, 1, 2)  # tokens 1..2 of every layer
     store.put(key_of("slot"), slot)
     store.put(key_of("part"), part)
     assert_same_bytes(store.get(key_of("slot"), slot.shape, slot.dtype), slot)
@@ -201,15 +212,24 @@ def test_file_is_a_standard_safetensors_file(tmp_path, dtype, shape):
     with safe_open(path, framework="pt") as f:
         meta = f.metadata()
         assert list(f.keys()) == ["kv"]
-    assert meta == {**extra, "kvx_format": FORMAT_VERSION, "key": key, "fingerprint": "fp",
-                    "crc32c": checksum(chunk), "created": meta["created"],
-                    "length": str(chunk.numel() * chunk.element_size())}
+    assert meta == {
+        **extra,
+        "kvx_format": FORMAT_VERSION,
+        "key": key,
+        "fingerprint": "fp",
+        "crc32c": checksum(chunk),
+        "created": meta["created"],
+        "length": str(chunk.numel() * chunk.element_size()),
+    }
     raw = open(path, "rb").read()
     (n,) = struct.unpack("<Q", raw[:8])
     nbytes = chunk.numel() * chunk.element_size()
     assert n % 8 == 0 and len(raw) == 8 + n + nbytes
-    assert json.loads(raw[8:8 + n])["kv"] == {"dtype": ST_DTYPES[dtype], "shape": list(shape),
-                                              "data_offsets": [0, nbytes]}
+    assert json.loads(raw[8 : 8 + n])["kv"] == {
+        "dtype": ST_DTYPES[dtype],
+        "shape": list(shape),
+        "data_offsets": [0, nbytes],
+    }
     # the library's own file of the same chunk holds the same tensor and metadata
     ref = str(tmp_path / "ref.safetensors")
     save_file({"kv": chunk}, ref, metadata=meta)
@@ -290,15 +310,16 @@ def test_get_garbage_file(store, seed):
         f.write(torch.randint(0, 256, (1000,), dtype=torch.uint8, generator=g).numpy().tobytes())
     assert store.contains(key)  # presence is only the file name ...
     with pytest.raises(ChunkError, match="unreadable"):
-        store.get(key)            # ... serving it needs a valid file
+        store.get(key)  # ... serving it needs a valid file
 
 
 def test_get_file_without_kv_tensor(store):
     key = key_of("nokv")
     path = store.file_of(key)
     os.makedirs(os.path.dirname(path))
-    save_file({"other": torch.ones(3)}, path, metadata={"kvx_format": FORMAT_VERSION, "key": key,
-                                                        "fingerprint": "fp-test"})
+    save_file(
+        {"other": torch.ones(3)}, path, metadata={"kvx_format": FORMAT_VERSION, "key": key, "fingerprint": "fp-test"}
+    )
     with pytest.raises(ChunkError, match="unreadable"):
         store.get(key)
 
@@ -311,7 +332,7 @@ def test_get_flipped_byte_in_data_is_checksum_error(store, where, dtype):
     store.put(key, chunk)
     path = store.file_of(key)
     nbytes = chunk.numel() * chunk.element_size()
-    data_start = os.path.getsize(path) - nbytes          # safetensors: header, then the data
+    data_start = os.path.getsize(path) - nbytes  # safetensors: header, then the data
     off = data_start + {"first": 0, "middle": nbytes // 2, "last": nbytes - 1}[where]
     with open(path, "r+b") as f:
         f.seek(off)
@@ -331,11 +352,11 @@ def test_get_file_under_another_keys_name(store):
     a, b = key_of("a"), key_of("b")
     store.put(a, torch.zeros(4))
     store.put(b, torch.ones(4))
-    os.replace(store.file_of(a), store.file_of(b))   # b's name, a's content
+    os.replace(store.file_of(a), store.file_of(b))  # b's name, a's content
     with pytest.raises(ChunkError, match=f"key '{a}'"):
         store.get(b)
     assert not store.contains(a)
-    assert not store.contains(b)          # mangled: dropped
+    assert not store.contains(b)  # mangled: dropped
 
 
 def test_get_with_another_fingerprint(tmp_path):
@@ -345,7 +366,7 @@ def test_get_with_another_fingerprint(tmp_path):
     with pytest.raises(ChunkError, match="fingerprint 'layout=LBNHC' != 'layout=BLNHC'"):
         reader.get(key_of(1))
     assert reader.stats()["errors"] == 1
-    assert_same_bytes(writer.get(key_of(1)), torch.ones(4))   # valid for its own engine: kept
+    assert_same_bytes(writer.get(key_of(1)), torch.ones(4))  # valid for its own engine: kept
 
 
 def test_get_with_another_format_version(store):
@@ -353,16 +374,26 @@ def test_get_with_another_format_version(store):
     path = store.file_of(key)
     os.makedirs(os.path.dirname(path))
     t = torch.ones(4)
-    save_file({"kv": t}, path, metadata={"kvx_format": "kvx-0", "key": key, "fingerprint": "fp-test",
-                                         "crc32": checksum(t)})
+    save_file(
+        {"kv": t}, path, metadata={"kvx_format": "kvx-0", "key": key, "fingerprint": "fp-test", "crc32": checksum(t)}
+    )
     with pytest.raises(ChunkError, match="format 'kvx-0' not in"):
         store.get(key)
 
 
-@pytest.mark.parametrize("ask", [
-    dict(shape=(4, 8)), dict(shape=(8, 4)), dict(shape=(32,)), dict(shape=(1, 4, 8)),
-    dict(dtype=torch.bfloat16), dict(dtype=torch.float32), dict(shape=(4, 8), dtype=torch.uint8),
-], ids=str)
+@pytest.mark.parametrize(
+    "ask",
+    [
+        dict(shape=(4, 8)),
+        dict(shape=(8, 4)),
+        dict(shape=(32,)),
+        dict(shape=(1, 4, 8)),
+        dict(dtype=torch.bfloat16),
+        dict(dtype=torch.float32),
+        dict(shape=(4, 8), dtype=torch.uint8),
+    ],
+    ids=str,
+)
 def test_get_wrong_shape_or_dtype(store, ask):
     key = key_of("sd")
     store.put(key, rand_chunk((4, 4, 2), torch.float16, 2))
@@ -371,8 +402,9 @@ def test_get_wrong_shape_or_dtype(store, ask):
 
 
 # ------------------------------------------------------------------------------------------ atomic writes
-@pytest.mark.parametrize("exc", [OSError(errno.EIO, "I/O error"), KeyboardInterrupt()],
-                         ids=["EIO", "KeyboardInterrupt"])
+@pytest.mark.parametrize(
+    "exc", [OSError(errno.EIO, "I/O error"), KeyboardInterrupt()], ids=["EIO", "KeyboardInterrupt"]
+)
 def test_crash_in_write_leaves_no_file(store, monkeypatch, exc):
     key = key_of("crash")
     seen = {}
@@ -380,7 +412,7 @@ def test_crash_in_write_leaves_no_file(store, monkeypatch, exc):
 
     def write_half_then_crash(fd, bufs):
         seen["tmp"] = os.readlink(f"/proc/self/fd/{fd}")
-        real_write(fd, bufs[:1])                 # the header only: a partial file under the temporary name
+        real_write(fd, bufs[:1])  # the header only: a partial file under the temporary name
         raise exc
 
     monkeypatch.setattr(disk_mod, "_write_all", write_half_then_crash)
@@ -388,13 +420,13 @@ def test_crash_in_write_leaves_no_file(store, monkeypatch, exc):
         store.put(key, torch.ones(8))
     tmp = seen["tmp"]
     assert tmp != store.file_of(key)
-    assert os.path.dirname(tmp) == os.path.dirname(store.file_of(key))   # same fs: the rename is atomic
+    assert os.path.dirname(tmp) == os.path.dirname(store.file_of(key))  # same fs: the rename is atomic
     assert not os.path.exists(tmp)
     assert not store.contains(key)
     assert files_in(store.path) == []
     assert store.usage() == 0 and store.stats()["puts"] == 0
     monkeypatch.undo()
-    assert store.put(key, torch.ones(8))      # a later put works
+    assert store.put(key, torch.ones(8))  # a later put works
     assert_same_bytes(store.get(key), torch.ones(8))
 
 
@@ -405,7 +437,7 @@ def test_crash_in_rename_leaves_no_file(store, monkeypatch, exc):
 
     def replace_crash(src, dst):
         calls.append((src, dst))
-        assert os.path.getsize(src) > 0          # the complete file exists under the temporary name only
+        assert os.path.getsize(src) > 0  # the complete file exists under the temporary name only
         assert not os.path.exists(dst)
         raise exc
 
@@ -421,7 +453,7 @@ def test_crash_in_rename_leaves_no_file(store, monkeypatch, exc):
 def test_reader_never_sees_a_partial_file(store):
     """While one thread writes large chunks, another polls: a present file must always verify."""
     keys = [key_of(f"big{i}") for i in range(6)]
-    chunk = rand_chunk((1024, 1024), torch.uint8, 11)   # 1 MiB
+    chunk = rand_chunk((1024, 1024), torch.uint8, 11)  # 1 MiB
     done = threading.Event()
     bad = []
 
@@ -499,16 +531,16 @@ MTIME_ORDERS = [[0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [2, 0, 4, 1, 3]]
 @pytest.mark.parametrize("order", MTIME_ORDERS, ids=str)
 def test_eviction_removes_least_recently_used_down_to_low_watermark(tmp_path, order):
     size = one_file_bytes(tmp_path)
-    s = DiskTier.at(tmp_path / "kv", capacity_bytes=5 * size, low_watermark=0.6)   # target: 3 files
+    s = DiskTier.at(tmp_path / "kv", capacity_bytes=5 * size, low_watermark=0.6)  # target: 3 files
     keys = [key_of(i) for i in range(5)]
     for k in keys:
         assert s.put(k, torch.zeros(2, 8, dtype=torch.float16))
-    assert s.stats()["evicted"] == 0          # at capacity, not over
+    assert s.stats()["evicted"] == 0  # at capacity, not over
     base = time.time() - 10 * 3600
-    for rank, i in enumerate(order):        # order[0] is the oldest
+    for rank, i in enumerate(order):  # order[0] is the oldest
         set_mtime(s, keys[i], base + rank * 3600)
     new = key_of("new")
-    s.put(new, torch.zeros(2, 8, dtype=torch.float16))   # 6 files > 5: evict down to 3
+    s.put(new, torch.zeros(2, 8, dtype=torch.float16))  # 6 files > 5: evict down to 3
     survivors = {keys[order[3]], keys[order[4]], new}
     assert {c.key for c in s.scan()} == survivors
     assert s.stats()["evicted"] == 3
@@ -523,8 +555,8 @@ def test_get_refreshes_recency(tmp_path):
         s.put(k, torch.zeros(2, 8, dtype=torch.float16))
     base = time.time() - 3600
     for i, k in enumerate(keys):
-        set_mtime(s, k, base + i)            # keys[0] oldest
-    s.get(keys[0])                           # now the most recent
+        set_mtime(s, k, base + i)  # keys[0] oldest
+    s.get(keys[0])  # now the most recent
     s.put(key_of("new"), torch.zeros(2, 8, dtype=torch.float16))
     assert {c.key for c in s.scan()} == {keys[0], keys[2], key_of("new")}
 
@@ -582,15 +614,16 @@ def test_two_stores_on_one_path_share_chunks(tmp_path):
 def test_engines_sharing_a_path_keep_it_within_its_budget(tmp_path, rescan_s):
     """Each engine re-counts the directory (after rescan_s), so together they stay within the budget."""
     size = one_file_bytes(tmp_path)
-    stores = [DiskTier.at(tmp_path / "kv", capacity_bytes=6 * size, low_watermark=1.0, rescan_s=rescan_s)
-              for _ in range(3)]
+    stores = [
+        DiskTier.at(tmp_path / "kv", capacity_bytes=6 * size, low_watermark=1.0, rescan_s=rescan_s) for _ in range(3)
+    ]
     peak = 0
     for i in range(30):
         stores[i % 3].put(key_of(i), torch.zeros(2, 8, dtype=torch.float16))
         peak = max(peak, stores[0].usage())
     if rescan_s == 0:
         assert peak <= 6 * size
-    else:                         # counts go stale for an hour: each engine sees only its own writes
+    else:  # counts go stale for an hour: each engine sees only its own writes
         assert peak > 6 * size
 
 
@@ -622,11 +655,11 @@ def test_evict_tolerates_files_deleted_by_another_engine(tmp_path, monkeypatch):
     real_unlink = os.unlink
 
     def other_engine_was_faster(path, *args, **kw):
-        real_unlink(path)                        # another engine removes it between scan and unlink
-        return real_unlink(path, *args, **kw)    # -> FileNotFoundError
+        real_unlink(path)  # another engine removes it between scan and unlink
+        return real_unlink(path, *args, **kw)  # -> FileNotFoundError
 
     monkeypatch.setattr(disk_mod.os, "unlink", other_engine_was_faster)
-    s.put(key_of("new"), torch.zeros(2, 8, dtype=torch.float16))   # 5 > 4: evict down to 2
+    s.put(key_of("new"), torch.zeros(2, 8, dtype=torch.float16))  # 5 > 4: evict down to 2
     monkeypatch.undo()
     assert {c.key for c in s.scan()} == {key_of(3), key_of("new")}
 
@@ -649,7 +682,7 @@ def test_put_when_another_engine_evicts_the_existing_file(store, monkeypatch):
 
 @pytest.mark.parametrize("threads", [2, 8])
 def test_concurrent_puts_of_one_key(tmp_path, threads):
-    stores = [DiskTier.at(tmp_path, fingerprint="f") for _ in range(2)]   # two engines, several threads
+    stores = [DiskTier.at(tmp_path, fingerprint="f") for _ in range(2)]  # two engines, several threads
     chunk = rand_chunk((64, 64), torch.float16, 4)
     key = key_of("same")
     barrier = threading.Barrier(threads)
@@ -668,7 +701,7 @@ def test_concurrent_puts_of_one_key(tmp_path, threads):
     for t in ts:
         t.join()
     assert errors == [] and any(results)
-    assert files_in(tmp_path) == [os.path.relpath(stores[0].file_of(key), tmp_path)]   # no tmp left over
+    assert files_in(tmp_path) == [os.path.relpath(stores[0].file_of(key), tmp_path)]  # no tmp left over
     for s in stores:
         assert_same_bytes(s.get(key, chunk.shape, chunk.dtype), chunk)
 
@@ -728,7 +761,7 @@ class DirMeter:
                         total += os.lstat(os.path.join(d, f)).st_size
                     except FileNotFoundError:
                         pass
-            if total > self.peak:            # what was there, for the failure message
+            if total > self.peak:  # what was there, for the failure message
                 self.peak, self.at_peak = total, files_in(self.path)
             self.samples += 1
             return total
@@ -737,7 +770,8 @@ class DirMeter:
         def run():
             while not done.is_set():
                 self.measure()
-                time.sleep(0.001)        # let the writers at the lock between samples
+                time.sleep(0.001)  # let the writers at the lock between samples
+
         t = threading.Thread(target=run)
         t.start()
         return t
@@ -787,7 +821,7 @@ def test_concurrent_puts_never_exceed_the_capacity(tmp_path, monkeypatch, thread
     results = put_from_threads([s], threads, 10, LOAD_SHAPE, meter)
     assert results == [True] * threads * 10
     assert meter.peak <= chunks * size, f"{meter.peak} bytes of {chunks * size}: {meter.at_peak}"
-    assert meter.peak >= (chunks - 1) * size and s.stats()["evicted"] > 0   # the test did reach the limit
+    assert meter.peak >= (chunks - 1) * size and s.stats()["evicted"] > 0  # the test did reach the limit
     assert s.usage() <= chunks * size
 
 
@@ -837,7 +871,7 @@ def test_put_waits_for_its_own_writes_in_flight_when_they_fill_the_capacity(tmp_
     t = threading.Thread(target=put_second)
     t.start()
     t.join(0.2)
-    assert t.is_alive() and "result" not in second          # no room while the first write is in flight
+    assert t.is_alive() and "result" not in second  # no room while the first write is in flight
     release.set()
     first.join()
     t.join()
@@ -876,7 +910,7 @@ def test_capacity_set_while_a_put_writes_keeps_the_count_exact(tmp_path, monkeyp
 
 # ------------------------------------------------------------------------------------------ full disk
 FULL_ERRNOS = [errno.ENOSPC, errno.EDQUOT]
-BACKOFFS = [1, 2, 4, 8, 16, 32, 60, 60]   # seconds: doubling from 1, at most 60
+BACKOFFS = [1, 2, 4, 8, 16, 32, 60, 60]  # seconds: doubling from 1, at most 60
 
 
 class FakeClock:
@@ -941,36 +975,37 @@ def test_full_disk_backs_off_then_recovers(tmp_path, monkeypatch):
         real(fd, bufs)
 
     touched = []
-    for name in ("open", "stat", "utime", "scandir", "mkdir"):   # every way put reaches the store's files
+    for name in ("open", "stat", "utime", "scandir", "mkdir"):  # every way put reaches the store's files
         real_fn = getattr(os, name)
 
         def spy(p, *args, _real=real_fn, **kwargs):
             if str(p).startswith(str(path)):
                 touched.append(p)
             return _real(p, *args, **kwargs)
+
         monkeypatch.setattr(os, name, spy)
     monkeypatch.setattr(disk_mod, "_write_all", write)
     chunk = torch.ones(2, 8, dtype=torch.float16)
     with pytest.raises(StoreFullError, match=r"no space left on device .* back-off \(1 s\)") as e:
         s.put(key_of("first"), chunk)
     assert isinstance(e.value, StoreError) and isinstance(e.value.__cause__, OSError)
-    assert disk["writes"] == 2 and s.stats()["evicted"] == 3      # one eviction (10%), one retry
+    assert disk["writes"] == 2 and s.stats()["evicted"] == 3  # one eviction (10%), one retry
     assert temps_in(path) == []
     for backoff, following in zip(BACKOFFS, BACKOFFS[1:]):
         failed_at = clock.t
-        clock.t = failed_at + backoff - 0.01                      # still backing off: no disk access at all
+        clock.t = failed_at + backoff - 0.01  # still backing off: no disk access at all
         touched.clear()
         writes = disk["writes"]
         with pytest.raises(StoreFullError, match=rf"back-off \({backoff} s, 0.0 s left\)"):
             s.put(key_of(f"fast{backoff}"), chunk)
         assert disk["writes"] == writes and touched == []
-        clock.t = failed_at + backoff                             # over: try again, fail, back off longer
+        clock.t = failed_at + backoff  # over: try again, fail, back off longer
         with pytest.raises(StoreFullError, match=rf"back-off \({following} s\)"):
             s.put(key_of(f"again{backoff}"), chunk)
         assert disk["writes"] == writes + 2
     disk["full"] = False
     clock.t += 60
-    assert s.put(key_of("recovered"), chunk) is True                # a success resets the back-off
+    assert s.put(key_of("recovered"), chunk) is True  # a success resets the back-off
     disk["full"] = True
     with pytest.raises(StoreFullError, match=r"back-off \(1 s\)"):
         s.put(key_of("full again"), chunk)
@@ -987,7 +1022,7 @@ def test_writers_hitting_a_full_disk_together_evict_once(tmp_path, monkeypatch):
 
     def write(fd, bufs):
         n["writes"] += 1
-        if n["writes"] == 1:     # put A's write fails; put B started meanwhile fails, evicts, retries
+        if n["writes"] == 1:  # put A's write fails; put B started meanwhile fails, evicts, retries
             assert s.put(key_of("b"), torch.ones(2, 8, dtype=torch.float16))
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         if n["writes"] == 2:
@@ -1001,16 +1036,16 @@ def test_writers_hitting_a_full_disk_together_evict_once(tmp_path, monkeypatch):
 
 
 def test_full_tmpfs_is_relieved_by_eviction_and_backs_off_when_nothing_is_left(tmpfs):
-    disk = tmpfs("8m")                                    # 8 MiB: a disk that really fills up
+    disk = tmpfs("8m")  # 8 MiB: a disk that really fills up
     clock = FakeClock()
     s = DiskTier.at(disk / "kv", clock=clock)
-    chunk = rand_chunk((1 << 20,), torch.uint8, 1)        # 1 MiB: 7 fit in 8 MiB with their headers
+    chunk = rand_chunk((1 << 20,), torch.uint8, 1)  # 1 MiB: 7 fit in 8 MiB with their headers
     base = time.time() - 3600
     for i in range(20):
         assert s.put(key_of(i), chunk) is True
         set_mtime(s, key_of(i), base + i)
     kept = sorted(c.key for c in s.scan())
-    assert 5 <= len(kept) <= 7 and kept == sorted(key_of(i) for i in range(20 - len(kept), 20))   # the newest
+    assert 5 <= len(kept) <= 7 and kept == sorted(key_of(i) for i in range(20 - len(kept), 20))  # the newest
     assert s.stats()["evicted"] >= 20 - 7 and s.stats()["full"] == 0
     assert temps_in(s.path) == []
     # Now something the store cannot evict takes the whole disk: puts fail, leave nothing, back off.
@@ -1052,6 +1087,7 @@ def read_only_store(request, tmp_path, monkeypatch):
             if str(p).startswith(str(path)) and len(args) and args[0] & os.O_CREAT:
                 raise OSError(errno.EROFS, os.strerror(errno.EROFS), p)
             return real_open(p, *args, **kwargs)
+
         monkeypatch.setattr(os, "open", read_only)
     elif how == "chmod":
         (path / key_of("new")[:2]).mkdir(exist_ok=True)
@@ -1079,7 +1115,7 @@ def test_put_to_a_read_only_directory_fails_clearly_and_leaves_nothing(read_only
     assert e.value.errno in (errno.EROFS, errno.EACCES) and e.value.filename == s.file_of(key)
     assert not isinstance(e.value, StoreFullError)
     assert files_in(s.path) == before and s.stats()["puts"] == 1
-    assert_same_bytes(s.get(key_of("old")), torch.ones(4))     # reads still work
+    assert_same_bytes(s.get(key_of("old")), torch.ones(4))  # reads still work
     assert s.usage() == os.path.getsize(s.file_of(key_of("old")))
     assert s.evict() == 0
 
@@ -1097,9 +1133,9 @@ def test_store_directory_deleted_while_serving(tmp_path):
     assert list(s.scan()) == [] and s.temp_files() == [] and s.usage() == 0
     assert s.evict() == 0 and s.clear() == 0 and s.delete(key_of(0)) is False
     assert s.stats()["errors"] == 0
-    assert s.put(key_of(0), chunk) is True                      # recreates the directory
+    assert s.put(key_of(0), chunk) is True  # recreates the directory
     assert_same_bytes(s.get(key_of(0)), chunk)
-    for i in range(1, 5):                                       # and the count starts from what is there
+    for i in range(1, 5):  # and the count starts from what is there
         s.put(key_of(i), chunk)
     assert s.usage() <= 3 * size
 
@@ -1111,7 +1147,7 @@ def test_file_deleted_between_contains_and_get_is_a_miss(store, monkeypatch):
     real = open
 
     def evicted_first(path, *args, **kwargs):
-        os.unlink(path)                                         # another engine evicts it just now
+        os.unlink(path)  # another engine evicts it just now
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(disk_mod, "open", evicted_first, raising=False)
@@ -1129,7 +1165,7 @@ def test_file_deleted_while_being_read_is_still_served(store, monkeypatch):
 
     def open_then_evicted(path, *args, **kwargs):
         f = real(path, *args, **kwargs)
-        os.unlink(path)                                         # another engine evicts it once it is open
+        os.unlink(path)  # another engine evicts it once it is open
         return f
 
     monkeypatch.setattr(disk_mod, "open", open_then_evicted, raising=False)
@@ -1162,7 +1198,7 @@ def in_child(body) -> int:
     the caller reads with :func:`child_says`, then kills and reaps it."""
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:   # the child: never return into pytest
+    if pid == 0:  # the child: never return into pytest
         try:
             os.close(r)
             body(lambda msg: os.write(w, msg))
@@ -1179,13 +1215,13 @@ in_child.pipes = {}
 def child_says(pid: int) -> bytes:
     r = in_child.pipes.pop(pid)
     try:
-        return os.read(r, 4096)      # b"" if it exited without a word
+        return os.read(r, 4096)  # b"" if it exited without a word
     finally:
         os.close(r)
 
 
 def kill_and_reap(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)     # no cleanup of any kind, as after kill -9
+    os.kill(pid, signal.SIGKILL)  # no cleanup of any kind, as after kill -9
     os.waitpid(pid, 0)
 
 
@@ -1215,13 +1251,13 @@ def make_temp(path, key: str, name: str, nbytes: int, age_s: float = 0.0) -> str
 def test_temporary_files_are_removed_only_when_their_writer_is_gone(tmp_path, pids, case, name_of, age, stale):
     key = key_of(case)
     p = make_temp(tmp_path, key, name_of(key, pids), 1000, age)
-    sv = survey(str(tmp_path))                   # read-only
+    sv = survey(str(tmp_path))  # read-only
     assert [(t.path, t.bytes, t.stale) for t in sv.temps] == [(p, 1000, stale)] and sv.chunks == []
     assert os.path.exists(p)
-    s = DiskTier.at(tmp_path)                      # start-up removes the stale ones
+    s = DiskTier.at(tmp_path)  # start-up removes the stale ones
     assert os.path.exists(p) is not stale
     assert s.stats()["tmp_removed"] == int(stale)
-    assert s.usage() == (0 if stale else 1000)   # counted until removed
+    assert s.usage() == (0 if stale else 1000)  # counted until removed
     assert [t.path for t in s.temp_files()] == ([] if stale else [p])
 
 
@@ -1233,19 +1269,23 @@ def test_a_live_writers_temporary_file_is_removed_once_it_dies(tmp_path):
     assert [t.reason for t in s.temp_files()] == [f"being written by pid {writer.pid}"]
     writer.stdin.close()
     writer.wait()
-    assert s.usage() == 0 and not os.path.exists(p)       # the next scan removes it
+    assert s.usage() == 0 and not os.path.exists(p)  # the next scan removes it
     assert s.stats()["tmp_removed"] == 1
 
 
 def test_files_that_are_not_kvx_files_are_left_alone(tmp_path):
     s = DiskTier.at(tmp_path)
     s.put(key_of(1), torch.ones(4))
-    others = [tmp_path / "README", tmp_path / "ab" / "notes.txt", tmp_path / "ab" / ".hidden",
-              tmp_path / "abc" / ".x.tmp"]                  # not a two-character subdirectory
+    others = [
+        tmp_path / "README",
+        tmp_path / "ab" / "notes.txt",
+        tmp_path / "ab" / ".hidden",
+        tmp_path / "abc" / ".x.tmp",
+    ]  # not a two-character subdirectory
     for p in others:
         p.parent.mkdir(exist_ok=True)
         p.write_bytes(b"x" * 10)
-        os.utime(p, (1, 1))                                 # very old
+        os.utime(p, (1, 1))  # very old
     assert s.usage() == os.path.getsize(s.file_of(key_of(1)))
     s.clear()
     assert all(p.exists() for p in others)
@@ -1267,7 +1307,7 @@ def test_put_writes_only_names_kvx_recognises(tmp_path, monkeypatch):
         report(f"{len(other.temp_files())} {other.usage()}".encode())
 
     def write_with_others_looking(fd, bufs):
-        real(fd, bufs[:1])                                   # the header
+        real(fd, bufs[:1])  # the header
         seen["tmp"] = os.readlink(f"/proc/self/fd/{fd}")
         seen["names"] = files_in(path)
         other = DiskTier.at(path)
@@ -1286,7 +1326,7 @@ def test_put_writes_only_names_kvx_recognises(tmp_path, monkeypatch):
     assert m and m["key"] == key and m["host"] == disk_mod._HOST and int(m["pid"]) == os.getpid()
     header = os.path.getsize(s.file_of(key)) - chunk.numel() * 2
     assert seen["other"] == ([(tmp, False, "being written by this process")], header)
-    assert seen["child"] == f"1 {header}"                   # another pid: alive, so in flight
+    assert seen["child"] == f"1 {header}"  # another pid: alive, so in flight
     assert seen["kept"]
     assert files_in(path) == [os.path.relpath(s.file_of(key), path)]
 
@@ -1303,14 +1343,15 @@ def test_kill_9_leaves_only_a_temporary_file_that_the_next_start_removes(tmp_pat
             report(b"ready")
             time.sleep(120)
 
-        if where == "write":            # killed with the header written, the data not
+        if where == "write":  # killed with the header written, the data not
             real = getattr(disk_mod, "_write_all", None)
 
             def half(fd, bufs):
                 real(fd, bufs[:1])
                 pause()
+
             disk_mod._write_all = half
-        else:                           # killed with the whole file written, before the rename
+        else:  # killed with the whole file written, before the rename
             os.replace = pause
         DiskTier.at(path).put("ab" * 16, chunk)
         report(b"done")
@@ -1344,7 +1385,7 @@ def test_temporary_files_count_against_the_capacity(tmp_path):
     for i in range(4):
         assert s.put(key_of(i), torch.zeros(2, 8, dtype=torch.float16))
         set_mtime(s, key_of(i), base + i)
-    assert {c.key for c in s.scan()} == {key_of(1), key_of(2), key_of(3)}   # 3 chunks + the temp = 5
+    assert {c.key for c in s.scan()} == {key_of(1), key_of(2), key_of(3)}  # 3 chunks + the temp = 5
     assert s.usage() == 5 * size and os.path.exists(tmp)
     assert s.stats()["evicted"] == 1
 
@@ -1365,7 +1406,7 @@ def test_closed_store_raises(tmp_path, op):
     k = key_of(0)
     s.put(k, torch.ones(4))
     s.close()
-    s.close()   # idempotent
+    s.close()  # idempotent
     calls = {
         "put": lambda: s.put(key_of(1), torch.ones(4)),
         "get": lambda: s.get(k),

@@ -102,10 +102,10 @@ def test_value_layout_single_and_parts(redis_server, open_tier):
     assert manifest.startswith(b"kvxparts:1:") and len(manifest) < 128
     parts = part_keys(c, k2)
     sizes = sorted(c.strlen(p) for p in parts)
-    assert len(sizes) == 2 and sizes[1] - sizes[0] <= 1 and sum(sizes) > MVS + 1   # equal parts, header included
-    assert all(c.pttl(p) == -1 for p in parts)       # published: persistent, like the chunk
+    assert len(sizes) == 2 and sizes[1] - sizes[0] <= 1 and sum(sizes) > MVS + 1  # equal parts, header included
+    assert all(c.pttl(p) == -1 for p in parts)  # published: persistent, like the chunk
     with pytest.raises(ChunkError, match="kvx header"):
-        codec.header_length(manifest)                # a manifest never reads as a codec header
+        codec.header_length(manifest)  # a manifest never reads as a codec header
 
 
 def test_large_chunk_default_part_size(redis_server, open_tier):
@@ -128,14 +128,14 @@ def test_put_of_an_existing_key_returns_false(size, redis_server, open_tier):
     x, y = random_chunk(shape, torch.float16, 4), random_chunk(shape, torch.float16, 5)
     assert tier.put(key, x) is True
     assert tier.put(key, y) is False
-    other = open_tier(redis_server.url)              # another engine: SET NX / the publish script refuse too
+    other = open_tier(redis_server.url)  # another engine: SET NX / the publish script refuse too
     assert other.put(key, y) is False
     out = poisoned(x)
     tier.get_into(key, out)
     assert_same_bytes(out, x)
     assert tier.stats()["puts"] == 1
     n = n_parts(x, key)
-    assert len(part_keys(redis_server.client(), key)) == (0 if n == 1 else n)   # the losers' parts are gone
+    assert len(part_keys(redis_server.client(), key)) == (0 if n == 1 else n)  # the losers' parts are gone
 
 
 # ------------------------------------------------------------------------------------------ verification
@@ -185,10 +185,10 @@ def test_torn_or_corrupt_chunk_is_a_miss_and_dropped(damage, redis_server, open_
     out = poisoned(x)
     with pytest.raises(ChunkError):
         tier.get_into(key, out)
-    assert tier.contains_many([key]) == [False]      # dropped: lookups stop reporting it
+    assert tier.contains_many([key]) == [False]  # dropped: lookups stop reporting it
     if damage != "garbage_value":
         assert part_keys(c, key) == []
-    assert tier.put(key, x) is True                  # the recomputed chunk can be stored again
+    assert tier.put(key, x) is True  # the recomputed chunk can be stored again
     tier.get_into(key, out)
     assert_same_bytes(out, x)
     assert tier.stats()["errors"] == 1
@@ -243,8 +243,10 @@ def test_part_gets_go_out_one_ahead(redis_server):
     conn = RespConnection("127.0.0.1", redis_server.port, deadline=time.monotonic() + 5)
     log: list[tuple] = []
     send = conn._send
-    conn._send = lambda bufs, deadline: (log.append(("send", b"".join(bytes(b) for b in bufs).count(b"GET"))),
-                                         send(bufs, deadline))[1]
+    conn._send = lambda bufs, deadline: (
+        log.append(("send", b"".join(bytes(b) for b in bufs).count(b"GET"))),
+        send(bufs, deadline),
+    )[1]
 
     class Sink:
         def __init__(self):
@@ -257,7 +259,7 @@ def test_part_gets_go_out_one_ahead(redis_server):
             self.i, self.pos = i, 0
 
         def buffer(self):
-            return memoryview(self.got[self.i])[self.pos:]
+            return memoryview(self.got[self.i])[self.pos :]
 
         def advance(self, n):
             if self.pos == 0:
@@ -265,11 +267,23 @@ def test_part_gets_go_out_one_ahead(redis_server):
             self.pos += n
 
     sink = Sink()
-    conn.get_into([f"kvx:part:{i}" for i in range(4)], sink, time.monotonic() + 5,
-                  ready=lambda: log.append(("ready",)))
+    conn.get_into([f"kvx:part:{i}" for i in range(4)], sink, time.monotonic() + 5, ready=lambda: log.append(("ready",)))
     assert [bytes(g) for g in sink.got] == values
-    assert log == [("send", 1), ("ready",), ("begin", 0), ("send", 1), ("bytes", 0), ("begin", 1), ("send", 1),
-                   ("bytes", 1), ("begin", 2), ("send", 1), ("bytes", 2), ("begin", 3), ("bytes", 3)]
+    assert log == [
+        ("send", 1),
+        ("ready",),
+        ("begin", 0),
+        ("send", 1),
+        ("bytes", 0),
+        ("begin", 1),
+        ("send", 1),
+        ("bytes", 1),
+        ("begin", 2),
+        ("send", 1),
+        ("bytes", 2),
+        ("begin", 3),
+        ("bytes", 3),
+    ]
     assert not conn.closed and conn.command("PING", deadline=time.monotonic() + 5) == "PONG"
 
     def fails():
@@ -277,7 +291,7 @@ def test_part_gets_go_out_one_ahead(redis_server):
 
     with pytest.raises(RuntimeError, match="preparation failed"):
         conn.get_into(["kvx:part:0"], Sink(), time.monotonic() + 5, ready=fails)
-    assert conn.closed                  # the GET's reply was never read: the connection is not reused
+    assert conn.closed  # the GET's reply was never read: the connection is not reused
 
 
 @pytest.mark.parametrize("transport", ["tcp", "unix"])
@@ -302,7 +316,7 @@ def test_data_connections_get_the_transports_send_buffer(transport, redis_server
     else:
         fresh = socket.socket()
         try:
-            assert got >= fresh.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)   # not pinned below the default
+            assert got >= fresh.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)  # not pinned below the default
         finally:
             fresh.close()
     out = poisoned(x)
@@ -320,6 +334,7 @@ def test_put_whose_encoding_fails_leaves_the_connection_clean(redis_server, open
 
     def broken(*a, **k):
         raise RuntimeError("encoding failed")
+
     monkeypatch.setattr(codec, "encode", broken)
     # the pool's own check (unread bytes) depends on the reply having arrived: take it away
     monkeypatch.setattr(RespConnection, "stale", lambda self: self.closed)
@@ -360,15 +375,16 @@ def test_exists_each_parses_replies_across_reads_and_keeps_error_replies_in_plac
     try:
         assert conn.exists_each(keys, time.monotonic() + 10) == [int(i % 3 == 0) for i in range(len(keys))]
         c.execute_command("ACL", "SETUSER", "lookups", "on", ">pw", "~kvx:1:{a*", "+exists", "+ping")
-        limited = RespConnection("127.0.0.1", redis_server.port, username="lookups", password="pw",
-                                 deadline=time.monotonic() + 5)
+        limited = RespConnection(
+            "127.0.0.1", redis_server.port, username="lookups", password="pw", deadline=time.monotonic() + 5
+        )
         try:
             mixed = ["kvx:1:{a1}", "kvx:1:{b1}", "kvx:1:{a2}"]
             c.set("kvx:1:{a2}", b"x")
             got = limited.exists_each(mixed, time.monotonic() + 5)
             assert got[0] == 0 and got[2] == 1
             assert isinstance(got[1], Exception) and "NOPERM" in str(got[1]), got[1]
-            assert limited.command("PING", deadline=time.monotonic() + 5) == "PONG"    # the stream is intact
+            assert limited.command("PING", deadline=time.monotonic() + 5) == "PONG"  # the stream is intact
         finally:
             limited.close()
             c.execute_command("ACL", "DELUSER", "lookups")
@@ -391,11 +407,11 @@ def test_contains_many_none_then_answer(redis_server, open_tier):
         finally:
             redis_server.resume()
 
-    assert ask_while_paused() is None                # lookup_wait_ms=0: never blocks the caller
+    assert ask_while_paused() is None  # lookup_wait_ms=0: never blocks the caller
     answer = wait_for(lambda: tier.contains_many(keys), 5, "the lookup's answer")
     assert answer == [False, True, False, False, False]
     assert tier.put(keys[3], random_chunk((8,), torch.uint8, 10))
-    assert ask_while_paused() is None                # an answer is served once: a new lookup starts
+    assert ask_while_paused() is None  # an answer is served once: a new lookup starts
     assert wait_for(lambda: tier.contains_many(keys), 5, "the new answer") == [False, True, False, True, False]
 
 
@@ -406,7 +422,7 @@ def test_contains_many_cluster_spread(redis_cluster, open_tier):
     for k in keys[::2]:
         assert tier.put(k, x)
     ports = {redis_cluster.node_of(f"kvx:1:{{{k}}}").port for k in keys[::2]}
-    assert len(ports) == 3                           # the stored chunks live on every node
+    assert len(ports) == 3  # the stored chunks live on every node
     assert tier.contains_many(keys) == [i % 2 == 0 for i in range(60)]
 
 
@@ -428,7 +444,7 @@ def test_sigstop_mid_get_fails_within_the_deadline(redis_server, open_tier):
         # a timeout alone may be this client stalling: the maintenance thread's PING (another timeout_ms)
         # decides that the server is down
         wait_for(lambda: tier.stats()["nodes_down"] == 1, timeout_ms / 1e3 + 2, "the node to be marked down")
-        t0 = time.monotonic()                        # known down: everything answers at once
+        t0 = time.monotonic()  # known down: everything answers at once
         with pytest.raises(ChunkError):
             tier.get_into(key, poisoned(x))
         with pytest.raises(StoreUnavailableError):
@@ -450,15 +466,20 @@ def test_a_short_deadline_after_long_ones_still_bounds_each_call(transport, redi
     left. After calls with 30 s deadlines, a receive and a send (a value larger than the socket buffers)
     with a 200 ms deadline on a stopped server still fail as timeouts at about 200 ms, and the connection
     is closed."""
-    where = dict(unix_path=redis_server.unix_path) if transport == "unix" else dict(host="127.0.0.1",
-                                                                                 port=redis_server.port)
+    where = (
+        dict(unix_path=redis_server.unix_path)
+        if transport == "unix"
+        else dict(host="127.0.0.1", port=redis_server.port)
+    )
     conns = [RespConnection(**where, deadline=time.monotonic() + 5) for _ in range(2)]
     for conn in conns:
         assert conn.command("PING", deadline=time.monotonic() + 30) == "PONG"
     redis_server.pause()
     try:
-        for conn, call in zip(conns, [lambda c, d: c.command("PING", deadline=d),
-                                      lambda c, d: c.set_value("kvx:big", [bytes(64 << 20)], [], d)]):
+        for conn, call in zip(
+            conns,
+            [lambda c, d: c.command("PING", deadline=d), lambda c, d: c.set_value("kvx:big", [bytes(64 << 20)], [], d)],
+        ):
             t0 = time.monotonic()
             with pytest.raises(ConnectionLost) as e:
                 call(conn, t0 + 0.2)
@@ -491,7 +512,7 @@ def test_lookup_on_a_stopped_server_never_blocks(redis_server, open_tier):
 
 def test_sigstop_mid_put_fails_within_the_deadline(redis_server, open_tier):
     tier = open_tier(redis_server.url, timeout_ms=300, retry_s=0.2)
-    x = random_chunk((300_000,), torch.uint8, 13)    # 5 parts
+    x = random_chunk((300_000,), torch.uint8, 13)  # 5 parts
     redis_server.pause()
     try:
         t0 = time.monotonic()
@@ -518,10 +539,10 @@ def test_sigkill_then_restart_reconnects(redis_server, open_tier):
         tier.put(key, x)
     assert tier.contains_many([key]) == [False]
     assert time.monotonic() - t0 < 0.5
-    redis_server.restart()                            # same port, data lost
+    redis_server.restart()  # same port, data lost
     wait_for(lambda: works(tier), 5, "the tier to reconnect after the restart")
     with pytest.raises(ChunkError, match="not in redis"):
-        tier.get_into(key, poisoned(x))               # the restart lost it: a miss, not an error
+        tier.get_into(key, poisoned(x))  # the restart lost it: a miss, not an error
     assert tier.put(key, x) is True
     out = poisoned(x)
     tier.get_into(key, out)
@@ -534,7 +555,7 @@ def test_restart_while_idle_needs_no_downtime(redis_server, open_tier):
     tier = open_tier(redis_server.url, retry_s=60)
     assert works(tier)
     redis_server.restart()
-    assert works(tier)          # retry_s=60: had the node been marked down, this would fail
+    assert works(tier)  # retry_s=60: had the node been marked down, this would fail
 
 
 def test_restart_while_idle_tls(tmp_path, open_tier):
@@ -583,7 +604,7 @@ def test_noeviction_oom_raises_full_and_leaves_nothing(size, open_tier):
     with start_server(maxmemory="4mb", policy="noeviction") as server:
         c = server.client()
         tier = open_tier(server.url)
-        shape = (40_000,) if size == "odd" else (150_000,)      # one value / 3 parts of 64 KiB
+        shape = (40_000,) if size == "odd" else (150_000,)  # one value / 3 parts of 64 KiB
         stored, failed = [], None
         for i in range(200):
             k = new_key()
@@ -598,7 +619,7 @@ def test_noeviction_oom_raises_full_and_leaves_nothing(size, open_tier):
         assert tier.contains_many([failed]) == [False]
         with pytest.raises(ChunkError, match="not in redis"):
             tier.get_into(failed, torch.empty(shape, dtype=torch.uint8))
-        assert part_keys(c, failed) == []             # no part of the refused chunk is left
+        assert part_keys(c, failed) == []  # no part of the refused chunk is left
         out = torch.empty(shape, dtype=torch.uint8)
         tier.get_into(stored[0], out)
         assert_same_bytes(out, random_chunk(shape, torch.uint8, 0))
@@ -610,7 +631,7 @@ def test_allkeys_lru_soak_never_serves_wrong_bytes(open_tier):
     order; every get either returns the exact bytes or raises ChunkError."""
     with start_server(maxmemory="4mb", policy="allkeys-lru") as server:
         tier = open_tier(server.url, max_value_size="256KiB")
-        shape = (700_000,)                            # 3 parts
+        shape = (700_000,)  # 3 parts
         keys = [new_key() for _ in range(40)]
         stored = []
         ok = torn = full = 0
@@ -620,7 +641,7 @@ def test_allkeys_lru_soak_never_serves_wrong_bytes(open_tier):
                     stored.append((i, k))
             except StoreFullError:
                 full += 1
-            for j, kk in stored[-6:]:                 # read recent and older chunks while writing
+            for j, kk in stored[-6:]:  # read recent and older chunks while writing
                 out = poisoned(torch.empty(shape, dtype=torch.uint8))
                 try:
                     tier.get_into(kk, out)
@@ -646,7 +667,7 @@ def test_server_stops_or_dies_in_the_middle_of_a_transfer(fault, redis_server, o
     x = random_chunk((64 << 20,), torch.uint8, 21)
     assert tier.put(key, x)
     advance = _ChunkSink.advance
-    struck: list[int] = []           # payload bytes received when the fault struck
+    struck: list[int] = []  # payload bytes received when the fault struck
 
     def advance_then_fault(self, n):
         advance(self, n)
@@ -660,8 +681,10 @@ def test_server_stops_or_dies_in_the_middle_of_a_transfer(fault, redis_server, o
         with pytest.raises(ChunkError) as e:
             tier.get_into(key, poisoned(x))
         took = time.monotonic() - t0
-        print(f"\n{fault} after {struck[0]} of {x.nbytes} payload bytes: get_into failed after "
-              f"{1e3 * took:.0f} ms (timeout_ms={timeout_ms}): {e.value}")
+        print(
+            f"\n{fault} after {struck[0]} of {x.nbytes} payload bytes: get_into failed after "
+            f"{1e3 * took:.0f} ms (timeout_ms={timeout_ms}): {e.value}"
+        )
         assert 0 < struck[0] < x.nbytes, "the fault did not strike in the middle of the transfer"
         if fault == "sigstop":
             assert f"did not answer within {timeout_ms} ms" in str(e.value)
@@ -673,7 +696,7 @@ def test_server_stops_or_dies_in_the_middle_of_a_transfer(fault, redis_server, o
     finally:
         redis_server.resume() if fault == "sigstop" else redis_server.restart()
     wait_for(lambda: works(tier), 5, "the tier to be back")
-    if fault == "sigstop":         # the server kept the chunk: read whole this time
+    if fault == "sigstop":  # the server kept the chunk: read whole this time
         out = poisoned(x)
         tier.get_into(key, out)
         assert_same_bytes(out, x)
@@ -711,8 +734,10 @@ def test_chunks_over_the_servers_value_limit_go_in_parts(config, caplog, open_ti
     with start_server(extra_args=args) as server:
         caplog.set_level(logging.WARNING, logger="kvx")
         tier = open_tier(server.url, max_value_size="4MiB", retry_s=60)
-        chunks = {new_key(): random_chunk((n,), torch.uint8, i)
-                  for i, n in enumerate([1000, 3 << 20, (2 << 20) + 7, 5 << 20, 1 << 20])}
+        chunks = {
+            new_key(): random_chunk((n,), torch.uint8, i)
+            for i, n in enumerate([1000, 3 << 20, (2 << 20) + 7, 5 << 20, 1 << 20])
+        }
         for k, x in chunks.items():
             assert tier.put(k, x) is True
         for k, x in chunks.items():
@@ -721,13 +746,13 @@ def test_chunks_over_the_servers_value_limit_go_in_parts(config, caplog, open_ti
             assert_same_bytes(out, x)
         st = tier.stats()
         assert (st["nodes_down"], st["errors"], st["puts"]) == (0, 0, len(chunks))
-        assert st["refused"] == (1 if config == "allowed" else 2)       # 3 MiB, then 1.5 MiB parts
+        assert st["refused"] == (1 if config == "allowed" else 2)  # 3 MiB, then 1.5 MiB parts
         text = "\n".join(r.getMessage() for r in caplog.records)
         assert "proto-max-bulk-len" in text
         assert ("1048576" in text) if config == "allowed" else ("CONFIG GET not allowed" in text)
         c = server.client()
         assert max(c.strlen(k) for k in c.scan_iter(match="kvx:*")) <= 1 << 20
-        assert works(tier)          # retry_s=60: had the node been marked down, this would fail
+        assert works(tier)  # retry_s=60: had the node been marked down, this would fail
 
 
 # ------------------------------------------------------------------------------------------ cluster
@@ -748,7 +773,7 @@ def test_cluster_node_killed(open_tier):
                     tier.get_into(k, poisoned(x))
             else:
                 out = poisoned(x)
-                try:                                 # the other nodes answer until the cluster declares FAIL
+                try:  # the other nodes answer until the cluster declares FAIL
                     tier.get_into(k, out)
                     assert_same_bytes(out, x)
                 except ChunkError:
@@ -804,14 +829,14 @@ def test_cluster_moved_after_a_slot_migration(size, redis_cluster, open_tier):
     ck = f"kvx:1:{{{key}}}"
     src = redis_cluster.node_of(ck)
     dst = next(n for n in redis_cluster.nodes if n is not src)
-    _migrate(redis_cluster, key_slot(ck.encode()), src, dst)   # the tier's slot map is now stale
+    _migrate(redis_cluster, key_slot(ck.encode()), src, dst)  # the tier's slot map is now stale
     assert redis_cluster.node_of(ck) is dst
     out = poisoned(x)
-    tier.get_into(key, out)                          # MOVED -> the new node, once
+    tier.get_into(key, out)  # MOVED -> the new node, once
     assert_same_bytes(out, x)
     assert tier.stats()["redirects"] == 1
     assert tier.contains_many([key]) == [True]
-    tier.get_into(key, poisoned(x))                  # the slot map was updated: no second redirection
+    tier.get_into(key, poisoned(x))  # the slot map was updated: no second redirection
     assert tier.stats()["redirects"] == 1
 
 
@@ -826,10 +851,10 @@ def test_cluster_ask_during_a_slot_migration(redis_cluster, open_tier):
     slot = key_slot(ck.encode())
     src = redis_cluster.node_of(ck)
     dst = next(n for n in redis_cluster.nodes if n is not src)
-    _migrate(redis_cluster, slot, src, dst, finish=False)     # the key moved; the slot is still src's
+    _migrate(redis_cluster, slot, src, dst, finish=False)  # the key moved; the slot is still src's
     try:
         out = poisoned(x)
-        tier.get_into(key, out)                      # src answers ASK -> ASKING + GET on dst
+        tier.get_into(key, out)  # src answers ASK -> ASKING + GET on dst
         assert_same_bytes(out, x)
         assert tier.contains_many([key]) == [True]
         assert tier.stats()["redirects"] >= 2
@@ -863,17 +888,46 @@ def _tls_files(tmp_path):
     if not shutil.which("openssl"):
         pytest.skip("openssl is needed to make a test certificate")
     cert, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key_file), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key_file),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return cert, key_file, s.getsockname()[1]
 
 
 def _tls_args(port, cert, key_file) -> list:
-    return ["--tls-port", port, "--tls-cert-file", cert, "--tls-key-file", key_file, "--tls-ca-cert-file", cert,
-            "--tls-auth-clients", "no"]
+    return [
+        "--tls-port",
+        port,
+        "--tls-cert-file",
+        cert,
+        "--tls-key-file",
+        key_file,
+        "--tls-ca-cert-file",
+        cert,
+        "--tls-auth-clients",
+        "no",
+    ]
 
 
 @pytest.mark.parametrize("verify", ["ca", "none"])
@@ -885,12 +939,12 @@ def test_tls(verify, tmp_path, open_tier):
         key = new_key()
         x = random_chunk(shape_for("multi", torch.float32, key), torch.float32, 22)
         assert tier.put(key, x) and tier.contains_many([key]) == [True]
-        for _ in range(3):                            # pooled TLS connections are reused
+        for _ in range(3):  # pooled TLS connections are reused
             out = poisoned(x)
             tier.get_into(key, out)
             assert_same_bytes(out, x)
         assert tier.usage() > 0
-    if verify == "ca":                                # a certificate nobody vouches for: refused, tier down
+    if verify == "ca":  # a certificate nobody vouches for: refused, tier down
         with start_server(extra_args=_tls_args(tls_port, cert, key_file)):
             tier = open_tier(f"rediss://127.0.0.1:{tls_port}/0")
             assert tier.contains_many([new_key()]) == [False]
@@ -930,8 +984,13 @@ def test_close_is_idempotent_and_final(redis_server, open_tier):
     tier.close()
     tier.close()
     assert not tier._maint.is_alive()
-    for op in (lambda: tier.put(new_key(), torch.zeros(1)), lambda: tier.get_into(new_key(), torch.zeros(1)),
-               lambda: tier.contains_many([new_key()]), lambda: tier.delete(new_key()), tier.usage):
+    for op in (
+        lambda: tier.put(new_key(), torch.zeros(1)),
+        lambda: tier.get_into(new_key(), torch.zeros(1)),
+        lambda: tier.contains_many([new_key()]),
+        lambda: tier.delete(new_key()),
+        tier.usage,
+    ):
         with pytest.raises(StoreClosedError):
             op()
 
@@ -1016,7 +1075,7 @@ def test_a_stalled_client_does_not_mark_a_live_server_down(redis_server, open_ti
     real = resp.RespConnection.set_value
 
     def stalled(self, *a, **k):
-        time.sleep(0.35)                     # past the deadline, with the server answering all along
+        time.sleep(0.35)  # past the deadline, with the server answering all along
         raise resp.ConnectionLost("no answer in time (SET)", timeout=True)
 
     monkeypatch.setattr(resp.RespConnection, "set_value", stalled)
@@ -1025,7 +1084,7 @@ def test_a_stalled_client_does_not_mark_a_live_server_down(redis_server, open_ti
         with pytest.raises(StoreUnavailableError):
             tier.put(new_key(), x)
         monkeypatch.setattr(resp.RespConnection, "set_value", real)
-        assert tier.stats()["nodes_down"] == 0           # the timed-out put alone marks nothing down
+        assert tier.stats()["nodes_down"] == 0  # the timed-out put alone marks nothing down
         wait_for(lambda: commands(c, "ping") > pings, 10, "the maintenance thread's PING of the suspect node")
     # the PING answered: the node stays up (one that itself timed out on a loaded machine would mark the node
     # down until the next probe, retry_s later)

@@ -33,7 +33,7 @@ from tests.store.conftest import (
 )
 
 PASSWORD, SENTINEL_PASSWORD = "data-pw", "sentinel-pw"
-FAILOVER_S = 15.0                  # a failover takes 1-3 s here (down-after 500 ms): generous bound
+FAILOVER_S = 15.0  # a failover takes 1-3 s here (down-after 500 ms): generous bound
 FAST = dict(timeout_ms=500, retry_s=0.1)
 
 
@@ -70,7 +70,7 @@ def test_round_trip_through_sentinel(sentinels, open_tier):
     tier = open_tier(sentinels.url, sentinel_password=SENTINEL_PASSWORD)
     master = sentinels.master()
     keys, chunks = [], []
-    for i, size in enumerate(["odd", "multi"]):        # one value, and parts published by the script
+    for i, size in enumerate(["odd", "multi"]):  # one value, and parts published by the script
         k = new_key()
         x = random_chunk(shape_for(size, torch.bfloat16, k), torch.bfloat16, 100 + i)
         assert tier.put(k, x) is True
@@ -114,7 +114,7 @@ def test_sentinels_down_at_open_then_up(caplog, sentinels, open_tier):
         caplog.set_level(logging.WARNING, logger="kvx")
         t0 = time.monotonic()
         tier = open_tier(sentinels.url, sentinel_password=SENTINEL_PASSWORD, **FAST)
-        assert time.monotonic() - t0 < 1.0 + SLACK_S                 # refused: no timeout waited
+        assert time.monotonic() - t0 < 1.0 + SLACK_S  # refused: no timeout waited
         assert any("cannot reach" in r.getMessage() for r in caplog.records)
         assert_fails_at_once(tier, 0.1 + SLACK_S)
         assert tier.stats()["nodes_down"] == 1
@@ -132,8 +132,10 @@ def test_master_killed_failover_serves_replicated_chunks(caplog, monkeypatch):
     back before the sentinels make it a replica, takes nothing."""
     caplog.set_level(logging.WARNING, logger="kvx")
     with deployment() as d:
-        tier = RedisTier.open(RedisTierConfig(type="redis", url=d.url, max_value_size=MVS, lookup_wait_ms=1000,
-                                          **FAST), TierContext(fingerprint=FP))
+        tier = RedisTier.open(
+            RedisTierConfig(type="redis", url=d.url, max_value_size=MVS, lookup_wait_ms=1000, **FAST),
+            TierContext(fingerprint=FP),
+        )
         try:
             old = d.master()
             saved = {}
@@ -142,11 +144,11 @@ def test_master_killed_failover_serves_replicated_chunks(caplog, monkeypatch):
                 saved[k] = random_chunk(shape_for(size, torch.float16, k), torch.float16, 200 + i)
                 assert tier.put(k, saved[k])
             with old.client() as c:
-                assert c.wait(1, 1000) == 1                        # on the replica before the crash
+                assert c.wait(1, 1000) == 1  # on the replica before the crash
             old.kill()
             worst, r = 0.0, None
 
-            def served() -> bool:                                    # every call bounded until it is back
+            def served() -> bool:  # every call bounded until it is back
                 nonlocal worst, r
                 k, x = next(iter(saved.items()))
                 r, took = timed(tier.get_into, k, poisoned(x))
@@ -155,7 +157,7 @@ def test_master_killed_failover_serves_replicated_chunks(caplog, monkeypatch):
                 return r is None and r2 == [True, True]
 
             wait_for(served, FAILOVER_S, lambda: f"the failover: {r}", interval=0.05)
-            assert worst < 0.5 + SLACK_S, worst                      # timeout_ms, never longer
+            assert worst < 0.5 + SLACK_S, worst  # timeout_ms, never longer
             new = d.wait_failover(old)
             for k, x in saved.items():
                 out = poisoned(x)
@@ -167,7 +169,7 @@ def test_master_killed_failover_serves_replicated_chunks(caplog, monkeypatch):
             assert st["failovers"] == 1 and st["nodes_down"] == 0
             failover_lines = [r for r in caplog.records if "failover" in r.getMessage()]
             assert len(failover_lines) == 1 and f"was {old.host}:{old.port}" in failover_lines[0].getMessage()
-            assert not [r for r in caplog.records if "no sentinel names" in r.getMessage()]   # a failover's course
+            assert not [r for r in caplog.records if "no sentinel names" in r.getMessage()]  # a failover's course
 
             # the old master back: empty and a master (the sentinels convert it to a replica only 10-20 s
             # later): the tier keeps to the one the sentinels name
@@ -199,13 +201,13 @@ def test_master_demoted_under_open_connections_gets_no_write(open_tier):
             tier = open_tier(d.url, **FAST)
             old = d.master()
             assert works(tier)
-            with old.client() as c:                  # REPLICAOF keeps normal clients connected
+            with old.client() as c:  # REPLICAOF keeps normal clients connected
                 c.replicaof(elsewhere.host, elsewhere.port)
             k, x = new_key(), random_chunk((1000,), torch.float32, 7)
             r, took = timed(tier.put, k, x)
             assert isinstance(r, StoreUnavailableError) and "replica" in str(r), r
             assert took < 0.5 + SLACK_S
-            with old.client() as c:                  # several probes (retry_s 0.1): ROLE keeps it out
+            with old.client() as c:  # several probes (retry_s 0.1): ROLE keeps it out
                 roles = commands(c, "role")
                 wait_for(lambda: commands(c, "role") >= roles + 2, 10, "two probes of the demoted master")
             assert tier.stats()["nodes_down"] == 1 and tier.stats()["failovers"] == 0

@@ -40,9 +40,9 @@ def test_locate_answers_the_fastest_tier_holding_every_rank_share(tiers):
     put(fast, CHUNKS[0])
     put(slow, CHUNKS[0])
     put(slow, CHUNKS[1])
-    put(fast, CHUNKS[2], ranks=(0,))          # one rank's share only: not a hit there
+    put(fast, CHUNKS[2], ranks=(0,))  # one rank's share only: not a hit there
     put(slow, CHUNKS[2])
-    assert stack.locate(CHUNKS[:4]) is None   # the remote tier is still looking: ask again later
+    assert stack.locate(CHUNKS[:4]) is None  # the remote tier is still looking: ask again later
     assert stack.locate(CHUNKS[:4]) == [fast.type, slow.type, slow.type, None]
 
 

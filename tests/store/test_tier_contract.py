@@ -24,20 +24,23 @@ def _disk(request, tmp_path, fp):
 
 def _redis(request, tmp_path, fp, **kw):
     server = request.getfixturevalue("redis_server")
-    return RedisTier.open(RedisTierConfig(type="redis", url=server.url, max_value_size=256 * 1024, **kw),
-                          TierContext(fp))
+    return RedisTier.open(
+        RedisTierConfig(type="redis", url=server.url, max_value_size=256 * 1024, **kw), TierContext(fp)
+    )
 
 
 def _redis_unix(request, tmp_path, fp):
     server = request.getfixturevalue("redis_server")
-    return RedisTier.open(RedisTierConfig(type="redis", url=server.unix_url, max_value_size=256 * 1024),
-                          TierContext(fp))
+    return RedisTier.open(
+        RedisTierConfig(type="redis", url=server.unix_url, max_value_size=256 * 1024), TierContext(fp)
+    )
 
 
 def _cluster(request, tmp_path, fp):
     cluster = request.getfixturevalue("redis_cluster")
-    return RedisTier.open(RedisTierConfig(type="redis", url=cluster.url, cluster=True, max_value_size=256 * 1024),
-                          TierContext(fp))
+    return RedisTier.open(
+        RedisTierConfig(type="redis", url=cluster.url, cluster=True, max_value_size=256 * 1024), TierContext(fp)
+    )
 
 
 TIERS = {"disk": _disk, "redis": _redis, "redis-unix": _redis_unix, "redis-cluster": _cluster}
@@ -59,9 +62,11 @@ def open_tier(request, tmp_path):
 
 def contains(tier: Tier, keys, timeout_s=5.0) -> list[bool]:
     """contains_many, asked again while the tier answers None (not known yet), as vLLM's scheduler does."""
-    def answer():               # boxed: the answer to no keys, [], is an answer too
+
+    def answer():  # boxed: the answer to no keys, [], is an answer too
         got = tier.contains_many(keys)
         return None if got is None else [got]
+
     return wait_for(answer, timeout_s, "an answer of contains_many (it kept answering None)", interval=0.002)[0]
 
 
@@ -82,9 +87,13 @@ def key_of(i) -> str:
     return f"{_SALT[0]}{i:08x}"
 
 
-SHAPES = [((2, 2, 16, 2, 8), torch.bfloat16), ((3, 1, 7, 1, 5), torch.float32),
-          ((2, 2, 64, 4, 64), torch.float16),                          # 256 KiB: more than one Redis part
-          ((2, 2, 33, 3, 64), torch.float8_e4m3fn), ((1, 4, 1000), torch.uint8)]
+SHAPES = [
+    ((2, 2, 16, 2, 8), torch.bfloat16),
+    ((3, 1, 7, 1, 5), torch.float32),
+    ((2, 2, 64, 4, 64), torch.float16),  # 256 KiB: more than one Redis part
+    ((2, 2, 33, 3, 64), torch.float8_e4m3fn),
+    ((1, 4, 1000), torch.uint8),
+]
 
 
 @pytest.mark.parametrize("shape, dtype", SHAPES, ids=[f"{d}-{'x'.join(map(str, s))}" for s, d in SHAPES])
@@ -98,7 +107,7 @@ def test_put_get_round_trip_is_bit_exact(open_tier, shape, dtype):
     out = torch.empty(shape, dtype=dtype)
     tier.get_into(key, out)
     assert_same_bytes(out, data)
-    assert tier.put(key, chunk(shape, dtype, seed=2)) is False      # never overwritten
+    assert tier.put(key, chunk(shape, dtype, seed=2)) is False  # never overwritten
     tier.get_into(key, out)
     assert_same_bytes(out, data)
 
@@ -123,10 +132,10 @@ def test_missing_and_mismatched_chunks_are_chunk_errors(open_tier):
         tier.get_into(key, torch.empty(4, 8, dtype=torch.bfloat16))
     with pytest.raises(ChunkError, match="dtype"):
         tier.get_into(key, torch.empty(4, 16, dtype=torch.float16))
-    other = open_tier(fp="another-model")                          # same store, chunks of another meaning
+    other = open_tier(fp="another-model")  # same store, chunks of another meaning
     with pytest.raises(ChunkError, match="fingerprint"):
         other.get_into(key, out)
-    tier.get_into(key, out)                                        # still served to the right reader
+    tier.get_into(key, out)  # still served to the right reader
 
 
 def test_delete(open_tier):
@@ -138,7 +147,7 @@ def test_delete(open_tier):
     with pytest.raises(ChunkError):
         tier.get_into(key, torch.empty(4, 16, dtype=torch.bfloat16))
     assert tier.delete(key) is False
-    assert tier.put(key, chunk((4, 16))) is True                   # and can be stored again
+    assert tier.put(key, chunk((4, 16))) is True  # and can be stored again
 
 
 def test_events_name_the_tier_and_the_keys(open_tier):
@@ -147,7 +156,7 @@ def test_events_name_the_tier_and_the_keys(open_tier):
     tier.subscribe(lambda name, event, keys: seen.append((name, event, list(keys))))
     key = key_of(4)
     tier.put(key, chunk((4, 16)))
-    tier.put(key, chunk((4, 16)))                                  # present: no second event
+    tier.put(key, chunk((4, 16)))  # present: no second event
     tier.delete(key)
     assert seen == [(tier.name, STORED, [key]), (tier.name, REMOVED, [key])]
 
@@ -157,7 +166,7 @@ def test_usage_capacity_and_stats(open_tier):
     before = tier.usage()
     data = chunk((64, 1024), torch.uint8)
     tier.put(key_of(5), data)
-    assert tier.usage() >= before + data.numel() // 2              # a server may compress or round; not lose it
+    assert tier.usage() >= before + data.numel() // 2  # a server may compress or round; not lose it
     cap = tier.capacity()
     assert cap is None or (isinstance(cap, int) and cap > 0)
     stats = tier.stats()
@@ -172,16 +181,29 @@ def test_out_must_be_a_contiguous_cpu_tensor(open_tier):
         tier.get_into(key, torch.empty(16, 4, dtype=torch.bfloat16).t())
 
 
-BAD_KEYS = ["", "0123456", "ABCDEF0123456789", "0123456789abcdeg", "0123456789abcdef\n", "01234567/../x",
-            12345678, None, b"0123456789abcdef"]
+BAD_KEYS = [
+    "",
+    "0123456",
+    "ABCDEF0123456789",
+    "0123456789abcdeg",
+    "0123456789abcdef\n",
+    "01234567/../x",
+    12345678,
+    None,
+    b"0123456789abcdef",
+]
 
 
 @pytest.mark.parametrize("key", BAD_KEYS, ids=repr)
 def test_bad_keys_are_refused_by_every_operation(open_tier, key):
     tier = open_tier()
     data = chunk((4, 16))
-    calls = {"put": lambda: tier.put(key, data), "get_into": lambda: tier.get_into(key, torch.empty_like(data)),
-             "delete": lambda: tier.delete(key), "contains_many": lambda: tier.contains_many([key_of(7), key])}
+    calls = {
+        "put": lambda: tier.put(key, data),
+        "get_into": lambda: tier.get_into(key, torch.empty_like(data)),
+        "delete": lambda: tier.delete(key),
+        "contains_many": lambda: tier.contains_many([key_of(7), key]),
+    }
     for op, call in calls.items():
         with pytest.raises(ValueError, match="^key: expected a lowercase hex string"):
             call()
@@ -226,7 +248,7 @@ def test_close_is_idempotent_and_final(open_tier):
 
 def test_every_tier_type_is_registered():
     assert tier_class("disk") is DiskTier and tier_class("redis") is RedisTier
-    assert tier_class("kvx.store.redis:RedisTier") is RedisTier         # a third-party tier: by import path
+    assert tier_class("kvx.store.redis:RedisTier") is RedisTier  # a third-party tier: by import path
     with pytest.raises(ValueError, match="'cpu', 'disk'"):
         tier_class("nope")
 
@@ -238,12 +260,11 @@ def test_cpu_index_lookups_and_events_follow_the_contract():
     idx, seen = CPUIndex(2), []
     idx.subscribe(lambda name, event, keys: seen.append((name, event, list(keys))))
     idx.allocate("a")
-    assert idx.contains_many(["a", "b"]) == [False, False]         # PENDING is not a hit
+    assert idx.contains_many(["a", "b"]) == [False, False]  # PENDING is not a hit
     idx.commit("a")
     idx.allocate("b")
     idx.commit("b")
-    idx.allocate("c")                                             # evicts "a" (LRU)
-    idx.abort("b")                                                # a committed chunk dropped
+    idx.allocate("c")  # evicts "a" (LRU)
+    idx.abort("b")  # a committed chunk dropped
     idx.clear()
-    assert seen == [("cpu", STORED, ["a"]), ("cpu", STORED, ["b"]), ("cpu", REMOVED, ["a"]),
-                    ("cpu", REMOVED, ["b"])]
+    assert seen == [("cpu", STORED, ["a"]), ("cpu", STORED, ["b"]), ("cpu", REMOVED, ["a"]), ("cpu", REMOVED, ["b"])]

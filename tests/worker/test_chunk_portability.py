@@ -71,15 +71,15 @@ from kvx.store import DiskTier
 from kvx.testing import RUNNER_ORDERS, TransferTally, end_step, make_kv_caches, random_fill_
 from tests.helpers import wait_for
 
-TALLY = TransferTally()    # the transfer ids of the hand-built metadata (no scheduler here)
+TALLY = TransferTally()  # the transfer ids of the hand-built metadata (no scheduler here)
 
 NUM_LAYERS = 4
 CHUNK = 64
 N_CHUNKS = 3
-PROMPT = N_CHUNKS * CHUNK + 8      # 200 tokens: three full chunks and a tail that is never saved
+PROMPT = N_CHUNKS * CHUNK + 8  # 200 tokens: three full chunks and a tail that is never saved
 HEADS = 2
 HEAD_SIZE = 64
-MLA_HEAD_SIZE = 576                # DeepSeek's latent (512) + rope (64)
+MLA_HEAD_SIZE = 576  # DeepSeek's latent (512) + rope (64)
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
 TOKENS = [(7919 * i + 13) % 32000 for i in range(PROMPT)]
 DISK = "disk"
@@ -107,7 +107,7 @@ CASES = {
     "mla-16-to-64": (True, Side(16, "mla"), Side(64, "mla-layer-outer")),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-KV_CACHE_DTYPE = {torch.bfloat16: "auto", torch.float8_e4m3fn: "fp8_e4m3"}   # vLLM's --kv-cache-dtype
+KV_CACHE_DTYPE = {torch.bfloat16: "auto", torch.float8_e4m3fn: "fp8_e4m3"}  # vLLM's --kv-cache-dtype
 
 
 # ------------------------------------------------------------------ one engine's worker and cache
@@ -115,10 +115,20 @@ class Engine:
     """A KVXWorker on real caches of one geometry, sharing the disk tier at ``disk_path``, with a fake
     forward that writes KV bytes into the request's blocks and reads them back per layer."""
 
-    order = "save-first"     # the runner order of the end-of-step hooks (kvx.testing.end_step; set per test below)
+    order = "save-first"  # the runner order of the end-of-step hooks (kvx.testing.end_step; set per test below)
 
-    def __init__(self, name: str, device: str, dtype: torch.dtype, mla: bool, side: Side, disk_path,
-                 fmt: str = "canonical", num_blocks: int = 32, cpu_slots: int = 2):
+    def __init__(
+        self,
+        name: str,
+        device: str,
+        dtype: torch.dtype,
+        mla: bool,
+        side: Side,
+        disk_path,
+        fmt: str = "canonical",
+        num_blocks: int = 32,
+        cpu_slots: int = 2,
+    ):
         self.name = name
         self.device = torch.device(device)
         self.dtype = dtype
@@ -132,16 +142,28 @@ class Engine:
         self.head_size = MLA_HEAD_SIZE if mla else HEAD_SIZE
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         page_bytes = self.planes * self.block * self.heads * self.head_size * self.itemsize
-        self.geom = EngineGeometry(block_size=self.block, num_layers=NUM_LAYERS, num_kv_heads=self.heads,
-                                   head_size=self.head_size, dtype=dtype, use_mla=mla, opaque=False, isa="",
-                                   page_bytes=page_bytes)
+        self.geom = EngineGeometry(
+            block_size=self.block,
+            num_layers=NUM_LAYERS,
+            num_kv_heads=self.heads,
+            head_size=self.head_size,
+            dtype=dtype,
+            use_mla=mla,
+            opaque=False,
+            isa="",
+            page_bytes=page_bytes,
+        )
         # what the connector computes (kvx.connector.connector): fingerprint, namespace, keys
         self.fingerprint = format_fingerprint(self.geom, fmt, side.vllm_layout)
         self.keys = engine_keys(self.geom, self.fingerprint)
         chunk_bytes = NUM_LAYERS * page_bytes * (CHUNK // self.block)
-        config = KVXConfig.from_extra_config({
-            "chunk_size": CHUNK, "format": fmt,
-            "tiers": [{"type": "cpu", "size": cpu_slots * chunk_bytes}, {"type": "disk", "path": str(disk_path)}]})
+        config = KVXConfig.from_extra_config(
+            {
+                "chunk_size": CHUNK,
+                "format": fmt,
+                "tiers": [{"type": "cpu", "size": cpu_slots * chunk_bytes}, {"type": "disk", "path": str(disk_path)}],
+            }
+        )
         gen = torch.Generator().manual_seed(zlib.crc32(f"cache/{name}/{side}/{dtype}".encode()))
         self.caches = self._make_caches(gen)
         self.worker = KVXWorker(config, self.geom, fmt, self.fingerprint, shard=0, shards=1, writes=True)
@@ -151,25 +173,33 @@ class Engine:
         self.pool = self.worker.pool
         # byte views [B, N, H, D * itemsize] of every plane (K, V; or the MLA latent), independent of kvx.kernels.layout
         self.views = [self._byte_planes(t) for t in self.caches]
-        self.tally = TALLY.fresh()     # the worker's results, by what each transfer is
+        self.tally = TALLY.fresh()  # the worker's results, by what each transfer is
         self.load_errors: set[int] = set()
         self.stats: dict[str, int] = {}
 
     def _make_caches(self, gen: torch.Generator) -> list[torch.Tensor]:
         L, B, N, D = NUM_LAYERS, self.num_blocks, self.block, self.head_size
-        if self.side.layout == "mla-layer-outer":     # [L, B, 1, N, C]: each layer [B, 1, N, C]
+        if self.side.layout == "mla-layer-outer":  # [L, B, 1, N, C]: each layer [B, 1, N, C]
             base = torch.empty(L, B, 1, N, D, dtype=self.dtype, device=self.device)
             random_fill_(base, gen)
             return [base[l] for l in range(L)]
-        return make_kv_caches(self.side.vllm_layout, num_layers=L, num_blocks=B, block_size=N,
-                              num_heads=self.heads, head_size=D, dtype=self.dtype, device=self.device,
-                              generator=gen)
+        return make_kv_caches(
+            self.side.vllm_layout,
+            num_layers=L,
+            num_blocks=B,
+            block_size=N,
+            num_heads=self.heads,
+            head_size=D,
+            dtype=self.dtype,
+            device=self.device,
+            generator=gen,
+        )
 
     def _byte_planes(self, t: torch.Tensor) -> list[torch.Tensor]:
         u = t.view(torch.uint8)
         if self.mla:
-            return [u.unsqueeze(2)] if t.dim() == 3 else [u.permute(0, 2, 1, 3)]   # -> [B, N, 1, C]
-        Db = self.head_size * self.itemsize                # [B, H, N, 2D] (K|V packed) -> K, V as [B, N, H, D]
+            return [u.unsqueeze(2)] if t.dim() == 3 else [u.permute(0, 2, 1, 3)]  # -> [B, N, 1, C]
+        Db = self.head_size * self.itemsize  # [B, H, N, 2D] (K|V packed) -> K, V as [B, N, H, D]
         return [u[..., :Db].permute(0, 2, 1, 3), u[..., Db:].permute(0, 2, 1, 3)]
 
     def token_bytes(self) -> tuple[int, ...]:
@@ -204,8 +234,14 @@ class Engine:
         w = self.worker
         wr = [(self._index(t, pos), kv.to(self.device)) for t, pos, kv in writes]
         rd = [self._index(t, pos) for t, pos in reads]
-        outs = [torch.zeros((NUM_LAYERS, self.planes, len(pos), self.heads, self.head_size * self.itemsize),
-                            dtype=torch.uint8, device=self.device) for _, pos in reads]
+        outs = [
+            torch.zeros(
+                (NUM_LAYERS, self.planes, len(pos), self.heads, self.head_size * self.itemsize),
+                dtype=torch.uint8,
+                device=self.device,
+            )
+            for _, pos in reads
+        ]
 
         def forward(layer: int) -> None:
             for idx, kv in wr:
@@ -219,7 +255,7 @@ class Engine:
         w.start_load_kv()
         for layer, name in enumerate(LAYER_NAMES):
             w.wait_for_layer_load(name)
-            if self.deferred:      # the forward on the virtual compute stream: it runs as lazily as a GPU's
+            if self.deferred:  # the forward on the virtual compute stream: it runs as lazily as a GPU's
                 self.engine.compute(lambda layer=layer: forward(layer), name=f"{self.name} forward layer {layer}")
             else:
                 forward(layer)
@@ -249,9 +285,15 @@ class Engine:
 
     def settle(self, done, what: str, timeout_s: float = 60.0) -> None:
         """Step idle (vLLM keeps stepping while kvx has results to report) until ``done()``."""
-        wait_for(lambda: done() or self.idle_step(), timeout_s,
-                 lambda: f"{self.name}: {what} to be reported (tier_done {self.tally.tier_done}, stored "
-                         f"{self.tally.stored}, loads_done {self.tally.loads_done})", interval=0.002)
+        wait_for(
+            lambda: done() or self.idle_step(),
+            timeout_s,
+            lambda: (
+                f"{self.name}: {what} to be reported (tier_done {self.tally.tier_done}, stored "
+                f"{self.tally.stored}, loads_done {self.tally.loads_done})"
+            ),
+            interval=0.002,
+        )
 
     def finish(self) -> None:
         """Run everything queued (the deferred queue's lazy forwards and copies), then report it."""
@@ -270,7 +312,8 @@ def engine_keys(geom: EngineGeometry, fingerprint: str) -> list[str]:
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(model="tests/portability-model", revision=None, quantization=None),
         cache_config=SimpleNamespace(cache_dtype=KV_CACHE_DTYPE[geom.dtype]),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+    )
     return chunk_keys(request_root(namespace(vllm_config, geom, fingerprint)), TOKENS, CHUNK)
 
 
@@ -285,7 +328,7 @@ def shuffled_table(num_blocks: int, n: int, seed: int) -> list[int]:
 
 
 def blocks_of(table, block: int, start: int, end: int) -> list[int]:
-    return list(table[start // block: -(-end // block)])
+    return list(table[start // block : -(-end // block)])
 
 
 # ------------------------------------------------------------------ the scenario's two halves
@@ -306,10 +349,19 @@ def save_prompt(a: Engine, kv: torch.Tensor, chunks=range(N_CHUNKS)) -> list[int
     slots = {0: 0, 1: None, 2: 1}
 
     def saves(cs):
-        return [ChunkSave(req_id="A", key=a.keys[c], block_ids=blocks_of(table, bs, c * CHUNK, (c + 1) * CHUNK),
-                          tokens=CHUNK, slot=slots[c], to_tiers=TALLY.tiers(a.keys[c], DISK),
-                          slot_xfer=TALLY.id("slot", a.keys[c]) if slots[c] is not None else None)
-                for c in cs if c in chunks]
+        return [
+            ChunkSave(
+                req_id="A",
+                key=a.keys[c],
+                block_ids=blocks_of(table, bs, c * CHUNK, (c + 1) * CHUNK),
+                tokens=CHUNK,
+                slot=slots[c],
+                to_tiers=TALLY.tiers(a.keys[c], DISK),
+                slot_xfer=TALLY.id("slot", a.keys[c]) if slots[c] is not None else None,
+            )
+            for c in cs
+            if c in chunks
+        ]
 
     for start, end, cs in ((0, 2 * CHUNK, (0, 1)), (2 * CHUNK, PROMPT, (2,))):
         pos = range(start, end)
@@ -319,13 +371,17 @@ def save_prompt(a: Engine, kv: torch.Tensor, chunks=range(N_CHUNKS)) -> list[int
     a.settle(lambda: all(a.tally.tier_done.get(k) for k in want), "every disk write done")
     a.finish()
     assert a.tally.tier_done == want and a.tally.tier_written == want and not a.tally.tier_failed, (
-        f"A's disk writes: done {a.tally.tier_done}, written {a.tally.tier_written}, failed {a.tally.tier_failed}")
+        f"A's disk writes: done {a.tally.tier_done}, written {a.tally.tier_written}, failed {a.tally.tier_failed}"
+    )
     assert a.tally.stored == {a.keys[c]: 1 for c in chunks if slots[c] is not None} and not a.tally.unstored, (
-        a.tally.stored, a.tally.unstored)
-    for c in chunks:            # A's own CPU slots hold canonical chunks [L, P, T, H, D] too
+        a.tally.stored,
+        a.tally.unstored,
+    )
+    for c in chunks:  # A's own CPU slots hold canonical chunks [L, P, T, H, D] too
         if slots[c] is not None and a.fmt == "canonical":
-            assert_same(f"A's CPU slot {slots[c]} (chunk {c})", slot_bytes(a, slots[c]), kv,
-                        range(c * CHUNK, (c + 1) * CHUNK))
+            assert_same(
+                f"A's CPU slot {slots[c]} (chunk {c})", slot_bytes(a, slots[c]), kv, range(c * CHUNK, (c + 1) * CHUNK)
+            )
     return table
 
 
@@ -336,10 +392,10 @@ def slot_bytes(eng: Engine, slot: int) -> torch.Tensor:
 @dataclass
 class Loaded:
     table: list[int]
-    local: int                       # tokens B had computed itself (its own prefix cache)
+    local: int  # tokens B had computed itself (its own prefix cache)
     loads: list[ChunkLoad]
-    reads: torch.Tensor              # what B's forward read, per layer, after wait_for_layer_load
-    before: list[torch.Tensor]       # B's cache before the step
+    reads: torch.Tensor  # what B's forward read, per layer, after wait_for_layer_load
+    before: list[torch.Tensor]  # B's cache before the step
 
 
 def load_prompt(b: Engine, kv: torch.Tensor, swap_chunk: int | None = None) -> Loaded:
@@ -351,7 +407,7 @@ def load_prompt(b: Engine, kv: torch.Tensor, swap_chunk: int | None = None) -> L
     bs = b.block
     table = shuffled_table(b.num_blocks, -(-PROMPT // bs), seed=2)
     local = bs if bs < CHUNK else 0
-    if local:     # B computed its first block itself earlier (same prompt, same KV)
+    if local:  # B computed its first block itself earlier (same prompt, same KV)
         idx = b._index(table, range(local))
         for layer in range(NUM_LAYERS):
             b.write(layer, idx, kv[:, :, :local].to(b.device))
@@ -362,13 +418,23 @@ def load_prompt(b: Engine, kv: torch.Tensor, swap_chunk: int | None = None) -> L
         ids = blocks_of(table, bs, lo, (c + 1) * CHUNK)
         if c == swap_chunk:
             ids[0], ids[1] = ids[1], ids[0]
-        loads.append(ChunkLoad(key=b.keys[c], tier=DISK, slot=slot, block_ids=ids,
-                               first_block=(lo - c * CHUNK) // bs, tokens=CHUNK,
-                               slot_xfer=TALLY.id("slot", b.keys[c]) if slot is not None else None))
+        loads.append(
+            ChunkLoad(
+                key=b.keys[c],
+                tier=DISK,
+                slot=slot,
+                block_ids=ids,
+                first_block=(lo - c * CHUNK) // bs,
+                tokens=CHUNK,
+                slot_xfer=TALLY.id("slot", b.keys[c]) if slot is not None else None,
+            )
+        )
     tail = range(N_CHUNKS * CHUNK, PROMPT)
-    meta = KVXMetadata(loads=[LoadSpec(req_id="B", chunks=loads, is_async=False, xfer=TALLY.id("load", "B"))],
-                       forward_blocks=blocks_of(table, bs, tail.start, tail.stop))
-    (reads,) = b.step(meta, writes=[(table, tail, kv[:, :, tail.start:tail.stop])], reads=[(table, range(PROMPT))])
+    meta = KVXMetadata(
+        loads=[LoadSpec(req_id="B", chunks=loads, is_async=False, xfer=TALLY.id("load", "B"))],
+        forward_blocks=blocks_of(table, bs, tail.start, tail.stop),
+    )
+    (reads,) = b.step(meta, writes=[(table, tail, kv[:, :, tail.start : tail.stop])], reads=[(table, range(PROMPT))])
     b.finish()
     return Loaded(table, local, loads, reads.cpu(), before)
 
@@ -384,16 +450,23 @@ def problems(what: str, got: torch.Tensor, kv: torch.Tensor, positions) -> list[
     if not bad.any():
         return []
     index = {kv[:, :, p].contiguous().numpy().tobytes(): p for p in range(kv.shape[2])}
-    runs: list[list] = []                      # [first i, last i, A's position or None, A's last]
+    runs: list[list] = []  # [first i, last i, A's position or None, A's last]
     for i in (i for i in range(len(positions)) if bad[i]):
         p = index.get(got[:, :, i].contiguous().numpy().tobytes())
-        if runs and runs[-1][1] == i - 1 and (runs[-1][2] is None) == (p is None) and (
-                p is None or runs[-1][3] == p - 1):
+        if (
+            runs
+            and runs[-1][1] == i - 1
+            and (runs[-1][2] is None) == (p is None)
+            and (p is None or runs[-1][3] == p - 1)
+        ):
             runs[-1][1], runs[-1][3] = i, p
         else:
             runs.append([i, i, p, p])
-    parts = [f"tokens {positions[i]}-{positions[j]} hold "
-             + ("bytes of no token of A" if p0 is None else f"A's tokens {p0}-{p1}") for i, j, p0, p1 in runs]
+    parts = [
+        f"tokens {positions[i]}-{positions[j]} hold "
+        + ("bytes of no token of A" if p0 is None else f"A's tokens {p0}-{p1}")
+        for i, j, p0, p1 in runs
+    ]
     return [f"{what}: {int(bad.sum())} of {len(positions)} tokens wrong: " + "; ".join(parts)]
 
 
@@ -407,8 +480,9 @@ def check_loaded(b: Engine, kv: torch.Tensor, got: Loaded) -> list[str]:
     out = problems("what B's forward read", got.reads, kv, range(PROMPT))
     out += problems(f"B's cache (blocks {got.table})", b.gather(got.table, range(PROMPT)), kv, range(PROMPT))
     for c, slot in ((0, 0), (1, 1)):
-        out += problems(f"B's CPU slot {slot} (chunk {c}, promoted)", slot_bytes(b, slot), kv,
-                        range(c * CHUNK, (c + 1) * CHUNK))
+        out += problems(
+            f"B's CPU slot {slot} (chunk {c}, promoted)", slot_bytes(b, slot), kv, range(c * CHUNK, (c + 1) * CHUNK)
+        )
     others = sorted(set(range(b.num_blocks)) - set(got.table))
     after = b.snapshot()
     changed = [blk for blk in others if any(not torch.equal(x[blk], y[blk]) for x, y in zip(got.before, after))]
@@ -434,9 +508,11 @@ def queue(request, monkeypatch):
     yield device, mode
 
 
-QUEUES = [pytest.param(("cpu", "deferred"), id="cpu-deferred"),
-          pytest.param(("cpu", "thread"), id="cpu-thread"),
-          pytest.param(("cuda", None), marks=[pytest.mark.gpu, needs_cuda], id="cuda")]
+QUEUES = [
+    pytest.param(("cpu", "deferred"), id="cpu-deferred"),
+    pytest.param(("cpu", "thread"), id="cpu-thread"),
+    pytest.param(("cuda", None), marks=[pytest.mark.gpu, needs_cuda], id="cuda"),
+]
 
 
 def make_pair(tmp_path, queue, case: str, dtype: torch.dtype, fmt: str = "canonical"):
@@ -485,7 +561,7 @@ def test_chunks_load_across_block_sizes_and_layouts(case, dtype, queue, tmp_path
         pages_a = format_fingerprint(a.geom, "pages", a.side.vllm_layout)
         assert format_fingerprint(b.geom, "pages", b.side.vllm_layout) != pages_a
         assert format_fingerprint(b.geom, "pages", a.side.vllm_layout) != pages_a, "block size alone"
-        if not a.mla:   # an MLA page is [N, C] in every layout: only the block size changes its bytes
+        if not a.mla:  # an MLA page is [N, C] in every layout: only the block size changes its bytes
             assert format_fingerprint(a.geom, "pages", b.side.vllm_layout) != pages_a, "layout alone"
         assert b.pool is not None and b.tally.stored == {}
 
@@ -495,7 +571,9 @@ def test_chunks_load_across_block_sizes_and_layouts(case, dtype, queue, tmp_path
         assert not b.load_errors and not b.tally.failed_blocks, (b.load_errors, b.tally.failed_blocks)
         assert b.tally.loads_done == {"B": 1}, b.tally.loads_done
         assert b.tally.stored == {b.keys[0]: 1, b.keys[1]: 1} and not b.tally.unstored, (
-            b.tally.stored, b.tally.unstored)
+            b.tally.stored,
+            b.tally.unstored,
+        )
         assert b.stats.get("disk_reads") == N_CHUNKS, f"B read {b.stats.get('disk_reads')} chunks from disk"
         assert got.loads[0].first_block == (1 if got.local else 0)
     finally:
@@ -510,7 +588,7 @@ def test_corrupt_chunk_is_reported_not_served(queue, tmp_path):
     a, make_b, disk, kv = saved_by_a(tmp_path, queue, case, torch.bfloat16, f"corrupt/{case}")
     store = DiskTier.at(disk, fingerprint=a.fingerprint)
     path = store.file_of(a.keys[1])
-    with open(path, "r+b") as f:            # a byte of the payload (the file ends with the chunk's bytes)
+    with open(path, "r+b") as f:  # a byte of the payload (the file ends with the chunk's bytes)
         f.seek(os.path.getsize(path) - 1000)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
@@ -528,9 +606,11 @@ def test_corrupt_chunk_is_reported_not_served(queue, tmp_path):
         after = b.snapshot()
         for blk in chunk1:
             assert all(torch.equal(x[blk], y[blk]) for x, y in zip(got.before, after)), (
-                f"block {blk} of the corrupt chunk was written")
-        assert problems("B's cache, chunk 1", b.gather(got.table, range(CHUNK, 2 * CHUNK)), kv,
-                        range(CHUNK, 2 * CHUNK)), "chunk 1 holds A's KV although its file was corrupt"
+                f"block {blk} of the corrupt chunk was written"
+            )
+        assert problems(
+            "B's cache, chunk 1", b.gather(got.table, range(CHUNK, 2 * CHUNK)), kv, range(CHUNK, 2 * CHUNK)
+        ), "chunk 1 holds A's KV although its file was corrupt"
         assert not store.contains(a.keys[1]), "the corrupt file is still served"
         assert store.contains(a.keys[0]) and store.contains(a.keys[2])
     finally:
@@ -562,7 +642,9 @@ def test_raw_pages_do_not_cross_block_sizes(queue, tmp_path):
         b.step(KVXMetadata(loads=[spec]))
         b.finish()
         assert b.load_errors == set(table) and b.tally.failed_blocks == set(table), (
-            b.load_errors, b.tally.failed_blocks)
+            b.load_errors,
+            b.tally.failed_blocks,
+        )
         after = b.snapshot()
         assert all(torch.equal(x, y) for x, y in zip(before, after)), "B's cache was written by a refused load"
         store = DiskTier.at(disk)
@@ -600,4 +682,4 @@ def test_check_detects_misplaced_blocks(queue, tmp_path):
     swapped = "tokens 64-95 hold A's tokens 96-127; tokens 96-127 hold A's tokens 64-95"
     assert f"what B's forward read: 64 of {PROMPT} tokens wrong: {swapped}" in found, found
     assert any(line.startswith("B's cache") and swapped in line for line in found), found
-    assert not any("CPU slot" in line for line in found), found    # the promoted slot is right; the blocks are not
+    assert not any("CPU slot" in line for line in found), found  # the promoted slot is right; the blocks are not

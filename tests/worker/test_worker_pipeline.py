@@ -92,12 +92,12 @@ BLOCK = 16
 CHUNK = 32
 HEADS = 2
 HEAD_SIZE = 64
-MLA_HEAD_SIZE = 40           # latent width of the MLA case (one plane, one head)
+MLA_HEAD_SIZE = 40  # latent width of the MLA case (one plane, one head)
 NUM_BLOCKS = 20
-MAX_TOKENS = 80              # positions the KV tables cover
+MAX_TOKENS = 80  # positions the KV tables cover
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-SLEEP_CYCLES = int(float(os.environ.get("KVX_TEST_SLEEP_CYCLES", "1e7")))   # ~5 ms on an H100
-POISON = -1                  # int16 0xFFFF: a NaN in bf16 and fp16, never a KV value here
+SLEEP_CYCLES = int(float(os.environ.get("KVX_TEST_SLEEP_CYCLES", "1e7")))  # ~5 ms on an H100
+POISON = -1  # int16 0xFFFF: a NaN in bf16 and fp16, never a KV value here
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none present)")
 LAYOUTS = ["LBNHC", "BLHNC", "mla"]
@@ -120,7 +120,7 @@ def req(name: str, *parts: tuple[str, int]) -> Req:
 A = req("A", ("A", 64))
 B = req("B", ("B", 64))
 C = req("C", ("C", 64))
-D = req("D", ("A", 64), ("D", 9))          # a hit on A's two chunks, 8 more prompt tokens, 1 decoded
+D = req("D", ("A", 64), ("D", 9))  # a hit on A's two chunks, 8 more prompt tokens, 1 decoded
 E = req("E", ("E", 48))
 # A's first chunk as F's prompt: a hit on all but the last token, which F recomputes; a recomputation need
 # not be bit-identical (another batch shape), so it gets F's own KV and a load landing late shows up
@@ -139,7 +139,7 @@ class Run:
     end: int
 
     def written_blocks(self) -> list[int]:
-        return list(self.table[self.start // BLOCK: -(-self.end // BLOCK)])
+        return list(self.table[self.start // BLOCK : -(-self.end // BLOCK)])
 
 
 @dataclass
@@ -150,23 +150,29 @@ class Step:
     loads: list[LoadSpec] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    freed: list[int] = field(default_factory=list)       # blocks freed since the last step
+    freed: list[int] = field(default_factory=list)  # blocks freed since the last step
     needs_stored: list[str] = field(default_factory=list)  # chunks a load reads: served once reported stored
     # deferred queue only: before the step, the copy or forward it races has not run yet (the race is live)
     not_yet: list[tuple[str, object]] = field(default_factory=list)
 
     def meta(self) -> KVXMetadata:
         written = [b for r in self.runs for b in r.written_blocks()]
-        return KVXMetadata(loads=list(self.loads), saves=list(self.saves), preempted=list(self.preempted),
-                           finished=list(self.finished), forward_blocks=sorted(set(written) | set(self.freed)))
+        return KVXMetadata(
+            loads=list(self.loads),
+            saves=list(self.saves),
+            preempted=list(self.preempted),
+            finished=list(self.finished),
+            forward_blocks=sorted(set(written) | set(self.freed)),
+        )
 
 
-TALLY = TransferTally()    # the transfer ids of the scenario's metadata (built by hand, no scheduler)
+TALLY = TransferTally()  # the transfer ids of the scenario's metadata (built by hand, no scheduler)
 
 
 def save(r: Req, key: str, blocks, slot: int) -> ChunkSave:
-    return ChunkSave(req_id=r.name, key=key, block_ids=list(blocks), tokens=CHUNK, slot=slot,
-                     slot_xfer=TALLY.id("slot", key))
+    return ChunkSave(
+        req_id=r.name, key=key, block_ids=list(blocks), tokens=CHUNK, slot=slot, slot_xfer=TALLY.id("slot", key)
+    )
 
 
 def load(r: Req, *chunks: ChunkLoad) -> LoadSpec:
@@ -178,29 +184,60 @@ def from_slot(key: str, slot: int, blocks, **kw) -> ChunkLoad:
 
 
 # chunk key -> (slot, request, first position): what every CPU slot must hold at the end
-SLOTS = {"a0": (0, A, 0), "a1": (1, A, 32), "b0": (2, B, 0), "b1": (3, B, 32), "c0": (4, C, 0),
-         "c1": (5, C, 32), "e0": (6, E, 0)}
+SLOTS = {
+    "a0": (0, A, 0),
+    "a1": (1, A, 32),
+    "b0": (2, B, 0),
+    "b1": (3, B, 32),
+    "c0": (4, C, 0),
+    "c1": (5, C, 32),
+    "e0": (6, E, 0),
+}
 
 STEPS = [
     Step("A prefills chunk a0", [Run(A, (1, 2), 0, 32)], saves=[save(A, "a0", [1, 2], 0)]),
     Step("A prefills chunk a1 and finishes", [Run(A, (1, 2, 3, 4), 32, 64)], saves=[save(A, "a1", [3, 4], 1)]),
-    Step("race 1: B writes A's freed blocks before A's last save ran", [Run(B, (3, 4, 1, 2), 0, 64)],
-         saves=[save(B, "b0", [3, 4], 2), save(B, "b1", [1, 2], 3)], finished=["A"], freed=[1, 2, 3, 4],
-         not_yet=[("a1's save into slot 1", ("slot", "a1"))]),
-    Step("C prefills; E prefills its first chunk", [Run(C, (5, 6, 7, 8), 0, 64), Run(E, (10, 11), 0, 32)],
-         saves=[save(C, "c0", [5, 6], 4), save(C, "c1", [7, 8], 5), save(E, "e0", [10, 11], 6)],
-         finished=["B"], freed=[1, 2, 3, 4]),
-    Step("race 2: D loads into C's freed blocks, F into preempted E's",
-         [Run(D, (7, 8, 5, 6, 9), 64, 72), Run(F, (11, 10), 31, 32)],
-         loads=[load(D, from_slot("a0", 0, [7, 8]), from_slot("a1", 1, [5, 6])),
-                load(F, from_slot("a0", 0, [11, 10], before_forward=True, shared_tokens=15))],
-         finished=["C"], preempted=["E"], freed=[5, 6, 7, 8, 10, 11], needs_stored=["a0", "a1"],
-         not_yet=[("C's forward into blocks 5-8", ("blocks", C, (5, 6, 7, 8), 64)),
-                  ("E's forward into blocks 10-11", ("blocks", E, (10, 11), 32))]),
-    Step("decode: D into the last block of its loaded table, F into a new block",
-         [Run(D, (7, 8, 5, 6, 9), 72, 73), Run(F, (11, 10, 12), 32, 33)]),
-    Step("E resumes: loads e0 into new blocks", [Run(E, (13, 14, 15), 32, 48)],
-         loads=[load(E, from_slot("e0", 6, [13, 14]))], needs_stored=["e0"]),
+    Step(
+        "race 1: B writes A's freed blocks before A's last save ran",
+        [Run(B, (3, 4, 1, 2), 0, 64)],
+        saves=[save(B, "b0", [3, 4], 2), save(B, "b1", [1, 2], 3)],
+        finished=["A"],
+        freed=[1, 2, 3, 4],
+        not_yet=[("a1's save into slot 1", ("slot", "a1"))],
+    ),
+    Step(
+        "C prefills; E prefills its first chunk",
+        [Run(C, (5, 6, 7, 8), 0, 64), Run(E, (10, 11), 0, 32)],
+        saves=[save(C, "c0", [5, 6], 4), save(C, "c1", [7, 8], 5), save(E, "e0", [10, 11], 6)],
+        finished=["B"],
+        freed=[1, 2, 3, 4],
+    ),
+    Step(
+        "race 2: D loads into C's freed blocks, F into preempted E's",
+        [Run(D, (7, 8, 5, 6, 9), 64, 72), Run(F, (11, 10), 31, 32)],
+        loads=[
+            load(D, from_slot("a0", 0, [7, 8]), from_slot("a1", 1, [5, 6])),
+            load(F, from_slot("a0", 0, [11, 10], before_forward=True, shared_tokens=15)),
+        ],
+        finished=["C"],
+        preempted=["E"],
+        freed=[5, 6, 7, 8, 10, 11],
+        needs_stored=["a0", "a1"],
+        not_yet=[
+            ("C's forward into blocks 5-8", ("blocks", C, (5, 6, 7, 8), 64)),
+            ("E's forward into blocks 10-11", ("blocks", E, (10, 11), 32)),
+        ],
+    ),
+    Step(
+        "decode: D into the last block of its loaded table, F into a new block",
+        [Run(D, (7, 8, 5, 6, 9), 72, 73), Run(F, (11, 10, 12), 32, 33)],
+    ),
+    Step(
+        "E resumes: loads e0 into new blocks",
+        [Run(E, (13, 14, 15), 32, 48)],
+        loads=[load(E, from_slot("e0", 6, [13, 14]))],
+        needs_stored=["e0"],
+    ),
 ]
 # what the live requests' blocks hold at the end
 FINAL_TABLES = [(D, (7, 8, 5, 6, 9), 73), (F, (11, 10, 12), 33), (E, (13, 14, 15), 48)]
@@ -210,10 +247,11 @@ FINAL_TABLES = [(D, (7, 8, 5, 6, 9), 73), (F, (11, 10, 12), 33), (E, (13, 14, 15
 class Pipeline:
     """A KVXWorker on real caches, its fake forward, and the record of what every forward read."""
 
-    def __init__(self, device: str, layout: str, dtype: torch.dtype, slow: str | None = None,
-                 order: str = "save-first"):
+    def __init__(
+        self, device: str, layout: str, dtype: torch.dtype, slow: str | None = None, order: str = "save-first"
+    ):
         self.device = torch.device(device)
-        self.order = order           # the runner order of the end-of-step hooks (kvx.testing.end_step)
+        self.order = order  # the runner order of the end-of-step hooks (kvx.testing.end_step)
         self.slow = slow
         self.mla = layout == "mla"
         self.planes = 1 if self.mla else 2
@@ -222,14 +260,29 @@ class Pipeline:
         self.dtype = dtype
         itemsize = torch.empty((), dtype=dtype).element_size()
         page_bytes = self.planes * BLOCK * self.heads * self.head_size * itemsize
-        geom = EngineGeometry(block_size=BLOCK, num_layers=NUM_LAYERS, num_kv_heads=self.heads,
-                              head_size=self.head_size, dtype=dtype, use_mla=self.mla, opaque=False, isa="",
-                              page_bytes=page_bytes)
+        geom = EngineGeometry(
+            block_size=BLOCK,
+            num_layers=NUM_LAYERS,
+            num_kv_heads=self.heads,
+            head_size=self.head_size,
+            dtype=dtype,
+            use_mla=self.mla,
+            opaque=False,
+            isa="",
+            page_bytes=page_bytes,
+        )
         chunk_bytes = NUM_LAYERS * page_bytes * (CHUNK // BLOCK)
-        config = KVXConfig.from_extra_config({"chunk_size": CHUNK,
-                                              "tiers": [{"type": "cpu", "size": 8 * chunk_bytes}]})
-        self.caches = make_kv_caches(layout, num_layers=NUM_LAYERS, num_blocks=NUM_BLOCKS, block_size=BLOCK,
-                                     num_heads=self.heads, head_size=self.head_size, dtype=dtype, device=device)
+        config = KVXConfig.from_extra_config({"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": 8 * chunk_bytes}]})
+        self.caches = make_kv_caches(
+            layout,
+            num_layers=NUM_LAYERS,
+            num_blocks=NUM_BLOCKS,
+            block_size=BLOCK,
+            num_heads=self.heads,
+            head_size=self.head_size,
+            dtype=dtype,
+            device=device,
+        )
         self.worker = KVXWorker(config, geom, "canonical", "tests-gpu", shard=0, shards=1, writes=True)
         self.worker.register_kv_caches(dict(zip(LAYER_NAMES, self.caches)), layout, NUM_BLOCKS)
         self.engine = self.worker.engine
@@ -245,7 +298,7 @@ class Pipeline:
         for who in SOURCES:
             g = torch.Generator().manual_seed(zlib.crc32(f"{who}/{layout}/{dtype}".encode()))
             self.kv[who] = torch.randint(-100, 100, shape, generator=g).to(dtype)
-        self.reads: list[tuple[str, Run, torch.Tensor]] = []     # (step, run, what its forward read)
+        self.reads: list[tuple[str, Run, torch.Tensor]] = []  # (step, run, what its forward read)
         self.stored = Counter()
         self.loads_done = Counter()
         self.unstored = Counter()
@@ -253,7 +306,7 @@ class Pipeline:
         self.load_errors: set[int] = set()
         self.idle_steps = 0
         self._index: dict[bytes, tuple[str, int]] | None = None
-        self.host_syncs: list[str] = []           # CUDA: synchronizing calls made during the steps
+        self.host_syncs: list[str] = []  # CUDA: synchronizing calls made during the steps
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if slow == "copies":
             self._slow_copies()
@@ -267,14 +320,15 @@ class Pipeline:
             def slow():
                 torch.cuda._sleep(SLEEP_CYCLES)
                 fn()
+
             return submit(slow, queue=queue, after=after, name=name)
 
         self.engine.submit = slow_submit
 
     def _plane_views(self, t: torch.Tensor) -> list[torch.Tensor]:
-        if self.mla:                                    # [B, N, D] -> [B, N, 1, D]
+        if self.mla:  # [B, N, D] -> [B, N, 1, D]
             return [t.unsqueeze(2)]
-        D = self.head_size                              # [B, H, N, 2D] (K|V packed) -> K, V as [B, N, H, D]
+        D = self.head_size  # [B, H, N, 2D] (K|V packed) -> K, V as [B, N, H, D]
         return [t[..., :D].permute(0, 2, 1, 3), t[..., D:].permute(0, 2, 1, 3)]
 
     def expected(self, r: Req, positions) -> torch.Tensor:
@@ -284,6 +338,7 @@ class Pipeline:
     # -------------------------------------------------------------- forward
     def _prepare(self, step_no: int, run: Run) -> dict:
         """Device tensors of one run, made before the scenario starts (no host-device copy on the way)."""
+
         def idx(positions):
             blocks = torch.tensor([run.table[p // BLOCK] for p in positions], dtype=torch.int64)
             offs = torch.tensor([p % BLOCK for p in positions], dtype=torch.int64)
@@ -292,20 +347,21 @@ class Pipeline:
         wb, wo = idx(range(run.start, run.end))
         rb, ro = idx(range(run.end))
         src = self.expected(run.req, range(run.start, run.end)).to(self.device)
-        out = torch.empty((NUM_LAYERS, self.planes, run.end, self.heads, self.head_size), dtype=self.dtype,
-                          device=self.device)
+        out = torch.empty(
+            (NUM_LAYERS, self.planes, run.end, self.heads, self.head_size), dtype=self.dtype, device=self.device
+        )
         out.view(torch.int16).fill_(POISON)
         self.reads.append((f"step {step_no} ({STEPS[step_no].what}): {run.req.name}", run, out))
         return {"wb": wb, "wo": wo, "src": src, "rb": rb, "ro": ro, "out": out}
 
     def _forward_layer(self, layer: int, runs: list[dict]) -> None:
         if self.slow == "forward":
-            torch.cuda._sleep(SLEEP_CYCLES)        # a slow kernel: a copy not ordered after it lands first
+            torch.cuda._sleep(SLEEP_CYCLES)  # a slow kernel: a copy not ordered after it lands first
         views = self.views[layer]
-        for r in runs:                              # write this step's tokens (reshape_and_cache)
+        for r in runs:  # write this step's tokens (reshape_and_cache)
             for p, v in enumerate(views):
                 v.index_put_((r["wb"], r["wo"]), r["src"][layer, p])
-        for r in runs:                              # read the request's tokens (attention)
+        for r in runs:  # read the request's tokens (attention)
             for p, v in enumerate(views):
                 r["out"][layer, p].copy_(v[r["rb"], r["ro"]])
 
@@ -338,8 +394,10 @@ class Pipeline:
         for layer, name in enumerate(LAYER_NAMES):
             w.wait_for_layer_load(name)
             if self.deferred:
-                self.engine.compute(lambda layer=layer: self._forward_layer(layer, prepared),
-                                    name=f"step {step_no} forward layer {layer}")
+                self.engine.compute(
+                    lambda layer=layer: self._forward_layer(layer, prepared),
+                    name=f"step {step_no} forward layer {layer}",
+                )
             else:
                 self._forward_layer(layer, prepared)
             w.save_kv_layer(name, self.caches[layer], None)
@@ -356,16 +414,22 @@ class Pipeline:
 
     def wait_stored(self, keys: list[str], timeout_s: float = 30.0) -> None:
         """The scheduler serves a chunk from a CPU slot only once every worker reported it stored."""
+
         def stored() -> bool:
             if all(self.stored[k] for k in keys):
                 return True
             assert not (self.deferred and self.idle_steps > 8), (
-                f"chunks {keys} never reported stored (stored: {dict(self.stored)})")
+                f"chunks {keys} never reported stored (stored: {dict(self.stored)})"
+            )
             self.idle_step()
             return False
 
-        wait_for(stored, timeout_s, lambda: f"chunks {keys} to be reported stored (stored: {dict(self.stored)})",
-                 interval=0 if self.deferred else 0.0002)
+        wait_for(
+            stored,
+            timeout_s,
+            lambda: f"chunks {keys} to be reported stored (stored: {dict(self.stored)})",
+            interval=0 if self.deferred else 0.0002,
+        )
 
     def _warm_up(self) -> None:
         """CUDA: load every kernel the scenario launches (lazy module loading may synchronize) on the null
@@ -377,8 +441,9 @@ class Pipeline:
             ops.scatter_slots(sub, [0, 1], pinned[a:b].narrow(2, 0, 2))
         zero = torch.zeros(1, dtype=torch.int64, device=self.device)
         run = {"wb": zero, "wo": zero, "rb": zero, "ro": zero}
-        run["src"] = torch.zeros((NUM_LAYERS, self.planes, 1, self.heads, self.head_size), dtype=self.dtype,
-                                 device=self.device)
+        run["src"] = torch.zeros(
+            (NUM_LAYERS, self.planes, 1, self.heads, self.head_size), dtype=self.dtype, device=self.device
+        )
         run["out"] = run["src"].clone()
         self._forward_layer(0, [run])
         torch.cuda.synchronize(self.device)
@@ -405,14 +470,15 @@ class Pipeline:
                     self._run(prepared)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            self.host_syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
-                               if "synchroniz" in str(w.message)]
+            self.host_syncs = [
+                f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)
+            ]
             self.engine.flush()
             torch.cuda.synchronize(self.device)
         else:
             self._run(prepared)
             self.engine.flush()
-        self.idle_step(count=False)                   # collect what finished since the last step
+        self.idle_step(count=False)  # collect what finished since the last step
 
     def _run(self, prepared) -> None:
         for i, st in enumerate(STEPS):
@@ -425,7 +491,8 @@ class Pipeline:
                 for what, probe in st.not_yet:
                     assert self._not_yet(probe), (
                         f"step {i} ({st.what}): {what} already ran before the step; the race is not live, "
-                        "so this test could not catch a missing fence")
+                        "so this test could not catch a missing fence"
+                    )
             self.step(i, prepared[i])
 
     # -------------------------------------------------------------- checks
@@ -439,13 +506,15 @@ class Pipeline:
         """Every place that does not hold the exact KV it must, described by whose KV it holds instead."""
         out = []
         for key, (slot, r, first) in SLOTS.items():
-            out += self._diff(f"CPU slot {slot} (chunk {key} of {r.name})", self.pool.slot(slot), r,
-                              range(first, first + CHUNK))
+            out += self._diff(
+                f"CPU slot {slot} (chunk {key} of {r.name})", self.pool.slot(slot), r, range(first, first + CHUNK)
+            )
         for what, run, got in self.reads:
             out += self._diff(f"what the forward read at {what}", got.cpu(), run.req, range(run.end))
         for r, table, end in FINAL_TABLES:
-            out += self._diff(f"the cache blocks {list(table)} of {r.name} at the end", self.gather(table, end), r,
-                              range(end))
+            out += self._diff(
+                f"the cache blocks {list(table)} of {r.name} at the end", self.gather(table, end), r, range(end)
+            )
         return out
 
     def _diff(self, what: str, got: torch.Tensor, r: Req, positions) -> list[str]:
@@ -455,7 +524,7 @@ class Pipeline:
         if not bad.any():
             return []
         index = self._token_index()
-        runs = []                                   # [first, last, source, its first and last position]
+        runs = []  # [first, last, source, its first and last position]
         for i in (i for i in range(len(positions)) if bad[i]):
             who, p = index.get(g[:, :, i].contiguous().numpy().tobytes(), ("?", -1))
             if runs and runs[-1][1] == i - 1 and runs[-1][2] == who and (who == "?" or runs[-1][4] == p - 1):
@@ -483,8 +552,9 @@ class Pipeline:
         self.worker.close()
 
 
-def run_scenario(device: str, layout: str, dtype: torch.dtype, slow: str | None = None,
-                 order: str = "save-first") -> Pipeline:
+def run_scenario(
+    device: str, layout: str, dtype: torch.dtype, slow: str | None = None, order: str = "save-first"
+) -> Pipeline:
     """Run every step; raise AssertionError listing every wrong byte range (bit-exact checks)."""
     pipe = Pipeline(device, layout, dtype, slow, order)
     try:
@@ -495,7 +565,10 @@ def run_scenario(device: str, layout: str, dtype: torch.dtype, slow: str | None 
         assert not problems, "KV is not bit-exact:\n  " + "\n  ".join(problems)
         assert pipe.stored == Counter(dict.fromkeys(SLOTS, 1)), f"stored reports: {dict(pipe.stored)}"
         assert not pipe.unstored and not pipe.failed_blocks and not pipe.load_errors, (
-            pipe.unstored, pipe.failed_blocks, pipe.load_errors)
+            pipe.unstored,
+            pipe.failed_blocks,
+            pipe.load_errors,
+        )
         assert pipe.loads_done == Counter({"D": 1, "F": 1, "E": 1}), f"loads reported done: {dict(pipe.loads_done)}"
         assert not pipe.host_syncs, "the steps synchronized the host:\n  " + "\n  ".join(pipe.host_syncs)
         return pipe
@@ -590,8 +663,10 @@ BROKEN_CASES = [
     # Rule 2 (a save that runs before the forward wrote) cannot show on a queue that runs saves as late as
     # allowed: only the CUDA slow-forward timing shows it.
     pytest.param("cpu", "rule4_fence_before_layer_reads", id="cpu-rule4"),
-    *[pytest.param("cuda", rule, marks=[pytest.mark.gpu, needs_cuda], id=f"cuda-{rule.split('_')[0]}")
-      for rule in BROKEN_RULES],
+    *[
+        pytest.param("cuda", rule, marks=[pytest.mark.gpu, needs_cuda], id=f"cuda-{rule.split('_')[0]}")
+        for rule in BROKEN_RULES
+    ],
 ]
 
 

@@ -18,9 +18,9 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from ..tier import TierConfig
 
-_MIN_VALUE, _MAX_VALUE = 64 << 10, 512 * 10**6    # proto-max-bulk-len is 512 MB: a larger value resets us
+_MIN_VALUE, _MAX_VALUE = 64 << 10, 512 * 10**6  # proto-max-bulk-len is 512 MB: a larger value resets us
 _SENTINEL_SCHEME = "redis+sentinel"
-_SENTINEL_PORT = 26379            # Sentinel's default port
+_SENTINEL_PORT = 26379  # Sentinel's default port
 
 
 def redact(url: str) -> str:
@@ -35,8 +35,9 @@ def redact(url: str) -> str:
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
+
 def _no_bool(name: str, v: Any) -> Any:
-    if isinstance(v, bool):      # pydantic's lax mode reads true as 1: a typo, not a value
+    if isinstance(v, bool):  # pydantic's lax mode reads true as 1: a typo, not a value
         raise ValueError(f"{name}: expected a number, got {v!r}")
     return v
 
@@ -61,7 +62,7 @@ def _sentinel_url(url: str) -> _SentinelSpec:
     password is the data servers', as in a redis:// url; a port left out is 26379). ValueError naming
     ``url`` if it is not one."""
     shown = redact(url)
-    rest = url[len(_SENTINEL_SCHEME) + 3:]
+    rest = url[len(_SENTINEL_SCHEME) + 3 :]
     if "?" in rest or "#" in rest:
         raise ValueError(f"url: a redis+sentinel:// url takes no query or fragment, got {shown!r}")
     netloc, _, path = rest.partition("/")
@@ -72,7 +73,7 @@ def _sentinel_url(url: str) -> _SentinelSpec:
         username, password = unquote(user) or None, (unquote(pw) if colon else None)
     sentinels = []
     for item in hosts.split(","):
-        if item.startswith("["):                        # [v6 address]:port
+        if item.startswith("["):  # [v6 address]:port
             host, close, port = item[1:].partition("]")
             if not close or (port and not port.startswith(":")):
                 raise ValueError(f"url: expected sentinel addresses host[:port], got {item!r} in {shown!r}")
@@ -80,16 +81,21 @@ def _sentinel_url(url: str) -> _SentinelSpec:
         else:
             host, _, port = item.partition(":")
         if not host:
-            raise ValueError(f"url: expected one or more sentinels host[:port],host[:port],... before the "
-                             f"service name, got {shown!r}")
+            raise ValueError(
+                f"url: expected one or more sentinels host[:port],host[:port],... before the "
+                f"service name, got {shown!r}"
+            )
         if port and not (port.isdigit() and 0 < int(port) < 65536):
-            raise ValueError(f"url: expected sentinel addresses host[:port] with a port in [1, 65535], got "
-                             f"{item!r} in {shown!r}")
+            raise ValueError(
+                f"url: expected sentinel addresses host[:port] with a port in [1, 65535], got {item!r} in {shown!r}"
+            )
         sentinels.append((host, int(port) if port else _SENTINEL_PORT))
     service, _, db = path.partition("/")
     if not service:
-        raise ValueError(f"url: expected the service name after the sentinels "
-                         f"(redis+sentinel://host:26379/<service_name>/<db>), got {shown!r}")
+        raise ValueError(
+            f"url: expected the service name after the sentinels "
+            f"(redis+sentinel://host:26379/<service_name>/<db>), got {shown!r}"
+        )
     db = db.rstrip("/")
     if db and not db.isdigit():
         raise ValueError(f"url: expected a db number after the service name, got {db!r} in {shown!r}")
@@ -102,26 +108,38 @@ class RedisTierConfig(TierConfig):
     of a Sentinel deployment (``"url": "redis+sentinel://host1:26379,host2:26379/mymaster/0"``)."""
 
     # a url may carry a password: errors quote values themselves (redacted), never pydantic's raw input
-    model_config = ConfigDict(hide_input_in_errors=True)      # merged with StrictConfig's
+    model_config = ConfigDict(hide_input_in_errors=True)  # merged with StrictConfig's
 
     type: Literal["redis"]
-    url: str = Field(description="redis://[:password@]host:port/db, rediss:// (TLS; ssl_* query parameters as "
-                                 "redis-py reads them), unix:///path/redis.sock?db=0, or "
-                                 "redis+sentinel://[:password@]host:26379[,host:port...]/service_name/db (the "
-                                 "master Redis Sentinel names; the password is the data servers')")
+    url: str = Field(
+        description="redis://[:password@]host:port/db, rediss:// (TLS; ssl_* query parameters as "
+        "redis-py reads them), unix:///path/redis.sock?db=0, or "
+        "redis+sentinel://[:password@]host:26379[,host:port...]/service_name/db (the "
+        "master Redis Sentinel names; the password is the data servers')"
+    )
     cluster: bool = Field(default=False, description="the url names one node of a Redis Cluster")
-    timeout_ms: int = Field(default=1000, description="deadline of one whole get / put / lookup (a 64 MiB chunk "
-                                                      "moves in ~50 ms over loopback)")
-    ttl_s: float | None = Field(default=None, description="expiry of stored chunks (None: none; eviction "
-                                                          "by the server's maxmemory-policy)")
+    timeout_ms: int = Field(
+        default=1000,
+        description="deadline of one whole get / put / lookup (a 64 MiB chunk moves in ~50 ms over loopback)",
+    )
+    ttl_s: float | None = Field(
+        default=None, description="expiry of stored chunks (None: none; eviction by the server's maxmemory-policy)"
+    )
     connections: int = Field(default=4, description="data connections per server node")
-    max_value_size: int = Field(default=4 << 20, description="chunk bytes per Redis value (the codec header "
-                                "rides along); larger chunks are split into parts (1-4 MiB values moved fastest here)")
-    lookup_wait_ms: float = Field(default=2.0, description="how long a lookup may block the caller before "
-                                  "answering 'not known yet'")
+    max_value_size: int = Field(
+        default=4 << 20,
+        description="chunk bytes per Redis value (the codec header "
+        "rides along); larger chunks are split into parts (1-4 MiB values moved fastest here)",
+    )
+    lookup_wait_ms: float = Field(
+        default=2.0, description="how long a lookup may block the caller before answering 'not known yet'"
+    )
     retry_s: float = Field(default=2.0, description="interval of reconnection attempts while a server is down")
-    sentinel_password: str | None = Field(default=None, description="password of the sentinels themselves "
-                                          "(their requirepass; redis-py's sentinel_kwargs), if they have one")
+    sentinel_password: str | None = Field(
+        default=None,
+        description="password of the sentinels themselves "
+        "(their requirepass; redis-py's sentinel_kwargs), if they have one",
+    )
 
     @field_validator("url")
     @classmethod
@@ -131,10 +149,12 @@ class RedisTierConfig(TierConfig):
             return v
         scheme = urlsplit(v).scheme if isinstance(v, str) else None
         if scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"url: expected a redis://, rediss://, unix:// or redis+sentinel:// url, got "
-                             f"{redact(v)!r}")
+            raise ValueError(
+                f"url: expected a redis://, rediss://, unix:// or redis+sentinel:// url, got {redact(v)!r}"
+            )
         try:
             from redis.connection import parse_url
+
             parsed = parse_url(v)
         except ValueError as e:
             raise ValueError(f"url: expected a valid redis url, got {redact(v)!r} ({e})") from None
@@ -185,8 +205,9 @@ class RedisTierConfig(TierConfig):
         except ValueError as e:
             raise ValueError(f"max_value_size: {e}") from None
         if not _MIN_VALUE <= n <= _MAX_VALUE:
-            raise ValueError(f"max_value_size: expected a size in [64KiB, 512MB] (Redis' proto-max-bulk-len), "
-                             f"got {v!r} = {n} bytes")
+            raise ValueError(
+                f"max_value_size: expected a size in [64KiB, 512MB] (Redis' proto-max-bulk-len), got {v!r} = {n} bytes"
+            )
         return n
 
     @field_validator("lookup_wait_ms", "retry_s", mode="before")
@@ -195,26 +216,30 @@ class RedisTierConfig(TierConfig):
         v = _no_bool(info.field_name, v)
         positive = info.field_name == "retry_s"
         if isinstance(v, (int, float)) and not (math.isfinite(v) and (v > 0 if positive else v >= 0)):
-            raise ValueError(f"{info.field_name}: expected a {'positive' if positive else 'non-negative'} "
-                             f"number, got {v!r}")
+            raise ValueError(
+                f"{info.field_name}: expected a {'positive' if positive else 'non-negative'} number, got {v!r}"
+            )
         return v
 
     @model_validator(mode="after")
     def _cluster_url(self):
         if _is_sentinel(self.url):
             if self.cluster:
-                raise ValueError(f"cluster: a Sentinel deployment has one master, not a Redis Cluster's slots, "
-                                 f"got cluster=true with {redact(self.url)!r}")
+                raise ValueError(
+                    f"cluster: a Sentinel deployment has one master, not a Redis Cluster's slots, "
+                    f"got cluster=true with {redact(self.url)!r}"
+                )
             return self
         if self.sentinel_password is not None:
-            raise ValueError(f"sentinel_password: only for a redis+sentinel:// url, got the url "
-                             f"{redact(self.url)!r}")
+            raise ValueError(f"sentinel_password: only for a redis+sentinel:// url, got the url {redact(self.url)!r}")
         if self.cluster:
             from redis.connection import parse_url
 
             if urlsplit(self.url).scheme == "unix":
-                raise ValueError(f"cluster: a Redis Cluster is reached over TCP, got cluster=true with the unix url "
-                                 f"{redact(self.url)!r}")
+                raise ValueError(
+                    f"cluster: a Redis Cluster is reached over TCP, got cluster=true with the unix url "
+                    f"{redact(self.url)!r}"
+                )
             if parse_url(self.url).get("db", 0):
                 raise ValueError(f"cluster: a Redis Cluster has only db 0, got {redact(self.url)!r}")
         return self

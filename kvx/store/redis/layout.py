@@ -10,8 +10,8 @@ from binascii import crc_hqx
 from hashlib import sha1
 
 _PREFIX = "kvx:1:"
-_MAGIC = b"kvxparts"              # first 8 bytes of a manifest (a codec header starts with a length < 2**20)
-_MANIFEST_MAX = 128               # bytes: a manifest is ~50
+_MAGIC = b"kvxparts"  # first 8 bytes of a manifest (a codec header starts with a length < 2**20)
+_MANIFEST_MAX = 128  # bytes: a manifest is ~50
 _SLOTS = 16384
 
 # KEYS[1]: chunk key, KEYS[2..]: this writer's parts. ARGV[1]: manifest, ARGV[2]: ttl in ms (0: none).
@@ -60,7 +60,7 @@ def _slot(chunk_key: str) -> int:
     lo = chunk_key.find("{")
     if lo < 0:
         return crc_hqx(chunk_key.encode(), 0) & 16383
-    return crc_hqx(chunk_key[lo + 1: chunk_key.index("}", lo)].encode(), 0) & 16383
+    return crc_hqx(chunk_key[lo + 1 : chunk_key.index("}", lo)].encode(), 0) & 16383
 
 
 def _chunk_key(key: str) -> str:

@@ -38,16 +38,24 @@ class _Node:
         self._idle: list[RespConnection] = []
         self._slots = threading.BoundedSemaphore(tier.config.connections)
         self._lock = threading.Lock()
-        self.up = False              # only the maintenance thread (or open) sets it True
+        self.up = False  # only the maintenance thread (or open) sets it True
         self.retry_at = 0.0
         self.error = "not connected yet"
         self.closed = False
 
     def connect(self, deadline: float) -> RespConnection:
         t = self.tier.target
-        conn = RespConnection(self.host, self.port, unix_path=self.unix_path, ssl_context=t.ssl_context,
-                              username=t.username, password=t.password, db=t.db, deadline=deadline,
-                              send_buffer=self.tier.send_buffer)
+        conn = RespConnection(
+            self.host,
+            self.port,
+            unix_path=self.unix_path,
+            ssl_context=t.ssl_context,
+            username=t.username,
+            password=t.password,
+            db=t.db,
+            deadline=deadline,
+            send_buffer=self.tier.send_buffer,
+        )
         if self.tier.sentinel_spec is not None:
             # writes must never reach a replica: an old master that came back is one until the sentinels
             # say otherwise (one round trip per new connection; connections are pooled)
@@ -58,22 +66,26 @@ class _Node:
                 raise
             if not isinstance(role, list) or not role or role[0] != b"master":
                 conn.close()
-                raise _NotMaster(f"redis {self.name}: not the master of {self.tier.sentinel_spec.service!r} (ROLE "
-                                 f"answered {role[0] if isinstance(role, list) and role else role!r})")
+                raise _NotMaster(
+                    f"redis {self.name}: not the master of {self.tier.sentinel_spec.service!r} (ROLE "
+                    f"answered {role[0] if isinstance(role, list) and role else role!r})"
+                )
         return conn
 
     def acquire(self, deadline: float) -> tuple[RespConnection, bool]:
         """(a connection, whether it was pooled: used before)."""
         if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise _PoolBusy(f"redis {self.name}: all {self.tier.config.connections} connections stayed busy "
-                            f"for {self.tier.config.timeout_ms} ms")
+            raise _PoolBusy(
+                f"redis {self.name}: all {self.tier.config.connections} connections stayed busy "
+                f"for {self.tier.config.timeout_ms} ms"
+            )
         try:
             while True:
                 with self._lock:
                     conn = self._idle.pop() if self._idle else None
                 if conn is None:
                     return self.connect(deadline), False
-                if not conn.stale():    # a restarted server leaves closed connections behind
+                if not conn.stale():  # a restarted server leaves closed connections behind
                     return conn, True
                 conn.close()
         except BaseException:

@@ -23,14 +23,14 @@ class _ChunkSink:
 
     def __init__(self, key: str, fingerprint: str, out: torch.Tensor, where: str, piece: int | None = None):
         self.key, self.fingerprint, self.out, self.where, self.piece = key, fingerprint, out, where, piece
-        self.payload: memoryview | None = None      # out's bytes: :meth:`prepare`
-        self.used = False                           # handed to a GET (a second try takes a new sink)
+        self.payload: memoryview | None = None  # out's bytes: :meth:`prepare`
+        self.used = False  # handed to a GET (a second try takes a new sink)
         self.phase, self.pos, self.received = self._PREFIX, 0, 0
         self.buf = bytearray(codec.PREFIX_BYTES)
         self.header: codec.Header | None = None
         self.manifest: bytes | None = None
         self.missing = False
-        self.parts: list[int] | None = None     # expected length of each part (None: a single value)
+        self.parts: list[int] | None = None  # expected length of each part (None: a single value)
         self.value_len = 0
         self.torn = False
 
@@ -64,10 +64,10 @@ class _ChunkSink:
         if self.phase == self._PAYLOAD:
             # at most a piece per receive: each is checksummed (advance) while it is still in cache
             # (bench_redis.py, "bytes received per checksum step")
-            return self.payload[self.pos:self.pos + self.piece] if self.piece else self.payload[self.pos:]
+            return self.payload[self.pos : self.pos + self.piece] if self.piece else self.payload[self.pos :]
         if self.phase == self._DONE:
             raise self._error(f"value is longer than its header says ({self.header.total} bytes)", torn=True)
-        return memoryview(self.buf)[self.pos:]
+        return memoryview(self.buf)[self.pos :]
 
     def advance(self, n: int) -> None:
         self.pos += n
@@ -75,7 +75,7 @@ class _ChunkSink:
         if self.phase == self._PAYLOAD:
             # each piece is checksummed as it lands, while the next one is on the wire (CRC32C runs at
             # ~25 GB/s: hidden behind the socket)
-            self.crc.update(self.payload[self.pos - n: self.pos])
+            self.crc.update(self.payload[self.pos - n : self.pos])
             if self.pos == len(self.payload):
                 self.phase = self._DONE
             return
@@ -85,16 +85,16 @@ class _ChunkSink:
                 if self.value_len > _MANIFEST_MAX:
                     raise self._error(f"manifest of {self.value_len} bytes is not a kvx manifest", torn=True)
                 self.phase, self.buf = self._MANIFEST, bytearray(self.value_len)
-                self.buf[:len(prefix)] = prefix
+                self.buf[: len(prefix)] = prefix
                 if self.pos == self.value_len:
                     self._manifest_done()
                 return
             try:
                 n_head = codec.header_length(prefix)
-            except ChunkError as e:       # neither a chunk nor a manifest at a kvx key: damage
+            except ChunkError as e:  # neither a chunk nor a manifest at a kvx key: damage
                 raise self._error(str(e), torn=True) from None
             self.phase, self.buf = self._HEADER, bytearray(codec.PREFIX_BYTES + n_head)
-            self.buf[:len(prefix)] = prefix
+            self.buf[: len(prefix)] = prefix
         elif self.phase == self._MANIFEST and self.pos == len(self.buf):
             self._manifest_done()
         elif self.phase == self._HEADER and self.pos == len(self.buf):
@@ -123,8 +123,11 @@ class _ChunkSink:
             magic, version, nonce, n, total, psize = self.manifest.decode("ascii").split(":")
             n, total, psize = int(n), int(total), int(psize)
             int(nonce, 16)
-            if magic != _MAGIC.decode() or version != "1" or not (n >= 1 and psize >= 1 and
-                                                                   (n - 1) * psize < total <= n * psize):
+            if (
+                magic != _MAGIC.decode()
+                or version != "1"
+                or not (n >= 1 and psize >= 1 and (n - 1) * psize < total <= n * psize)
+            ):
                 raise ValueError("inconsistent fields")
         except (UnicodeDecodeError, ValueError) as e:
             raise self._error(f"unreadable manifest {self.manifest[:_MANIFEST_MAX]!r} ({e})", torn=True) from None

@@ -32,9 +32,9 @@ from .pool import _Node
 from .sink import _ChunkSink
 from .topology import _Topology
 
-log = get_logger("kvx.store.redis")     # one logger for the whole tier, named as before the split
+log = get_logger("kvx.store.redis")  # one logger for the whole tier, named as before the split
 
-_PIECE = 256 << 10                # most GET payload bytes one receive takes (then checksummed), TCP
+_PIECE = 256 << 10  # most GET payload bytes one receive takes (then checksummed), TCP
 # over a unix socket: no cap (a receive brings what the socket holds): 4 MiB GETs 1.03-1.05x faster than
 # 1 MiB pieces in each of three runs of bench_redis.py's step sweep (15 of 15 sub-runs >= 1.00x)
 _PIECE_UNIX = None
@@ -43,11 +43,11 @@ _PIECE_UNIX = None
 # fills the buffer ~20 times over); 512 KiB - 4 MiB gained less (1.27-1.43x). TCP keeps the kernel's
 # autotuning (a fixed 1-4 MiB buffer: 0.93-0.95x). bench_redis.py, "PUT: socket send buffer"
 _SNDBUF_UNIX = 256 << 10
-_PENDING_MS = 60_000              # expiry of parts not yet published: a put takes milliseconds
-_MIN_BULK = 1 << 20                # the smallest proto-max-bulk-len a server can be set to: always accepted
-_LOOKUP_BATCH = 1024              # EXISTS per pipeline write
-_LOOKUP_KEEP = 256                # unanswered lookups kept for the caller's next ask
-_LOOKUP_MAX_AGE_S = 1.0           # a finished lookup older than this is not served (recomputed)
+_PENDING_MS = 60_000  # expiry of parts not yet published: a put takes milliseconds
+_MIN_BULK = 1 << 20  # the smallest proto-max-bulk-len a server can be set to: always accepted
+_LOOKUP_BATCH = 1024  # EXISTS per pipeline write
+_LOOKUP_KEEP = 256  # unanswered lookups kept for the caller's next ask
+_LOOKUP_MAX_AGE_S = 1.0  # a finished lookup older than this is not served (recomputed)
 
 
 @dataclass
@@ -84,31 +84,50 @@ class RedisTier(_Topology, Tier):
         self._value_cap: int | None = None
         self._throttle = Throttle(log, 30.0)
         self._lock = threading.Lock()
-        self._stats = dict.fromkeys(("gets", "get_bytes", "puts", "put_bytes", "misses", "errors", "timeouts",
-                                     "full", "reconnects", "redirects", "dropped", "failovers", "refused"), 0)
+        self._stats = dict.fromkeys(
+            (
+                "gets",
+                "get_bytes",
+                "puts",
+                "put_bytes",
+                "misses",
+                "errors",
+                "timeouts",
+                "full",
+                "reconnects",
+                "redirects",
+                "dropped",
+                "failovers",
+                "refused",
+            ),
+            0,
+        )
         self._closed = False
         self._nodes: dict[str, _Node] = {}
-        self._rc = None                        # redis-py client: slot map, INFO
+        self._rc = None  # redis-py client: slot map, INFO
         self._rc_lock = threading.Lock()
-        self._rc_node: _Node | None = None    # Sentinel: the master self._rc talks to
-        self._sentinels = None                 # Sentinel: redis-py's Sentinel (asked by the maintenance thread)
-        self._ask_at = 0.0                     # Sentinel: when to ask the sentinels next
-        self._slots: list[_Node | None] = []   # cluster: slot -> primary node
+        self._rc_node: _Node | None = None  # Sentinel: the master self._rc talks to
+        self._sentinels = None  # Sentinel: redis-py's Sentinel (asked by the maintenance thread)
+        self._ask_at = 0.0  # Sentinel: when to ask the sentinels next
+        self._slots: list[_Node | None] = []  # cluster: slot -> primary node
         self._topology_ok = False
-        self._refresh = threading.Event()      # cluster: a MOVED asks for a new slot map
-        self._memory: dict[str, tuple[int, int]] = {}   # node -> (used_memory, maxmemory), last known
+        self._refresh = threading.Event()  # cluster: a MOVED asks for a new slot map
+        self._memory: dict[str, tuple[int, int]] = {}  # node -> (used_memory, maxmemory), last known
         self._lookups: OrderedDict[tuple[str, ...], _Lookup] = OrderedDict()
         self._lookup_lock = threading.Lock()
         self._executor = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvx-redis-lookup")
         # a cluster lookup's per-node pipelines (separate from the lookups, which wait for them)
         self._fanout = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvx-redis-fanout")
         self._wake = threading.Event()
-        self._suspects: set[_Node] = set()    # nodes an operation timed out on: the maintenance thread checks
-        self._node: _Node | None = None       # Sentinel: the master (None until a sentinel named one)
+        self._suspects: set[_Node] = set()  # nodes an operation timed out on: the maintenance thread checks
+        self._node: _Node | None = None  # Sentinel: the master (None until a sentinel named one)
         if not config.cluster and self.sentinel_spec is None:
             p = self._params
-            node = (_Node(self, None, None, p["path"]) if p.get("path")
-                    else _Node(self, p.get("host", "localhost"), int(p.get("port", 6379))))
+            node = (
+                _Node(self, None, None, p["path"])
+                if p.get("path")
+                else _Node(self, p.get("host", "localhost"), int(p.get("port", 6379)))
+            )
             self._node = self._nodes[node.name] = node
         self._maint = threading.Thread(target=self._maintain, name="kvx-redis-reconnect", daemon=True)
 
@@ -134,8 +153,13 @@ class RedisTier(_Topology, Tier):
         except StoreError as e:
             errors.append(e)
         if errors:
-            tier._throttle.warning("down", "kvx: redis tier %s: cannot reach the server (%s); answering misses and "
-                                   "retrying every %.1f s", tier.url, "; ".join(map(str, errors)), config.retry_s)
+            tier._throttle.warning(
+                "down",
+                "kvx: redis tier %s: cannot reach the server (%s); answering misses and retrying every %.1f s",
+                tier.url,
+                "; ".join(map(str, errors)),
+                config.retry_s,
+            )
         tier._maint.start()
         return tier
 
@@ -152,9 +176,12 @@ class RedisTier(_Topology, Tier):
         for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
             path = params.get(name)
             if path and not os.access(path, os.R_OK):
-                problems.append(f"{where}.url: expected {name}={path!r} to be a readable file, it is "
-                                f"{'unreadable' if os.path.exists(path) else 'missing'} ({redact(config.url)})")
+                problems.append(
+                    f"{where}.url: expected {name}={path!r} to be a readable file, it is "
+                    f"{'unreadable' if os.path.exists(path) else 'missing'} ({redact(config.url)})"
+                )
         return problems
+
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"redis tier {self.url} is closed")
@@ -182,7 +209,7 @@ class RedisTier(_Topology, Tier):
         with self._lookup_lock:
             entry = self._lookups.get(t)
             if entry is not None and entry.done_at is not None and now - entry.done_at > _LOOKUP_MAX_AGE_S:
-                del self._lookups[t]          # an answer nobody came for in time: ask again
+                del self._lookups[t]  # an answer nobody came for in time: ask again
                 entry = None
             if entry is None:
                 entry = _Lookup(self._executor.submit(self._lookup, keys))
@@ -197,7 +224,7 @@ class RedisTier(_Topology, Tier):
             return None
         with self._lookup_lock:
             if self._lookups.get(t) is entry:
-                del self._lookups[t]          # an answer is served once
+                del self._lookups[t]  # an answer is served once
         try:
             return fut.result()
         except Exception:  # noqa: BLE001 - a failed lookup is a miss
@@ -216,13 +243,17 @@ class RedisTier(_Topology, Tier):
         def ask_node(node: _Node, idx: list[int]) -> list[tuple[int, Any]]:
             out = []
             for lo in range(0, len(idx), _LOOKUP_BATCH):
-                batch = idx[lo:lo + _LOOKUP_BATCH]
+                batch = idx[lo : lo + _LOOKUP_BATCH]
                 deadline = time.monotonic() + self._timeout
                 try:
-                    replies = self._op(cks[batch[0]], lambda c, ask, b=batch, d=deadline: c.exists_each(
-                        [cks[i] for i in b], d), deadline, node=node)
+                    replies = self._op(
+                        cks[batch[0]],
+                        lambda c, ask, b=batch, d=deadline: c.exists_each([cks[i] for i in b], d),
+                        deadline,
+                        node=node,
+                    )
                 except StoreError:
-                    break               # node down or busy: its keys stay False
+                    break  # node down or busy: its keys stay False
                 out += zip(batch, replies)
             return out
 
@@ -238,11 +269,19 @@ class RedisTier(_Topology, Tier):
                 redirected.append(i)
             elif isinstance(r, int):
                 found[i] = r > 0
-        for i in redirected:          # a slot on the move: one key at a time, following the redirection
+        for i in redirected:  # a slot on the move: one key at a time, following the redirection
             deadline = time.monotonic() + self._timeout
             try:
-                found[i] = self._op(cks[i], lambda c, ask, ck=cks[i], d=deadline: c.pipeline(
-                    ([("ASKING",)] if ask else []) + [("EXISTS", ck)], d)[-1], deadline) > 0
+                found[i] = (
+                    self._op(
+                        cks[i],
+                        lambda c, ask, ck=cks[i], d=deadline: c.pipeline(
+                            ([("ASKING",)] if ask else []) + [("EXISTS", ck)], d
+                        )[-1],
+                        deadline,
+                    )
+                    > 0
+                )
             except StoreError:
                 pass
         return found
@@ -255,9 +294,11 @@ class RedisTier(_Topology, Tier):
         check_key(key)
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"out: expected a contiguous CPU tensor, got {type(out).__name__}")
-        if not out.is_cpu or not out.is_contiguous():       # is_cpu: no device object (~15 us less when cold)
-            raise ValueError(f"out: expected a contiguous CPU tensor, got one on {out.device} with strides "
-                             f"{tuple(out.stride())} for shape {tuple(out.shape)}")
+        if not out.is_cpu or not out.is_contiguous():  # is_cpu: no device object (~15 us less when cold)
+            raise ValueError(
+                f"out: expected a contiguous CPU tensor, got one on {out.device} with strides "
+                f"{tuple(out.stride())} for shape {tuple(out.shape)}"
+            )
         ck = _chunk_key(key)
         deadline = time.monotonic() + self._timeout
         sink = _ChunkSink(key, self.ctx.fingerprint, out, f"redis value {ck}", self.piece)
@@ -265,7 +306,7 @@ class RedisTier(_Topology, Tier):
 
         def read(conn: RespConnection, asking: bool) -> None:
             nonlocal sink
-            if sink.used:            # a second try (redirected, or a dead pooled connection) starts over
+            if sink.used:  # a second try (redirected, or a dead pooled connection) starts over
                 sink = _ChunkSink(key, self.ctx.fingerprint, out, sink.where, self.piece)
             sink.used = True
             ask = [("ASKING",)] if asking else []
@@ -275,7 +316,7 @@ class RedisTier(_Topology, Tier):
             if sink.manifest is not None:
                 manifest[0] = sink.manifest
                 nonce, n = sink.expect_parts()
-                if asking:     # ASKING covers one command; parts of a slot in migration: a miss this time
+                if asking:  # ASKING covers one command; parts of a slot in migration: a miss this time
                     raise StoreUnavailableError(f"{ck} is being migrated between cluster nodes")
                 conn.get_into([_part_key(ck, nonce, i) for i in range(n)], sink, deadline)
 
@@ -295,8 +336,9 @@ class RedisTier(_Topology, Tier):
         except ConnectionLost as e:
             self._count(errors=1, timeouts=int(e.timeout))
             if e.timeout:
-                raise ChunkError(f"chunk {key}: redis {self.url} did not answer within {self.config.timeout_ms} "
-                                 f"ms ({e})") from None
+                raise ChunkError(
+                    f"chunk {key}: redis {self.url} did not answer within {self.config.timeout_ms} ms ({e})"
+                ) from None
             raise ChunkError(f"chunk {key}: redis {self.url}: {e}") from None
         except StoreClosedError:
             raise
@@ -310,8 +352,9 @@ class RedisTier(_Topology, Tier):
         lookups stop reporting it and the recomputed chunk can be stored again."""
         deadline = time.monotonic() + self._timeout
         try:
-            dropped = self._op(ck, lambda c, ask: self._script(c, "drop", [ck], [manifest or b""], deadline, ask),
-                               deadline)
+            dropped = self._op(
+                ck, lambda c, ask: self._script(c, "drop", [ck], [manifest or b""], deadline, ask), deadline
+            )
         except StoreError:
             return
         if dropped:
@@ -341,13 +384,14 @@ class RedisTier(_Topology, Tier):
                 try:
                     stored = self._op(ck, lambda c, ask: self._write(c, ask, ck, encode, deadline), deadline)
                     break
-                except ValueTooLarge as e:      # the server takes smaller values than we sent: parts
+                except ValueTooLarge as e:  # the server takes smaller values than we sent: parts
                     if not self._lower_value_cap(ck, e, deadline):
                         raise
         except StoreFullError as e:
             self._count(full=1)
-            self._throttle.warning("full", "kvx: redis tier %s: server out of memory, chunk not stored (%s)",
-                                   self.url, e)
+            self._throttle.warning(
+                "full", "kvx: redis tier %s: server out of memory, chunk not stored (%s)", self.url, e
+            )
             raise StoreFullError(f"chunk {key}: redis {self.url}: {e}") from None
         except ConnectionLost as e:
             self._count(errors=1, timeouts=int(e.timeout))
@@ -372,7 +416,7 @@ class RedisTier(_Topology, Tier):
         try:
             encoded = encode()
         except BaseException:
-            conn.close()            # its reply is unread
+            conn.close()  # its reply is unread
             raise
         return None if conn.replies(cmds, deadline)[-1] else encoded
 
@@ -396,26 +440,27 @@ class RedisTier(_Topology, Tier):
             return conn.set_value(ck, [header, payload], opts, deadline, prefix=ask) == "OK"
         return self._put_parts(conn, asking, ask, ck, hv, pv, n, deadline)
 
-    def _put_parts(self, conn, asking: bool, ask: list, ck: str, hv: memoryview, pv: memoryview, n: int,
-                   deadline: float) -> bool:
+    def _put_parts(
+        self, conn, asking: bool, ask: list, ck: str, hv: memoryview, pv: memoryview, n: int, deadline: float
+    ) -> bool:
         """The chunk's encoding (``hv`` + ``pv``) as ``n`` or so parts, published by one script."""
         total = len(hv) + len(pv)
         # equal parts: a 32 MiB chunk (+ its header) is 9 parts of 3.6 MiB, not 8 of 4 MiB and one of 300 B
         psize = -(-total // n)
-        n = -(-total // psize)          # every part non-empty, whatever the rounding
+        n = -(-total // psize)  # every part non-empty, whatever the rounding
         nonce = os.urandom(6).hex()
         parts = []
         for i in range(n):
             lo, hi = i * psize, min(total, (i + 1) * psize)
             bufs = []
             if lo < len(hv):
-                bufs.append(hv[lo:min(hi, len(hv))])
+                bufs.append(hv[lo : min(hi, len(hv))])
             if hi > len(hv):
-                bufs.append(pv[max(lo, len(hv)) - len(hv):hi - len(hv)])
+                bufs.append(pv[max(lo, len(hv)) - len(hv) : hi - len(hv)])
             parts.append((_part_key(ck, nonce, i), bufs))
         keys = [k for k, _ in parts]
         try:
-            if asking:       # ASKING holds for one command: one SET at a time
+            if asking:  # ASKING holds for one command: one SET at a time
                 replies = [conn.set_value(k, b, ["PX", _PENDING_MS], deadline, prefix=ask) for k, b in parts]
             else:
                 replies = conn.set_many(parts, ["PX", _PENDING_MS], deadline)
@@ -425,15 +470,17 @@ class RedisTier(_Topology, Tier):
             manifest = b"%s:1:%s:%d:%d:%d" % (_MAGIC, nonce.encode(), n, total, psize)
             r = self._script(conn, "publish", [ck, *keys], [manifest, self._ttl_ms], deadline, asking)
         except (StoreError, OSError):
-            if not conn.closed:     # OOM or an error reply: take this writer's parts back now
+            if not conn.closed:  # OOM or an error reply: take this writer's parts back now
                 try:
                     conn.pipeline([c for k in keys for c in (*ask, ("DEL", k))], deadline, raise_errors=False)
                 except StoreError:
                     pass
             raise
         if r == -1:
-            raise StoreFullError(f"parts of {ck} were evicted before they could be published (maxmemory too "
-                                 f"small for chunks of {total} bytes?)")
+            raise StoreFullError(
+                f"parts of {ck} were evicted before they could be published (maxmemory too "
+                f"small for chunks of {total} bytes?)"
+            )
         return r == 1
 
     def _lower_value_cap(self, ck: str, e: ValueTooLarge, deadline: float) -> bool:
@@ -446,8 +493,11 @@ class RedisTier(_Topology, Tier):
             return False
         limit = None
         try:
-            r = self._op(ck, lambda c, ask: c.pipeline([("CONFIG", "GET", "proto-max-bulk-len")], deadline,
-                                                       raise_errors=False)[0], deadline)
+            r = self._op(
+                ck,
+                lambda c, ask: c.pipeline([("CONFIG", "GET", "proto-max-bulk-len")], deadline, raise_errors=False)[0],
+                deadline,
+            )
             if isinstance(r, list) and len(r) == 2:
                 limit = int(r[1])
         except (StoreError, ValueError):
@@ -456,12 +506,17 @@ class RedisTier(_Topology, Tier):
         with self._lock:
             old = self._value_cap
             if old is not None and old <= cap:
-                return old < size       # another put lowered it meanwhile
+                return old < size  # another put lowered it meanwhile
             self._value_cap = cap
             self._stats["refused"] += 1
-        log.warning("kvx: redis tier %s: the server refused a value of %d bytes (over its proto-max-bulk-len, "
-                    "%s): chunks are stored in values of at most %d bytes from now on", self.url, size,
-                    limit if limit is not None else "CONFIG GET not allowed", cap)
+        log.warning(
+            "kvx: redis tier %s: the server refused a value of %d bytes (over its proto-max-bulk-len, "
+            "%s): chunks are stored in values of at most %d bytes from now on",
+            self.url,
+            size,
+            limit if limit is not None else "CONFIG GET not allowed",
+            cap,
+        )
         return True
 
     def delete(self, key: str) -> bool:
@@ -493,7 +548,7 @@ class RedisTier(_Topology, Tier):
         if self.config.cluster:
             targets = {n.name: n for n in self._slots if n is not None}
         else:
-            node = self._rc_node if self.sentinel_spec is not None else self._node    # the one rc talks to
+            node = self._rc_node if self.sentinel_spec is not None else self._node  # the one rc talks to
             targets = {node.name: node} if node is not None else {}
         for name, node in targets.items():
             if not node.up:
@@ -529,7 +584,7 @@ class RedisTier(_Topology, Tier):
             out = dict(self._stats)
         out["nodes_down"] = sum(1 for n in list(self._nodes.values()) if not n.up)
         if self.sentinel_spec is not None and self._node is None:
-            out["nodes_down"] = 1       # no sentinel named a master yet
+            out["nodes_down"] = 1  # no sentinel named a master yet
         return out
 
     def close(self) -> None:

@@ -22,9 +22,9 @@ from ..resp import AuthError, ConnectionLost, NoScriptError, RedirectError, Resp
 from .layout import _SCRIPTS, _SLOTS, _slot
 from .pool import _Node, _NotMaster, _PoolBusy
 
-log = get_logger("kvx.store.redis")     # one logger for the whole tier, named as before the split
+log = get_logger("kvx.store.redis")  # one logger for the whole tier, named as before the split
 
-_SENTINEL_CHECK_S = 5.0           # sentinels asked this often while the master is up (a missed failover)
+_SENTINEL_CHECK_S = 5.0  # sentinels asked this often while the master is up (a missed failover)
 
 
 class _Topology:
@@ -41,7 +41,7 @@ class _Topology:
     def _client(self):
         """The redis-py client (created on first use; a failed cluster discovery raises StoreUnavailableError).
         Sentinel: a client of the master in use now (StoreUnavailableError if none is known yet)."""
-        with self._rc_lock:     # the maintenance thread and usage() callers: one client, not two
+        with self._rc_lock:  # the maintenance thread and usage() callers: one client, not two
             if self.sentinel_spec is not None:
                 return self._master_client()
             if self._rc is not None:
@@ -50,8 +50,9 @@ class _Topology:
 
             try:
                 if self.config.cluster:
-                    self._rc = redis.RedisCluster.from_url(self.config.url, require_full_coverage=False,
-                                                           **self._redis_kwargs())
+                    self._rc = redis.RedisCluster.from_url(
+                        self.config.url, require_full_coverage=False, **self._redis_kwargs()
+                    )
                 else:
                     self._rc = redis.Redis.from_url(self.config.url, **self._redis_kwargs())
             except redis.RedisError as e:
@@ -70,8 +71,14 @@ class _Topology:
             if old is not None:
                 old.close()
             t = self.target
-            self._rc = redis.Redis(host=node.host, port=node.port, db=t.db, username=t.username,
-                                   password=t.password, **self._redis_kwargs())
+            self._rc = redis.Redis(
+                host=node.host,
+                port=node.port,
+                db=t.db,
+                username=t.username,
+                password=t.password,
+                **self._redis_kwargs(),
+            )
             self._rc_node = node
         return self._rc
 
@@ -97,8 +104,9 @@ class _Topology:
             port = int(port)
         except (redis.RedisError, OSError, ValueError) as e:
             # MasterNotFoundError's text lists each sentinel's error (addresses, never passwords)
-            raise StoreUnavailableError(f"redis tier {self.url}: no sentinel names a master of {spec.service!r} "
-                                        f"({_redis_error(e)})") from None
+            raise StoreUnavailableError(
+                f"redis tier {self.url}: no sentinel names a master of {spec.service!r} ({_redis_error(e)})"
+            ) from None
         if node is not None and (node.host, node.port) == (host, port):
             return
         new = _Node(self, host, port)
@@ -106,8 +114,7 @@ class _Topology:
             self._node, self._nodes = new, {new.name: new}
         self._wake.set()
         if node is None:
-            log.info("kvx: redis tier %s: the sentinels name %s as the master of %r", self.url, new.name,
-                     spec.service)
+            log.info("kvx: redis tier %s: the sentinels name %s as the master of %r", self.url, new.name, spec.service)
             return
         with node._lock:
             node.up, node.closed = False, True
@@ -115,8 +122,14 @@ class _Topology:
         node.clear()
         self._memory.pop(node.name, None)
         self._count(failovers=1)
-        log.warning("kvx: redis tier %s: failover: the sentinels name %s as the master of %r (was %s); chunks "
-                    "the old master had not replicated are misses", self.url, new.name, spec.service, node.name)
+        log.warning(
+            "kvx: redis tier %s: failover: the sentinels name %s as the master of %r (was %s); chunks "
+            "the old master had not replicated are misses",
+            self.url,
+            new.name,
+            spec.service,
+            node.name,
+        )
 
     def _load_topology(self) -> None:
         """Cluster: (re)read the slot map with redis-py and point every slot at its primary's node."""
@@ -183,11 +196,16 @@ class _Topology:
             node.retry_at = time.monotonic() + self.config.retry_s
         node.clear()
         if was_up:
-            self._throttle.warning(f"down:{node.name}", "kvx: redis tier %s: node %s failed (%s); answering misses "
-                                   "for its chunks, retrying every %.1f s", self.url, node.name, err,
-                                   self.config.retry_s)
+            self._throttle.warning(
+                f"down:{node.name}",
+                "kvx: redis tier %s: node %s failed (%s); answering misses for its chunks, retrying every %.1f s",
+                self.url,
+                node.name,
+                err,
+                self.config.retry_s,
+            )
         if self.sentinel_spec is not None:
-            self._ask_at = 0.0          # a demoted master: the sentinels already name the new one
+            self._ask_at = 0.0  # a demoted master: the sentinels already name the new one
         self._wake.set()
 
     def _suspect(self, node: _Node) -> None:
@@ -230,8 +248,9 @@ class _Topology:
                         # while the master is down the sentinels name none until they have failed it over: the
                         # node's failure was the warning then; otherwise (none known, sentinels gone) warn
                         quiet = node is not None and not node.up
-                        self._throttle.log(logging.INFO if quiet else logging.WARNING, f"sentinel:{quiet}",
-                                           "kvx: %s", e)      # e names the tier
+                        self._throttle.log(
+                            logging.INFO if quiet else logging.WARNING, f"sentinel:{quiet}", "kvx: %s", e
+                        )  # e names the tier
             due = [n for n in list(self._nodes.values()) if not n.up and n.retry_at <= now]
             if self.config.cluster and (not self._topology_ok or self._refresh.is_set() or due):
                 self._refresh.clear()
@@ -261,8 +280,9 @@ class _Topology:
         return self._slots[_slot(chunk_key)]
 
     # ---------------------------------------------------------------- running commands
-    def _op(self, chunk_key: str, fn: Callable[[RespConnection, bool], Any], deadline: float,
-            node: _Node | None = None) -> Any:
+    def _op(
+        self, chunk_key: str, fn: Callable[[RespConnection, bool], Any], deadline: float, node: _Node | None = None
+    ) -> Any:
         """Run ``fn(conn, asking)`` on the node of ``chunk_key``, following one MOVED / ASK. Raises
         StoreUnavailableError at once if that node is down; a lost connection marks it down.
 
@@ -277,15 +297,16 @@ class _Topology:
             if node is None:
                 if self.sentinel_spec is not None:
                     raise StoreUnavailableError(f"redis tier {self.url}: no master known yet (no sentinel named one)")
-                raise StoreUnavailableError(f"redis tier {self.url}: no node serves {chunk_key} (slot map not "
-                                            f"loaded yet)")
+                raise StoreUnavailableError(
+                    f"redis tier {self.url}: no node serves {chunk_key} (slot map not loaded yet)"
+                )
             if not node.up:
                 raise StoreUnavailableError(f"redis tier {self.url}: node {node.name} is down ({node.error})")
             try:
                 conn, reused = node.acquire(deadline)
             except _PoolBusy:
-                raise                   # busy, not down
-            except StoreError as e:     # refused, timed out, or AUTH refused: down until the probe succeeds
+                raise  # busy, not down
+            except StoreError as e:  # refused, timed out, or AUTH refused: down until the probe succeeds
                 self._node_failed(node, e)
                 raise
             used = node
@@ -293,8 +314,9 @@ class _Topology:
                 return fn(conn, asking)
             except RedirectError as e:
                 if redirected:
-                    raise StoreUnavailableError(f"redis tier {self.url}: redirected twice for {chunk_key} "
-                                                f"({e})") from None
+                    raise StoreUnavailableError(
+                        f"redis tier {self.url}: redirected twice for {chunk_key} ({e})"
+                    ) from None
                 redirected = True
                 with self._lock:
                     self._stats["redirects"] += 1
@@ -305,12 +327,12 @@ class _Topology:
                     self._refresh.set()
                     self._wake.set()
                     if not target.up and target.error == "not connected yet":
-                        self._probe(target)      # a node we never used: connect now, once
+                        self._probe(target)  # a node we never used: connect now, once
                 node, asking = target, e.ask
             except ConnectionLost as e:
                 if reused and not e.timeout and not refreshed and time.monotonic() < deadline:
                     refreshed = True
-                    node.clear()         # its idle siblings are as dead as it was
+                    node.clear()  # its idle siblings are as dead as it was
                     continue
                 if e.timeout:
                     # Out of time: the server, or this thread, was stalled (a writer runs at idle priority and
@@ -330,13 +352,14 @@ class _Topology:
             finally:
                 used.release(conn)
 
-    def _script(self, conn: RespConnection, name: str, keys: Sequence[str], args: Sequence, deadline: float,
-                asking: bool):
+    def _script(
+        self, conn: RespConnection, name: str, keys: Sequence[str], args: Sequence, deadline: float, asking: bool
+    ):
         src, digest = _SCRIPTS[name]
         ask = [("ASKING",)] if asking else []
         try:
             return conn.pipeline(ask + [("EVALSHA", digest, len(keys), *keys, *args)], deadline)[-1]
-        except NoScriptError:     # flushed or restarted since the node was probed: EVAL caches it again
+        except NoScriptError:  # flushed or restarted since the node was probed: EVAL caches it again
             return conn.pipeline(ask + [("EVAL", src, len(keys), *keys, *args)], deadline)[-1]
 
 
