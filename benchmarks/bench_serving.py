@@ -167,6 +167,14 @@ def poisson_arrivals(n: int, rate: float, rng: random.Random) -> list[float]:
     return out
 
 
+def tiny_model(spec: Spec) -> str:
+    """The random-weight Llama of ``spec`` (built once, cached under ~/.cache/kvx/models); its directory."""
+    from kvx.testing import harness as H
+
+    path = os.path.expanduser(f"~/.cache/kvx/models/llama-h{spec.hidden}-l{spec.layers}-float32")
+    return H.make_llama_of_width(path, spec.hidden, spec.layers, "float32", spec.max_model_len, vocab=spec.vocab)
+
+
 def build_workload(spec: Spec, seed: int, rate: float) -> dict[str, list[Request]]:
     """``{"first": [...], "warm": [...]}``: the reuse workload (see the module doc), deterministic in
     ``seed``; each phase's arrivals are a Poisson process of ``rate``."""
@@ -590,17 +598,10 @@ def drop_page_cache(paths: list[str], try_drop_caches: bool = True) -> str:
 
 # ------------------------------------------------------------------------------------------------ running
 def server_args(spec: Spec, config: str, store: str) -> list[str]:
-    from kvx.testing.vllm_server import kv_transfer_args, kvx_config
+    from kvx.testing.vllm_server import kv_transfer_args, kvx_config, tiny_model_args
 
     args = [
-        "--dtype",
-        "float32",
-        "--skip-tokenizer-init",
-        "--enforce-eager",
-        "--seed",
-        "0",
-        "--max-model-len",
-        str(spec.max_model_len),
+        *tiny_model_args(spec.max_model_len),
         "--kv-cache-memory-bytes",
         str(spec.kv_cache_bytes),
         "--enable-prompt-tokens-details",
@@ -785,23 +786,12 @@ def main(argv: list[str] | None = None) -> int:
         k, v = item.split("=", 1)
         server_env[k] = v
 
-    from kvx.testing import harness as H
     from kvx.testing.bench import cpu_name
     from kvx.testing.vllm_server import VllmServer
 
     t_start = time.perf_counter()
     load1 = os.getloadavg()[0]
-    heads = spec.hidden // 64
-    model = H.make_tiny_llama(
-        os.path.expanduser(f"~/.cache/kvx/models/llama-h{spec.hidden}-l{spec.layers}-float32"),
-        hidden=spec.hidden,
-        layers=spec.layers,
-        heads=heads,
-        kv_heads=max(1, heads // 2),
-        vocab=spec.vocab,
-        max_pos=max(8192, spec.max_model_len),
-        dtype="float32",
-    )
+    model = tiny_model(spec)
     work = build_workload(spec, args.seed, rate)
     tmp = tempfile.mkdtemp(prefix="kvx-bench-serving-")
     phases: list[Phase] = []

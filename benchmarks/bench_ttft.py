@@ -71,18 +71,9 @@ def main(argv=None) -> int:
     load1 = os.getloadavg()[0]
     if load1 > 1.0:
         print(f"warning: load average {load1:.2f}: timings will be noisy", file=sys.stderr)
-    heads = args.hidden // 64
+    heads = args.hidden // 64  # make_llama_of_width's proportions, for the report
     cache = os.path.expanduser(f"~/.cache/kvx/models/llama-h{args.hidden}-l{args.layers}-{args.dtype}")
-    model = H.make_tiny_llama(
-        cache,
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=heads,
-        kv_heads=max(1, heads // 2),
-        vocab=8192,
-        max_pos=max(8192, args.tokens + 512),
-        dtype=args.dtype,
-    )
+    model = H.make_llama_of_width(cache, args.hidden, args.layers, args.dtype, max_pos=args.tokens + 512)
     prompts = [H.prompt_ids(args.tokens, seed=100 + i, vocab=8192) for i in range(args.prompts)]
     kw = dict(kv_cache_bytes=2 << 30, max_model_len=args.tokens + 256, dtype=args.dtype)
     tmp = tempfile.mkdtemp(prefix="kvx-bench-ttft-")

@@ -70,22 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         print("profile_serving: needs py-spy (pip install py-spy)", file=sys.stderr)
         return 2
 
-    from kvx.testing import harness as H
     from kvx.testing.bench import cpu_name
     from kvx.testing.vllm_server import VllmServer
 
     spec = S.Spec()
-    heads = spec.hidden // 64
-    model = H.make_tiny_llama(
-        os.path.expanduser(f"~/.cache/kvx/models/llama-h{spec.hidden}-l{spec.layers}-float32"),
-        hidden=spec.hidden,
-        layers=spec.layers,
-        heads=heads,
-        kv_heads=max(1, heads // 2),
-        vocab=spec.vocab,
-        max_pos=max(8192, spec.max_model_len),
-        dtype="float32",
-    )
+    model = S.tiny_model(spec)
     tmp = tempfile.mkdtemp(prefix="kvx-profile-serving-")
     raw = os.path.join(tmp, "samples.txt")
     srv = VllmServer(

@@ -100,9 +100,7 @@ HISTOGRAMS = {
     "(per worker)",
     "save_seconds": "Time to save one chunk, from the gather being queued to its last tier write (per worker)",
 }
-GAUGES = {
-    "pending_writes": "Chunk writes in flight (CPU slots being filled and tier writes not yet reported)",
-}
+GAUGES = {"pending_writes": "Chunk writes in flight (CPU slots being filled and tier writes not yet reported)"}
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 

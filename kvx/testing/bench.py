@@ -29,7 +29,7 @@ import torch
 
 from .. import _ext
 from ..kernels import ops
-from ..kernels.layout import KVLayout
+from ..kernels.layout import KVLayout, Op
 from . import make_kv_caches
 
 
@@ -79,15 +79,8 @@ def cpu_cases(quick: bool) -> list[Case]:
     cases = []
     for tokens, layers in shapes:
         for bs in (16, 128):
-            for op in (
-                "gather_blocks",
-                "scatter_blocks",
-                "gather_slots",
-                "scatter_slots",
-                "gather_pages",
-                "scatter_pages",
-            ):
-                cases.append(Case(op, "LBNHC", bf16, bs, tokens, layers, 8, 128))  # 256 B rows
+            for op in Op:
+                cases.append(Case(op.value, "LBNHC", bf16, bs, tokens, layers, 8, 128))  # 256 B rows
             if not quick:
                 for op in ("gather_blocks", "gather_slots", "scatter_slots"):
                     cases.append(Case(op, "mla", bf16, bs, tokens, layers, 1, 576))  # 1152 B rows

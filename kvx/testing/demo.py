@@ -40,21 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from . import harness as H
 
-    heads = args.hidden // 64
     model_dir = args.model_dir or os.path.join(
         os.path.expanduser("~/.cache/kvx/models"), f"llama-h{args.hidden}-l{args.layers}-{args.dtype}"
     )
     t0 = time.perf_counter()
-    H.make_tiny_llama(
-        model_dir,
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=heads,
-        kv_heads=max(1, heads // 2),
-        vocab=8192,
-        max_pos=max(8192, args.tokens + 512),
-        dtype=args.dtype,
-    )
+    H.make_llama_of_width(model_dir, args.hidden, args.layers, args.dtype, max_pos=args.tokens + 512)
     print(
         f"kvx demo: random Llama (hidden {args.hidden}, {args.layers} layers, {args.dtype}) at {model_dir} "
         f"[{time.perf_counter() - t0:.1f} s]"

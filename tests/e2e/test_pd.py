@@ -43,14 +43,7 @@ def server_args(store: str, role: str, **extra) -> list[str]:
         role=role,
     )
     return [
-        "--dtype",
-        "float32",
-        "--skip-tokenizer-init",
-        "--enforce-eager",
-        "--seed",
-        "0",
-        "--max-model-len",
-        "2560",
+        *S.tiny_model_args(2560),
         "--kv-cache-memory-bytes",
         str(64 << 20),
         "--enable-prompt-tokens-details",

@@ -147,14 +147,7 @@ def test_serve_under_load_with_aborts(model, tmp_path):
     store = tmp_path / "store"
     extra = {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": CPU_TIER}, {"type": "disk", "path": str(store)}]}
     args = [
-        "--dtype",
-        "float32",
-        "--skip-tokenizer-init",
-        "--enforce-eager",
-        "--seed",
-        "0",
-        "--max-model-len",
-        "2048",
+        *S.tiny_model_args(2048),
         "--kv-cache-memory-bytes",
         str(VLLM_KV_BYTES),
         "--max-num-batched-tokens",

@@ -96,14 +96,7 @@ def test_kv_events_and_metrics_of_a_serving_engine(tmp_path):
         "topic": "kv",
     }
     args = [
-        "--dtype",
-        "float32",
-        "--skip-tokenizer-init",
-        "--enforce-eager",
-        "--seed",
-        "0",
-        "--max-model-len",
-        "1536",
+        *S.tiny_model_args(1536),
         "--kv-cache-memory-bytes",
         str(4 << 20),
         "--enable-prompt-tokens-details",

@@ -92,7 +92,8 @@ def test_grid_stride_when_rows_exceed_the_grid():
     assert c.ctas * c.groups == 528 * 8 < c.total_rows  # each row group comes round ~24 times
 
 
-def test_nothing_to_launch():
+def _one_row_descs():
+    """A paged and a contiguous descriptor of 4 one-token blocks of one 64-byte row each."""
     paged = _C.PagedDesc(
         plane_stride=0,
         block_stride=64,
@@ -103,7 +104,11 @@ def test_nothing_to_launch():
         block_size=1,
         num_heads=1,
     )
-    dense = _C.ContigDesc(layer_stride=0, plane_stride=0, token_stride=64, head_stride=64)
+    return paged, _C.ContigDesc(layer_stride=0, plane_stride=0, token_stride=64, head_stride=64)
+
+
+def test_nothing_to_launch():
+    paged, dense = _one_row_descs()
     assert _C.cuda_launch_config(paged, dense, 64, 1, 0, _BLOCKS, [1 << 20], 1 << 24, H100_SMS).ctas == 0
     assert _C.cuda_launch_config(paged, dense, 0, 1, 4, _BLOCKS, [1 << 20], 1 << 24, H100_SMS).ctas == 0
 
@@ -120,17 +125,7 @@ def test_launch_config_collapses_rows_and_reads_alignment():
 def test_launch_config_checks_its_arguments():
     with pytest.raises(ValueError, match="layer_ptrs: expected num_layers = 2 addresses, got 1"):
         _C.cuda_launch_config(
-            _C.PagedDesc(
-                plane_stride=0,
-                block_stride=64,
-                token_stride=0,
-                head_stride=0,
-                num_blocks=4,
-                num_planes=1,
-                block_size=1,
-                num_heads=1,
-            ),
-            _C.ContigDesc(layer_stride=0, plane_stride=0, token_stride=64, head_stride=64),
+            *_one_row_descs(),
             64,
             2,
             4,
