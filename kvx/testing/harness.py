@@ -67,6 +67,28 @@ def make_llama_of_width(out_dir: str, hidden: int, layers: int, dtype: str, max_
     )
 
 
+def _params(args: dict) -> dict:
+    """A model builder's arguments (its ``locals()`` on entry) but the output path: what :func:`_reuse` compares."""
+    return {k: v for k, v in args.items() if k != "out_dir"}
+
+
+def _config_kwargs(vocab: int, hidden: int, layers: int, heads: int, max_pos: int) -> dict:
+    """The Hugging Face config fields every tiny model shares."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
 def make_tiny_llama(
     out_dir: str,
     *,
@@ -85,37 +107,17 @@ def make_tiny_llama(
     ``head_dim = hidden // heads`` must be a size vLLM's CPU attention supports (64 and 128 are).
     Returns ``out_dir``; an existing model with the same parameters is reused.
     """
-    params = dict(
-        hidden=hidden,
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        vocab=vocab,
-        max_pos=max_pos,
-        dtype=dtype,
-        std=std,
-        seed=seed,
-    )
+    params = _params(locals())
     if _reuse(out_dir, params):
         return out_dir
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(hidden * 2.75) // 64 * 64,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
+        **_config_kwargs(vocab, hidden, layers, heads, max_pos),
         num_key_value_heads=kv_heads,
         head_dim=hidden // heads,
-        max_position_embeddings=max_pos,
-        rms_norm_eps=1e-5,
         rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
     cfg.architectures = ["LlamaForCausalLM"]
     return _save_random(LlamaForCausalLM(cfg), out_dir, params, dtype, std)
@@ -148,33 +150,14 @@ def make_tiny_deepseek(
     ``q_lora_rank=None`` is DeepSeek-V2-Lite's plain query projection; a number gives V2/V3's low-rank one.
     Returns ``out_dir``; an existing model with the same parameters is reused.
     """
-    params = dict(
-        arch="deepseek_v2",
-        hidden=hidden,
-        layers=layers,
-        heads=heads,
-        q_lora_rank=q_lora_rank,
-        kv_lora_rank=kv_lora_rank,
-        qk_nope_head_dim=qk_nope_head_dim,
-        qk_rope_head_dim=qk_rope_head_dim,
-        v_head_dim=v_head_dim,
-        vocab=vocab,
-        max_pos=max_pos,
-        dtype=dtype,
-        std=std,
-        seed=seed,
-    )
+    params = {"arch": "deepseek_v2", **_params(locals())}
     if _reuse(out_dir, params):
         return out_dir
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     torch.manual_seed(seed)
     cfg = DeepseekV2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(hidden * 2.75) // 64 * 64,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
+        **_config_kwargs(vocab, hidden, layers, heads, max_pos),
         num_key_value_heads=heads,
         q_lora_rank=q_lora_rank,
         kv_lora_rank=kv_lora_rank,
@@ -187,12 +170,6 @@ def make_tiny_deepseek(
         n_shared_experts=1,
         moe_intermediate_size=64,  # unused
         num_experts_per_tok=2,
-        max_position_embeddings=max_pos,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
     cfg.architectures = ["DeepseekV2ForCausalLM"]
     return _save_random(DeepseekV2ForCausalLM(cfg), out_dir, params, dtype, std)
