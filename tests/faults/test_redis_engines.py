@@ -428,7 +428,7 @@ def loose_chunk_buffers(worker) -> list:
     import torch
 
     flatten_kept_log_records()
-    shape, staging = tuple(worker.chunk_shape(CHUNK)), {id(t) for t in worker._staging}
+    shape, staging = tuple(worker.chunk_shape(CHUNK)), {id(t) for t in worker.saves.staging.buffers}
     gc.collect()
     return [
         o for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == shape and id(o) not in staging
