@@ -108,7 +108,8 @@ class ChunkLedger:
     def lacking(self, key: str, among: Sequence[str] | None = None) -> list[str]:
         """The tiers (of ``among``; default all) to write chunk ``key`` to: not known to hold it
         (:meth:`TierStack.lacking`) and not being written already."""
-        return [n for n in self.stack.lacking(key, among) if (n, key) not in self._tier_writes]
+        idle = [n for n in (self.stack.names() if among is None else among) if (n, key) not in self._tier_writes]
+        return self.stack.lacking(key, idle) if idle else []  # a local tier is asked only if not being written
 
     # ---------------------------------------------------------------- plans
     def _open_transfer(self, kind: Kind, key: str, **kw) -> Transfer:

@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -147,15 +148,17 @@ class SavePipeline:
     def has_saves(self) -> bool:
         return self._meta is not None and bool(self._meta.saves)
 
-    def _begin(self, verdict: LoadOutcomes) -> list[_Save]:
-        """This step's saves, once: the ones computed against a load that failed here (``verdict``) are dropped;
+    def _begin(self, verdict: Callable[[], LoadOutcomes]) -> list[_Save]:
+        """This step's saves, once: the ones computed against a load that failed here (``verdict()``, asked once a
+        step, when the first saves begin) are dropped;
         the rest get their destination (CPU slot or staging buffer)."""
         if self._step is not None:
             return self._step
         w = self.w
         self._step = []
+        failed = verdict()
         for s in self._meta.saves:
-            if s.deps and verdict.taints(s.deps):
+            if s.deps and failed.taints(s.deps):
                 # computed against KV that never arrived: vLLM recomputes it, and the scheduler plans the
                 # chunk again once it has
                 if s.slot_xfer is not None:
@@ -180,7 +183,7 @@ class SavePipeline:
             blocks = self.w.kv_groups * rec.save.tokens // self.w.geom.block_size
             rec.dest = self.w.blocks_view(self.staging.buffers[idx], 0, blocks)
 
-    def submit_group(self, g: int, marker, verdict: LoadOutcomes) -> None:
+    def submit_group(self, g: int, marker, verdict: Callable[[], LoadOutcomes]) -> None:
         """Queue the gathers of layer group ``g`` of this step's saves: one job, running that group's layers
         of one :class:`kvx.kernels.ops.CopyBatch` of every save (built once, in the first group's job)."""
         if g in self._submitted:
@@ -213,7 +216,7 @@ class SavePipeline:
             batch.add(op, w.kernel_ids(block_ids), dest)
         return batch
 
-    def finish_step(self, verdict: LoadOutcomes) -> None:
+    def finish_step(self, verdict: Callable[[], LoadOutcomes]) -> None:
         """End of the step's forward: queue the gathers ``submit_group`` did not, start the tier writes."""
         w = self.w
         t0 = time.perf_counter()

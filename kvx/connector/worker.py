@@ -307,7 +307,7 @@ class KVXWorker:
         g = self.group_of.get(layer_name)
         if g is None or self.layer_of.get(layer_name) != self.groups[g][1] - 1:
             return
-        self.saves.submit_group(g, self.engine.marker(), self.loads.verdict())
+        self.saves.submit_group(g, self.engine.marker(), self.loads.verdict)
 
     def wait_for_save(self) -> None:
         """End of the step's forward: finish the sync loads (if no result hook did), queue the gathers
@@ -317,7 +317,7 @@ class KVXWorker:
         if self.engine is not None:
             self.engine.forward_done()
         if self.layout is not None and self.saves.has_saves():
-            self.saves.finish_step(self.loads.outcomes)
+            self.saves.finish_step(self.loads.verdict)
         self.saves.bind(None)
         self.loads.retire()
 
