@@ -14,7 +14,20 @@ vLLM's null block for blocks that left the window: such a chunk is not saved), s
 chunks can be served to every group and a hit never exceeds what every group can serve. A load skips the
 blocks vLLM left null (outside the window). Loads of such models are always asynchronous: with several
 groups vLLM accepts load failures only per request (``failed_recving``), and only for async loads.
-Groups kvx cannot hold this way (Mamba / linear-attention state, chunked-local attention, groups with
+
+**Recurrent state (Mamba / linear-attention groups, vLLM's ``mamba_cache_mode="align"``).** vLLM keeps a
+hybrid model's recurrent state (conv + SSM / GDN state of each such layer) in blocks of its own group: in align
+mode, the block at position ``p`` of a state group's table holds the state after exactly ``(p + 1) *
+block_size`` tokens, where a step ended there (other positions are vLLM's null block). Such a group's pages
+are the attention groups' page size and alias the same tensors (layer ``i`` of every group), so kvx copies
+them as raw pages, like attention pages. A hybrid model's chunk is then two objects under two keys: the
+attention chunk (the attention groups' blocks of its tokens, as above) and, when vLLM kept the state at the
+chunk's end, its *state object* (:func:`~.keys.state_key`: one block per state group, per physical layer).
+A hit needs the attention chunks of its whole prefix and the state object of its last chunk: it is rounded
+down to the last chunk whose state is stored, never a partial load (:mod:`.scheduler`). Chunk size and vLLM's
+block size must agree (states exist only at block ends). Chunks are raw pages ("pages" format).
+
+Groups kvx cannot hold (Mamba groups outside align mode, chunked-local attention, attention groups with
 different head shapes) make the connector passive (:func:`hma_unsupported_reason`): no hits, no saves.
 Keys of single-group engines do not change (the namespace and fingerprint gain a field only with
 several groups).
@@ -46,12 +59,27 @@ class EngineGeometry:
     opaque: bool  # vLLM CPU backend: ISA-packed pages
     isa: str  # the CPU attention ISA path ("" elsewhere)
     page_bytes: int  # one block of one layer
-    num_groups: int = 1  # KV cache groups; a chunk holds every group's blocks (see the module docstring)
-    group_kinds: tuple[str, ...] = ()  # several groups: per group "full" or "sliding<window>"
+    num_groups: int = 1  # KV cache groups; a chunk holds every attention group's blocks (see the module docstring)
+    group_kinds: tuple[str, ...] = ()  # several groups: per group "full", "sliding<window>" or "state"
+    state_desc: str = ""  # recurrent-state groups: what their pages hold (shapes, dtypes, backend)
 
     @property
     def planes(self) -> int:
         return 1 if self.use_mla else 2
+
+    @property
+    def state_groups(self) -> tuple[int, ...]:
+        """The recurrent-state (Mamba / linear-attention) groups, by index."""
+        return tuple(g for g, k in enumerate(self.group_kinds) if k == STATE)
+
+    @property
+    def attn_groups(self) -> tuple[int, ...]:
+        """The attention groups, by index (every group of an engine without recurrent state)."""
+        return tuple(g for g in range(self.num_groups) if g not in self.state_groups)
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.state_groups)
 
 
 def _cpu_attention_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str) -> str:
@@ -79,17 +107,48 @@ def _cpu_attention_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_c
 
 
 _NULL_BLOCK = 0  # vLLM's null block (BlockPool.null_block: the first block id), e.g. outside a window
+STATE = "state"  # the kind of a recurrent-state group (MambaSpec in align mode)
 
 
 def group_kind(spec) -> str | None:
-    """ "full", "sliding<window>", or None for a spec kvx cannot hold in a multi-group chunk."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    """ "full", "sliding<window>", "state" (Mamba / linear attention in vLLM's align mode), or None for a spec
+    kvx cannot hold in a multi-group chunk."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     if type(spec) is FullAttentionSpec and getattr(spec, "sliding_window", None) is None:
         return "full"
     if type(spec) is SlidingWindowSpec and not getattr(spec, "extra_retained_tokens", 0):
         return f"sliding{int(spec.sliding_window)}"
+    if isinstance(spec, MambaSpec) and getattr(spec, "mamba_cache_mode", "none") == "align":
+        return STATE
     return None
+
+
+def _state_reason(spec) -> str | None:
+    """Why kvx cannot hold this MambaSpec group's state (None: it can)."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        return (
+            f"a Mamba / linear-attention group in mamba_cache_mode {mode!r}: kvx stores recurrent state only in "
+            "vLLM's 'align' mode (enable prefix caching; --mamba-cache-mode align)"
+        )
+    if int(getattr(spec, "num_speculative_blocks", 0) or 0):
+        return "a Mamba / linear-attention group with speculative state blocks (speculative decoding)"
+    if int(getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0):
+        return "a Mamba / linear-attention group with prefill checkpoint blocks"
+    return None
+
+
+def state_description(specs) -> str:
+    """What a recurrent-state page holds (every state group's shapes, dtypes and backend): part of the chunk
+    fingerprint, so a state is never loaded into a model whose state differs (conv width, heads, dtype)."""
+    parts = []
+    for spec in specs:
+        mt = getattr(spec, "mamba_type", "")
+        parts.append(
+            f"{getattr(mt, 'name', mt)}:{[list(map(int, sh)) for sh in spec.shapes]}:{[str(d) for d in spec.dtypes]}"
+        )
+    return ";".join(parts)
 
 
 def hma_unsupported_reason(kv_cache_config) -> str | None:
@@ -98,17 +157,32 @@ def hma_unsupported_reason(kv_cache_config) -> str | None:
     if len(groups) <= 1:
         return None
     specs = [g.kv_cache_spec for g in groups]
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     for g, spec in zip(groups, specs):
+        if isinstance(spec, MambaSpec) and _state_reason(spec) is not None:
+            return _state_reason(spec)
         if group_kind(spec) is None:
             return (
                 f"KV cache group of {type(spec).__name__} ({len(g.layer_names)} layers): kvx stores full and "
-                "sliding-window attention KV only, not Mamba/linear-attention state or other specs"
+                "sliding-window attention KV and align-mode Mamba / linear-attention state only"
             )
         if not getattr(g, "enable_kv_transfer", True) or getattr(g, "host_resident", False):
             return "a KV cache group that vLLM marks host-resident or not transferable"
-    shape = {(int(s.block_size), int(s.num_kv_heads), int(s.head_size), s.dtype, int(s.page_size_bytes)) for s in specs}
+    attn = [s for s in specs if group_kind(s) != STATE]
+    if not attn:
+        return "no attention KV cache group (a model of recurrent layers only)"
+    shape = {(int(s.block_size), int(s.num_kv_heads), int(s.head_size), s.dtype, int(s.page_size_bytes)) for s in attn}
     if len(shape) != 1:
         return f"KV cache groups with different block/head shapes {sorted(map(str, shape))}"
+    (block, *_, page) = next(iter(shape))
+    for s in specs:
+        if group_kind(s) == STATE and (int(s.block_size), int(s.page_size_bytes)) != (block, page):
+            return (
+                f"a Mamba / linear-attention group of {int(s.block_size)}-token blocks and "
+                f"{int(s.page_size_bytes)}-byte pages next to attention blocks of {block} tokens and {page} bytes "
+                "(expected equal: vLLM aligns them)"
+            )
     return None
 
 
@@ -121,7 +195,7 @@ def engine_geometry(vllm_config, kv_cache_config) -> EngineGeometry:
     reason = hma_unsupported_reason(kv_cache_config)
     if reason is not None:
         raise UnsupportedModelError(f"kv_cache_config: {reason}")
-    spec = groups[0].kv_cache_spec
+    spec = next(g.kv_cache_spec for g in groups if group_kind(g.kv_cache_spec) != STATE)
     use_mla = bool(getattr(vllm_config.model_config, "use_mla", False)) or type(spec).__name__.startswith("MLA")
     if not hasattr(spec, "num_kv_heads") or not hasattr(spec, "head_size"):
         raise UnsupportedModelError(f"kv_cache_config: unsupported KV cache spec {type(spec).__name__}")
@@ -137,6 +211,7 @@ def engine_geometry(vllm_config, kv_cache_config) -> EngineGeometry:
         else ""
     )
     kinds = tuple(group_kind(g.kv_cache_spec) for g in groups) if len(groups) > 1 else ()
+    state_specs = [g.kv_cache_spec for g in groups if group_kind(g.kv_cache_spec) == STATE]
     # several groups alias layer i of each group onto the same tensor: the physical layers are the largest group's
     return EngineGeometry(
         block_size=block_size,
@@ -150,18 +225,24 @@ def engine_geometry(vllm_config, kv_cache_config) -> EngineGeometry:
         page_bytes=int(spec.page_size_bytes),
         num_groups=len(groups),
         group_kinds=kinds,
+        state_desc=state_description(state_specs),
     )
 
 
 def chunk_format(config: KVXConfig, geom: EngineGeometry) -> str:
     """ "canonical" ([L, P, T, H, D], layout independent) or "pages" (raw pages, same engine kind only)."""
+    if config.format == "canonical" and geom.hybrid:
+        raise UnsupportedModelError(
+            "format: 'canonical' cannot hold recurrent (Mamba / linear-attention) state, which kvx copies as raw "
+            "pages; use 'auto' or 'pages'"
+        )
     if config.format == "canonical" and geom.opaque:
         raise UnsupportedModelError(
             "format: 'canonical' is impossible on vLLM's CPU backend, whose pages are "
             "ISA-packed opaque bytes; use 'auto' or 'pages'"
         )
     if config.format == "auto":
-        return "pages" if geom.opaque else "canonical"
+        return "pages" if geom.opaque or geom.hybrid else "canonical"
     return config.format
 
 
@@ -173,6 +254,8 @@ def format_fingerprint(geom: EngineGeometry, fmt: str, layout_name: str = "") ->
         parts += [f"N{geom.block_size}", "cpu_attn" if geom.opaque else layout_name, geom.isa]
     if geom.num_groups > 1:  # every group's blocks, in group order (single-group fingerprints unchanged)
         parts += ["groups=" + ",".join(geom.group_kinds)]
+    if geom.hybrid:  # what a state page holds (single-group and attention-only fingerprints unchanged)
+        parts += ["state=" + geom.state_desc]
     return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
 
 
@@ -217,9 +300,18 @@ def namespace(vllm_config, geom: EngineGeometry, fingerprint: str) -> bytes:
     )
 
 
+def chunk_rows(config: KVXConfig, geom: EngineGeometry, state: bool = False) -> int:
+    """vLLM blocks per layer in one stored object: a chunk (every attention group's blocks of its tokens), or
+    with ``state`` a state object (one block per recurrent-state group)."""
+    if state:
+        return len(geom.state_groups)
+    return len(geom.attn_groups) * (config.chunk_size // geom.block_size)
+
+
 def chunk_bytes(config: KVXConfig, geom: EngineGeometry) -> int:
-    """Upper bound of one chunk's bytes on one worker (whole pages of every layer, of every group)."""
-    return geom.num_groups * geom.num_layers * geom.page_bytes * (config.chunk_size // geom.block_size)
+    """Upper bound of one stored object's bytes on one worker (whole pages of every layer): a CPU slot's size."""
+    rows = max(chunk_rows(config, geom), chunk_rows(config, geom, state=True))
+    return rows * geom.num_layers * geom.page_bytes
 
 
 def num_cpu_slots(config: KVXConfig, geom: EngineGeometry) -> int:

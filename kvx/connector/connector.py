@@ -61,10 +61,40 @@ def _layout_name(vllm_config, kv_cache_config) -> str:
     return str(name) if name else "LBNHC"
 
 
+def state_pages_alias_attention(kv_caches: dict, state_layers: set[str], page_bytes: int) -> str | None:
+    """Why the recurrent-state layers' tensors are not pages kvx can copy through the attention layers' views
+    (None: they are). kvx copies page ``b`` of each attention layer's tensor; that holds a state group's state
+    of block ``b`` only if every state tensor is a view of an attention layer's storage whose block ``b`` lies
+    in that page (vLLM lays groups out so: layer ``i`` of every group aliases one tensor, pages of equal size)."""
+    pages: dict[int, list[int]] = {}  # storage -> byte offsets of the attention layers' first pages
+    for name, t in kv_caches.items():
+        if name not in state_layers and isinstance(t, torch.Tensor):
+            pages.setdefault(t.untyped_storage().data_ptr(), []).append(t.storage_offset() * t.element_size())
+    for name in sorted(state_layers):
+        views = kv_caches.get(name)
+        views = [views] if isinstance(views, torch.Tensor) else list(views or ())
+        if not views:
+            return f"state layer {name} has no tensor"
+        for v in views:
+            at = v.storage_offset() * v.element_size()
+            firsts = pages.get(v.untyped_storage().data_ptr(), [])
+            off = min((at - f for f in firsts if at >= f), default=None)
+            if off is None:
+                return f"state layer {name}: a tensor of shape {tuple(v.shape)} aliases no attention layer's tensor"
+            stride = v.stride(0) * v.element_size()
+            if stride != page_bytes or not 0 <= off < page_bytes:
+                return (
+                    f"state layer {name}: a tensor of shape {tuple(v.shape)} with a block stride of {stride} bytes "
+                    f"at byte {off} of the page (expected the {page_bytes}-byte pages of the attention layers)"
+                )
+    return None
+
+
 class KVXConnector(KVConnectorBase_V1, SupportsHMA):
     """kvx's KV connector (see the module docstring). Supports vLLM's hybrid KV cache manager: models with
-    full and sliding-window attention groups are served (:mod:`kvx.connector.common`); with groups kvx
-    cannot hold (Mamba, linear attention) it stays passive: no hits, no saves, one log line."""
+    full and sliding-window attention groups, and hybrid models' Mamba / linear-attention groups in vLLM's
+    align mode, are served (:mod:`kvx.connector.common`); with groups kvx cannot hold it stays passive: no
+    hits, no saves, one log line."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         attach_to_vllm()
@@ -75,6 +105,7 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("kv_cache_config: KVXConnector needs vLLM >= 0.32 (the 3-argument constructor)")
         self._scheduler: KVXScheduler | None = None
         self._worker: KVXWorker | None = None
+        self._state_layers: set[str] = set()
         self.passive = hma_unsupported_reason(kv_cache_config)
         if self.passive is not None:
             # vLLM runs such models only with its hybrid manager, which needs SupportsHMA: serve nothing
@@ -91,6 +122,13 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError(
                 f"chunk_size: expected a multiple of vLLM's block size {geom.block_size}, got {self.config.chunk_size}"
             )
+        if geom.hybrid and self.config.chunk_size != geom.block_size:
+            raise ConfigError(
+                f"chunk_size: this hybrid model keeps its recurrent state only at multiples of vLLM's block size "
+                f"(mamba_cache_mode 'align'), so chunks must end there: expected chunk_size {geom.block_size}, got "
+                f"{self.config.chunk_size}"
+            )
+        self._state_layers = {n for g in geom.state_groups for n in kv_cache_config.kv_cache_groups[g].layer_names}
         self.geom = geom
         layout = _layout_name(vllm_config, kv_cache_config)
         fmt = chunk_format(self.config, geom)
@@ -185,7 +223,18 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._worker is not None:
-            self._worker.register_kv_caches(kv_caches, self._layout_name, self._kv_cache_config.num_blocks)
+            self._worker.register_kv_caches(
+                self._attention_views(kv_caches), self._layout_name, self._kv_cache_config.num_blocks
+            )
+
+    def _attention_views(self, kv_caches: dict | None) -> dict | None:
+        """The attention layers' views; a hybrid model's state layers are copied through them (checked here)."""
+        if kv_caches is None or not self._state_layers:
+            return kv_caches
+        why = state_pages_alias_attention(kv_caches, self._state_layers, self.geom.page_bytes)
+        if why is not None:
+            raise ValueError(f"kv_caches: kvx cannot copy this hybrid model's recurrent state: {why}")
+        return {n: t for n, t in kv_caches.items() if n not in self._state_layers}
 
     def unregister_kv_caches(self) -> None:
         """vLLM >= 0.33, before ``Worker.sleep`` (or a discard of the KV cache): copies drained, everything tied
@@ -199,7 +248,7 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
         (those registered before, whose memory vLLM's sleep backend mapped back), or from ``kv_caches`` where a
         caller hands new ones (a backend that moves them)."""
         if self._worker is not None:
-            self._worker.restore_kv_caches(kv_caches)
+            self._worker.restore_kv_caches(self._attention_views(kv_caches))
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None:

@@ -6,7 +6,8 @@ relative to the chunk and its length) with ``key[-1]`` the request's
 *root*: a digest of the engine namespace (model, KV dtype, chunk format fingerprint, tensor-parallel
 size) and the request's own isolation inputs (cache_salt, LoRA adapter). The tensor-parallel rank
 enters last, in :func:`rank_key`, so the scheduler can derive every rank's storage key from one chain;
-MLA chunks (the latent cache is identical on every rank) use the shared key. Multimodal items are mixed into
+MLA chunks (the latent cache is identical on every rank) use the shared key. A hybrid model's recurrent state
+at a chunk's end is stored under :func:`state_key` of the chunk's key. Multimodal items are mixed into
 every chunk their placeholder tokens overlap, so two prompts with the same placeholder ids but different images
 never share a chunk. No Python ``hash()`` and no vLLM per-process seed are involved.
 
@@ -132,3 +133,11 @@ def rank_key(key: str, rank: int, world: int) -> str:
     if world == 0:
         return key
     return _digest(bytes.fromhex(key), f"tp{rank}/{world}".encode()).hex()
+
+
+def state_key(key: str) -> str:
+    """The key of chunk ``key``'s state object: a hybrid model's recurrent state at the chunk's last token (see
+    :mod:`kvx.connector.common`). Derived from the chunk key, so it inherits its namespace and prefix."""
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+        raise ValueError(f"key: expected 32 lowercase hex digits, got {key!r}")
+    return _digest(bytes.fromhex(key), b"recurrent-state").hex()

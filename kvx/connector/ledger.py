@@ -55,7 +55,7 @@ class Transfer:
     tier: str = "cpu"  # TIER: the tier written
     holds: bool = False  # TIER: reads the chunk's CPU slot, held until the write ends
     pins: list[str] = field(default_factory=list)  # LOAD: CPU chunks pinned for it
-    through: tuple[int, list[str]] | None = None  # SLOT: (tokens, tiers) to write through once committed
+    through: tuple[int, list[str], bool] | None = None  # SLOT: (tokens, tiers, state) to write through once committed
     # SLOT: requests that counted the chunk as saved because this write was in flight: {request: its chunk index
     # (None: its trailing partial chunk)}; planned again if the write is aborted
     awaiting: dict[str, int | None] = field(default_factory=dict)
@@ -91,7 +91,7 @@ class ChunkLedger:
         self._open: dict[int, Transfer] = {}
         self._slot_writes: dict[str, int] = {}  # chunk key -> its SLOT transfer
         self._tier_writes: dict[tuple[str, str], int] = {}  # (tier, chunk key) -> its TIER transfer
-        self._through: list[tuple[str, int, list[str]]] = []  # committed: (key, tokens, tiers) to write through
+        self._through: list[tuple[str, int, list[str], bool]] = []  # committed: (key, tokens, tiers, state)
 
     # ---------------------------------------------------------------- queries
     def idle(self) -> bool:
@@ -142,15 +142,16 @@ class ChunkLedger:
         deps: Sequence[int],
         skip_tier: str | None,
         gather_first: bool,
+        state: bool = False,
     ) -> ChunkSave | None:
         """Plan saving ``block_ids`` as chunk ``key`` (request ``req_id``'s ``chunk``-th; None: its partial chunk):
         into a free CPU slot if the CPU tier lacks it, and to every byte tier lacking it but ``skip_tier`` (the
         one the request loaded it from). ``gather_first``: gather into the CPU tier only, and write the chunk
         through to those tiers once committed (a save depending on loads, with several workers: only the
-        scheduler hears every worker's failures). None: nothing to do."""
-        state = self.cpu.state(key) if self.cpu is not None else None
-        slot = self.cpu.allocate(key) if self.cpu is not None and state is None else None
-        if state is SlotState.PENDING and key in self._slot_writes:
+        scheduler hears every worker's failures). ``state``: ``key`` names a state object. None: nothing to do."""
+        in_cpu = self.cpu.state(key) if self.cpu is not None else None
+        slot = self.cpu.allocate(key) if self.cpu is not None and in_cpu is None else None
+        if in_cpu is SlotState.PENDING and key in self._slot_writes:
             # another save is writing the chunk into the CPU tier (or this request's own earlier one, which a
             # failed load poisoned): counted as saved only if that write commits
             awaiting = self._open[self._slot_writes[key]].awaiting
@@ -159,10 +160,10 @@ class ChunkLedger:
         to_tiers = [n for n in self.lacking(key) if n != skip_tier]
         if to_tiers and gather_first:
             if slot_tr is not None:
-                slot_tr.through = (tokens, to_tiers)
+                slot_tr.through = (tokens, to_tiers, state)
             to_tiers = []
         # the tier writes read the CPU slot: the READY copy (no gather needed), or the one being gathered into
-        holds = bool(to_tiers) and (state is SlotState.READY or slot is not None)
+        holds = bool(to_tiers) and (in_cpu is SlotState.READY or slot is not None)
         writes, held = self._write_tiers(key, to_tiers, holds)
         if slot is None and not writes:
             return None
@@ -173,22 +174,23 @@ class ChunkLedger:
             tokens,
             slot,
             writes,
-            held if state is SlotState.READY else None,
+            held if in_cpu is SlotState.READY else None,
             deps=sorted(deps),
             slot_xfer=slot_tr.id if slot_tr is not None else None,
+            state=state,
         )
 
     def plan_load(
-        self, req_id: str, chunks: Sequence[tuple[str, str, int, bool]]
+        self, req_id: str, chunks: Sequence[tuple[str, str, int, bool, bool]]
     ) -> tuple[int, list[tuple[int | None, int | None]]]:
-        """Plan request ``req_id``'s load of ``chunks`` ((key, tier, tokens, promote) each): pin the CPU hits, and
-        for a hit from another tier with ``promote``, allocate a CPU slot to read it into (written through, once
+        """Plan request ``req_id``'s load of ``chunks`` ((key, tier, tokens, promote, state) each): pin the CPU hits,
+        and for a hit from another tier with ``promote``, allocate a CPU slot to read it into (written through, once
         committed, to the tiers faster than its own that lack it, by a producer). Returns the load's transfer id
         and, per chunk, (slot, the slot write's transfer id)."""
-        pins = [key for key, tier, _, _ in chunks if tier == "cpu"]
+        pins = [key for key, tier, *_ in chunks if tier == "cpu"]
         pinned = dict(zip(pins, self.cpu.pin(pins))) if pins else {}  # before allocating: that may evict
         out = []
-        for key, tier, tokens, promote in chunks:
+        for key, tier, tokens, promote, state in chunks:
             if tier == "cpu":
                 out.append((pinned[key], None))
                 continue
@@ -199,7 +201,7 @@ class ChunkLedger:
             tr = self._open_transfer(Kind.SLOT, key)
             faster = self.lacking(key, self.stack.faster(tier)) if self.writes else []
             if faster:
-                tr.through = (tokens, faster)
+                tr.through = (tokens, faster, state)
             out.append((slot, tr.id))
         return self._open_transfer(Kind.LOAD, req_id, pins=pins).id, out
 
@@ -207,12 +209,12 @@ class ChunkLedger:
         """The writes of chunks committed since the last call to the tiers they were planned ``through``."""
         todo, self._through = self._through, []
         saves = []
-        for key, tokens, tiers in todo:
+        for key, tokens, tiers, state in todo:
             tiers = self.lacking(key, tiers)
             if self.cpu.state(key) is not SlotState.READY or not tiers:
                 continue
             writes, held = self._write_tiers(key, tiers, holds=True)
-            saves.append(ChunkSave("", key, [], tokens, None, writes, held))
+            saves.append(ChunkSave("", key, [], tokens, None, writes, held, state=state))
         return saves
 
     def poison(self, keys: Sequence[str]) -> None:

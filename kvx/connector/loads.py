@@ -138,7 +138,7 @@ class LoadPipeline:
         for ch in spec.chunks:
             self.outcomes.started(ch.block_ids)
             if ch.tier == "cpu":
-                ready.append((ch, w.slot_view(ch.slot, ch.tokens)))
+                ready.append((ch, w.slot_view(ch.slot, ch.tokens, ch.state)))
                 w.stats["cpu_read_bytes"] += ready[-1][1].nbytes
             else:
                 load.pending.append((ch, self.reader.submit(self._read_chunk, ch, load)))
@@ -263,8 +263,8 @@ class LoadPipeline:
         copyable source. On a reader thread."""
         w = self.w
         key = rank_key(ch.key, w.shard, w.shards) if w.shards > 1 else ch.key
-        shape = w.chunk_shape(ch.tokens)
-        dst = w.slot_view(ch.slot, ch.tokens) if ch.slot is not None else None
+        shape = w.chunk_shape(ch.tokens, ch.state)
+        dst = w.slot_view(ch.slot, ch.tokens, ch.state) if ch.slot is not None else None
         if dst is not None and dst.is_contiguous():
             out = dst
         else:  # a partial chunk's slot view is strided; the kernels read host memory only when pinned
@@ -341,7 +341,7 @@ class LoadPipeline:
                 self._fail_all(load, job.error())
         for ch in load.spec.chunks:
             if ch.key in load.failed:
-                if w.kv_groups > 1:  # block ids cannot name it to vLLM: the request fails (async)
+                if w.geom.num_groups > 1:  # block ids cannot name it to vLLM: the request fails (async)
                     self._failed_reqs.add(load.spec.req_id)
                 else:
                     self._errors.update(ch.block_ids)

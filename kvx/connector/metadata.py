@@ -38,7 +38,9 @@ class ChunkLoad:
     transfer ``slot_xfer``). ``before_forward``: the last block also receives this step's first computed
     token, whose KV vLLM may write before ``wait_for_layer_load``. The worker copies only the chunk's
     ``shared_tokens`` tokens of that block (so the order against that write does not matter), or, with raw
-    pages (which cannot be split by token), the whole chunk before the forward starts.
+    pages (which cannot be split by token), the whole chunk before the forward starts. ``state``: the object is
+    a state object (a hybrid model's recurrent state at the end of a chunk of ``tokens`` tokens: one block per
+    state group, ``block_ids`` in group order; see :mod:`.common`).
     """
 
     key: str
@@ -54,6 +56,7 @@ class ChunkLoad:
     positions: list[int] | None = None
     span: int = 0  # with positions: blocks of each group this load covers (tokens = span * block)
     slot_xfer: int | None = None  # with a slot, for a load from another tier: the transfer writing that slot
+    state: bool = False
 
 
 @dataclass
@@ -73,7 +76,7 @@ class ChunkSave:
     ``to_tiers``: also write the chunk to these tiers ({tier name: the write's transfer id}). ``from_slot``: the
     bytes are already in this CPU slot (no gather; a write-through of a committed chunk, or of one that was loaded
     from the CPU tier). ``deps``: blocks this chunk's KV depends on whose loads are not verified yet; a worker on
-    which one of them failed drops the save (:mod:`.validity`).
+    which one of them failed drops the save (:mod:`.validity`). ``state``: a state object (see :class:`ChunkLoad`).
     """
 
     req_id: str
@@ -85,6 +88,7 @@ class ChunkSave:
     from_slot: int | None = None
     deps: list[int] = field(default_factory=list)
     slot_xfer: int | None = None
+    state: bool = False
 
 
 @dataclass

@@ -169,9 +169,9 @@ class SavePipeline:
                 continue
             rec = _Save(s)
             if s.from_slot is not None:
-                rec.dest = w.slot_view(s.from_slot, s.tokens)
+                rec.dest = w.slot_view(s.from_slot, s.tokens, s.state)
             elif s.slot is not None:
-                rec.dest = w.slot_view(s.slot, s.tokens)
+                rec.dest = w.slot_view(s.slot, s.tokens, s.state)
             else:  # other tiers only: a staging buffer if one is free now, else one in finish_step
                 self._stage(rec, self.staging.take())
             self._step.append(rec)
@@ -180,7 +180,7 @@ class SavePipeline:
     def _stage(self, rec: _Save, idx: int | None) -> None:
         if idx is not None:
             rec.staging = idx
-            blocks = self.w.kv_groups * rec.save.tokens // self.w.geom.block_size
+            blocks = self.w._rows(rec.save.tokens, rec.save.state)
             rec.dest = self.w.blocks_view(self.staging.buffers[idx], 0, blocks)
 
     def submit_group(self, g: int, marker, verdict: Callable[[], LoadOutcomes]) -> None:

@@ -31,8 +31,12 @@ Life of a request:
 5. ``request_finished``: drop the tracker (blocks are freed at once: saves are fenced on the workers).
 
 Several KV cache groups (:mod:`.common`): block tables are per group; a chunk's load and save cover every
-group's blocks of its tokens; a chunk with a null block (outside a sliding window) is not saved, and null
-blocks are not loaded; loads are asynchronous (a failure is then reported per request).
+attention group's blocks of its tokens; a chunk with a null block (outside a sliding window) is not saved, and
+null blocks are not loaded; loads are asynchronous (a failure is then reported per request). A hybrid model's
+recurrent-state groups: a chunk whose end vLLM kept the state at (a block of every state group's table) also
+saves that state as its state object; a hit is the longest prefix of stored chunks, rounded down to the last
+one whose state object is stored, and leaves at least the prompt's last token to compute (vLLM recomputes it
+for its logits: the state must be the one before it).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from ..store.stack import TierStack
 from .common import _NULL_BLOCK, EngineGeometry, num_cpu_slots
 from .config import KVXConfig
 from .events import KVEvents
-from .keys import MMItem, chunk_keys, rank_key, request_root
+from .keys import MMItem, chunk_keys, rank_key, request_root, state_key
 from .ledger import ChunkLedger
 from .metadata import ChunkLoad, KVXMetadata, KVXWorkerMetadata, LoadSpec
 from .params import RequestControls, controls_of
@@ -73,6 +77,7 @@ class LoadPlan:
     tiers: list[str]  # per chunk: "cpu" or the name of the tier serving it
     keys: list[str]  # per chunk (the last may be a partial chunk's key)
     chunk_tokens: list[int]
+    state: tuple[str, str] | None = None  # hybrid models: (key, tier) of the last chunk's state object
 
 
 @dataclass
@@ -91,6 +96,7 @@ class RequestTracker:
     counted: bool = False  # hit/miss tokens counted (once per request)
     keys: list[str] = field(default_factory=list)  # keys of full chunks hashed so far
     saved_chunks: int = 0  # full chunks handled by the save planner
+    state_chunks: int = 0  # hybrid models: the full chunks up to the last one whose state object was planned
     partial_done: bool = False
     phase: Phase = Phase.NEW
     plan: LoadPlan | None = None
@@ -154,6 +160,7 @@ class KVXScheduler:
         self.chunk_size = config.chunk_size
         self.blocks_per_chunk = config.chunk_size // geom.block_size
         self.ngroups = geom.num_groups
+        self.attn_groups, self.state_groups = geom.attn_groups, geom.state_groups
         # several groups: vLLM takes load failures only per request, and only of async loads
         self.load_async = config.load_async or self.ngroups > 1
         n_slots = num_cpu_slots(config, geom)
@@ -228,9 +235,14 @@ class KVXScheduler:
         t.local_hit = num_computed_tokens
         num_tokens = request.num_tokens
         keys = t.full_keys(num_tokens, self.chunk_size)
+        if self.state_groups:
+            # the state must be the one before the last token, which vLLM computes (for its logits)
+            keys = keys[: (num_tokens - 1) // self.chunk_size]
         rest = ((num_tokens - len(keys) * self.chunk_size) // self.geom.block_size) * self.geom.block_size
-        pkey = t.partial_key(len(keys), rest, self.chunk_size) if self.config.save_partial_chunks and rest else None
-        located = self._locate(keys + ([pkey] if pkey else []))
+        partial = self.config.save_partial_chunks and rest and not self.state_groups
+        pkey = t.partial_key(len(keys), rest, self.chunk_size) if partial else None
+        skeys = [state_key(k) for k in keys] if self.state_groups else []
+        located = self._locate(keys + ([pkey] if pkey else []) + skeys)
         if located is None:
             self.stats["lookups_pending"] += 1
             return None, False
@@ -239,14 +251,23 @@ class KVXScheduler:
             if tier is None:
                 break
             tiers.append(tier)
+        state = None
+        if self.state_groups:
+            # a hit ends where a state object is stored: the longest prefix of chunks, rounded down to one
+            stored = located[len(located) - len(skeys) :]
+            n = next((j for j in range(len(tiers), 0, -1) if stored[j - 1] is not None), 0)
+            if n < len(tiers):
+                self.stats["hits_rounded_to_state"] += 1
+            tiers = tiers[:n]
+            state = (skeys[n - 1], stored[n - 1]) if n else None
         if t.controls.pd and self._pd_wait(t, keys, len(tiers)):
             self.stats["lookups_pending"] += 1
             return None, False
         hit_keys = keys[: len(tiers)]
         chunk_tokens = [self.chunk_size] * len(tiers)
         hit = len(tiers) * self.chunk_size
-        if pkey is not None and len(tiers) == len(keys) and located[-1] is not None:
-            tiers.append(located[-1])
+        if pkey is not None and len(tiers) == len(keys) and located[len(keys)] is not None:
+            tiers.append(located[len(keys)])
             hit_keys = hit_keys + [pkey]
             chunk_tokens.append(rest)
             hit += rest
@@ -263,7 +284,7 @@ class KVXScheduler:
             if hit <= num_computed_tokens:
                 return 0, False
         n = hit - num_computed_tokens
-        t.plan = LoadPlan(num_computed_tokens, hit, tiers, hit_keys, chunk_tokens)
+        t.plan = LoadPlan(num_computed_tokens, hit, tiers, hit_keys, chunk_tokens, state)
         return n, load_async
 
     def _pd_wait(self, t: RequestTracker, keys: list[str], hits: int) -> bool:
@@ -337,15 +358,23 @@ class KVXScheduler:
                 spans.append((key, tier, ntok, cb0, lo, hi))
         # a hit from a slower tier is promoted into the CPU tier (and, once there, written through to the faster
         # tiers lacking it, by a producer)
+        states = self._state_load(request.request_id, plan, tables, end)
         promote = [
             tier != "cpu" and self.cpu is not None and self.config.promote and self.cpu.state(key) is None
-            for key, tier, *_ in spans
+            for key, tier, *_ in spans + states
         ]
         xfer, slots = self.ledger.plan_load(
-            request.request_id, [(key, tier, ntok, p) for (key, tier, ntok, *_), p in zip(spans, promote)]
+            request.request_id,
+            [(sp[0], sp[1], sp[2], p, False) for sp, p in zip(spans, promote)]
+            + [(key, tier, self.chunk_size, p, True) for (key, tier, _), p in zip(states, promote[len(spans) :])],
         )
         chunks: list[ChunkLoad] = []
         loaded: dict[int, int] = {}
+        for (key, tier, ids), (slot, slot_xfer) in zip(states, slots[len(spans) :]):
+            chunks.append(ChunkLoad(key, tier, slot, ids, 0, self.chunk_size, slot_xfer=slot_xfer, state=True))
+            loaded.update((b, len(plan.keys) - 1) for b in ids)
+            t.loaded_from[key] = tier
+        tables = [tables[g] for g in self.attn_groups]
         for (key, tier, ntok, cb0, lo, hi), (slot, slot_xfer), p in zip(spans, slots, promote):
             if p:
                 self.events.record(key, request, cb0, ntok // bs)
@@ -370,16 +399,38 @@ class KVXScheduler:
             t.loaded_from[key] = tier
             self.stats[f"hit_tokens_{tier}"] += min(hi * bs, end) - max(lo * bs, start)
         self.validity.loading(request.request_id, loaded)
+        chunks.sort(key=lambda ch: ch.state)  # the state object last (the order the workers read them in)
         self._new_loads.append(LoadSpec(request.request_id, chunks, self.load_async, xfer))
         t.phase = Phase.LOADING if self.load_async else Phase.RUNNING
         t.plan = None
         self.stats["loads"] += 1
 
+    def _state_load(self, rid: str, plan: LoadPlan, tables: list[list[int]], end: int) -> list[tuple[str, str, list]]:
+        """The state object a hybrid model's load restores: [(key, tier, the state groups' blocks at the hit's
+        end)], or [] (no state groups). vLLM allocates, for the external hit, a block at its end in every state
+        group's table; the state is loaded there, before the request computes from it."""
+        if plan.state is None:
+            return []
+        p = end // self.geom.block_size - 1
+        if end != plan.hit_tokens or end % self.chunk_size:
+            raise RuntimeError(
+                f"request {rid}: vLLM allocated a load of {end - plan.num_computed} tokens from {plan.num_computed}, "
+                f"expected the whole hit up to {plan.hit_tokens} (a chunk end: the stored state is the one there)"
+            )
+        ids = [tables[g][p] if p < len(tables[g]) else _NULL_BLOCK for g in self.state_groups]
+        if _NULL_BLOCK in ids:
+            raise RuntimeError(
+                f"request {rid}: vLLM allocated no block for the recurrent state at token {end} "
+                f"(state groups' blocks at position {p}: {ids})"
+            )
+        key, tier = plan.state
+        return [(key, tier, ids)]
+
     def _load_blocks(self, tables: list[list[int]], lo: int, hi: int, cb0: int, n: int):
         """The blocks a load of table positions [lo, hi) writes (a chunk starting at position ``cb0``, ``n``
         blocks per group), and their positions in the chunk (None: one group, no null block: ``lo - cb0 + i``).
         vLLM's null blocks (a sliding-window group's blocks outside the window) are skipped."""
-        if self.ngroups == 1 and _NULL_BLOCK not in tables[0][lo:hi]:
+        if len(tables) == 1 and _NULL_BLOCK not in tables[0][lo:hi]:
             return tables[0][lo:hi], None
         ids, positions = [], []
         for g, table in enumerate(tables):
@@ -407,6 +458,8 @@ class KVXScheduler:
 
         counts = Counter()
         for ch in spec.chunks:
+            if ch.state:
+                continue
             counts[source(ch.tier)] += (ch.span if ch.positions is not None else len(ch.block_ids)) * bs
         total = sum(counts.values())
         if total > num_external_tokens:  # the full-prompt hit leaves one token to compute
@@ -529,10 +582,12 @@ class KVXScheduler:
         tokens: int,
         meta: KVXMetadata,
     ) -> bool:
-        """Plan saving blocks [b0, b1) of every group's table as chunk ``key`` (the request's ``chunk``-th; None:
-        its trailing partial chunk) to every tier lacking it. Returns False (nothing planned) if its KV depends
-        on a block whose load is known to have failed."""
-        if len(tables) != self.ngroups or any(len(tb[b0:b1]) * self.geom.block_size != tokens for tb in tables):
+        """Plan saving blocks [b0, b1) of every attention group's table as chunk ``key`` (the request's
+        ``chunk``-th; None: its trailing partial chunk) to every tier lacking it, and a hybrid model's state at the
+        chunk's end as its state object. Returns False (nothing planned) if its KV depends on a block whose load
+        is known to have failed."""
+        attn = [tables[g] for g in self.attn_groups] if len(tables) == self.ngroups else []
+        if not attn or any(len(tb[b0:b1]) * self.geom.block_size != tokens for tb in attn):
             log.warning(
                 "kvx: request %s: %s blocks for a %d-token chunk; not saving it",
                 t.req_id,
@@ -540,7 +595,7 @@ class KVXScheduler:
                 tokens,
             )
             return True
-        block_ids = [b for tb in tables for b in tb[b0:b1]]
+        block_ids = [b for tb in attn for b in tb[b0:b1]]
         if _NULL_BLOCK in block_ids:
             # a sliding-window group released blocks of this chunk (vLLM's null block): it cannot serve every
             # group, so it is not stored (a hit never reaches past it)
@@ -548,11 +603,13 @@ class KVXScheduler:
                 self.stats["saves_incomplete"] += 1
             return True
         deps = {}
-        for table in tables:
+        for table in tables:  # a state depends on every block before it, of every group
             deps.update(self.validity.unverified(table, b1))
         if deps and self.validity.known_bad(deps):
             self.stats["saves_deferred"] += 1
             return False
+        if chunk is not None and self.state_groups:
+            self._plan_state(t, chunk, key, tables, b1, deps, meta)
         self.events.record(key, t.request, b0, b1 - b0)
         # A rank cannot know in time that a load failed on another rank (only the scheduler hears every worker):
         # with several workers, a save depending on loads is gathered into the CPU tier only, and written through
@@ -574,6 +631,27 @@ class KVXScheduler:
         meta.saves.append(save)
         self.stats["saves"] += 1
         return True
+
+    def _plan_state(self, t: RequestTracker, chunk: int, key: str, tables, b1: int, deps: dict, meta) -> None:
+        """Plan saving the recurrent state at the end of chunk ``key`` (blocks [.., b1)) as its state object, if
+        vLLM kept it: in align mode the block at position ``b1 - 1`` of each state group's table holds the state
+        after exactly ``b1`` blocks' tokens where a step ended there, and is vLLM's null block elsewhere."""
+        p = b1 - 1
+        ids = [tables[g][p] if p < len(tables[g]) else _NULL_BLOCK for g in self.state_groups]
+        if _NULL_BLOCK in ids:
+            return
+        skey = state_key(key)
+        t.state_chunks = max(t.state_chunks, chunk + 1)
+        gather_first = bool(deps) and self.num_workers > 1
+        save = self.ledger.plan_save(
+            t.req_id, chunk, skey, ids, self.chunk_size, deps, t.loaded_from.get(skey), gather_first, state=True
+        )
+        if save is None:
+            return
+        if deps:
+            self.validity.guard(t.req_id, skey, deps)
+        meta.saves.append(save)
+        self.stats["state_saves"] += 1
 
     # ------------------------------------------------------------------ step 4: worker results
     def update_connector_output(self, output) -> None:
@@ -639,7 +717,10 @@ class KVXScheduler:
             and t.saved_chunks > 0
             and len(t.keys) >= t.saved_chunks
         ):
-            return False, {"kvx_pd_chunks": t.saved_chunks, "kvx_pd_key": t.keys[t.saved_chunks - 1]}
+            # a hybrid model's consumer can load up to the last chunk whose state is stored
+            n = min(t.saved_chunks, t.state_chunks) if self.state_groups else t.saved_chunks
+            if n > 0:
+                return False, {"kvx_pd_chunks": n, "kvx_pd_key": t.keys[n - 1]}
         return False, None
 
     def take_stats(self) -> dict:

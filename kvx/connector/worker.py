@@ -70,7 +70,8 @@ class KVXWorker:
         self.geom = geom
         self.fmt = fmt
         self.shard, self.shards, self.writes = shard, shards, writes
-        self.kv_groups = geom.num_groups  # vLLM KV cache groups: a chunk holds each one's blocks
+        self.kv_groups = len(geom.attn_groups)  # vLLM's attention KV cache groups: a chunk holds each one's blocks
+        self.state_rows = len(geom.state_groups)  # a hybrid model's state object: a block per state group
         self.fingerprint = fingerprint
         self.background_writes = background_writes
         self.layout: KVLayout | None = None
@@ -117,7 +118,7 @@ class KVXWorker:
         pin = lay.device.type == "cuda"
         n_slots = num_cpu_slots(self.config, self.geom)
         if n_slots:
-            self.pool = CPUPool(n_slots, self.chunk_shape(self.config.chunk_size), self.chunk_dtype, pin=pin)
+            self.pool = CPUPool(n_slots, self.slot_shape(), self.chunk_dtype, pin=pin)
         ctx = TierContext(self.fingerprint, role="worker", writes=self.writes, io_threads=self.config.io_threads)
         self.tiers = {t.type: tier_class(t.type).open(t, ctx) for t in self.config.byte_tiers}
         for tier in self.tiers.values():
@@ -132,7 +133,7 @@ class KVXWorker:
                 initializer=_background_priority if self.background_writes else None,
             )
             staging = [
-                torch.empty(self.chunk_shape(self.config.chunk_size), dtype=self.chunk_dtype, pin_memory=pin)
+                torch.empty(self.slot_shape(), dtype=self.chunk_dtype, pin_memory=pin)
                 for _ in range(2 * self.config.io_threads)
             ]
             self.loads = LoadPipeline(self, reader, self.loads.fence_at_start)
@@ -164,16 +165,16 @@ class KVXWorker:
                 f"kv_caches: expected blocks of {self.geom.block_size} tokens x "
                 f"{self.geom.num_kv_heads} heads, got {lay}"
             )
-        if self.kv_groups > 1 and lay.num_layers != self.geom.num_layers:
+        if self.geom.num_groups > 1 and lay.num_layers != self.geom.num_layers:
             raise ValueError(
-                f"kv_caches: expected the {self.kv_groups} KV cache groups' layers to alias "
+                f"kv_caches: expected the {self.geom.num_groups} KV cache groups' layers to alias "
                 f"{self.geom.num_layers} tensors, got {lay.num_layers}"
             )
         if self.fmt == "pages" and lay.page is None:
             raise ValueError(
                 f"kv_caches: the {lay.name} views have no contiguous page per block; use format 'canonical'"
             )
-        geometry = (lay.dtype, lay.num_layers, lay.device, self.chunk_shape_of(lay, self.config.chunk_size))
+        geometry = (lay.dtype, lay.num_layers, lay.device, self._shape(lay, self._rows(self.config.chunk_size)))
         if self._registered is not None and geometry != self._registered[1]:
             # restored after a sleep: the chunks in the tiers and the CPU pool's slots must still fit
             raise ValueError(
@@ -246,13 +247,23 @@ class KVXWorker:
     def chunk_dtype(self) -> torch.dtype:
         return torch.uint8 if self.fmt == "pages" else self.layout.dtype
 
-    def chunk_shape(self, tokens: int) -> tuple[int, ...]:
-        return self.chunk_shape_of(self.layout, tokens)
+    def _rows(self, tokens: int, state: bool = False) -> int:
+        """vLLM blocks per layer in a stored object: a chunk of ``tokens`` tokens (every attention group's
+        blocks), or with ``state`` a state object (a block per state group)."""
+        return self.state_rows if state else self.kv_groups * tokens // self.geom.block_size
 
-    def chunk_shape_of(self, layout: KVLayout, tokens: int) -> tuple[int, ...]:
+    def _shape(self, layout: KVLayout, rows: int) -> tuple[int, ...]:
         if self.fmt == "pages":
-            return layout.page_shape(self.kv_groups * tokens // layout.block_size)
-        return layout.canonical_shape(self.kv_groups * tokens)
+            return layout.page_shape(rows * (self.geom.block_size // layout.block_size))
+        return layout.canonical_shape(rows * self.geom.block_size)
+
+    def chunk_shape(self, tokens: int, state: bool = False) -> tuple[int, ...]:
+        """The shape of a stored object (see :meth:`_rows`)."""
+        return self._shape(self.layout, self._rows(tokens, state))
+
+    def slot_shape(self) -> tuple[int, ...]:
+        """A CPU slot's (and a staging buffer's) shape: the largest object, a chunk or a state object."""
+        return self._shape(self.layout, max(self._rows(self.config.chunk_size), self.state_rows))
 
     def blocks_view(self, chunk: torch.Tensor, first_block: int, n_blocks: int, layers=None) -> torch.Tensor:
         """The part of a chunk tensor that holds vLLM blocks [first_block, first_block + n_blocks)."""
@@ -268,9 +279,9 @@ class KVXWorker:
     def batch(self) -> ops.CopyBatch:
         return ops.CopyBatch(self.layout, max_ctas=self.config.max_ctas)
 
-    def slot_view(self, slot: int, tokens: int) -> torch.Tensor:
-        """The part of CPU slot ``slot`` that holds a chunk of ``tokens`` tokens."""
-        return self.blocks_view(self.pool.slot(slot), 0, self.kv_groups * tokens // self.geom.block_size)
+    def slot_view(self, slot: int, tokens: int, state: bool = False) -> torch.Tensor:
+        """The part of CPU slot ``slot`` that holds a chunk of ``tokens`` tokens (``state``: its state object)."""
+        return self.blocks_view(self.pool.slot(slot), 0, self._rows(tokens, state))
 
     # ------------------------------------------------------------------ per step
     def handle_preemptions(self, meta: KVXMetadata | None) -> None:
@@ -302,7 +313,7 @@ class KVXWorker:
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata) -> None:
         """Layer-wise saves: once the forward wrote the last layer of a layer group, that group's gathers
         are queued (after a marker taken now), so they overlap the rest of the forward."""
-        if not self.config.save_layerwise or not self.saves.has_saves() or self.kv_groups > 1:
+        if not self.config.save_layerwise or not self.saves.has_saves() or self.geom.num_groups > 1:
             return
         g = self.group_of.get(layer_name)
         if g is None or self.layer_of.get(layer_name) != self.groups[g][1] - 1:

@@ -4,8 +4,11 @@ caches laid out as vLLM lays groups out (layer i of each group aliases one tenso
 
 As in :mod:`sim`, the "model" fills the page of every block a request computes with bytes derived from the
 request's tokens up to the end of that block, the physical layer and the group, so a page kvx loads can be
-checked against a cold computation. Loads of multi-group engines are asynchronous: the step reports
-``finished_recving`` / ``failed_recving`` as vLLM's executor does.
+checked against a cold computation. With ``state=True`` the second group is a hybrid model's recurrent-state
+group in vLLM's align mode (a MambaSpec whose pages alias the attention pages): a step reads the state before its
+first token from the block vLLM keeps it in and writes the state after its last token into the block at that
+position, as vLLM's runner does; the state is a pattern of every token before it. Loads of multi-group engines are
+asynchronous: the step reports ``finished_recving`` / ``failed_recving`` as vLLM's executor does.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class HmaEnv:
         max_batched=4096,
         policy="recompute",
         mamba=False,
+        state=False,
         window=WINDOW,
         order="save-first",
     ):
@@ -65,9 +69,24 @@ class HmaEnv:
         self.window = window
         self.vc = sim_vllm_config(model_dir, extra, policy=policy, max_batched=max_batched, hybrid=True)
         groups = [KVCacheGroupSpec(FULL, spec("full")), KVCacheGroupSpec(SLIDING, spec("sliding", window))]
+        self.page_bytes = HEADS * BLOCK * 2 * HEAD * 2
         if mamba:
             groups[1] = KVCacheGroupSpec(
                 SLIDING, MambaSpec(block_size=BLOCK, shapes=((16, 64),), dtypes=(torch.bfloat16,))
+            )
+        self.state = state
+        if state:  # vLLM's align mode: the state group's pages padded to the attention pages
+            self.vc.cache_config.mamba_cache_mode = "align"
+            self.vc.cache_config.mamba_block_size = BLOCK
+            groups[1] = KVCacheGroupSpec(
+                SLIDING,
+                MambaSpec(
+                    block_size=BLOCK,
+                    shapes=((3, 64), (4, 16, 16)),
+                    dtypes=(torch.bfloat16, torch.float32),
+                    page_size_padded=self.page_bytes,
+                    mamba_cache_mode="align",
+                ),
             )
         self.kcc, self.sched = sim_scheduler(self.vc, groups, num_blocks)
         self.conn = self.sched.connector
@@ -96,7 +115,6 @@ class HmaEnv:
         for t in self.caches:
             t.zero_()
         self.worker.register_kv_caches({name: self.caches[i] for group in GROUPS for i, name in enumerate(group)})
-        self.page_bytes = HEADS * BLOCK * 2 * HEAD * 2
         self.recving_failed: set[str] = set()
         self.finished_recving: set[str] = set()
         self.metas = []
@@ -112,6 +130,10 @@ class HmaEnv:
 
     def expected_page(self, tokens, block_index, layer, group) -> torch.Tensor:
         return page_pattern(list(tokens[: (block_index + 1) * BLOCK]), layer, self.page_bytes, salt=group + 1)
+
+    def expected_state(self, tokens, n, layer) -> torch.Tensor:
+        """The recurrent state after the first ``n`` tokens."""
+        return page_pattern(list(tokens[:n]), layer, self.page_bytes, salt=2)
 
     def step(self):
         so = self.sched.schedule()
@@ -155,6 +177,9 @@ class HmaEnv:
             end = start + so.num_scheduled_tokens[rid]
             tokens = list(req.all_token_ids)
             for g, table in enumerate(self.tables(rid)):
+                if g == 1 and self.state:
+                    self._advance_state(rid, table, tokens, start, end)
+                    continue
                 # what attention reads: every block of the window (sliding group) or prefix (full group)
                 lo = max(0, start - self.window + 1) // BLOCK if g == 1 else 0
                 for bi in range(lo, start // BLOCK):
@@ -168,6 +193,24 @@ class HmaEnv:
                 for bi in range(start // BLOCK, -(-end // BLOCK)):
                     for layer in range(2):
                         self.page(layer, table[bi]).copy_(self.expected_page(tokens, bi, layer, g))
+
+    def _advance_state(self, rid, table, tokens, start, end):
+        """vLLM's runner in align mode: the state after ``start`` tokens is read from the block at position
+        ``cdiv(start, BLOCK) - 1`` (the state block of the last step, or one a load filled), and the state after
+        ``end`` tokens written into the block at ``cdiv(end, BLOCK) - 1``."""
+        if start > 0:
+            src = table[-(-start // BLOCK) - 1]
+            assert src != 0, f"request {rid}: no state block at token {start}"
+            for layer in range(2):
+                assert_same_bytes(
+                    self.page(layer, src),
+                    self.expected_state(tokens, start, layer),
+                    f"request {rid} state after {start} tokens, layer {layer}: not the cold state",
+                )
+        dst = table[-(-end // BLOCK) - 1]
+        assert dst != 0, f"request {rid}: no state block at token {end}"
+        for layer in range(2):
+            self.page(layer, dst).copy_(self.expected_state(tokens, end, layer))
 
     def run(self, timeout_s=60.0):
         def finished() -> bool:

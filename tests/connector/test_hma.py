@@ -120,7 +120,7 @@ def test_failed_load_is_reported_per_request_and_recomputed(make_hma, store_dir)
     assert env2.sched.requests.get("b") is None
 
 
-def test_mamba_group_makes_kvx_passive(tiny_model, store_dir, caplog):
+def test_mamba_group_outside_align_mode_makes_kvx_passive(tiny_model, store_dir, caplog):
     from .sim_hma import FULL, SLIDING, spec
 
     env = HmaEnv.__new__(HmaEnv)
@@ -154,7 +154,7 @@ def test_mamba_group_makes_kvx_passive(tiny_model, store_dir, caplog):
         sched = KVXConnector(vc, KVConnectorRole.SCHEDULER, kcc)
         worker = KVXConnector(vc, KVConnectorRole.WORKER, kcc)
     lines = [r.getMessage() for r in caplog.records if "kvx loads and saves nothing" in r.getMessage()]
-    assert len(lines) == 2 and all("MambaSpec" in m for m in lines)  # once per connector
+    assert len(lines) == 2 and all("mamba_cache_mode 'none'" in m for m in lines)  # once per connector
     assert sched.get_num_new_matched_tokens(object(), 0) == (0, False)
     assert sched.build_connector_meta(None).is_empty()
     assert sched.request_finished_all_groups(object(), ([1, 2], [3])) == (False, None)
