@@ -98,3 +98,35 @@ def test_hybrid_gdn_model_cold_warm_fresh_engine_and_damaged_state(qwen3_next, r
         assert damaged.tokens == ref_cold  # the load failed verification: vLLM recomputed the prompt
     finally:
         H.shutdown(llm)
+
+
+def test_hybrid_prefill_decode_hand_off_carries_the_state(qwen3_next, reference, tmp_path):
+    """A kv_producer engine computes the prompt (max_tokens=1) and returns the chunks it stored; a kv_consumer
+    engine on the same disk store, given them, loads the attention chunks and the state at their end."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ref_cold, ref_hit = reference
+    store = str(tmp_path / "store")
+    extra = {"chunk_size": BLOCK, "tiers": [{"type": "disk", "path": store}]}
+    llm = H.build_llm(
+        qwen3_next, H.kvx_transfer_config(extra, role="kv_producer"), kv_cache_bytes=KV_BYTES, dtype="bfloat16"
+    )
+    try:
+        sp = SamplingParams(temperature=0, ignore_eos=True, detokenize=False, max_tokens=1)
+        out = llm.generate([TokensPrompt(prompt_token_ids=IDS)], sp, use_tqdm=False)[0]
+        H.drain(llm)
+        params = out.kv_transfer_params
+        assert params["kvx_pd_chunks"] == HIT // BLOCK  # up to the last chunk whose state it stored
+        assert out.outputs[0].token_ids[0] == ref_cold[0]
+    finally:
+        H.shutdown(llm)
+    llm = H.build_llm(
+        qwen3_next, H.kvx_transfer_config(extra, role="kv_consumer"), kv_cache_bytes=KV_BYTES, dtype="bfloat16"
+    )
+    try:
+        got = H.generate(llm, IDS, MAX_TOKENS, kv_transfer_params=params)
+        assert got.num_cached_tokens == HIT
+        assert got.tokens == ref_hit
+    finally:
+        H.shutdown(llm)
