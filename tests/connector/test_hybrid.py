@@ -146,3 +146,34 @@ def test_canonical_format_is_refused(make, store_dir):
 
     with pytest.raises(UnsupportedModelError, match="format: 'canonical' cannot hold recurrent"):
         make({**hybrid(store_dir), "format": "canonical"})
+
+
+def test_the_state_layout_is_in_the_fingerprint(tiny_model):
+    """Another conv width, state shape or state dtype is another fingerprint (and namespace): such states never
+    meet."""
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from kvx.connector.common import engine_geometry, format_fingerprint
+
+    from .sim_hma import FULL, SLIDING, spec
+
+    mc = ModelConfig(model=tiny_model, skip_tokenizer_init=True, dtype="bfloat16", seed=0, max_model_len=4096)
+    vc = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BLOCK), device_config=DeviceConfig("cpu"))
+    page = spec("full").page_size_bytes
+
+    def fp(shapes, dtypes):
+        state = MambaSpec(
+            block_size=BLOCK, shapes=shapes, dtypes=dtypes, page_size_padded=page, mamba_cache_mode="align"
+        )
+        groups = [KVCacheGroupSpec(FULL, spec("full")), KVCacheGroupSpec(SLIDING, state)]
+        geom = engine_geometry(vc, KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups))
+        assert geom.state_groups == (1,) and geom.attn_groups == (0,)
+        return format_fingerprint(geom, "pages")
+
+    base = fp(((3, 64), (4, 16, 16)), (torch.bfloat16, torch.float32))
+    assert fp(((3, 64), (4, 16, 16)), (torch.bfloat16, torch.float32)) == base
+    assert fp(((2, 64), (4, 16, 16)), (torch.bfloat16, torch.float32)) != base  # conv width
+    assert fp(((3, 64), (4, 16, 32)), (torch.bfloat16, torch.float32)) != base  # state shape
+    assert fp(((3, 64), (4, 16, 16)), (torch.bfloat16, torch.bfloat16)) != base  # state dtype
