@@ -98,6 +98,11 @@ class KVXConfig(StrictConfig):
         "computes without them",
     )
     io_threads: int = Field(default=2, ge=1, le=64, description="threads for disk reads, and as many for disk writes")
+    decline_slow_hits: bool = Field(
+        default=True,
+        description="do not load a hit from a tier whose measured read speed makes it slower than "
+        "recomputing the tokens (kvx.connector.costs)",
+    )
     max_ctas: int = Field(default=8, ge=0, description="CUDA thread-block cap for copies (0 = no cap)")
 
     @field_validator("tiers", mode="before")

@@ -269,7 +269,9 @@ class LoadPipeline:
             out = dst
         else:  # a partial chunk's slot view is strided; the kernels read host memory only when pinned
             out = torch.empty(shape, dtype=w.chunk_dtype, pin_memory=w.layout.device.type == "cuda")
+        t0 = time.perf_counter()
         w.tiers[ch.tier].get_into(key, out)
+        w.note_read(ch.tier, out.nbytes, time.perf_counter() - t0)
         w.stats[f"{ch.tier}_reads"] += 1
         w.stats[f"{ch.tier}_read_bytes"] += out.nbytes
         if dst is not None and out is not dst:

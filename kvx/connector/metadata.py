@@ -115,11 +115,14 @@ class KVXWorkerMetadata(KVConnectorWorkerMetadata):
     results: transfer id -> each reporting worker's outcome (:data:`OK`, :data:`NOOP`, :data:`FAILED`)
     failed_blocks: blocks whose load failed on a worker (union over workers)
     removed: (tier, chunk key) of chunks removed from a byte tier on a worker (evicted, dropped)
+    reads: one record per chunk read from a byte tier: (tier, bytes, seconds), for the scheduler's estimate of
+    each tier's read speed (:class:`~.scheduler.HitCosts`)
     """
 
     results: dict[int, list[str]] = field(default_factory=dict)
     failed_blocks: list[int] = field(default_factory=list)
     removed: list[tuple[str, str]] = field(default_factory=list)
+    reads: list[tuple[str, int, float]] = field(default_factory=list)
 
     def report(self, xfer: int, outcome: str) -> None:
         self.results.setdefault(xfer, []).append(outcome)
@@ -131,8 +134,11 @@ class KVXWorkerMetadata(KVConnectorWorkerMetadata):
         for x, o in other.results.items():
             results.setdefault(x, []).extend(o)
         return KVXWorkerMetadata(
-            results, sorted(set(self.failed_blocks) | set(other.failed_blocks)), self.removed + other.removed
+            results,
+            sorted(set(self.failed_blocks) | set(other.failed_blocks)),
+            self.removed + other.removed,
+            self.reads + other.reads,
         )
 
     def is_empty(self) -> bool:
-        return not (self.results or self.failed_blocks or self.removed)
+        return not (self.results or self.failed_blocks or self.removed or self.reads)

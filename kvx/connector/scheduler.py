@@ -49,8 +49,9 @@ from dataclasses import dataclass, field
 from ..log import get_logger
 from ..store import CPUIndex, TierContext, tier_class
 from ..store.stack import TierStack
-from .common import _NULL_BLOCK, EngineGeometry, num_cpu_slots
+from .common import _NULL_BLOCK, EngineGeometry, chunk_bytes, num_cpu_slots
 from .config import KVXConfig
+from .costs import HitCosts
 from .events import KVEvents
 from .keys import MMItem, chunk_keys, rank_key, request_root, state_key
 from .ledger import ChunkLedger
@@ -186,6 +187,8 @@ class KVXScheduler:
         self._freed: list[int] = []  # blocks freed since the last step (for the workers)
         self._pending_reported = 0
         self.stats = Counter()
+        self.costs = HitCosts(config.io_threads) if config.decline_slow_hits and self.stack else None
+        self._chunk_bytes = chunk_bytes(config, geom)
 
     # ------------------------------------------------------------------ helpers
     def _tracker(self, request) -> RequestTracker:
@@ -251,6 +254,11 @@ class KVXScheduler:
             if tier is None:
                 break
             tiers.append(tier)
+        if self.costs is not None and tiers:
+            n = self.costs.servable(tiers, num_computed_tokens // self.chunk_size, self.chunk_size, self._chunk_bytes)
+            if n < len(tiers):  # a tier slower than recomputing: computed from there instead
+                self.stats["hits_declined_slow"] += 1
+                tiers = tiers[:n]
         state = None
         if self.state_groups:
             # a hit ends where a state object is stored: the longest prefix of chunks, rounded down to one
@@ -474,6 +482,8 @@ class KVXScheduler:
             finished=sorted(getattr(so, "finished_req_ids", None) or ()),
         )
         self._new_loads = []
+        if self.costs is not None:
+            self.costs.step_begin(int(getattr(so, "total_num_scheduled_tokens", 0) or 0))
         freed, self._freed = self._freed, []
         for rid in meta.preempted:
             t = self.trackers.get(rid)
@@ -655,9 +665,14 @@ class KVXScheduler:
 
     # ------------------------------------------------------------------ step 4: worker results
     def update_connector_output(self, output) -> None:
+        if self.costs is not None:
+            self.costs.step_end()
         wm = getattr(output, "kv_connector_worker_meta", None)
         if not isinstance(wm, KVXWorkerMetadata):
             return
+        if self.costs is not None:
+            for tier, nbytes, seconds in wm.reads:
+                self.costs.read(tier, nbytes, seconds)
         if wm.failed_blocks:
             self._on_failed_loads(wm.failed_blocks)
         done = self.ledger.settle(wm.results)

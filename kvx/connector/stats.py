@@ -82,6 +82,9 @@ COUNTERS = {
     "saved_chunks": "Chunks gathered from the paged KV cache",
     "save_ms": "Milliseconds spent gathering chunks (per worker, summed)",
     "save_errors": "Chunk gathers that failed",
+    "hits_declined_slow": "Lookups whose hit stopped before a tier slower than recomputing the tokens (measured)",
+    "state_saves": "Hybrid models: recurrent-state objects planned for saving (the state at a chunk's end)",
+    "hits_rounded_to_state": "Hybrid models: lookups whose hit was rounded down to the last chunk with a stored state",
 }
 _PER_TIER = {
     "hit_tokens_{}": "Prompt tokens served from the {} tier",

@@ -47,6 +47,8 @@ from .saves import SavePipeline, _background_priority
 
 log = get_logger(__name__)
 
+_MAX_READS = 256  # read records per step report (the latest: enough for a moving estimate)
+
 
 class KVXWorker:
     """Worker-side half of :class:`kvx.connector.KVXConnector`."""
@@ -96,6 +98,8 @@ class KVXWorker:
         self.hist: dict[str, list[float]] = {"load_seconds": [], "save_seconds": []}  # latency samples
         self._removed: list[tuple[str, str]] = []  # (tier, chunk key) removed from a byte tier here (any thread)
         self._removed_lock = threading.Lock()
+        self._reads: list[tuple[str, int, float]] = []  # (tier, bytes, seconds) per chunk read (reader threads)
+        self._reads_lock = threading.Lock()
         # (views, geometry, layout name, vLLM block count) registered last: kept across a sleep, to check and
         # describe the restored caches (vLLM's tensor objects, which vLLM keeps too: no memory held here; the
         # geometry is plain values, so no pointer or device table outlives unregister_kv_caches)
@@ -362,9 +366,16 @@ class KVXWorker:
         self._polled_for_stats = False
         with self._removed_lock:
             removed, self._removed = self._removed, []
+        with self._reads_lock:
+            reads, self._reads = self._reads[-_MAX_READS:], []
         out, self.out = self.out, KVXWorkerMetadata()
-        out.removed = removed
+        out.removed, out.reads = removed, reads
         return None if out.is_empty() else out
+
+    def note_read(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A chunk read from a byte tier (a reader thread): reported with the step's results."""
+        with self._reads_lock:
+            self._reads.append((tier, nbytes, seconds))
 
     def idle(self) -> bool:
         """No load or save in flight on this worker."""
