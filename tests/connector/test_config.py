@@ -74,9 +74,11 @@ TOP_LEVEL_KEYS = sorted(
         "max_ctas",
         "save_priority_limit",
         "pd_wait_ms",
+        "decline_slow_hits",
     ]
 )
 BAD_VALUES = [
+    ({"decline_slow_hits": "sometimes"}, "decline_slow_hits", "boolean"),
     ({"chunk_size": 0}, "chunk_size", "greater than 0"),
     ({"chunk_size": -256}, "chunk_size", "greater than 0"),
     ({"chunk_size": 2.5}, "chunk_size", "integer"),
