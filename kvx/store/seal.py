@@ -275,10 +275,12 @@ class Sealer:
             "created": f"{(time.time() if created is None else created):.3f}",
         }
         dtype, shape = codec.ST_DTYPES[chunk.dtype], list(chunk.shape)
-        buf = np.empty(n + _TAG_BYTES, dtype=np.uint8)
-        AESGCM(self._aes_key(self.write_kid, key)).encrypt_into(
-            nonce, plain, _aad(meta, key, self.fingerprint, dtype, shape), buf
-        )
+        aead, aad = AESGCM(self._aes_key(self.write_kid, key)), _aad(meta, key, self.fingerprint, dtype, shape)
+        if hasattr(aead, "encrypt_into"):  # cryptography >= 45: into a buffer of our own (no zeroing)
+            buf = np.empty(n + _TAG_BYTES, dtype=np.uint8)
+            aead.encrypt_into(nonce, plain, aad, buf)
+        else:
+            buf = np.frombuffer(aead.encrypt(nonce, plain, aad), dtype=np.uint8)
         meta["tag"] = buf[n:].tobytes().hex()
         head = json.dumps(
             {"__metadata__": meta, "kv": {"dtype": dtype, "shape": shape, "data_offsets": [0, n]}},
