@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import struct
+import subprocess
 import tempfile
 
 import pytest
@@ -421,3 +422,140 @@ def test_tier_open_refuses_a_bad_key_file(tmp_path):
             ),
             TierContext(FP),
         )
+
+
+# ------------------------------------------------------------------------------------------ TLS + ACL
+def _self_signed(tmp_path) -> tuple[str, str]:
+    """(certificate, key) for 127.0.0.1, made with ``cryptography`` (no openssl binary needed)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+        )
+    )
+    return str(cert_path), str(key_path)
+
+
+def _tls_supported() -> bool:
+    from kvx.testing.redis_server import binary_env, redis_server_binary
+
+    out = subprocess.run(
+        [redis_server_binary(), "--tls-port", "1", "--port", "0", "--tls-cert-file", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        env=binary_env(),
+    )
+    return (
+        "not supported" not in (out.stdout + out.stderr).lower()
+        and "bad directive" not in (out.stdout + out.stderr).lower()
+    )
+
+
+def test_sealed_tier_over_tls_with_an_acl_user(tmp_path, keys):
+    """End to end: a real TLS redis-server (a certificate made here), an ACL user allowed only kvx's keys and the
+    commands the tier sends (the default user off), a sealed tier on ``rediss://tenant:pw@...`` verifying the
+    server's certificate. Another ACL user's tier (another key prefix) sees nothing; a wrong password is a down
+    tier (misses), never an error of the engine."""
+    import socket
+
+    need_redis()
+    if not _tls_supported():
+        pytest.skip("this redis-server is built without TLS")
+    cert, key = _self_signed(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        tls_port = s.getsockname()[1]
+    args = ["--tls-port", tls_port, "--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", cert]
+    args += ["--tls-auth-clients", "no"]
+    with RedisServer(extra_args=args) as server:
+        c = server.client()
+        allowed = "+get +set +exists +del +pexpire +persist +getrange +evalsha +eval +script|load +ping +info"
+        allowed += " +config|get +hello +select +auth"
+        c.execute_command("ACL", "SETUSER", "tenant", "on", ">tenant-pw", "~kvx:1:*", *allowed.split())
+        c.execute_command("ACL", "SETUSER", "other", "on", ">other-pw", "~other:*", *allowed.split())
+        c.execute_command("ACL", "SETUSER", "default", "off")  # from now on only the ACL users get in
+        url = f"rediss://tenant:tenant-pw@127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}"
+        cfg = KVXConfig.from_extra_config(
+            {
+                "tiers": [
+                    {"type": "cpu", "size": "1GiB"},
+                    {"type": "redis", "url": url, "encryption": enc(keys["a"]), "max_value_size": "128KiB"},
+                ]
+            }
+        )
+        check_paths(cfg, writes=True)
+        tiers = []
+        try:
+            tier = RedisTier.open(cfg.tiers[1], TierContext(FP))
+            tiers.append(tier)
+            kk, x = new_key(), random_chunk((3, 70001), torch.bfloat16, 11)  # in parts: scripts over TLS too
+            assert tier.put(kk, x) and tier.contains_many([kk]) == [True]
+            for _ in range(3):  # pooled TLS connections are reused
+                out = torch.zeros_like(x)
+                tier.get_into(kk, out)
+                assert_same_bytes(out, x)
+            assert tier.stats()["errors"] == 0
+            # what the server holds is sealed (read back as the tenant over TLS with redis-py)
+            import redis
+
+            r = redis.Redis.from_url(url)
+            manifest = r.get(f"kvx:1:{{{kk}}}")
+            assert manifest.startswith(b"kvxparts")  # in parts; the first part starts with the sealed header
+            first = f"kvx:1:{{{kk}}}:{manifest.split(b':')[2].decode()}:0"
+            assert header_of(r.get(first))["__metadata__"]["kvx_format"] == SEALED_VERSION
+            r.close()
+            # another ACL user: kvx's keys are not its keys (NOPERM: answered as misses)
+            other = RedisTier.open(
+                RedisTierConfig(
+                    type="redis",
+                    url=f"rediss://other:other-pw@127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}",
+                    encryption=EncryptionConfig(key_file=keys["a"]),
+                    lookup_wait_ms=1000,
+                    retry_s=60,
+                ),
+                TierContext(FP),
+            )
+            tiers.append(other)
+            assert other.contains_many([kk]) == [False]
+            with pytest.raises(ChunkError):
+                other.get_into(kk, torch.zeros_like(x))
+            # a wrong password: the tier opens, answers misses
+            bad = RedisTier.open(
+                RedisTierConfig(
+                    type="redis",
+                    url=f"rediss://tenant:wrong@127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}",
+                    encryption=EncryptionConfig(key_file=keys["a"]),
+                    retry_s=60,
+                ),
+                TierContext(FP),
+            )
+            tiers.append(bad)
+            assert bad.contains_many([kk]) == [False]
+        finally:
+            for t in tiers:
+                t.close()
