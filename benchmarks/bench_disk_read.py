@@ -203,7 +203,7 @@ def write(rows, args, total, how, ok, names) -> None:
         w.writerows(rows)
     med = {n: statistics.median(r["gb_s"] for r in rows if r["method"] == n) for n in names}
     base = med[names[0]]
-    flags = (" --quick" if args.quick else "") + (" --sealed" if args.sealed else "")
+    flags = "".join(f" --{f}" for f in ("quick", "sealed", "fadvise") if getattr(args, f))
     lines = [
         f"# Disk-tier loads from a cold page cache vs a sequential direct-I/O read ({machine()})",
         "",
