@@ -559,3 +559,33 @@ def test_sealed_tier_over_tls_with_an_acl_user(tmp_path, keys):
         finally:
             for t in tiers:
                 t.close()
+
+
+# ------------------------------------------------------------------------------------------ kvx store verify
+def test_store_verify_sealed_chunks(tmp_path, keys, capsys):
+    """``kvx store verify``: sealed chunks pass on their header alone (never deleted by --delete-bad for want of
+    the key); with --key-file they are authenticated, and an altered one is bad."""
+    from kvx.store import cli as store_cli
+
+    path = str(tmp_path / "store")
+    tier = DiskTier.at(path, fingerprint=FP, encryption=enc(keys["a"]))
+    ka, kb = new_key(), new_key()
+    x = random_chunk((4, 999), torch.float16, 12)
+    assert tier.put(ka, x) and tier.put(kb, x)
+    assert store_cli.main(["verify", path, "--delete-bad"]) == 0
+    assert "2 good, 0 bad" in capsys.readouterr().out
+    assert store_cli.main(["verify", path, "--key-file", keys["b"], "--key-file", keys["a"]]) == 0
+    assert "2 good, 0 bad" in capsys.readouterr().out
+    assert store_cli.main(["verify", path, "--key-file", keys["b"]]) == 1  # not a secret of these chunks
+    assert "does not hold" in capsys.readouterr().out
+    f = tier.file_of(kb)
+    with open(f, "r+b") as fh:
+        fh.seek(-3, os.SEEK_END)
+        b = fh.read(1)
+        fh.seek(-3, os.SEEK_END)
+        fh.write(bytes([b[0] ^ 4]))
+    assert store_cli.main(["verify", path]) == 0  # without the key: the header is sound
+    capsys.readouterr()
+    assert store_cli.main(["verify", path, "--key-file", keys["a"]]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD {f}" in out and "failed authentication" in out and "1 good, 1 bad" in out
