@@ -38,16 +38,19 @@ import stat
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from pydantic import field_validator, model_validator
 
+from ..log import get_logger
 from . import codec
 from .errors import ChunkError
 from .tier import StrictConfig
 
+log = get_logger(__name__)
+_WARNED: set[str] = set()  # key files already warned about (the check and each tier's open read them)
 SEALED_VERSION = "kvx-sealed-1"
 CIPHER = "aes-256-gcm"
 MIN_SECRET_BYTES = 32  # 256 bits: the AES key's size (a hex secret of 32 characters carries only 128)
@@ -124,6 +127,14 @@ def _read_secret(path: str, name: str) -> bytes:
             f"{name}: expected a readable file holding the secret, got {path!r}, which this process cannot read "
             f"({e.strerror})"
         ) from None
+    if st.st_mode & 0o077 and full not in _WARNED:
+        _WARNED.add(full)
+        log.warning(
+            "kvx: %s: the key file %s is readable by its group or others (mode %o); chmod 600 it",
+            name,
+            path,
+            stat.S_IMODE(st.st_mode),
+        )
     secret = data[:-2] if data.endswith(b"\r\n") else data[:-1] if data.endswith(b"\n") else data
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(
@@ -199,15 +210,16 @@ class Opening:
     out: memoryview
     where: str
     pos: int = 0
+    stage: memoryview = field(default_factory=lambda: _staging())  # the opening thread's staging buffer
 
     def buffer(self, limit: int | None = None) -> memoryview:
         left = len(self.out) - self.pos
         n = min(STAGING_BYTES, left, limit) if limit else min(STAGING_BYTES, left)
-        return _staging()[:n]
+        return self.stage[:n]
 
     def advance(self, n: int) -> None:
-        src = _staging()[:n]
-        self.decryptor.update_into(src, self.out[self.pos : self.pos + n])
+        """The first ``n`` bytes of the last :meth:`buffer` arrived: decrypt them into ``out``."""
+        self.decryptor.update_into(self.stage[:n], self.out[self.pos : self.pos + n])
         self.pos += n
 
     def finish(self) -> None:
@@ -321,7 +333,3 @@ class Sealer:
             _aad(h.meta, key, self.fingerprint, codec.ST_DTYPES.get(out.dtype, ""), h.shape)
         )
         return Opening(dec, memoryview(codec.byte_view(out)), where)
-
-
-def is_sealed(h: codec.Header) -> bool:
-    return h.meta.get("kvx_format") == SEALED_VERSION

@@ -589,3 +589,27 @@ def test_store_verify_sealed_chunks(tmp_path, keys, capsys):
     assert store_cli.main(["verify", path, "--key-file", keys["a"]]) == 1
     out = capsys.readouterr().out
     assert f"BAD {f}" in out and "failed authentication" in out and "1 good, 1 bad" in out
+
+
+def test_a_key_file_others_can_read_is_warned_about_once(tmp_path):
+    import logging
+
+    from kvx.store import seal
+
+    p = secret_file(tmp_path, "open.key")
+    os.chmod(p, 0o644)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    seal.log.addHandler(handler)
+    try:
+        for _ in range(2):
+            check_encryption(EncryptionConfig(key_file=p), "tiers.1")
+        os.chmod(p, 0o600)
+        q = secret_file(tmp_path, "closed.key")
+        os.chmod(q, 0o600)
+        check_encryption(EncryptionConfig(key_file=q), "tiers.1")
+    finally:
+        seal.log.removeHandler(handler)
+    msgs = [r.getMessage() for r in records]
+    assert len(msgs) == 1 and "readable by its group or others (mode 644); chmod 600 it" in msgs[0], msgs
