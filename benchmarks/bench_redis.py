@@ -764,6 +764,135 @@ def bench_send_buffers(
     return results
 
 
+# ------------------------------------------------------------------------------------------ sealed chunks
+SEALED_METHODS = ("kvx in the clear (baseline)", "kvx sealed (AES-256-GCM)")
+SEALED_TARGET = 0.70  # sealed GET throughput / in the clear, 4 MiB: stated, judged, never asserted
+
+
+def bench_sealed(
+    urls: dict[str, str], mib: int, runs: int, repeats: int, warmup: int, rotate_bytes: int, g: torch.Generator, log
+) -> list[Result]:
+    """kvx GET and PUT through a tier in the clear and a sealed one (``"encryption"``: AES-256-GCM, a key file
+    written here), interleaved in the same run, same slots, same server."""
+    import tempfile
+
+    nb = mib * MiB
+    pool = make_pool(nb, n_rotate(nb, rotate_bytes), g)
+    clear, sealed = SEALED_METHODS
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kvx-bench-seal-") as d:
+        key_file = os.path.join(d, "key")
+        with open(key_file, "w") as f:
+            f.write(os.urandom(32).hex() + "\n")
+        for t, url in urls.items():
+            tiers = {clear: open_tier(url), sealed: open_tier(url, encryption={"key_file": key_file})}
+            keys = {m: [new_key() for _ in range(pool.num_slots)] for m in tiers}
+            try:
+                for m, tier in tiers.items():
+                    for i, k in enumerate(keys[m]):
+                        if not tier.put(k, pool.slot(i)):
+                            raise RuntimeError(f"kvx put of a new key {k} answered 'already present'")
+                # what a sealed GET returns is the chunk, bit for bit
+                check = torch.empty_like(pool.slot(0))
+                tiers[sealed].get_into(keys[sealed][0], check)
+                if not torch.equal(check.view(torch.uint8), pool.slot(0).view(torch.uint8)):
+                    raise RuntimeError("sealed GET returned other bytes than were put")
+                written: dict[str, list[str]] = {m: [] for m in tiers}
+
+                def get(i, m):
+                    tiers[m].get_into(keys[m][i % pool.num_slots], pool.slot(i % pool.num_slots))
+
+                def put(i, m):
+                    k = new_key()
+                    written[m].append(k)
+                    if not tiers[m].put(k, pool.slot(i % pool.num_slots)):
+                        raise RuntimeError(f"kvx put of a new key {k} answered 'already present'")
+
+                def after(m, i):
+                    tiers[m].delete(written[m].pop())
+
+                for run in range(1, runs + 1):
+                    gt = time_interleaved({m: (lambda i, m=m: get(i, m)) for m in tiers}, repeats, warmup)
+                    pt = time_interleaved({m: (lambda i, m=m: put(i, m)) for m in tiers}, repeats, warmup, after)
+                    for m in tiers:
+                        b = clear if m != clear else None
+                        results.append(Result("sealed-get", t, "standalone", nb, None, m, b, run, gt[m]))
+                        results.append(Result("sealed-put", t, "standalone", nb, None, m, b, run, pt[m]))
+                    gs, ps = (
+                        statistics.median(gt[clear]) / statistics.median(gt[sealed]),
+                        statistics.median(pt[clear]) / statistics.median(pt[sealed]),
+                    )
+                    log(
+                        f"run {run}/{runs} {t:4s} {mib:2d} MiB sealed/clear throughput: GET {gs:.2f} "
+                        f"({statistics.median(gt[sealed]):.3f} vs {statistics.median(gt[clear]):.3f} ms), PUT "
+                        f"{ps:.2f} ({statistics.median(pt[sealed]):.3f} vs {statistics.median(pt[clear]):.3f} ms)"
+                    )
+            finally:
+                for m, tier in tiers.items():
+                    for k in keys[m]:
+                        tier.delete(k)
+                    tier.close()
+    return results
+
+
+def write_sealed_md(path: str, results: list[Result], info: dict, cmd: str, quick: bool) -> list[tuple]:
+    """``redis_sealed_cpu.md``: sealed against in-the-clear GET / PUT; returns (transport, op, ratio, met)."""
+    index = _attach(results)
+    runs = max(r.run for r in results)
+    clear, sealed = SEALED_METHODS
+    lines = [
+        "# SMOKE RUN, not a measurement\n" if quick else "",
+        "# Redis tier: sealed chunks (AES-256-GCM) against chunks in the clear\n",
+        f"Reproduce: `{cmd}`\n",
+        f"Machine: {cpu_name()}; redis-server {info.get('server_version', '?')}; "
+        f"{info.get('date', '')}; load average {info.get('load', 0):.2f} at the start.\n",
+        'Two `RedisTier`s on the same server, one opened with `"encryption": {"key_file": ...}`, the other '
+        "without; GET into and PUT from the same CPU-pool slots (rotating over `--rotate-mib`), the two methods in a "
+        "shuffled order every repeat (`time_interleaved`), in the same run. Sealed GET: the header checked, the "
+        "ciphertext received into a 256 KiB staging buffer and decrypted from there into the slot as it lands, "
+        "the GCM tag checked at the end (instead of the CRC32C). Sealed PUT: AES-GCM into a new buffer (instead "
+        "of the CRC32C pass), then the same SET. Throughput ratio = the in-the-clear median time / the sealed "
+        "one (1.00: free), the median over the runs, then [every run].\n",
+        f"Target: sealed GET throughput >= {SEALED_TARGET:.0%} of in the clear at {TARGET_MIB} MiB"
+        + (" (not judged in a smoke run)." if quick else "."),
+        "",
+        "| transport | chunk | op | clear ms | sealed ms | clear GB/s | sealed GB/s | sealed / clear throughput |"
+        + ("" if quick else " target |"),
+        "|---|---|---|---|---|---|---|---|" + ("" if quick else "---|"),
+    ]
+    judged = []
+    cases = sorted({(r.transport, r.chunk_bytes, r.section) for r in results if r.section.startswith("sealed-")})
+    for t, nb, sec in cases:
+        case = (sec, t, "standalone", nb)
+        rs = ratios(index, case, sealed, clear, runs)
+        if not rs:
+            continue
+        op = "GET" if sec.endswith("get") else "PUT"
+        tc, ts = per_run(index, case, clear, runs), per_run(index, case, sealed, runs)
+        row = (
+            f"| {t} | {nb // MiB} MiB | {op} | {cell(tc, '.3f')} | {cell(ts, '.3f')} | "
+            f"{nb / statistics.median(tc) / 1e6:.2f} | {nb / statistics.median(ts) / 1e6:.2f} | {cell(rs)} |"
+        )
+        ok = statistics.median(rs) >= SEALED_TARGET
+        if op == "GET" and nb == TARGET_MIB * MiB:
+            judged.append((t, op, statistics.median(rs), ok))
+            row += "" if quick else f" {verdict(ok)} |"
+        elif not quick:
+            row += " |"
+        lines.append(row)
+    if "cpu_costs" in info:
+        c = info["cpu_costs"]
+        lines += [
+            "",
+            f"Same run, one core, {TARGET_MIB} MiB in cache-cold memory: memcpy {c['memcpy']:.1f} GB/s, CRC32C "
+            f"{c['crc32']:.1f} GB/s, AES-256-GCM encrypt {c.get('aes_gcm_encrypt', float('nan')):.1f} GB/s, "
+            f"decrypt (staged) {c.get('aes_gcm_decrypt', float('nan')):.1f} GB/s.",
+        ]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return judged
+
+
 def n_values(payload: int, header: int, part: int) -> int:
     """Redis values the tier writes for a chunk: one if the payload fits in ``part`` (the header rides
     along), else ceil(payload / part) parts (the manifest under the chunk key not counted)."""
@@ -852,7 +981,44 @@ def cpu_costs(nbytes: int, repeats: int = 20) -> dict[str, float]:
         if i >= n:
             t_copy.append(t1 - t0)
             t_crc.append(t2 - t1)
-    return {"memcpy": nbytes / statistics.median(t_copy) / 1e9, "crc32": nbytes / statistics.median(t_crc) / 1e9}
+    out = {"memcpy": nbytes / statistics.median(t_copy) / 1e9, "crc32": nbytes / statistics.median(t_crc) / 1e9}
+    out.update(aes_gcm_costs(src, dst, repeats))
+    return out
+
+
+def aes_gcm_costs(src: list, dst: list, repeats: int) -> dict[str, float]:
+    """GB/s of the seal's AES-256-GCM (kvx.store.seal) over these arrays: encrypt into a new buffer (a PUT),
+    and decrypt through the 256 KiB staging buffer into a destination (a GET; the staging copy stands for
+    the socket's receive)."""
+    from kvx.store.seal import Sealer
+
+    sealer = Sealer([os.urandom(32)], FINGERPRINT)
+    n, nbytes = len(src), src[0].nbytes
+    chunks = [torch.from_numpy(a) for a in src]
+    sealed = [sealer.seal(c, f"{i:032x}") for i, c in enumerate(chunks)]
+    t_enc, t_dec = [], []
+    for i in range(repeats + n):
+        k = i % n
+        t0 = time.perf_counter()
+        sealer.seal(chunks[k], f"{k:032x}")
+        t1 = time.perf_counter()
+        h = codec.decode_header(sealed[k][0])
+        op = sealer.opening(h, f"{k:032x}", torch.from_numpy(dst[k]), "bench")
+        payload, pos = memoryview(sealed[k][1]), 0
+        while pos < nbytes:
+            buf = op.buffer()
+            buf[:] = payload[pos : pos + len(buf)]
+            op.advance(len(buf))
+            pos += len(buf)
+        op.finish()
+        t2 = time.perf_counter()
+        if i >= n:
+            t_enc.append(t1 - t0)
+            t_dec.append(t2 - t1)
+    return {
+        "aes_gcm_encrypt": nbytes / statistics.median(t_enc) / 1e9,
+        "aes_gcm_decrypt": nbytes / statistics.median(t_dec) / 1e9,
+    }
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -1272,6 +1438,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cluster", action="store_true", help="skip the 3-node cluster lookup")
     ap.add_argument("--no-pieces", action="store_true", help="skip the GET receive-step sweep")
     ap.add_argument("--no-sndbuf", action="store_true", help="skip the PUT send-buffer sweep")
+    ap.add_argument("--no-sealed", action="store_true", help="skip sealed (encrypted) against in-the-clear chunks")
+    ap.add_argument(
+        "--sealed-only",
+        action="store_true",
+        help="only sealed against in-the-clear GET / PUT (at --sizes, default 4 MiB), into redis_sealed_cpu.md/.csv",
+    )
     args = ap.parse_args(argv)
     try:
         sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([1] if args.quick else [1, 4, 16])
@@ -1332,6 +1504,18 @@ def main(argv: list[str] | None = None) -> int:
         "wmem_max": wmem_max(),
     }
     rotate = args.rotate_mib * MiB
+    if args.sealed_only:
+        return sealed_main(
+            args,
+            [int(x) for x in args.sizes.split(",")] if args.sizes else [TARGET_MIB],
+            runs,
+            repeats,
+            rotate,
+            g,
+            log,
+            info,
+            cmd,
+        )
     results: list[Result] = []
     with redis_server.RedisServer(unix_socket=True) as srv:
         urls = {"tcp": srv.url, "unix": srv.unix_url}
@@ -1347,6 +1531,17 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_sndbuf:
             results += bench_send_buffers(
                 urls, TARGET_MIB, runs, repeats.get(TARGET_MIB, 3 if args.quick else 30), args.warmup, rotate, g, log
+            )
+        if not args.no_sealed:
+            results += bench_sealed(
+                urls,
+                TARGET_MIB if not args.quick else sizes[0],
+                runs,
+                repeats.get(TARGET_MIB, 3 if args.quick else 30),
+                args.warmup,
+                rotate,
+                g,
+                log,
             )
         for mib in sweep:
             results += bench_sweep(urls, mib, list(PART_SIZES), runs, repeats[mib], args.warmup, rotate, g, log, info)
@@ -1372,8 +1567,38 @@ def main(argv: list[str] | None = None) -> int:
     tgt = write_md(md, results, info, args, cmd, args.quick)
     with open(md) as f:
         print(f.read())
+    if any(r.section.startswith("sealed-") for r in results):
+        smd = os.path.join(args.out, "redis_sealed_cpu.md")
+        for t, op, ratio, ok in write_sealed_md(smd, results, info, cmd, args.quick):
+            if not args.quick:
+                log(f"target sealed {op} >= {SEALED_TARGET:.0%} of clear ({t}): {ratio:.3f} {verdict(ok)}")
+        log(f"wrote {smd}")
     for (name, where), (val, ok) in tgt.items():
         log(f"target {name} ({where}): {val:.3f} {'met' if ok else 'MISSED'}")
+    log(f"wrote {md} and {csv_path}")
+    return 0
+
+
+def sealed_main(args, sizes, runs, repeats, rotate, g, log, info, cmd) -> int:
+    """``--sealed-only``: sealed against in-the-clear GET / PUT at each size, TCP and unix socket."""
+    from kvx.testing import redis_server
+
+    results: list[Result] = []
+    with redis_server.RedisServer(unix_socket=True) as srv:
+        urls = {"tcp": srv.url, "unix": srv.unix_url}
+        for mib in sizes:
+            reps = args.repeats if args.repeats is not None else (3 if args.quick else 30)
+            results += bench_sealed(urls, mib, runs, reps, args.warmup, rotate, g, log)
+    info["cpu_costs"] = cpu_costs(TARGET_MIB * MiB)
+    os.makedirs(args.out, exist_ok=True)
+    md, csv_path = os.path.join(args.out, "redis_sealed_cpu.md"), os.path.join(args.out, "redis_sealed_cpu.csv")
+    write_csv(csv_path, results)
+    judged = write_sealed_md(md, results, info, cmd, args.quick)
+    with open(md) as f:
+        print(f.read())
+    for t, op, ratio, ok in judged:
+        if not args.quick:
+            log(f"target sealed {op} >= {SEALED_TARGET:.0%} of clear ({t}): {ratio:.3f} {verdict(ok)}")
     log(f"wrote {md} and {csv_path}")
     return 0
 

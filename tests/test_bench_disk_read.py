@@ -38,3 +38,16 @@ def test_bench_disk_read_small_run(monkeypatch, tmp_path):
         statistics.median(float(r["gb_s"]) for r in rows if r["method"] == m) for m in methods if m.startswith("kvx")
     )
     assert f"{best / ref:.2f}x: {'met' if best / ref >= 0.8 else 'NOT met'}" in md
+
+
+def test_bench_disk_read_sealed(monkeypatch, tmp_path):
+    """``--sealed``: a sealed copy of the chunks read by 1 and 2 readers too; the data check covers it."""
+    bench = load_benchmark(monkeypatch, "bench_disk_read")
+    out = str(tmp_path / "disk_read")
+    argv = ["--chunks", "2", "--runs", "1", "--fadvise", "--sealed", "--dir", str(tmp_path / "fs"), "--out", out]
+    assert bench.main(argv) == 0
+    methods = {r["method"] for r in csv.DictReader(open(out + ".csv"))}
+    assert {"kvx sealed get_into, 1 reader", "kvx sealed get_into, 2 readers"} <= methods
+    md = open(out + ".md").read()
+    assert "Data check after the runs: ok" in md and "--sealed" in md
+    assert "Sealed (`encryption`, AES-256-GCM) against in the clear, 2 readers:" in md

@@ -160,3 +160,23 @@ def test_back_to_back_times_each_call_right_after_the_methods_own_previous_one(b
     seen2 = []
     bench.time_back_to_back({m: (lambda i, m=m: seen2.append((m, i))) for m in "abc"}, blocks=20, calls=3)
     assert seen2 == seen  # seeded: the same order every run
+
+
+def test_sealed_only_quick_run(bench, tmp_path):
+    """``--sealed-only``: sealed (AES-256-GCM) against in-the-clear GET / PUT, both transports, in one run; the
+    ratios in the CSV recompute from its own columns."""
+    before = redis_server_pids()
+    assert bench.main(["--sealed-only", "--quick", "--sizes", "1", "--out", str(tmp_path)]) == 0
+    assert redis_server_pids() <= before, "the benchmark left redis-server processes behind"
+    md = (tmp_path / "redis_sealed_cpu.md").read_text()
+    assert md.startswith("# SMOKE RUN, not a measurement") and "sealed / clear throughput" in md
+    with open(tmp_path / "redis_sealed_cpu.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    clear, sealed = bench.SEALED_METHODS
+    got = {(r["section"], r["transport"], r["method"]) for r in rows}
+    assert got == {(s, t, m) for s in ("sealed-get", "sealed-put") for t in ("tcp", "unix") for m in (clear, sealed)}
+    for r in rows:
+        if r["method"] == sealed:
+            assert r["baseline"] == clear
+            ratio = _num(r, "baseline_median_ms") / _num(r, "median_ms")
+            assert abs(ratio - _num(r, "x_baseline")) < 1e-4 * ratio

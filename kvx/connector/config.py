@@ -13,9 +13,10 @@ was given.
 
 from __future__ import annotations
 
+import typing
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from ..store import StrictConfig, TierConfig, parse_size, parse_tier_config, tier_class
 
@@ -170,9 +171,17 @@ def _error_lines(e: ValidationError, prefix: tuple = ()) -> list[str]:
 def _known_keys(loc: tuple) -> list[str]:
     if len(loc) >= 3 and loc[0] == "tiers" and isinstance(loc[2], str):
         try:
-            return list(_tier_model(loc[2]).model_fields)
+            model = _tier_model(loc[2])
         except ValueError:
-            pass
+            return list(KVXConfig.model_fields)
+        for part in loc[3:-1]:  # a key of a nested object (a tier's "encryption"): that object's keys
+            field = model.model_fields.get(part) if isinstance(part, str) else None
+            sub = [t for t in (field.annotation, *typing.get_args(field.annotation))] if field else []
+            sub = [t for t in sub if isinstance(t, type) and issubclass(t, BaseModel)]
+            if not sub:
+                break
+            model = sub[0]
+        return list(model.model_fields)
     return list(KVXConfig.model_fields)
 
 

@@ -1,8 +1,10 @@
 """``kvx store``: inspect, verify or clear a kvx disk store.
 
     kvx store inspect PATH        chunk count, bytes, formats/fingerprints, oldest and newest, temporary files
-    kvx store verify PATH [--delete-bad]   re-read every chunk, check format, key and checksum; list
-                                  temporary files (--delete-bad also removes the stale ones)
+    kvx store verify PATH [--delete-bad] [--key-file F ...]   re-read every chunk, check format, key and
+                                  checksum; list temporary files (--delete-bad also removes the stale ones).
+                                  Sealed chunks (a tier's "encryption") are authenticated with the secrets
+                                  of --key-file; without them only their header is checked (never deleted)
     kvx store clear PATH [--yes]  delete every chunk file (and stale temporary files)
 
 inspect and verify change nothing (without --delete-bad): they list stale temporary files rather than
@@ -21,10 +23,58 @@ from safetensors import safe_open
 
 from . import codec
 from .disk import DiskTier, TempInfo, survey
+from .errors import ChunkError
+from .seal import SEALED_VERSION, EncryptionConfig, Sealer, load_secrets
 
 
-def _check(path: str, key: str) -> str | None:
-    """None if the chunk file is sound, else what is wrong with it."""
+def _check_sealed(path: str, key: str, secrets: list[bytes] | None) -> str | None:
+    """A sealed chunk file: its header (and, with the secrets, its tag: every byte) for ``key``."""
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(codec.PREFIX_BYTES)
+            h = codec.decode_header(prefix + f.read(codec.header_length(prefix)))
+            fp = h.meta.get("fingerprint", "")
+            if h.key != key:
+                return f"key {h.key!r} does not match the file name"
+            if h.dtype is None or not secrets:
+                problems = codec.check(h, key, fp, versions=(SEALED_VERSION,))
+                for field in ("seal", "kid", "nonce", "tag"):
+                    if field not in h.meta:
+                        problems.append(f"sealed without its {field!r}")
+                if os.path.getsize(path) != h.total:
+                    problems.append(f"{os.path.getsize(path)} bytes, its header says {h.total}")
+                return "; ".join(problems) or None
+            sealer = Sealer(secrets, fp)
+            problems = sealer.problems(h, key)
+            if problems:
+                return "; ".join(problems)
+            import torch
+
+            out = torch.empty(h.shape, dtype=h.dtype)
+            opening = sealer.opening(h, key, out, path)
+            while opening.pos < h.nbytes:
+                n = f.readinto(opening.buffer())
+                if not n:
+                    return f"truncated ({opening.pos} of {h.nbytes} payload bytes)"
+                opening.advance(n)
+            opening.finish()
+    except ChunkError as e:
+        return str(e)
+    except OSError as e:
+        return f"unreadable: {e}"
+    return None
+
+
+def _check(path: str, key: str, secrets: list[bytes] | None = None) -> str | None:
+    """None if the chunk file is sound, else what is wrong with it (``secrets``: to authenticate sealed ones)."""
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(codec.PREFIX_BYTES)
+            sealed = codec.decode_header(prefix + f.read(codec.header_length(prefix))).meta.get("kvx_format")
+    except (ChunkError, OSError):
+        sealed = None
+    if sealed == SEALED_VERSION:
+        return _check_sealed(path, key, secrets)
     try:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
@@ -62,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
                 action="store_true",
                 help="delete chunks that fail verification, and stale temporary files",
             )
+            p.add_argument(
+                "--key-file",
+                action="append",
+                default=[],
+                help="a secret of the tier's encryption (repeatable): sealed chunks are authenticated with them",
+            )
         if name == "clear":
             p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     args = ap.parse_args(argv)
@@ -92,10 +148,17 @@ def _inspect(args) -> int:
 
 
 def _verify(args) -> int:
+    secrets = None
+    if args.key_file:
+        try:
+            secrets = load_secrets(EncryptionConfig(key_files=args.key_file), "--key-file")
+        except ValueError as e:
+            print(f"kvx store: {e}", file=sys.stderr)
+            return 2
     sv = survey(args.path)
     bad = 0
     for c in sv.chunks:
-        problem = _check(c.path, c.key)
+        problem = _check(c.path, c.key, secrets)
         if problem:
             bad += 1
             print(f"BAD {c.path}: {problem}")

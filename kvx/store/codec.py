@@ -56,7 +56,20 @@ FORMAT_VERSION = "kvx-2"
 READABLE_VERSIONS = ("kvx-1", "kvx-2")  # kvx-1: zlib crc32
 PREFIX_BYTES = 8
 _MAX_HEADER = 1 << 20  # a kvx header is a few hundred bytes; a larger length is not a chunk
-RESERVED_META = ("kvx_format", "key", "fingerprint", "crc32", "crc32c", "length", "created")
+# the seal's fields (kvx.store.seal) too: an extra field must never pass for one
+RESERVED_META = (
+    "kvx_format",
+    "key",
+    "fingerprint",
+    "crc32",
+    "crc32c",
+    "length",
+    "created",
+    "seal",
+    "kid",
+    "nonce",
+    "tag",
+)
 # torch dtype -> safetensors dtype name: the library's own table (safetensors.torch._TYPES, 0.8), less the
 # dtypes this torch lacks
 ST_DTYPES = {
@@ -226,12 +239,20 @@ def decode_header(buf) -> Header:
 
 
 def check(
-    h: Header, key: str, fingerprint: str, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None
+    h: Header,
+    key: str,
+    fingerprint: str,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    versions: Sequence[str] = READABLE_VERSIONS,
 ) -> list[str]:
-    """What is wrong with a chunk's header for this reader (empty: nothing)."""
+    """What is wrong with a chunk's header for this reader (empty: nothing). ``versions``: the formats it
+    reads (sealed readers: :mod:`kvx.store.seal`'s)."""
     problems = []
-    if h.meta.get("kvx_format") not in READABLE_VERSIONS:
-        problems.append(f"format {h.meta.get('kvx_format')!r} not in {READABLE_VERSIONS}")
+    if h.meta.get("kvx_format") not in versions:
+        fmt = h.meta.get("kvx_format")
+        hint = " (sealed: this tier has no encryption key)" if fmt == "kvx-sealed-1" else ""
+        problems.append(f"format {fmt!r} not in {tuple(versions)}{hint}")
     if h.meta.get("key") != key:
         problems.append(f"key {h.meta.get('key')!r}")
     if h.meta.get("fingerprint") != fingerprint:

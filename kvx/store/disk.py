@@ -65,6 +65,7 @@ from pydantic import Field, field_validator
 from ..log import Throttle, get_logger
 from . import codec
 from .errors import ChunkError, StoreClosedError, StoreFullError
+from .seal import EncryptionConfig, Sealer, check_encryption
 from .tier import REMOVED, STORED, Tier, TierConfig, TierContext, check_key, parse_size, register_tier
 
 log = get_logger(__name__)
@@ -100,6 +101,11 @@ class DiskTierConfig(TierConfig):
         description="with a size: re-count the (shared) directory at most "
         "this many seconds apart when writing; engines sharing a path overshoot size by at "
         "most what the others write in that time",
+    )
+    encryption: EncryptionConfig | None = Field(
+        default=None,
+        description='{"key_file": PATH} or {"key_files": [newest, ..., oldest]}: seal every chunk with '
+        "AES-256-GCM (kvx.store.seal); read only chunks sealed with one of these secrets",
     )
 
     @field_validator("size", mode="before")
@@ -355,6 +361,8 @@ class DiskTier(Tier):
         path, capacity_bytes, fingerprint = config.path, config.size, ctx.fingerprint
         fsync, rescan_s = config.fsync, config.rescan_s
         _check_args(path, capacity_bytes, fingerprint, low_watermark, rescan_s, clock)
+        # None: chunks in the clear; else every put seals and every get reads only sealed chunks it can open
+        self.sealer = Sealer.of(getattr(config, "encryption", None), fingerprint)
         self.path = os.path.abspath(os.fspath(path))
         os.makedirs(self.path, exist_ok=True)
         self.capacity_bytes = capacity_bytes
@@ -407,19 +415,22 @@ class DiskTier(Tier):
         rescan_s: float = 5.0,
         *,
         clock: Callable[[], float] = time.monotonic,
+        encryption: EncryptionConfig | dict | None = None,
     ) -> DiskTier:
         """A disk tier at ``path`` from plain arguments (``capacity_bytes``: the config's ``size``), checked
         as the constructor checks them (ValueError naming the argument)."""
         _check_args(path, capacity_bytes, fingerprint, low_watermark, rescan_s, clock)
+        if isinstance(encryption, dict):
+            encryption = EncryptionConfig.model_validate(encryption)
         # checked above, by the rules of these arguments (a path object, any fsync value); not the config's
         config = DiskTierConfig.model_construct(
-            type="disk", path=path, size=capacity_bytes, fsync=fsync, rescan_s=rescan_s
+            type="disk", path=path, size=capacity_bytes, fsync=fsync, rescan_s=rescan_s, encryption=encryption
         )
         return cls(config, TierContext(fingerprint), low_watermark=low_watermark, clock=clock)
 
     @classmethod
     def check_config(cls, config: DiskTierConfig, where: str, writes: bool) -> list[str]:
-        return check_path(config, where, writes)
+        return check_path(config, where, writes) + check_encryption(config.encryption, where)
 
     def capacity(self) -> int | None:
         return self.capacity_bytes
@@ -474,7 +485,10 @@ class DiskTier(Tier):
                 return False
             except FileNotFoundError:
                 pass  # another engine evicted it just now: write it again
-        header, data = codec.encode(chunk, key, self.fingerprint, extra, created=time.time())
+        if self.sealer is not None:
+            header, data = self.sealer.seal(chunk, key, extra, created=time.time())
+        else:
+            header, data = codec.encode(chunk, key, self.fingerprint, extra, created=time.time())
         size = len(header) + data.nbytes
         # whether this put reserved its bytes is decided once: capacity_bytes may be set while it writes
         reserved = self.capacity_bytes is not None
@@ -674,11 +688,14 @@ class DiskTier(Tier):
             except (ChunkError, OSError) as e:
                 self._drop_bad(path)
                 raise ChunkError(f"chunk {key}: unreadable file {path}: {e}") from None
-            problems = codec.check(h, key, self.fingerprint, shape, dtype)
+            if self.sealer is not None:
+                problems = self.sealer.problems(h, key, shape, dtype)
+            else:
+                problems = codec.check(h, key, self.fingerprint, shape, dtype)
             if problems:
                 # A file under the wrong name (or with mangled metadata) can never be served: drop it. A file
-                # that is merely not what this reader expects (fingerprint, format version, shape) may be
-                # valid for another engine: keep it.
+                # that is merely not what this reader expects (fingerprint, format version, shape, sealed or
+                # not, another secret's seal) may be valid for another engine: keep it.
                 if h.key != key:
                     self._drop_bad(path)
                 else:
@@ -688,9 +705,15 @@ class DiskTier(Tier):
                 out = torch.empty(h.shape, dtype=h.dtype)
             dst = memoryview(codec.byte_view(out))
             got = 0
+            opening = None if self.sealer is None else self.sealer.opening(h, key, out, f"chunk {key}: {path}")
             try:
                 while got < h.nbytes:
-                    n = f.readinto(dst[got:])
+                    if opening is None:
+                        n = f.readinto(dst[got:])
+                    else:  # ciphertext into the thread's staging buffer, decrypted from there into out
+                        n = f.readinto(opening.buffer())
+                        if n:
+                            opening.advance(n)
                     if not n:
                         break
                     got += n
@@ -700,7 +723,13 @@ class DiskTier(Tier):
         if got != h.nbytes:
             self._drop_bad(path)
             raise ChunkError(f"chunk {key}: unreadable file {path}: truncated ({got} of {h.nbytes} payload bytes)")
-        if not codec.check_crc(h, out):
+        if opening is not None:
+            try:
+                opening.finish()  # the GCM tag: every byte of the header and payload, for this key
+            except ChunkError:
+                self._drop_bad(path)  # sealed with this tier's secret yet not authentic: altered or misplaced
+                raise
+        elif not codec.check_crc(h, out):
             self._drop_bad(path)
             raise ChunkError(f"chunk {key}: {path} failed verification: checksum mismatch (corrupt bytes)")
         try:

@@ -231,7 +231,11 @@ def test_unknown_top_level_key(key):
     [
         ({"type": "cpu", "size": "1GiB", "path": "/kv"}, "path", "size, type"),
         ({"type": "cpu", "size": "1GiB", "pinned": True}, "pinned", "size, type"),
-        ({"type": "disk", "path": "/kv", "capacity": "1TB"}, "capacity", "fsync, path, rescan_s, size, type"),
+        (
+            {"type": "disk", "path": "/kv", "capacity": "1TB"},
+            "capacity",
+            "encryption, fsync, path, rescan_s, size, type",
+        ),
     ],
 )
 def test_unknown_tier_key(tier, key, known):

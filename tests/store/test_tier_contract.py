@@ -43,7 +43,31 @@ def _cluster(request, tmp_path, fp):
     )
 
 
-TIERS = {"disk": _disk, "redis": _redis, "redis-unix": _redis_unix, "redis-cluster": _cluster}
+def _key_file(tmp_path) -> dict:
+    """The ``encryption`` of a sealed tier: one secret file per test (every tier a test opens shares it)."""
+    p = tmp_path / "seal.key"
+    if not p.exists():
+        p.write_text(uuid.uuid4().hex + uuid.uuid4().hex + "\n")
+    return {"key_file": str(p)}
+
+
+def _disk_sealed(request, tmp_path, fp):
+    cfg = DiskTier.config_model(type="disk", path=str(tmp_path / "kv"), encryption=_key_file(tmp_path))
+    return DiskTier.open(cfg, TierContext(fp))
+
+
+def _redis_sealed(request, tmp_path, fp):
+    return _redis(request, tmp_path, fp, encryption=_key_file(tmp_path))
+
+
+TIERS = {
+    "disk": _disk,
+    "redis": _redis,
+    "redis-unix": _redis_unix,
+    "redis-cluster": _cluster,
+    "disk-sealed": _disk_sealed,
+    "redis-sealed": _redis_sealed,
+}
 
 
 @pytest.fixture(params=list(TIERS))

@@ -16,6 +16,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from ..seal import EncryptionConfig
 from ..tier import TierConfig
 
 _MIN_VALUE, _MAX_VALUE = 64 << 10, 512 * 10**6  # proto-max-bulk-len is 512 MB: a larger value resets us
@@ -135,6 +136,11 @@ class RedisTierConfig(TierConfig):
         default=2.0, description="how long a lookup may block the caller before answering 'not known yet'"
     )
     retry_s: float = Field(default=2.0, description="interval of reconnection attempts while a server is down")
+    encryption: EncryptionConfig | None = Field(
+        default=None,
+        description='{"key_file": PATH} or {"key_files": [newest, ..., oldest]}: seal every chunk with '
+        "AES-256-GCM (kvx.store.seal); read only chunks sealed with one of these secrets",
+    )
     sentinel_password: str | None = Field(
         default=None,
         description="password of the sentinels themselves "

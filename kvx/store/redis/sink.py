@@ -12,6 +12,7 @@ import torch
 
 from .. import codec
 from ..errors import ChunkError
+from ..seal import Opening, Sealer
 from .layout import _MAGIC, _MANIFEST_MAX
 
 
@@ -21,8 +22,18 @@ class _ChunkSink:
 
     _PREFIX, _MANIFEST, _HEADER, _PAYLOAD, _DONE = range(5)
 
-    def __init__(self, key: str, fingerprint: str, out: torch.Tensor, where: str, piece: int | None = None):
+    def __init__(
+        self,
+        key: str,
+        fingerprint: str,
+        out: torch.Tensor,
+        where: str,
+        piece: int | None = None,
+        sealer: Sealer | None = None,
+    ):
         self.key, self.fingerprint, self.out, self.where, self.piece = key, fingerprint, out, where, piece
+        self.sealer = sealer  # a sealed tier: only sealed chunks it can open are read (kvx.store.seal)
+        self.opening: Opening | None = None  # the payload's decryption, once the header checked
         self.payload: memoryview | None = None  # out's bytes: :meth:`prepare`
         self.used = False  # handed to a GET (a second try takes a new sink)
         self.phase, self.pos, self.received = self._PREFIX, 0, 0
@@ -62,6 +73,8 @@ class _ChunkSink:
 
     def buffer(self) -> memoryview:
         if self.phase == self._PAYLOAD:
+            if self.opening is not None:  # ciphertext lands in a staging buffer, decrypted into out by advance
+                return self.opening.buffer(self.piece)
             # at most a piece per receive: each is checksummed (advance) while it is still in cache
             # (bench_redis.py, "bytes received per checksum step")
             return self.payload[self.pos : self.pos + self.piece] if self.piece else self.payload[self.pos :]
@@ -74,8 +87,11 @@ class _ChunkSink:
         self.received += n
         if self.phase == self._PAYLOAD:
             # each piece is checksummed as it lands, while the next one is on the wire (CRC32C runs at
-            # ~25 GB/s: hidden behind the socket)
-            self.crc.update(self.payload[self.pos - n : self.pos])
+            # ~25 GB/s: hidden behind the socket); a sealed one is decrypted into out likewise
+            if self.opening is not None:
+                self.opening.advance(n)
+            else:
+                self.crc.update(self.payload[self.pos - n : self.pos])
             if self.pos == len(self.payload):
                 self.phase = self._DONE
             return
@@ -102,7 +118,10 @@ class _ChunkSink:
                 h = codec.decode_header(self.buf)
             except ChunkError as e:
                 raise self._error(str(e), torn=True) from None
-            problems = codec.check(h, self.key, self.fingerprint, tuple(self.out.shape), self.out.dtype)
+            if self.sealer is not None:
+                problems = self.sealer.problems(h, self.key, tuple(self.out.shape), self.out.dtype)
+            else:
+                problems = codec.check(h, self.key, self.fingerprint, tuple(self.out.shape), self.out.dtype)
             if problems:
                 # another fingerprint, format or shape is not damage (another engine's chunk): kept;
                 # another key inside is (a value written under the wrong name): dropped
@@ -111,6 +130,8 @@ class _ChunkSink:
             self.crc = codec.RunningChecksum(h)
             if self.header.nbytes != len(self.payload):
                 raise self._error(f"header says {self.header.nbytes} payload bytes, out holds {len(self.payload)}")
+            if self.sealer is not None:
+                self.opening = self.sealer.opening(h, self.key, self.out, f"chunk {self.key}: {self.where}")
             self.phase, self.pos = (self._PAYLOAD, 0) if self.header.nbytes else (self._DONE, 0)
 
     def _manifest_done(self) -> None:
@@ -142,6 +163,12 @@ class _ChunkSink:
             raise self._error(f"value ended after {self.received} bytes, before the chunk did", torn=True)
         if self.received != self.header.total or self.received != self.value_len:
             raise self._error(f"{self.received} bytes received, header says {self.header.total}", torn=True)
-        if not self.crc.matches():
+        if self.opening is not None:
+            try:
+                self.opening.finish()  # the GCM tag: every byte of the header and payload, for this key
+            except ChunkError as e:
+                self.torn = True  # sealed with this tier's secret yet not authentic: altered or misplaced
+                raise e from None
+        elif not self.crc.matches():
             raise self._error("failed verification: checksum mismatch (corrupt bytes)", torn=True)
         return self.header

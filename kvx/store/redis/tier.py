@@ -25,6 +25,7 @@ from ...log import Throttle, get_logger
 from .. import codec
 from ..errors import ChunkError, StoreClosedError, StoreError, StoreFullError, StoreUnavailableError
 from ..resp import ConnectionLost, RedirectError, RespConnection, ValueTooLarge
+from ..seal import Sealer, check_encryption
 from ..tier import REMOVED, STORED, Tier, TierConfig, TierContext, check_key, register_tier
 from .config import RedisTierConfig, _is_sentinel, _sentinel_url, _target, redact
 from .layout import _MAGIC, _chunk_key, _part_key
@@ -73,6 +74,8 @@ class RedisTier(_Topology, Tier):
         self.url = redact(config.url)
         self.target, self._params = _target(config.url)
         self.sentinel_spec = _sentinel_url(config.url) if _is_sentinel(config.url) else None
+        # None: chunks in the clear; else every put seals and every get reads only sealed chunks it can open
+        self.sealer = Sealer.of(config.encryption, ctx.fingerprint)
         self._timeout = config.timeout_ms / 1000.0
         # GET: most bytes one receive takes before they are checksummed (measured per transport)
         self.piece: int | None = _PIECE_UNIX if self._params.get("path") else _PIECE
@@ -169,10 +172,10 @@ class RedisTier(_Topology, Tier):
         config problem: the tier opens anyway and retries)."""
         from redis.connection import parse_url
 
+        problems = check_encryption(config.encryption, where)
         if urlsplit(config.url).scheme != "rediss":
-            return []
+            return problems
         params = parse_url(config.url)
-        problems = []
         for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
             path = params.get(name)
             if path and not os.access(path, os.R_OK):
@@ -301,13 +304,13 @@ class RedisTier(_Topology, Tier):
             )
         ck = _chunk_key(key)
         deadline = time.monotonic() + self._timeout
-        sink = _ChunkSink(key, self.ctx.fingerprint, out, f"redis value {ck}", self.piece)
+        sink = _ChunkSink(key, self.ctx.fingerprint, out, f"redis value {ck}", self.piece, self.sealer)
         manifest: list[bytes | None] = [None]
 
         def read(conn: RespConnection, asking: bool) -> None:
             nonlocal sink
             if sink.used:  # a second try (redirected, or a dead pooled connection) starts over
-                sink = _ChunkSink(key, self.ctx.fingerprint, out, sink.where, self.piece)
+                sink = _ChunkSink(key, self.ctx.fingerprint, out, sink.where, self.piece, self.sealer)
             sink.used = True
             ask = [("ASKING",)] if asking else []
             conn.get_into([ck], sink, deadline, prefix=ask, ready=sink.prepare)
@@ -374,7 +377,10 @@ class RedisTier(_Topology, Tier):
         def encode() -> tuple[bytes, object]:
             """(header, payload), computed once (the CRC pass) while the server answers the EXISTS."""
             if not encoded:
-                encoded.extend(codec.encode(chunk, key, self.ctx.fingerprint, extra, created=time.time()))
+                if self.sealer is not None:  # AES-GCM instead of the CRC: one pass, into a new buffer
+                    encoded.extend(self.sealer.seal(chunk, key, extra, created=time.time()))
+                else:
+                    encoded.extend(codec.encode(chunk, key, self.ctx.fingerprint, extra, created=time.time()))
             return encoded[0], encoded[1]
 
         ck = _chunk_key(key)
