@@ -72,6 +72,11 @@ def main(argv=None) -> int:
         help="warm cpu runs per prompt (prefix cache reset before each: a full load every time)",
     )
     ap.add_argument("--model", choices=("llama", "qwen3-next"), default="llama")
+    ap.add_argument(
+        "--sealed",
+        action="store_true",
+        help="also a sealed disk tier (AES-256-GCM, tiers' encryption option): cold and warm, against in the clear",
+    )
     ap.add_argument("--out", default=None, help="results path without suffix (default: results/ttft[_hybrid]_cpu)")
     args = ap.parse_args(argv)
     hybrid = args.model == "qwen3-next"
@@ -170,6 +175,19 @@ def main(argv=None) -> int:
             for ids in prompts:
                 record(f"kvx warm disk{tag(mode)}", H.generate(llm, ids, 4))
             H.shutdown(llm)
+        if args.sealed:  # the same store sealed: cold (CPU tier + sealed disk), then warm from it, fresh
+            secret = os.path.join(tmp, "secret.key")
+            with open(secret, "w") as f:
+                f.write(os.urandom(32).hex())
+            sealed = {"type": "disk", "path": os.path.join(tmp, "sealed"), "encryption": {"key_file": secret}}
+            llm = kvx_engine("thread", [{"type": "cpu", "size": "4GiB"}, sealed])
+            for ids in prompts:
+                record("kvx cold, sealed disk", H.generate(llm, ids, 4))
+            H.shutdown(llm)
+            llm = kvx_engine("thread", [sealed])
+            for ids in prompts:
+                record("kvx warm disk, sealed", H.generate(llm, ids, 4))
+            H.shutdown(llm)
         for mode in modes if not hybrid else ():
             llm = kvx_engine(mode, [{"type": "cpu", "size": "4GiB"}], save_layerwise=False)
             for ids in prompts:
@@ -216,6 +234,11 @@ def main(argv=None) -> int:
             ("kvx warm disk / vllm prefix hit", med["kvx warm disk"] / med["vllm prefix hit"], ""),
             ("kvx warm cpu / vllm cold", med["kvx warm cpu"] / med["vllm cold"], ""),
             ("kvx warm disk / vllm cold", med["kvx warm disk"] / med["vllm cold"], ""),
+        ]
+    if "kvx warm disk, sealed" in med:
+        ratios += [
+            ("kvx warm disk, sealed / kvx warm disk", med["kvx warm disk, sealed"] / med["kvx warm disk"], ""),
+            ("kvx cold, sealed disk / kvx cold", med["kvx cold, sealed disk"] / med["kvx cold"], ""),
         ]
     if "kvx warm redis" in med:
         ratios += [
@@ -266,7 +289,7 @@ def main(argv=None) -> int:
         f"Reproduce: `python benchmarks/bench_ttft.py --prompts {args.prompts} --tokens {args.tokens} "
         f"--hidden {args.hidden} --layers {args.layers} --dtype {args.dtype} --copy-queues {args.copy_queues} "
         f"--warm-repeats {args.warm_repeats}{' --no-redis' if args.no_redis and not hybrid else ''}"
-        f"{' --model ' + args.model if hybrid else ''}`",
+        f"{' --model ' + args.model if hybrid else ''}{' --sealed' if args.sealed else ''}`",
         "",
         "| case | median TTFT (s) | min (s) | cached tokens | same 4 greedy tokens as vllm cold | as vllm prefix hit |",
         "|---|---:|---:|---:|---:|---:|",
