@@ -430,7 +430,7 @@ class DiskTier(Tier):
 
     @classmethod
     def check_config(cls, config: DiskTierConfig, where: str, writes: bool) -> list[str]:
-        return check_path(config, where, writes) + check_encryption(config.encryption, where)
+        return check_path(config, where, writes) + check_encryption(getattr(config, "encryption", None), where)
 
     def capacity(self) -> int | None:
         return self.capacity_bytes

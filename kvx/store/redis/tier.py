@@ -172,7 +172,7 @@ class RedisTier(_Topology, Tier):
         config problem: the tier opens anyway and retries)."""
         from redis.connection import parse_url
 
-        problems = check_encryption(config.encryption, where)
+        problems = check_encryption(getattr(config, "encryption", None), where)
         if urlsplit(config.url).scheme != "rediss":
             return problems
         params = parse_url(config.url)
