@@ -177,3 +177,27 @@ def test_the_state_layout_is_in_the_fingerprint(tiny_model):
     assert fp(((2, 64), (4, 16, 16)), (torch.bfloat16, torch.float32)) != base  # conv width
     assert fp(((3, 64), (4, 16, 32)), (torch.bfloat16, torch.float32)) != base  # state shape
     assert fp(((3, 64), (4, 16, 16)), (torch.bfloat16, torch.bfloat16)) != base  # state dtype
+
+
+def test_state_pages_must_alias_the_attention_pages():
+    """kvx copies a state group's blocks through the attention layers' pages: vLLM's layout (a state layer's raw
+    page view at the same bytes as an attention layer's page) passes; a state tensor elsewhere, or with another
+    block stride, is named."""
+    import torch
+
+    from kvx.connector.connector import state_pages_alias_attention
+
+    page, blocks = 4096, 8
+    raw = torch.zeros(2 * blocks * page, dtype=torch.int8)
+    attn = {
+        f"attn{i}": raw[i * blocks * page : (i + 1) * blocks * page].view(torch.bfloat16).view(blocks, 2, 1024)
+        for i in range(2)
+    }
+    state = {
+        f"gdn{i}": raw[i * blocks * page :].as_strided((blocks, 1, 1, 3000), (page, 3000, 3000, 1)) for i in range(2)
+    }
+    assert state_pages_alias_attention({**attn, **state}, set(state), page) is None
+    elsewhere = {"gdn0": torch.zeros(blocks * page, dtype=torch.int8).as_strided((blocks, 3000), (page, 1))}
+    assert "aliases no attention layer" in state_pages_alias_attention({**attn, **elsewhere}, {"gdn0"}, page)
+    strided = {"gdn0": raw.as_strided((blocks, 3000), (2 * page, 1))}
+    assert "block stride of 8192 bytes" in state_pages_alias_attention({**attn, **strided}, {"gdn0"}, page)
