@@ -134,8 +134,6 @@ def _state_reason(spec) -> str | None:
         )
     if int(getattr(spec, "num_speculative_blocks", 0) or 0):
         return "a Mamba / linear-attention group with speculative state blocks (speculative decoding)"
-    if int(getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0):
-        return "a Mamba / linear-attention group with prefill checkpoint blocks"
     return None
 
 
@@ -176,6 +174,14 @@ def hma_unsupported_reason(kv_cache_config) -> str | None:
     if len(shape) != 1:
         return f"KV cache groups with different block/head shapes {sorted(map(str, shape))}"
     (block, *_, page) = next(iter(shape))
+    hash_block = getattr(kv_cache_config, "hash_block_size", None)
+    if any(group_kind(s) == STATE for s in specs) and hash_block not in (None, block):
+        # vLLM then keeps (prefill checkpoint) states at sub-block positions: a block would not hold the state at
+        # its end
+        return (
+            f"a Mamba / linear-attention group with prefix hashes of {hash_block} tokens inside {block}-token blocks "
+            "(prefix_match_unit): kvx stores recurrent state at block ends only"
+        )
     for s in specs:
         if group_kind(s) == STATE and (int(s.block_size), int(s.page_size_bytes)) != (block, page):
             return (

