@@ -18,7 +18,9 @@ The fields are the ones vLLM's ``OffloadingConnector`` fills for its tiers (its 
   e.g. Redis) relative to the publishing engine (vLLM's ``Locality``); from the tier class's
   ``event_medium`` / ``event_locality``;
 * ``ownership``: the tier's name (``"cpu"``, ``"disk"``, ``"redis"``), so two tiers of one medium are told
-  apart;
+  apart. (vLLM's offloading connector leaves ``locality`` and ``ownership`` ``None`` on its primary CPU tier,
+  sets ``ownership`` only on its ``kvcr`` tier and a file tier's ``locality`` only where configured: kvx always
+  sets both, in the same vocabulary);
 * ``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``: the KV cache group, its spec's kind
   (``get_kv_cache_spec_kind(spec).value``, e.g. ``"full_attention"``) and window, as vLLM's offloading
   connector sets them from ``kv_cache_config`` (:meth:`KVEvents.set_groups`). A kvx chunk holds every group's
