@@ -42,6 +42,7 @@ from .common import (
     worker_shard,
 )
 from .config import ConfigError, KVXConfig, check_paths
+from .events import event_groups
 from .metadata import KVXMetadata
 from .scheduler import KVXScheduler
 from .stats import KVXStats, build_prom_metrics
@@ -149,6 +150,7 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
                     getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False)
                 ),
             )
+            self._scheduler.events.set_groups(event_groups(kv_cache_config))
         else:
             shard, shards, writes = worker_shard(vllm_config, geom.use_mla)
             # a kv_producer's chunks are the hand-off its consumer waits for (pd_wait_ms): written at normal

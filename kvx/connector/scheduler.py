@@ -52,7 +52,7 @@ from ..store.stack import TierStack
 from .common import _NULL_BLOCK, EngineGeometry, chunk_bytes, num_cpu_slots
 from .config import KVXConfig
 from .costs import HitCosts
-from .events import KVEvents
+from .events import CPU_PLACE, KVEvents
 from .keys import MMItem, chunk_keys, rank_key, request_root, state_key
 from .ledger import ChunkLedger
 from .metadata import ChunkLoad, KVXMetadata, KVXWorkerMetadata, LoadSpec
@@ -176,7 +176,9 @@ class KVXScheduler:
         self.tiers = {t.type: tier_class(t.type).open(t, ctx) for t in config.byte_tiers}
         self.stack = TierStack(list(self.tiers.values()), self._shard_keys)
         self.events = KVEvents(
-            kv_events, geom.block_size, {"cpu": "CPU", **{n: type(t).event_medium for n, t in self.tiers.items()}}
+            kv_events,
+            geom.block_size,
+            {"cpu": CPU_PLACE, **{n: (type(t).event_medium, type(t).event_locality) for n, t in self.tiers.items()}},
         )
         for source in ([self.cpu] if self.cpu is not None else []) + list(self.tiers.values()):
             source.subscribe(self.events.observe)

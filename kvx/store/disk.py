@@ -346,7 +346,8 @@ class DiskTier(Tier):
     type = "disk"
     config_model = DiskTierConfig
     hit_source = "disk"
-    event_medium = "DISK"
+    event_medium = "STORAGE"
+    event_locality = "LOCAL"
     local_lookup = True
 
     def __init__(

@@ -160,15 +160,18 @@ class Tier(ABC):
     """A store of encoded chunks below the CPU pool (disk, Redis, ...).
 
     Subclasses set ``type`` (the config's ``"type"``), ``config_model`` (a :class:`TierConfig`) and
-    ``hit_source`` (how vLLM's metrics name hits from it: a ``CacheHitSource`` value), ``event_medium``
-    (the ``medium`` of its KV cache events), and implement :meth:`open` and the operations below. Errors are
-    the ones of :mod:`kvx.store.errors`.
+    ``hit_source`` (how vLLM's metrics name hits from it: a ``CacheHitSource`` value), ``event_medium`` and
+    ``event_locality`` (the ``medium`` and ``locality`` of its KV cache events, in vLLM's terms), and implement
+    :meth:`open` and the operations below. Errors are the ones of :mod:`kvx.store.errors`.
     """
 
     type: ClassVar[str]
     config_model: ClassVar[type[TierConfig]]
     hit_source: ClassVar[str] = "external_unspecified"
-    event_medium: ClassVar[str] = "REMOTE"  # KV events: "DISK" for a local file system, "REMOTE" if shared
+    # KV events, as vLLM's offloading connector names its tiers: medium "CPU" or "STORAGE", locality "LOCAL" (this
+    # machine's) or "REMOTE" (shared between instances)
+    event_medium: ClassVar[str] = "STORAGE"
+    event_locality: ClassVar[str] = "REMOTE"
     # contains_many answers from local state (a file system stat), cheaply enough for the scheduler to
     # ask before planning each save
     local_lookup: ClassVar[bool] = False

