@@ -100,6 +100,7 @@ def test_hybrid_gdn_model_cold_warm_fresh_engine_and_damaged_state(qwen3_next, r
         H.shutdown(llm)
 
 
+@pytest.mark.once
 def test_hybrid_prefill_decode_hand_off_carries_the_state(qwen3_next, reference, tmp_path):
     """A kv_producer engine computes the prompt (max_tokens=1) and returns the chunks it stored; a kv_consumer
     engine on the same disk store, given them, loads the attention chunks and the state at their end."""
@@ -170,6 +171,7 @@ def test_hybrid_tp2_cold_then_fresh_engine_from_disk(qwen3_next, tmp_path, monke
         H.shutdown(llm)
 
 
+@pytest.mark.once
 def test_mamba2_hybrid_nemotron_h_cold_and_warm(tmp_path):
     """A Mamba2 hybrid (tiny random NemotronH: Mamba2, attention and MLP layers; two Mamba2 state groups): vLLM
     picks blocks of 384 tokens; kvx's warm hit from its CPU tier after ``reset_prefix_cache`` gives vLLM's own
