@@ -770,6 +770,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the test model and a few requests (a smoke run)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {', '.join(CONFIGS)}")
+    ap.add_argument("--turns", type=int, default=None, help="turns per conversation (default 4; quick 2)")
+    ap.add_argument("--questions", type=int, default=None, help="questions per document (default 4; quick 2)")
     ap.add_argument("--admit-after", type=int, default=2, help="kvx-cpu-admit's admit_after (default 2)")
     ap.add_argument("--rate", type=float, default=None, help="requests/s of the reuse workload (default 3; quick 4)")
     ap.add_argument("--no-reuse-rate", type=float, default=None, help="requests/s of the no-reuse runs (default 4)")
@@ -787,6 +789,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     spec = QUICK if args.quick else Spec()
+    if args.turns is not None or args.questions is not None:
+        spec = dataclasses.replace(
+            spec,
+            turns=args.turns if args.turns is not None else spec.turns,
+            questions=args.questions if args.questions is not None else spec.questions,
+        )
     rate = args.rate or (4.0 if args.quick else 3.0)
     nr_rate = args.no_reuse_rate or (8.0 if args.quick else 4.0)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
