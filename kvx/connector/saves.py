@@ -281,25 +281,13 @@ class SavePipeline:
         w = self.w
         keep = []
         for rec in self._saves:
-            s = rec.save
-            # the writes first: a write ends after the chunk's gathers ran, so a save whose writes all ended here
-            # has its copies done below, and releases its staging buffer in the poll that reports its writes (the
-            # scheduler's backlog counts the buffer until then)
-            if block and not rec.slot_reported:
-                for job in rec.jobs:
-                    wait_quietly(job.wait)
+            self._poll_copies(rec, block)
             self._poll_writes(rec, block)
             if not rec.slot_reported:
-                if rec.copies_done():
-                    rec.slot_reported = True
-                    err = rec.copy_error()
-                    if err is not None:
-                        w.throttle.error(failure_cause("save", err), "kvx: saving chunk %s failed: %s", s.key, str(err))
-                        w.stats["save_errors"] += 1
-                    if s.slot_xfer is not None:
-                        w.out.report(s.slot_xfer, FAILED if err is not None else OK)
-                        if err is None and rec.dest is not None:
-                            w.stats["cpu_write_bytes"] += rec.dest.nbytes
+                # a write ends after the chunk's gathers ran: a save whose writes all ended in this poll reports its
+                # copies in it too, and releases its staging buffer in the poll that reports its writes (the
+                # scheduler's backlog counts the buffer until then)
+                self._poll_copies(rec, False)
             if not rec.slot_reported or rec.writes:
                 keep.append(rec)
                 continue
@@ -307,6 +295,25 @@ class SavePipeline:
             if rec.staging is not None:
                 self.staging.release(rec.staging)
         self._saves = keep
+
+    def _poll_copies(self, rec: _Save, block: bool) -> None:
+        """Report the CPU slot write of ``rec`` if its gathers ran (``block``: wait for them)."""
+        w, s = self.w, rec.save
+        if rec.slot_reported:
+            return
+        if block:
+            for job in rec.jobs:
+                wait_quietly(job.wait)
+        if rec.copies_done():
+            rec.slot_reported = True
+            err = rec.copy_error()
+            if err is not None:
+                w.throttle.error(failure_cause("save", err), "kvx: saving chunk %s failed: %s", s.key, str(err))
+                w.stats["save_errors"] += 1
+            if s.slot_xfer is not None:
+                w.out.report(s.slot_xfer, FAILED if err is not None else OK)
+                if err is None and rec.dest is not None:
+                    w.stats["cpu_write_bytes"] += rec.dest.nbytes
 
     def _poll_writes(self, rec: _Save, block: bool) -> None:
         """Report the tier writes of ``rec`` that ended (``block``: wait for them)."""
