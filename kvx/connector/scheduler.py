@@ -97,6 +97,7 @@ class RequestTracker:
     local_hit: int | None = None  # vLLM's own prefix hit at the last lookup (None: not looked up)
     counted: bool = False  # hit/miss tokens counted (once per request)
     sighted: bool = False  # admit_after > 1: its prompt's chunks counted as seen (once per request)
+    not_admitted: int | None = None  # admit_after > 1: its first full chunk admission skipped (not stored)
     keys: list[str] = field(default_factory=list)  # keys of full chunks hashed so far
     saved_chunks: int = 0  # full chunks handled by the save planner
     state_chunks: int = 0  # hybrid models: the full chunks up to the last one whose state object was planned
@@ -650,6 +651,8 @@ class KVXScheduler:
             return False
         if self.admission is not None and not self.admission.admitted(key):
             self.stats["saves_skipped_admission"] += 1  # not seen often enough yet: neither it nor its state
+            if chunk is not None:
+                t.not_admitted = chunk if t.not_admitted is None else min(t.not_admitted, chunk)
             return True
         if chunk is not None and self.state_groups:
             self._plan_state(t, chunk, key, tables, b1, deps, meta)
@@ -767,6 +770,8 @@ class KVXScheduler:
         ):
             # a hybrid model's consumer can load up to the last chunk whose state is stored
             n = min(t.saved_chunks, t.state_chunks) if self.state_groups else t.saved_chunks
+            if t.not_admitted is not None:  # announce only the chunks it stores
+                n = min(n, t.not_admitted)
             if n > 0:
                 return False, {"kvx_pd_chunks": n, "kvx_pd_key": t.keys[n - 1]}
         return False, None

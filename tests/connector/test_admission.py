@@ -86,3 +86,18 @@ def test_the_tracker_is_a_bounded_lru():
     for _ in range(1000):
         a.sight([f"{i:032x}" for i in range(100, 110)])
     assert len(a) == 3
+
+
+def test_a_producer_announces_only_the_chunks_it_admitted(make_env, store_dir):
+    """P/D: a kv_producer's kvx_pd_chunks stops before the first chunk admission skipped (a consumer would wait
+    for it in vain)."""
+    prod = make_env({**tiers(store_dir, cpu=None), "admit_after": 2}, role="kv_producer")
+    system = prompt(2 * CHUNK, seed=17)
+    prod.request("a", system + prompt(300, seed=18), max_tokens=1)
+    prod.run(settle_writes=True)
+    assert prod.kv_params["a"] is None  # nothing admitted: nothing announced
+    prod.request("b", system + prompt(300, seed=19), max_tokens=1)
+    prod.run(settle_writes=True)
+    params = prod.kv_params["b"]
+    assert params["kvx_pd_chunks"] == 2  # the system prompt's chunks; not b's own third one
+    assert sum(1 for _ in prod.conn._scheduler.tiers["disk"].scan()) == 2
