@@ -184,12 +184,12 @@ class KVXScheduler:
         for source in ([self.cpu] if self.cpu is not None else []) + list(self.tiers.values()):
             source.subscribe(self.events.observe)
         self.trackers: dict[str, RequestTracker] = {}
-        self._chunk_bytes = chunk_bytes(config, geom)
-        if config.max_write_backlog < self._chunk_bytes:
+        slot_bytes = chunk_bytes(config, geom)
+        if config.max_write_backlog < slot_bytes:
             log.warning(
                 "kvx: max_write_backlog=%d is less than one chunk (%d bytes); using one chunk",
                 config.max_write_backlog,
-                self._chunk_bytes,
+                slot_bytes,
             )
         self.ledger = ChunkLedger(
             self.cpu,
@@ -199,7 +199,7 @@ class KVXScheduler:
             writes=producer,
             backlog=write_backlog(config, geom),
             object_bytes=lambda tokens, state: object_bytes(geom, tokens, state),
-            slot_bytes=self._chunk_bytes,
+            slot_bytes=slot_bytes,
         )
         self.admission = Admission(config.admit_after, config.admission_capacity) if config.admit_after > 1 else None
         self._new_loads: list[LoadSpec] = []
@@ -208,6 +208,7 @@ class KVXScheduler:
         self._pending_reported = 0
         self.stats = Counter()
         self.costs = HitCosts(config.io_threads) if config.decline_slow_hits and self.stack else None
+        self._chunk_bytes = chunk_bytes(config, geom)
 
     # ------------------------------------------------------------------ helpers
     def _tracker(self, request) -> RequestTracker:
