@@ -8,6 +8,10 @@ Configurations, each a fresh server of the same model and engine settings:
   kvx-disk    KVXConnector, disk tier only; the page cache is dropped before the warm phase
               (``sync; echo 3 > /proc/sys/vm/drop_caches``, else posix_fadvise(DONTNEED) on the store's files)
   example     vLLM's ExampleConnector (``shared_storage_path``), page cache dropped the same way
+  kvx-cpu-admit  kvx-cpu with admission (``admit_after``: ``--admit-after``, default 2; not run unless named
+              in ``--configs``): a chunk is stored once that many requests covered it. It runs beside ``vllm`` and
+              ``kvx-cpu`` (the no-reuse runs alternate among the three); the tables give the bytes kvx wrote
+              into its CPU tier and the saves admission skipped
 
 Workload (seeded, the same requests for every configuration):
 
@@ -53,7 +57,9 @@ import sys
 import tempfile
 import time
 
-CONFIGS = ("vllm", "kvx-cpu", "kvx-disk", "example")
+CONFIGS = ("vllm", "kvx-cpu", "kvx-disk", "example", "kvx-cpu-admit")
+DEFAULT_CONFIGS = CONFIGS[:4]
+STAGE1 = ("vllm", "kvx-cpu", "kvx-cpu-admit")  # up together; the no-reuse runs alternate among them
 # vLLM's CPU worker keeps cores for its other processes (the scheduler process polls): 1 on x86, 1 more when a
 # KV connector is configured (meant for NIXL). On 2 cores that second one leaves none reserved, and the model's
 # OpenMP threads then share both cores with the scheduler and API server processes: the no-connector server
@@ -82,6 +88,9 @@ CSV_FIELDS = [
     "connector_hit_tokens",
     "kvx_hit_cpu_tokens",
     "kvx_hit_disk_tokens",
+    "kvx_cpu_write_bytes",
+    "kvx_saves",
+    "kvx_saves_skipped_admission",
     "outputs_as_vllm",
     "page_cache",
     "error",
@@ -293,6 +302,9 @@ class Phase:
             "connector_hit_tokens": int(m.get("vllm:external_prefix_cache_hits_total", 0)),
             "kvx_hit_cpu_tokens": int(m.get("vllm:kvx_hit_tokens_cpu_total", 0)),
             "kvx_hit_disk_tokens": int(m.get("vllm:kvx_hit_tokens_disk_total", 0)),
+            "kvx_cpu_write_bytes": int(m.get("vllm:kvx_cpu_write_bytes_total", 0)),
+            "kvx_saves": int(m.get("vllm:kvx_saves_total", 0)),
+            "kvx_saves_skipped_admission": int(m.get("vllm:kvx_saves_skipped_admission_total", 0)),
             "outputs_as_vllm": self.outputs_as_vllm,
             "page_cache": self.page_cache,
             "error": self.error,
@@ -430,7 +442,8 @@ def write_results(
         f"tokens, working set {info.get('working_set_tokens', '?')} distinct tokens against vLLM's "
         f"{spec.kv_cache_bytes // _kv_bytes_per_token(spec)}). Poisson arrivals at "
         f"{info.get('rate', '?')} requests/s. No-reuse: {info.get('no_reuse_runs', '?')} runs per server "
-        f"(alternating vllm / kvx-cpu) of {spec.unique_prompts} prompts of {spec.unique_tokens[0]}-"
+        f"(alternating among vllm, kvx-cpu and kvx-cpu-admit, those run) of {spec.unique_prompts} prompts of "
+        f"{spec.unique_tokens[0]}-"
         f"{spec.unique_tokens[1]} random tokens at {info.get('no_reuse_rate', '?')} requests/s "
         "(above what either server sustains: throughput = capacity); run i sends both servers the same "
         "prompts at the same arrival times (each server sees them once).",
@@ -451,8 +464,9 @@ def write_results(
         "## Results",
         "",
         "| workload | config | phase | requests | offered req/s | req/s | TTFT p50 (s) | p90 | p99 | hit rate | "
-        "vLLM prefix hits | connector hits | kvx cpu / disk | outputs = vllm | page cache |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
+        "vLLM prefix hits | connector hits | kvx cpu / disk | kvx CPU writes (MiB) | kvx saves (skipped: "
+        "admission) | outputs = vllm | page cache |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|---|",
     ]
     for r in rows:
         failed = " (FAILED)" if r.get("error") else ""
@@ -462,6 +476,7 @@ def write_results(
             f"{_fmt(r['ttft_p90_s'])} | "
             f"{_fmt(r['ttft_p99_s'])} | {_fmt(r['hit_rate'], 2)} | {r['vllm_prefix_hit_tokens']} | "
             f"{r['connector_hit_tokens']} | {r['kvx_hit_cpu_tokens']} / {r['kvx_hit_disk_tokens']} | "
+            f"{r['kvx_cpu_write_bytes'] / 2**20:.1f} | {r['kvx_saves']} ({r['kvx_saves_skipped_admission']}) | "
             f"{r['outputs_as_vllm']} | {r['page_cache']} |"
         )
     rs = ratios(rows)
@@ -597,7 +612,7 @@ def drop_page_cache(paths: list[str], try_drop_caches: bool = True) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ running
-def server_args(spec: Spec, config: str, store: str) -> list[str]:
+def server_args(spec: Spec, config: str, store: str, admit_after: int = 2) -> list[str]:
     from kvx.testing.vllm_server import kv_transfer_args, kvx_config, tiny_model_args
 
     args = [
@@ -607,10 +622,11 @@ def server_args(spec: Spec, config: str, store: str) -> list[str]:
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
     ]
-    if config == "kvx-cpu":
-        args += kv_transfer_args(
-            kvx_config({"chunk_size": spec.chunk_size, "tiers": [{"type": "cpu", "size": spec.cpu_tier}]})
-        )
+    if config in ("kvx-cpu", "kvx-cpu-admit"):
+        extra = {"chunk_size": spec.chunk_size, "tiers": [{"type": "cpu", "size": spec.cpu_tier}]}
+        if config == "kvx-cpu-admit":
+            extra["admit_after"] = admit_after
+        args += kv_transfer_args(kvx_config(extra))
     elif config == "kvx-disk":
         args += kv_transfer_args(
             kvx_config({"chunk_size": spec.chunk_size, "tiers": [{"type": "disk", "path": store}]})
@@ -696,6 +712,9 @@ _COUNTERS = (
     "vllm:kvx_hit_tokens_cpu_total",
     "vllm:kvx_hit_tokens_disk_total",
     "vllm:prompt_tokens_total",
+    "vllm:kvx_cpu_write_bytes_total",
+    "vllm:kvx_saves_total",
+    "vllm:kvx_saves_skipped_admission_total",
 )
 
 
@@ -750,7 +769,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the test model and a few requests (a smoke run)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {', '.join(CONFIGS)}")
+    ap.add_argument("--turns", type=int, default=None, help="turns per conversation (default 4; quick 2)")
+    ap.add_argument("--questions", type=int, default=None, help="questions per document (default 4; quick 2)")
+    ap.add_argument("--admit-after", type=int, default=2, help="kvx-cpu-admit's admit_after (default 2)")
     ap.add_argument("--rate", type=float, default=None, help="requests/s of the reuse workload (default 3; quick 4)")
     ap.add_argument("--no-reuse-rate", type=float, default=None, help="requests/s of the no-reuse runs (default 4)")
     ap.add_argument("--no-reuse-runs", type=int, default=4, help="runs per server (alternating vllm / kvx-cpu)")
@@ -767,6 +789,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     spec = QUICK if args.quick else Spec()
+    if args.turns is not None or args.questions is not None:
+        spec = dataclasses.replace(
+            spec,
+            turns=args.turns if args.turns is not None else spec.turns,
+            questions=args.questions if args.questions is not None else spec.questions,
+        )
     rate = args.rate or (4.0 if args.quick else 3.0)
     nr_rate = args.no_reuse_rate or (8.0 if args.quick else 4.0)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -804,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
         log_path = os.path.join(logs, f"{config}.log")
         return VllmServer(
             model,
-            server_args(spec, config, store),
+            server_args(spec, config, store, args.admit_after),
             log_path=log_path,
             wait=False,
             timeout_s=args.timeout,
@@ -830,12 +858,12 @@ def main(argv: list[str] | None = None) -> int:
     started: list = []
     try:
         # stage 1: vllm and kvx-cpu up together (the no-reuse runs alternate between them)
-        pair = [c for c in ("vllm", "kvx-cpu") if c in configs]
+        pair = [c for c in STAGE1 if c in configs]
         servers = {c: start(c) for c in pair}
         started += servers.values()
         for s in servers.values():
             s.wait_healthy()
-        if len(pair) == 2 and args.no_reuse_runs > 0:
+        if len(pair) >= 2 and args.no_reuse_runs > 0:
             print("no-reuse workload")
             runs: dict[str, list[Phase]] = {c: [] for c in pair}
             for i in range(args.no_reuse_runs):
@@ -899,6 +927,14 @@ def main(argv: list[str] | None = None) -> int:
             "block-aligned tokens are exactly those (here: a question shorter than a block after a stored "
             "document), never on a shorter shared prefix such as the system prompt or earlier turns."
         )
+    if "kvx-cpu-admit" in configs:
+        notes.append(
+            f"kvx-cpu-admit: kvx-cpu with `admit_after={args.admit_after}` (a chunk is stored once "
+            f"{args.admit_after} requests' prompts covered it). `kvx CPU writes`: bytes kvx wrote into its CPU "
+            "tier over the phase (`vllm:kvx_cpu_write_bytes_total`); `kvx saves`: chunk saves planned "
+            "(`vllm:kvx_saves_total`), and in parentheses those admission skipped "
+            "(`vllm:kvx_saves_skipped_admission_total`)."
+        )
     notes.append(
         "Every server runs with " + ", ".join(f"`{k}={v}`" for k, v in server_env.items()) + ". vLLM's CPU "
         "worker reserves cores for its scheduler and API processes: 1 on x86, plus 1 when a KV connector "
@@ -916,6 +952,7 @@ def main(argv: list[str] | None = None) -> int:
         "rate": rate,
         "no_reuse_rate": nr_rate,
         "no_reuse_runs": args.no_reuse_runs,
+        "admit_after": args.admit_after if "kvx-cpu-admit" in configs else None,
         "max_tokens": args.max_tokens,
         "first_requests": len(work["first"]),
         "warm_requests": len(work["warm"]),

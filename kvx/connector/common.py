@@ -320,6 +320,18 @@ def chunk_bytes(config: KVXConfig, geom: EngineGeometry) -> int:
     return rows * geom.num_layers * geom.page_bytes
 
 
+def object_bytes(geom: EngineGeometry, tokens: int, state: bool = False) -> int:
+    """One stored object's bytes on one worker: a chunk of ``tokens`` tokens (whole blocks of every attention
+    group), or with ``state`` a state object."""
+    rows = len(geom.state_groups) if state else len(geom.attn_groups) * -(-tokens // geom.block_size)
+    return rows * geom.num_layers * geom.page_bytes
+
+
+def write_backlog(config: KVXConfig, geom: EngineGeometry) -> int:
+    """``max_write_backlog``, at least one chunk (a CPU slot's bytes: a staged save counts one whole)."""
+    return max(config.max_write_backlog, chunk_bytes(config, geom))
+
+
 def num_cpu_slots(config: KVXConfig, geom: EngineGeometry) -> int:
     """CPU tier slots; the same number on the scheduler and on every worker."""
     tier = config.cpu_tier

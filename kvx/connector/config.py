@@ -105,6 +105,24 @@ class KVXConfig(StrictConfig):
         "recomputing the tokens (kvx.connector.costs)",
     )
     max_ctas: int = Field(default=8, ge=0, description="CUDA thread-block cap for copies (0 = no cap)")
+    max_write_backlog: int = Field(
+        default=2**30,
+        ge=1,
+        description="bytes of chunks queued for writes to one byte tier (per worker), e.g. '256MiB': a save "
+        "that would exceed it skips that tier (saves_dropped_backpressure), never waits; at least one chunk",
+    )
+    admit_after: int = Field(
+        default=1,
+        ge=1,
+        description="store a chunk only once this many requests' prompts covered it (1: always store)",
+    )
+    admission_capacity: int = Field(
+        default=1 << 18,
+        ge=1,
+        description="admit_after > 1: chunks whose sightings are remembered (least recently seen forgotten)",
+    )
+
+    _backlog = field_validator("max_write_backlog", mode="before")(parse_size)
 
     @field_validator("tiers", mode="before")
     @classmethod

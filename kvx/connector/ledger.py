@@ -15,6 +15,13 @@ ends when every worker reported it (:meth:`ChunkLedger.settle`). Three kinds:
   transfer holds until it ends. At most one per (tier, chunk) at a time.
 - ``load``: a request's load; the CPU slots it reads stay pinned until every worker finished it.
 
+A bounded write backlog (``max_write_backlog``): each tier write counts the bytes it queues on a worker (the
+object's bytes; a whole CPU slot's when it is gathered into a worker's staging buffer, which it occupies) until it
+ends; a tier write that would take a tier's bytes in flight past the bound is not planned (the chunk is not
+written to that tier; counted in :attr:`ChunkLedger.dropped`). A stalled tier therefore holds at most the bound,
+and a worker never has more staged saves in flight than its staging pool can hold (see
+:class:`~.saves.SavePipeline`).
+
 The request-level decisions (which chunks, save cursors, P/D waits, validity) stay in
 :class:`~.scheduler.KVXScheduler`; the CPU tier's index (:class:`kvx.store.CPUIndex`) is the slots' allocator,
 and :class:`kvx.store.stack.TierStack` answers queries only. Life of one saved chunk::
@@ -27,7 +34,8 @@ and :class:`kvx.store.stack.TierStack` answers queries only. Life of one saved c
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..log import get_logger
@@ -53,6 +61,7 @@ class Transfer:
     kind: Kind
     key: str  # the chunk's key; LOAD: the request id
     tier: str = "cpu"  # TIER: the tier written
+    nbytes: int = 0  # TIER: the bytes it queues on a worker (counted against the tier's backlog until it ends)
     holds: bool = False  # TIER: reads the chunk's CPU slot, held until the write ends
     pins: list[str] = field(default_factory=list)  # LOAD: CPU chunks pinned for it
     through: tuple[int, list[str], bool] | None = None  # SLOT: (tokens, tiers, state) to write through once committed
@@ -81,7 +90,17 @@ def _first_chunk(a: int | None, b: int | None) -> int | None:
 class ChunkLedger:
     """The transfers in flight (see the module docstring). Scheduler thread only."""
 
-    def __init__(self, cpu: CPUIndex | None, stack: TierStack, num_workers: int, events: KVEvents, writes: bool):
+    def __init__(
+        self,
+        cpu: CPUIndex | None,
+        stack: TierStack,
+        num_workers: int,
+        events: KVEvents,
+        writes: bool,
+        backlog: int | None = None,
+        object_bytes: Callable[[int, bool], int] = lambda tokens, state: 0,
+        slot_bytes: int = 0,
+    ):
         self.cpu = cpu
         self.writes = writes  # a producer: promoted chunks are written through to the faster tiers
         self.stack = stack
@@ -92,6 +111,11 @@ class ChunkLedger:
         self._slot_writes: dict[str, int] = {}  # chunk key -> its SLOT transfer
         self._tier_writes: dict[tuple[str, str], int] = {}  # (tier, chunk key) -> its TIER transfer
         self._through: list[tuple[str, int, list[str], bool]] = []  # committed: (key, tokens, tiers, state)
+        self.backlog = backlog  # bytes per tier that its writes in flight may queue (None: no bound)
+        self.object_bytes = object_bytes  # (tokens, state) -> a stored object's bytes on one worker
+        self.slot_bytes = slot_bytes  # a staging buffer's bytes (a CPU slot's): what a staged save occupies
+        self._pending: Counter[str] = Counter()  # tier -> bytes its writes in flight queue (per worker)
+        self.dropped: Counter[str] = Counter()  # tier -> writes not planned: its backlog was full
 
     # ---------------------------------------------------------------- queries
     def idle(self) -> bool:
@@ -101,6 +125,10 @@ class ChunkLedger:
     def writes_in_flight(self) -> int:
         """CPU slot writes and tier writes in flight (the ``pending_writes`` gauge)."""
         return len(self._slot_writes) + len(self._tier_writes)
+
+    def pending_bytes(self, tier: str) -> int:
+        """Bytes the writes to ``tier`` in flight queue on a worker (at most ``backlog``)."""
+        return self._pending[tier]
 
     def open_transfers(self) -> list[Transfer]:
         return list(self._open.values())
@@ -122,14 +150,21 @@ class ChunkLedger:
             self._tier_writes[(tr.tier, key)] = tr.id
         return tr
 
-    def _write_tiers(self, key: str, tiers: Sequence[str], holds: bool) -> tuple[dict[str, int], int | None]:
-        """Open a tier write of ``key`` to each of ``tiers``; with ``holds``, each holds the chunk's CPU slot
+    def _write_tiers(
+        self, key: str, tiers: Sequence[str], holds: bool, nbytes: int
+    ) -> tuple[dict[str, int], int | None]:
+        """Open a tier write of ``key`` (``nbytes`` queued on a worker) to each of ``tiers`` whose backlog has room
+        for it (the others are counted in :attr:`dropped`); with ``holds``, each holds the chunk's CPU slot
         (returned) until it ends."""
         out, slot = {}, None
         for name in tiers:
+            if self.backlog is not None and self._pending[name] + nbytes > self.backlog:
+                self.dropped[name] += 1  # the tier is not keeping up: the chunk is not written there
+                continue
             if holds:
                 slot = self.cpu.hold(key)
-            out[name] = self._open_transfer(Kind.TIER, key, tier=name, holds=holds).id
+            self._pending[name] += nbytes
+            out[name] = self._open_transfer(Kind.TIER, key, tier=name, holds=holds, nbytes=nbytes).id
         return out, slot
 
     def plan_save(
@@ -164,7 +199,9 @@ class ChunkLedger:
             to_tiers = []
         # the tier writes read the CPU slot: the READY copy (no gather needed), or the one being gathered into
         holds = bool(to_tiers) and (in_cpu is SlotState.READY or slot is not None)
-        writes, held = self._write_tiers(key, to_tiers, holds)
+        # no CPU copy to read: a worker gathers the chunk into a staging buffer, which the writes occupy whole
+        nbytes = self.object_bytes(tokens, state) if holds else self.slot_bytes
+        writes, held = self._write_tiers(key, to_tiers, holds, nbytes)
         if slot is None and not writes:
             return None
         return ChunkSave(
@@ -213,7 +250,9 @@ class ChunkLedger:
             tiers = self.lacking(key, tiers)
             if self.cpu.state(key) is not SlotState.READY or not tiers:
                 continue
-            writes, held = self._write_tiers(key, tiers, holds=True)
+            writes, held = self._write_tiers(key, tiers, True, self.object_bytes(tokens, state))
+            if not writes:
+                continue
             saves.append(ChunkSave("", key, [], tokens, None, writes, held, state=state))
         return saves
 
@@ -241,6 +280,7 @@ class ChunkLedger:
                 self._end_slot(tr, out)
             elif tr.kind is Kind.TIER:
                 del self._tier_writes[(tr.tier, tr.key)]
+                self._pending[tr.tier] -= tr.nbytes
                 if OK in tr.outcomes and FAILED not in tr.outcomes:
                     self.events.stored(tr.tier, tr.key)  # new bytes, every rank's share in
                 if tr.holds:

@@ -6,7 +6,11 @@ rest of the forward (``save_layerwise``; otherwise, and for groups no layer repo
 queues them). A save whose KV depends on a block whose load failed on this worker (the load pipeline's verdict,
 an argument) is dropped before anything is gathered. :meth:`SavePipeline.finish_step` starts the tier writes on I/O
 threads (one per tier and chunk, so a slow tier does not hold up the others), which wait for their gathers. A save
-to the byte tiers alone gathers into a staging buffer of this pipeline's pool. Nothing waits for a gather on the
+to the byte tiers alone gathers into a staging buffer of this pipeline's pool, which grows on demand up to its
+cap: the scheduler's write backlog (``max_write_backlog``, :class:`~.ledger.ChunkLedger`) counts each such save
+as a whole buffer against every tier it writes until every worker reported it, so at most ``tiers x backlog / slot``
+are in flight, the cap; a save finding none (which the bound rules out) is dropped, never waited for: a stalled
+tier never blocks the forward. Nothing waits for a gather on the
 per-step path (CPU threads excepted: there the copies use the cores the next forward needs, so they finish in
 ``finish_step``); the worker's ``handle_preemptions`` fences the ones whose blocks the next forward writes. Each
 save's transfers (its CPU slot, each tier write) are reported once, by id, when they end (:meth:`SavePipeline.poll`).
@@ -82,29 +86,26 @@ class _Save:
 
 
 class _Staging:
-    """Pinned (on CUDA) chunk buffers for saves to the byte tiers alone. Taken on the worker thread, released
-    by the thread that polls a write's end; guarded by a condition."""
+    """Pinned (on CUDA) chunk buffers for saves to the byte tiers alone: ``buffers`` at first, more made on demand
+    (``new()``) up to ``cap``. Taken on the worker thread, released by the thread that polls a write's end;
+    guarded by a condition."""
 
-    def __init__(self, buffers: list[torch.Tensor]):
+    def __init__(self, buffers: list[torch.Tensor], new: Callable[[], torch.Tensor] | None = None, cap: int = 0):
         self.buffers = buffers
+        self._new = new
+        self.cap = max(cap, len(buffers))
         self._free = list(range(len(buffers)))
         self._cv = threading.Condition()
 
-    def has_free(self) -> bool:
-        with self._cv:
-            return bool(self._free)
-
     def take(self) -> int | None:
+        """A free buffer, made if none is free and fewer than ``cap`` exist; None: ``cap`` buffers are taken."""
         with self._cv:
-            return self._free.pop() if self._free else None
-
-    def acquire(self, poll) -> int:
-        """A buffer, waiting for one; ``poll()`` runs between waits (it ends writes, which release theirs)."""
-        with self._cv:
-            while not self._free:
-                self._cv.wait(timeout=0.05)
-                poll()
-            return self._free.pop()
+            if self._free:
+                return self._free.pop()
+            if self._new is None or len(self.buffers) >= self.cap:
+                return None
+            self.buffers.append(self._new())
+            return len(self.buffers) - 1
 
     def release(self, idx: int) -> None:
         with self._cv:
@@ -117,10 +118,10 @@ class SavePipeline:
     KV cache (layout, layer groups, :class:`kvx.engine.BlockOrder`), the CPU pool and the tiers are read from it,
     results go to its ``out`` / ``stats``."""
 
-    def __init__(self, w: KVXWorker, writer: ThreadPoolExecutor | None, staging: list[torch.Tensor]):
+    def __init__(self, w: KVXWorker, writer: ThreadPoolExecutor | None, staging: _Staging):
         self.w = w
         self.writer = writer  # tier writes: background unless a P/D producer's
-        self.staging = _Staging(staging)
+        self.staging = staging
         self._saves: list[_Save] = []  # handed to the writers, not all reported yet
         self._meta: KVXMetadata | None = None
         self._step: list[_Save] | None = None  # this step's saves, once begun
@@ -226,9 +227,15 @@ class SavePipeline:
         for rec in self._begin(verdict):
             s = rec.save
             if rec.dest is None and s.from_slot is None:
-                # every staging buffer was taken when the step began: wait for one (earlier disk writes free
-                # them; their gathers are queued) and gather all layers at once
-                self._stage(rec, self.staging.acquire(self._poll_while_staging))
+                # every staging buffer was taken when the step began: one an earlier write freed since, gathering
+                # all layers at once; none (the scheduler's backlog bound rules it out): dropped, never waited for
+                self.poll()
+                self._stage(rec, self.staging.take())
+                if rec.dest is None:
+                    for xfer in s.to_tiers.values():
+                        w.out.report(xfer, NOOP)
+                    w.stats["saves_dropped_backpressure"] += 1
+                    continue
                 rec.jobs.append(
                     w.order.save(
                         s.block_ids,
@@ -252,11 +259,6 @@ class SavePipeline:
         self._step = None
         self._gathers = None
 
-    def _poll_while_staging(self) -> None:
-        self.poll()
-        if not self.staging.has_free() and self.w.engine.mode == "deferred":
-            self.w.engine.flush()  # the writers wait for copies only this thread runs
-
     def _write_chunk(self, name: str, s: ChunkSave, src: torch.Tensor, jobs: list[Job]) -> bool:
         """One tier write, on a writer thread, once the chunk's gathers ran."""
         w = self.w
@@ -279,46 +281,13 @@ class SavePipeline:
         w = self.w
         keep = []
         for rec in self._saves:
-            s = rec.save
+            self._poll_copies(rec, block)
+            self._poll_writes(rec, block)
             if not rec.slot_reported:
-                if block:
-                    for job in rec.jobs:
-                        wait_quietly(job.wait)
-                if rec.copies_done():
-                    rec.slot_reported = True
-                    err = rec.copy_error()
-                    if err is not None:
-                        w.throttle.error(failure_cause("save", err), "kvx: saving chunk %s failed: %s", s.key, str(err))
-                        w.stats["save_errors"] += 1
-                    if s.slot_xfer is not None:
-                        w.out.report(s.slot_xfer, FAILED if err is not None else OK)
-                        if err is None and rec.dest is not None:
-                            w.stats["cpu_write_bytes"] += rec.dest.nbytes
-            for name, fut in list(rec.writes.items()):
-                if block:
-                    wait_quietly(fut.result)
-                if not fut.done():
-                    continue
-                err = fut.exception()
-                if isinstance(err, StoreFullError):  # expected under pressure: the chunk stays uncached
-                    w.throttle.warning(
-                        failure_cause(f"{name} full", err), "kvx: chunk %s not written to %s: %s", s.key, name, str(err)
-                    )
-                    w.stats[f"{name}_full"] += 1
-                elif err is not None:
-                    w.throttle.error(
-                        failure_cause(f"{name} write", err),
-                        "kvx: writing chunk %s to %s failed: %s",
-                        s.key,
-                        name,
-                        str(err),
-                    )
-                    w.stats[f"{name}_write_errors"] += 1
-                elif fut.result():
-                    w.stats[f"{name}_writes"] += 1
-                    w.stats[f"{name}_write_bytes"] += rec.dest.nbytes
-                w.out.report(s.to_tiers[name], FAILED if err is not None else OK if fut.result() else NOOP)
-                del rec.writes[name]
+                # a write ends after the chunk's gathers ran: a save whose writes all ended in this poll reports its
+                # copies in it too, and releases its staging buffer in the poll that reports its writes (the
+                # scheduler's backlog counts the buffer until then)
+                self._poll_copies(rec, False)
             if not rec.slot_reported or rec.writes:
                 keep.append(rec)
                 continue
@@ -326,6 +295,54 @@ class SavePipeline:
             if rec.staging is not None:
                 self.staging.release(rec.staging)
         self._saves = keep
+
+    def _poll_copies(self, rec: _Save, block: bool) -> None:
+        """Report the CPU slot write of ``rec`` if its gathers ran (``block``: wait for them)."""
+        w, s = self.w, rec.save
+        if rec.slot_reported:
+            return
+        if block:
+            for job in rec.jobs:
+                wait_quietly(job.wait)
+        if rec.copies_done():
+            rec.slot_reported = True
+            err = rec.copy_error()
+            if err is not None:
+                w.throttle.error(failure_cause("save", err), "kvx: saving chunk %s failed: %s", s.key, str(err))
+                w.stats["save_errors"] += 1
+            if s.slot_xfer is not None:
+                w.out.report(s.slot_xfer, FAILED if err is not None else OK)
+                if err is None and rec.dest is not None:
+                    w.stats["cpu_write_bytes"] += rec.dest.nbytes
+
+    def _poll_writes(self, rec: _Save, block: bool) -> None:
+        """Report the tier writes of ``rec`` that ended (``block``: wait for them)."""
+        w, s = self.w, rec.save
+        for name, fut in list(rec.writes.items()):
+            if block:
+                wait_quietly(fut.result)
+            if not fut.done():
+                continue
+            err = fut.exception()
+            if isinstance(err, StoreFullError):  # expected under pressure: the chunk stays uncached
+                w.throttle.warning(
+                    failure_cause(f"{name} full", err), "kvx: chunk %s not written to %s: %s", s.key, name, str(err)
+                )
+                w.stats[f"{name}_full"] += 1
+            elif err is not None:
+                w.throttle.error(
+                    failure_cause(f"{name} write", err),
+                    "kvx: writing chunk %s to %s failed: %s",
+                    s.key,
+                    name,
+                    str(err),
+                )
+                w.stats[f"{name}_write_errors"] += 1
+            elif fut.result():
+                w.stats[f"{name}_writes"] += 1
+                w.stats[f"{name}_write_bytes"] += rec.dest.nbytes
+            w.out.report(s.to_tiers[name], FAILED if err is not None else OK if fut.result() else NOOP)
+            del rec.writes[name]
 
     def close(self) -> None:
         """Every save reported (the caller flushed the copy queue first), the writers stopped."""

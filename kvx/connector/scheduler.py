@@ -49,7 +49,8 @@ from dataclasses import dataclass, field
 from ..log import get_logger
 from ..store import CPUIndex, TierContext, tier_class
 from ..store.stack import TierStack
-from .common import _NULL_BLOCK, EngineGeometry, chunk_bytes, num_cpu_slots
+from .admission import Admission
+from .common import _NULL_BLOCK, EngineGeometry, chunk_bytes, num_cpu_slots, object_bytes, write_backlog
 from .config import KVXConfig
 from .costs import HitCosts
 from .events import CPU_PLACE, KVEvents
@@ -95,6 +96,8 @@ class RequestTracker:
     pd_settled: bool = False  # consumer: done waiting (all there, timed out, or not ours)
     local_hit: int | None = None  # vLLM's own prefix hit at the last lookup (None: not looked up)
     counted: bool = False  # hit/miss tokens counted (once per request)
+    sighted: bool = False  # admit_after > 1: its prompt's chunks counted as seen (once per request)
+    not_admitted: int | None = None  # admit_after > 1: its first full chunk admission skipped (not stored)
     keys: list[str] = field(default_factory=list)  # keys of full chunks hashed so far
     saved_chunks: int = 0  # full chunks handled by the save planner
     state_chunks: int = 0  # hybrid models: the full chunks up to the last one whose state object was planned
@@ -183,7 +186,24 @@ class KVXScheduler:
         for source in ([self.cpu] if self.cpu is not None else []) + list(self.tiers.values()):
             source.subscribe(self.events.observe)
         self.trackers: dict[str, RequestTracker] = {}
-        self.ledger = ChunkLedger(self.cpu, self.stack, num_workers, self.events, writes=producer)
+        slot_bytes = chunk_bytes(config, geom)
+        if config.max_write_backlog < slot_bytes:
+            log.warning(
+                "kvx: max_write_backlog=%d is less than one chunk (%d bytes); using one chunk",
+                config.max_write_backlog,
+                slot_bytes,
+            )
+        self.ledger = ChunkLedger(
+            self.cpu,
+            self.stack,
+            num_workers,
+            self.events,
+            writes=producer,
+            backlog=write_backlog(config, geom),
+            object_bytes=lambda tokens, state: object_bytes(geom, tokens, state),
+            slot_bytes=slot_bytes,
+        )
+        self.admission = Admission(config.admit_after, config.admission_capacity) if config.admit_after > 1 else None
         self._new_loads: list[LoadSpec] = []
         self.validity = BlockValidity(self.blocks_per_chunk)
         self._freed: list[int] = []  # blocks freed since the last step (for the workers)
@@ -235,6 +255,8 @@ class KVXScheduler:
         if a tier is still looking (vLLM skips the request this step and asks again)."""
         t = self._tracker(request)
         t.plan = None
+        if self.admission is not None and not t.sighted:
+            self._sight(t)
         if not self.consumer or t.controls.skip_load:
             return 0, False
         t.local_hit = num_computed_tokens
@@ -296,6 +318,16 @@ class KVXScheduler:
         n = hit - num_computed_tokens
         t.plan = LoadPlan(num_computed_tokens, hit, tiers, hit_keys, chunk_tokens, state)
         return n, load_async
+
+    def _sight(self, t: RequestTracker) -> None:
+        """admit_after > 1: count the chunks request ``t``'s prompt covers as seen once more (once per request)."""
+        t.sighted = True
+        prompt = t.request.num_prompt_tokens
+        keys = t.full_keys(prompt, self.chunk_size)
+        rest = ((prompt - len(keys) * self.chunk_size) // self.geom.block_size) * self.geom.block_size
+        if self.config.save_partial_chunks and rest and not self.state_groups:
+            keys = keys + [t.partial_key(len(keys), rest, self.chunk_size)]
+        self.admission.sight(keys)
 
     def _pd_wait(self, t: RequestTracker, keys: list[str], hits: int) -> bool:
         """A consumer's request whose producer announced chunks (``kvx_pd_chunks``, ``kvx_pd_key``): True while
@@ -620,6 +652,11 @@ class KVXScheduler:
         if deps and self.validity.known_bad(deps):
             self.stats["saves_deferred"] += 1
             return False
+        if self.admission is not None and not self.admission.admitted(key):
+            self.stats["saves_skipped_admission"] += 1  # not seen often enough yet: neither it nor its state
+            if chunk is not None:
+                t.not_admitted = chunk if t.not_admitted is None else min(t.not_admitted, chunk)
+            return True
         if chunk is not None and self.state_groups:
             self._plan_state(t, chunk, key, tables, b1, deps, meta)
         self.events.record(key, t.request, b0, b1 - b0)
@@ -736,6 +773,8 @@ class KVXScheduler:
         ):
             # a hybrid model's consumer can load up to the last chunk whose state is stored
             n = min(t.saved_chunks, t.state_chunks) if self.state_groups else t.saved_chunks
+            if t.not_admitted is not None:  # announce only the chunks it stores
+                n = min(n, t.not_admitted)
             if n > 0:
                 return False, {"kvx_pd_chunks": n, "kvx_pd_key": t.keys[n - 1]}
         return False, None
@@ -745,6 +784,11 @@ class KVXScheduler:
         (tier writes and CPU slot writes in flight) whenever it changed."""
         stats, self.stats = dict(self.stats), Counter()
         stats.update(self.events.take_counts())
+        if self.ledger.dropped:
+            for tier, n in self.ledger.dropped.items():
+                stats[f"{tier}_dropped_backpressure"] = n
+            stats["saves_dropped_backpressure"] = sum(self.ledger.dropped.values())
+            self.ledger.dropped.clear()
         pending = self.ledger.writes_in_flight()
         if pending != self._pending_reported:
             stats["pending_writes"] = self._pending_reported = pending

@@ -83,6 +83,9 @@ COUNTERS = {
     "save_ms": "Milliseconds spent gathering chunks (per worker, summed)",
     "save_errors": "Chunk gathers that failed",
     "hits_declined_slow": "Lookups whose hit stopped before a tier slower than recomputing the tokens (measured)",
+    "saves_dropped_backpressure": "Chunk writes to a byte tier not made because its write backlog "
+    "(max_write_backlog) was full",
+    "saves_skipped_admission": "Chunk saves skipped because fewer than admit_after requests had covered the chunk",
     "state_saves": "Hybrid models: recurrent-state objects planned for saving (the state at a chunk's end)",
     "hits_rounded_to_state": "Hybrid models: lookups whose hit was rounded down to the last chunk with a stored state",
 }
@@ -96,6 +99,7 @@ _PER_TIER = {
     "{}_read_bytes": "Bytes read from the {} tier (per worker, summed)",
     "{}_write_bytes": "Bytes written to the {} tier (per worker, summed)",
     "{}_stored": "Chunks newly stored in the {} tier (every worker's share written)",
+    "{}_dropped_backpressure": "Chunk writes to the {} tier not made because its write backlog was full",
     "{}_evictions": "Chunk removals from the {} tier seen by this engine (evicted for room, or dropped as corrupt)",
 }
 HISTOGRAMS = {

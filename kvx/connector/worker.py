@@ -39,11 +39,11 @@ from ..kernels import ops
 from ..kernels.layout import KVLayout
 from ..log import Throttle, get_logger
 from ..store import REMOVED, CPUPool, Tier, TierContext, tier_class
-from .common import EngineGeometry, num_cpu_slots
+from .common import EngineGeometry, chunk_bytes, num_cpu_slots, write_backlog
 from .config import KVXConfig
 from .loads import LoadPipeline
 from .metadata import KVXMetadata, KVXWorkerMetadata
-from .saves import SavePipeline, _background_priority
+from .saves import SavePipeline, _background_priority, _Staging
 
 log = get_logger(__name__)
 
@@ -88,7 +88,7 @@ class KVXWorker:
         self._meta: KVXMetadata | None = None
         self._loads_started = False
         self.loads = LoadPipeline(self, None, fence_loads_at_start)
-        self.saves = SavePipeline(self, None, [])
+        self.saves = SavePipeline(self, None, _Staging([]))
         self.throttle = Throttle(log)
         # results and counters: written by the pipelines (worker thread; I/O threads add to ``stats`` only)
         self.out = KVXWorkerMetadata()
@@ -136,10 +136,15 @@ class KVXWorker:
                 thread_name_prefix="kvx-write",
                 initializer=_background_priority if self.background_writes else None,
             )
-            staging = [
-                torch.empty(self.slot_shape(), dtype=self.chunk_dtype, pin_memory=pin)
-                for _ in range(2 * self.config.io_threads)
-            ]
+
+            # staging buffers (saves to the byte tiers alone): a few now, up to as many as the scheduler's write
+            # backlog lets be in flight (each counts a whole buffer against every tier it writes)
+            def new_buffer():
+                return torch.empty(self.slot_shape(), dtype=self.chunk_dtype, pin_memory=pin)
+
+            per_tier = write_backlog(self.config, self.geom) // chunk_bytes(self.config, self.geom)
+            cap = len(self.tiers) * per_tier
+            staging = _Staging([new_buffer() for _ in range(min(2 * self.config.io_threads, cap))], new_buffer, cap)
             self.loads = LoadPipeline(self, reader, self.loads.fence_at_start)
             self.saves = SavePipeline(self, writer, staging)
         log.info(

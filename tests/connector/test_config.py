@@ -75,9 +75,17 @@ TOP_LEVEL_KEYS = sorted(
         "save_priority_limit",
         "pd_wait_ms",
         "decline_slow_hits",
+        "max_write_backlog",
+        "admit_after",
+        "admission_capacity",
     ]
 )
 BAD_VALUES = [
+    ({"max_write_backlog": "lots"}, "max_write_backlog", "size"),
+    ({"max_write_backlog": 0}, "max_write_backlog", "positive size"),
+    ({"admit_after": 0}, "admit_after", "greater than or equal to 1"),
+    ({"admit_after": True}, "admit_after", "integer"),
+    ({"admission_capacity": 0}, "admission_capacity", "greater than or equal to 1"),
     ({"decline_slow_hits": "sometimes"}, "decline_slow_hits", "boolean"),
     ({"chunk_size": 0}, "chunk_size", "greater than 0"),
     ({"chunk_size": -256}, "chunk_size", "greater than 0"),
@@ -161,6 +169,12 @@ def test_defaults(extra):
         True,
     )
     assert (cfg.skip_last_n_tokens, cfg.io_threads, cfg.max_ctas, cfg.format, cfg.kv_layout) == (0, 2, 8, "auto", None)
+    assert (cfg.max_write_backlog, cfg.admit_after, cfg.admission_capacity) == (2**30, 1, 1 << 18)
+
+
+def test_write_backlog_takes_a_size():
+    assert KVXConfig.from_extra_config({"max_write_backlog": "256MiB"}).max_write_backlog == 256 * 2**20
+    assert KVXConfig.from_extra_config({"max_write_backlog": 4096}).max_write_backlog == 4096
 
 
 def test_default_tiers_are_not_shared_between_configs():

@@ -110,3 +110,62 @@ def test_a_tier_that_holds_the_chunk_is_not_written_again(disk):
     save = led.plan_save("r", 0, K, [1], 16, [], None, False)
     assert save.to_tiers == {} and led.lacking(K) == []
     assert [t.kind for t in led.open_transfers()] == [Kind.SLOT]
+
+
+# ------------------------------------------------------------------------------------------ write backlog
+def bounded(disk, backlog, slots=8) -> ChunkLedger:
+    events = KVEvents(False, 16, {"cpu": "CPU", DISK: "DISK"})
+    return ChunkLedger(
+        CPUIndex(slots) if slots else None,
+        TierStack([disk], lambda k: [k]),
+        1,
+        events,
+        writes=True,
+        backlog=backlog,
+        object_bytes=lambda tokens, state: 10 if state else tokens,
+        slot_bytes=100,
+    )
+
+
+def keys(n, base=0x100):
+    return [f"{base + i:032x}" for i in range(n)]
+
+
+def test_a_tier_write_past_the_backlog_is_not_planned_and_is_counted(disk):
+    led = bounded(disk, backlog=64)
+    a, b, c = keys(3)
+    s1 = led.plan_save("r", 0, a, [1], 32, [], None, False)  # gathered into its CPU slot: 32 bytes queued
+    s2 = led.plan_save("r", 1, b, [2], 32, [], None, False)
+    assert list(s1.to_tiers) == [DISK] and list(s2.to_tiers) == [DISK] and led.pending_bytes(DISK) == 64
+    s3 = led.plan_save("r", 2, c, [3], 32, [], None, False)  # the CPU copy still saved; the disk write not
+    assert s3.slot is not None and s3.to_tiers == {} and led.dropped == {DISK: 1} and led.pending_bytes(DISK) == 64
+    led.settle(results((s1.slot_xfer, OK), (s1.to_tiers[DISK], OK)))
+    assert led.pending_bytes(DISK) == 32  # the tier caught up with one: room again
+    # c's CPU copy is still being written: a second save would stage it (a whole buffer: no room)
+    assert led.plan_save("r2", 2, c, [3], 32, [], None, False) is None and led.dropped[DISK] == 2
+    led.settle(results((s3.slot_xfer, OK)))
+    again = led.plan_save("r2", 2, c, [3], 32, [], None, False)  # written from its READY CPU copy: 32 bytes fit
+    assert again.from_slot is not None and list(again.to_tiers) == [DISK] and led.pending_bytes(DISK) == 64
+
+
+def test_a_staged_save_counts_a_whole_buffer(disk):
+    led = bounded(disk, backlog=250, slots=0)  # no CPU tier: a staging buffer per save
+    saves = [led.plan_save("r", i, k, [i], 32, [], None, False) for i, k in enumerate(keys(4))]
+    assert [s is not None for s in saves] == [True, True, False, False]  # 100 bytes each: two fit in 250
+    assert all(s.slot is None and s.from_slot is None for s in saves[:2]) and led.pending_bytes(DISK) == 200
+    assert led.dropped[DISK] == 2
+    for s in saves[:2]:
+        led.settle(results((s.to_tiers[DISK], FAILED)))  # a failed write ends too
+    assert led.pending_bytes(DISK) == 0 and led.idle()
+
+
+def test_write_through_respects_the_backlog(disk):
+    led = bounded(disk, backlog=40)
+    a, b = keys(2, 0x200)
+    sa = led.plan_save("r", 0, a, [1], 32, deps=[5], skip_tier=None, gather_first=True)
+    sb = led.plan_save("r", 1, b, [2], 32, deps=[5], skip_tier=None, gather_first=True)
+    led.settle(results((sa.slot_xfer, OK), (sb.slot_xfer, OK)))
+    through = led.plan_write_through()  # both committed; only one 32-byte write fits in 40
+    assert len(through) == 1 and led.dropped[DISK] == 1 and led.cpu.pinned() == 1  # the dropped one holds nothing
+    led.settle(results((through[0].to_tiers[DISK], OK)))
+    assert led.idle() and led.cpu.pinned() == 0 and led.pending_bytes(DISK) == 0
