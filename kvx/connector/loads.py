@@ -354,12 +354,25 @@ class LoadPipeline:
                 w.out.report(ch.slot_xfer, FAILED if ch.key in load.failed else OK)
 
     # ---------------------------------------------------------------- results
-    def poll_async(self) -> set[str]:
-        """Async loads finished since the last call: their reads in and their copies run (polled)."""
+    def poll_async(self, wait_s: float = 0.0) -> set[str]:
+        """Async loads finished since the last call: their reads in and their copies run (polled). ``wait_s``: an
+        idle step's caller first waits up to that long for the first load's copies (a wait releases the GIL that
+        the copy thread needs)."""
         done = set()
         for rid, load in list(self._async.items()):
             if load.pending:
                 self._queue_chunks(load, self._take_ready(load))
+            if wait_s > 0 and not load.pending:
+                deadline = time.perf_counter() + wait_s
+                for job in load.all_jobs():
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        break
+                    try:
+                        job.wait(left)
+                    except Exception:  # noqa: BLE001 - a timeout or the copy's own error: judged below, as polled
+                        break
+                wait_s = 0.0  # one wait per step
             if not load.pending and all(j.done() for j in load.all_jobs()):
                 self._report_failures(load)
                 self._retiring.append(load)
