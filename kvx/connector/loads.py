@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -356,14 +357,17 @@ class LoadPipeline:
     # ---------------------------------------------------------------- results
     def poll_async(self, wait_s: float = 0.0) -> set[str]:
         """Async loads finished since the last call: their reads in and their copies run (polled). ``wait_s``: an
-        idle step's caller first waits up to that long for the first load's copies (a wait releases the GIL that
-        the copy thread needs)."""
+        idle step's caller first waits up to that long for the first load's reads and copies (a wait releases the
+        GIL that the reader and copy threads need)."""
         done = set()
         for rid, load in list(self._async.items()):
+            deadline = time.perf_counter() + wait_s if wait_s > 0 else None
+            wait_s = 0.0  # one wait per step
             if load.pending:
+                if deadline is not None:
+                    futures_wait([f for _, f in load.pending], timeout=max(0.0, deadline - time.perf_counter()))
                 self._queue_chunks(load, self._take_ready(load))
-            if wait_s > 0 and not load.pending:
-                deadline = time.perf_counter() + wait_s
+            if deadline is not None and not load.pending:
                 for job in load.all_jobs():
                     left = deadline - time.perf_counter()
                     if left <= 0:
@@ -372,7 +376,6 @@ class LoadPipeline:
                         job.wait(left)
                     except Exception:  # noqa: BLE001 - a timeout or the copy's own error: judged below, as polled
                         break
-                wait_s = 0.0  # one wait per step
             if not load.pending and all(j.done() for j in load.all_jobs()):
                 self._report_failures(load)
                 self._retiring.append(load)
