@@ -105,9 +105,10 @@ class RequestTracker:
     phase: Phase = Phase.NEW
     plan: LoadPlan | None = None
     block_ids: list[list[int]] = field(default_factory=list)  # fallback tables, per group (no KVConnectorBlockState)
-    # chunk key -> the tier this request loaded it from: that tier holds it, so its save skips that tier (a
-    # remote tier is not asked on the scheduler's path: a warm 16-chunk prefill from Redis gathered and sent
-    # every chunk back). Forgotten from a failed load's chunk on: the recomputed chunks are written again.
+    # chunk key -> the tier this request loaded it from, or found it in at its lookup: that tier holds it, so its
+    # save skips that tier (a remote tier is not asked on the scheduler's path: a warm 16-chunk prefill from Redis
+    # gathered and sent every chunk back; so did a hit declined as slow). Forgotten from a failed load's chunk on:
+    # the recomputed chunks are written again.
     loaded_from: dict[str, str] = field(default_factory=dict)
 
     def full_keys(self, num_tokens: int, chunk_size: int) -> list[str]:
@@ -278,6 +279,9 @@ class KVXScheduler:
             if tier is None:
                 break
             tiers.append(tier)
+        for key, tier in zip(keys + skeys, located[: len(keys)] + located[len(located) - len(skeys) :]):
+            if tier is not None and tier != "cpu":  # that tier holds it: a save of it (declined, or under vLLM's
+                t.loaded_from.setdefault(key, tier)  # own hit) skips that tier, as after a load from it
         if self.costs is not None and tiers:
             n = self.costs.servable(tiers, num_computed_tokens // self.chunk_size, self.chunk_size, self._chunk_bytes)
             if n < len(tiers):  # a tier slower than recomputing: computed from there instead
