@@ -306,25 +306,20 @@ def namespace(vllm_config, geom: EngineGeometry, fingerprint: str) -> bytes:
     )
 
 
-def chunk_rows(config: KVXConfig, geom: EngineGeometry, state: bool = False) -> int:
-    """vLLM blocks per layer in one stored object: a chunk (every attention group's blocks of its tokens), or
-    with ``state`` a state object (one block per recurrent-state group)."""
-    if state:
-        return len(geom.state_groups)
-    return len(geom.attn_groups) * (config.chunk_size // geom.block_size)
-
-
-def chunk_bytes(config: KVXConfig, geom: EngineGeometry) -> int:
-    """Upper bound of one stored object's bytes on one worker (whole pages of every layer): a CPU slot's size."""
-    rows = max(chunk_rows(config, geom), chunk_rows(config, geom, state=True))
-    return rows * geom.num_layers * geom.page_bytes
+def object_rows(geom: EngineGeometry, tokens: int, state: bool = False) -> int:
+    """vLLM blocks per layer in one stored object: a chunk of ``tokens`` tokens (whole blocks of every attention
+    group), or with ``state`` a state object (one block per recurrent-state group)."""
+    return len(geom.state_groups) if state else len(geom.attn_groups) * -(-tokens // geom.block_size)
 
 
 def object_bytes(geom: EngineGeometry, tokens: int, state: bool = False) -> int:
-    """One stored object's bytes on one worker: a chunk of ``tokens`` tokens (whole blocks of every attention
-    group), or with ``state`` a state object."""
-    rows = len(geom.state_groups) if state else len(geom.attn_groups) * -(-tokens // geom.block_size)
-    return rows * geom.num_layers * geom.page_bytes
+    """One stored object's bytes on one worker (whole pages of every layer)."""
+    return object_rows(geom, tokens, state) * geom.num_layers * geom.page_bytes
+
+
+def chunk_bytes(config: KVXConfig, geom: EngineGeometry) -> int:
+    """Upper bound of one stored object's bytes on one worker, a chunk or a state object: a CPU slot's size."""
+    return max(object_bytes(geom, config.chunk_size), object_bytes(geom, config.chunk_size, state=True))
 
 
 def write_backlog(config: KVXConfig, geom: EngineGeometry) -> int:

@@ -187,7 +187,7 @@ class KVXScheduler:
         for source in ([self.cpu] if self.cpu is not None else []) + list(self.tiers.values()):
             source.subscribe(self.events.observe)
         self.trackers: dict[str, RequestTracker] = {}
-        slot_bytes = chunk_bytes(config, geom)
+        self._chunk_bytes = slot_bytes = chunk_bytes(config, geom)
         if config.max_write_backlog < slot_bytes:
             log.warning(
                 "kvx: max_write_backlog=%d is less than one chunk (%d bytes); using one chunk",
@@ -211,7 +211,6 @@ class KVXScheduler:
         self._pending_reported = 0
         self.stats = Counter()
         self.costs = HitCosts(config.io_threads) if config.decline_slow_hits and self.stack else None
-        self._chunk_bytes = chunk_bytes(config, geom)
 
     # ------------------------------------------------------------------ helpers
     def _tracker(self, request) -> RequestTracker:
@@ -274,12 +273,13 @@ class KVXScheduler:
         if located is None:
             self.stats["lookups_pending"] += 1
             return None, False
+        found, stored = located[: len(keys)], located[len(located) - len(skeys) :]  # chunks, state objects
         tiers: list[str] = []
-        for tier in located[: len(keys)]:
+        for tier in found:
             if tier is None:
                 break
             tiers.append(tier)
-        for key, tier in zip(keys + skeys, located[: len(keys)] + located[len(located) - len(skeys) :]):
+        for key, tier in zip(keys + skeys, found + stored):
             if tier is not None and tier != "cpu":  # that tier holds it: a save of it (declined, or under vLLM's
                 t.loaded_from.setdefault(key, tier)  # own hit) skips that tier, as after a load from it
         if self.costs is not None and tiers:
@@ -290,7 +290,6 @@ class KVXScheduler:
         state = None
         if self.state_groups:
             # a hit ends where a state object is stored: the longest prefix of chunks, rounded down to one
-            stored = located[len(located) - len(skeys) :]
             n = next((j for j in range(len(tiers), 0, -1) if stored[j - 1] is not None), 0)
             if n < len(tiers):
                 self.stats["hits_rounded_to_state"] += 1
@@ -416,8 +415,9 @@ class KVXScheduler:
         )
         chunks: list[ChunkLoad] = []
         loaded: dict[int, int] = {}
+        state_loads = []  # loaded after the chunks (the order the workers read them in)
         for (key, tier, ids), (slot, slot_xfer) in zip(states, slots[len(spans) :]):
-            chunks.append(ChunkLoad(key, tier, slot, ids, 0, self.chunk_size, slot_xfer=slot_xfer, state=True))
+            state_loads.append(ChunkLoad(key, tier, slot, ids, 0, self.chunk_size, slot_xfer=slot_xfer, state=True))
             loaded.update((b, len(plan.keys) - 1) for b in ids)
             t.loaded_from[key] = tier
         tables = [tables[g] for g in self.attn_groups]
@@ -445,8 +445,7 @@ class KVXScheduler:
             t.loaded_from[key] = tier
             self.stats[f"hit_tokens_{tier}"] += min(hi * bs, end) - max(lo * bs, start)
         self.validity.loading(request.request_id, loaded)
-        chunks.sort(key=lambda ch: ch.state)  # the state object last (the order the workers read them in)
-        self._new_loads.append(LoadSpec(request.request_id, chunks, self.load_async, xfer))
+        self._new_loads.append(LoadSpec(request.request_id, chunks + state_loads, self.load_async, xfer))
         t.phase = Phase.LOADING if self.load_async else Phase.RUNNING
         t.plan = None
         self.stats["loads"] += 1

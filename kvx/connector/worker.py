@@ -39,7 +39,7 @@ from ..kernels import ops
 from ..kernels.layout import KVLayout
 from ..log import Throttle, get_logger
 from ..store import REMOVED, CPUPool, Tier, TierContext, tier_class
-from .common import EngineGeometry, chunk_bytes, num_cpu_slots, write_backlog
+from .common import EngineGeometry, chunk_bytes, num_cpu_slots, object_rows, write_backlog
 from .config import KVXConfig
 from .loads import LoadPipeline
 from .metadata import KVXMetadata, KVXWorkerMetadata
@@ -77,8 +77,6 @@ class KVXWorker:
         self.geom = geom
         self.fmt = fmt
         self.shard, self.shards, self.writes = shard, shards, writes
-        self.kv_groups = len(geom.attn_groups)  # vLLM's attention KV cache groups: a chunk holds each one's blocks
-        self.state_rows = len(geom.state_groups)  # a hybrid model's state object: a block per state group
         self.fingerprint = fingerprint
         self.background_writes = background_writes
         self.layout: KVLayout | None = None
@@ -263,9 +261,7 @@ class KVXWorker:
         return torch.uint8 if self.fmt == "pages" else self.layout.dtype
 
     def _rows(self, tokens: int, state: bool = False) -> int:
-        """vLLM blocks per layer in a stored object: a chunk of ``tokens`` tokens (every attention group's
-        blocks), or with ``state`` a state object (a block per state group)."""
-        return self.state_rows if state else self.kv_groups * tokens // self.geom.block_size
+        return object_rows(self.geom, tokens, state)
 
     def _shape(self, layout: KVLayout, rows: int) -> tuple[int, ...]:
         if self.fmt == "pages":
@@ -273,12 +269,13 @@ class KVXWorker:
         return layout.canonical_shape(rows * self.geom.block_size)
 
     def chunk_shape(self, tokens: int, state: bool = False) -> tuple[int, ...]:
-        """The shape of a stored object (see :meth:`_rows`)."""
+        """The shape of a stored object (:func:`~.common.object_rows`)."""
         return self._shape(self.layout, self._rows(tokens, state))
 
     def slot_shape(self) -> tuple[int, ...]:
         """A CPU slot's (and a staging buffer's) shape: the largest object, a chunk or a state object."""
-        return self._shape(self.layout, max(self._rows(self.config.chunk_size), self.state_rows))
+        chunk = self.config.chunk_size
+        return self._shape(self.layout, max(self._rows(chunk), self._rows(chunk, state=True)))
 
     def blocks_view(self, chunk: torch.Tensor, first_block: int, n_blocks: int, layers=None) -> torch.Tensor:
         """The part of a chunk tensor that holds vLLM blocks [first_block, first_block + n_blocks)."""
