@@ -264,6 +264,19 @@ PYBIND11_MODULE(_C, m) {
       "memcpy split over the kvx thread pool (the benchmarks' roof).");
 
   m.def(
+      "copy_runs",
+      [](int64_t dsts, int64_t srcs, int64_t sizes, int64_t n, int64_t dst_base, int64_t src_base, int num_threads) {
+        py::gil_scoped_release nogil;
+        kvx::cpu::copy_runs(as_ptr<int64_t>(dsts), as_ptr<int64_t>(srcs), as_ptr<int64_t>(sizes), n, dst_base,
+                            src_base, num_threads);
+      },
+      py::arg("dsts"), py::arg("srcs"), py::arg("sizes"), py::arg("n"), py::arg("dst_base") = 0,
+      py::arg("src_base") = 0, py::arg("num_threads") = 0,
+      "A DMA plan run by memcpy on the CPU, in order (GIL released): sizes[i] bytes from srcs[i] + src_base to "
+      "dsts[i] + dst_base; dsts, srcs, sizes: addresses of [n] int64 arrays. What cuda_copy_runs issues to the "
+      "copy engines.");
+
+  m.def(
       "cpu_populate_write",
       [](int64_t addr, int64_t bytes, int num_threads) {
         py::gil_scoped_release nogil;
@@ -395,6 +408,22 @@ PYBIND11_MODULE(_C, m) {
       py::arg("mode"), py::arg("direction"), py::arg("stream"), py::arg("min_run_bytes") = 0,
       "Issue the copy as DMA runs on `stream` (no sync) if its runs average at least `min_run_bytes` bytes; "
       "returns whether it did (False: nothing issued, launch the kernel). Host arrays for layers and ids.");
+  m.def(
+      "cuda_copy_runs",
+      [check](int64_t dsts, int64_t srcs, int64_t sizes, int64_t n, int64_t dst_base, int64_t src_base,
+              bool src_host, bool dst_host, int64_t stream) {
+        int err;
+        {
+          py::gil_scoped_release nogil;
+          err = kvx::cuda::copy_runs(as_ptr<int64_t>(dsts), as_ptr<int64_t>(srcs), as_ptr<int64_t>(sizes), n,
+                                     dst_base, src_base, src_host, dst_host, stream);
+        }
+        check(err, "DMA runs");
+      },
+      py::arg("dsts"), py::arg("srcs"), py::arg("sizes"), py::arg("n"), py::arg("dst_base"), py::arg("src_base"),
+      py::arg("src_host"), py::arg("dst_host"), py::arg("stream"),
+      "Issue a DMA plan on `stream` (no sync): sizes[i] bytes from srcs[i] + src_base to dsts[i] + dst_base, "
+      "batched with cudaMemcpyBatchAsync where available; dsts, srcs, sizes: addresses of [n] int64 host arrays.");
   m.def("cuda_batch_memcpy", &kvx::cuda::batch_memcpy_available,
         "Whether the DMA path batches its runs (cudaMemcpyBatchAsync: CUDA >= 12.8, accepted by the driver).");
   m.def(

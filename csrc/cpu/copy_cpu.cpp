@@ -280,6 +280,13 @@ void parallel_memcpy(void* dst, const void* src, size_t bytes, int num_threads) 
   });
 }
 
+void copy_runs(const int64_t* dsts, const int64_t* srcs, const int64_t* sizes, int64_t n, int64_t dst_base,
+               int64_t src_base, int num_threads) {
+  for (int64_t i = 0; i < n; ++i)
+    parallel_memcpy(reinterpret_cast<void*>(dsts[i] + dst_base), reinterpret_cast<const void*>(srcs[i] + src_base),
+                    static_cast<size_t>(sizes[i]), num_threads);
+}
+
 int populate_write(void* addr, size_t bytes, int num_threads) {
 #if defined(__linux__)
 #ifndef MADV_POPULATE_WRITE

@@ -27,6 +27,13 @@ void copy_many(const CopyParams& p, const int64_t* layer_ptrs, const int64_t* co
 // Plain memcpy split over the same thread pool: the roof the benchmarks compare against.
 void parallel_memcpy(void* dst, const void* src, size_t bytes, int num_threads);
 
+// The runs of a DMA plan executed on the CPU, in order: `sizes[i]` bytes from `srcs[i] + src_base` to
+// `dsts[i] + dst_base` (what the CUDA copy engines do with the same arrays, cuda::copy_runs). A base lets one
+// run list serve every staging buffer: offsets on the staging side, absolute addresses on the other.
+//   dsts, srcs, sizes: [n] int64
+void copy_runs(const int64_t* dsts, const int64_t* srcs, const int64_t* sizes, int64_t n, int64_t dst_base,
+               int64_t src_base, int num_threads);
+
 // Commit the pages of [addr, addr + bytes) now (Linux MADV_POPULATE_WRITE, 5.14+), split over the
 // thread pool, so later writes take no page faults; contents are unchanged. Only whole pages inside the
 // range are touched. Returns 0 or an errno (EINVAL: kernel too old; ENOSYS: not Linux). Call without

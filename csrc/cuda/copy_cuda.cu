@@ -159,23 +159,10 @@ cudaMemLocation location(bool host, int device) {
 
 }  // namespace
 
-int copy_dma(const CopyParams& p, const int64_t* layer_ptrs_host, const int64_t* ids_host, int64_t contig,
-             bool contig_on_host, int32_t direction, int64_t stream_handle, int64_t min_run_bytes, bool* issued) {
-  *issued = false;
-  thread_local Runs runs;  // reused: no allocation once a thread has seen its largest copy
-  runs.dsts.clear();
-  runs.srcs.clear();
-  runs.sizes.clear();
-  // plan_runs() (kv_layout.h) is what kvx._C.plan_runs returns, so the CPU tests execute these very runs.
-  const bool fits = plan_runs(p, layer_ptrs_host, ids_host, contig, direction, min_run_bytes,
-                              [](int64_t dst, int64_t src, int64_t bytes) {
-                                runs.dsts.push_back(reinterpret_cast<void*>(dst));
-                                runs.srcs.push_back(reinterpret_cast<void*>(src));
-                                runs.sizes.push_back(static_cast<size_t>(bytes));
-                              });
-  if (!fits) return cudaSuccess;  // runs too small on average: the caller launches the kernel instead
-  *issued = true;
-  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+namespace {
+
+// Issue runs[0, n) on `stream`: batched where the runtime and driver allow it, else one cudaMemcpyAsync each.
+cudaError_t issue_runs(Runs& runs, bool src_host, bool dst_host, cudaStream_t stream) {
   const size_t n = runs.sizes.size();
   // The batched API refuses the legacy default stream; copies there take one cudaMemcpyAsync per run.
   const bool legacy = stream == nullptr || stream == cudaStreamLegacy;
@@ -184,11 +171,10 @@ int copy_dma(const CopyParams& p, const int64_t* layer_ptrs_host, const int64_t*
     int device = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err != cudaSuccess) return err;
-    const bool gather = direction == kGather;
     cudaMemcpyAttributes attrs{};
     attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // sources are written by earlier stream work
-    attrs.srcLocHint = location(gather ? false : contig_on_host, device);
-    attrs.dstLocHint = location(gather ? contig_on_host : false, device);
+    attrs.srcLocHint = location(src_host, device);
+    attrs.dstLocHint = location(dst_host, device);
     attrs.flags = cudaMemcpyFlagDefault;
     for (size_t begin = 0; begin < n; begin += kMaxBatch) {
       const size_t end = begin + kMaxBatch < n ? begin + kMaxBatch : n;
@@ -206,8 +192,48 @@ int copy_dma(const CopyParams& p, const int64_t* layer_ptrs_host, const int64_t*
   }
 #endif
   (void)legacy;
-  (void)contig_on_host;
+  (void)src_host;
+  (void)dst_host;
   return memcpy_runs(runs, 0, n, stream);
+}
+
+}  // namespace
+
+int copy_runs(const int64_t* dsts, const int64_t* srcs, const int64_t* sizes, int64_t n, int64_t dst_base,
+              int64_t src_base, bool src_host, bool dst_host, int64_t stream_handle) {
+  thread_local Runs runs;  // reused: no allocation once a thread has seen its largest plan
+  runs.dsts.clear();
+  runs.srcs.clear();
+  runs.sizes.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    if (sizes[i] <= 0) continue;
+    runs.dsts.push_back(reinterpret_cast<void*>(dsts[i] + dst_base));
+    runs.srcs.push_back(reinterpret_cast<void*>(srcs[i] + src_base));
+    runs.sizes.push_back(static_cast<size_t>(sizes[i]));
+  }
+  if (runs.sizes.empty()) return cudaSuccess;
+  return issue_runs(runs, src_host, dst_host, reinterpret_cast<cudaStream_t>(stream_handle));
+}
+
+int copy_dma(const CopyParams& p, const int64_t* layer_ptrs_host, const int64_t* ids_host, int64_t contig,
+             bool contig_on_host, int32_t direction, int64_t stream_handle, int64_t min_run_bytes, bool* issued) {
+  *issued = false;
+  thread_local Runs runs;  // reused: no allocation once a thread has seen its largest copy
+  runs.dsts.clear();
+  runs.srcs.clear();
+  runs.sizes.clear();
+  // plan_runs() (kv_layout.h) is what kvx._C.plan_runs returns, so the CPU tests execute these very runs.
+  const bool fits = plan_runs(p, layer_ptrs_host, ids_host, contig, direction, min_run_bytes,
+                              [](int64_t dst, int64_t src, int64_t bytes) {
+                                runs.dsts.push_back(reinterpret_cast<void*>(dst));
+                                runs.srcs.push_back(reinterpret_cast<void*>(src));
+                                runs.sizes.push_back(static_cast<size_t>(bytes));
+                              });
+  if (!fits) return cudaSuccess;  // runs too small on average: the caller launches the kernel instead
+  *issued = true;
+  const bool gather = direction == kGather;
+  return issue_runs(runs, gather ? false : contig_on_host, gather ? contig_on_host : false,
+                    reinterpret_cast<cudaStream_t>(stream_handle));
 }
 
 bool batch_memcpy_available() { return batch_usable.load(std::memory_order_relaxed); }

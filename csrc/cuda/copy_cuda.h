@@ -34,6 +34,17 @@ int copy(const CopyParams& p, const int64_t* layer_ptrs_host, const int64_t* lay
 int copy_dma(const CopyParams& p, const int64_t* layer_ptrs_host, const int64_t* ids_host, int64_t contig,
              bool contig_on_host, int32_t direction, int64_t stream, int64_t min_run_bytes, bool* issued);
 
+// Issue a DMA plan on `stream`: `sizes[i]` bytes from `srcs[i] + src_base` to `dsts[i] + dst_base`, with
+// cudaMemcpyBatchAsync (CUDA >= 12.8, any stream but the legacy default one; chunks of 4096 runs) or one
+// cudaMemcpyAsync per run. The staged path's host <-> staging copies and the direct path's host <-> block copies
+// of a layer group are one call each (kvx/kernels/staged.py builds the arrays once per batch; a base lets one list
+// serve whichever staging buffer the ring hands out). Returns a cudaError_t; never syncs. cpu::copy_runs is the
+// same plan run by memcpy.
+//   dsts, srcs, sizes: [n] int64 host arrays
+//   src_host, dst_host: where each side lives (the batched copies' location hints)
+int copy_runs(const int64_t* dsts, const int64_t* srcs, const int64_t* sizes, int64_t n, int64_t dst_base,
+              int64_t src_base, bool src_host, bool dst_host, int64_t stream);
+
 // Whether copy_dma() batches its runs: built with CUDA >= 12.8 and the driver has not refused it.
 bool batch_memcpy_available();
 

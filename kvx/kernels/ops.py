@@ -118,9 +118,10 @@ def gather_blocks(
     impl: str | None = None,
     max_ctas: int = 0,
     path: str | None = None,
+    staging: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Copy whole blocks of every layer into the canonical chunk ``[L, P, n*N, H, D]`` (returned)."""
-    return _run(Op.GATHER_BLOCKS, layout, block_ids, out, impl, max_ctas, path)
+    return _run(Op.GATHER_BLOCKS, layout, block_ids, out, impl, max_ctas, path, staging)
 
 
 def scatter_blocks(
@@ -131,9 +132,10 @@ def scatter_blocks(
     impl: str | None = None,
     max_ctas: int = 0,
     path: str | None = None,
+    staging: torch.Tensor | None = None,
 ) -> None:
     """Write the canonical chunk ``src`` ``[L, P, n*N, H, D]`` into blocks ``block_ids`` of every layer."""
-    _run(Op.SCATTER_BLOCKS, layout, block_ids, src, impl, max_ctas, path)
+    _run(Op.SCATTER_BLOCKS, layout, block_ids, src, impl, max_ctas, path, staging)
 
 
 def gather_slots(
@@ -144,12 +146,13 @@ def gather_slots(
     impl: str | None = None,
     max_ctas: int = 0,
     path: str | None = None,
+    staging: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Copy single tokens (``slot = block * N + offset``) into ``[L, P, n, H, D]`` (returned).
 
     Rows of padding slots (negative ids) are left as they were in ``out``.
     """
-    return _run(Op.GATHER_SLOTS, layout, slot_ids, out, impl, max_ctas, path)
+    return _run(Op.GATHER_SLOTS, layout, slot_ids, out, impl, max_ctas, path, staging)
 
 
 def scatter_slots(
@@ -160,9 +163,10 @@ def scatter_slots(
     impl: str | None = None,
     max_ctas: int = 0,
     path: str | None = None,
+    staging: torch.Tensor | None = None,
 ) -> None:
     """Write ``src`` ``[L, P, n, H, D]`` into the listed slots; negative slots are skipped."""
-    _run(Op.SCATTER_SLOTS, layout, slot_ids, src, impl, max_ctas, path)
+    _run(Op.SCATTER_SLOTS, layout, slot_ids, src, impl, max_ctas, path, staging)
 
 
 def gather_pages(
@@ -173,9 +177,10 @@ def gather_pages(
     impl: str | None = None,
     max_ctas: int = 0,
     path: str | None = None,
+    staging: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Copy the raw bytes of whole pages into ``[L, S, n, segment_bytes]`` uint8 (returned)."""
-    return _run(Op.GATHER_PAGES, layout, block_ids, out, impl, max_ctas, path)
+    return _run(Op.GATHER_PAGES, layout, block_ids, out, impl, max_ctas, path, staging)
 
 
 def scatter_pages(
@@ -186,9 +191,10 @@ def scatter_pages(
     impl: str | None = None,
     max_ctas: int = 0,
     path: str | None = None,
+    staging: torch.Tensor | None = None,
 ) -> None:
     """Write raw pages ``src`` ``[L, S, n, segment_bytes]`` uint8 into blocks ``block_ids``."""
-    _run(Op.SCATTER_PAGES, layout, block_ids, src, impl, max_ctas, path)
+    _run(Op.SCATTER_PAGES, layout, block_ids, src, impl, max_ctas, path, staging)
 
 
 # ---------------------------------------------------------------------------------------- validation
@@ -385,47 +391,112 @@ def _check(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path):
     if path is not None and path not in PATHS:
         raise ValueError(f"path: expected one of {PATHS} or None, got {path!r}")
     impl = _pick_impl(impl, layout, buf)
-    if path is not None and impl != "cuda":
+    cpu_cache = layout.device.type == "cpu"
+    if path == "kernel" and impl != "cuda":
         raise ValueError(
-            f"path: {path!r} picks between the CUDA copy kernel and DMA, which only impl 'cuda' has; "
+            f"path: 'kernel' forces the CUDA copy kernel over host memory, which only impl 'cuda' has; "
             f"this copy runs impl {impl!r} (cache on {layout.device}): pass path=None"
+        )
+    if path in ("dma", "staged") and impl != "cuda" and not cpu_cache:
+        raise ValueError(
+            f"path: {path!r} crosses between host memory and the device by DMA, which among the CUDA impls only "
+            f"impl 'cuda' has; this copy runs impl {impl!r}: pass path=None"
+        )
+    if path == "staged" and not cpu_cache and buf.device.type != "cpu":
+        raise ValueError(
+            f"path: 'staged' stages a host buffer on the device; {'out' if op.gather else 'src'} is already on "
+            f"{buf.device}: pass path=None"
         )
     return ids, buf, impl
 
 
-def _run(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path):
+def _run(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path, staging=None):
+    if staging is not None:
+        if path not in (None, "staged"):
+            raise ValueError(f"staging: only path 'staged' (or None) uses a staging buffer, got path {path!r}")
+        if not isinstance(staging, torch.Tensor):
+            raise TypeError(f"staging: expected a uint8 tensor on {layout.device}, got {type(staging).__name__}")
+        if staging.dtype != torch.uint8 or staging.device != layout.device or not staging.is_contiguous():
+            raise ValueError(
+                f"staging: expected a contiguous uint8 tensor on {layout.device}, got {staging.dtype} on "
+                f"{staging.device}{'' if staging.is_contiguous() else ' (not contiguous)'}"
+            )
     ids, buf, impl = _check(op, layout, ids, buf, impl, max_ctas, path)
-    if ids.numel():
-        _execute(op, layout, ids, buf, impl, max_ctas, path)
+    if not ids.numel():
+        return buf
+    if path in ("dma", "staged") and layout.device.type == "cpu":
+        _run_host_path(op, layout, ids, buf, impl, path, staging)  # the CPU twins of the PCIe paths
+    else:
+        _execute(op, layout, ids, buf, impl, max_ctas, path, staging=staging)
     return buf
 
 
-def _execute(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path, ids_dev=None) -> None:
-    """Run a validated copy (:func:`_check`). ``ids_dev``: the ids already on the cache's device (CUDA)."""
-    if impl == "reference":
-        _REFERENCE[op](layout, ids, buf)
-        return
-    plan = _plan(op, layout, buf, ids.numel())
-    if impl == "cpu":
-        paged, contig = _c_descs(plan)
-        _C.cpu_copy(
-            layout.layer_ptrs().data_ptr(),
-            plan.num_layers,
-            ids.data_ptr(),
-            plan.num_ids,
-            buf.data_ptr(),
-            paged,
-            contig,
-            plan.row_bytes,
-            plan.mode,
-            op.c_direction,
-        )
-    elif impl == "cuda":
-        _run_cuda(plan, layout, ids, buf, op, max_ctas, path, ids_dev)
-    elif impl == "cuda_sim":
-        _run_cuda_sim(plan, layout, ids, buf, op, max_ctas)
+def staging_bytes(layout: KVLayout, op: str | Op, num_ids: int) -> int:
+    """Bytes of the staging buffer that holds a whole ``op`` of ``num_ids`` ids on path ``"staged"`` in one part
+    (a smaller one, of at least one id of one layer, splits the copy)."""
+    op = Op(op)
+    if op.pages:
+        per_id = layout.page_shape(1)[1] * layout.page.segment_bytes
+    elif op.slots:
+        per_id = layout.num_planes * layout.num_heads * layout.row_bytes
     else:
-        _run_triton(plan, layout, ids, buf, op)
+        per_id = layout.num_planes * layout.block_size * layout.num_heads * layout.row_bytes
+    return layout.num_layers * num_ids * per_id
+
+
+def _run_host_path(op: Op, layout: KVLayout, ids, buf, impl, path, staging=None) -> None:
+    """One op by a host <-> device path (:mod:`kvx.kernels.staged`), on the current stream: the parts in order,
+    each DMA and reshape in the direction's order (a stream orders a staging buffer's reuse)."""
+    from .staged import TransferBatch
+
+    batch = TransferBatch(layout, path=path, impl=impl)
+    batch.add(op, ids, buf)
+    cap = None
+    if path == "staged":
+        if staging is None:
+            staging = torch.empty(max(batch.nbytes, 16), dtype=torch.uint8, device=layout.device)
+        cap = staging.numel()
+        if cap < batch.min_staging_bytes():
+            raise ValueError(
+                f"staging: expected at least {batch.min_staging_bytes()} bytes (one block of one layer of this copy), "
+                f"got {cap}"
+            )
+    for part in batch.plan(capacity=cap):
+        if path == "dma":
+            batch.dma(part)
+        elif op.gather:
+            batch.reshape(part, staging)
+            batch.dma(part, staging)
+        else:
+            batch.dma(part, staging)
+            batch.reshape(part, staging)
+
+
+def _run_reference(op: Op, layout: KVLayout, ids, buf, plan, max_ctas, path, ids_dev, staging) -> None:
+    _REFERENCE[op](layout, ids, buf)
+
+
+def _run_cpu(op: Op, layout: KVLayout, ids, buf, plan, max_ctas, path, ids_dev, staging) -> None:
+    paged, contig = _c_descs(plan)
+    _C.cpu_copy(
+        layout.layer_ptrs().data_ptr(),
+        plan.num_layers,
+        ids.data_ptr(),
+        plan.num_ids,
+        buf.data_ptr(),
+        paged,
+        contig,
+        plan.row_bytes,
+        plan.mode,
+        op.c_direction,
+    )
+
+
+def _execute(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path, ids_dev=None, staging=None) -> None:
+    """Run a validated copy (:func:`_check`) by its implementation's entry of :data:`_BACKENDS`. ``ids_dev``: the
+    ids already on the cache's device (CUDA); ``staging``: path ``"staged"``'s buffer (allocated when None)."""
+    plan = None if impl == "reference" else _plan(op, layout, buf, ids.numel())
+    _BACKENDS[impl](op, layout, ids, buf, plan, max_ctas, path, ids_dev, staging)
 
 
 @dataclasses.dataclass(slots=True)
@@ -460,9 +531,7 @@ class CopyBatch:
         self._impl, self._max_ctas, self._path = impl, max_ctas, path
         self._items: list[_Copy] = []
         self._bytes = 0  # of every copy, every layer: the transfer a run is part of
-        self._blocks: set[int] = set()  # written by the scatters so far: whole blocks,
-        self._slots: set[int] = set()  # single slots,
-        self._slot_blocks: set[int] = set()  # and the blocks those slots are in
+        self._claims = ScatterClaims(layout)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -475,34 +544,16 @@ class CopyBatch:
         if buf is None:
             raise TypeError(f"{'out' if op.gather else 'src'}: expected a tensor, got None")
         ids, buf, impl = _check(op, self.layout, ids, buf, self._impl, self._max_ctas, self._path)
+        self.add_checked(op, ids, buf, impl)
+
+    def add_checked(self, op: Op, ids: torch.Tensor, buf: torch.Tensor, impl: str) -> None:
+        """``add`` for arguments :func:`_check` already checked (``ids``: int64 CPU; ``impl``: the one it picked)."""
         if not ids.numel():
             return
         if not op.gather:
-            self._claim(op, ids)
+            self._claims.claim(op, ids)
         self._items.append(_Copy(op, ids, buf, impl))
         self._bytes += buf.numel() * buf.element_size()
-
-    def _claim(self, op: Op, ids: torch.Tensor) -> None:
-        """Refuse a scatter that writes what an earlier scatter of the batch writes (their order within a
-        batch is not defined)."""
-        if op.slots:
-            slots = [s for s in ids.tolist() if s >= 0]
-            blocks = {s // self.layout.block_size for s in slots}
-            clash = self._slots.intersection(slots) or blocks & self._blocks
-            if not clash:
-                self._slots.update(slots)
-                self._slot_blocks |= blocks
-                return
-        else:
-            blocks = set(ids.tolist())
-            clash = blocks & (self._blocks | self._slot_blocks)
-            if not clash:
-                self._blocks |= blocks
-                return
-        raise ValueError(
-            f"{op.id_name}: expected blocks and slots no earlier scatter of this batch writes (copies "
-            f"of a batch run in no defined order), got {sorted(clash)[:8]} again"
-        )
 
     def run(self, start: int = 0, end: int | None = None) -> None:
         """Copy layers ``[start, end)`` (``end`` None: the last layer) of every added copy."""
@@ -552,20 +603,52 @@ class CopyBatch:
             i = j
 
 
+class ScatterClaims:
+    """The blocks and slots the scatters of one batch write: a batch runs its copies in no defined order, so no
+    two of its scatters may write one byte. Owned by its batch (one thread)."""
+
+    def __init__(self, layout: KVLayout):
+        self.block_size = layout.block_size
+        self._blocks: set[int] = set()  # written by the scatters so far: whole blocks,
+        self._slots: set[int] = set()  # single slots,
+        self._slot_blocks: set[int] = set()  # and the blocks those slots are in
+
+    def claim(self, op: Op, ids: torch.Tensor) -> None:
+        """Record a scatter's ids; ValueError naming them if an earlier scatter of the batch writes them."""
+        if op.slots:
+            slots = [s for s in ids.tolist() if s >= 0]
+            blocks = {s // self.block_size for s in slots}
+            clash = self._slots.intersection(slots) or blocks & self._blocks
+            if not clash:
+                self._slots.update(slots)
+                self._slot_blocks |= blocks
+                return
+        else:
+            blocks = set(ids.tolist())
+            clash = blocks & (self._blocks | self._slot_blocks)
+            if not clash:
+                self._blocks |= blocks
+                return
+        raise ValueError(
+            f"{op.id_name}: expected blocks and slots no earlier scatter of this batch writes (copies "
+            f"of a batch run in no defined order), got {sorted(clash)[:8]} again"
+        )
+
+
 def _device_ids(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return ids
     return ids.pin_memory().to(device, non_blocking=True)
 
 
-def _run_cuda(plan: CopyPlan, layout: KVLayout, ids, buf, op: Op, max_ctas, path, ids_dev=None):
+def _run_cuda(op: Op, layout: KVLayout, ids, buf, plan: CopyPlan, max_ctas, path, ids_dev=None, staging=None):
     # The caller's current stream on the cache's device; entering it also makes that device current.
     stream = torch.cuda.current_stream(layout.device)
     host = buf.device.type == "cpu"
     with torch.cuda.stream(stream):
-        # DMA from the host-side tables; the C++ side declines (nothing issued) when the runs average fewer bytes
-        # than the rule's threshold, and the kernel below takes the copy.
-        min_run = dma_min_run_bytes(layout.device, op, path, host)
+        # Host memory crosses PCIe on the copy engines: DMA straight into the blocks when the runs are large enough
+        # (the C++ side declines, issuing nothing, when they average less than the rule's threshold), else staged.
+        min_run = dma_min_run_bytes(layout.device, op, path, host, plan.num_ids)
         if min_run < DMA_NEVER and _C.cuda_copy_dma(
             layout.layer_ptrs().data_ptr(),
             plan.num_layers,
@@ -580,6 +663,9 @@ def _run_cuda(plan: CopyPlan, layout: KVLayout, ids, buf, op: Op, max_ctas, path
             stream.cuda_stream,
             min_run,
         ):
+            return
+        if host and path != "kernel":
+            _run_host_path(op, layout, ids, buf, "cuda", "staged", staging)
             return
         if ids_dev is None:
             ids_dev = _device_ids(ids, layout.device)
@@ -627,12 +713,12 @@ def _cuda_sim_args(plan: CopyPlan, layout: KVLayout, ids: torch.Tensor, buf: tor
     )
 
 
-def _run_cuda_sim(plan: CopyPlan, layout: KVLayout, ids, buf, op: Op, max_ctas):
+def _run_cuda_sim(op: Op, layout: KVLayout, ids, buf, plan: CopyPlan, max_ctas, path, ids_dev, staging):
     _bounds, args = _cuda_sim_args(plan, layout, ids, buf)  # held: the call reads the bounds by address
     _C.cuda_sim_copy(*args, plan.row_bytes, plan.mode, op.c_direction, CUDA_SIM_SM_COUNT, max_ctas)
 
 
-def _run_triton(plan: CopyPlan, layout: KVLayout, ids, buf, op: Op):
+def _run_triton(op: Op, layout: KVLayout, ids, buf, plan: CopyPlan, max_ctas, path, ids_dev, staging):
     from ..triton_kernels import copy as tk
 
     if layout.device.type == "cuda":
@@ -648,3 +734,13 @@ def _run_triton(plan: CopyPlan, layout: KVLayout, ids, buf, op: Op):
             )
     else:
         tk.copy_rows(plan, layout.layer_ptrs(), ids, buf, op.c_direction, anchor=layout.plane_views(0)[0])
+
+
+# impl -> its runner: every one takes (op, layout, ids, buf, plan, max_ctas, path, ids_dev, staging), a validated copy
+_BACKENDS = {
+    "reference": _run_reference,
+    "cpu": _run_cpu,
+    "cuda": _run_cuda,
+    "cuda_sim": _run_cuda_sim,
+    "triton": _run_triton,
+}

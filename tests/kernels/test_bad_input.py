@@ -133,20 +133,31 @@ def test_negative_max_ctas(lay):
 
 
 def test_unknown_path(lay):
-    with pytest.raises(ValueError, match=r"path: expected one of \('kernel', 'dma'\) or None, got 'fast'"):
+    with pytest.raises(ValueError, match=r"path: expected one of \('kernel', 'dma', 'staged'\) or None, got 'fast'"):
         ops.gather_blocks(lay, [0], path="fast")
 
 
-def test_path_needs_the_cuda_impl(lay):
-    src = torch.zeros(lay.canonical_shape(16), dtype=torch.float16)
+def test_path_kernel_needs_the_cuda_impl(lay):
     with pytest.raises(
         ValueError,
-        match="path: 'dma' picks between the CUDA copy kernel and DMA, which only impl "
-        "'cuda' has; this copy runs impl 'cpu'",
+        match="path: 'kernel' forces the CUDA copy kernel over host memory, which only impl 'cuda' has; this "
+        "copy runs impl 'reference'",
     ):
-        ops.scatter_blocks(lay, [0], src, path="dma")
-    with pytest.raises(ValueError, match="path: 'kernel' .* runs impl 'reference'"):
         ops.gather_blocks(lay, [0], impl="reference", path="kernel")
+
+
+def test_staging_only_with_the_staged_path(lay):
+    out = torch.zeros(lay.canonical_shape(16), dtype=torch.float16)
+    staging = torch.empty(1 << 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="staging: only path 'staged' .* uses a staging buffer, got path 'dma'"):
+        ops.gather_blocks(lay, [0], out, path="dma", staging=staging)
+    with pytest.raises(TypeError, match="staging: expected a uint8 tensor on cpu, got list"):
+        ops.gather_blocks(lay, [0], out, path="staged", staging=[0] * 8)
+    with pytest.raises(ValueError, match="staging: expected a contiguous uint8 tensor on cpu, got torch.float16"):
+        ops.gather_blocks(lay, [0], out, path="staged", staging=torch.empty(1 << 15, dtype=torch.float16))
+    block = lay.num_planes * lay.block_size * lay.num_heads * lay.row_bytes
+    with pytest.raises(ValueError, match=rf"staging: expected at least {block} bytes \(one block of one layer"):
+        ops.gather_blocks(lay, [0], out, path="staged", staging=staging[: block - 1])
 
 
 def test_opaque_cpu_backend_pages_refuse_tokens():

@@ -1,8 +1,10 @@
-"""Host <-> device path of impl "cuda": the UVA copy kernel or DMA, by a threshold measured on the device.
+"""Host <-> device paths of impl "cuda": DMA straight into the blocks or staged (a DMA to a device buffer and the
+copy kernel inside HBM), by a threshold measured on the device; the UVA copy kernel when asked for.
 
-On CPU: the rule that draws the threshold from timings (made-up ones here), and the environment override.
-On a GPU: the DMA path bit-exact against the reference for every layout, both directions, pinned host and
-device memory, padding slots; both paths giving the same bytes; the calibration; which path a call takes.
+On CPU: the rule that draws the threshold from timings (made-up ones here), the environment override, the CPU
+threshold. On a GPU: every path bit-exact against the reference for every layout, both directions, pinned host
+and device memory, padding slots; the paths giving the same bytes; the calibration; which path a call takes.
+(The staged and DMA paths' CPU twins, the same run lists and reshape views, are tests/kernels/test_staged.py.)
 """
 
 import itertools
@@ -60,11 +62,11 @@ def test_rule_ignores_a_dma_win_below_a_kernel_win():
     "args,match",
     [
         (([], [], []), "run_bytes: expected at least one run size"),
-        (([4096, 8192], [1.0], [1.0, 1.0]), "kernel_ms, dma_ms: expected one time per run size"),
+        (([4096, 8192], [1.0], [1.0, 1.0]), "staged_ms, dma_ms: expected one time per run size"),
         (([8192, 4096], [1.0, 1.0], [1.0, 1.0]), "run_bytes: expected strictly increasing positive ints"),
         (([0, 4096], [1.0, 1.0], [1.0, 1.0]), "run_bytes: expected strictly increasing positive ints"),
         (([4096.0], [1.0], [1.0]), "run_bytes: expected strictly increasing positive ints"),
-        (([4096], [0.0], [1.0]), "kernel_ms: expected positive finite times"),
+        (([4096], [0.0], [1.0]), "staged_ms: expected positive finite times"),
         (([4096], [1.0], [math.nan]), "dma_ms: expected positive finite times"),
     ],
 )
@@ -111,9 +113,19 @@ def test_each_copy_asks_the_rule(monkeypatch):
     for op in Op:
         assert h2d.dma_min_run_bytes(dev, op, "dma", host=False) == 0
         assert h2d.dma_min_run_bytes(dev, op, "kernel", host=True) == h2d.DMA_NEVER
+        assert h2d.dma_min_run_bytes(dev, op, "staged", host=True) == h2d.DMA_NEVER
         assert h2d.dma_min_run_bytes(dev, op, None, host=False) == h2d.DMA_NEVER  # device <-> device: the kernel
         assert h2d.dma_min_run_bytes(dev, op, None, host=True) == 4096
     assert ops.calibrate_h2d is h2d.calibrate_h2d and ops.DMA_NEVER == h2d.DMA_NEVER and ops.PATHS is h2d.PATHS
+
+
+def test_cpu_caches_use_a_fixed_threshold(monkeypatch):
+    """No PCIe to measure on a CPU cache (the deferred queue's CUDA code path): CPU_DMA_MIN_BYTES, or the
+    variable."""
+    monkeypatch.delenv(h2d.H2D_ENV, raising=False)
+    assert h2d.dma_threshold("cpu", "scatter", 16) == h2d.CPU_DMA_MIN_BYTES == 64 * KiB
+    monkeypatch.setenv(h2d.H2D_ENV, "0")
+    assert h2d.dma_threshold("cpu", "gather", 128) == 0
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -124,6 +136,7 @@ BLOCK_SIZES = [16, 32, 128]
 TOKEN_LAYOUTS = [name for name in LAYOUTS if name != "cpu"]
 # (path, contiguous side): the kernel on device memory is test_copy.py's
 ROUTES = [
+    pytest.param("staged", True, id="staged-pinned"),
     pytest.param("dma", True, id="dma-pinned"),
     pytest.param("dma", False, id="dma-hbm"),
     pytest.param("kernel", True, id="kernel-pinned"),
@@ -235,9 +248,9 @@ def test_cuda_path_with_strided_pinned_chunk(path):
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("stream", ["default", "side"])
-def test_dma_and_kernel_give_identical_bytes(stream):
+def test_dma_staged_and_kernel_give_identical_bytes(stream):
     """A chunk of realistic size (LBNHC pages, legacy-flash blocks), both directions, on the legacy default
-    stream (one cudaMemcpyAsync per run) and on a side stream (batched)."""
+    stream (one cudaMemcpyAsync per run) and on a side stream (batched), by DMA, staged and the UVA kernel."""
     _need_cuda_impl()
     g = torch.Generator().manual_seed(3)
     s = torch.cuda.current_stream() if stream == "default" else torch.cuda.Stream()
@@ -251,14 +264,20 @@ def test_dma_and_kernel_give_identical_bytes(stream):
             dt = torch.uint8 if kind == "pages" else torch.bfloat16
             gather, scatter = getattr(ops, f"gather_{kind}"), getattr(ops, f"scatter_{kind}")
             x = random_fill_(torch.empty(shape, dtype=dt), g).pin_memory()
-            y = x.clone().pin_memory()
+            y, z = x.clone().pin_memory(), x.clone().pin_memory()
             gather(a, ids, x, impl="cuda", path="dma")
             gather(a, ids, y, impl="cuda", path="kernel")
+            gather(a, ids, z, impl="cuda", path="staged")
             s.synchronize()
             assert_same_bytes(x, y)
+            assert_same_bytes(x, z)
             src = random_fill_(torch.empty(shape, dtype=dt), g).pin_memory()
             scatter(a, ids, src, impl="cuda", path="dma")
             scatter(b, ids, src, impl="cuda", path="kernel")
+            s.synchronize()
+            assert_all_same_bytes(a.layers, b.layers)
+            scatter(b, ids, random_fill_(torch.empty(shape, dtype=dt), g).pin_memory(), impl="cuda", path="dma")
+            scatter(b, ids, src, impl="cuda", path="staged")
             s.synchronize()
             assert_all_same_bytes(a.layers, b.layers)
 
@@ -270,15 +289,18 @@ def test_calibration_is_sane(monkeypatch):
     monkeypatch.delenv(h2d.H2D_ENV, raising=False)
     cal = h2d.calibrate_h2d()
     assert cal.device == torch.device("cuda", torch.cuda.current_device())
-    assert list(cal.run_bytes) == SIZES and len(cal.runs) == len(SIZES)
+    sizes = list(cal.run_bytes)
+    assert sizes == [4 * KiB << k for k in range(8)] and cal.pieces == h2d.CAL_PIECES
     for d in (0, 1):
-        for ts in (cal.kernel_ms[d], cal.dma_ms[d]):
-            assert len(ts) == len(SIZES) and all(math.isfinite(t) and 0 < t < 1000 for t in ts)
-        assert cal.dma_min_bytes[d] in set(SIZES) | {h2d.DMA_NEVER}
-        assert cal.dma_min_bytes[d] == h2d.choose_dma_min_bytes(cal.run_bytes, cal.kernel_ms[d], cal.dma_ms[d])
+        for k in range(len(cal.pieces)):
+            for ts in (cal.staged_ms[d][k], cal.dma_ms[d][k]):
+                assert len(ts) == len(sizes) and all(math.isfinite(t) and 0 < t < 1000 for t in ts)
+            assert cal.dma_min_bytes[d][k] in set(sizes) | {h2d.DMA_NEVER}
+            assert cal.dma_min_bytes[d][k] == h2d.choose_dma_min_bytes(sizes, cal.staged_ms[d][k], cal.dma_ms[d][k])
     assert h2d.calibrate_h2d() is cal  # measured once per device
-    assert h2d.h2d_dma_min_bytes(None, "gather") == cal.dma_min_bytes[0]
-    assert h2d.h2d_dma_min_bytes(cal.device, "scatter") == cal.dma_min_bytes[1]
+    assert h2d.h2d_dma_min_bytes(None, "gather", 16) == cal.dma_min_bytes[0][0]
+    assert h2d.h2d_dma_min_bytes(cal.device, "scatter", 128) == cal.dma_min_bytes[1][1]
+    assert h2d.h2d_dma_min_bytes(cal.device, "scatter", 100) == cal.dma_min_bytes[1][1]  # the nearest batch size
     again = h2d.calibrate_h2d(force=True)
     assert again is not cal and h2d.calibrate_h2d() is again
 
@@ -298,8 +320,9 @@ class _Spy:
 @needs_cuda
 @pytest.mark.gpu
 def test_each_call_takes_the_path_the_rule_says(monkeypatch):
-    """Pages of non-adjacent blocks are runs of exactly one page: DMA from a threshold of one page, the kernel
-    (at most 8 CTAs) above it; an explicit path wins over the rule."""
+    """Pages of non-adjacent blocks are runs of exactly one page: DMA straight into them from a threshold of one
+    page, staged above it (a DMA of the whole copy and the kernel on the device, uncapped); the UVA kernel (at most
+    8 CTAs) only when asked for; an explicit path wins over the rule."""
     _need_cuda_impl()
     lay, _ = two_layouts(
         "LBNHC",
@@ -311,33 +334,37 @@ def test_each_call_takes_the_path_the_rule_says(monkeypatch):
     )
     ids = [1, 5, 9]
     out = torch.empty(lay.page_shape(3), dtype=torch.uint8).pin_memory()
-    dma, kernel = _Spy(ops._C.cuda_copy_dma), _Spy(ops._C.cuda_copy)
+    dma, runs, kernel = _Spy(ops._C.cuda_copy_dma), _Spy(ops._C.cuda_copy_runs), _Spy(ops._C.cuda_copy)
     monkeypatch.setattr(ops._C, "cuda_copy_dma", dma)
+    monkeypatch.setattr(ops._C, "cuda_copy_runs", runs)
     monkeypatch.setattr(ops._C, "cuda_copy", kernel)
 
     def taken(**kw):
-        dma.calls.clear()
-        kernel.calls.clear()
+        for spy in (dma, runs, kernel):
+            spy.calls.clear()
         ops.gather_pages(lay, ids, out, impl="cuda", **kw)
         torch.cuda.synchronize()
         if dma.calls and dma.calls[-1][1]:
-            assert not kernel.calls
+            assert not kernel.calls and not runs.calls
             return "dma", None
         assert len(kernel.calls) == 1
-        return "kernel", kernel.calls[0][0][-1]  # max_ctas
+        if runs.calls:
+            return "staged", kernel.calls[0][0][-1]  # max_ctas
+        return "kernel", kernel.calls[0][0][-1]
 
     monkeypatch.setenv(h2d.H2D_ENV, str(lay.page_bytes))
     assert taken() == ("dma", None)
     monkeypatch.setenv(h2d.H2D_ENV, str(lay.page_bytes + 1))
-    assert taken() == ("kernel", ops.H2D_MAX_CTAS)
-    assert taken(max_ctas=3) == ("kernel", 3)
-    assert taken(max_ctas=100) == ("kernel", ops.H2D_MAX_CTAS)
+    assert taken() == ("staged", 0)
+    assert taken(path="kernel") == ("kernel", ops.H2D_MAX_CTAS)
+    assert taken(path="kernel", max_ctas=3) == ("kernel", 3)
+    assert taken(path="kernel", max_ctas=100) == ("kernel", ops.H2D_MAX_CTAS)
     assert taken(path="dma") == ("dma", None)
     monkeypatch.setenv(h2d.H2D_ENV, "0")
     assert taken() == ("dma", None)
-    assert taken(path="kernel") == ("kernel", ops.H2D_MAX_CTAS)
+    assert taken(path="staged") == ("staged", 0)
     monkeypatch.setenv(h2d.H2D_ENV, str(h2d.DMA_NEVER))
-    assert taken() == ("kernel", ops.H2D_MAX_CTAS)
+    assert taken() == ("staged", 0)
     # device memory on the contiguous side: the kernel, uncapped, unless DMA is asked for
     hbm = torch.empty(lay.page_shape(3), dtype=torch.uint8, device="cuda")
     monkeypatch.setenv(h2d.H2D_ENV, "0")

@@ -1,0 +1,262 @@
+"""``kvx.kernels.staged.TransferBatch``: the host <-> device data path, planned into parts, bit-exact against the
+reference running each op alone over every layer.
+
+On CPU every path runs its CPU twin (the DMA plan run by memcpy, the reshape by a CPU impl, ``cuda_sim`` included:
+the CUDA kernel's own source over the staging views), so these tests execute the very run lists and staging views
+a GPU gets. Cases: every layout and dtype kvx copies (fp8 included), odd head sizes, a strided chunk cut from a
+pool, padding slots, raw pages, a capacity that splits a layer's copies between ids and one that takes several
+layers per part; the run lists themselves (a whole chunk's layer is one run); the errors. GPU twins at the end.
+"""
+
+import pytest
+import torch
+
+from kvx.kernels import ops
+from kvx.kernels.layout import KVLayout
+from kvx.kernels.staged import TransferBatch
+from kvx.testing import make_kv_caches, random_fill_
+from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
+
+from .conftest import impl_or_skip
+
+IMPLS = ["cpu", "cuda_sim", "reference"]  # the reshape's implementation on CPU
+DTYPES = [torch.bfloat16, torch.float8_e4m3fn, torch.uint8]
+LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "flash", "flashinfer", "mla"]
+PATHS = ["staged", "dma", "kernel", "auto"]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none present)")
+
+
+def _caches(name, dtype, seed, device="cpu", layers=3, blocks=12, block_size=16):
+    geom = dict(
+        num_layers=layers,
+        num_blocks=blocks,
+        block_size=block_size,
+        num_heads=1 if name == "mla" else 2,
+        head_size=40 if name == "mla" else 5,
+    )
+    a = make_kv_caches(name, **geom, dtype=dtype, device=device, generator=torch.Generator().manual_seed(seed))
+    b = make_kv_caches(name, **geom, dtype=dtype, device=device, generator=torch.Generator().manual_seed(seed))
+    return KVLayout.from_tensors(a, name), KVLayout.from_tensors(b, name)
+
+
+def _copies(lay, g, pinned=False):
+    """(kind, ids, buffer) of a step's worth of copies: chunks of several sizes, a strided chunk cut from a pool,
+    padding slots; the scatters write distinct blocks, the last block by slots. Raw pages go in their own batch
+    (a worker's batch holds one format)."""
+    bs = lay.block_size
+
+    def buf(shape, dtype):
+        t = random_fill_(torch.empty(shape, dtype=dtype), g)
+        return t.pin_memory() if pinned else t
+
+    pool = buf((2, lay.num_planes, lay.num_layers, 3 * bs, lay.num_heads, lay.head_size), lay.dtype)
+    return [
+        ("blocks", [4, 0], buf(lay.canonical_shape(2 * bs), lay.dtype)),
+        ("blocks", [7, 2, 9], pool[1].transpose(0, 1)),  # strided: a pool slot
+        ("blocks", [5], buf(lay.canonical_shape(bs), lay.dtype)),
+        ("slots", [11 * bs + 3, -1, 11 * bs, 10 * bs + bs - 1, -1], buf(lay.canonical_shape(5), lay.dtype)),
+    ]
+
+
+def _pages(lay, g, pinned=False):
+    t = random_fill_(torch.empty(lay.page_shape(3), dtype=torch.uint8), g)
+    return [("pages", [1, 8, 3], t.pin_memory() if pinned else t)]
+
+
+def _run(batch, parts, staging):
+    """A part's steps in the direction's order, as the engine orders them on one stream."""
+    for part in parts:
+        if batch.path == "kernel":
+            batch.reshape(part)
+        elif batch.path == "dma":
+            batch.dma(part)
+        elif batch.gather:
+            batch.reshape(part, staging)
+            batch.dma(part, staging)
+        else:
+            batch.dma(part, staging)
+            batch.reshape(part, staging)
+
+
+def _check_gathers(lay, ref, copies, path, impl, ranges, capacity):
+    outs = [buf.clone() for _, _, buf in copies]  # filled with noise: a row the batch misses shows
+    expected = [buf.clone() for _, _, buf in copies]
+    batch = TransferBatch(lay, path=path, impl=impl)
+    for (kind, ids, _), out in zip(copies, outs):
+        batch.add(f"gather_{kind}", ids, out)
+    parts = batch.plan(ranges, capacity)
+    staging = torch.empty(capacity or 16, dtype=torch.uint8, device=lay.device)
+    _run(batch, parts, staging)
+    for (kind, ids, _), exp in zip(copies, expected):
+        getattr(ops, f"gather_{kind}")(ref, ids, exp, impl="reference")
+    for out, exp in zip(outs, expected):
+        assert_same_bytes(out, exp)
+    return batch, parts
+
+
+def _check_scatters(lay, ref, copies, path, impl, ranges, capacity):
+    batch = TransferBatch(lay, path=path, impl=impl)
+    for kind, ids, src in copies:
+        batch.add(f"scatter_{kind}", ids, src)
+    parts = batch.plan(ranges, capacity)
+    staging = torch.empty(capacity or 16, dtype=torch.uint8, device=lay.device)
+    _run(batch, parts, staging)
+    for kind, ids, src in copies:
+        getattr(ops, f"scatter_{kind}")(ref, ids, src.to(ref.device), impl="reference")
+    assert_all_same_bytes(lay.layers, ref.layers)
+    return batch, parts
+
+
+def _ranges(num_layers):
+    return [(0, 1), (1, num_layers)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_batch_matches_each_op_alone(impl, name, dtype, path):
+    impl_or_skip(impl)
+    seed = case_seed("staged", impl, name, str(dtype), path)
+    g = torch.Generator().manual_seed(seed)
+    lay, ref = _caches(name, dtype, seed)
+    cap = 1 << 20
+    _check_gathers(lay, ref, _copies(lay, g), path, impl, _ranges(lay.num_layers), cap)
+    _check_scatters(lay, ref, _copies(lay, g), path, impl, _ranges(lay.num_layers), cap)
+    if lay.page is not None:
+        _check_gathers(lay, ref, _pages(lay, g), path, impl, _ranges(lay.num_layers), cap)
+        _check_scatters(lay, ref, _pages(lay, g), path, impl, _ranges(lay.num_layers), cap)
+
+
+@pytest.mark.parametrize("name", ["LBNHC", "flash", "mla"])
+@pytest.mark.parametrize("impl", ["cpu", "cuda_sim"])
+def test_a_small_capacity_splits_a_layer_between_ids(impl, name):
+    """A staging buffer of one block of one layer: every block of every layer is a part of its own (a slot
+    copy's entries pack several to a part)."""
+    impl_or_skip(impl)
+    seed = case_seed("split", impl, name)
+    g = torch.Generator().manual_seed(seed)
+    lay, ref = _caches(name, torch.bfloat16, seed)
+    block = lay.num_planes * lay.block_size * lay.num_heads * lay.row_bytes
+    copies = _copies(lay, g)
+    batch, parts = _check_gathers(lay, ref, copies, "staged", impl, None, block)
+    assert all(p.nbytes <= block and p.end - p.start == 1 for p in parts)
+    n_blocks = sum(len(ids) for kind, ids, _ in copies if kind == "blocks")
+    assert len(parts) >= lay.num_layers * n_blocks
+    batch, parts = _check_scatters(lay, ref, _copies(lay, g), "staged", impl, None, block + 7)
+    assert all(p.nbytes <= block + 7 for p in parts)
+
+
+def test_a_large_capacity_takes_several_layers_per_part():
+    g = torch.Generator().manual_seed(5)
+    lay, ref = _caches("LBNHC", torch.float16, 5, layers=5)
+    copies = _copies(lay, g)
+    per_layer = TransferBatch(lay, path="staged")
+    for kind, ids, buf in copies:
+        per_layer.add(f"gather_{kind}", ids, buf)
+    layer_bytes = per_layer.nbytes // lay.num_layers
+    _, parts = _check_gathers(lay, ref, copies, "staged", "cpu", [(0, 5)], 2 * layer_bytes)
+    assert [(p.start, p.end) for p in parts] == [(0, 2), (2, 4), (4, 5)]
+
+
+def test_a_whole_chunk_layer_is_one_run():
+    """The DMA plan: a chunk's layer is one run (its planes adjacent on both sides); two chunks are two runs each
+    per layer (the staging side holds each plane's tokens of both chunks together), and padding slots no run."""
+    g = torch.Generator().manual_seed(1)
+    lay, _ = _caches("LBNHC", torch.bfloat16, 1)
+    chunk = random_fill_(torch.empty(lay.canonical_shape(32), dtype=lay.dtype), g)
+    one = TransferBatch(lay, path="staged")
+    one.add("scatter_blocks", [3, 4], chunk)
+    parts = one.plan([(i, i + 1) for i in range(lay.num_layers)], 1 << 20)
+    for layer, part in enumerate(parts):
+        dsts, srcs, sizes = part.runs
+        assert sizes.tolist() == [chunk[0].nbytes] and dsts.tolist() == [0]
+        assert srcs.tolist() == [chunk[layer].data_ptr()]
+    two = TransferBatch(lay, path="staged")
+    other = random_fill_(torch.empty(lay.canonical_shape(16), dtype=lay.dtype), g)
+    two.add("scatter_blocks", [3, 4], chunk)
+    two.add("scatter_blocks", [7], other)
+    (part,) = two.plan([(0, 1)], 1 << 20)
+    assert part.runs[2].tolist() == [chunk[0, 0].nbytes, chunk[0, 1].nbytes, other[0, 0].nbytes, other[0, 1].nbytes]
+    slots = TransferBatch(lay, path="staged")
+    out = torch.empty(lay.canonical_shape(5), dtype=lay.dtype)
+    slots.add("gather_slots", [3, -1, -1, 40, 41], out)
+    (part,) = slots.plan([(0, 1)], 1 << 20)
+    row = out[0, 0, 0].nbytes
+    assert part.runs[2].tolist() == [row, row, 2 * row, 2 * row]  # slot 3, then 40-41, each plane; no padding
+
+
+def test_auto_takes_dma_for_large_pieces_and_staged_for_rows(monkeypatch):
+    """Path "auto" on a CPU cache: DMA straight into the blocks from CPU_DMA_MIN_BYTES (or the variable)."""
+    from kvx.kernels import dma
+
+    monkeypatch.delenv(dma.H2D_ENV, raising=False)
+    g = torch.Generator().manual_seed(2)
+    lay, _ = _caches("LBNHC", torch.bfloat16, 2)
+    pages = TransferBatch(lay, path="auto")
+    pages.add("gather_pages", [1, 5], torch.empty(lay.page_shape(2), dtype=torch.uint8))
+    rows = TransferBatch(lay, path="auto")
+    rows.add("gather_blocks", [1, 5], random_fill_(torch.empty(lay.canonical_shape(32), dtype=lay.dtype), g))
+    assert pages.resolve_path() == rows.resolve_path() == "staged"  # pages of 640 B < 64 KiB
+    monkeypatch.setenv(dma.H2D_ENV, str(lay.page.page_bytes))
+    pages = TransferBatch(lay, path="auto")
+    pages.add("gather_pages", [1, 5], torch.empty(lay.page_shape(2), dtype=torch.uint8))
+    assert pages.resolve_path() == "dma"
+
+
+def test_bad_batches_are_refused():
+    lay, _ = _caches("LBNHC", torch.bfloat16, 3)
+    buf = torch.empty(lay.canonical_shape(16), dtype=lay.dtype)
+    with pytest.raises(ValueError, match=r"path: expected one of \('kernel', 'dma', 'staged', 'auto'\), got 'x'"):
+        TransferBatch(lay, path="x")
+    batch = TransferBatch(lay)
+    batch.add("gather_blocks", [1], buf)
+    with pytest.raises(ValueError, match="op: expected gathers only .one direction per batch., got scatter_blocks"):
+        batch.add("scatter_blocks", [2], buf)
+    with pytest.raises(ValueError, match="capacity: expected the staging buffer's bytes for path 'staged'"):
+        batch.plan()
+    with pytest.raises(ValueError, match=r"capacity: expected at least 640 bytes \(one block of one layer"):
+        batch.plan(capacity=639)
+    with pytest.raises(ValueError, match=r"ranges: expected \(start, end\) with 0 <= start < end <= 3, got \(2, 5\)"):
+        batch.plan([(2, 5)], 1 << 20)
+    (part,) = batch.plan(capacity=1 << 20)
+    with pytest.raises(ValueError, match=f"staging: expected at least {part.nbytes} bytes for this part, got 64"):
+        batch.dma(part, torch.empty(64, dtype=torch.uint8))
+    scatter = TransferBatch(lay)
+    scatter.add("scatter_blocks", [1, 2], torch.empty(lay.canonical_shape(32), dtype=lay.dtype))
+    with pytest.raises(ValueError, match=r"block_ids: expected blocks and slots no earlier scatter .* got \[2\]"):
+        scatter.add("scatter_blocks", [2], buf)
+
+
+# ------------------------------------------------------------------------------ GPU twins
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_gpu_batch_matches_each_op_alone(name, dtype, path):
+    seed = case_seed("staged-gpu", name, str(dtype), path)
+    g = torch.Generator().manual_seed(seed)
+    lay, ref = _caches(name, dtype, seed, device="cuda")
+    for cap in (1 << 20, lay.num_planes * lay.block_size * lay.num_heads * lay.row_bytes):
+        outs = _copies(lay, g, pinned=True)
+        expected = [buf.cuda() for _, _, buf in outs]
+        batch = TransferBatch(lay, path=path, impl="cuda")
+        for kind, ids, out in outs:
+            batch.add(f"gather_{kind}", ids, out)
+        staging = torch.empty(cap, dtype=torch.uint8, device="cuda")
+        _run(batch, batch.plan(_ranges(lay.num_layers), cap), staging)
+        for (kind, ids, _), exp in zip(outs, expected):
+            getattr(ops, f"gather_{kind}")(ref, ids, exp, impl="reference")
+        torch.cuda.synchronize()
+        for (_, _, out), exp in zip(outs, expected):
+            assert_same_bytes(out.cuda(), exp)
+        srcs = _copies(lay, g, pinned=True)
+        batch = TransferBatch(lay, path=path, impl="cuda")
+        for kind, ids, src in srcs:
+            batch.add(f"scatter_{kind}", ids, src)
+        _run(batch, batch.plan(_ranges(lay.num_layers), cap), staging)
+        for kind, ids, src in srcs:
+            getattr(ops, f"scatter_{kind}")(ref, ids, src.cuda(), impl="reference")
+        torch.cuda.synchronize()
+        assert_all_same_bytes(lay.layers, ref.layers)
