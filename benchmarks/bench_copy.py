@@ -1,8 +1,9 @@
 """Copy-kernel benchmark (see kvx/testing/bench.py): `python benchmarks/bench_copy.py [--quick] [--device cuda]`.
 
-On CUDA it also runs the host <-> device sweep (UVA kernel vs DMA vs one cudaMemcpyAsync per page, piece
-sizes 2 KiB .. 1 MiB, with the measured kernel-or-DMA threshold) into results/copy_h2d_cuda.{csv,md};
-`--h2d-only` runs just that.
+CPU: the table (kvx's C++ copies against memcpy and torch indexing). CUDA: the table (on device, and cache <->
+pinned host by every host path, idle and under a bf16 GEMM loop), one layer's copies of a step with their host
+time, both directions at once, and the per-layer host <-> device sweep (`--h2d-only`: just that, into
+results/copy_h2d_cuda.{csv,md}); `--sections` picks. benchmarks/gpu_targets.py judges the targets from the CSVs.
 """
 
 import sys

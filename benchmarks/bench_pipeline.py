@@ -35,6 +35,14 @@ step's start until the last gather landed (an event on the save stream). Run wit
 save copy (``--save-compute 1``, the hard case) and longer (8: about what an 8B model's layer computes for
 2048 tokens on an H100 against its 8 MiB of KV over PCIe, 1.5 ms vs 0.17 ms by a FLOP count; an estimate).
 
+**Host time** (targets: the hooks' host time less that of the same step without kvx <= 1 ms for a step loading
+or saving 8 chunks over 32 layers, <= 5 us per layer for a step with nothing to copy). Every case also runs
+``no kvx``: the same steps (markers, compute) with no hook called; ``host_over_ms`` in the CSV is a variant's
+host time less that one's, per step (a save run's K + 1 steps are charged to its K saving steps).
+
+kvx runs its DEFAULT config (``max_ctas``, the host <-> device copy path, the staging budget: what a user gets);
+``--copy-path`` (``kv_connector_extra_config`` ``copy_path``: auto, staged, dma, kernel) runs another, to compare.
+
 Every run is preceded by a ``torch.cuda._sleep`` pad on the compute stream, 1.5x the longest host time the
 hooks took in a warm-up run: the host queues the whole step before the GPU reaches it, so the events time the GPU
 work (vLLM's async scheduling and CUDA graphs keep its host ahead too). ``host ms`` is reported; a run in
@@ -44,7 +52,7 @@ idle between runs. After each case the copied bytes are compared (bit-exact) wit
 copies happened.
 
     python benchmarks/bench_pipeline.py [--device cuda] [--shapes llama3-8b,llama3.2-1b] [--chunks 1,2,4,8]
-        [--compute matmul,sleep] [--save-compute 1,8] [--repeats 10] [--quick]
+        [--compute matmul,sleep] [--save-compute 1,8] [--repeats 10] [--quick] [--copy-path staged]
 
 Writes benchmarks/results/pipeline_cuda.{md,csv} (``--quick``: one shape, 1 and 8 chunks, 5 repeats).
 ``--device cpu`` (the tiny shape, 1 and 2 chunks of 32 tokens, 2 repeats, ``--quick`` or not) runs the same
@@ -75,10 +83,14 @@ from kvx.connector.metadata import FAILED, ChunkLoad, ChunkSave, KVXMetadata, Lo
 from kvx.connector.worker import KVXWorker
 from kvx.kernels import ops
 from kvx.testing import TransferTally, make_kv_caches
-from kvx.testing.bench import cpu_name
+from kvx.testing.bench import Clock, cpu_name
 
 LOAD_TARGET = 0.80  # hidden fraction of the load copy time, layerwise, compute of equal length
 SAVE_TARGET = 0.05  # forward slowdown with save_layerwise
+HOST_STEP_TARGET_MS = 1.0  # hooks' host time over the step without kvx, a step loading or saving 8 chunks
+HOST_IDLE_TARGET_US = 5.0  # ... per layer, a step with nothing to copy
+NO_KVX = "no kvx"  # the variant with no hook called: the host-time baseline
+HOST_MODES = ("compute only", "layerwise", "all at start", "no saves", "save_layerwise", "all at once")
 TIE = 0.01  # differences below 1% of the reference time are ties (noise)
 MAX_PAD_MS = 250.0
 
@@ -117,64 +129,7 @@ def _median(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-# ------------------------------------------------------------------ clocks and compute
-class Clock:
-    """Points on the compute stream: CUDA events (read after a synchronize), host times on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.cycles_per_ms = self._sleep_rate() if self.cuda else 0.0
-
-    def mark(self, stream=None):
-        if not self.cuda:
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(stream if stream is not None else torch.cuda.current_stream())
-        return ev
-
-    def ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def pad(self, ms: float) -> None:
-        """Keep the compute stream busy for ``ms`` while the host queues what follows (CUDA)."""
-        if self.cuda and ms > 0:
-            torch.cuda._sleep(int(ms * self.cycles_per_ms))
-
-    def time_ms(self, fn, repeats: int, pad_ms: float = 0.0) -> float:
-        """Median time of ``fn`` on the current stream: events around each call, all calls queued behind a
-        pad (CUDA), so the host's cost of issuing them is not timed; ``perf_counter`` on CPU."""
-        fn()
-        self.sync()
-        self.pad(pad_ms)
-        marks = []
-        for _ in range(repeats):
-            a = self.mark()
-            fn()
-            marks.append((a, self.mark()))
-        self.sync()
-        return _median(self.ms(a, b) for a, b in marks)
-
-    @staticmethod
-    def _sleep_rate() -> float:
-        """``torch.cuda._sleep`` cycles per millisecond on this GPU."""
-        cycles = 2_000_000
-        torch.cuda._sleep(cycles)
-        torch.cuda.synchronize()
-        evs = []
-        for _ in range(5):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            torch.cuda._sleep(cycles)
-            b.record()
-            evs.append((a, b))
-        torch.cuda.synchronize()
-        return cycles / _median(a.elapsed_time(b) for a, b in evs)
-
-
+# ------------------------------------------------------------------ compute (Clock: kvx.testing.bench)
 class Compute:
     """A synthetic per-layer forward on the current stream, sized to take ``target_ms``.
 
@@ -275,8 +230,10 @@ class Bench:
                 "tiers": [{"type": "cpu", "size": slots * self.chunk_bytes}],
                 "layerwise": True,
                 "save_layerwise": True,
+                **({"copy_path": args.copy_path} if args.copy_path else {}),
             }
         )
+        self.copy_path = getattr(self.config, "copy_path", None) or "n/a"  # what the worker was configured with
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(shape.layers)]
         self.caches = make_kv_caches(
             args.layout,
@@ -351,8 +308,7 @@ class Bench:
     def layer_copy_ms(self, n: int, direction: str) -> float:
         """One layer's copy of n chunks as the worker issues it (layer 0 of one CopyBatch of them all), on a
         side stream."""
-        lay = self.worker.layout
-        batch = ops.CopyBatch(lay, max_ctas=self.config.max_ctas)
+        batch = self.worker.batch()  # as the worker builds it: its config's max_ctas, copy path, staging
         for i in range(n):
             batch.add(
                 "scatter_blocks" if direction == "h2d" else "gather_blocks", self.chunk_blocks(1, i), self.pool.slot(i)
@@ -368,7 +324,14 @@ class Bench:
         return ms
 
     # -------------------------------------------------------------- steps
-    def _step(self, meta: KVXMetadata, compute) -> tuple:
+    def _step(self, meta: KVXMetadata, compute, hooks: bool = True) -> tuple:
+        if not hooks:  # the same step without kvx: the markers and the compute alone
+            f0 = self.clock.mark()
+            for _ in self.names:
+                if compute is not None:
+                    compute()
+            f1 = self.clock.mark()
+            return f0, f1, self.clock.mark()
         w = self.worker
         w.handle_preemptions(meta)
         w.bind(meta)
@@ -390,13 +353,16 @@ class Bench:
             raise RuntimeError(f"the worker reported failed copies: load errors {sorted(errors)[:8]}, {out}")
         return f0, f1, end
 
-    def run(self, metas: list[KVXMetadata], compute, pad_ms: float) -> dict:
-        """Steps back to back from an idle GPU, behind a pad; the times of the sequence (ms)."""
+    def run(self, metas: list[KVXMetadata], compute, pad_ms: float, hooks: bool = True) -> dict:
+        """Steps back to back from an idle GPU, behind a pad; the times of the sequence (ms). ``hooks`` False:
+        the same steps without kvx (``metas`` must then copy nothing)."""
+        if not hooks and any(m.loads or m.saves for m in metas):
+            raise ValueError("run: the steps without kvx must not load or save")
         self.clock.sync()
         self.clock.pad(pad_ms)
         t0 = time.perf_counter()
         start = self.clock.mark()
-        marks = [self._step(m, compute) for m in metas]
+        marks = [self._step(m, compute, hooks) for m in metas]
         saves = any(m.saves for m in metas)
         if saves and self.clock.cuda:
             saved = self.clock.mark(self.engine.stream_of("save"))  # after every gather queued so far
@@ -423,15 +389,15 @@ class Bench:
         sizes the pad), then the variants interleaved in every repeat. Returns name -> list of runs."""
         host, pad_ms = [], 0.0
         for _ in range(max(1, warmup)):
-            for mode, metas, compute in variants.values():
+            for name, (mode, metas, compute) in variants.items():
                 self.set_mode(**mode)
-                host.append(self.run(metas, compute, pad_ms=pad_ms)["host"])
+                host.append(self.run(metas, compute, pad_ms=pad_ms, hooks=name != NO_KVX)["host"])
             pad_ms = min(MAX_PAD_MS, 1.5 * max(host) + 1.0) if self.clock.cuda else 0.0
         runs: dict[str, list[dict]] = {name: [] for name in variants}
         for _ in range(repeats):
             for name, (mode, metas, compute) in variants.items():
                 self.set_mode(**mode)
-                runs[name].append(self.run(metas, compute, pad_ms))
+                runs[name].append(self.run(metas, compute, pad_ms, hooks=name != NO_KVX))
         self.set_mode()
         return runs, pad_ms
 
@@ -481,12 +447,14 @@ def bench_loads(b: Bench, n: int, kind: str) -> list[dict]:
             "copy only": (lw, [hit], None),
             "layerwise": (lw, [hit], compute),
             "all at start": (start, [hit], compute),
+            NO_KVX: (lw, [miss], compute),
         },
         args.warmup,
         args.repeats,
     )
     b.check_loaded(n)
     med = {name: _median(r["step"] for r in rs) for name, rs in runs.items()}
+    host0 = _median(r["host"] for r in runs[NO_KVX])
     rows = []
     for name, rs in runs.items():
         hidden = None
@@ -507,6 +475,8 @@ def bench_loads(b: Bench, n: int, kind: str) -> list[dict]:
                 hidden=hidden,
                 runs=rs,
                 pad_ms=pad_ms,
+                host_nokvx_ms=host0,
+                steps=1,
             )
         )
     return rows
@@ -524,15 +494,17 @@ def bench_saves(b: Bench, n: int, kind: str) -> list[dict]:
                 "no saves": ({}, plain, compute),
                 "save_layerwise": ({"save_layerwise": True}, saving, compute),
                 "all at once": ({"save_layerwise": False}, saving, compute),
+                NO_KVX: ({}, plain, compute),
             },
             args.warmup,
             args.repeats,
         )
         b.check_saved(n)
         fwd0 = _median(r["fwd"] for r in runs["no saves"])
+        host0 = _median(r["host"] for r in runs[NO_KVX])
         for name, rs in runs.items():
             fwd = _median(r["fwd"] for r in rs)
-            saved = _median(r["saved"] for r in rs) if name != "no saves" else None
+            saved = _median(r["saved"] for r in rs) if name not in ("no saves", NO_KVX) else None
             rows.append(
                 _row(
                     b,
@@ -549,6 +521,9 @@ def bench_saves(b: Bench, n: int, kind: str) -> list[dict]:
                     saved_ms=saved,
                     runs=rs,
                     pad_ms=pad_ms,
+                    host_nokvx_ms=host0,
+                    # a saving run's K + 1 steps are charged to its K saving steps; the others per step
+                    steps=args.save_steps if name in ("save_layerwise", "all at once") else args.save_steps + 1,
                 )
             )
     return rows
@@ -580,11 +555,15 @@ COLUMNS = [
     "slowdown_pct",
     "saved_ms",
     "host_ms",
+    "host_nokvx_ms",
+    "host_over_ms",
     "pad_ms",
     "host_behind",
     "repeats",
     "device",
     "copy_queue",
+    "copy_path",
+    "max_ctas",
     "smoke",
 ]
 
@@ -608,8 +587,11 @@ def _row(
     fwd_nosave_ms=None,
     slowdown=None,
     saved_ms=None,
+    host_nokvx_ms=None,
+    steps=1,
 ) -> dict:
     s, a = b.shape, b.args
+    host = _median(r["host"] for r in runs)
     return {
         "section": section,
         "shape": s.name,
@@ -635,12 +617,17 @@ def _row(
         "fwd_nosave_ms": fwd_nosave_ms,
         "slowdown_pct": None if slowdown is None else 100.0 * slowdown,
         "saved_ms": saved_ms,
-        "host_ms": _median(r["host"] for r in runs),
+        "host_ms": host,
+        "host_nokvx_ms": host_nokvx_ms,
+        # the hooks' host time per step over the same steps without kvx
+        "host_over_ms": None if host_nokvx_ms is None or mode == NO_KVX else (host - host_nokvx_ms) / steps,
         "pad_ms": pad_ms,
         "host_behind": sum(bool(r["behind"]) for r in runs),
         "repeats": len(runs),
         "device": a.device,
         "copy_queue": b.engine.mode,
+        "copy_path": b.copy_path,
+        "max_ctas": b.config.max_ctas,
         "smoke": not b.clock.cuda,
     }
 
@@ -760,6 +747,35 @@ def write_results(
             if win in wins:
                 lines.append(f"- {win}: {len(wins[win])} case(s): {'; '.join(wins[win])}")
         lines.append("")
+    over = [r for r in rows if r["host_over_ms"] is not None and r["mode"] in HOST_MODES]
+    if over:
+        lines += [
+            "## Host time of the hooks",
+            "",
+            f"Targets: a step loading or saving 8 chunks <= {HOST_STEP_TARGET_MS:g} ms of host time over the same step "
+            f"without kvx (`{NO_KVX}`: markers and compute, no hook called); a step with nothing to copy <= "
+            f"{HOST_IDLE_TARGET_US:g} us per layer. Medians of the runs' host times; a save run's K + 1 steps are "
+            "charged to its K saving steps.",
+            "",
+            "| section | shape | chunks | compute | variant | host ms | no kvx ms | over per step ms "
+            "| over per layer us | target |",
+            "|---|---|---:|---|---|---:|---:|---:|---:|---|",
+        ]
+        for r in over:
+            per_layer = 1e3 * r["host_over_ms"] / r["layers"]
+            if r["mode"] in ("compute only", "no saves"):
+                limit, ok = f"<= {HOST_IDLE_TARGET_US:g} us/layer", per_layer <= HOST_IDLE_TARGET_US
+            elif r["chunks"] == 8 and r["mode"] in ("layerwise", "save_layerwise"):
+                limit, ok = f"<= {HOST_STEP_TARGET_MS:g} ms", r["host_over_ms"] <= HOST_STEP_TARGET_MS
+            else:
+                limit, ok = "", None
+            verdict = "" if ok is None else "n/a (CPU smoke)" if smoke else "met" if ok else "MISSED"
+            lines.append(
+                f"| {r['section']} | {_label(r)} | {r['chunks']} | {r['compute_desc']} | {r['mode']} | "
+                f"{r['host_ms']:.3f} | {r['host_nokvx_ms']:.3f} | {r['host_over_ms']:.3f} | {per_layer:.1f} | "
+                f"{limit}{': ' + verdict if verdict else ''} |"
+            )
+        lines.append("")
     behind = [r for r in rows if r["host_behind"]]
     if behind:
         lines += [
@@ -789,21 +805,25 @@ def _keys(rows: list[dict], fields: tuple[str, ...]) -> list[tuple]:
     return seen
 
 
-def _h2d_note(device: torch.device) -> list[str]:
-    try:
-        cal = ops.calibrate_h2d(device)  # cached: the worker calibrated when it registered its caches
-    except Exception as e:  # noqa: BLE001 - informative only
-        return [f"Host <-> device copy path: not known ({e}).", ""]
-    fmt = ["never" if b == ops.DMA_NEVER else _mib(b) for b in cal.dma_min_bytes]
-    env = os.environ.get("KVX_H2D_DMA_MIN_BYTES")
-    return [
-        f"Host <-> device copies: kernel (<= {ops.H2D_MAX_CTAS} CTAs) below, DMA "
-        f"({'cudaMemcpyBatchAsync' if cal.batched else 'cudaMemcpyAsync per run'}) from a mean run of "
-        f"{fmt[0]} device->host, {fmt[1]} host->device"
-        f"{f' (KVX_H2D_DMA_MIN_BYTES={env} fixes the threshold)' if env else ' (measured by calibrate_h2d)'}; "
-        "copies capped at `max_ctas` 8.",
-        "",
+def _config_note(b: Bench) -> list[str]:
+    """The worker's copy settings (its config's: the defaults unless --copy-path), and the kernel-or-DMA rule's
+    calibration where this kvx has one."""
+    cfg = b.config
+    staging = getattr(cfg, "staging_bytes", None)
+    lines = [
+        f"kvx config: `max_ctas` {cfg.max_ctas}, `copy_path` {b.copy_path}"
+        + (f", `staging_bytes` {_mib(int(staging))}" if staging is not None else "")
+        + (" (defaults)" if b.args.copy_path is None else f" (--copy-path {b.args.copy_path})")
+        + f"; copy queue {b.engine.mode}."
     ]
+    if b.clock.cuda and hasattr(ops, "calibrate_h2d"):
+        try:
+            cal = ops.calibrate_h2d(b.device)  # cached: the worker calibrated when it registered its caches
+            fmt = ["never" if x == getattr(ops, "DMA_NEVER", None) else _mib(x) for x in cal.dma_min_bytes]
+            lines[0] += f" DMA threshold (calibrate_h2d): {fmt[0]} device->host, {fmt[1]} host->device."
+        except Exception as e:  # noqa: BLE001 - informative only
+            lines[0] += f" DMA threshold: not known ({e})."
+    return lines + [""]
 
 
 # ------------------------------------------------------------------ main
@@ -827,11 +847,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per variant (default 10)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up runs per variant (default 2)")
     ap.add_argument(
+        "--copy-path",
+        default=None,
+        help="the worker's host <-> device copy path (kv_connector_extra_config copy_path: auto, staged, dma, "
+        "kernel); default: the config's default",
+    )
+    ap.add_argument(
         "--out",
         default=None,
         help="results path stem (default benchmarks/results/pipeline_cuda; CPU: a temporary directory)",
     )
     args = ap.parse_args(argv)
+    if args.copy_path is not None and "copy_path" not in KVXConfig.model_fields:
+        ap.error("--copy-path: this kvx's KVXConfig has no copy_path key")
     command = ("python benchmarks/bench_pipeline.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = args.device.startswith("cuda")
@@ -889,28 +917,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     t0 = time.perf_counter()
     rows: list[dict] = []
-    stream = torch.cuda.Stream(device) if cuda else None
-    # the compute stream: markers and fences go on it (a non-default stream: the DMA path's batched copies
-    # do not run on the legacy default stream, and vLLM's forward does not run there either)
-    with _copy_queue(None if cuda else "thread"), torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-        clock = Clock(device)
-        for name in args.shapes:
-            b = Bench(SHAPES[name], args, device, clock)
-            try:
-                for n in args.chunks:
-                    for kind in args.compute:
-                        print(f"{b.shape.label()}: {n} chunk(s), {kind}: loads", flush=True)
-                        rows += bench_loads(b, n, kind)
-                        print(f"{b.shape.label()}: {n} chunk(s), {kind}: saves", flush=True)
-                        rows += bench_saves(b, n, kind)
-                clock.sync()
-                b.check_counts()
-            finally:
-                b.close()
     device_name = torch.cuda.get_device_name(device) if cuda else cpu_name()
     notes = (
-        _h2d_note(device)
-        + [
+        [
             "Every run starts from an idle GPU behind a `torch.cuda._sleep` pad on the compute stream, 1.5x the "
             f"longest host time the hooks took in a warm-up run (at most {MAX_PAD_MS:.0f} ms): the host has queued the "
             "whole run before the GPU reaches it, so the events time GPU work, as in an engine whose host runs "
@@ -921,7 +930,33 @@ def main(argv: list[str] | None = None) -> int:
         if cuda
         else []
     )
-    write_results(rows, stem, args, device_name, command, time.perf_counter() - t0, notes)
+
+    def flush() -> None:  # the results so far: a run cut short by a timeout keeps what it measured
+        write_results(rows, stem, args, device_name, command, time.perf_counter() - t0, notes)
+
+    stream = torch.cuda.Stream(device) if cuda else None
+    # the compute stream: markers and fences go on it (a non-default stream: the DMA path's batched copies
+    # do not run on the legacy default stream, and vLLM's forward does not run there either)
+    with _copy_queue(None if cuda else "thread"), torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+        clock = Clock(device)
+        for name in args.shapes:
+            b = Bench(SHAPES[name], args, device, clock)
+            try:
+                if name == args.shapes[0]:
+                    notes[:0] = _config_note(b)
+                for n in args.chunks:
+                    for kind in args.compute:
+                        print(f"{b.shape.label()}: {n} chunk(s), {kind}: loads", flush=True)
+                        rows += bench_loads(b, n, kind)
+                        flush()
+                        print(f"{b.shape.label()}: {n} chunk(s), {kind}: saves", flush=True)
+                        rows += bench_saves(b, n, kind)
+                        flush()
+                clock.sync()
+                b.check_counts()
+            finally:
+                b.close()
+    flush()
     print(f"wrote {stem}.md and {stem}.csv")
     return 0
 

@@ -11,11 +11,12 @@ import os
 import pytest
 
 from kvx import engine as kvx_engine
+from kvx.connector.config import KVXConfig
 from tests.helpers import load_benchmark
 
 CHUNKS = ("1", "2")  # what --quick runs on CPU
-LOAD_MODES = ("compute only", "copy only", "layerwise", "all at start")
-SAVE_MODES = ("no saves", "save_layerwise", "all at once")
+LOAD_MODES = ("compute only", "copy only", "layerwise", "all at start", "no kvx")
+SAVE_MODES = ("no saves", "save_layerwise", "all at once", "no kvx")
 
 
 @pytest.fixture
@@ -39,7 +40,9 @@ def test_cpu_smoke_run_writes_sane_results(bench, tmp_path, monkeypatch):
     md = (tmp_path / "pipeline.md").read_text()
     assert md.startswith("# SMOKE RUN, not a measurement")
     assert f"Reproduce: `python benchmarks/bench_pipeline.py --device cpu --quick --out {stem}`" in md
-    assert "## Loads" in md and "## Saves" in md
+    assert "## Loads" in md and "## Saves" in md and "## Host time of the hooks" in md
+    # the default config, not one of the script's choosing
+    assert f"`max_ctas` {KVXConfig.from_extra_config({}).max_ctas}" in md and "(defaults)" in md
     # targets are named but not judged on CPU
     assert "n/a (CPU smoke)" in md and "MISSED" not in md and ": met |" not in md
 
@@ -55,6 +58,16 @@ def test_cpu_smoke_run_writes_sane_results(bench, tmp_path, monkeypatch):
         assert _num(r, "step_ms") > 0 and _num(r, "host_ms") > 0 and _num(r, "copy_layer_ms") > 0
         assert int(r["layer_bytes"]) == int(r["chunks"]) * 2 * 32 * 2 * 64 * 2  # P x T x H x D x bf16
         assert r["compute_desc"].startswith("matmul 64^2 x ")
+        assert int(r["max_ctas"]) == KVXConfig.from_extra_config({}).max_ctas
+        if r["mode"] == "no kvx":
+            assert r["host_over_ms"] == ""
+        else:
+            # the hooks' host time per step over the same steps without kvx (a save run's charged to its K saving
+            # steps), recomputed from the row's own medians
+            steps = 2 if r["mode"] in ("save_layerwise", "all at once") else 3 if r["section"] == "save" else 1
+            assert _num(r, "host_over_ms") == pytest.approx(
+                (_num(r, "host_ms") - _num(r, "host_nokvx_ms")) / steps, abs=1e-3, rel=1e-3
+            )
     for r in loads:
         assert _num(r, "compute_ms") > 0 and _num(r, "copy_ms") > 0
         if r["mode"] in ("layerwise", "all at start"):
@@ -72,6 +85,8 @@ def test_cpu_smoke_run_writes_sane_results(bench, tmp_path, monkeypatch):
         )
         if r["mode"] == "no saves":
             assert r["saved_ms"] == "" and _num(r, "slowdown_pct") == 0
+        elif r["mode"] == "no kvx":
+            assert r["saved_ms"] == ""
         else:
             assert _num(r, "saved_ms") > 0
 
@@ -109,3 +124,17 @@ def test_bad_arguments_fail_before_any_work(bench, tmp_path, capsys, argv, expec
         bench.main(["--device", "cpu", "--quick", "--out", str(tmp_path / "x"), *argv])
     assert expected in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_copy_path_reaches_the_worker_config(bench, tmp_path, capsys):
+    # --copy-path sets kv_connector_extra_config copy_path; a kvx without that key refuses it before any work
+    argv = ["--device", "cpu", "--quick", "--out", str(tmp_path / "p"), "--copy-path", "staged"]
+    if "copy_path" not in KVXConfig.model_fields:
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert "--copy-path" in capsys.readouterr().err and not list(tmp_path.iterdir())
+        return
+    assert bench.main(argv) == 0
+    with open(tmp_path / "p.csv", newline="") as f:
+        assert {r["copy_path"] for r in csv.DictReader(f)} == {"staged"}
+    assert "(--copy-path staged)" in (tmp_path / "p.md").read_text()
