@@ -1,4 +1,5 @@
-"""The transfer engine's CPU copy queue: order, errors, fences, close."""
+"""The transfer engine's copy queues: order, errors, fences, close; the deferred queue's schedule; BlockOrder's
+rules, rule 5 (staging buffers) included, each with a case where dropping it gives wrong bytes."""
 
 import sys
 import threading
@@ -7,15 +8,16 @@ import time
 import pytest
 import torch
 
-from kvx.engine import TransferEngine
+from kvx.engine import BlockOrder, StagingRing, make_engine, on_stream
 from tests.helpers import wait_for
 
 
 def test_jobs_run_in_submission_order_off_the_caller_thread():
-    eng = TransferEngine("cpu")
+    eng = make_engine("cpu")
     seen, caller = [], threading.get_ident()
     jobs = [
-        eng.submit(lambda i=i: (time.sleep(0.002 * (3 - i)), seen.append((i, threading.get_ident())))) for i in range(3)
+        eng.submit(lambda s, i=i: (time.sleep(0.002 * (3 - i)), seen.append((i, threading.get_ident()))))
+        for i in range(3)
     ]
     eng.fence(jobs[-1])
     assert [i for i, _ in seen] == [0, 1, 2]
@@ -25,22 +27,22 @@ def test_jobs_run_in_submission_order_off_the_caller_thread():
 
 
 def test_errors_are_kept_and_reraised():
-    eng = TransferEngine("cpu")
-    job = eng.submit(lambda: 1 / 0, name="boom")
+    eng = make_engine("cpu")
+    job = eng.submit(lambda s: 1 / 0, name="boom")
     with pytest.raises(ZeroDivisionError):
         job.wait()
     assert isinstance(job.error(), ZeroDivisionError)
-    ok = eng.submit(lambda: None)  # the queue keeps working after a failed job
+    ok = eng.submit(lambda s: None)  # the queue keeps working after a failed job
     ok.wait()
     assert ok.error() is None
     eng.close()
 
 
 def test_marker_is_a_no_op_on_cpu_and_wait_times_out():
-    eng = TransferEngine("cpu")
+    eng = make_engine("cpu")
     assert eng.marker() is None
     gate = threading.Event()
-    job = eng.submit(gate.wait)
+    job = eng.submit(lambda s: gate.wait())
     with pytest.raises(TimeoutError, match="did not finish"):
         job.wait(timeout=0.01)
     gate.set()
@@ -49,24 +51,29 @@ def test_marker_is_a_no_op_on_cpu_and_wait_times_out():
 
 
 def test_close_drains_and_refuses_new_work():
-    eng = TransferEngine("cpu")
+    eng = make_engine("cpu")
     out = torch.zeros(4)
-    eng.submit(lambda: out.fill_(3))
+    eng.submit(lambda s: out.fill_(3))
     eng.close()
     assert torch.equal(out, torch.full((4,), 3.0))
     with pytest.raises(RuntimeError, match="closed"):
-        eng.submit(lambda: None)
+        eng.submit(lambda s: None)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none present)")
 @pytest.mark.gpu
 def test_cuda_side_stream_orders_after_marker():
-    eng = TransferEngine("cuda")
+    eng = make_engine("cuda")
     a = torch.zeros(1 << 20, device="cuda")
     a.add_(1)  # compute-stream work
     marker = eng.marker()
     b = torch.empty_like(a)
-    job = eng.submit(lambda: b.copy_(a), queue="save", after=[marker])
+
+    def copy(stream):
+        with on_stream(stream):
+            b.copy_(a)
+
+    job = eng.submit(copy, queue="save", after=[marker])
     eng.fence(job)
     torch.cuda.synchronize()
     assert torch.equal(b, a)
@@ -74,13 +81,13 @@ def test_cuda_side_stream_orders_after_marker():
 
 # ---------------------------------------------------------------- the deferred queue (GPU semantics on CPU)
 def deferred():
-    return TransferEngine("cpu", mode="deferred")
+    return make_engine("cpu", mode="deferred")
 
 
 def test_deferred_save_runs_only_after_the_next_forward():
     eng, ran = deferred(), []
     eng.step_begin()
-    job = eng.submit(lambda: ran.append("save"), queue="save")
+    job = eng.submit(lambda s: ran.append("save"), queue="save")
     eng.forward_done()  # the forward of the step that queued it: not yet
     assert not job.done() and ran == []
     eng.step_begin()
@@ -95,8 +102,8 @@ def test_deferred_save_runs_only_after_the_next_forward():
 def test_deferred_fence_runs_the_job_and_what_it_follows_now():
     eng, ran = deferred(), []
     eng.step_begin()
-    a = eng.submit(lambda: ran.append("a"), queue="save")
-    b = eng.submit(lambda: ran.append("b"), queue="save")  # follows a on its queue
+    a = eng.submit(lambda s: ran.append("a"), queue="save")
+    b = eng.submit(lambda s: ran.append("b"), queue="save")  # follows a on its queue
     eng.fence(b)
     assert ran == ["a", "b"] and a.done()
     eng.close()
@@ -105,10 +112,13 @@ def test_deferred_fence_runs_the_job_and_what_it_follows_now():
 def test_deferred_load_runs_as_early_as_its_edges_allow():
     eng, ran = deferred(), []
     eng.step_begin()
-    save = eng.submit(lambda: ran.append("save"), queue="save")
-    eng.submit(lambda: ran.append("free load"), queue="load")
+    save = eng.submit(lambda s: ran.append("save"), queue="save")
+    free = eng.submit(lambda s: ran.append("free load"), queue="load")
+    assert ran == [] and not free.done()  # not when submitted: at the next observation point
+    eng.poll()
     assert ran == ["free load"]  # nothing to wait for: at once
-    after = eng.submit(lambda: ran.append("load after save"), queue="load", after=[save])
+    after = eng.submit(lambda s: ran.append("load after save"), queue="load", after=[save])
+    eng.poll()
     assert not after.done()
     eng.fence(save)
     assert ran == ["free load", "save", "load after save"]
@@ -121,8 +131,9 @@ def test_deferred_virtual_compute_orders_markers_and_fences():
     eng, ran = deferred(), []
     eng.step_begin()
     eng.compute(lambda: ran.append("forward 1"))
-    racing = eng.submit(lambda: ran.append("unordered load"), queue="load")
-    ordered = eng.submit(lambda: ran.append("ordered load"), queue="load", after=[eng.marker()])
+    racing = eng.submit(lambda s: ran.append("unordered load"), queue="load")
+    ordered = eng.submit(lambda s: ran.append("ordered load"), queue="load", after=[eng.marker()])
+    eng.poll()
     assert ran == ["unordered load"] and not ordered.done()  # the race a GPU's host-ahead step allows
     eng.fence(ordered)
     eng.compute(lambda: ran.append("forward 2"))
@@ -137,7 +148,7 @@ def test_deferred_io_thread_waits_for_the_engine_thread():
     thread does, at the latest at close."""
     eng, ran = deferred(), []
     eng.step_begin()
-    job = eng.submit(lambda: ran.append(threading.get_ident()), queue="save")
+    job = eng.submit(lambda s: ran.append(threading.get_ident()), queue="save")
     waited = threading.Event()
     t = threading.Thread(target=lambda: (job.wait(), waited.set()))
     t.start()
@@ -155,11 +166,11 @@ def parked(thread: threading.Thread) -> bool:
 
 
 def test_thread_mode_two_queues_and_a_cross_queue_edge():
-    eng, ran = TransferEngine("cpu", mode="thread"), []
+    eng, ran = make_engine("cpu", mode="thread"), []
     gate = threading.Event()
-    save = eng.submit(lambda: (gate.wait(), ran.append("save")), queue="save")
-    load = eng.submit(lambda: ran.append("load"), queue="load", after=[save])
-    free = eng.submit(lambda: ran.append("other load"), queue="load")
+    save = eng.submit(lambda s: (gate.wait(), ran.append("save")), queue="save")
+    load = eng.submit(lambda s: ran.append("load"), queue="load", after=[save])
+    free = eng.submit(lambda s: ran.append("other load"), queue="load")
     loader = next(t for t in eng._threads if t.name.endswith("-load"))
     wait_for(lambda: parked(loader), 10, "the load queue's thread to wait for the save")
     assert ran == []  # the load queue waits for the save it must follow
@@ -182,20 +193,141 @@ def test_copy_queue_env_is_checked(monkeypatch):
 
 
 def test_block_order_the_rule():
-    from kvx.engine import BlockOrder
-
     eng, ran = deferred(), []
     order = BlockOrder(eng)
     eng.step_begin()
-    save = order.save([3, 4], lambda: ran.append("save 3,4"))
-    load = order.load([4, 5], lambda: ran.append("load 4,5"))  # rule 1: after the save reading block 4
-    other = order.load([9], lambda: ran.append("load 9"))  # behind it on the load queue
+    save = order.save([3, 4], lambda s: ran.append("save 3,4"))
+    load = order.load([4, 5], lambda s: ran.append("load 4,5"))  # rule 1: after the save reading block 4
+    other = order.load([9], lambda s: ran.append("load 9"))  # behind it on the load queue
+    eng.poll()
     assert ran == [] and not load.done() and not other.done()
     order.before_forward([3])  # rule 3: the forward writes block 3
     assert ran == ["save 3,4", "load 4,5", "load 9"]
     assert save.done() and other.done()
     eng.step_begin()
-    late = order.save([7], lambda: ran.append("save 7"))
+    late = order.save([7], lambda s: ran.append("save 7"))
     assert order.before_forward([7]) == [] and late.done()  # fenced: ran before the forward
     assert order.pending() == 0
+    eng.close()
+
+
+def test_make_engine_modes_and_their_properties():
+    thread, lazy = make_engine("cpu", mode="thread"), make_engine("cpu", mode="deferred")
+    assert (thread.layerwise, thread.staged, thread.host_copies) == (False, False, True)
+    assert (lazy.layerwise, lazy.staged, lazy.host_copies) == (True, True, False)
+    with pytest.raises(ValueError, match=r"mode: expected one of \('cuda', 'thread', 'deferred'\), got 'fast'"):
+        make_engine("cpu", mode="fast")
+    with pytest.raises(ValueError, match="mode: 'cuda' does not run on a cpu device"):
+        make_engine("cpu", mode="cuda")
+    thread.close()
+    lazy.close()
+
+
+# ---------------------------------------------------------------- staging buffers (rule 5)
+def _staged_steps(eng, order, ring, parts: int):
+    """Staged loads of ``parts`` parts through ``ring``: each part DMAs its bytes (the value ``k``) from "host"
+    into a staging buffer, then "reshapes" the buffer into block ``k``; returns the blocks."""
+    blocks = torch.full((parts,), -1)
+
+    def dma(k):
+        return lambda buf, s: buf.fill_(k)
+
+    def reshape(k):
+        return lambda buf, s: blocks.__setitem__(k, int(buf[0]))
+
+    for k in range(parts):
+        order.load_staged([k], ring, dma(k), reshape(k), name=f"part {k}")
+    return blocks
+
+
+def test_staged_loads_reuse_a_buffer_only_after_its_reshape():
+    eng = deferred()
+    order, ring = BlockOrder(eng), StagingRing(torch.device("cpu"), 2, 16)
+    eng.step_begin()
+    blocks = _staged_steps(eng, order, ring, 6)
+    eng.flush()
+    assert blocks.tolist() == [0, 1, 2, 3, 4, 5]
+    eng.close()
+
+
+def without_rule_5(monkeypatch) -> None:
+    """The seeded bug: a staging buffer handed out again without its previous users."""
+    real = StagingRing.acquire
+    monkeypatch.setattr(StagingRing, "acquire", lambda self: (*real(self)[:2], []))
+
+
+def test_staged_loads_without_rule_5_overwrite_a_buffer_first(monkeypatch):
+    """The deferred queue runs a ready DMA before a ready reshape (both legal on a GPU), so without rule 5 part 2's
+    DMA lands in buffer 0 before part 0's reshape read it."""
+    without_rule_5(monkeypatch)
+    eng = deferred()
+    order, ring = BlockOrder(eng), StagingRing(torch.device("cpu"), 2, 16)
+    eng.step_begin()
+    blocks = _staged_steps(eng, order, ring, 6)
+    eng.flush()
+    assert blocks.tolist() != [0, 1, 2, 3, 4, 5]
+    assert blocks[0] != 0  # part 0 reshaped what part 2 (or 4) put in buffer 0
+    eng.close()
+
+
+def _staged_saves(eng, order, ring, parts: int):
+    """Staged saves of ``parts`` parts: each gathers block ``k`` (value ``k``) into a staging buffer, then DMAs the
+    buffer to "host" slot ``k``; returns the slots."""
+    host = torch.full((parts,), -1)
+
+    def gather(k):
+        return lambda buf, s: buf.fill_(k)
+
+    def dma(k):
+        return lambda buf, s: host.__setitem__(k, int(buf[0]))
+
+    return host, [order.save_staged([k], ring, gather(k), dma(k), name=f"part {k}") for k in range(parts)]
+
+
+@pytest.mark.parametrize("rule5", [True, False], ids=["rule5", "no-rule5"])
+def test_staged_saves_and_rule_5(rule5, monkeypatch):
+    """Saves run late, gathers before DMAs: without rule 5, part 2's gather fills buffer 0 before part 0's DMA
+    empties it."""
+    if not rule5:
+        without_rule_5(monkeypatch)
+    eng = deferred()
+    order, ring = BlockOrder(eng), StagingRing(torch.device("cpu"), 2, 16)
+    eng.step_begin()
+    host, jobs = _staged_saves(eng, order, ring, 6)
+    for _ in range(3):  # two more steps' forwards: the saves run, as late as allowed
+        eng.step_begin()
+        eng.forward_done()
+    assert all(j.done() for j in jobs)
+    assert (host.tolist() == [0, 1, 2, 3, 4, 5]) == rule5, host.tolist()
+    eng.close()
+
+
+def test_ring_hands_out_buffers_in_turn_with_their_users():
+    eng = deferred()
+    ring = StagingRing(torch.device("cpu"), 2, 64)
+    i0, b0, users0 = ring.acquire()
+    job = eng.submit(lambda s: None, queue="h2d")
+    ring.note(i0, job)
+    i1, b1, users1 = ring.acquire()
+    i2, b2, users2 = ring.acquire()
+    assert (i0, i1, i2) == (0, 1, 0) and b2 is b0 and b1 is not b0
+    assert users0 == users1 == [] and users2 == [job]  # the next writer of buffer 0 follows the job that used it
+    eng.flush()
+    ring.note(i2, job)
+    assert ring.acquire()[2] == [] and ring.acquire()[2] == []  # finished users are no edge
+    with pytest.raises(ValueError, match="count, capacity: expected >= 1"):
+        StagingRing(torch.device("cpu"), 0, 64)
+    eng.close()
+
+
+def test_engine_staging_budget_is_split_in_two_rings():
+    eng = deferred()
+    eng.configure_staging(64 << 20)
+    assert eng.ring("load").capacity == eng.ring("save").capacity == 16 << 20
+    assert len(eng.ring("load").buffers) == 2 and eng.staging_bytes == 64 << 20
+    eng.drop_staging()
+    with pytest.raises(RuntimeError, match="no staging ring for 'load'"):
+        eng.ring("load")
+    with pytest.raises(ValueError, match="budget: expected at least 1024 bytes"):
+        eng.configure_staging(100)
     eng.close()
