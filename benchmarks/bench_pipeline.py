@@ -233,7 +233,7 @@ class Bench:
                 **({"copy_path": args.copy_path} if args.copy_path else {}),
             }
         )
-        self.copy_path = getattr(self.config, "copy_path", None) or "n/a"  # what the worker was configured with
+        self.copy_path = self.config.copy_path  # what the worker was configured with
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(shape.layers)]
         self.caches = make_kv_caches(
             args.layout,
@@ -306,16 +306,20 @@ class Bench:
 
     # -------------------------------------------------------------- one layer's copy (calibration)
     def layer_copy_ms(self, n: int, direction: str) -> float:
-        """One layer's copy of n chunks as the worker issues it (layer 0 of one CopyBatch of them all), on a
-        side stream."""
-        batch = self.worker.batch()  # as the worker builds it: its config's max_ctas, copy path, staging
+        """One layer's copy of n chunks as the worker issues it (layer 0's parts of one batch of them all, planned
+        by the worker's cache: its copy path and staging buffers), both steps on a side stream."""
+        cache = self.worker.cache
+        batch = cache.batch()
         for i in range(n):
             batch.add(
                 "scatter_blocks" if direction == "h2d" else "gather_blocks", self.chunk_blocks(1, i), self.pool.slot(i)
             )
+        parts = [p for p in cache.plan(batch) if p.start == 0]
+        staging = self.engine.ring("save" if batch.gather else "load").buffers[0] if batch.staged else None
 
         def copy():
-            batch.run(0, 1)
+            for part in parts:
+                batch.run(part, staging)
 
         ctx = torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
         with ctx:
@@ -809,20 +813,21 @@ def _config_note(b: Bench) -> list[str]:
     """The worker's copy settings (its config's: the defaults unless --copy-path), and the kernel-or-DMA rule's
     calibration where this kvx has one."""
     cfg = b.config
-    staging = getattr(cfg, "staging_bytes", None)
     lines = [
-        f"kvx config: `max_ctas` {cfg.max_ctas}, `copy_path` {b.copy_path}"
-        + (f", `staging_bytes` {_mib(int(staging))}" if staging is not None else "")
+        f"kvx config: `max_ctas` {cfg.max_ctas}, `copy_path` {b.copy_path}, `staging_bytes` {_mib(cfg.staging_bytes)}"
         + (" (defaults)" if b.args.copy_path is None else f" (--copy-path {b.args.copy_path})")
         + f"; copy queue {b.engine.mode}."
     ]
-    if b.clock.cuda and hasattr(ops, "calibrate_h2d"):
-        try:
-            cal = ops.calibrate_h2d(b.device)  # cached: the worker calibrated when it registered its caches
-            fmt = ["never" if x == getattr(ops, "DMA_NEVER", None) else _mib(x) for x in cal.dma_min_bytes]
-            lines[0] += f" DMA threshold (calibrate_h2d): {fmt[0]} device->host, {fmt[1]} host->device."
-        except Exception as e:  # noqa: BLE001 - informative only
-            lines[0] += f" DMA threshold: not known ({e})."
+    if b.clock.cuda:
+        cal = ops.calibrate_h2d(b.device)  # cached: the worker calibrated when it registered its caches
+        fmt = [
+            "/".join("never" if x == ops.DMA_NEVER else _mib(x) for x in per_direction)
+            for per_direction in cal.dma_min_bytes
+        ]
+        lines[0] += (
+            f" DMA straight into blocks from a mean run of (batches of {'/'.join(map(str, cal.pieces))} pieces): "
+            f"{fmt[0]} device->host, {fmt[1]} host->device (calibrate_h2d)."
+        )
     return lines + [""]
 
 
@@ -858,8 +863,6 @@ def main(argv: list[str] | None = None) -> int:
         help="results path stem (default benchmarks/results/pipeline_cuda; CPU: a temporary directory)",
     )
     args = ap.parse_args(argv)
-    if args.copy_path is not None and "copy_path" not in KVXConfig.model_fields:
-        ap.error("--copy-path: this kvx's KVXConfig has no copy_path key")
     command = ("python benchmarks/bench_pipeline.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = args.device.startswith("cuda")

@@ -1,10 +1,7 @@
 """benchmarks/bench_copy.py (kvx/testing/bench.py): its GPU sections (one layer's copies, both directions at once,
 the per-layer host <-> device sweep) run on CPU as smoke runs and write what benchmarks/gpu_targets.py reads;
-a row whose bytes are wrong is left out and named. No timing is asserted.
-
-Where this kvx lacks the staged path (``path="staged"``, ``ops.staging_bytes``), the ``staged_api`` fixture stands
-in for it as its spec gives it (the copy runs the default path after checking the staging buffer), so the
-benchmark's staged rows run here too; with the real one, the real one runs."""
+a row whose bytes are wrong is left out and named. No timing is asserted. The staged rows run the staged path's CPU
+twin (the same run lists by memcpy, the reshape by the CPU kernel)."""
 
 from __future__ import annotations
 
@@ -14,51 +11,10 @@ import functools
 import pytest
 import torch
 
-from kvx.kernels import ops
-from kvx.kernels.layout import KVLayout, Op
+from kvx.kernels.layout import KVLayout
 from kvx.testing import bench as kb
 from kvx.testing import make_kv_caches
 from tests.helpers import load_benchmark
-
-OPS = tuple(op.value for op in Op)
-
-
-def _contig_bytes(layout: KVLayout, op, n: int) -> int:
-    op = Op(op)
-    if op.pages:
-        shape = layout.page_shape(n)
-        return int(torch.Size(shape).numel())
-    tokens = n if op.slots else n * layout.block_size
-    return int(torch.Size(layout.canonical_shape(tokens)).numel()) * layout.dtype.itemsize
-
-
-@pytest.fixture
-def staged_api(monkeypatch):
-    """The staged path of this kvx, or a stand-in with its spec's signature; yields the staging buffers seen."""
-    seen: list[int] = []
-    if kb.staged_available():
-        yield seen
-        return
-    monkeypatch.setattr(ops, "PATHS", (*ops.PATHS, "staged"))
-    monkeypatch.setattr(ops, "staging_bytes", _contig_bytes, raising=False)
-    for name in OPS:
-        orig = getattr(ops, name)
-
-        @functools.wraps(orig)
-        def op(layout, ids, buf=None, *, impl=None, max_ctas=0, path=None, staging=None, _orig=orig, _name=name):
-            if path == "staged":
-                n = len(ids)
-                if staging is not None:
-                    if staging.dtype != torch.uint8 or staging.device != layout.device:
-                        raise ValueError(f"staging: expected a uint8 tensor on {layout.device}")
-                    if staging.numel() < _contig_bytes(layout, _name, n):
-                        raise ValueError("staging: too small")
-                    seen.append(staging.numel())
-                path = None
-            return _orig(layout, ids, buf, impl=impl, max_ctas=max_ctas, path=path)
-
-        monkeypatch.setattr(ops, name, op)
-    yield seen
 
 
 def _rows(path) -> list[dict]:
@@ -66,11 +22,10 @@ def _rows(path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def test_gpu_sections_smoke_on_cpu(staged_api, tmp_path, monkeypatch):
+def test_gpu_sections_smoke_on_cpu(tmp_path, monkeypatch):
     stem = tmp_path / "copy_cuda_quick"
     argv = ["--device", "cpu", "--quick", "--sections", "layer,bidir,h2d", "--out", str(stem)]
     assert kb.main(argv) == 0
-    assert staged_api or kb.staged_available()  # the staged rows ran, with their preallocated staging buffers
 
     layer = _rows(f"{stem}_layer.csv")
     for c in kb.LAYER_CHUNKS:

@@ -323,7 +323,7 @@ def chunk_bytes(config: KVXConfig, geom: EngineGeometry) -> int:
 
 
 def write_backlog(config: KVXConfig, geom: EngineGeometry) -> int:
-    """``max_write_backlog``, at least one chunk (a CPU slot's bytes: a staged save counts one whole)."""
+    """``max_write_backlog``, at least one chunk (a CPU slot's bytes: a buffered save counts one whole)."""
     return max(config.max_write_backlog, chunk_bytes(config, geom))
 
 

@@ -104,7 +104,22 @@ class KVXConfig(StrictConfig):
         description="do not load a hit from a tier whose measured read speed makes it slower than "
         "recomputing the tokens (kvx.connector.costs)",
     )
-    max_ctas: int = Field(default=8, ge=0, description="CUDA thread-block cap for copies (0 = no cap)")
+    max_ctas: int = Field(
+        default=8, ge=0, description="CUDA: thread-block cap of copy_path 'kernel' (the UVA kernel; 0 = no cap)"
+    )
+    copy_path: Literal["auto", "staged", "dma", "kernel"] = Field(
+        default="auto",
+        description="CUDA: how chunks cross PCIe: 'staged' (one DMA per layer group to a device staging buffer, "
+        "an on-device reshape), 'dma' (DMA straight into the blocks), 'kernel' (the copy kernel over mapped host "
+        "memory, on SMs), 'auto' (dma where the pieces are large enough by the measured rule, else staged)",
+    )
+    staging_bytes: int = Field(
+        default=64 * 2**20,
+        ge=4096,
+        description="CUDA: device memory for the staging buffers (two per direction), e.g. '64MiB'; taken after "
+        "vLLM sized its KV cache, from what gpu_memory_utilization leaves free; a layer's copies larger than one "
+        "buffer (a quarter) are split",
+    )
     max_write_backlog: int = Field(
         default=2**30,
         ge=1,
@@ -123,6 +138,7 @@ class KVXConfig(StrictConfig):
     )
 
     _backlog = field_validator("max_write_backlog", mode="before")(parse_size)
+    _staging = field_validator("staging_bytes", mode="before")(parse_size)
 
     @field_validator("tiers", mode="before")
     @classmethod

@@ -16,10 +16,10 @@ ends when every worker reported it (:meth:`ChunkLedger.settle`). Three kinds:
 - ``load``: a request's load; the CPU slots it reads stay pinned until every worker finished it.
 
 A bounded write backlog (``max_write_backlog``): each tier write counts the bytes it queues on a worker (the
-object's bytes; a whole CPU slot's when it is gathered into a worker's staging buffer, which it occupies) until it
+object's bytes; a whole CPU slot's when it is gathered into a worker's write buffer, which it occupies) until it
 ends; a tier write that would take a tier's bytes in flight past the bound is not planned (the chunk is not
 written to that tier; counted in :attr:`ChunkLedger.dropped`). A stalled tier therefore holds at most the bound,
-and a worker never has more staged saves in flight than its staging pool can hold (see
+and a worker never has more buffered saves in flight than its write-buffer pool can hold (see
 :class:`~.saves.SavePipeline`).
 
 The request-level decisions (which chunks, save cursors, P/D waits, validity) stay in
@@ -113,7 +113,7 @@ class ChunkLedger:
         self._through: list[tuple[str, int, list[str], bool]] = []  # committed: (key, tokens, tiers, state)
         self.backlog = backlog  # bytes per tier that its writes in flight may queue (None: no bound)
         self.object_bytes = object_bytes  # (tokens, state) -> a stored object's bytes on one worker
-        self.slot_bytes = slot_bytes  # a staging buffer's bytes (a CPU slot's): what a staged save occupies
+        self.slot_bytes = slot_bytes  # a write buffer's bytes (a CPU slot's): what a buffered save occupies
         self._pending: Counter[str] = Counter()  # tier -> bytes its writes in flight queue (per worker)
         self.dropped: Counter[str] = Counter()  # tier -> writes not planned: its backlog was full
 
@@ -199,7 +199,7 @@ class ChunkLedger:
             to_tiers = []
         # the tier writes read the CPU slot: the READY copy (no gather needed), or the one being gathered into
         holds = bool(to_tiers) and (in_cpu is SlotState.READY or slot is not None)
-        # no CPU copy to read: a worker gathers the chunk into a staging buffer, which the writes occupy whole
+        # no CPU copy to read: a worker gathers the chunk into a write buffer, which the writes occupy whole
         nbytes = self.object_bytes(tokens, state) if holds else self.slot_bytes
         writes, held = self._write_tiers(key, to_tiers, holds, nbytes)
         if slot is None and not writes:

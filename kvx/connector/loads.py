@@ -1,7 +1,8 @@
 """The worker's load pipeline: chunk bytes from the tiers into the paged KV cache.
 
-The copies of chunks in the CPU tier are queued at once, one job per *layer group* running that group's layers
-of one :class:`kvx.kernels.ops.CopyBatch` of every chunk at hand (checked once, not once per layer); chunks in the other
+The copies of chunks in the CPU tier are queued at once: one :class:`kvx.kernels.staged.TransferBatch` of every chunk
+at hand (checked once, not once per layer), planned into parts by *layer group* (staged across PCIe: a DMA job and a
+reshape job per part, :meth:`~.cache.WorkerCache.queue_loads`); chunks in the other
 tiers (disk, Redis, ...: :class:`kvx.store.Tier`) are read and verified on I/O threads straight into a CPU slot
 when the scheduler allotted one (promotion), and their copies are queued as soon as the read is in, at the latest
 in :meth:`LoadPipeline.wait_for_layer` of the first layer, the only place that waits for a read. That fences the
@@ -11,8 +12,10 @@ are reported to vLLM (:meth:`LoadPipeline.take_errors`, or per request with seve
 scheduler with the step's results (:mod:`.validity`), and recorded in :attr:`LoadPipeline.outcomes`, the verdict
 the save pipeline takes as an argument.
 
-Owned by :class:`~.worker.KVXWorker`, which hands it the step's loads; worker thread only, except the reads on
-the reader pool (they touch only the tensors handed to them and a load's ``failed`` / ``keep`` under its lock).
+Owned by :class:`~.worker.KVXWorker`, which hands it the registered cache (:class:`~.cache.WorkerCache`, ``cache``)
+and the step's loads; it reports into a :class:`~.cache.WorkerResults`. Worker thread only, except the reads on the
+reader pool (they touch only the tensors handed to them, a load's ``failed`` / ``keep`` under its lock, and the
+results' counters).
 """
 
 from __future__ import annotations
@@ -24,19 +27,17 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..engine import Job
-from ..kernels import ops
+from ..kernels.staged import TransferBatch
 from ..log import get_logger
+from ..store import Tier
+from .cache import WorkerCache, WorkerResults
 from .keys import rank_key
 from .metadata import FAILED, OK, ChunkLoad, LoadSpec
 from .validity import LoadOutcomes
-
-if TYPE_CHECKING:
-    from .worker import KVXWorker
 
 log = get_logger(__name__)
 
@@ -55,27 +56,6 @@ def wait_quietly(wait: Callable[[], object]) -> None:
         pass
 
 
-class Once:
-    """A value built by the first :meth:`get` (on a copy queue, where a failure is the job's error); the
-    build's error is raised again by every later call."""
-
-    __slots__ = ("_build", "_value", "_error")
-
-    def __init__(self, build):
-        self._build, self._value, self._error = build, None, None
-
-    def get(self):
-        if self._build is not None:
-            build, self._build = self._build, None
-            try:
-                self._value = build()
-            except BaseException as e:
-                self._error = e
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
 @dataclass
 class _Load:
     """One request's load in flight. Worker thread only, except ``failed`` / ``keep`` (I/O threads)."""
@@ -85,23 +65,36 @@ class _Load:
     pending: list[tuple[ChunkLoad, Future]] = field(default_factory=list)  # reads not done at submission
     failed: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    keep: list[torch.Tensor] = field(default_factory=list)  # pinned sources the kernels may still read
-    early: Job | None = None  # raw pages that must land before the forward (see ChunkLoad)
+    keep: list[torch.Tensor] = field(default_factory=list)  # pinned sources the copies may still read
+    early: list[Job] = field(default_factory=list)  # raw pages that must land before the forward (see ChunkLoad)
     started: float = 0.0
     reported: bool = False  # failures reported to vLLM and the scheduler
 
     def all_jobs(self) -> list[Job]:
-        return ([self.early] if self.early is not None else []) + [j for js in self.jobs.values() for j in js]
+        return self.early + [j for js in self.jobs.values() for j in js]
 
 
 class LoadPipeline:
     """The loads in flight on one worker, from ``start_load_kv`` until every copy ran (see the module docstring).
 
-    ``w`` is the owning worker: the registered KV cache (layout, layer groups, :class:`kvx.engine.BlockOrder`),
-    the CPU pool and the tiers are read from it, results go to its ``out`` / ``stats``."""
+    ``cache``: the registered KV cache (set by the worker; None while none is); ``results``: where outcomes and
+    counters go; ``tiers``: the byte tiers by name; ``shard`` of ``shards``: this rank (its storage keys);
+    ``groups``: the engine's KV cache groups."""
 
-    def __init__(self, w: KVXWorker, reader: ThreadPoolExecutor | None, fence_at_start: bool):
-        self.w = w
+    def __init__(
+        self,
+        results: WorkerResults,
+        tiers: dict[str, Tier],
+        reader: ThreadPoolExecutor | None,
+        fence_at_start: bool,
+        shard: int = 0,
+        shards: int = 1,
+        groups: int = 1,
+    ):
+        self.cache: WorkerCache | None = None
+        self.several_groups = groups > 1  # KV cache groups: a failed load is reported per request
+        self.results, self.tiers = results, tiers
+        self.shard, self.shards = shard, shards
         self.reader = reader  # tier reads: on the critical path, normal priority
         self.fence_at_start = fence_at_start  # fence every load in start (no per-layer fences)
         self.outcomes = LoadOutcomes()  # the verdict handed to the save pipeline
@@ -122,8 +115,8 @@ class LoadPipeline:
                 self._async[spec.req_id] = load
                 continue
             self._sync.append(load)
-            if load.early is not None:
-                self._fence_job(load, load.early)
+            for job in load.early:
+                self._fence_job(load, job)
             if self.fence_at_start:
                 self._resolve(load)
                 for jobs in load.jobs.values():
@@ -133,17 +126,17 @@ class LoadPipeline:
     def _start_load(self, spec: LoadSpec) -> _Load:
         """Queue the copies of every chunk whose bytes are at hand (CPU tier); start the other tiers' reads,
         whose copies are queued when the reads are done (at the latest where the first layer needs them)."""
-        w = self.w
+        c, stats = self.cache, self.results.stats
         load = _Load(spec, started=time.perf_counter())
         ready: list[tuple[ChunkLoad, torch.Tensor]] = []
         for ch in spec.chunks:
             self.outcomes.started(ch.block_ids)
             if ch.tier == "cpu":
-                ready.append((ch, w.slot_view(ch.slot, ch.tokens, ch.state)))
-                w.stats["cpu_read_bytes"] += ready[-1][1].nbytes
+                ready.append((ch, c.slot_view(ch.slot, ch.tokens, ch.state)))
+                stats["cpu_read_bytes"] += ready[-1][1].nbytes
             else:
                 load.pending.append((ch, self.reader.submit(self._read_chunk, ch, load)))
-        early = [ch for ch, _ in ready + load.pending if ch.before_forward and w.fmt == "pages"]
+        early = [ch for ch, _ in ready + load.pending if ch.before_forward and c.fmt == "pages"]
         if early:
             # Raw pages cannot be written token by token: the block this step's first token goes to is loaded
             # whole, before the forward writes that token into it (the one I/O wait in start_load_kv, on the
@@ -152,16 +145,10 @@ class LoadPipeline:
             ready += self._take_ready(load)
             srcs = [(ch, src) for ch, src in ready if ch.before_forward]
             ready = [(ch, src) for ch, src in ready if not ch.before_forward]
-            if srcs:
-                batch = Once(lambda srcs=srcs: self.scatter_batch(srcs))
-                load.early = w.order.load(
-                    [b for ch, _ in srcs for b in ch.block_ids],
-                    lambda: batch.get().run(),
-                    name=f"load {spec.req_id} before forward",
-                )
+            load.early = [job for _, job in self._submit(load, srcs, "before forward")]
         self._queue_chunks(load, ready + self._take_ready(load))
-        w.stats["loaded_chunks"] += len(spec.chunks)
-        w.stats["loaded_blocks"] += sum(len(c.block_ids) for c in spec.chunks)
+        stats["loaded_chunks"] += len(spec.chunks)
+        stats["loaded_blocks"] += sum(len(c.block_ids) for c in spec.chunks)
         return load
 
     def _take_ready(self, load: _Load) -> list[tuple[ChunkLoad, torch.Tensor]]:
@@ -187,29 +174,38 @@ class LoadPipeline:
             self._queue_chunks(load, self._take_ready(load))
 
     def _queue_chunks(self, load: _Load, chunks: list[tuple[ChunkLoad, torch.Tensor]]) -> None:
-        """One copy job per layer group for ``chunks`` (group order: the forward reads group 0 first), each
-        running that group's layers of one :class:`kvx.kernels.ops.CopyBatch` of them all."""
-        if not chunks:
-            return
-        blocks = [b for ch, _ in chunks for b in ch.block_ids]
-        batch = Once(lambda: self.scatter_batch(chunks))  # checked once, in the first job
-        for g, (a, b, _) in enumerate(self.w.groups):
-            job = self.w.order.load(
-                blocks, lambda a=a, b=b: batch.get().run(a, b), name=f"load {load.spec.req_id} group {g}"
-            )
+        """Queue the copies of ``chunks``: one batch of them all, its parts by layer group (group order: the forward
+        reads group 0 first)."""
+        for g, job in self._submit(load, chunks):
             load.jobs.setdefault(g, []).append(job)
 
-    def scatter_batch(self, chunks) -> ops.CopyBatch:
+    def _submit(
+        self, load: _Load, chunks: list[tuple[ChunkLoad, torch.Tensor]], what: str = ""
+    ) -> list[tuple[int, Job]]:
+        """One :class:`kvx.kernels.staged.TransferBatch` of ``chunks`` (checked once), submitted part by part:
+        ``[(layer group, job)]``. A batch that cannot be built (a check failing) fails its chunks: recomputed."""
+        if not chunks:
+            return []
+        try:
+            batch = self.scatter_batch(chunks)
+        except Exception as e:  # noqa: BLE001 - any failure to copy means "recompute"
+            for ch, _ in chunks:
+                self._fail_chunk(load, ch, e)
+            return []
+        blocks = [b for ch, _ in chunks for b in ch.block_ids]
+        return self.cache.queue_loads(batch, blocks, f"load {load.spec.req_id}{' ' + what if what else ''}")
+
+    def scatter_batch(self, chunks) -> TransferBatch:
         """The scatters that write ``chunks`` (every layer) into their blocks."""
-        batch = self.w.batch()
+        batch = self.cache.batch()
         for ch, src in chunks:
             self._add_scatters(batch, ch, src)
         return batch
 
-    def _add_scatters(self, batch: ops.CopyBatch, ch: ChunkLoad, src: torch.Tensor) -> None:
-        w = self.w
+    def _add_scatters(self, batch: TransferBatch, ch: ChunkLoad, src: torch.Tensor) -> None:
+        c = self.cache
         if ch.positions is not None:  # several groups / null blocks skipped: contiguous runs
-            if ch.before_forward and w.fmt == "pages":  # the scheduler never plans this
+            if ch.before_forward and c.fmt == "pages":  # the scheduler never plans this
                 raise RuntimeError(f"load {ch.key}: raw pages before the forward must come in one run")
             i = 0
             while i < len(ch.block_ids):
@@ -229,20 +225,20 @@ class LoadPipeline:
                 self._add_scatters(batch, run, src)
                 i = j
             return
-        view = w.blocks_view(src, ch.first_block, len(ch.block_ids))
-        op = "scatter_pages" if w.fmt == "pages" else "scatter_blocks"
-        bs = w.geom.block_size
-        if ch.before_forward and w.fmt != "pages":
+        view = c.blocks_view(src, ch.first_block, len(ch.block_ids))
+        op = "scatter_pages" if c.fmt == "pages" else "scatter_blocks"
+        bs = c.geom.block_size
+        if ch.before_forward and c.fmt != "pages":
             # the last block is shared with this step's first computed token: copy only the tokens the
             # chunk provides, so the order against the forward's write of that token does not matter
             n = ch.shared_tokens
             full = ch.block_ids[:-1]
             if full:
-                batch.add(op, w.kernel_ids(full), view.narrow(2, 0, len(full) * bs))
+                batch.add(op, c.kernel_ids(full), view.narrow(2, 0, len(full) * bs))
             slots = [ch.block_ids[-1] * bs + t for t in range(n)]
             batch.add("scatter_slots", slots, view.narrow(2, len(full) * bs, n))
         else:
-            batch.add(op, w.kernel_ids(ch.block_ids), view)
+            batch.add(op, c.kernel_ids(ch.block_ids), view)
 
     def _fail_chunk(self, load: _Load, ch: ChunkLoad, e: BaseException) -> None:
         with load.lock:
@@ -251,7 +247,7 @@ class LoadPipeline:
             load.failed.add(ch.key)
         # log the text, not the exception: a handler that keeps records (a QueueHandler, pytest's capture)
         # would keep its traceback, and the frames' chunk buffers with it
-        self.w.throttle.warning(
+        self.results.throttle.warning(
             failure_cause("load", e),
             "kvx: request %s: chunk %s not loaded (%s); vLLM recomputes it",
             load.spec.req_id,
@@ -262,23 +258,23 @@ class LoadPipeline:
     def _read_chunk(self, ch: ChunkLoad, load: _Load) -> torch.Tensor:
         """Read and verify one chunk from its tier, into its CPU slot if it has one (promotion); return a
         copyable source. On a reader thread."""
-        w = self.w
-        key = rank_key(ch.key, w.shard, w.shards) if w.shards > 1 else ch.key
-        shape = w.chunk_shape(ch.tokens, ch.state)
-        dst = w.slot_view(ch.slot, ch.tokens, ch.state) if ch.slot is not None else None
+        c, results = self.cache, self.results
+        key = rank_key(ch.key, self.shard, self.shards) if self.shards > 1 else ch.key
+        shape = c.chunk_shape(ch.tokens, ch.state)
+        dst = c.slot_view(ch.slot, ch.tokens, ch.state) if ch.slot is not None else None
         if dst is not None and dst.is_contiguous():
             out = dst
-        else:  # a partial chunk's slot view is strided; the kernels read host memory only when pinned
-            out = torch.empty(shape, dtype=w.chunk_dtype, pin_memory=w.layout.device.type == "cuda")
+        else:  # a partial chunk's slot view is strided; DMA reads host memory asynchronously only when pinned
+            out = torch.empty(shape, dtype=c.chunk_dtype, pin_memory=c.layout.device.type == "cuda")
         t0 = time.perf_counter()
-        w.tiers[ch.tier].get_into(key, out)
-        w.note_read(ch.tier, out.nbytes, time.perf_counter() - t0)
-        w.stats[f"{ch.tier}_reads"] += 1
-        w.stats[f"{ch.tier}_read_bytes"] += out.nbytes
+        self.tiers[ch.tier].get_into(key, out)
+        results.note_read(ch.tier, out.nbytes, time.perf_counter() - t0)
+        results.stats[f"{ch.tier}_reads"] += 1
+        results.stats[f"{ch.tier}_read_bytes"] += out.nbytes
         if dst is not None and out is not dst:
             dst.copy_(out)
             out = dst
-        elif dst is None and w.layout.device.type == "cuda":
+        elif dst is None and c.layout.device.type == "cuda":
             with load.lock:
                 load.keep.append(out)  # alive until the copy jobs finished
         return out
@@ -295,14 +291,14 @@ class LoadPipeline:
 
     def _fence_job(self, load: _Load, job: Job) -> None:
         try:
-            self.w.engine.fence(job)
+            self.cache.engine.fence(job)
         except Exception as e:  # noqa: BLE001 - the copy itself failed: recompute every chunk
             self._fail_all(load, e)
 
     def _fail_all(self, load: _Load, e: BaseException) -> None:
         with load.lock:
             if len(load.failed) < len(load.spec.chunks):
-                self.w.throttle.error(
+                self.results.throttle.error(
                     failure_cause("copy", e),
                     "kvx: request %s: load failed (%s); vLLM recomputes it",
                     load.spec.req_id,
@@ -338,21 +334,21 @@ class LoadPipeline:
         if load.reported:
             return
         load.reported = True
-        w = self.w
+        r = self.results
         for job in load.all_jobs():
             if job.done() and job.error() is not None:
                 self._fail_all(load, job.error())
         for ch in load.spec.chunks:
             if ch.key in load.failed:
-                if w.geom.num_groups > 1:  # block ids cannot name it to vLLM: the request fails (async)
+                if self.several_groups:  # block ids cannot name it to vLLM: the request fails (async)
                     self._failed_reqs.add(load.spec.req_id)
                 else:
                     self._errors.update(ch.block_ids)
                 self.outcomes.failed(ch.block_ids)
-                w.out.failed_blocks.extend(ch.block_ids)
-                w.stats["load_errors"] += 1
+                r.out.failed_blocks.extend(ch.block_ids)
+                r.stats["load_errors"] += 1
             if ch.slot_xfer is not None:  # the promotion into a CPU slot
-                w.out.report(ch.slot_xfer, FAILED if ch.key in load.failed else OK)
+                r.out.report(ch.slot_xfer, FAILED if ch.key in load.failed else OK)
 
     # ---------------------------------------------------------------- results
     def poll_async(self, wait_s: float = 0.0) -> set[str]:
@@ -394,7 +390,7 @@ class LoadPipeline:
     def retire(self, block: bool = False) -> None:
         """A load is done for the scheduler (its CPU slots may be unpinned and reused) once every copy job
         has finished; polled, never waited for on the per-step path."""
-        w = self.w
+        r = self.results
         keep = []
         for load in self._retiring:
             if block:
@@ -402,9 +398,9 @@ class LoadPipeline:
                     wait_quietly(job.wait)
             if all(job.done() for job in load.all_jobs()):
                 load.keep.clear()
-                w.out.report(load.spec.xfer, OK)
-                w.stats["load_ms"] += (time.perf_counter() - load.started) * 1e3
-                w.hist["load_seconds"].append(time.perf_counter() - load.started)
+                r.out.report(load.spec.xfer, OK)
+                r.stats["load_ms"] += (time.perf_counter() - load.started) * 1e3
+                r.hist["load_seconds"].append(time.perf_counter() - load.started)
             else:
                 keep.append(load)
         self._retiring = keep

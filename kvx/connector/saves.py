@@ -1,12 +1,14 @@
 """The worker's save pipeline: chunk bytes from the paged KV cache into the CPU tier and the byte tiers.
 
-:meth:`SavePipeline.submit_group` queues a layer group's gathers (one job: that group's layers of one batch of the
-step's saves) as soon as the forward wrote its last layer (after a marker taken then), so the copies overlap the
+:meth:`SavePipeline.submit_group` queues a layer group's gathers (that group's parts of one
+:class:`kvx.kernels.staged.TransferBatch` of the step's saves: staged across PCIe, a gather into a staging buffer
+and a DMA to host memory per part, :meth:`~.cache.WorkerCache.queue_saves`) as soon as the forward wrote its last
+layer (after a marker taken then), so the copies overlap the
 rest of the forward (``save_layerwise``; otherwise, and for groups no layer reported, :meth:`SavePipeline.finish_step`
 queues them). A save whose KV depends on a block whose load failed on this worker (the load pipeline's verdict,
 an argument) is dropped before anything is gathered. :meth:`SavePipeline.finish_step` starts the tier writes on I/O
 threads (one per tier and chunk, so a slow tier does not hold up the others), which wait for their gathers. A save
-to the byte tiers alone gathers into a staging buffer of this pipeline's pool, which grows on demand up to its
+to the byte tiers alone gathers into a pinned write buffer of this pipeline's pool, which grows on demand up to its
 cap: the scheduler's write backlog (``max_write_backlog``, :class:`~.ledger.ChunkLedger`) counts each such save
 as a whole buffer against every tier it writes until every worker reported it, so at most ``tiers x backlog / slot``
 are in flight, the cap; a save finding none (which the bound rules out) is dropped, never waited for: a stalled
@@ -15,8 +17,10 @@ per-step path (CPU threads excepted: there the copies use the cores the next for
 ``finish_step``); the worker's ``handle_preemptions`` fences the ones whose blocks the next forward writes. Each
 save's transfers (its CPU slot, each tier write) are reported once, by id, when they end (:meth:`SavePipeline.poll`).
 
-Owned by :class:`~.worker.KVXWorker`; worker thread only, except the writer pool's threads (a tier write touches
-the tensor handed to it, the staging pool under its condition, and the rank-key map under its lock).
+Owned by :class:`~.worker.KVXWorker`, which hands it the registered cache (:class:`~.cache.WorkerCache`, ``cache``)
+and each step's metadata; it reports into a :class:`~.cache.WorkerResults`. Worker thread only, except the writer
+pool's threads (a tier write touches the tensor handed to it, the write-buffer pool under its condition, the
+rank-key map under its lock, and the results' counters).
 """
 
 from __future__ import annotations
@@ -28,21 +32,18 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..engine import Job
-from ..kernels import ops
+from ..kernels.staged import TransferBatch
 from ..log import get_logger
-from ..store import StoreFullError
+from ..store import StoreFullError, Tier
+from .cache import WorkerCache, WorkerResults
 from .keys import rank_key
-from .loads import Once, failure_cause, wait_quietly
+from .loads import failure_cause, wait_quietly
 from .metadata import FAILED, NOOP, OK, ChunkSave, KVXMetadata
 from .validity import LoadOutcomes
-
-if TYPE_CHECKING:
-    from .worker import KVXWorker
 
 log = get_logger(__name__)
 
@@ -71,10 +72,11 @@ def _background_priority() -> None:
 @dataclass
 class _Save:
     save: ChunkSave
-    jobs: list[Job] = field(default_factory=list)  # one gather per layer group (none: from a CPU slot)
+    jobs: list[Job] = field(default_factory=list)  # the copies it waits for (none: from a CPU slot)
     dest: torch.Tensor | None = None
     writes: dict[str, Future] = field(default_factory=dict)  # tier name -> its write in flight
-    staging: int | None = None
+    buffer: int | None = None  # its write buffer (a save to the byte tiers alone)
+    error: BaseException | None = None  # its copies could not be queued
     slot_reported: bool = False
     started: float = field(default_factory=time.perf_counter)
 
@@ -82,10 +84,10 @@ class _Save:
         return all(j.done() for j in self.jobs)
 
     def copy_error(self) -> BaseException | None:
-        return next((j.error() for j in self.jobs if j.error() is not None), None)
+        return self.error or next((j.error() for j in self.jobs if j.error() is not None), None)
 
 
-class _Staging:
+class _WriteBuffers:
     """Pinned (on CUDA) chunk buffers for saves to the byte tiers alone: ``buffers`` at first, more made on demand
     (``new()``) up to ``cap``. Taken on the worker thread, released by the thread that polls a write's end;
     guarded by a condition."""
@@ -114,19 +116,31 @@ class _Staging:
 
 
 class SavePipeline:
-    """The saves in flight on one worker (see the module docstring). ``w`` is the owning worker: the registered
-    KV cache (layout, layer groups, :class:`kvx.engine.BlockOrder`), the CPU pool and the tiers are read from it,
-    results go to its ``out`` / ``stats``."""
+    """The saves in flight on one worker (see the module docstring). ``cache``: the registered KV cache (set by the
+    worker); ``results``: where outcomes and counters go; ``tiers``: the byte tiers by name; ``buffers``: the
+    write buffers; ``shard`` of ``shards``: this rank; ``writes``: whether this engine writes to the tiers."""
 
-    def __init__(self, w: KVXWorker, writer: ThreadPoolExecutor | None, staging: _Staging):
-        self.w = w
+    def __init__(
+        self,
+        results: WorkerResults,
+        tiers: dict[str, Tier],
+        writer: ThreadPoolExecutor | None,
+        buffers: _WriteBuffers,
+        shard: int = 0,
+        shards: int = 1,
+        writes: bool = True,
+    ):
+        self.cache: WorkerCache | None = None
+        self.results, self.tiers = results, tiers
+        self.shard, self.shards, self.writes = shard, shards, writes
         self.writer = writer  # tier writes: background unless a P/D producer's
-        self.staging = staging
+        self.buffers = buffers
         self._saves: list[_Save] = []  # handed to the writers, not all reported yet
         self._meta: KVXMetadata | None = None
         self._step: list[_Save] | None = None  # this step's saves, once begun
-        # this step's gathers, fixed when the first group is queued: (batch, its saves, their blocks)
-        self._gathers: tuple[Once, list[_Save], list[int]] | None = None
+        # this step's gathers, fixed when the first group is queued: (batch, its parts by layer group, its saves,
+        # their blocks); batch None when it could not be built
+        self._gathers: tuple[TransferBatch | None, dict[int, list], list[_Save], list[int]] | None = None
         self._submitted: set[int] = set()  # layer groups whose gathers are queued this step
         self._rank_keys: OrderedDict[str, str] = OrderedDict()  # TP: storage key -> chunk key, written here
         self.rank_keys_lock = threading.Lock()
@@ -152,10 +166,10 @@ class SavePipeline:
     def _begin(self, verdict: Callable[[], LoadOutcomes]) -> list[_Save]:
         """This step's saves, once: the ones computed against a load that failed here (``verdict()``, asked once a
         step, when the first saves begin) are dropped;
-        the rest get their destination (CPU slot or staging buffer)."""
+        the rest get their destination (CPU slot or write buffer)."""
         if self._step is not None:
             return self._step
-        w = self.w
+        c, r = self.cache, self.results
         self._step = []
         failed = verdict()
         for s in self._meta.saves:
@@ -163,142 +177,149 @@ class SavePipeline:
                 # computed against KV that never arrived: vLLM recomputes it, and the scheduler plans the
                 # chunk again once it has
                 if s.slot_xfer is not None:
-                    w.out.report(s.slot_xfer, FAILED)
+                    r.out.report(s.slot_xfer, FAILED)
                 for xfer in s.to_tiers.values():
-                    w.out.report(xfer, NOOP)
-                w.stats["saves_dropped"] += 1
+                    r.out.report(xfer, NOOP)
+                r.stats["saves_dropped"] += 1
                 continue
             rec = _Save(s)
             if s.from_slot is not None:
-                rec.dest = w.slot_view(s.from_slot, s.tokens, s.state)
+                rec.dest = c.slot_view(s.from_slot, s.tokens, s.state)
             elif s.slot is not None:
-                rec.dest = w.slot_view(s.slot, s.tokens, s.state)
-            else:  # other tiers only: a staging buffer if one is free now, else one in finish_step
-                self._stage(rec, self.staging.take())
+                rec.dest = c.slot_view(s.slot, s.tokens, s.state)
+            else:  # other tiers only: a write buffer if one is free now, else one in finish_step
+                self._take_buffer(rec, self.buffers.take())
             self._step.append(rec)
         return self._step
 
-    def _stage(self, rec: _Save, idx: int | None) -> None:
+    def _take_buffer(self, rec: _Save, idx: int | None) -> None:
         if idx is not None:
-            rec.staging = idx
-            blocks = self.w._rows(rec.save.tokens, rec.save.state)
-            rec.dest = self.w.blocks_view(self.staging.buffers[idx], 0, blocks)
+            rec.buffer = idx
+            rows = self.cache.rows(rec.save.tokens, rec.save.state)
+            rec.dest = self.cache.blocks_view(self.buffers.buffers[idx], 0, rows)
 
     def submit_group(self, g: int, marker, verdict: Callable[[], LoadOutcomes]) -> None:
-        """Queue the gathers of layer group ``g`` of this step's saves: one job, running that group's layers
-        of one :class:`kvx.kernels.ops.CopyBatch` of every save (built once, in the first group's job)."""
+        """Queue the gathers of layer group ``g`` of this step's saves: its parts of one
+        :class:`kvx.kernels.staged.TransferBatch` of every save (built and planned once, at the first group)."""
         if g in self._submitted:
             return
         self._submitted.add(g)
-        w = self.w
-        a, b, _ = w.groups[g]
         if self._gathers is None:
             recs = [rec for rec in self._begin(verdict) if rec.save.from_slot is None and rec.dest is not None]
-            pairs = [(r.save.block_ids, r.dest) for r in recs]
-            self._gathers = (
-                Once(lambda: self._gather_batch(pairs)),
-                recs,
-                [blk for r in recs for blk in r.save.block_ids],
-            )
-        batch, recs, blocks = self._gathers
-        if not recs:
+            batch, parts = self._gather_batch(recs)
+            self._gathers = (batch, parts, recs, [blk for r in recs for blk in r.save.block_ids])
+        batch, parts, recs, blocks = self._gathers
+        if batch is None or not parts.get(g):
             return
-        job = w.order.save(
-            blocks, lambda: batch.get().run(a, b), name=f"save {len(recs)} chunks group {g}", marker=marker
-        )
+        # the batch's edges to queued loads go with its first group submitted, its record against the blocks with
+        # its last (the save queue runs the groups in order): per layer, only the layer's own marker
+        first = len(self._submitted) == 1
+        last = len(self._submitted) == len(self.cache.groups)
+        name = f"save {len(recs)} chunks group {g}"
+        jobs = self.cache.queue_saves(batch, parts[g], blocks, marker, name, first, last)
         for rec in recs:
-            rec.jobs.append(job)
+            rec.jobs.extend(jobs)
 
-    def _gather_batch(self, pairs) -> ops.CopyBatch:
-        w = self.w
-        batch = w.batch()
-        op = "gather_pages" if w.fmt == "pages" else "gather_blocks"
-        for block_ids, dest in pairs:
-            batch.add(op, w.kernel_ids(block_ids), dest)
-        return batch
+    def _gather_batch(self, recs: list[_Save]) -> tuple[TransferBatch | None, dict[int, list]]:
+        """The gathers of ``recs`` in one batch, planned by layer group; ``(None, {})`` when it cannot be built (its
+        saves then fail: nothing is stored)."""
+        if not recs:
+            return None, {}
+        c = self.cache
+        op = "gather_pages" if c.fmt == "pages" else "gather_blocks"
+        try:
+            batch = c.batch()
+            for rec in recs:
+                batch.add(op, c.kernel_ids(rec.save.block_ids), rec.dest)
+            parts: dict[int, list] = {}
+            for part in c.plan(batch):
+                parts.setdefault(c.group_of_layer(part.start), []).append(part)
+        except Exception as e:  # noqa: BLE001 - reported as the saves' copy error
+            for rec in recs:
+                rec.error = e
+            return None, {}
+        return batch, parts
 
     def finish_step(self, verdict: Callable[[], LoadOutcomes]) -> None:
         """End of the step's forward: queue the gathers ``submit_group`` did not, start the tier writes."""
-        w = self.w
+        c, r = self.cache, self.results
         t0 = time.perf_counter()
-        marker = w.engine.marker()
-        for g in range(len(w.groups)):
+        marker = c.engine.marker()
+        for g in range(len(c.groups)):
             self.submit_group(g, marker, verdict)
         for rec in self._begin(verdict):
             s = rec.save
             if rec.dest is None and s.from_slot is None:
-                # every staging buffer was taken when the step began: one an earlier write freed since, gathering
+                # every write buffer was taken when the step began: one an earlier write freed since, gathering
                 # all layers at once; none (the scheduler's backlog bound rules it out): dropped, never waited for
                 self.poll()
-                self._stage(rec, self.staging.take())
+                self._take_buffer(rec, self.buffers.take())
                 if rec.dest is None:
                     for xfer in s.to_tiers.values():
-                        w.out.report(xfer, NOOP)
-                    w.stats["saves_dropped_backpressure"] += 1
+                        r.out.report(xfer, NOOP)
+                    r.stats["saves_dropped_backpressure"] += 1
                     continue
-                rec.jobs.append(
-                    w.order.save(
-                        s.block_ids,
-                        lambda pairs=[(s.block_ids, rec.dest)]: self._gather_batch(pairs).run(),
-                        name=f"save {s.key}",
-                        marker=marker,
-                    )
-                )
+                batch, parts = self._gather_batch([rec])
+                if batch is not None:
+                    for group_parts in parts.values():
+                        rec.jobs += c.queue_saves(batch, group_parts, s.block_ids, marker, f"save {s.key}")
             for name, xfer in s.to_tiers.items():
-                if w.writes:
-                    rec.writes[name] = self.writer.submit(self._write_chunk, name, s, rec.dest, list(rec.jobs))
+                if self.writes:
+                    rec.writes[name] = self.writer.submit(self._write_chunk, name, s, rec, list(rec.jobs), c.fmt)
                 else:
-                    w.out.report(xfer, NOOP)
+                    r.out.report(xfer, NOOP)
             self._saves.append(rec)
-            w.stats["saved_chunks"] += 1
-        if w.engine.mode == "thread":
+            r.stats["saved_chunks"] += 1
+        if c.engine.host_copies:
             for rec in self._step:
                 for job in rec.jobs:
                     wait_quietly(job.wait)
-            w.stats["save_ms"] += (time.perf_counter() - t0) * 1e3
+            r.stats["save_ms"] += (time.perf_counter() - t0) * 1e3
         self._step = None
         self._gathers = None
 
-    def _write_chunk(self, name: str, s: ChunkSave, src: torch.Tensor, jobs: list[Job]) -> bool:
-        """One tier write, on a writer thread, once the chunk's gathers ran."""
-        w = self.w
+    def _write_chunk(self, name: str, s: ChunkSave, rec: _Save, jobs: list[Job], fmt: str) -> bool:
+        """One tier write, on a writer thread, once the chunk's copies ran (it may end after a sleep dropped the
+        registered cache: it reads only kvx's own buffer)."""
         for job in jobs:
             job.wait()
-        key = rank_key(s.key, w.shard, w.shards) if w.shards > 1 else s.key
-        if w.shards > 1:
+        if rec.error is not None:
+            raise rec.error
+        key = rank_key(s.key, self.shard, self.shards) if self.shards > 1 else s.key
+        if self.shards > 1:
             with self.rank_keys_lock:
                 self._rank_keys[key] = s.key
                 while len(self._rank_keys) > _MAX_RANK_KEYS:
                     self._rank_keys.popitem(last=False)
         t0 = time.perf_counter()
-        written = w.tiers[name].put(key, src, {"tokens": str(s.tokens), "format": w.fmt})
-        w.stats[f"{name}_write_ms"] += (time.perf_counter() - t0) * 1e3
+        written = self.tiers[name].put(key, rec.dest, {"tokens": str(s.tokens), "format": fmt})
+        self.results.stats[f"{name}_write_ms"] += (time.perf_counter() - t0) * 1e3
         return written
 
     # ---------------------------------------------------------------- results
     def poll(self, block: bool = False) -> None:
         """Report the saves' transfers that ended (``block``: wait for every one)."""
-        w = self.w
+        r = self.results
         keep = []
         for rec in self._saves:
             self._poll_copies(rec, block)
             self._poll_writes(rec, block)
             if not rec.slot_reported:
                 # a write ends after the chunk's gathers ran: a save whose writes all ended in this poll reports its
-                # copies in it too, and releases its staging buffer in the poll that reports its writes (the
+                # copies in it too, and releases its write buffer in the poll that reports its writes (the
                 # scheduler's backlog counts the buffer until then)
                 self._poll_copies(rec, False)
             if not rec.slot_reported or rec.writes:
                 keep.append(rec)
                 continue
-            w.hist["save_seconds"].append(time.perf_counter() - rec.started)
-            if rec.staging is not None:
-                self.staging.release(rec.staging)
+            r.hist["save_seconds"].append(time.perf_counter() - rec.started)
+            if rec.buffer is not None:
+                self.buffers.release(rec.buffer)
         self._saves = keep
 
     def _poll_copies(self, rec: _Save, block: bool) -> None:
         """Report the CPU slot write of ``rec`` if its gathers ran (``block``: wait for them)."""
-        w, s = self.w, rec.save
+        r, s = self.results, rec.save
         if rec.slot_reported:
             return
         if block:
@@ -308,16 +329,16 @@ class SavePipeline:
             rec.slot_reported = True
             err = rec.copy_error()
             if err is not None:
-                w.throttle.error(failure_cause("save", err), "kvx: saving chunk %s failed: %s", s.key, str(err))
-                w.stats["save_errors"] += 1
+                r.throttle.error(failure_cause("save", err), "kvx: saving chunk %s failed: %s", s.key, str(err))
+                r.stats["save_errors"] += 1
             if s.slot_xfer is not None:
-                w.out.report(s.slot_xfer, FAILED if err is not None else OK)
+                r.out.report(s.slot_xfer, FAILED if err is not None else OK)
                 if err is None and rec.dest is not None:
-                    w.stats["cpu_write_bytes"] += rec.dest.nbytes
+                    r.stats["cpu_write_bytes"] += rec.dest.nbytes
 
     def _poll_writes(self, rec: _Save, block: bool) -> None:
         """Report the tier writes of ``rec`` that ended (``block``: wait for them)."""
-        w, s = self.w, rec.save
+        r, s = self.results, rec.save
         for name, fut in list(rec.writes.items()):
             if block:
                 wait_quietly(fut.result)
@@ -325,23 +346,23 @@ class SavePipeline:
                 continue
             err = fut.exception()
             if isinstance(err, StoreFullError):  # expected under pressure: the chunk stays uncached
-                w.throttle.warning(
+                r.throttle.warning(
                     failure_cause(f"{name} full", err), "kvx: chunk %s not written to %s: %s", s.key, name, str(err)
                 )
-                w.stats[f"{name}_full"] += 1
+                r.stats[f"{name}_full"] += 1
             elif err is not None:
-                w.throttle.error(
+                r.throttle.error(
                     failure_cause(f"{name} write", err),
                     "kvx: writing chunk %s to %s failed: %s",
                     s.key,
                     name,
                     str(err),
                 )
-                w.stats[f"{name}_write_errors"] += 1
+                r.stats[f"{name}_write_errors"] += 1
             elif fut.result():
-                w.stats[f"{name}_writes"] += 1
-                w.stats[f"{name}_write_bytes"] += rec.dest.nbytes
-            w.out.report(s.to_tiers[name], FAILED if err is not None else OK if fut.result() else NOOP)
+                r.stats[f"{name}_writes"] += 1
+                r.stats[f"{name}_write_bytes"] += rec.dest.nbytes
+            r.out.report(s.to_tiers[name], FAILED if err is not None else OK if fut.result() else NOOP)
             del rec.writes[name]
 
     def close(self) -> None:

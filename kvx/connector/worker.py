@@ -1,13 +1,16 @@
 """Worker side of the connector: the hooks vLLM calls in each worker process (one per TP/PP rank), in their order.
 
-What to move comes from the scheduler's :class:`KVXMetadata`; how is :mod:`kvx.kernels.ops` on the
+What to move comes from the scheduler's :class:`KVXMetadata`; how is :mod:`kvx.kernels.staged` (batches of copies
+between host memory and the cache: staged through device buffers, by DMA, or by the copy kernel) on the
 :class:`kvx.engine.TransferEngine` copy queues; in what order against the forwards is
 :class:`kvx.engine.BlockOrder` (every copy goes through it). The work is two pipelines, one per direction:
 :class:`~.loads.LoadPipeline` (tiers -> paged KV cache) and :class:`~.saves.SavePipeline` (paged KV cache -> tiers);
-this module owns the registered KV cache (layout, layer groups, the CPU pool's slots, the tiers) they both use,
-hands each step's metadata to them, and hands the step's load verdict to the save pipeline as an argument (a save
-computed against a load that failed here is dropped: :mod:`.validity`). Results (one outcome per transfer id,
-:class:`KVXWorkerMetadata`) are collected in ``out`` and returned by :meth:`KVXWorker.build_worker_meta`.
+this module describes the registered KV cache (:class:`~.cache.WorkerCache`: layout, layer groups, the CPU pool's
+slots, the copies' machinery) and hands it to both, owns the tiers and the transfer engine, hands each step's
+metadata to the pipelines, and hands the step's load verdict to the save pipeline as an argument (a save computed
+against a load that failed here is dropped: :mod:`.validity`). Results (one outcome per transfer id,
+:class:`KVXWorkerMetadata`) are collected in a :class:`~.cache.WorkerResults` and returned by
+:meth:`KVXWorker.build_worker_meta`.
 
 Step order: ``handle_preemptions`` (fence the copies of every block this step's forward writes), ``bind``,
 ``start_load_kv``, per layer ``wait_for_layer_load`` / ``save_kv_layer``, then ``wait_for_save`` and the result
@@ -23,6 +26,11 @@ reported per request (:meth:`take_failed_requests`), not by block ids.
 Thread ownership: everything here runs on vLLM's worker thread, except the I/O pools (tier reads and
 writes: they touch only the tensors handed to them, ``stats`` counters, and the pipelines' locked state) and the
 copy queues' threads on CPU.
+
+Device memory (CUDA): besides vLLM's KV cache, kvx takes ``staging_bytes`` (default 64 MiB) for its staging rings
+(:meth:`kvx.engine.TransferEngine.configure_staging`) when it registers the caches, i.e. after vLLM sized its KV
+cache from ``gpu_memory_utilization``: it comes from the share vLLM leaves free (10% of the device at the default
+0.9), and registration fails with a clear error naming ``staging_bytes`` if the device has less free.
 """
 
 from __future__ import annotations
@@ -34,20 +42,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..engine import BlockOrder, TransferEngine
+from ..engine import TransferEngine, make_engine
 from ..kernels import ops
 from ..kernels.layout import KVLayout
-from ..log import Throttle, get_logger
+from ..log import get_logger
 from ..store import REMOVED, CPUPool, Tier, TierContext, tier_class
+from .cache import WorkerCache, WorkerResults
 from .common import EngineGeometry, chunk_bytes, num_cpu_slots, object_rows, write_backlog
-from .config import KVXConfig
+from .config import ConfigError, KVXConfig
 from .loads import LoadPipeline
 from .metadata import KVXMetadata, KVXWorkerMetadata
-from .saves import SavePipeline, _background_priority, _Staging
+from .saves import SavePipeline, _background_priority, _WriteBuffers
 
 log = get_logger(__name__)
 
-_MAX_READS = 256  # read records per step report (the latest: enough for a moving estimate)
 # An idle step (nothing computed) with async loads in flight waits up to this long for them in get_finished. vLLM
 # steps idle steps back to back while requests wait for their loads: on CPU those steps' Python holds the GIL the copy
 # thread needs between its kernels (measured: a 16-chunk hybrid load from the CPU tier took 180 ms over ~1400 idle
@@ -79,35 +87,51 @@ class KVXWorker:
         self.shard, self.shards, self.writes = shard, shards, writes
         self.fingerprint = fingerprint
         self.background_writes = background_writes
-        self.layout: KVLayout | None = None
-        self.ratio = 1  # kernel blocks per vLLM block
-        self.groups: list[tuple[int, int, KVLayout]] = []  # (first layer, end layer, sub-layout)
+        self.cache: WorkerCache | None = None  # the registered KV cache (None before registration, during a sleep)
         self.group_of: dict[str, int] = {}
         self.layer_of: dict[str, int] = {}  # layer name -> layer index in the layout
         self.pool: CPUPool | None = None
         self.tiers: dict[str, Tier] = {}  # the tiers after the CPU pool, by name
         self.engine: TransferEngine | None = None
-        self.order: BlockOrder | None = None
         self._meta: KVXMetadata | None = None
         self._loads_started = False
         self._idle_step = False
-        self.loads = LoadPipeline(self, None, fence_loads_at_start)
-        self.saves = SavePipeline(self, None, _Staging([]))
-        self.throttle = Throttle(log)
-        # results and counters: written by the pipelines (worker thread; I/O threads add to ``stats`` only)
-        self.out = KVXWorkerMetadata()
-        self.stats = Counter()
+        self.results = WorkerResults()  # outcomes, counters, samples: the pipelines report here
+        self.loads = LoadPipeline(self.results, self.tiers, None, fence_loads_at_start, shard, shards, geom.num_groups)
+        self.saves = SavePipeline(self.results, self.tiers, None, _WriteBuffers([]), shard, shards, writes)
         self._polled_for_stats = False  # take_stats polled the saves since build_worker_meta last ran
         self.totals = Counter()  # every counter since start (take_stats adds to it)
-        self.hist: dict[str, list[float]] = {"load_seconds": [], "save_seconds": []}  # latency samples
         self._removed: list[tuple[str, str]] = []  # (tier, chunk key) removed from a byte tier here (any thread)
         self._removed_lock = threading.Lock()
-        self._reads: list[tuple[str, int, float]] = []  # (tier, bytes, seconds) per chunk read (reader threads)
-        self._reads_lock = threading.Lock()
         # (views, geometry, layout name, vLLM block count) registered last: kept across a sleep, to check and
         # describe the restored caches (vLLM's tensor objects, which vLLM keeps too: no memory held here; the
         # geometry is plain values, so no pointer or device table outlives unregister_kv_caches)
         self._registered: tuple[dict[str, torch.Tensor], tuple, object, int] | None = None
+
+    # the registered cache's facts, for callers that knew them as the worker's
+    @property
+    def layout(self) -> KVLayout | None:
+        return self.cache.layout if self.cache is not None else None
+
+    @property
+    def groups(self) -> list[tuple[int, int, KVLayout]]:
+        return self.cache.groups if self.cache is not None else []
+
+    @property
+    def order(self):
+        return self.cache.order if self.cache is not None else None
+
+    @property
+    def stats(self) -> Counter:
+        return self.results.stats
+
+    @property
+    def out(self) -> KVXWorkerMetadata:
+        return self.results.out
+
+    @property
+    def hist(self) -> dict[str, list[float]]:
+        return self.results.hist
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layout_name, num_blocks: int) -> None:
@@ -126,9 +150,10 @@ class KVXWorker:
         pin = lay.device.type == "cuda"
         n_slots = num_cpu_slots(self.config, self.geom)
         if n_slots:
-            self.pool = CPUPool(n_slots, self.slot_shape(), self.chunk_dtype, pin=pin)
+            self.pool = CPUPool(n_slots, self.cache.slot_shape(), self.cache.chunk_dtype, pin=pin)
+            self.cache.pool = self.pool
         ctx = TierContext(self.fingerprint, role="worker", writes=self.writes, io_threads=self.config.io_threads)
-        self.tiers = {t.type: tier_class(t.type).open(t, ctx) for t in self.config.byte_tiers}
+        self.tiers.update({t.type: tier_class(t.type).open(t, ctx) for t in self.config.byte_tiers})
         for tier in self.tiers.values():
             tier.subscribe(self._on_tier_event)
         if self.tiers:
@@ -140,25 +165,39 @@ class KVXWorker:
                 thread_name_prefix="kvx-write",
                 initializer=_background_priority if self.background_writes else None,
             )
+            shape, dtype = self.cache.slot_shape(), self.cache.chunk_dtype
 
-            # staging buffers (saves to the byte tiers alone): a few now, up to as many as the scheduler's write
+            # write buffers (saves to the byte tiers alone): a few now, up to as many as the scheduler's write
             # backlog lets be in flight (each counts a whole buffer against every tier it writes)
             def new_buffer():
-                return torch.empty(self.slot_shape(), dtype=self.chunk_dtype, pin_memory=pin)
+                return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
             per_tier = write_backlog(self.config, self.geom) // chunk_bytes(self.config, self.geom)
             cap = len(self.tiers) * per_tier
-            staging = _Staging([new_buffer() for _ in range(min(2 * self.config.io_threads, cap))], new_buffer, cap)
-            self.loads = LoadPipeline(self, reader, self.loads.fence_at_start)
-            self.saves = SavePipeline(self, writer, staging)
+            buffers = _WriteBuffers(
+                [new_buffer() for _ in range(min(2 * self.config.io_threads, cap))], new_buffer, cap
+            )
+            self.loads = LoadPipeline(
+                self.results,
+                self.tiers,
+                reader,
+                self.loads.fence_at_start,
+                self.shard,
+                self.shards,
+                self.geom.num_groups,
+            )
+            self.saves = SavePipeline(self.results, self.tiers, writer, buffers, self.shard, self.shards, self.writes)
+            self.loads.cache = self.saves.cache = self.cache
         log.info(
-            "kvx: worker %d/%d registered %s, format %s, %d CPU slots, tiers %s",
+            "kvx: worker %d/%d registered %s, format %s, %d CPU slots, tiers %s, copies %s%s",
             self.shard,
             self.shards,
             lay,
             self.fmt,
             n_slots,
             list(self.tiers) or "none",
+            self.cache.path,
+            f" (staging {self.engine.staging_bytes >> 20} MiB)" if self.engine.staged else "",
         )
 
     def _describe(self, kv_caches: dict[str, torch.Tensor], layout_name, num_blocks: int) -> None:
@@ -187,7 +226,12 @@ class KVXWorker:
             raise ValueError(
                 f"kv_caches: the {lay.name} views have no contiguous page per block; use format 'canonical'"
             )
-        geometry = (lay.dtype, lay.num_layers, lay.device, self._shape(lay, self._rows(self.config.chunk_size)))
+        rows = object_rows(self.geom, self.config.chunk_size)
+        if self.fmt == "pages":
+            shape = lay.page_shape(rows * (self.geom.block_size // lay.block_size))
+        else:
+            shape = lay.canonical_shape(rows * self.geom.block_size)
+        geometry = (lay.dtype, lay.num_layers, lay.device, shape)
         if self._registered is not None and geometry != self._registered[1]:
             # restored after a sleep: the chunks in the tiers and the CPU pool's slots must still fit
             raise ValueError(
@@ -195,23 +239,20 @@ class KVXWorker:
                 f"(dtype, layers, device, chunk shape {self._registered[1]}), got {geometry}"
             )
         if self.engine is None:
-            self.engine = TransferEngine(lay.device)
-        self.ratio, self.layout = ratio, lay
-        self.order = BlockOrder(self.engine)
-        # Layer groups: the unit wait_for_layer_load fences and save_kv_layer queues. One per layer on CUDA
-        # (copies overlap the forward) and in the deferred CPU queue (the CUDA code path); one for all layers
-        # on CPU threads (the CPU copy already uses every core).
-        per_layer = self.engine.mode in ("cuda", "deferred")
-        bounds = [(i, i + 1) for i in range(lay.num_layers)] if per_layer else [(0, lay.num_layers)]
-        self.groups = [(a, b, lay.layer_range(a, b)) for a, b in bounds]
+            self.engine = make_engine(lay.device)
+        self.ratio = ratio
+        self.cache = WorkerCache(self.config, self.geom, self.fmt, lay, ratio, self.engine, self.pool)
+        self.loads.cache = self.saves.cache = self.cache
+        if self.engine.staged:
+            self._configure_staging(lay)
         if lay.device.type == "cuda":
             # the kernels' device tables of layer addresses, uploaded now: a first upload inside a step would
             # make the host wait for the copy stream
-            for layout in [lay] + [sub for _, _, sub in self.groups]:
+            for layout in [lay] + [sub for _, _, sub in self.cache.groups]:
                 layout.layer_ptrs(lay.device)
             if not os.environ.get("KVX_H2D_DMA_MIN_BYTES"):
-                # kernel or DMA per piece size, measured now, not in a step; per device, on scratch buffers (not
-                # the KV tensors): a sleep does not change it
+                # DMA straight into blocks or staged, per piece size, measured now, not in a step; per device, on
+                # scratch buffers (not the KV tensors): a sleep does not change it
                 ops.calibrate_h2d(lay.device)
         ptr_to_layer = {t.data_ptr(): i for i, t in enumerate(lay.layers)}
         self.layer_of, self.group_of = {}, {}
@@ -219,23 +260,46 @@ class KVXWorker:
             layer = ptr_to_layer.get(t.data_ptr())
             if layer is not None:
                 self.layer_of[name] = layer
-                self.group_of[name] = next(g for g, (a, b, _) in enumerate(self.groups) if a <= layer < b)
+                self.group_of[name] = self.cache.group_of_layer(layer)
         self._registered = (views, geometry, layout_name, num_blocks)
+
+    def _configure_staging(self, lay: KVLayout) -> None:
+        """The engine's staging rings (``staging_bytes``), once the caches exist: a buffer must hold one block of
+        one layer (the smallest part), and on CUDA the device must have the budget free (vLLM's KV cache took its
+        share of the device already)."""
+        budget = self.config.staging_bytes
+        buffer = budget // 4
+        if buffer < lay.page_bytes:
+            raise ConfigError(
+                f"staging_bytes: expected at least {4 * lay.page_bytes} bytes (four staging buffers, each at least "
+                f"one block of one layer, {lay.page_bytes} bytes), got {budget}"
+            )
+        if lay.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(lay.device)
+            if free < budget:
+                raise ConfigError(
+                    f"staging_bytes: expected at most the {free >> 20} MiB free on {lay.device} after vLLM sized its "
+                    f"KV cache, got {budget >> 20} MiB; lower staging_bytes or vLLM's gpu_memory_utilization"
+                )
+        self.engine.configure_staging(budget)
 
     # ------------------------------------------------------------------ sleep mode (vLLM >= 0.33)
     def unregister_kv_caches(self) -> None:
         """Before vLLM's sleep frees or unmaps the KV cache: drain every copy touching it, then drop what is
         tied to its addresses (layout, layer pointers, the kernels' device pointer tables, the layer groups).
         Kept: the CPU tier and the byte tiers with everything stored in them (a sleep loses no chunk), the
-        staging buffers, the tier writes still in flight (they read kvx's own host buffers, not the KV
-        cache) and their results, which later steps report; the H2D calibration (per device). Idempotent."""
+        write buffers, the tier writes still in flight (they read kvx's own host buffers, not the KV
+        cache) and their results, which later steps report; the H2D calibration (per device). Freed: the
+        device staging rings (made again on wake-up). Idempotent."""
         if self.layout is None:
             return
         self.loads.drain()  # every read in: its copies are queued, then run by the flush
         self.engine.flush()  # every copy of the KV cache, loads and gathers, has run
         self.loads.after_drain()  # a step vLLM did not finish (it drains them first): reported
-        self.layout, self.groups, self.layer_of, self.group_of = None, [], {}, {}
-        self.order = BlockOrder(self.engine)  # no job refers to the old blocks any more
+        self.engine.drop_staging()  # device memory a sleeping engine should not hold
+        # no job refers to the old blocks any more: a new cache (and BlockOrder) is described on wake-up
+        self.cache, self.layer_of, self.group_of = None, {}, {}
+        self.loads.cache = self.saves.cache = None
         self.saves.bind(None)
         log.info(
             "kvx: worker %d/%d unregistered its KV caches (sleep); %s chunks stay in the tiers",
@@ -256,44 +320,22 @@ class KVXWorker:
         self._describe(views if kv_caches is None else kv_caches, layout_name, num_blocks)
         log.info("kvx: worker %d/%d restored its KV caches: %s", self.shard, self.shards, self.layout)
 
+    # the stored objects' shapes (:class:`~.cache.WorkerCache`), for callers that knew them as the worker's
     @property
     def chunk_dtype(self) -> torch.dtype:
-        return torch.uint8 if self.fmt == "pages" else self.layout.dtype
-
-    def _rows(self, tokens: int, state: bool = False) -> int:
-        return object_rows(self.geom, tokens, state)
-
-    def _shape(self, layout: KVLayout, rows: int) -> tuple[int, ...]:
-        if self.fmt == "pages":
-            return layout.page_shape(rows * (self.geom.block_size // layout.block_size))
-        return layout.canonical_shape(rows * self.geom.block_size)
+        return self.cache.chunk_dtype
 
     def chunk_shape(self, tokens: int, state: bool = False) -> tuple[int, ...]:
         """The shape of a stored object (:func:`~.common.object_rows`)."""
-        return self._shape(self.layout, self._rows(tokens, state))
+        return self.cache.chunk_shape(tokens, state)
 
     def slot_shape(self) -> tuple[int, ...]:
-        """A CPU slot's (and a staging buffer's) shape: the largest object, a chunk or a state object."""
-        chunk = self.config.chunk_size
-        return self._shape(self.layout, max(self._rows(chunk), self._rows(chunk, state=True)))
-
-    def blocks_view(self, chunk: torch.Tensor, first_block: int, n_blocks: int, layers=None) -> torch.Tensor:
-        """The part of a chunk tensor that holds vLLM blocks [first_block, first_block + n_blocks)."""
-        unit = self.ratio if self.fmt == "pages" else self.geom.block_size
-        view = chunk.narrow(2, first_block * unit, n_blocks * unit)
-        return view if layers is None else view[layers[0] : layers[1]]
-
-    def kernel_ids(self, block_ids: list[int]) -> list[int]:
-        if self.ratio == 1:
-            return block_ids
-        return [b * self.ratio + r for b in block_ids for r in range(self.ratio)]
-
-    def batch(self) -> ops.CopyBatch:
-        return ops.CopyBatch(self.layout, max_ctas=self.config.max_ctas)
+        """A CPU slot's (and a write buffer's) shape: the largest object, a chunk or a state object."""
+        return self.cache.slot_shape()
 
     def slot_view(self, slot: int, tokens: int, state: bool = False) -> torch.Tensor:
         """The part of CPU slot ``slot`` that holds a chunk of ``tokens`` tokens (``state``: its state object)."""
-        return self.blocks_view(self.pool.slot(slot), 0, self._rows(tokens, state))
+        return self.cache.slot_view(slot, tokens, state)
 
     # ------------------------------------------------------------------ per step
     def handle_preemptions(self, meta: KVXMetadata | None) -> None:
@@ -377,16 +419,9 @@ class KVXWorker:
         self._polled_for_stats = False
         with self._removed_lock:
             removed, self._removed = self._removed, []
-        with self._reads_lock:
-            reads, self._reads = self._reads[-_MAX_READS:], []
-        out, self.out = self.out, KVXWorkerMetadata()
-        out.removed, out.reads = removed, reads
+        out = self.results.take_out()
+        out.removed, out.reads = removed, self.results.take_reads()
         return None if out.is_empty() else out
-
-    def note_read(self, tier: str, nbytes: int, seconds: float) -> None:
-        """A chunk read from a byte tier (a reader thread): reported with the step's results."""
-        with self._reads_lock:
-            self._reads.append((tier, nbytes, seconds))
 
     def idle(self) -> bool:
         """No load or save in flight on this worker."""
@@ -407,11 +442,12 @@ class KVXWorker:
         (``load_seconds``, ``save_seconds``: lists); ``totals`` keeps the counters' sum."""
         self.saves.poll()
         self._polled_for_stats = True
-        stats, self.stats = dict(self.stats), Counter()
+        r = self.results
+        stats, r.stats = dict(r.stats), Counter()
         self.totals.update(stats)
-        for name, samples in self.hist.items():
+        for name, samples in r.hist.items():
             if samples:
-                stats[name], self.hist[name] = samples, []
+                stats[name], r.hist[name] = samples, []
         return stats
 
     def clear(self) -> None:

@@ -41,7 +41,6 @@ import collections
 import contextlib
 import csv
 import dataclasses
-import inspect
 import math
 import os
 import platform
@@ -274,36 +273,20 @@ def _time_queued(fns: list[Callable[[], None]], clock: Clock, n_ops: int, rounds
 
 
 # ---------------------------------------------------------------------------------------- host paths
-def staged_available() -> bool:
-    """This kvx build has the staged host <-> device path (``path="staged"`` and ``ops.staging_bytes``)."""
-    return "staged" in getattr(ops, "PATHS", ()) and hasattr(ops, "staging_bytes")
-
-
 def staging_buffer(layout: KVLayout, op: str, num_ids: int) -> torch.Tensor:
     """A device staging buffer big enough for ``op`` of ``num_ids`` ids on ``layout`` (``ops.staging_bytes``)."""
-    try:
-        nbytes = ops.staging_bytes(layout, op, num_ids)
-    except (TypeError, ValueError, AttributeError):
-        nbytes = ops.staging_bytes(layout, Op(op), num_ids)
-    return torch.empty(max(1, int(nbytes)), dtype=torch.uint8, device=layout.device)
+    return torch.empty(ops.staging_bytes(layout, op, num_ids), dtype=torch.uint8, device=layout.device)
 
 
 def host_paths(device: str | torch.device, op: str) -> list[str]:
     """The host <-> device paths to time for ``op`` on a cache on ``device``, in table order: on CUDA
     ``kernel`` (the UVA kernel), ``dma`` (raw pages only: a canonical chunk's runs are single rows),
-    ``staged`` and ``auto`` (``path=None``); on CPU (a smoke run) ``staged`` and ``auto``. Paths this build
-    lacks are left out."""
+    ``staged`` and ``auto`` (``path=None``); on CPU (a smoke run) ``staged`` and ``auto``."""
     cuda = torch.device(device).type == "cuda"
-    have = set(getattr(ops, "PATHS", ()))
-    out = []
-    if cuda and "kernel" in have:
-        out.append("kernel")
-    if cuda and "dma" in have and op.endswith("_pages"):
+    out = ["kernel"] if cuda else []
+    if cuda and op.endswith("_pages"):
         out.append("dma")
-    if staged_available():
-        out.append("staged")
-    out.append("auto")
-    return out
+    return out + ["staged", "auto"]
 
 
 def path_fn(op: str, layout: KVLayout, ids, buf: torch.Tensor, path: str, staging: torch.Tensor | None = None):
@@ -569,7 +552,7 @@ def run(
                 if impl == "reference" and case.tokens * case.layers > 4096 * 32 and not on_gpu:
                     continue  # torch indexing at 1 GiB takes seconds per repeat; 4k x 32L shows the ratio
                 if impl == "cuda" and host:
-                    staging = staging_buffer(lay, case.op, ids.numel()) if staged_available() else None
+                    staging = staging_buffer(lay, case.op, ids.numel())
                     for p in host_paths(device, case.op):
                         pf = path_fn(case.op, lay, ids, buf, p, staging)
                         named.append((f"kvx-cuda {p}", pf, lambda f, op=case.op: check_copy(op, lay, ids, buf, f)))
@@ -765,23 +748,29 @@ def _model_cache(shape: LayerShape, device: str) -> KVLayout:
     return _SHARED[key]
 
 
-def worker_batch(layout: KVLayout) -> ops.CopyBatch:
-    """A CopyBatch as the connector's worker builds one (``KVXWorker.batch``): ``max_ctas`` and, where this kvx
-    has them, ``copy_path`` and the ``staging_bytes`` budget of the config's defaults (the arguments
-    ``CopyBatch`` takes; a staging buffer of that budget)."""
+def worker_layer(layout: KVLayout, op: str, copies) -> tuple[Callable[[], None], int]:
+    """One layer of a batch as the connector's worker issues it: a :class:`kvx.kernels.staged.TransferBatch` of
+    ``copies`` (``(block ids, host buffer)``) by the config's default ``copy_path``, planned per layer with the
+    default ``staging_bytes`` budget's buffers (:class:`kvx.connector.cache.WorkerCache`); returns a call running
+    layer 0's parts on the current stream (the worker puts a part's DMA and reshape on two queues), and the copies'
+    count. The engine's job bookkeeping is not in it: ``bench_pipeline.py`` times the hooks whole."""
     from ..connector.config import KVXConfig
+    from ..kernels.staged import TransferBatch
 
     cfg = KVXConfig.from_extra_config({})
-    params = inspect.signature(ops.CopyBatch).parameters
-    kw: dict = {"max_ctas": cfg.max_ctas}
-    path = getattr(cfg, "copy_path", None)
-    if "path" in params and path not in (None, "auto"):
-        kw["path"] = path
-    if "staging" in params and staged_available():
-        kw["staging"] = torch.empty(
-            int(getattr(cfg, "staging_bytes", 64 * MiB)), dtype=torch.uint8, device=layout.device
-        )
-    return ops.CopyBatch(layout, **kw)
+    batch = TransferBatch(layout, path=cfg.copy_path if layout.device.type == "cuda" else "staged")
+    for ids, buf in copies:
+        batch.add(op, ids, buf)
+    batch.resolve_path()
+    capacity = cfg.staging_bytes // 4
+    parts = [p for p in batch.plan([(i, i + 1) for i in range(layout.num_layers)], capacity) if p.start == 0]
+    staging = torch.empty(capacity, dtype=torch.uint8, device=layout.device) if batch.staged else None
+
+    def run() -> None:
+        for part in parts:
+            batch.run(part, staging)
+
+    return run, len(batch)
 
 
 @dataclasses.dataclass
@@ -875,17 +864,14 @@ def run_layer(
         for direction, op in (("d2h", "gather_blocks"), ("h2d", "scatter_blocks")):
             src, dst = (flat_dev, flat_host) if direction == "d2h" else (flat_host, flat_dev)
             named: list = [("plain copy", lambda: dst.copy_(src, non_blocking=True), None)]
-            staging = staging_buffer(one, op, ids.numel()) if staged_available() else None
+            staging = staging_buffer(one, op, ids.numel())
             for p in host_paths(device, op):
                 check = lambda f, op=op: check_copy(op, one, ids, host, f)  # noqa: E731
                 named.append((p, path_fn(op, one, ids, host, p, staging), check))
             n_batch = 0
             if c in batch_chunks:
-                batch = worker_batch(model)
-                for i in range(c):
-                    batch.add(op, slot_blocks[i], slots[i])
-                n_batch = len(batch)
-                named.append(("batch", lambda batch=batch: batch.run(0, 1), None))
+                run, n_batch = worker_layer(model, op, [(slot_blocks[i], slots[i]) for i in range(c)])
+                named.append(("batch", run, None))
             usable = _usable(named, errors, f"layer {c} chunk(s) {direction}", log)
             res = _time_queued([u[1] for u in usable], clock, n_ops, rounds)
             plain = res[0].gpu_ms if usable and usable[0][0] == "plain copy" else math.nan
@@ -1179,11 +1165,8 @@ def run_h2d(
     dev = torch.device(device)
     clock = Clock(device)
     cal = None
-    if on_gpu and hasattr(ops, "calibrate_h2d"):
-        try:
-            cal = ops.calibrate_h2d()
-        except Exception as e:  # noqa: BLE001 - informative only
-            log(f"calibrate_h2d: {e}")
+    if on_gpu:
+        cal = ops.calibrate_h2d()
     rounds = 3 if quick else 5
     rows: list[H2DRow] = []
     for piece in pieces:
@@ -1214,7 +1197,7 @@ def run_h2d(
             for direction, op in _H2D_DIRECTIONS:
                 src, dst = (flat_dev, flat_host) if op.startswith("gather") else (flat_host, flat_dev)
                 named: list = [(H2D_ROOF, lambda: dst.copy_(src, non_blocking=True), None)]
-                staging = staging_buffer(lay, op, n) if staged_available() else None
+                staging = staging_buffer(lay, op, n)
                 for p in host_paths(device, op):
                     check = lambda f, op=op: check_copy(op, lay, ids, buf, f)  # noqa: E731
                     named.append((p, path_fn(op, lay, ids, buf, p, staging), check))
@@ -1235,7 +1218,7 @@ def run_h2d(
 
 
 def _fmt_bytes(b: int) -> str:
-    if b == getattr(ops, "DMA_NEVER", None):
+    if b == ops.DMA_NEVER:
         return "never"
     return f"{b // MiB} MiB" if b >= MiB and b % MiB == 0 else f"{b // KiB} KiB" if b % KiB == 0 else f"{b} B"
 
@@ -1336,20 +1319,23 @@ def write_h2d_results(rows: list[H2DRow], cal, path_stem: str, command: str, smo
 
 
 def _calibration_md(cal) -> list[str]:
-    thresholds = f"device->host {_fmt_bytes(cal.dma_min_bytes[0])}, host->device {_fmt_bytes(cal.dma_min_bytes[1])}"
+    """The DMA-or-staged rule's calibration (:class:`kvx.kernels.dma.H2DCalibration`) as a table."""
     lines = [
         "",
-        f"Calibration (`kvx.kernels.ops.calibrate_h2d`, {cal.device}): ms per copy of `runs` runs of `run` bytes, "
-        f"kernel vs DMA; DMA from a mean run of {thresholds}.",
+        f"Calibration (`kvx.kernels.dma.calibrate_h2d`, {cal.device}): ms per copy of `pieces` pieces of `run` "
+        "bytes, DMA straight into the pieces vs staged; DMA from the threshold of the batch size nearest a copy's.",
         "",
-        "| run | runs | d->h kernel ms | d->h DMA ms | h->d kernel ms | h->d DMA ms |",
+        "| pieces | run | d->h staged ms | d->h DMA ms | h->d staged ms | h->d DMA ms |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
-    for i, b in enumerate(cal.run_bytes):
-        lines.append(
-            f"| {_fmt_bytes(b)} | {cal.runs[i]} | {cal.kernel_ms[0][i]:.4f} | {cal.dma_ms[0][i]:.4f} | "
-            f"{cal.kernel_ms[1][i]:.4f} | {cal.dma_ms[1][i]:.4f} |"
-        )
+    for k, n in enumerate(cal.pieces):
+        for i, b in enumerate(cal.run_bytes):
+            lines.append(
+                f"| {n} | {_fmt_bytes(b)} | {cal.staged_ms[0][k][i]:.4f} | {cal.dma_ms[0][k][i]:.4f} | "
+                f"{cal.staged_ms[1][k][i]:.4f} | {cal.dma_ms[1][k][i]:.4f} |"
+            )
+        thresholds = (_fmt_bytes(cal.dma_min_bytes[0][k]), _fmt_bytes(cal.dma_min_bytes[1][k]))
+        lines.append(f"| {n} | threshold | {thresholds[0]} | | {thresholds[1]} | |")
     return lines
 
 

@@ -1,6 +1,6 @@
 """A bounded write backlog (``max_write_backlog``) with tiers that stall for real: a SIGSTOPped redis-server and a
 full disk (a tmpfs). A soak of requests through the simulated engine (vLLM's real Scheduler, sim.Env): the bytes
-queued for a tier's writes never exceed the bound, the worker's staging pool stays within its cap, no step waits
+queued for a tier's writes never exceed the bound, the worker's write-buffer pool stays within its cap, no step waits
 for the stalled tier, the writes past the bound are dropped and counted, and writing resumes when the tier
 recovers."""
 
@@ -28,7 +28,7 @@ def rss() -> int:
 
 def soak(env, tier, first_seed, n=SOAK, batch=4):
     """``n`` requests of fresh 600-token prompts (two full chunks), ``batch`` at a time; after every step, the
-    bytes queued for ``tier`` are within the bound and the staging pool within its cap. Returns the slowest
+    bytes queued for ``tier`` are within the bound and the write-buffer pool within its cap. Returns the slowest
     step's seconds."""
     s, saves = env.conn._scheduler, env.worker._worker.saves
     worst = 0.0
@@ -41,7 +41,7 @@ def soak(env, tier, first_seed, n=SOAK, batch=4):
             env.step()
             worst = max(worst, time.perf_counter() - t0)
             assert s.ledger.pending_bytes(tier) <= BOUND
-            assert len(saves.staging.buffers) <= saves.staging.cap
+            assert len(saves.buffers.buffers) <= saves.buffers.cap
             assert time.monotonic() < deadline, "the requests did not finish"
     return worst
 
@@ -87,7 +87,7 @@ def test_a_stopped_redis_drops_writes_past_the_backlog_and_recovers(make_env, cp
         srv.pause()
         try:
             wait_for(lambda: stopped(srv.pid), 10, f"redis-server {srv.pid} to stop", interval=0.001)
-            soak(env, "redis", 100, n=8)  # warm-up under the stall: the staging pool grows to its cap
+            soak(env, "redis", 100, n=8)  # warm-up under the stall: the write-buffer pool grows to its cap
             rss0 = rss()
             worst = soak(env, "redis", 200)
             grew = rss() - rss0
@@ -95,7 +95,7 @@ def test_a_stopped_redis_drops_writes_past_the_backlog_and_recovers(make_env, cp
             print(
                 f"\nSIGSTOP soak ({cpu or 'no'} CPU tier): {SOAK} requests, slowest step {worst * 1e3:.0f} ms, "
                 f"{dropped} writes dropped, {s.ledger.pending_bytes('redis')} bytes queued (bound {BOUND}), "
-                f"staging {len(env.worker._worker.saves.staging.buffers)} buffers, RSS {grew / 2**20:+.1f} MiB"
+                f"write buffers {len(env.worker._worker.saves.buffers.buffers)} buffers, RSS {grew / 2**20:+.1f} MiB"
             )
             assert worst < STEP_LIMIT_S
             assert s.ledger.pending_bytes("redis") == BOUND  # full: four chunks stuck in the stopped server

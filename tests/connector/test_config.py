@@ -78,9 +78,14 @@ TOP_LEVEL_KEYS = sorted(
         "max_write_backlog",
         "admit_after",
         "admission_capacity",
+        "copy_path",
+        "staging_bytes",
     ]
 )
 BAD_VALUES = [
+    ({"copy_path": "fast"}, "copy_path", "'auto', 'staged', 'dma' or 'kernel'"),
+    ({"staging_bytes": "1KiB"}, "staging_bytes", "greater than or equal to 4096"),
+    ({"staging_bytes": "huge"}, "staging_bytes", "size"),
     ({"max_write_backlog": "lots"}, "max_write_backlog", "size"),
     ({"max_write_backlog": 0}, "max_write_backlog", "positive size"),
     ({"admit_after": 0}, "admit_after", "greater than or equal to 1"),
@@ -170,6 +175,12 @@ def test_defaults(extra):
     )
     assert (cfg.skip_last_n_tokens, cfg.io_threads, cfg.max_ctas, cfg.format, cfg.kv_layout) == (0, 2, 8, "auto", None)
     assert (cfg.max_write_backlog, cfg.admit_after, cfg.admission_capacity) == (2**30, 1, 1 << 18)
+    assert (cfg.copy_path, cfg.staging_bytes) == ("auto", 64 * 2**20)
+
+
+def test_staging_budget_takes_a_size():
+    assert KVXConfig.from_extra_config({"staging_bytes": "16MiB"}).staging_bytes == 16 * 2**20
+    assert KVXConfig.from_extra_config({"staging_bytes": 1 << 20, "copy_path": "staged"}).copy_path == "staged"
 
 
 def test_write_backlog_takes_a_size():

@@ -149,7 +149,7 @@ def test_a_tier_write_past_the_backlog_is_not_planned_and_is_counted(disk):
 
 
 def test_a_staged_save_counts_a_whole_buffer(disk):
-    led = bounded(disk, backlog=250, slots=0)  # no CPU tier: a staging buffer per save
+    led = bounded(disk, backlog=250, slots=0)  # no CPU tier: a write buffer per save
     saves = [led.plan_save("r", i, k, [i], 32, [], None, False) for i, k in enumerate(keys(4))]
     assert [s is not None for s in saves] == [True, True, False, False]  # 100 bytes each: two fit in 250
     assert all(s.slot is None and s.from_slot is None for s in saves[:2]) and led.pending_bytes(DISK) == 200

@@ -57,14 +57,14 @@ def test_a_load_waits_for_the_earlier_forward_still_reading_its_blocks(make_env,
 
 
 @pytest.mark.parametrize("copy_queue", ["thread", "deferred"])
-def test_a_step_saving_more_disk_chunks_than_staging_buffers(make_env, store_dir, copy_queue):
-    """Disk-only saves gather into staging buffers (2 per I/O thread at first); a step with more chunks than that
+def test_a_step_saving_more_disk_chunks_than_write_buffers(make_env, store_dir, copy_queue):
+    """Disk-only saves gather into write buffers (2 per I/O thread at first); a step with more chunks than that
     makes more (up to the cap max_write_backlog implies) instead of waiting or deadlocking in save_kv_layer."""
     env = make_env({**tiers(store_dir, cpu=False, disk=True), "io_threads": 1}, copy_queue=copy_queue)
     env.request("a", prompt(5 * CHUNK, seed=64), max_tokens=1)
     env.step()
     assert len(saves(env)) == 5
-    assert len(env.worker._worker.saves.staging.buffers) == 5  # none waited for
+    assert len(env.worker._worker.saves.buffers.buffers) == 5  # none waited for
     env.run(settle_writes=True)
     assert env.assert_store_sound() == 5
     env.assert_clean()

@@ -73,8 +73,9 @@ def test_full_prompt_hit_leaves_only_the_last_token_to_compute(make_env, store_d
 
     def slow(chunks):  # slow loads: a load that is not fenced before the forward lands after its write
         batch = build(chunks)
-        run = batch.run
-        batch.run = lambda *a: (time.sleep(0.05), run(*a))
+        reshape, dma = batch.reshape, batch.dma
+        batch.reshape = lambda *a: (time.sleep(0.05), reshape(*a))
+        batch.dma = lambda *a: (time.sleep(0.05), dma(*a))
         return batch
 
     monkeypatch.setattr(env.worker._worker.loads, "scatter_batch", slow)

@@ -420,7 +420,7 @@ def flatten_kept_log_records() -> None:
 
 
 def loose_chunk_buffers(worker) -> list:
-    """Chunk-sized tensors alive in this process other than the worker's staging buffers: the buffers
+    """Chunk-sized tensors alive in this process other than the worker's write buffers: the buffers
     that Redis reads without a CPU slot allocate (each copy thread keeps its last job's, so a few), and
     any a test before this one left."""
     import gc
@@ -428,7 +428,7 @@ def loose_chunk_buffers(worker) -> list:
     import torch
 
     flatten_kept_log_records()
-    shape, staging = tuple(worker.chunk_shape(CHUNK)), {id(t) for t in worker.saves.staging.buffers}
+    shape, staging = tuple(worker.chunk_shape(CHUNK)), {id(t) for t in worker.saves.buffers.buffers}
     gc.collect()
     return [
         o for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == shape and id(o) not in staging
@@ -472,7 +472,7 @@ def assert_worker_bounded(llm, loose_before: int = 0) -> dict[str, int]:
     loose = loose_chunk_buffers(worker)
     state = {
         "worker_busy": int(not worker.idle()),
-        "staging_out": len(worker.saves.staging.buffers) - len(worker.saves.staging._free),
+        "staging_out": len(worker.saves.buffers.buffers) - len(worker.saves.buffers._free),
         "inflight": len(sched.ledger.open_transfers()),
         "trackers": len(sched.trackers),
         "lookups": max(len(t._lookups) for t in tiers),

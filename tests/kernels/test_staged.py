@@ -64,18 +64,9 @@ def _pages(lay, g, pinned=False):
 
 
 def _run(batch, parts, staging):
-    """A part's steps in the direction's order, as the engine orders them on one stream."""
+    """Every part's steps in the direction's order on one stream, as the engine orders them."""
     for part in parts:
-        if batch.path == "kernel":
-            batch.reshape(part)
-        elif batch.path == "dma":
-            batch.dma(part)
-        elif batch.gather:
-            batch.reshape(part, staging)
-            batch.dma(part, staging)
-        else:
-            batch.dma(part, staging)
-            batch.reshape(part, staging)
+        batch.run(part, staging)
 
 
 def _check_gathers(lay, ref, copies, path, impl, ranges, capacity):

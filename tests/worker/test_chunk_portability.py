@@ -9,7 +9,7 @@ runners' order with speculative decoding, the results before ``wait_for_save``: 
 
 - engine A (block size 16, vLLM's token-major ``LBNHC`` = NHD page) prefills a 200-token prompt of random
   KV bytes into shuffled, non-contiguous blocks and saves its three 64-token chunks to a disk tier (one
-  through a CPU slot, one through a staging buffer: both save paths), until its worker reports every
+  through a CPU slot, one through a write buffer: both save paths), until its worker reports every
   write done (``tier_written``); A is then closed;
 - the files hold *canonical* chunks ``[L, P, T, H, D]`` equal to A's KV of those tokens (read back with a
   plain :class:`kvx.store.DiskTier`);
@@ -342,7 +342,7 @@ def prompt_kv(eng: Engine, seed: str) -> torch.Tensor:
 
 def save_prompt(a: Engine, kv: torch.Tensor, chunks=range(N_CHUNKS)) -> list[int]:
     """Engine A prefills the prompt in two steps into shuffled blocks and saves ``chunks`` to the disk tier
-    (chunk 0 through CPU slot 0, chunk 1 through a staging buffer, chunk 2 through CPU slot 1), until its
+    (chunk 0 through CPU slot 0, chunk 1 through a write buffer, chunk 2 through CPU slot 1), until its
     worker reported every write done. Returns A's block table."""
     bs = a.block
     table = shuffled_table(a.num_blocks, -(-PROMPT // bs), seed=1)

@@ -24,7 +24,8 @@ the same KV there, so every byte in a CPU slot, in an output and in the cache ha
   host needs to submit a step):
   ``slow_forward`` sleeps before each layer's forward, so a copy not ordered *after* a forward lands
   before it (rules 1 and 2 of :class:`kvx.engine.BlockOrder`); ``slow_copies`` sleeps before each copy
-  job on its stream, so a copy the forward does not *wait for* lands after it (rules 3 and 4). The steps
+  job on its stream, so a copy the forward does not *wait for* lands after it (rules 3 and 4); the broken
+  rule 5 case sleeps before the reshapes alone, so a staging DMA not ordered after them lands first. The steps
   run under ``torch.cuda.set_sync_debug_mode("warn")``: a synchronizing call in them fails the test.
 - ``cpu``: the same scenario on the deferred copy queue (``KVX_COPY_QUEUE=deferred``, set by the test
   whatever the caller's environment), with the forward on its virtual compute stream
@@ -33,7 +34,10 @@ the same KV there, so every byte in a CPU slot, in an output and in the cache ha
 
 ``test_scenario_detects_a_broken_rule`` switches one rule off (monkeypatched) and asserts that the
 scenario then fails its bit-exact checks where the missing edge lets a copy race a forward: on CPU
-rules 1, 3 and 4 (rule 2 cannot show on a queue that runs saves late), on CUDA all four.
+rules 1, 3, 4 and 5 (rule 2 cannot show on a queue that runs saves late), on CUDA all five. Rule 5 (a staging
+buffer reused before the copies using it ran) is the staged path's: on CUDA and on the deferred queue every host
+<-> device copy of this scenario is staged (``copy_path`` "auto", canonical chunks), each layer a part, four
+layers through a ring of two buffers per direction.
 
 The scenario (``STEPS``; chunks of 32 tokens = 2 blocks of 16; block 0 is vLLM's null block):
 
@@ -80,7 +84,7 @@ import torch
 
 from kvx import engine as kvx_engine
 from kvx.connector.common import EngineGeometry
-from kvx.connector.config import KVXConfig
+from kvx.connector.config import ConfigError, KVXConfig
 from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from kvx.connector.worker import KVXWorker
 from kvx.kernels import ops
@@ -248,7 +252,13 @@ class Pipeline:
     """A KVXWorker on real caches, its fake forward, and the record of what every forward read."""
 
     def __init__(
-        self, device: str, layout: str, dtype: torch.dtype, slow: str | None = None, order: str = "save-first"
+        self,
+        device: str,
+        layout: str,
+        dtype: torch.dtype,
+        slow: str | None = None,
+        order: str = "save-first",
+        staging_bytes: int | None = None,
     ):
         self.device = torch.device(device)
         self.order = order  # the runner order of the end-of-step hooks (kvx.testing.end_step)
@@ -272,7 +282,10 @@ class Pipeline:
             page_bytes=page_bytes,
         )
         chunk_bytes = NUM_LAYERS * page_bytes * (CHUNK // BLOCK)
-        config = KVXConfig.from_extra_config({"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": 8 * chunk_bytes}]})
+        extra = {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": 8 * chunk_bytes}]}
+        if staging_bytes is not None:
+            extra["staging_bytes"] = staging_bytes
+        config = KVXConfig.from_extra_config(extra)
         self.caches = make_kv_caches(
             layout,
             num_layers=NUM_LAYERS,
@@ -308,18 +321,23 @@ class Pipeline:
         self._index: dict[bytes, tuple[str, int]] | None = None
         self.host_syncs: list[str] = []  # CUDA: synchronizing calls made during the steps
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        if slow == "copies":
-            self._slow_copies()
+        if slow in ("copies", "reshapes"):
+            self._slow_copies(kvx_engine.QUEUES if slow == "copies" else ("load", "save"))
 
-    def _slow_copies(self) -> None:
-        """CUDA: every copy job starts with a slow kernel on its stream (a backlog of copies), so a copy
-        that the compute stream does not wait for lands after the forward that should have waited."""
+    def _slow_copies(self, queues) -> None:
+        """CUDA: every copy job on ``queues`` starts with a slow kernel on its stream (a backlog of copies), so a
+        copy that the compute stream does not wait for lands after the forward that should have waited; with the
+        reshapes alone slow, a staging DMA not ordered after the reshape still reading its buffer lands first."""
         submit = self.engine.submit
 
         def slow_submit(fn, *, queue="load", after=(), name=""):
-            def slow():
-                torch.cuda._sleep(SLEEP_CYCLES)
-                fn()
+            if queue not in queues:
+                return submit(fn, queue=queue, after=after, name=name)
+
+            def slow(stream):
+                with kvx_engine.on_stream(stream, self.device):
+                    torch.cuda._sleep(SLEEP_CYCLES)
+                fn(stream)
 
             return submit(slow, queue=queue, after=after, name=name)
 
@@ -470,9 +488,7 @@ class Pipeline:
                     self._run(prepared)
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            self.host_syncs = [
-                f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)
-            ]
+            self.host_syncs = host_syncs(caught)
             self.engine.flush()
             torch.cuda.synchronize(self.device)
         else:
@@ -552,11 +568,42 @@ class Pipeline:
         self.worker.close()
 
 
+# what torch's sync debug mode says when a synchronizing call is made ("called a synchronizing CUDA operation");
+# its first use in a process also warns that the mode is a prototype, which names no call
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+def host_syncs(caught) -> list[str]:
+    """The warnings of ``torch.cuda.set_sync_debug_mode("warn")`` that name a synchronizing call."""
+    return [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if SYNC_WARNING in str(w.message)]
+
+
+def test_host_syncs_count_only_synchronizing_calls():
+    """The debug mode's own notice (the first set_sync_debug_mode("warn") of a process) is no host sync."""
+
+    def caught(*messages):
+        return [warnings.WarningMessage(UserWarning(m), UserWarning, "x.py", i) for i, m in enumerate(messages)]
+
+    prototype = (
+        "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
+        "operations (Triggered internally at /pytorch/torch/csrc/cuda/Module.cpp:1003.)"
+    )
+    assert host_syncs(caught(prototype)) == []
+    assert host_syncs(caught(prototype, "called a synchronizing CUDA operation (Triggered internally at x)")) == [
+        "x.py:1: called a synchronizing CUDA operation (Triggered internally at x)"
+    ]
+
+
 def run_scenario(
-    device: str, layout: str, dtype: torch.dtype, slow: str | None = None, order: str = "save-first"
+    device: str,
+    layout: str,
+    dtype: torch.dtype,
+    slow: str | None = None,
+    order: str = "save-first",
+    staging_bytes: int | None = None,
 ) -> Pipeline:
     """Run every step; raise AssertionError listing every wrong byte range (bit-exact checks)."""
-    pipe = Pipeline(device, layout, dtype, slow, order)
+    pipe = Pipeline(device, layout, dtype, slow, order, staging_bytes)
     try:
         if device == "cpu":
             assert pipe.deferred, f"expected the deferred copy queue on CPU, got {pipe.engine.mode!r}"
@@ -601,24 +648,46 @@ def test_worker_pipeline_is_bit_exact(device, slow, layout, dtype, order, copy_q
     run_scenario(device, layout, dtype, slow, order)
 
 
+# four staging buffers of one block of one layer each: every block of every layer is a part of its own, so a
+# layer's copies are split and the two buffers of each direction are reused within a layer
+ONE_BLOCK_STAGING = 4 * 2 * BLOCK * HEADS * HEAD_SIZE * 2
+
+
+@pytest.mark.parametrize("order", RUNNER_ORDERS)
+@pytest.mark.parametrize("device, slow", SCHEDULES)
+def test_worker_pipeline_splits_a_step_larger_than_the_staging_budget(device, slow, order, copy_queue):
+    pipe = run_scenario(device, "LBNHC", torch.bfloat16, slow, order, staging_bytes=ONE_BLOCK_STAGING)
+    assert pipe.engine.ring("load").capacity == ONE_BLOCK_STAGING // 4 == pipe.worker.layout.page_bytes
+
+
+def test_staging_budget_below_one_block_is_refused(copy_queue):
+    with pytest.raises(ConfigError, match=r"staging_bytes: expected at least 32768 bytes \(four staging buffers"):
+        Pipeline("cpu", "LBNHC", torch.bfloat16, staging_bytes=ONE_BLOCK_STAGING - 4096)
+
+
 # ------------------------------------------------------------------ the checks can fail
-def _load_without_edges(self, blocks, fn, name="", after=()):
-    """BlockOrder.load without rule 1: no marker (the compute stream's earlier use of the blocks) and no
+def _load_without_edges(self, blocks, marker=None):
+    """BlockOrder.load_edges without rule 1: no marker (the compute stream's earlier use of the blocks) and no
     edge to the queued saves reading them."""
-    job = self.engine.submit(fn, queue="load", after=list(after), name=name)
-    self._note(self._writers, blocks, job)
-    return job
+    return []
 
 
-def _save_without_marker(self, blocks, fn, name="", marker=None):
-    """BlockOrder.save without rule 2's marker: not ordered after the forward that writes the blocks."""
-    job = self.engine.submit(fn, queue="save", after=self._live(self._writers, blocks), name=name)
-    self._note(self._readers, blocks, job)
-    return job
+def _save_without_marker(self, blocks, marker=None, loads=True):
+    """BlockOrder.save_edges without rule 2's marker: not ordered after the forward that writes the blocks."""
+    return self._live(self._writers, blocks) if loads else []
 
 
 def _no_fence_before_forward(self, blocks):
     return []
+
+
+_acquire = kvx_engine.StagingRing.acquire
+
+
+def _reuse_staging_at_once(self):
+    """StagingRing.acquire without rule 5: the buffer is handed out without the jobs still using it."""
+    index, buf, _ = _acquire(self)
+    return index, buf, []
 
 
 def _no_layer_fence(self, layer_name):
@@ -627,10 +696,11 @@ def _no_layer_fence(self, layer_name):
 
 # rule -> (what to patch, the replacement, the CUDA timing that exposes it)
 BROKEN_RULES = {
-    "rule1_load_after_last_use": ((kvx_engine.BlockOrder, "load"), _load_without_edges, "forward"),
-    "rule2_save_after_forward": ((kvx_engine.BlockOrder, "save"), _save_without_marker, "forward"),
+    "rule1_load_after_last_use": ((kvx_engine.BlockOrder, "load_edges"), _load_without_edges, "forward"),
+    "rule2_save_after_forward": ((kvx_engine.BlockOrder, "save_edges"), _save_without_marker, "forward"),
     "rule3_fence_before_forward": ((kvx_engine.BlockOrder, "before_forward"), _no_fence_before_forward, "copies"),
     "rule4_fence_before_layer_reads": ((KVXWorker, "wait_for_layer_load"), _no_layer_fence, "copies"),
+    "rule5_staging_reuse": ((kvx_engine.StagingRing, "acquire"), _reuse_staging_at_once, "reshapes"),
 }
 
 # what the deferred queue reports, exactly (it is deterministic)
@@ -648,6 +718,13 @@ CPU_FAILURES = {
         f"{STEP4}: D: 64 of 72 tokens wrong: tokens 0-31 hold C's tokens 32-63; tokens 32-63 hold C's tokens 0-31",
         f"{STEP4}: F: 31 of 32 tokens wrong: tokens 0-15 hold E's tokens 16-31; tokens 16-30 hold E's tokens 0-14",
     ],
+    # four layers through a ring of two buffers per direction: layer 2's copy overwrites layer 0's bytes in the
+    # staging buffer before they left it (a layer's bytes in another layer's place match no request's token)
+    "rule5_staging_reuse": [
+        "CPU slot 0 (chunk a0 of A): 32 of 32 tokens wrong: tokens 0-31 hold bytes of no request (stale or never "
+        "written)",
+        f"{STEP4}: D: 64 of 72 tokens wrong: tokens 0-63 hold bytes of no request (stale or never written)",
+    ],
 }
 # on a GPU the timing decides how much is wrong; these places are wrong whatever it is
 CUDA_FAILURES = {
@@ -655,6 +732,7 @@ CUDA_FAILURES = {
     "rule2_save_after_forward": ["CPU slot 0 (chunk a0 of A)"],
     "rule3_fence_before_forward": ["CPU slot 1 (chunk a1 of A)"],
     "rule4_fence_before_layer_reads": [f"{STEP4}: D:"],
+    "rule5_staging_reuse": [f"{STEP4}: D:"],  # the loads' DMAs run ahead of the slow reshapes
 }
 
 BROKEN_CASES = [
@@ -663,6 +741,7 @@ BROKEN_CASES = [
     # Rule 2 (a save that runs before the forward wrote) cannot show on a queue that runs saves as late as
     # allowed: only the CUDA slow-forward timing shows it.
     pytest.param("cpu", "rule4_fence_before_layer_reads", id="cpu-rule4"),
+    pytest.param("cpu", "rule5_staging_reuse", id="cpu-rule5"),
     *[
         pytest.param("cuda", rule, marks=[pytest.mark.gpu, needs_cuda], id=f"cuda-{rule.split('_')[0]}")
         for rule in BROKEN_RULES
@@ -674,7 +753,7 @@ BROKEN_CASES = [
 @pytest.mark.parametrize("device, rule", BROKEN_CASES)
 def test_scenario_detects_a_broken_rule(device, rule, order, monkeypatch, copy_queue):
     """With one rule of kvx.engine.BlockOrder switched off, the scenario fails its bit-exact checks, at the
-    place the missing edge lets a copy race a forward."""
+    place the missing edge lets a copy race a forward (rule 5: a staging buffer's bytes overwritten first)."""
     (owner, attr), replacement, slow = BROKEN_RULES[rule]
     monkeypatch.setattr(owner, attr, replacement)
     with pytest.raises(AssertionError, match="KV is not bit-exact") as e:

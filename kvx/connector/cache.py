@@ -1,0 +1,181 @@
+"""What a worker's copy pipelines use: the registered KV cache and how copies reach it, and where results go.
+
+:class:`WorkerCache` is the KV cache a worker registered, as the load and save pipelines see it: the layout and
+its layer groups, the chunk format and the shapes of stored objects, the CPU tier's slots, and the copies'
+machinery (the :class:`kvx.engine.TransferEngine`, its :class:`kvx.engine.BlockOrder`, the host path and its
+staging rings). :meth:`WorkerCache.queue_loads` / :meth:`WorkerCache.queue_saves` turn a
+:class:`kvx.kernels.staged.TransferBatch` into copy jobs, one or two per part (a staged part is a DMA job and a
+reshape job, ordered by rule 5), tagged with the layer group each fences. :class:`WorkerResults` collects what the
+pipelines report to vLLM and the scheduler.
+
+Owned by :class:`~.worker.KVXWorker`, which builds a new :class:`WorkerCache` whenever it describes the caches
+(registration, a wake-up after sleep: the tensors' addresses change) and hands it to both pipelines; worker
+thread only. :class:`WorkerResults`: the worker thread, except ``stats`` counters (I/O threads add to them) and
+:meth:`WorkerResults.note_read` (reader threads, under its lock).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+from ..engine import BlockOrder, Job, TransferEngine
+from ..kernels.layout import KVLayout
+from ..kernels.staged import TransferBatch
+from ..log import Throttle, get_logger
+from ..store import CPUPool
+from .common import EngineGeometry, object_rows
+from .config import KVXConfig
+from .metadata import KVXWorkerMetadata
+
+log = get_logger(__name__)
+
+_MAX_READS = 256  # read records per step report (the latest: enough for a moving estimate)
+
+
+class WorkerCache:
+    """The registered KV cache and the copies' machinery (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: KVXConfig,
+        geom: EngineGeometry,
+        fmt: str,
+        layout: KVLayout,
+        ratio: int,
+        engine: TransferEngine,
+        pool: CPUPool | None,
+    ):
+        self.config, self.geom, self.fmt = config, geom, fmt
+        self.layout, self.ratio, self.engine, self.pool = layout, ratio, engine, pool
+        self.order = BlockOrder(engine)
+        # Layer groups: the unit wait_for_layer_load fences and save_kv_layer queues. One per layer where copies
+        # overlap the forward (CUDA, and the deferred CPU queue that runs its code path); one for all layers on CPU
+        # threads (the CPU copy already uses every core).
+        n = layout.num_layers
+        self.ranges = [(i, i + 1) for i in range(n)] if engine.layerwise else [(0, n)]
+        self.groups = [(a, b, layout.layer_range(a, b)) for a, b in self.ranges]
+        # how chunks cross between host memory and the cache: the copy kernel where the cache is host memory
+        self.path = config.copy_path if engine.staged else "kernel"
+
+    # ------------------------------------------------------------------ shapes
+    @property
+    def chunk_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.fmt == "pages" else self.layout.dtype
+
+    def rows(self, tokens: int, state: bool = False) -> int:
+        """vLLM blocks per layer of a stored object (:func:`~.common.object_rows`)."""
+        return object_rows(self.geom, tokens, state)
+
+    def shape(self, rows: int) -> tuple[int, ...]:
+        if self.fmt == "pages":
+            return self.layout.page_shape(rows * (self.geom.block_size // self.layout.block_size))
+        return self.layout.canonical_shape(rows * self.geom.block_size)
+
+    def chunk_shape(self, tokens: int, state: bool = False) -> tuple[int, ...]:
+        """The shape of a stored object (:func:`~.common.object_rows`)."""
+        return self.shape(self.rows(tokens, state))
+
+    def slot_shape(self) -> tuple[int, ...]:
+        """A CPU slot's (and a write buffer's) shape: the largest object, a chunk or a state object."""
+        chunk = self.config.chunk_size
+        return self.shape(max(self.rows(chunk), self.rows(chunk, state=True)))
+
+    def blocks_view(self, chunk: torch.Tensor, first_block: int, n_blocks: int) -> torch.Tensor:
+        """The part of a chunk tensor that holds vLLM blocks [first_block, first_block + n_blocks)."""
+        unit = self.ratio if self.fmt == "pages" else self.geom.block_size
+        return chunk.narrow(2, first_block * unit, n_blocks * unit)
+
+    def kernel_ids(self, block_ids: list[int]) -> list[int]:
+        if self.ratio == 1:
+            return block_ids
+        return [b * self.ratio + r for b in block_ids for r in range(self.ratio)]
+
+    def slot_view(self, slot: int, tokens: int, state: bool = False) -> torch.Tensor:
+        """The part of CPU slot ``slot`` that holds a chunk of ``tokens`` tokens (``state``: its state object)."""
+        return self.blocks_view(self.pool.slot(slot), 0, self.rows(tokens, state))
+
+    def group_of_layer(self, layer: int) -> int:
+        return next(g for g, (a, b, _) in enumerate(self.groups) if a <= layer < b)
+
+    # ------------------------------------------------------------------ copies
+    def batch(self) -> TransferBatch:
+        """An empty batch of copies between the cache and host buffers, by this worker's path."""
+        return TransferBatch(self.layout, path=self.path, max_ctas=self.config.max_ctas)
+
+    def plan(self, batch: TransferBatch):
+        """``batch``'s parts by layer group (staged: at most one staging buffer each)."""
+        batch.resolve_path()
+        capacity = self.engine.ring("save" if batch.gather else "load").capacity if batch.staged else None
+        return batch.plan(self.ranges, capacity)
+
+    def queue_loads(self, batch: TransferBatch, blocks: Sequence[int], name: str) -> list[tuple[int, Job]]:
+        """Submit every part of a load batch (rule 1; staged: rule 5): ``[(layer group, job)]`` in layer order,
+        each job the one that writes the blocks (its end implies the whole part's)."""
+        parts = self.plan(batch)
+        if batch.staged:
+            steps = [
+                (lambda buf, s, p=p: batch.dma(p, buf, s), lambda buf, s, p=p: batch.reshape(p, buf, s)) for p in parts
+            ]
+        elif batch.path == "dma":
+            steps = [(None, lambda s, p=p: batch.dma(p, None, s)) for p in parts]
+        else:
+            steps = [(None, lambda s, p=p: batch.reshape(p, None, s)) for p in parts]
+        ring = self.engine.ring("load") if batch.staged else None
+        jobs = self.order.load_parts(blocks, steps, ring, name)
+        return [(self.group_of_layer(p.start), job) for p, job in zip(parts, jobs)]
+
+    def queue_saves(
+        self,
+        batch: TransferBatch,
+        parts,
+        blocks: Sequence[int],
+        marker,
+        name: str,
+        first: bool = True,
+        last: bool = True,
+    ) -> list[Job]:
+        """Submit ``parts`` of a save batch after ``marker`` (rule 2; staged: rule 5): the jobs whose end is the
+        parts' end (staged: the DMA to host memory). ``first`` / ``last``: this call holds the batch's first / last
+        parts (:meth:`kvx.engine.BlockOrder.save_parts`)."""
+        if batch.staged:
+            steps = [
+                (lambda buf, s, p=p: batch.reshape(p, buf, s), lambda buf, s, p=p: batch.dma(p, buf, s)) for p in parts
+            ]
+        elif batch.path == "dma":
+            steps = [(lambda s, p=p: batch.dma(p, None, s), None) for p in parts]
+        else:
+            steps = [(lambda s, p=p: batch.reshape(p, None, s), None) for p in parts]
+        ring = self.engine.ring("save") if batch.staged else None
+        return self.order.save_parts(blocks, steps, ring, name, marker, first, last)
+
+
+class WorkerResults:
+    """What a worker's pipelines report: one outcome per transfer id (``out``, returned by
+    ``build_worker_meta``), counters (``stats``), latency samples (``hist``), the reads' records (``note_read``),
+    and a throttled log. The worker thread swaps ``out`` per step; see the module docstring for threads."""
+
+    def __init__(self) -> None:
+        self.out = KVXWorkerMetadata()
+        self.stats: Counter = Counter()
+        self.hist: dict[str, list[float]] = {"load_seconds": [], "save_seconds": []}
+        self.throttle = Throttle(log)
+        self._reads: list[tuple[str, int, float]] = []  # (tier, bytes, seconds) per chunk read (reader threads)
+        self._reads_lock = threading.Lock()
+
+    def note_read(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A chunk read from a byte tier (a reader thread): reported with the step's results."""
+        with self._reads_lock:
+            self._reads.append((tier, nbytes, seconds))
+
+    def take_reads(self) -> list[tuple[str, int, float]]:
+        with self._reads_lock:
+            reads, self._reads = self._reads[-_MAX_READS:], []
+        return reads
+
+    def take_out(self) -> KVXWorkerMetadata:
+        out, self.out = self.out, KVXWorkerMetadata()
+        return out
