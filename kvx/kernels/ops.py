@@ -462,14 +462,7 @@ def _run_host_path(op: Op, layout: KVLayout, ids, buf, impl, path, staging=None)
                 f"got {cap}"
             )
     for part in batch.plan(capacity=cap):
-        if path == "dma":
-            batch.dma(part)
-        elif op.gather:
-            batch.reshape(part, staging)
-            batch.dma(part, staging)
-        else:
-            batch.dma(part, staging)
-            batch.reshape(part, staging)
+        batch.run(part, staging)
 
 
 def _run_reference(op: Op, layout: KVLayout, ids, buf, plan, max_ctas, path, ids_dev, staging) -> None:

@@ -424,6 +424,20 @@ class TransferBatch:
         return (host, dev, size) if self.gather else (dev, host, size)
 
     # ------------------------------------------------------------------ running
+    def run(self, part: Part, staging: torch.Tensor | None = None, stream: int | None = None) -> None:
+        """Every step of ``part`` on one stream, in the direction's order (a load: DMA then reshape; a save: the
+        reverse): a stream orders a staging buffer's reuse. (The connector puts the two steps on two queues.)"""
+        if self.path == "kernel":
+            self.reshape(part, None, stream)
+        elif self.path == "dma":
+            self.dma(part, None, stream)
+        elif self.gather:
+            self.reshape(part, staging, stream)
+            self.dma(part, staging, stream)
+        else:
+            self.dma(part, staging, stream)
+            self.reshape(part, staging, stream)
+
     def dma(self, part: Part, staging: torch.Tensor | None = None, stream: int | None = None) -> None:
         """Move ``part`` between the host buffers and ``staging`` (path ``"staged"``) or the blocks (``"dma"``).
         ``stream``: the CUDA stream handle to issue on (default: the current stream)."""
