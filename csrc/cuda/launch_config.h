@@ -17,7 +17,8 @@
 // costly part (a chain of divisions and 64-bit multiply-adds), so wide segments (wpl 4) are preferred: one
 // per 4 words instead of one per word. The choice (choose_segments()): the largest wpl (4, then 2), then the
 // largest tpr (32 .. 2) that divide the row into whole segments, with tpr * width >= 32 bytes (each group's
-// load covers whole 32-byte sectors); rows no such segment divides take wpl = tpr = 1: one word per item, the
+// load covers whole 32-byte sectors); rows no such segment divides take tpr = 1 (a lane moves wpl consecutive
+// words, 4 or 2 if they divide the row) or, for an odd number of words, tpr = wpl = 1: one word per item, the
 // 32 lanes of a warp on 32 consecutive words of the flattened rows.
 #pragma once
 
@@ -95,8 +96,11 @@ inline void choose_segments(int64_t words, int32_t width, int32_t* tpr, int32_t*
         *wpl = w;
         return;
       }
+  // No group reading whole sectors divides the row: one lane per segment of wpl consecutive words (a load
+  // instruction then reads every other word, or every fourth, the next instruction the rest of the same
+  // sectors), still one address chain per wpl words; else one word per item.
   *tpr = 1;
-  *wpl = 1;
+  *wpl = words % 4 == 0 ? 4 : words % 2 == 0 ? 2 : 1;
 }
 
 // The launch for a copy of `width`-byte vectors. Split from kernel_launch_config() so the emulation can be

@@ -71,13 +71,16 @@ def _items_per_pass(wpl):
         (1152, 0, 16, 2, 4, 9),  # an MLA row (576 bf16): 72 words = 9 segments of 2 x 4
         (64, 0, 16, 2, 2, 1),  # 4 words: 8 does not divide them, 4 does
         (320, 0, 16, 2, 2, 5),  # 20 words: 5 segments of 2 x 2
+        (160, 0, 16, 1, 2, 5),  # 10 words (head 80 bf16): no group of 2+ lanes divides them, 1 lane x 2 words
         (16, 0, 16, 1, 1, 1),  # 1 word
-        (48, 0, 16, 1, 1, 3),  # 3 words: no segment of >= 2 lanes divides them, one word per item
+        (48, 0, 16, 1, 1, 3),  # 3 words: one word per item
         (272, 0, 16, 1, 1, 17),  # 17 words
         (72, 0, 8, 1, 1, 9),  # 9 words of 8 bytes
         (256, 2, 2, 32, 4, 1),  # 128 words of 2 bytes: a group must read >= 32 bytes, so 16+ lanes
         (64, 2, 2, 16, 2, 1),  # 32 words of 2 bytes: 16 lanes x 2
-        (32, 2, 2, 1, 1, 16),  # 16 words of 2 bytes: no segment of 16+ lanes x 2+ words divides them
+        (32, 2, 2, 1, 4, 4),  # 16 words of 2 bytes: no group of 16+ lanes divides them, 1 lane x 4 words
+        (12, 0, 4, 1, 1, 3),
+        (24, 4, 4, 1, 2, 3),  # 6 words of 4 bytes
         (10, 0, 2, 1, 1, 5),
         (20, 0, 4, 1, 1, 5),
         (1, 0, 1, 1, 1, 1),
@@ -349,7 +352,8 @@ GRIDS = [
     pytest.param("flash", 64, torch.bfloat16, "blocks", [1, 2, 6], 1, 0, True, id="flash-merged-rows"),
     pytest.param("BLNHC", 64, torch.float16, "blocks", list(range(16)), 64, 0, True, id="fill-cap"),
     pytest.param("mla", 576, torch.uint8, "pages", [4, 2, 0, 7, 5, 1, 3], H100_SMS, 1, True, id="pages-one-cta"),
-    pytest.param("flashinfer", 5, torch.float8_e4m3fn, "blocks", [7, 1, 3, 0, 5, 2], 1, 0, True, id="fp8-sm1"),
+    # 160-byte rows of 2-byte words: one lane x 4 consecutive words per item
+    pytest.param("flashinfer", 5, torch.float8_e4m3fn, "blocks", [7, 1, 3, 0, 5, 2], 1, 2, True, id="fp8-sm1-cap2"),
 ]
 
 
@@ -626,9 +630,9 @@ def test_vector_wider_than_the_alignment_is_misaligned(direction):
     """LBNHC with 10-byte rows: copy_width() picks 2 bytes. One step wider (4) is what a too-wide width
     would launch: the first thread to reach an address 2 bytes off a multiple of 4 is named, with its item.
 
-    Rows of 2 words of 4 bytes are one-word items, one per thread in order: threads 0 and 1 copy row 0
-    (block 0, token 0, head 0), aligned on both sides; thread 2 starts row 1, head 1 of token 0, whose chunk
-    row sits 10 bytes into the chunk."""
+    A row of 2 words of 4 bytes is one item of one lane, one per thread in order: thread 0 copies row 0
+    (block 0, token 0, head 0), aligned on both sides; thread 1 row 1, head 1 of token 0, whose chunk row sits
+    10 bytes into the chunk."""
     impl_or_skip("cuda_sim")
     lay = make_layout("LBNHC", **ODD)
     buf = random_fill_(torch.empty(lay.canonical_shape(16), dtype=torch.float16))
@@ -642,7 +646,7 @@ def test_vector_wider_than_the_alignment_is_misaligned(direction):
         _C.CudaSimFault,
         match=re.escape(
             f"cuda_sim: misaligned: 4-byte {op} at {addr:#x} by CTA 0 "
-            f"thread 2 (lane 0 of group 2), item 2 (row 1 segment 0 of 2; entry 0, row 1 of 32): "
+            f"thread 1 (lane 0 of group 1), item 1 (row 1 segment 0 of 1; entry 0, row 1 of 32): "
             f"address % 4 = 2; the "
             f"contiguous side is [{lo:#x}, {hi:#x})"
         ),
