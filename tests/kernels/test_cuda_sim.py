@@ -374,9 +374,9 @@ def _grid_shape(lay, kind, n):
 
 @pytest.mark.parametrize("name,head_size,dtype,kind,ids,sm_count,max_ctas,loops", GRIDS)
 def test_sim_runs_the_launchers_grid(name, head_size, dtype, kind, ids, sm_count, max_ctas, loops):
-    """The emulation runs every thread of the grid kernel_launch_config() decides (the launcher's), each row
-    by tpr lanes, with the grid-stride loop coming round where rows exceed ctas * groups; and copies the
-    reference's bytes doing so."""
+    """The emulation runs every thread of the grid kernel_launch_config() decides (the launcher's), each work
+    item by tpr lanes, with the grid-stride loop coming round where items exceed ctas * items_per_cta; and
+    copies the reference's bytes doing so."""
     impl_or_skip("cuda_sim")
     seed = case_seed("sim-grid", name, kind, max_ctas, sm_count)
     g = torch.Generator().manual_seed(seed)
