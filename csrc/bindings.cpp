@@ -63,6 +63,11 @@ std::vector<int64_t> checked_layer_ptrs(const std::vector<int64_t>& layer_ptrs, 
   return layer_ptrs;
 }
 
+void check_index32_limit(int64_t limit) {
+  if (limit < 1 || limit > kvx::cuda::kIndex32Limit)
+    throw std::invalid_argument("index32_limit: expected 1 .. 2^31, got " + std::to_string(limit));
+}
+
 #if defined(KVX_WITH_CUDA)
 // kvx._C.CudaSimFault (a RuntimeError): what the emulated kernel did that a GPU would fault on or corrupt.
 struct SimFault : std::runtime_error {
@@ -155,34 +160,65 @@ PYBIND11_MODULE(_C, m) {
   py::class_<kvx::cuda::LaunchConfig>(
       m, "LaunchConfig",
       "kvx::cuda::LaunchConfig: how the CUDA copy kernel is launched (launch_config.h): vector width in bytes, "
-      "lanes per row (tpr), row groups per CTA (groups = 256 / tpr), the grid (ctas; 0 = no launch), the rows "
-      "of the iteration space (total_rows, padding slots included) and the collapsed params the kernel gets.")
+      "words per row, row segments (the work items: `segments` per row of tpr lanes x wpl words each, "
+      "total_items), lane groups per CTA (groups = 256 / tpr), items a CTA takes per pass (items_per_cta), the "
+      "grid (ctas; 0 = no launch), the index width (32: FastDivmod, 64: plain division) with its divisors "
+      "((div, mul, shift) per name) and id_tokens, the rows of the iteration space (total_rows, padding slots "
+      "included) and the collapsed params the kernel gets.")
       .def_readonly("params", &kvx::cuda::LaunchConfig::params)
       .def_readonly("total_rows", &kvx::cuda::LaunchConfig::total_rows)
+      .def_readonly("words", &kvx::cuda::LaunchConfig::words)
+      .def_readonly("segments", &kvx::cuda::LaunchConfig::segments)
+      .def_readonly("total_items", &kvx::cuda::LaunchConfig::total_items)
       .def_readonly("ctas", &kvx::cuda::LaunchConfig::ctas)
       .def_readonly("width", &kvx::cuda::LaunchConfig::width)
       .def_readonly("tpr", &kvx::cuda::LaunchConfig::tpr)
+      .def_readonly("wpl", &kvx::cuda::LaunchConfig::wpl)
       .def_readonly("groups", &kvx::cuda::LaunchConfig::groups)
+      .def_readonly("items_per_cta", &kvx::cuda::LaunchConfig::items_per_cta)
+      .def_readonly("index_bits", &kvx::cuda::LaunchConfig::index_bits)
+      .def_readonly("id_tokens", &kvx::cuda::LaunchConfig::id_tokens)
+      .def_property_readonly(
+          "divisors",
+          [](const kvx::cuda::LaunchConfig& c) {
+            py::dict d;
+            auto put = [&](const char* name, const kvx::cuda::FastDivmod& f) {
+              d[name] = py::make_tuple(f.div, f.mul, f.shift);
+            };
+            put("segments", c.by_segments);
+            put("rows_per_entry", c.by_rows_per_entry);
+            put("ids", c.by_ids);
+            put("planes", c.by_planes);
+            put("heads", c.by_heads);
+            put("block_size", c.by_block_size);
+            return d;
+          })
       .def("__repr__", [](const kvx::cuda::LaunchConfig& c) {
-        return "LaunchConfig(width=" + std::to_string(c.width) + ", tpr=" + std::to_string(c.tpr) + ", groups=" +
-               std::to_string(c.groups) + ", ctas=" + std::to_string(c.ctas) + ", total_rows=" +
-               std::to_string(c.total_rows) + ", row_bytes=" + std::to_string(c.params.row_bytes) + ")";
+        return "LaunchConfig(width=" + std::to_string(c.width) + ", words=" + std::to_string(c.words) +
+               ", segments=" + std::to_string(c.segments) + ", tpr=" + std::to_string(c.tpr) +
+               ", wpl=" + std::to_string(c.wpl) + ", total_items=" + std::to_string(c.total_items) +
+               ", items_per_cta=" + std::to_string(c.items_per_cta) + ", ctas=" + std::to_string(c.ctas) +
+               ", index_bits=" + std::to_string(c.index_bits) + ", total_rows=" + std::to_string(c.total_rows) +
+               ", row_bytes=" + std::to_string(c.params.row_bytes) + ")";
       });
 
   m.def(
       "cuda_launch_config",
       [](const kvx::PagedDesc& paged, const kvx::ContigDesc& contig_strides, int64_t row_bytes, int32_t num_layers,
          int64_t num_ids, int32_t mode, const std::vector<int64_t>& layer_ptrs, int64_t contig, int sm_count,
-         int max_ctas) {
+         int max_ctas, int64_t index32_limit) {
         if (sm_count < 1) throw std::invalid_argument("sm_count: expected >= 1, got " + std::to_string(sm_count));
+        check_index32_limit(index32_limit);
         const std::vector<int64_t> ptrs = checked_layer_ptrs(layer_ptrs, num_layers);
         return kvx::cuda::kernel_launch_config(params_from(paged, contig_strides, row_bytes, num_layers, num_ids, mode),
-                                               ptrs.data(), contig, sm_count, max_ctas);
+                                               ptrs.data(), contig, sm_count, max_ctas, index32_limit);
       },
       py::arg("paged"), py::arg("contig_strides"), py::arg("row_bytes"), py::arg("num_layers"), py::arg("num_ids"),
       py::arg("mode"), py::arg("layer_ptrs"), py::arg("contig"), py::arg("sm_count"), py::arg("max_ctas") = 0,
+      py::arg("index32_limit") = kvx::cuda::kIndex32Limit,
       "The CUDA copy kernel's launch (launch_config.h kernel_launch_config) on a device of `sm_count` SMs: what "
-      "cuda_copy launches and cuda_sim_copy emulates. Only the addresses' alignment is read.");
+      "cuda_copy launches and cuda_sim_copy emulates. Only the addresses' alignment is read. index32_limit (a "
+      "test knob, 1 .. 2^31): indices must stay below it for 32-bit index math.");
 
   m.def(
       "plan_runs",
@@ -349,17 +385,18 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<SimFault>(m, "CudaSimFault", PyExc_RuntimeError);
   py::class_<kvx::cuda::SimReport>(m, "CudaSimReport",
                                    "What one emulated launch did (copy_sim.h SimReport): its config, threads run, "
-                                   "(thread, row) visits, most rows per thread, vector accesses.")
+                                   "work items copied, most grid-stride passes of one thread, vector accesses.")
       .def_readonly("config", &kvx::cuda::SimReport::config)
       .def_readonly("threads", &kvx::cuda::SimReport::threads)
-      .def_readonly("row_visits", &kvx::cuda::SimReport::row_visits)
-      .def_readonly("rows_per_thread", &kvx::cuda::SimReport::rows_per_thread)
+      .def_readonly("item_visits", &kvx::cuda::SimReport::item_visits)
+      .def_readonly("passes_per_thread", &kvx::cuda::SimReport::passes_per_thread)
       .def_readonly("accesses", &kvx::cuda::SimReport::accesses);
   m.def(
       "cuda_sim_copy",
       [](int64_t layer_ptrs, int64_t layer_bounds, int32_t num_layers, int64_t ids, int64_t num_ids, int64_t contig,
          int64_t contig_lo, int64_t contig_hi, const kvx::PagedDesc& paged, const kvx::ContigDesc& contig_strides,
-         int64_t row_bytes, int32_t mode, int32_t direction, int sm_count, int max_ctas, int force_width) {
+         int64_t row_bytes, int32_t mode, int32_t direction, int sm_count, int max_ctas, int force_width,
+         int64_t index32_limit) {
         const kvx::CopyParams p = params_from(paged, contig_strides, row_bytes, num_layers, num_ids, mode);
         checked_direction(direction);
         if (num_layers < 1) throw std::invalid_argument("num_layers: expected >= 1, got " + std::to_string(num_layers));
@@ -368,12 +405,13 @@ PYBIND11_MODULE(_C, m) {
             force_width != 16)
           throw std::invalid_argument("force_width: expected 0 (copy_width()'s) or 1, 2, 4, 8, 16, got " +
                                       std::to_string(force_width));
+        check_index32_limit(index32_limit);
         kvx::cuda::SimReport report;
         {
           py::gil_scoped_release nogil;
           report = kvx::cuda::simulate_copy(p, as_ptr<int64_t>(layer_ptrs), as_ptr<int64_t>(layer_bounds),
                                             as_ptr<int64_t>(ids), contig, contig_lo, contig_hi, direction, sm_count,
-                                            max_ctas, force_width);
+                                            max_ctas, force_width, index32_limit);
         }
         if (!report.fault.empty()) throw SimFault(report.fault);
         return report;
@@ -381,11 +419,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("layer_ptrs"), py::arg("layer_bounds"), py::arg("num_layers"), py::arg("ids"), py::arg("num_ids"),
       py::arg("contig"), py::arg("contig_lo"), py::arg("contig_hi"), py::arg("paged"), py::arg("contig_strides"),
       py::arg("row_bytes"), py::arg("mode"), py::arg("direction"), py::arg("sm_count"), py::arg("max_ctas") = 0,
-      py::arg("force_width") = 0,
+      py::arg("force_width") = 0, py::arg("index32_limit") = kvx::cuda::kIndex32Limit,
       "Run the CUDA copy kernel's body for every thread of its launch on CPU memory (GIL released), each vector "
       "access checked against alignment, its buffer (layer l: [layer_bounds[2l], layer_bounds[2l+1]); the "
       "contiguous side: [contig_lo, contig_hi)) and earlier writes of the launch. Raises CudaSimFault at the first "
-      "violation. force_width (tests of the checker): a vector width to use instead of copy_width()'s.");
+      "violation. Test knobs: force_width, a vector width to use instead of copy_width()'s; index32_limit, as "
+      "cuda_launch_config's (smaller: the 64-bit index path on small copies).");
   m.def(
       "cuda_copy_dma",
       [check](int64_t layer_ptrs_host, int32_t num_layers, int64_t ids_host, int64_t num_ids, int64_t contig,

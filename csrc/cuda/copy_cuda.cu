@@ -1,13 +1,14 @@
 // copy_cuda.cu - CUDA implementation of the paged <-> contiguous copy.
 //
-// One launch moves every (layer, plane, id) entry. Rows (see kv_layout.h) are split over groups of
-// `TPR` lanes (TPR = threads per row, a power of two <= 32 chosen from the row length, so a 256-byte
-// row of 16-byte words keeps 16 lanes busy and a warp serves two rows). Each lane moves one vector word
-// of width sizeof(VecT) (16 bytes when every address and stride allows) per iteration, with streaming
-// cache hints: the data is touched once, so it should not evict the model's working set from L2.
-// The kernel's body is copy_thread() in copy_kernel.cuh and every launch decision (width, TPR, grid) is
-// kernel_launch_config() in launch_config.h: the CPU emulation (copy_sim.cu, impl "cuda_sim") runs both
-// as they are, so this file holds only what a GPU alone can run (streaming accesses, the launch, DMA).
+// One launch moves every (layer, plane, id) entry. Its work items are equal segments of every row (whole
+// vector words of sizeof(VecT) bytes, 16 when every address and stride allows), numbered row-major; each
+// thread moves kWordsPerLane words per pass of a grid-stride loop (all loads, then all stores), with streaming
+// cache hints: the data is touched once, so it should not evict the model's working set from L2. Indices are
+// divided in 32 bits by precomputed FastDivmods when the host proved they fit, else in 64 bits.
+// The kernel's body is copy_thread() in copy_kernel.cuh and every launch decision (width, segments, index
+// width and divisors, grid) is kernel_launch_config() in launch_config.h: the CPU emulation (copy_sim.cu, impl
+// "cuda_sim") runs both as they are, so this file holds only what a GPU alone can run (streaming accesses,
+// the launch, DMA).
 // The contiguous side may be pinned host memory mapped into the device address space (UVA): the same
 // kernel then reads/writes over PCIe, which is how small pages beat one DMA per block.
 //
@@ -55,27 +56,33 @@ __device__ __forceinline__ void store_stream<uint16_t>(uint16_t* p, uint16_t v) 
 
 // The device side of copy_thread()'s Access: streaming loads and stores, no checks.
 struct StreamAccess {
-  __device__ __forceinline__ void begin_row(int64_t, int32_t) {}
+  __device__ __forceinline__ void begin_pass() {}
+  __device__ __forceinline__ void begin_item(int, int64_t, int64_t, int32_t) {}
   template <typename VecT>
-  __device__ __forceinline__ VecT load(const VecT* p) {
+  __device__ __forceinline__ VecT load(int, const VecT* p) {
     return load_stream(p);
   }
   template <typename VecT>
-  __device__ __forceinline__ void store(VecT* p, VecT v) {
+  __device__ __forceinline__ void store(int, VecT* p, VecT v) {
     store_stream(p, v);
   }
 };
 
 // The body is copy_thread() (copy_kernel.cuh), which the CPU emulation (copy_sim.cu) runs too.
+// c:          the launch (kernel_launch_config()): collapsed params, items, divisors; read from the
+//             parameter space in place (__grid_constant__: no per-thread copy)
 // layer_ptrs: [num_layers] device-accessible layer base addresses
 // ids:        [num_ids] block or slot ids
 // contig:     base of the contiguous side [layers, planes, tokens, heads, row_bytes] (strided)
-template <typename VecT, int TPR>
-__global__ void __launch_bounds__(kThreads) copy_kernel(CopyParams p, const int64_t* __restrict__ layer_ptrs,
-                                                        const int64_t* __restrict__ ids, char* contig,
-                                                        bool gather) {
+// __launch_bounds__(kThreads, kCtasPerSm): at most 64 registers, so the kCtasPerSm CTAs the grid is sized for
+// fit on an SM together.
+template <typename VecT, typename Index, int kWpl, bool kGatherDir>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+    copy_kernel(const __grid_constant__ LaunchConfig c, const int64_t* __restrict__ layer_ptrs,
+                const int64_t* __restrict__ ids, char* contig) {
   StreamAccess access;
-  copy_thread<VecT, TPR>(p, layer_ptrs, ids, contig, gather, blockIdx.x, threadIdx.x, gridDim.x, access);
+  copy_thread<VecT, Index, kWpl, kGatherDir>(c, layer_ptrs, ids, contig, blockIdx.x, threadIdx.x, gridDim.x,
+                                             access);
 }
 
 int sm_count() {
@@ -93,17 +100,18 @@ int sm_count() {
 int copy(const CopyParams& params, const int64_t* layer_ptrs_host, const int64_t* layer_ptrs_dev,
          const int64_t* ids_dev, int64_t contig, int32_t direction, int64_t stream_handle, int max_ctas,
          LaunchConfig* used) {
-  // Width, lanes and grid from the one host function the emulation (copy_sim.cu) calls too.
+  // Width, items, index width and grid from the one host function the emulation (copy_sim.cu) calls too.
   const LaunchConfig c = kernel_launch_config(params, layer_ptrs_host, contig, sm_count(), max_ctas);
   if (used != nullptr) *used = c;
   if (c.ctas == 0) return cudaSuccess;
-  const bool gather = direction == kGather;
   char* base = reinterpret_cast<char*>(contig);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  with_kernel_types(c.width, c.tpr, [&](auto vec, auto tpr) {
+  with_kernel_types(c.width, c.index_bits, c.wpl, direction == kGather, [&](auto vec, auto index, auto wpl,
+                                                                             auto gather) {
     using VecT = typename decltype(vec)::type;
-    copy_kernel<VecT, decltype(tpr)::value><<<static_cast<unsigned>(c.ctas), kThreads, 0, stream>>>(
-        c.params, layer_ptrs_dev, ids_dev, base, gather);
+    using Index = typename decltype(index)::type;
+    copy_kernel<VecT, Index, decltype(wpl)::value, decltype(gather)::value>
+        <<<static_cast<unsigned>(c.ctas), kThreads, 0, stream>>>(c, layer_ptrs_dev, ids_dev, base);
   });
   return cudaGetLastError();
 }

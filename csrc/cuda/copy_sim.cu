@@ -2,9 +2,9 @@
 // launch decisions (kernel_launch_config() of launch_config.h), run on the CPU for every thread of the
 // grid, each vector access checked first.
 //
-// Why: no GPU runs in CI, so the kernel's indexing (rows per entry, lanes per row, the 4-way unrolled loop
-// and its tail, the grid-stride loop, the grid's size and caps, the vector width chosen from alignment)
-// would otherwise be checked by reading only. Here the same source executes on CPU tensors through the
+// Why: no GPU runs in CI, so the kernel's indexing (items and rows, the 32-bit FastDivmod and 64-bit index
+// paths, the items of a pass and the tail of the last one, the grid-stride loop, the grid's size and caps,
+// the vector width chosen from alignment) would otherwise be checked by reading only. Here the same source executes on CPU tensors through the
 // bit-exact kernel tests, and what a GPU would fault on (a misaligned vector, an access outside its
 // allocation) or corrupt silently (two threads writing one byte) stops the run with the thread and row.
 //
@@ -12,9 +12,7 @@
 // destination byte (checked) and never reads what it writes (kvx/kernels/ops.py refuses overlapping sides), so
 // every order a GPU could pick gives these bytes; the emulation need not guess one.
 //
-// Cost: a thread is a few inlined calls per row and a check per vector; the largest kernel-test copy
-// (49152 rows, 6 MiB, 528 CTAs) takes ~11 ms on this 2-core VM (the cpu impl ~0.7 ms, the torch reference
-// ~80 ms).
+// Cost: a thread is a few inlined calls and a check per vector word.
 // Compiled by nvcc as host code only: no device code is generated for this file.
 #include <cstdio>
 #include <cstring>
@@ -49,7 +47,8 @@ struct Buffer {
 };
 
 // copy_thread()'s Access for the emulation: loads and stores through memcpy (no aliasing assumptions),
-// after the checks. Knows which thread runs (at()) and which row it is on (begin_row()).
+// after the checks. Knows which thread runs (at()) and which item each of the pass's slots holds
+// (begin_item()), so a fault names the item, row and layer of the very access that made it.
 class CheckedAccess {
  public:
   CheckedAccess(const LaunchConfig& c, const int64_t* layer_bounds, int64_t contig_lo, int64_t contig_hi,
@@ -63,32 +62,38 @@ class CheckedAccess {
   void at(unsigned cta, unsigned thread) {
     cta_ = cta;
     thread_ = thread;
-    row_ = -1;
-    thread_rows_ = 0;
+    slot_ = -1;
+    thread_passes_ = 0;
   }
 
-  void begin_row(int64_t row, int32_t layer) {
-    row_ = row;
+  void begin_pass() {
+    slot_ = -1;
+    if (++thread_passes_ > passes_per_thread) passes_per_thread = thread_passes_;
+  }
+
+  void begin_item(int k, int64_t item, int64_t row, int32_t layer) {
+    slot_ = k;
+    slots_[k] = Slot{item, row, layer};
     if (layer < 0 || layer >= c_.params.num_layers)
       fail("bad layer", "layer " + std::to_string(layer) + " outside [0, " +
                             std::to_string(c_.params.num_layers) + ") (the layer table would be read out of bounds)");
-    layer_ = layer;
-    ++row_visits;
-    if (++thread_rows_ > rows_per_thread) rows_per_thread = thread_rows_;
+    ++item_visits;
   }
 
   template <typename VecT>
-  VecT load(const VecT* p) {
-    check(reinterpret_cast<int64_t>(p), sizeof(VecT), "load", gather_ ? layers_[layer_] : contig_);
+  VecT load(int k, const VecT* p) {
+    slot_ = k;
+    check(reinterpret_cast<int64_t>(p), sizeof(VecT), "load", gather_ ? layers_[slots_[k].layer] : contig_);
     VecT v;
     std::memcpy(&v, p, sizeof(VecT));
     return v;
   }
 
   template <typename VecT>
-  void store(VecT* p, VecT v) {
+  void store(int k, VecT* p, VecT v) {
+    slot_ = k;
     const int64_t a = reinterpret_cast<int64_t>(p);
-    Buffer& b = gather_ ? contig_ : layers_[layer_];
+    Buffer& b = gather_ ? contig_ : layers_[slots_[k].layer];
     check(a, sizeof(VecT), "store", b);
     if (b.writer.empty()) b.writer.assign(static_cast<size_t>(b.hi - b.lo), 0);
     int32_t* writer = b.writer.data() + (a - b.lo);
@@ -106,9 +111,14 @@ class CheckedAccess {
     std::memcpy(p, &v, sizeof(VecT));
   }
 
-  int64_t row_visits = 0, rows_per_thread = 0, accesses = 0;
+  int64_t item_visits = 0, passes_per_thread = 0, accesses = 0;
 
  private:
+  struct Slot {
+    int64_t item = -1, row = -1;
+    int32_t layer = 0;
+  };
+
   void check(int64_t a, size_t width, const char* op, const Buffer& b) {
     // What the GPU faults on: a vector access not aligned to its width ("misaligned address") ...
     if (a % static_cast<int64_t>(width) != 0)
@@ -124,7 +134,7 @@ class CheckedAccess {
   }
 
   std::string lane_of(unsigned thread) const {
-    return "lane " + std::to_string(thread % c_.tpr) + " of row group " + std::to_string(thread / c_.tpr);
+    return "lane " + std::to_string(thread % c_.tpr) + " of group " + std::to_string(thread / c_.tpr);
   }
 
   [[noreturn]] void fail(const char* kind, const std::string& detail, size_t width = 0, const char* op = nullptr,
@@ -132,14 +142,20 @@ class CheckedAccess {
     const int64_t rpe = rows_per_entry(c_.params);
     std::string where = "CTA " + std::to_string(cta_) + " thread " + std::to_string(thread_) + " (" +
                         lane_of(thread_) + ")";
-    if (row_ >= 0)
-      where += ", row " + std::to_string(row_) + " (entry " + std::to_string(row_ / rpe) + ", row " +
-               std::to_string(row_ % rpe) + " of " + std::to_string(rpe) + ")";
+    if (slot_ >= 0) {
+      const Slot& s = slots_[slot_];
+      where += ", item " + std::to_string(s.item) + " (row " + std::to_string(s.row) + " segment " +
+               std::to_string(s.item - s.row * c_.segments) + " of " + std::to_string(c_.segments) + "; entry " +
+               std::to_string(s.row / rpe) + ", row " + std::to_string(s.row % rpe) + " of " + std::to_string(rpe) +
+               ")";
+    }
     std::string access = op ? std::to_string(width) + "-byte " + op + " at " + hex(a) + " by " : "";
     throw Fault{"cuda_sim: " + std::string(kind) + ": " + access + where + ": " + detail + " [launch: " +
-                std::to_string(c_.ctas) + " CTAs x " + std::to_string(kThreads) + " threads, width " +
-                std::to_string(c_.width) + ", tpr " + std::to_string(c_.tpr) + ", row_bytes " +
-                std::to_string(c_.params.row_bytes) + "]"};
+                std::to_string(c_.ctas) + " CTAs x " + std::to_string(kThreads) + " threads x " +
+                std::to_string(kWordsPerLane) + " words per pass, width " + std::to_string(c_.width) + ", row_bytes " +
+                std::to_string(c_.params.row_bytes) + " = " + std::to_string(c_.segments) + " segments x " +
+                std::to_string(c_.tpr) + " lanes x " + std::to_string(c_.wpl) + " words, " +
+                std::to_string(c_.index_bits) + "-bit indices]"};
   }
 
   const LaunchConfig& c_;
@@ -147,22 +163,23 @@ class CheckedAccess {
   Buffer contig_;
   std::vector<Buffer> layers_;
   unsigned cta_ = 0, thread_ = 0;
-  int64_t row_ = -1, thread_rows_ = 0;
-  int32_t layer_ = 0;
+  int slot_ = -1;  // the slot of the access or item being checked; -1: none yet this pass
+  Slot slots_[kWordsPerLane];
+  int64_t thread_passes_ = 0;
 };
 
 }  // namespace
 
 SimReport simulate_copy(const CopyParams& params, const int64_t* layer_ptrs, const int64_t* layer_bounds,
                         const int64_t* ids, int64_t contig, int64_t contig_lo, int64_t contig_hi,
-                        int32_t direction, int sm_count, int max_ctas, int force_width) {
+                        int32_t direction, int sm_count, int max_ctas, int force_width, int64_t index32_limit) {
   SimReport report;
   if (force_width > 0) {
     CopyParams p = params;
     collapse_rows(p);
-    report.config = launch_config_for_width(p, force_width, sm_count, max_ctas);
+    report.config = launch_config_for_width(p, force_width, sm_count, max_ctas, index32_limit);
   } else {
-    report.config = kernel_launch_config(params, layer_ptrs, contig, sm_count, max_ctas);
+    report.config = kernel_launch_config(params, layer_ptrs, contig, sm_count, max_ctas, index32_limit);
   }
   const LaunchConfig& c = report.config;
   if (c.ctas == 0) return report;
@@ -171,13 +188,14 @@ SimReport simulate_copy(const CopyParams& params, const int64_t* layer_ptrs, con
   char* base = reinterpret_cast<char*>(contig);
   const unsigned grid = static_cast<unsigned>(c.ctas);
   try {
-    with_kernel_types(c.width, c.tpr, [&](auto vec, auto tpr) {
+    with_kernel_types(c.width, c.index_bits, c.wpl, gather, [&](auto vec, auto index, auto wpl, auto gather_dir) {
       using VecT = typename decltype(vec)::type;
+      using Index = typename decltype(index)::type;
       for (unsigned cta = 0; cta < grid; ++cta) {
         for (unsigned thread = 0; thread < static_cast<unsigned>(kThreads); ++thread) {
           access.at(cta, thread);
-          copy_thread<VecT, decltype(tpr)::value>(c.params, layer_ptrs, ids, base, gather, cta, thread, grid,
-                                                  access);
+          copy_thread<VecT, Index, decltype(wpl)::value, decltype(gather_dir)::value>(c, layer_ptrs, ids, base,
+                                                                                      cta, thread, grid, access);
           ++report.threads;
         }
       }
@@ -185,8 +203,8 @@ SimReport simulate_copy(const CopyParams& params, const int64_t* layer_ptrs, con
   } catch (const Fault& f) {
     report.fault = f.what;
   }
-  report.row_visits = access.row_visits;
-  report.rows_per_thread = access.rows_per_thread;
+  report.item_visits = access.item_visits;
+  report.passes_per_thread = access.passes_per_thread;
   report.accesses = access.accesses;
   return report;
 }

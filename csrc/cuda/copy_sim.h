@@ -14,12 +14,12 @@ namespace kvx::cuda {
 
 // What one emulated launch did, for the tests that hold the emulation to the launcher's decisions.
 struct SimReport {
-  LaunchConfig config;        // the launch emulated (kernel_launch_config(), or the forced width's)
-  int64_t threads = 0;        // threads run: config.ctas * kThreads
-  int64_t row_visits = 0;     // (thread, row) pairs that copied a row: rows * tpr when every lane is used
-  int64_t rows_per_thread = 0;  // most rows one thread copied (> 1: the grid-stride loop came round)
-  int64_t accesses = 0;       // vector loads plus stores
-  std::string fault;          // empty, or the first violation (the emulation stopped there)
+  LaunchConfig config;            // the launch emulated (kernel_launch_config(), or the forced width's)
+  int64_t threads = 0;            // threads run: config.ctas * kThreads
+  int64_t item_visits = 0;        // work items (vector words) located and copied: padding slots' are skipped
+  int64_t passes_per_thread = 0;  // most grid-stride passes one thread made (> 1: the loop came round)
+  int64_t accesses = 0;           // vector loads plus stores
+  std::string fault;              // empty, or the first violation (the emulation stopped there)
 };
 
 // Run every thread of every CTA of the copy kernel's launch for `p` on the CPU, in order, on CPU memory.
@@ -35,8 +35,10 @@ struct SimReport {
 //   sm_count:     the emulated device's SMs (the grid's fill cap is kCtasPerSm per SM)
 //   max_ctas:     the caller's cap on CTAs (<= 0: none), as kvx::cuda::copy() takes it
 //   force_width:  0, or a vector width in bytes to use instead of copy_width()'s (tests of the checker)
+//   index32_limit: launch_config_for_width()'s test knob (kIndex32Limit: the launcher's choice)
 SimReport simulate_copy(const CopyParams& p, const int64_t* layer_ptrs, const int64_t* layer_bounds,
                         const int64_t* ids, int64_t contig, int64_t contig_lo, int64_t contig_hi,
-                        int32_t direction, int sm_count, int max_ctas, int force_width);
+                        int32_t direction, int sm_count, int max_ctas, int force_width,
+                        int64_t index32_limit = kIndex32Limit);
 
 }  // namespace kvx::cuda

@@ -2,10 +2,13 @@
 real launcher (csrc/cuda/launch_config.h, copy_kernel.cuh, copy_sim.cu).
 
 The bit-exact tests of every layout, dtype and op run cuda_sim through test_copy.py / test_batch.py's IMPLS.
-Here: the launch decisions themselves (anywhere: plain host arithmetic), the emulation running exactly that
-grid (grid-stride loop, CTA caps), the checker firing on what a GPU would fault on or corrupt (a wider vector
-than the alignment allows, a buffer one byte short, a byte written twice), the UVA-like case. GPU twins at
-the end run the real kernel on the same shapes and compare its launch with the function's.
+Here: the launch decisions themselves (anywhere: plain host arithmetic): the row segments (tpr lanes x wpl
+words per work item), the grid and its caps, the 32-bit / 64-bit index choice at its boundary and the
+FastDivmods; the emulation running exactly that grid (grid-stride passes, the tail of the last pass, long rows
+spread over CTAs, the 64-bit path forced on small copies); the checker firing on what a GPU would fault on
+or corrupt (a wider vector than the alignment allows, a buffer one byte short, a byte written twice), the
+UVA-like case. GPU twins at the end run the real kernel on the same shapes and compare its launch with the
+function's.
 """
 
 import math
@@ -25,13 +28,15 @@ _C = ops._C  # None without the extension: then conftest.py fails every test, wi
 _BLOCKS = 0
 _GATHER, _SCATTER = 0, 1
 THREADS = 256  # threads per CTA of copy_cuda.cu (kThreads)
+CTAS_PER_SM = 4  # launch_config.h kCtasPerSm: the grid's fill cap per SM
+INDEX32_LIMIT = 1 << 31  # launch_config.h kIndex32Limit
 H100_SMS = 132
 TOKEN_LAYOUTS = [name for name in LAYOUTS if name != "cpu"]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none present)")
 
 
 # ------------------------------------------------------------------------------ launch decisions (anywhere)
-def _rows_config(row_bytes, rows, *, sm_count=H100_SMS, max_ctas=0, contig=1 << 24):
+def _rows_config(row_bytes, rows, *, sm_count=H100_SMS, max_ctas=0, contig=1 << 24, index32_limit=INDEX32_LIMIT):
     """The launch for `rows` rows of `row_bytes` bytes: one layer, one plane, one row per block id."""
     paged = _C.PagedDesc(
         plane_stride=0,
@@ -44,52 +49,176 @@ def _rows_config(row_bytes, rows, *, sm_count=H100_SMS, max_ctas=0, contig=1 << 
         num_heads=1,
     )
     dense = _C.ContigDesc(layer_stride=rows * row_bytes, plane_stride=0, token_stride=row_bytes, head_stride=row_bytes)
-    return _C.cuda_launch_config(paged, dense, row_bytes, 1, rows, _BLOCKS, [1 << 20], contig, sm_count, max_ctas)
+    return _C.cuda_launch_config(
+        paged, dense, row_bytes, 1, rows, _BLOCKS, [1 << 20], contig, sm_count, max_ctas, index32_limit=index32_limit
+    )
+
+
+def _items_per_pass(wpl):
+    """Work items a thread takes per pass (launch_config.h items_per_pass): 4 words' worth, 2 one-word items."""
+    return 2 if wpl == 1 else 4 // wpl
 
 
 @pytest.mark.parametrize(
-    "row_bytes,width,tpr",
+    "row_bytes,contig_offset,width,tpr,wpl,segments",
     [
-        (64, 16, 4),
-        (128, 16, 8),
-        (256, 16, 16),
-        (512, 16, 32),
-        (4096, 16, 32),  # 16-byte words: 4 .. 256 per row
-        (72, 8, 16),  # 9 words of 8 bytes: the next power of two
-        (10, 2, 8),
-        (20, 4, 8),
-        (1, 1, 4),
-        (3, 1, 4),
+        (256, 0, 16, 4, 4, 1),  # LBNHC bf16 head 128: 16 words, 4 lanes x 4 words per row
+        (128, 0, 16, 2, 4, 1),  # 8 words
+        (512, 0, 16, 8, 4, 1),
+        (2048, 0, 16, 32, 4, 1),
+        (4096, 0, 16, 32, 4, 2),  # long rows: segments of 32 lanes x 4 words (2 KiB)
+        (65536, 0, 16, 32, 4, 32),  # a raw LBNHC page: 32 work items, not one warp's serial walk
+        (1152, 0, 16, 2, 4, 9),  # an MLA row (576 bf16): 72 words = 9 segments of 2 x 4
+        (64, 0, 16, 2, 2, 1),  # 4 words: 8 does not divide them, 4 does
+        (320, 0, 16, 2, 2, 5),  # 20 words: 5 segments of 2 x 2
+        (160, 0, 16, 1, 2, 5),  # 10 words (head 80 bf16): no group of 2+ lanes divides them, 1 lane x 2 words
+        (16, 0, 16, 1, 1, 1),  # 1 word
+        (48, 0, 16, 1, 1, 3),  # 3 words: one word per item
+        (272, 0, 16, 1, 1, 17),  # 17 words
+        (72, 0, 8, 1, 1, 9),  # 9 words of 8 bytes
+        (256, 2, 2, 32, 4, 1),  # 128 words of 2 bytes: a group must read >= 32 bytes, so 16+ lanes
+        (64, 2, 2, 16, 2, 1),  # 32 words of 2 bytes: 16 lanes x 2
+        (32, 2, 2, 1, 4, 4),  # 16 words of 2 bytes: no group of 16+ lanes divides them, 1 lane x 4 words
+        (12, 0, 4, 1, 1, 3),
+        (24, 4, 4, 1, 2, 3),  # 6 words of 4 bytes
+        (10, 0, 2, 1, 1, 5),
+        (20, 0, 4, 1, 1, 5),
+        (1, 0, 1, 1, 1, 1),
+        (3, 0, 1, 1, 1, 3),
     ],
 )
-def test_width_and_lanes_per_row(row_bytes, width, tpr):
-    c = _rows_config(row_bytes, 1000)
-    assert (c.width, c.tpr, c.groups) == (width, tpr, THREADS // tpr)
-    assert c.params.row_bytes == row_bytes and c.total_rows == 1000
+def test_row_segments(row_bytes, contig_offset, width, tpr, wpl, segments):
+    """Rows are cut into equal segments of tpr lanes x wpl words (launch_config.h choose_segments()): the widest
+    wpl, then the most lanes, that divide the row, a group's load covering >= 32 bytes; else one word each."""
+    c = _rows_config(row_bytes, 1000, contig=(1 << 24) + contig_offset)
+    assert (c.width, c.tpr, c.wpl, c.segments) == (width, tpr, wpl, segments)
+    assert c.words == row_bytes // width == c.segments * c.tpr * c.wpl
+    assert c.groups == THREADS // tpr and c.items_per_cta == c.groups * _items_per_pass(wpl)
+    assert c.params.row_bytes == row_bytes and c.total_rows == 1000 and c.total_items == 1000 * segments
+    assert c.tpr * c.width >= 32 or c.tpr == 1
 
 
 @pytest.mark.parametrize(
     "row_bytes,rows,sm_count,max_ctas,ctas",
     [
-        (64, 1000, H100_SMS, 0, 16),  # 64 rows per CTA (tpr 4): ceil(1000 / 64)
-        (512, 1000, H100_SMS, 0, 125),  # 8 rows per CTA (tpr 32)
+        (64, 1000, H100_SMS, 0, 4),  # 128 groups x 2 items per CTA pass: ceil(1000 / 256)
+        (512, 1000, H100_SMS, 0, 32),  # 32 groups of 8 lanes, one 4-word item each: ceil(1000 / 32)
+        (16, 1000, H100_SMS, 0, 2),  # one-word items, 2 per thread per pass: ceil(1000 / 512)
         (512, 1, H100_SMS, 0, 1),
-        (4096, 100_000, H100_SMS, 0, 528),  # fill cap: 4 CTAs per SM
-        (4096, 100_000, 4, 0, 16),
+        (4096, 100_000, H100_SMS, 0, CTAS_PER_SM * H100_SMS),  # fill cap
+        (4096, 100_000, 4, 0, CTAS_PER_SM * 4),
         (4096, 100_000, H100_SMS, 8, 8),  # the caller's cap (H2D_MAX_CTAS)
-        (512, 1000, H100_SMS, 1000, 125),  # a cap above the need changes nothing
+        (512, 1000, H100_SMS, 1000, 32),  # a cap above the need changes nothing
         (512, 1000, 10, 30, 30),  # the smaller of both caps
     ],
 )
 def test_cta_count_and_caps(row_bytes, rows, sm_count, max_ctas, ctas):
     c = _rows_config(row_bytes, rows, sm_count=sm_count, max_ctas=max_ctas)
     assert c.ctas == ctas
-    assert c.ctas == min(math.ceil(rows / c.groups), 4 * sm_count, max_ctas or rows)
+    assert c.ctas == min(math.ceil(c.total_items / c.items_per_cta), CTAS_PER_SM * sm_count, max_ctas or rows)
 
 
-def test_grid_stride_when_rows_exceed_the_grid():
+def test_grid_stride_when_items_exceed_the_grid():
     c = _rows_config(4096, 100_000)
-    assert c.ctas * c.groups == 528 * 8 < c.total_rows  # each row group comes round ~24 times
+    assert c.ctas * c.items_per_cta == CTAS_PER_SM * H100_SMS * 8 < c.total_items  # each group comes round ~47 times
+
+
+def test_a_long_row_is_spread_over_ctas():
+    """One 64 KiB row is 32 items of 2 KiB: 4 CTAs of 8 groups take one each (the old kernel gave the whole row
+    to one warp of one CTA)."""
+    c = _rows_config(65536, 1)
+    assert (c.total_items, c.items_per_cta, c.ctas) == (32, 8, 4)
+
+
+# The 32-bit index path holds while every index it computes stays below 2^31: the item counter up to its last
+# grid-stride step, the paged token number (block * block_size + token) and the contiguous token.
+def _slots_config(num_blocks, block_size, num_ids, *, row_bytes=256, index32_limit=INDEX32_LIMIT):
+    paged = _C.PagedDesc(
+        plane_stride=0,
+        block_stride=block_size * row_bytes,
+        token_stride=row_bytes,
+        head_stride=row_bytes,
+        num_blocks=num_blocks,
+        num_planes=1,
+        block_size=block_size,
+        num_heads=1,
+    )
+    dense = _C.ContigDesc(layer_stride=num_ids * row_bytes, plane_stride=0, token_stride=row_bytes, head_stride=0)
+    return _C.cuda_launch_config(
+        paged, dense, row_bytes, 1, num_ids, 1, [1 << 20], 1 << 24, H100_SMS, index32_limit=index32_limit
+    )
+
+
+def test_index_width_at_the_item_limit():
+    """16-byte rows of one word: items == rows. 32-bit exactly while items + one grid's worth <= 2^31 (the last
+    value the grid-stride counter takes); one item more and the kernel divides in 64 bits."""
+    grid_span = CTAS_PER_SM * H100_SMS * THREADS * 2  # ctas x items per CTA pass (2 one-word items per thread)
+    at = _rows_config(16, INDEX32_LIMIT - grid_span)
+    assert (at.ctas * at.items_per_cta, at.index_bits) == (grid_span, 32)
+    assert _rows_config(16, INDEX32_LIMIT - grid_span + 1).index_bits == 64
+    assert _rows_config(16, 3 << 31).index_bits == 64
+
+
+def test_index_width_at_the_slot_limit():
+    """Slot mode: a valid slot id is < num_blocks * block_size, divided in 32 bits only when that is <= 2^31."""
+    assert _slots_config(1 << 27, 16, 100).index_bits == 32  # ids up to 2^31 - 1
+    assert _slots_config((1 << 27) + 1, 16, 100).index_bits == 64
+    assert _slots_config(1 << 20, 16, 100).divisors["block_size"][0] == 16
+
+
+def test_index_width_at_the_contiguous_token_limit():
+    """Block mode with the tokens merged into one row (a dense block): few items, but the contiguous token of
+    id index i is i * block_size, a 32-bit index like the others: num_ids * block_size must stay <= 2^31."""
+
+    def config(num_ids):
+        paged = _C.PagedDesc(
+            plane_stride=0,
+            block_stride=16 * 64,
+            token_stride=64,
+            head_stride=64,
+            num_blocks=4,
+            num_planes=1,
+            block_size=16,
+            num_heads=1,
+        )
+        dense = _C.ContigDesc(layer_stride=0, plane_stride=0, token_stride=64, head_stride=64)
+        return _C.cuda_launch_config(paged, dense, 64, 1, num_ids, _BLOCKS, [1 << 20], 1 << 24, H100_SMS)
+
+    ok, over = config(1 << 27), config((1 << 27) + 1)
+    assert ok.params.iter_tokens == 1 and ok.total_items == 1 << 27  # one 1 KiB row per id: 2^27 items
+    assert (ok.index_bits, over.index_bits) == (32, 64)
+
+
+def _fast_div(n, div, mul, shift):
+    """copy_kernel.cuh's fast_div() in Python, 32-bit wrap-around included."""
+    return ((((n * mul) >> 32) + n) & 0xFFFFFFFF) >> shift
+
+
+@pytest.mark.parametrize("row_bytes,rows", [(256, 1000), (1152, 3), (16, 1_000_003), (4096, 7)])
+def test_fast_divisors_are_exact_below_2_31(row_bytes, rows):
+    """The (div, mul, shift) triples the host computes divide every n < 2^31 exactly, and every divisor the
+    kernel uses is there."""
+    c = _rows_config(row_bytes, rows)
+    assert c.index_bits == 32
+    divs = c.divisors
+    assert divs["segments"][0] == c.segments and divs["rows_per_entry"][0] == 1 and divs["ids"][0] == rows
+    assert c.id_tokens == 1  # block mode, block_size 1
+    g = torch.Generator().manual_seed(case_seed("fastdiv", row_bytes))
+    probe = torch.randint(0, INDEX32_LIMIT, (2000,), generator=g).tolist()
+    for div, mul, shift in divs.values():
+        edges = [0, 1, div - 1, div, div + 1, INDEX32_LIMIT - 1, (INDEX32_LIMIT - 1) // div * div]
+        for n in edges + probe:
+            assert _fast_div(n, div, mul, shift) == n // div, (n, div)
+
+
+def test_fast_divisor_fails_past_2_31():
+    """Why the boundary: from 2^31 on, umulhi(n, mul) + n overflows 32 bits for some divisors, and the
+    quotient is wrong (the host must choose 64 bits there)."""
+    c = _rows_config(16, 1025)
+    div, mul, shift = c.divisors["ids"]
+    assert div == 1025
+    n = INDEX32_LIMIT + (1 << 22)
+    assert _fast_div(n, div, mul, shift) != n // div
 
 
 def _one_row_descs():
@@ -118,7 +247,7 @@ def test_launch_config_collapses_rows_and_reads_alignment():
     lay = make_layout("flash", num_layers=2, num_blocks=4, block_size=16, num_heads=2, head_size=8, dtype=torch.float16)
     buf = torch.empty(lay.canonical_shape(3 * 16), dtype=torch.float16)
     c = _config("blocks", lay, 3, buf)
-    assert (c.params.row_bytes, c.total_rows, c.width, c.tpr) == (16 * 2 * 8 * 2, 2 * 2 * 3, 16, 32)
+    assert (c.params.row_bytes, c.total_rows, c.width, c.tpr, c.wpl) == (16 * 2 * 8 * 2, 2 * 2 * 3, 16, 8, 4)
     assert _config("blocks", lay, 3, buf, contig=buf.data_ptr() + 8).width == 8
 
 
@@ -136,10 +265,13 @@ def test_launch_config_checks_its_arguments():
         )
     with pytest.raises(ValueError, match="sm_count: expected >= 1, got 0"):
         _rows_config(64, 10, sm_count=0)
+    for bad in (0, INDEX32_LIMIT + 1):
+        with pytest.raises(ValueError, match=re.escape(f"index32_limit: expected 1 .. 2^31, got {bad}")):
+            _rows_config(64, 10, index32_limit=bad)
 
 
 # ------------------------------------------------------------------------------ the emulation
-def _config(kind, lay, n, buf, *, sm_count=H100_SMS, max_ctas=0, contig=None):
+def _config(kind, lay, n, buf, *, sm_count=H100_SMS, max_ctas=0, contig=None, index32_limit=INDEX32_LIMIT):
     plan = ops._plan(Op("gather_" + kind), lay, buf, n)
     return _C.cuda_launch_config(
         *ops._c_descs(plan),
@@ -151,10 +283,23 @@ def _config(kind, lay, n, buf, *, sm_count=H100_SMS, max_ctas=0, contig=None):
         buf.data_ptr() if contig is None else contig,
         sm_count,
         max_ctas,
+        index32_limit=index32_limit,
     )
 
 
-def _sim(kind, direction, lay, ids, buf, *, sm_count=H100_SMS, max_ctas=0, force_width=0, short=None):
+def _sim(
+    kind,
+    direction,
+    lay,
+    ids,
+    buf,
+    *,
+    sm_count=H100_SMS,
+    max_ctas=0,
+    force_width=0,
+    short=None,
+    index32_limit=INDEX32_LIMIT,
+):
     """kvx._C.cuda_sim_copy with ops' arguments, one declared extent one byte `short` if asked ("contig" or a
     layer index)."""
     impl_or_skip("cuda_sim")
@@ -166,34 +311,54 @@ def _sim(kind, direction, lay, ids, buf, *, sm_count=H100_SMS, max_ctas=0, force
         args[7] -= 1  # contig_hi
     elif short is not None:
         bounds[short, 1] -= 1  # the layer's hi, read through the bounds tensor's address
-    return _C.cuda_sim_copy(*args, plan.row_bytes, plan.mode, direction, sm_count, max_ctas, force_width)
+    return _C.cuda_sim_copy(
+        *args, plan.row_bytes, plan.mode, direction, sm_count, max_ctas, force_width, index32_limit=index32_limit
+    )
+
+
+_CONFIG_FIELDS = (
+    "width",
+    "words",
+    "segments",
+    "tpr",
+    "wpl",
+    "groups",
+    "items_per_cta",
+    "total_items",
+    "ctas",
+    "total_rows",
+    "index_bits",
+    "id_tokens",
+)
 
 
 def _same_config(a, b):
-    return (a.width, a.tpr, a.groups, a.ctas, a.total_rows, a.params.row_bytes) == (
-        b.width,
-        b.tpr,
-        b.groups,
-        b.ctas,
-        b.total_rows,
-        b.params.row_bytes,
-    )
+    return [getattr(a, f) for f in _CONFIG_FIELDS] + [a.params.row_bytes, a.divisors] == [
+        getattr(b, f) for f in _CONFIG_FIELDS
+    ] + [b.params.row_bytes, b.divisors]
+
+
+def _passes(c):
+    """Grid-stride passes the busiest thread of launch `c` makes."""
+    return math.ceil(c.total_items / (c.ctas * c.items_per_cta))
 
 
 # (layout, head size, dtype, op kind, ids, sm_count, max_ctas, the grid-stride loop comes round)
 GRIDS = [
     pytest.param("LBNHC", 64, torch.float16, "blocks", [3, 0, 5], H100_SMS, 0, False, id="lbnhc-one-pass"),
     pytest.param("LBNHC", 64, torch.float16, "blocks", [3, 0, 5], H100_SMS, 2, True, id="lbnhc-max_ctas2"),
-    pytest.param("LBHNC", 5, torch.bfloat16, "slots", list(range(1, 121, 2)), H100_SMS, 8, True, id="slots-h2d-cap"),
-    pytest.param("flash", 64, torch.bfloat16, "blocks", [1, 2, 6], 1, 0, False, id="flash-merged-rows"),
-    pytest.param("BLNHC", 64, torch.float16, "blocks", list(range(16)), H100_SMS, 0, True, id="fill-cap"),
+    # 10-byte rows: one 2-byte word per item, 2 items per thread per pass; 8 CTAs take all 3600 in one pass
+    pytest.param("LBHNC", 5, torch.bfloat16, "slots", list(range(1, 121, 2)), H100_SMS, 8, False, id="slots-h2d-cap"),
+    pytest.param("flash", 64, torch.bfloat16, "blocks", [1, 2, 6], 1, 0, True, id="flash-merged-rows"),
+    pytest.param("BLNHC", 64, torch.float16, "blocks", list(range(16)), 64, 0, True, id="fill-cap"),
     pytest.param("mla", 576, torch.uint8, "pages", [4, 2, 0, 7, 5, 1, 3], H100_SMS, 1, True, id="pages-one-cta"),
-    pytest.param("flashinfer", 5, torch.float8_e4m3fn, "blocks", [7, 1, 3, 0, 5, 2], 1, 0, True, id="fp8-sm1"),
+    # 160-byte rows of 2-byte words: one lane x 4 consecutive words per item
+    pytest.param("flashinfer", 5, torch.float8_e4m3fn, "blocks", [7, 1, 3, 0, 5, 2], 1, 2, True, id="fp8-sm1-cap2"),
 ]
 
 
 def _grid_geom(name, head_size):
-    big = name == "BLNHC"  # 49152 rows: past the fill cap of 528 CTAs x 32 rows
+    big = name == "BLNHC"  # 49152 rows of one 128-byte item each: past the fill cap of 64 SMs x 4 CTAs x 128 items
     return dict(
         num_layers=3,
         num_blocks=16 if big else 8,
@@ -209,9 +374,9 @@ def _grid_shape(lay, kind, n):
 
 @pytest.mark.parametrize("name,head_size,dtype,kind,ids,sm_count,max_ctas,loops", GRIDS)
 def test_sim_runs_the_launchers_grid(name, head_size, dtype, kind, ids, sm_count, max_ctas, loops):
-    """The emulation runs every thread of the grid kernel_launch_config() decides (the launcher's), each row
-    by tpr lanes, with the grid-stride loop coming round where rows exceed ctas * groups; and copies the
-    reference's bytes doing so."""
+    """The emulation runs every thread of the grid kernel_launch_config() decides (the launcher's), each work
+    item by tpr lanes, with the grid-stride loop coming round where items exceed ctas * items_per_cta; and
+    copies the reference's bytes doing so."""
     impl_or_skip("cuda_sim")
     seed = case_seed("sim-grid", name, kind, max_ctas, sm_count)
     g = torch.Generator().manual_seed(seed)
@@ -223,14 +388,14 @@ def test_sim_runs_the_launchers_grid(name, head_size, dtype, kind, ids, sm_count
     report = _sim(kind, _GATHER, lay, ids, out, sm_count=sm_count, max_ctas=max_ctas)
     assert _same_config(report.config, want), (report.config, want)
     assert report.threads == want.ctas * THREADS
-    assert report.row_visits == want.total_rows * want.tpr  # no padding here: every row, tpr lanes
-    assert report.rows_per_thread == math.ceil(want.total_rows / (want.ctas * want.groups))
-    assert (report.rows_per_thread > 1) == loops == (want.total_rows > want.ctas * want.groups)
+    assert report.item_visits == want.total_items * want.tpr  # no padding here: every item, tpr lanes
+    assert report.passes_per_thread == _passes(want)
+    assert (report.passes_per_thread > 1) == loops == (want.total_items > want.ctas * want.items_per_cta)
     getattr(ops, f"gather_{kind}")(ref, ids, expected, impl="reference")
     assert_same_bytes(out, expected)
     src = random_fill_(torch.empty_like(out), g)
     report = _sim(kind, _SCATTER, lay, ids, src, sm_count=sm_count, max_ctas=max_ctas)
-    assert report.rows_per_thread == math.ceil(want.total_rows / (want.ctas * want.groups))
+    assert report.passes_per_thread == _passes(want)
     getattr(ops, f"scatter_{kind}")(ref, ids, src, impl="reference")
     assert_all_same_bytes(lay.layers, ref.layers)
 
@@ -244,9 +409,123 @@ def test_padding_slots_are_not_visited():
     out = torch.zeros(lay.canonical_shape(len(slots)), dtype=torch.float16)
     report = _sim("slots", _GATHER, lay, slots, out)
     c = report.config
-    assert c.total_rows == 2 * 2 * 6 * 2  # the iteration space counts padding ...
-    assert report.row_visits == 2 * 2 * 3 * 2 * c.tpr  # ... the lanes copy only the 3 real slots
+    assert c.total_rows == 2 * 2 * 6 * 2 and c.segments == 1  # the iteration space counts padding ...
+    assert report.item_visits == 2 * 2 * 3 * 2 * c.tpr  # ... the lanes copy only the 3 real slots
     assert report.accesses == 2 * 2 * 3 * 2 * 2 * (128 // c.width)  # a load and a store per word
+
+
+def test_sim_spreads_a_long_row_over_ctas():
+    """A raw LBNHC page of 64 KiB is one row of 32 work items: 4 CTAs of 8 lane groups (32 lanes x 4 words,
+    2 KiB) move it in one pass, where the old kernel gave it to one warp. The emulation runs exactly that."""
+    impl_or_skip("cuda_sim")
+    seed = case_seed("sim-long-row")
+    g = torch.Generator().manual_seed(seed)
+    geom = dict(num_layers=1, num_blocks=3, block_size=16, num_heads=8, head_size=128)
+    lay, ref = two_layouts("LBNHC", geom, torch.bfloat16, False, seed)
+    out = random_fill_(torch.empty(lay.page_shape(1), dtype=torch.uint8), g)
+    expected = out.clone()
+    report = _sim("pages", _GATHER, lay, [2], out)
+    c = report.config
+    assert (c.params.row_bytes, c.total_rows, c.tpr, c.wpl, c.segments, c.ctas) == (65536, 1, 32, 4, 32, 4)
+    assert (report.threads, report.item_visits, report.passes_per_thread) == (4 * THREADS, 32 * 32, 1)
+    ops.gather_pages(ref, [2], expected, impl="reference")
+    assert_same_bytes(out, expected)
+
+
+def test_sim_last_pass_tail():
+    """Two items per thread per pass (64-byte rows: 2 lanes x 2 words each), one CTA of 128 groups: 450 slots
+    take two passes, the second with every group's first item and only groups 0..65's second one; padding
+    slots among them are skipped. Every real item is copied once (a tail bound off by one would locate a
+    slot past the id list, or copy an item twice: the checker's faults)."""
+    impl_or_skip("cuda_sim")
+    seed = case_seed("sim-tail")
+    g = torch.Generator().manual_seed(seed)
+    geom = dict(num_layers=1, num_blocks=32, block_size=16, num_heads=1, head_size=32)
+    lay, ref = two_layouts("mla", geom, torch.bfloat16, False, seed)
+    slots = torch.randperm(32 * 16, generator=g)[:450]
+    slots[::7] = -1
+    out = random_fill_(torch.empty(lay.canonical_shape(450), dtype=torch.bfloat16), g)
+    expected = out.clone()
+    report = _sim("slots", _GATHER, lay, slots, out, max_ctas=1)
+    c = report.config
+    assert (c.tpr, c.wpl, c.items_per_cta, c.total_items, c.ctas) == (2, 2, 256, 450, 1)
+    assert report.passes_per_thread == 2
+    assert report.item_visits == int((slots >= 0).sum()) * c.tpr
+    ops.gather_slots(ref, slots, expected, impl="reference")
+    assert_same_bytes(out, expected)
+    src = random_fill_(torch.empty_like(out), g)
+    _sim("slots", _SCATTER, lay, slots, src, max_ctas=1)
+    ops.scatter_slots(ref, slots, src, impl="reference")
+    assert_all_same_bytes(lay.layers, ref.layers)
+
+
+@pytest.mark.parametrize("offset", [1, 2, 4, 8], ids=lambda o: f"off{o}")
+def test_narrow_words_in_wide_segments(offset):
+    """A contiguous side `offset` bytes off alignment narrows the words to `offset` bytes; 4 KiB raw pages then
+    still split into segments of 32 lanes x 4 words (a group's load covers >= 32 bytes)."""
+    impl_or_skip("cuda_sim")
+    seed = case_seed("sim-narrow", offset)
+    g = torch.Generator().manual_seed(seed)
+    geom = dict(num_layers=2, num_blocks=4, block_size=16, num_heads=1, head_size=64)
+    lay, ref = two_layouts("LBNHC", geom, torch.bfloat16, False, seed)
+    ids = [3, 0, 2]
+    shape = lay.page_shape(len(ids))
+    backing = random_fill_(torch.empty(math.prod(shape) + offset, dtype=torch.uint8), g)
+    out = backing[offset:].view(shape)
+    expected = out.clone()
+    report = _sim("pages", _GATHER, lay, ids, out)
+    c = report.config
+    words = 4096 // offset
+    assert (c.params.row_bytes, c.width, c.tpr, c.wpl, c.segments) == (4096, offset, 32, 4, words // 128)
+    ops.gather_pages(ref, ids, expected, impl="reference")
+    assert_same_bytes(out, expected)
+    src = random_fill_(torch.empty_like(backing), g)[offset:].view(shape)
+    _sim("pages", _SCATTER, lay, ids, src)
+    ops.scatter_pages(ref, ids, src, impl="reference")
+    assert_all_same_bytes(lay.layers, ref.layers)
+
+
+# The 64-bit index path runs only for copies of 2^31 items and more, which no CPU test can hold; the
+# index32_limit knob moves the boundary so that small copies take it (test-only).
+@pytest.mark.parametrize(
+    "name,kind",
+    [("LBNHC", "blocks"), ("LBHNC", "slots"), ("flashinfer", "blocks"), ("mla", "pages"), ("flash", "slots")],
+)
+def test_sim_64bit_index_path(name, kind):
+    """The same copies through both index paths, bit-exact against the reference; the limit at the exact
+    boundary (total_items + one grid's worth) still gives 32 bits, one below it 64."""
+    impl_or_skip("cuda_sim")
+    seed = case_seed("sim-idx64", name, kind)
+    g = torch.Generator().manual_seed(seed)
+    geom = dict(num_layers=2, num_blocks=8, block_size=16, num_heads=1 if name == "mla" else 3, head_size=40)
+    lay, ref = two_layouts(name, geom, torch.bfloat16, bool(seed % 2), seed)
+    if kind == "slots":
+        ids = torch.randperm(8 * 16, generator=g)[:37]
+        ids[::5] = -1
+    else:
+        ids = torch.tensor([6, 2, 3, 0])
+    n = len(ids)
+    if kind == "pages":
+        shape, dtype = lay.page_shape(n), torch.uint8
+    else:
+        shape, dtype = lay.canonical_shape(n * lay.block_size if kind == "blocks" else n), torch.bfloat16
+    out = torch.empty(shape, dtype=dtype)
+    c = _config(kind, lay, n, out, max_ctas=2)
+    boundary = c.total_items + c.ctas * c.items_per_cta
+    assert c.index_bits == 32
+    assert _config(kind, lay, n, out, max_ctas=2, index32_limit=boundary).index_bits == 32
+    assert _config(kind, lay, n, out, max_ctas=2, index32_limit=boundary - 1).index_bits == 64
+    for limit in (boundary, boundary - 1, 1):
+        out = random_fill_(torch.empty(shape, dtype=dtype), g)
+        expected = out.clone()
+        report = _sim(kind, _GATHER, lay, ids, out, max_ctas=2, index32_limit=limit)
+        assert report.config.index_bits == (32 if limit == boundary else 64)
+        getattr(ops, f"gather_{kind}")(ref, ids, expected, impl="reference")
+        assert_same_bytes(out, expected)
+        src = random_fill_(torch.empty(shape, dtype=dtype), g)
+        _sim(kind, _SCATTER, lay, ids, src, max_ctas=2, index32_limit=limit)
+        getattr(ops, f"scatter_{kind}")(ref, ids, src, impl="reference")
+        assert_all_same_bytes(lay.layers, ref.layers)
 
 
 @pytest.mark.parametrize("max_ctas", [0, ops.H2D_MAX_CTAS], ids=["uncapped", "h2d-cap"])
@@ -304,11 +583,10 @@ def _check_three_ops(lay, ref, impl, g, *, max_ctas=0, host=False, path=None):
         assert_all_same_bytes(lay.layers, ref.layers)
 
 
-# Row lengths in words of 16 bytes (16 * k) and of 1 byte (odd k): every lane count (tpr 4, 8, 16, 32) and,
-# for tpr 32, every residue of words modulo the 4 x 32 words one pass of the unrolled loop moves, so each
-# lane meets each way out of the loop (unrolled passes then tail, tail only, nothing). A bound off by one in
-# either loop shows only for some of them (the unrolled loop's for words % 128 in [96, 128)), which the
-# layouts' natural row lengths hit by chance.
+# Row lengths in words of 16 bytes (16 * k) and of 1 byte (odd k): every segment shape (32, 16, 8, 4, 2 lanes x
+# 4 or 2 words, and one-word items), segment counts from 1 to 66, and in the tail of the last pass every
+# residue of the items modulo a pass. A bound off by one in the segment or tail arithmetic shows only for some
+# of them, which the layouts' natural row lengths hit by chance.
 SWEEP_ROW_BYTES = [16 * k for k in range(1, 133)] + list(range(1, 133, 2))
 
 
@@ -338,7 +616,7 @@ def _sweep_row_lengths(impl, device):
         assert_all_same_bytes(lay.layers, ref.layers)
 
 
-def test_every_row_length_around_the_unrolled_loop():
+def test_every_row_length_and_segment_shape():
     impl_or_skip("cuda_sim")
     _sweep_row_lengths("cuda_sim", "cpu")
 
@@ -350,10 +628,11 @@ ODD = dict(num_layers=1, num_blocks=4, block_size=16, num_heads=2, head_size=5, 
 @pytest.mark.parametrize("direction", [_GATHER, _SCATTER], ids=["gather", "scatter"])
 def test_vector_wider_than_the_alignment_is_misaligned(direction):
     """LBNHC with 10-byte rows: copy_width() picks 2 bytes. One step wider (4) is what a too-wide width
-    would launch: the first thread to reach an address 2 bytes off a multiple of 4 is named, with its row.
+    would launch: the first thread to reach an address 2 bytes off a multiple of 4 is named, with its item.
 
-    Thread 0 (row group 0) copies row 0 (block 0, token 0, head 0): aligned on both sides. Thread 4 (4 lanes
-    per row of 2 words) starts row 1, head 1 of token 0, whose chunk row sits 10 bytes into the chunk."""
+    A row of 2 words of 4 bytes is one item of one lane, one per thread in order: thread 0 copies row 0
+    (block 0, token 0, head 0), aligned on both sides; thread 1 row 1, head 1 of token 0, whose chunk row sits
+    10 bytes into the chunk."""
     impl_or_skip("cuda_sim")
     lay = make_layout("LBNHC", **ODD)
     buf = random_fill_(torch.empty(lay.canonical_shape(16), dtype=torch.float16))
@@ -367,7 +646,7 @@ def test_vector_wider_than_the_alignment_is_misaligned(direction):
         _C.CudaSimFault,
         match=re.escape(
             f"cuda_sim: misaligned: 4-byte {op} at {addr:#x} by CTA 0 "
-            f"thread 4 (lane 0 of row group 1), row 1 (entry 0, row 1 of 32): "
+            f"thread 1 (lane 0 of group 1), item 1 (row 1 segment 0 of 1; entry 0, row 1 of 32): "
             f"address % 4 = 2; the "
             f"contiguous side is [{lo:#x}, {hi:#x})"
         ),
@@ -378,10 +657,13 @@ def test_vector_wider_than_the_alignment_is_misaligned(direction):
 
 
 def _last_vector_thread(c, row):
-    """(cta, thread) of the lane that moves the last vector of `row` under launch `c`."""
-    words = c.params.row_bytes // c.width
-    group = row // c.groups
-    return group % c.ctas, (row % c.groups) * c.tpr + (words - 1) % c.tpr
+    """(cta, thread, item) of the lane that moves the last vector of `row` under launch `c`: the last lane of
+    the row's last segment (its last word), wherever the grid-stride passes put that item."""
+    item = row * c.segments + c.segments - 1
+    within_pass = item % (c.ctas * c.items_per_cta)
+    cta, slot = divmod(within_pass, c.items_per_cta)
+    group = slot % c.groups  # slot // groups is the item's place k among the thread's items of the pass
+    return cta, group * c.tpr + c.tpr - 1, item
 
 
 @pytest.mark.parametrize("short", ["contig", "last-layer"])
@@ -394,9 +676,9 @@ def test_buffer_one_byte_short_is_out_of_bounds(direction, short):
     lay = make_layout("flash", num_layers=2, num_blocks=3, block_size=16, num_heads=2, head_size=8, dtype=torch.float16)
     ids = [0, 1, 2]
     buf = random_fill_(torch.empty(lay.canonical_shape(3 * 16), dtype=torch.float16))
-    c = _config("blocks", lay, 3, buf, max_ctas=1)  # one CTA: every row group comes round
+    c = _config("blocks", lay, 3, buf, max_ctas=1)
     last = c.total_rows - 1
-    cta, thread = _last_vector_thread(c, last)
+    cta, thread, item = _last_vector_thread(c, last)
     if short == "contig":
         lo, hi, name = buf.data_ptr(), buf.data_ptr() + buf.numel() * 2, "the contiguous side"
         layer = None
@@ -409,8 +691,9 @@ def test_buffer_one_byte_short_is_out_of_bounds(direction, short):
     addr = hi - c.width
     msg = (
         f"cuda_sim: out of bounds: {c.width}-byte {op} at {addr:#x} by CTA {cta} thread {thread} (lane "
-        f"{thread % c.tpr} of row group {thread // c.tpr}), row {last} (entry {last}, row 0 of 1): bytes "
-        f"[{addr:#x}, {hi:#x}) are not all in {name} [{lo:#x}, {hi - 1:#x})"
+        f"{thread % c.tpr} of group {thread // c.tpr}), item {item} (row {last} segment {c.segments - 1} of "
+        f"{c.segments}; entry {last}, row 0 of 1): bytes [{addr:#x}, {hi:#x}) are not all in {name} "
+        f"[{lo:#x}, {hi - 1:#x})"
     )
     with pytest.raises(_C.CudaSimFault, match=re.escape(msg)):
         _sim("blocks", direction, lay, ids, buf, max_ctas=1, short="contig" if layer is None else layer)
@@ -426,8 +709,8 @@ def test_byte_written_twice_is_a_race():
     with pytest.raises(
         _C.CudaSimFault,
         match=rf"cuda_sim: written twice: {c.width}-byte store at 0x[0-9a-f]+ by "
-        rf"CTA 0 thread {c.tpr} \(lane 0 of row group 1\), row 1 .*was already "
-        r"written in this launch by CTA 0 thread 0 \(lane 0 of row group 0\): "
+        rf"CTA 0 thread {c.tpr} \(lane 0 of group 1\), item 1 \(row 1 .*was already "
+        r"written in this launch by CTA 0 thread 0 \(lane 0 of group 0\): "
         r"a race on a GPU",
     ):
         _sim("blocks", _SCATTER, lay, [2, 2], src)
@@ -445,6 +728,8 @@ def test_sim_checks_its_arguments():
         _sim("blocks", _GATHER, lay, [0], buf, sm_count=0)
     with pytest.raises(ValueError, match="direction: expected 0 .gather. or 1 .scatter., got 2"):
         _sim("blocks", 2, lay, [0], buf)
+    with pytest.raises(ValueError, match=re.escape("index32_limit: expected 1 .. 2^31, got 0")):
+        _sim("blocks", _GATHER, lay, [0], buf, index32_limit=0)
 
 
 def test_cuda_sim_is_listed_with_the_cuda_build():
@@ -495,7 +780,9 @@ def test_gpu_launch_matches_the_function_and_the_sim(name, head_size, dtype, kin
     )
     sms = _device_sms()
     assert _same_config(used, _config(kind, lay, n, out, sm_count=sms, max_ctas=max_ctas))
-    assert used.ctas == min(math.ceil(used.total_rows / used.groups), 4 * sms, max_ctas or used.total_rows)
+    assert used.ctas == min(
+        math.ceil(used.total_items / used.items_per_cta), CTAS_PER_SM * sms, max_ctas or used.total_items
+    )
     getattr(ops, f"gather_{kind}")(ref, ids, expected, impl="reference")
     torch.cuda.synchronize()
     assert_same_bytes(out, expected)
@@ -508,8 +795,8 @@ def test_gpu_launch_matches_the_function_and_the_sim(name, head_size, dtype, kin
 
 @needs_cuda
 @pytest.mark.gpu
-def test_gpu_every_row_length_around_the_unrolled_loop():
-    """Twin of test_every_row_length_around_the_unrolled_loop: the real kernel."""
+def test_gpu_every_row_length_and_segment_shape():
+    """Twin of test_every_row_length_and_segment_shape: the real kernel."""
     impl_or_skip("cuda", "cuda")
     _sweep_row_lengths("cuda", "cuda")
 
