@@ -362,6 +362,24 @@ def _c_descs(plan: CopyPlan) -> tuple:
     )
 
 
+def _c_copy_args(plan: CopyPlan, ids: int, contig: int, op: Op) -> dict:
+    """The arguments every ``kvx._C`` copy function shares, by the bindings' own names (a renamed or missing one is
+    a TypeError, never a swapped stride or id count): the copy's plan, the ids' and the contiguous side's
+    addresses, the op's direction. The callers add the layer tables and what their function takes besides."""
+    paged, contig_strides = _c_descs(plan)
+    return dict(
+        num_layers=plan.num_layers,
+        ids=ids,
+        num_ids=plan.num_ids,
+        contig=contig,
+        paged=paged,
+        contig_strides=contig_strides,
+        row_bytes=plan.row_bytes,
+        mode=plan.mode,
+        direction=op.c_direction,
+    )
+
+
 _REFERENCE = {op: getattr(reference, op.value) for op in Op}  # the oracle's function of the same name
 
 
@@ -470,19 +488,7 @@ def _run_reference(op: Op, layout: KVLayout, ids, buf, plan, max_ctas, path, ids
 
 
 def _run_cpu(op: Op, layout: KVLayout, ids, buf, plan, max_ctas, path, ids_dev, staging) -> None:
-    paged, contig = _c_descs(plan)
-    _C.cpu_copy(
-        layout.layer_ptrs().data_ptr(),
-        plan.num_layers,
-        ids.data_ptr(),
-        plan.num_ids,
-        buf.data_ptr(),
-        paged,
-        contig,
-        plan.row_bytes,
-        plan.mode,
-        op.c_direction,
-    )
+    _C.cpu_copy(layer_ptrs=layout.layer_ptrs().data_ptr(), **_c_copy_args(plan, ids.data_ptr(), buf.data_ptr(), op))
 
 
 def _execute(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path, ids_dev=None, staging=None) -> None:
@@ -643,18 +649,11 @@ def _run_cuda(op: Op, layout: KVLayout, ids, buf, plan: CopyPlan, max_ctas, path
         # (the C++ side declines, issuing nothing, when they average less than the rule's threshold), else staged.
         min_run = dma_min_run_bytes(layout.device, op, path, host, plan.num_ids)
         if min_run < DMA_NEVER and _C.cuda_copy_dma(
-            layout.layer_ptrs().data_ptr(),
-            plan.num_layers,
-            ids.data_ptr(),
-            plan.num_ids,
-            buf.data_ptr(),
-            host,
-            *_c_descs(plan),
-            plan.row_bytes,
-            plan.mode,
-            op.c_direction,
-            stream.cuda_stream,
-            min_run,
+            layer_ptrs_host=layout.layer_ptrs().data_ptr(),
+            contig_on_host=host,
+            stream=stream.cuda_stream,
+            min_run_bytes=min_run,
+            **_c_copy_args(plan, ids.data_ptr(), buf.data_ptr(), op),
         ):
             return
         if host and path != "kernel":
@@ -668,18 +667,11 @@ def _run_cuda(op: Op, layout: KVLayout, ids, buf, plan: CopyPlan, max_ctas, path
             # PCIe saturates with a few SMs; more would only take them from the model
             max_ctas = min(max_ctas, H2D_MAX_CTAS) if max_ctas else H2D_MAX_CTAS
         _C.cuda_copy(
-            layout.layer_ptrs().data_ptr(),
-            layout.layer_ptrs(layout.device).data_ptr(),
-            plan.num_layers,
-            ids_dev.data_ptr(),
-            plan.num_ids,
-            contig,
-            *_c_descs(plan),
-            plan.row_bytes,
-            plan.mode,
-            op.c_direction,
-            stream.cuda_stream,
-            max_ctas,
+            layer_ptrs_host=layout.layer_ptrs().data_ptr(),
+            layer_ptrs_dev=layout.layer_ptrs(layout.device).data_ptr(),
+            stream=stream.cuda_stream,
+            max_ctas=max_ctas,
+            **_c_copy_args(plan, ids_dev.data_ptr(), contig, op),
         )
 
 

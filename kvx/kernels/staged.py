@@ -221,16 +221,9 @@ class TransferBatch:
         buf = it.buf.narrow(0, 0, 1)
         plan = ops._plan(it.op, sub, buf, it.ids.numel())
         runs = _C.plan_runs(
-            sub.layer_ptrs().data_ptr(),
-            1,
-            it.ids.data_ptr(),
-            plan.num_ids,
-            buf.data_ptr(),
-            *ops._c_descs(plan),
-            plan.row_bytes,
-            plan.mode,
-            it.op.c_direction,
-            min_run,
+            layer_ptrs=sub.layer_ptrs().data_ptr(),
+            min_run_bytes=min_run,
+            **ops._c_copy_args(plan, it.ids.data_ptr(), buf.data_ptr(), it.op),
         )
         return runs is not None
 
@@ -380,16 +373,9 @@ class TransferBatch:
                 dsts, srcs, sizes = (
                     torch.from_numpy(a)
                     for a in _C.plan_runs(
-                        sub.layer_ptrs().data_ptr(),
-                        1,
-                        ids.data_ptr(),
-                        plan.num_ids,
-                        buf.data_ptr(),
-                        *ops._c_descs(plan),
-                        plan.row_bytes,
-                        plan.mode,
-                        it.op.c_direction,
-                        0,
+                        layer_ptrs=sub.layer_ptrs().data_ptr(),
+                        min_run_bytes=0,
+                        **ops._c_copy_args(plan, ids.data_ptr(), buf.data_ptr(), it.op),
                     )
                 )
                 h, d = (dsts, srcs) if self.gather else (srcs, dsts)
@@ -493,18 +479,12 @@ class TransferBatch:
         for k, g in enumerate(part.groups):
             if cuda:
                 launch = part.launches.get(k)
-                if launch is None:
+                if launch is None:  # the kernel's arguments, by name, but for the staging and ids' addresses
                     launch = part.launches[k] = self._launch_args(sub, part, g, staging)
-                head, tail = launch
-                _C.cuda_copy(
-                    *head,
-                    self._ids_dev.data_ptr() + 8 * g.ids_at,
-                    g.ids.numel(),
-                    staging.data_ptr() + g.offset,
-                    *tail,
-                    stream,
-                    0,  # on-device: the launch's own fill cap (the copy is short; more CTAs finish it sooner)
-                )
+                launch["ids"] = self._ids_dev.data_ptr() + 8 * g.ids_at
+                launch["contig"] = staging.data_ptr() + g.offset
+                # on-device: the launch's own fill cap (the copy is short; more CTAs finish it sooner)
+                _C.cuda_copy(stream=stream, max_ctas=0, **launch)
             else:
                 view = self._view(staging, part, g)
                 ops._execute(g.op, sub, g.ids, view, self.impl, 0, None)
@@ -525,12 +505,12 @@ class TransferBatch:
         usable = staging.numel() // item * item
         return staging[:usable].view(lay.dtype).as_strided(shape, strides, g.offset // item)
 
-    def _launch_args(self, sub: KVLayout, part: Part, g: _Group, staging: torch.Tensor) -> tuple:
+    def _launch_args(self, sub: KVLayout, part: Part, g: _Group, staging: torch.Tensor) -> dict:
         view = self._view(staging, part, g)
         plan = ops._plan(g.op, sub, view, g.ids.numel())
-        head = (sub.layer_ptrs().data_ptr(), sub.layer_ptrs(sub.device).data_ptr(), plan.num_layers)
-        tail = (*ops._c_descs(plan), plan.row_bytes, plan.mode, g.op.c_direction)
-        return head, tail
+        args = ops._c_copy_args(plan, 0, 0, g.op)
+        args.update(layer_ptrs_host=sub.layer_ptrs().data_ptr(), layer_ptrs_dev=sub.layer_ptrs(sub.device).data_ptr())
+        return args
 
 
 def _stream_of(device: torch.device, handle: int | None):
