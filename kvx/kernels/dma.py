@@ -83,13 +83,14 @@ class H2DCalibration:
     of the pieces' bytes to a device buffer + the copy kernel), for ``gather`` (device -> host) and ``scatter``
     (host -> device), and the thresholds :func:`choose_dma_min_bytes` drew from them.
 
-    ``dma_ms[d][k][i]`` / ``staged_ms[d][k][i]``: direction ``d`` (0 gather, 1 scatter), ``pieces[k]``, size ``i``.
+    ``dma_ms[d][k][i]`` / ``staged_ms[d][k][i]``: direction ``d`` (0 gather, 1 scatter), ``pieces[k]``, size
+    ``run_bytes[k][i]``.
     ``dma_min_bytes[d][k]``: DMA from this mean run size on (:data:`DMA_NEVER`: never).
     ``batched``: DMA went through ``cudaMemcpyBatchAsync`` (else one ``cudaMemcpyAsync`` per run).
     """
 
     device: torch.device
-    run_bytes: tuple[int, ...]
+    run_bytes: tuple[tuple[int, ...], ...]  # [k]: the sizes measured for pieces[k] (at most _CAL_MAX_BYTES a copy)
     pieces: tuple[int, ...]
     dma_ms: tuple[tuple[tuple[float, ...], ...], ...]
     staged_ms: tuple[tuple[tuple[float, ...], ...], ...]
@@ -181,6 +182,7 @@ def h2d_dma_min_bytes(
 
 
 _CAL_RUN_BYTES = tuple(4096 << k for k in range(8))  # 4 KiB .. 512 KiB
+_CAL_MAX_BYTES = 16 << 20  # bytes per timed copy: 16 pieces up to 512 KiB, 128 up to 128 KiB (DMA wins above)
 _CAL_REPEATS = 3
 _CALIBRATIONS: dict[torch.device, H2DCalibration] = {}
 _CAL_LOCK = threading.Lock()
@@ -189,11 +191,11 @@ _CAL_LOCK = threading.Lock()
 def calibrate_h2d(device: str | torch.device | None = None, *, force: bool = False) -> H2DCalibration:
     """Measure the DMA-or-staged threshold of host <-> device copies on ``device`` (cached per process).
 
-    Times, on a stream of its own, copies of 16 and 128 pieces of each size in 4 KiB .. 512 KiB between device
-    memory and pinned host memory, by DMA straight into the pieces and staged, in both directions, with CUDA
-    events; ~0.1 s, and it synchronizes its own stream. The ops call it on their first host <-> device copy with
-    ``path=None`` (unless ``KVX_H2D_DMA_MIN_BYTES`` is set); call it earlier to keep that out of the first copy.
-    ``force=True`` measures again.
+    Times, on a stream of its own, copies of 16 and 128 pieces of each size in 4 KiB .. 512 KiB (at most 16 MiB a
+    copy) between device memory and pinned host memory, by DMA straight into the pieces and staged, in both
+    directions, with CUDA events; ~0.1 s and 48 MiB of device memory (freed), and it synchronizes its own stream.
+    The ops call it on their first host <-> device copy with ``path=None`` (unless ``KVX_H2D_DMA_MIN_BYTES`` is
+    set); call it earlier to keep that out of the first copy. ``force=True`` measures again.
     """
     dev = _cuda_device(device)
     ext = _require_ext()
@@ -226,24 +228,24 @@ def _time_copy(fn, stream) -> float:
 
 
 def _measure_h2d(ext, dev: torch.device) -> H2DCalibration:
-    most = max(CAL_PIECES) * max(_CAL_RUN_BYTES)
+    sizes = tuple(tuple(b for b in _CAL_RUN_BYTES if n * b <= _CAL_MAX_BYTES) for n in CAL_PIECES)
     dma_ms = ([], [])
     staged_ms = ([], [])
     with torch.cuda.device(dev):
         stream = torch.cuda.Stream(dev)  # not the legacy default stream: DMA may batch, as on kvx's copy streams
         with torch.cuda.stream(stream):
             # pieces of b bytes: every other b-byte piece of `paged` (never adjacent), dense in `host` and `stage`
-            paged = torch.empty(2 * most, dtype=torch.uint8, device=dev)
-            stage = torch.empty(most, dtype=torch.uint8, device=dev)
-            host = torch.empty(most, dtype=torch.uint8, pin_memory=True)
+            paged = torch.empty(2 * _CAL_MAX_BYTES, dtype=torch.uint8, device=dev)
+            stage = torch.empty(_CAL_MAX_BYTES, dtype=torch.uint8, device=dev)
+            host = torch.empty(_CAL_MAX_BYTES, dtype=torch.uint8, pin_memory=True)
             ids = torch.arange(max(CAL_PIECES), dtype=torch.int64)
             ids_dev = ids.to(dev)
             layers = torch.tensor([paged.data_ptr()], dtype=torch.int64)
             layers_dev = layers.to(dev)
             for d, op in enumerate((Op.GATHER_BLOCKS, Op.SCATTER_BLOCKS)):
-                for n in CAL_PIECES:
+                for n, run_bytes in zip(CAL_PIECES, sizes):
                     row_dma, row_staged = [], []
-                    for b in _CAL_RUN_BYTES:
+                    for b in run_bytes:
                         pd = ext.PagedDesc(
                             plane_stride=0,
                             block_stride=2 * b,
@@ -255,16 +257,36 @@ def _measure_h2d(ext, dev: torch.device) -> H2DCalibration:
                             num_heads=1,
                         )
                         cd = ext.ContigDesc(layer_stride=n * b, plane_stride=0, token_stride=b, head_stride=b)
-                        args = (pd, cd, b, op.c_mode, op.c_direction, stream.cuda_stream)
+                        shared = dict(
+                            num_layers=1,
+                            num_ids=n,
+                            paged=pd,
+                            contig_strides=cd,
+                            row_bytes=b,
+                            mode=op.c_mode,
+                            direction=op.c_direction,
+                            stream=stream.cuda_stream,
+                        )
 
-                        def dma(n=n, args=args):
-                            ext.cuda_copy_dma(layers.data_ptr(), 1, ids.data_ptr(), n, host.data_ptr(), True, *args, 0)
+                        def dma(shared=shared):
+                            ext.cuda_copy_dma(
+                                layer_ptrs_host=layers.data_ptr(),
+                                ids=ids.data_ptr(),
+                                contig=host.data_ptr(),
+                                contig_on_host=True,
+                                min_run_bytes=0,
+                                **shared,
+                            )
 
-                        def kernel(n=n, args=args):
+                        def kernel(shared=shared):
                             ext.cuda_copy(
-                                layers.data_ptr(), layers_dev.data_ptr(), 1, ids_dev.data_ptr(), n, stage.data_ptr(),
-                                *args, 0,
-                            )  # fmt: skip
+                                layer_ptrs_host=layers.data_ptr(),
+                                layer_ptrs_dev=layers_dev.data_ptr(),
+                                ids=ids_dev.data_ptr(),
+                                contig=stage.data_ptr(),
+                                max_ctas=0,
+                                **shared,
+                            )
 
                         def staged(n=n, b=b, kernel=kernel, gather=op.gather):
                             flat_h, flat_d = host[: n * b], stage[: n * b]
@@ -280,12 +302,12 @@ def _measure_h2d(ext, dev: torch.device) -> H2DCalibration:
                     dma_ms[d].append(tuple(row_dma))
                     staged_ms[d].append(tuple(row_staged))
     thresholds = tuple(
-        tuple(choose_dma_min_bytes(_CAL_RUN_BYTES, staged_ms[d][k], dma_ms[d][k]) for k in range(len(CAL_PIECES)))
+        tuple(choose_dma_min_bytes(sizes[k], staged_ms[d][k], dma_ms[d][k]) for k in range(len(CAL_PIECES)))
         for d in range(2)
     )
     return H2DCalibration(
         dev,
-        _CAL_RUN_BYTES,
+        sizes,
         CAL_PIECES,
         (tuple(dma_ms[0]), tuple(dma_ms[1])),
         (tuple(staged_ms[0]), tuple(staged_ms[1])),

@@ -1329,7 +1329,7 @@ def _calibration_md(cal) -> list[str]:
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for k, n in enumerate(cal.pieces):
-        for i, b in enumerate(cal.run_bytes):
+        for i, b in enumerate(cal.run_bytes[k]):
             lines.append(
                 f"| {n} | {_fmt_bytes(b)} | {cal.staged_ms[0][k][i]:.4f} | {cal.dma_ms[0][k][i]:.4f} | "
                 f"{cal.staged_ms[1][k][i]:.4f} | {cal.dma_ms[1][k][i]:.4f} |"

@@ -289,10 +289,12 @@ def test_calibration_is_sane(monkeypatch):
     monkeypatch.delenv(h2d.H2D_ENV, raising=False)
     cal = h2d.calibrate_h2d()
     assert cal.device == torch.device("cuda", torch.cuda.current_device())
-    sizes = list(cal.run_bytes)
-    assert sizes == [4 * KiB << k for k in range(8)] and cal.pieces == h2d.CAL_PIECES
+    assert cal.pieces == h2d.CAL_PIECES == (16, 128)
+    assert list(cal.run_bytes[0]) == [4 * KiB << k for k in range(8)]  # 16 pieces: 4 KiB .. 512 KiB
+    assert list(cal.run_bytes[1]) == [4 * KiB << k for k in range(6)]  # 128 pieces: up to 16 MiB a copy
     for d in (0, 1):
         for k in range(len(cal.pieces)):
+            sizes = list(cal.run_bytes[k])
             for ts in (cal.staged_ms[d][k], cal.dma_ms[d][k]):
                 assert len(ts) == len(sizes) and all(math.isfinite(t) and 0 < t < 1000 for t in ts)
             assert cal.dma_min_bytes[d][k] in set(sizes) | {h2d.DMA_NEVER}
