@@ -225,35 +225,48 @@ def _as_ids(name: str, ids) -> torch.Tensor:
     return t.to(torch.int64)
 
 
+_SMALL_IDS = 4096  # id lists up to this long are checked as Python ints (a step's chunks: ~10x faster than torch ops)
+
+
 def _check_ids(name: str, ids: torch.Tensor, op: Op, layout: KVLayout) -> None:
-    if ids.numel() == 0:
+    n = ids.numel()
+    if n == 0:
         return
+    small = ids.tolist() if n <= _SMALL_IDS else None
     if op.slots:
         limit = layout.num_blocks * layout.block_size
-        hi = int(ids.max())
+        hi = max(small) if small is not None else int(ids.max())
         if hi >= limit:
             raise ValueError(
                 f"{name}: expected slot ids in [0, {limit}) or negative for padding "
                 f"({layout.num_blocks} blocks x {layout.block_size} tokens), got max {hi}"
             )
         if not op.gather:
-            valid = ids[ids >= 0]
-            if valid.unique().numel() != valid.numel():
+            if small is not None:
+                valid = [s for s in small if s >= 0]
+                distinct = len(set(valid)) == len(valid)
+            else:
+                valid = ids[ids >= 0]
+                distinct = valid.unique().numel() == valid.numel()
+            if not distinct:
                 raise ValueError(
                     f"{name}: expected distinct slot ids for a scatter (two rows would write the "
                     "same slot), got duplicates"
                 )
         return
-    lo, hi = int(ids.min()), int(ids.max())
+    lo, hi = (min(small), max(small)) if small is not None else (int(ids.min()), int(ids.max()))
     if lo < 0 or hi >= layout.num_blocks:
         raise ValueError(
             f"{name}: expected block ids in [0, {layout.num_blocks}), got "
             f"{'min ' + str(lo) if lo < 0 else 'max ' + str(hi)}"
         )
-    if not op.gather and ids.unique().numel() != ids.numel():
-        raise ValueError(
-            f"{name}: expected distinct block ids for a scatter (two chunks would write the same block), got duplicates"
-        )
+    if not op.gather:
+        distinct = len(set(small)) == n if small is not None else ids.unique().numel() == n
+        if not distinct:
+            raise ValueError(
+                f"{name}: expected distinct block ids for a scatter (two chunks would write the same block), "
+                "got duplicates"
+            )
 
 
 def _check_buffer(arg: str, buf: torch.Tensor, op: Op, layout: KVLayout, n: int) -> None:

@@ -95,6 +95,8 @@ class _Spec:
     host_ls: torch.Tensor | None = None  # [n] int64: each run's host layer stride (its buffer's)
     dev: torch.Tensor | None = None  # [n] int64: device-side offsets of layer 0's runs
     size: torch.Tensor | None = None  # [n] int64
+    host_all: torch.Tensor | None = None  # [L, n] int64: every layer's host addresses (made once, when first asked)
+    dev_all: torch.Tensor | None = None  # [L, n] int64: path "dma": every layer's block addresses
 
 
 @dataclasses.dataclass(slots=True)
@@ -244,16 +246,17 @@ class TransferBatch:
         self.resolve_path()
         per_layer = sum(it.id_bytes * it.ids.numel() for it in self._items)
         specs: dict[tuple, _Spec] = {}
+        whole = self._pieces_all()
 
         def part(a: int, b: int, pieces: list[tuple[int, int, int]]) -> Part:
             key = tuple(pieces)
-            if key not in specs:
-                specs[key] = self._spec(pieces)
-            spec = specs[key]
+            spec = specs.get(key)
+            if spec is None:
+                spec = specs[key] = self._spec(pieces)
             return Part(a, b, spec.layer_bytes * (b - a), spec, self._runs(spec, a, b))
 
         if self.path != "staged":
-            parts = [part(a, b, self._pieces_all()) for a, b in ranges]
+            parts = [part(a, b, whole) for a, b in ranges]
         else:
             if capacity is None:
                 raise ValueError("capacity: expected the staging buffer's bytes for path 'staged', got None")
@@ -268,7 +271,7 @@ class TransferBatch:
                 layers = min(b - a, capacity // per_layer)
                 if layers >= 1:
                     for s in range(a, b, layers):
-                        parts.append(part(s, min(b, s + layers), self._pieces_all()))
+                        parts.append(part(s, min(b, s + layers), whole))
                     continue
                 for pieces in self._split(capacity):
                     for layer in range(a, b):
@@ -344,18 +347,22 @@ class TransferBatch:
             for i, lo, hi in g.pieces:
                 it = self._items[i]
                 n = (hi - lo) * it.unit
+                layer_stride = it.buf.stride(0) * it.buf.element_size()
                 for a, b in _valid_spans(it, lo, hi):  # entries [a, b) of the piece (padding slots skipped)
                     win = it.buf[0].narrow(1, lo * it.unit + a, b - a)  # [P, b-a, H, D] or [S, b-a, seg]
                     for p in range(planes):
                         h, s, z = _window_runs(win[p], eb, g.offset + (p * g.entries + at + a) * eb)
-                        host.append(h)
-                        stage.append(s)
-                        size.append(z)
-                        ls.append(torch.full_like(h, it.buf.stride(0) * it.buf.element_size()))
+                        host += h
+                        stage += s
+                        size += z
+                        ls += [layer_stride] * len(h)
                 at += n
         if host:
             spec.host, spec.dev, spec.size, spec.host_ls = _merge_runs(
-                torch.cat(host), torch.cat(stage), torch.cat(size), torch.cat(ls)
+                torch.tensor(host, dtype=torch.int64),
+                torch.tensor(stage, dtype=torch.int64),
+                torch.tensor(size, dtype=torch.int64),
+                torch.tensor(ls, dtype=torch.int64),
             )
 
     def _direct_template(self, spec: _Spec) -> None:
@@ -393,20 +400,29 @@ class TransferBatch:
 
     def _runs(self, spec: _Spec, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Layers ``[a, b)`` of ``spec``'s run template: ``(dsts, srcs, sizes)`` in the batch's direction (staged: the
-        staging side as offsets from the buffer)."""
+        staging side as offsets from the buffer). Every layer's host side is computed once per spec (one tensor op
+        for the whole batch); a part's runs are views of it."""
         if self.path == "kernel":
             return None
         if spec.host is None:
             e = torch.empty(0, dtype=torch.int64)
             return e, e, e
-        layers = torch.arange(a, b, dtype=torch.int64)[:, None]
-        host = (spec.host[None, :] + layers * spec.host_ls[None, :]).reshape(-1)
-        if self.path == "staged":
-            dev = (spec.dev[None, :] + (layers - a) * spec.layer_bytes).reshape(-1)
+        if spec.host_all is None:
+            layers = torch.arange(self.layout.num_layers, dtype=torch.int64)[:, None]
+            spec.host_all = spec.host[None, :] + layers * spec.host_ls[None, :]  # [L, n]
+            if self.path == "dma":
+                spec.dev_all = spec.dev[None, :] + self.layout.layer_ptrs()[:, None]  # [L, n]
+        if b - a == 1:  # a layer-wise part: rows of the matrices, no new tensor
+            host = spec.host_all[a]
+            dev = spec.dev_all[a] if self.path == "dma" else spec.dev
+            return (host, dev, spec.size) if self.gather else (dev, host, spec.size)
+        host = spec.host_all[a:b].reshape(-1)
+        if self.path == "dma":
+            dev = spec.dev_all[a:b].reshape(-1)
         else:
-            bases = self.layout.layer_ptrs()[a:b, None]
-            dev = (spec.dev[None, :] + bases).reshape(-1)
-        size = spec.size.repeat(b - a)
+            layers = torch.arange(b - a, dtype=torch.int64)[:, None]
+            dev = (spec.dev[None, :] + layers * spec.layer_bytes).reshape(-1)
+        size = spec.size if b - a == 1 else spec.size.repeat(b - a)
         return (host, dev, size) if self.gather else (dev, host, size)
 
     # ------------------------------------------------------------------ running
@@ -550,35 +566,31 @@ def _valid_spans(it: _Item, lo: int, hi: int) -> list[tuple[int, int]]:
     return spans
 
 
-def _window_runs(
-    win: torch.Tensor, entry_bytes: int, stage_off: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _window_runs(win: torch.Tensor, entry_bytes: int, stage_off: int) -> tuple[list[int], list[int], list[int]]:
     """Runs between one plane's window of a host buffer, ``win`` (``[n, H, D]`` or ``[n, seg]``, rows dense), and
-    its staging region at ``stage_off`` (``n`` entries of ``entry_bytes``, dense): one run when the window is dense,
-    else one per entry when each entry is, else one per row."""
+    its staging region at ``stage_off`` (``n`` entries of ``entry_bytes``, dense), as lists of ints (host address,
+    staging offset, bytes): one run when the window is dense, else one per entry when each entry is, else one per
+    row."""
     n = win.shape[0]
+    if n == 0:
+        return [], [], []
     item = win.element_size()
     st = [s * item for s in win.stride()]
     row = win.shape[-1] * item
     ptr = win.data_ptr()
-    if n == 0:
-        e = torch.empty(0, dtype=torch.int64)
-        return e, e, e
     dense_entry = win.dim() == 2 or win.shape[1] == 1 or st[1] == row
     if dense_entry and (n == 1 or st[0] == entry_bytes):
-        return (
-            torch.tensor([ptr], dtype=torch.int64),
-            torch.tensor([stage_off], dtype=torch.int64),
-            torch.tensor([n * entry_bytes], dtype=torch.int64),
-        )
-    t = torch.arange(n, dtype=torch.int64)
+        return [ptr], [stage_off], [n * entry_bytes]
     if dense_entry:
-        return ptr + t * st[0], stage_off + t * entry_bytes, torch.full((n,), entry_bytes, dtype=torch.int64)
+        return (
+            [ptr + t * st[0] for t in range(n)],
+            [stage_off + t * entry_bytes for t in range(n)],
+            [entry_bytes] * n,
+        )
     heads = win.shape[1]
-    h = torch.arange(heads, dtype=torch.int64)
-    host = (ptr + t[:, None] * st[0] + h[None, :] * st[1]).reshape(-1)
-    stage = (stage_off + t[:, None] * entry_bytes + h[None, :] * row).reshape(-1)
-    return host, stage, torch.full((n * heads,), row, dtype=torch.int64)
+    host = [ptr + t * st[0] + h * st[1] for t in range(n) for h in range(heads)]
+    stage = [stage_off + t * entry_bytes + h * row for t in range(n) for h in range(heads)]
+    return host, stage, [row] * (n * heads)
 
 
 def _merge_runs(
