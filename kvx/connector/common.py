@@ -40,8 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import KVXConfig
+from .config import ConfigError, KVXConfig
 from .keys import namespace_digest
+
+DEFAULT_CHUNK_TOKENS = 256  # chunk_size left unset: the smallest multiple of the engine's block size at least this
 
 
 class UnsupportedModelError(ValueError):
@@ -304,6 +306,28 @@ def namespace(vllm_config, geom: EngineGeometry, fingerprint: str) -> bytes:
         pp=int(pc.pipeline_parallel_size),
         **more,
     )
+
+
+def resolve_chunk_size(config: KVXConfig, geom: EngineGeometry) -> tuple[KVXConfig, bool]:
+    """``config`` with the chunk size this engine uses, and whether kvx chose it: a ``chunk_size`` the user set must
+    be a multiple of vLLM's block size (for a hybrid model, equal to it: its recurrent state exists only at block
+    ends, :mod:`.common`), else :class:`~.config.ConfigError` naming both; left unset, it follows the engine: the
+    block size for a hybrid model, else the smallest multiple of the block size of at least
+    :data:`DEFAULT_CHUNK_TOKENS` tokens (vLLM picks the block size itself for hybrids: 384 for some). Every process
+    of an engine derives the same value from the same geometry."""
+    block = geom.block_size
+    if "chunk_size" not in config.model_fields_set:
+        chunk = block if geom.hybrid else -(-DEFAULT_CHUNK_TOKENS // block) * block
+        return config.model_copy(update={"chunk_size": chunk}), True
+    if config.chunk_size % block:
+        raise ConfigError(f"chunk_size: expected a multiple of vLLM's block size {block}, got {config.chunk_size}")
+    if geom.hybrid and config.chunk_size != block:
+        raise ConfigError(
+            f"chunk_size: this hybrid model keeps its recurrent state only at multiples of vLLM's block size "
+            f"(mamba_cache_mode 'align'), so chunks must end there: expected chunk_size {block}, got "
+            f"{config.chunk_size}"
+        )
+    return config, False
 
 
 def object_rows(geom: EngineGeometry, tokens: int, state: bool = False) -> int:

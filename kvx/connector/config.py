@@ -48,7 +48,12 @@ def _parse_tier(raw: Any) -> Any:
 class KVXConfig(StrictConfig):
     """Validated ``kv_connector_extra_config`` of :class:`kvx.connector.KVXConnector`."""
 
-    chunk_size: int = Field(default=256, gt=0, description="tokens per chunk; a multiple of vLLM's block size")
+    chunk_size: int = Field(
+        default=256,
+        gt=0,
+        description="tokens per chunk; a multiple of vLLM's block size (a hybrid model's: equal to it); unset: the "
+        "smallest multiple of the engine's block size of at least 256 (kvx.connector.common.resolve_chunk_size)",
+    )
     tiers: list[TierConfig] = Field(
         default_factory=lambda: [CPUTierConfig(type="cpu", size=4 * 2**30)],
         min_length=1,

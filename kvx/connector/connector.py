@@ -33,11 +33,13 @@ from ..engine import copy_queue_mode
 from ..kernels import ops
 from ..log import attach_to_vllm, get_logger
 from .common import (
+    DEFAULT_CHUNK_TOKENS,
     chunk_format,
     engine_geometry,
     format_fingerprint,
     hma_unsupported_reason,
     namespace,
+    resolve_chunk_size,
     shard_count,
     worker_shard,
 )
@@ -119,15 +121,14 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
             )
             return
         geom = engine_geometry(vllm_config, kv_cache_config)
-        if self.config.chunk_size % geom.block_size:
-            raise ConfigError(
-                f"chunk_size: expected a multiple of vLLM's block size {geom.block_size}, got {self.config.chunk_size}"
-            )
-        if geom.hybrid and self.config.chunk_size != geom.block_size:
-            raise ConfigError(
-                f"chunk_size: this hybrid model keeps its recurrent state only at multiples of vLLM's block size "
-                f"(mamba_cache_mode 'align'), so chunks must end there: expected chunk_size {geom.block_size}, got "
-                f"{self.config.chunk_size}"
+        self.config, chosen = resolve_chunk_size(self.config, geom)
+        if chosen and role == KVConnectorRole.SCHEDULER:  # once per engine (every process derives the same)
+            log.info(
+                "kvx: chunk_size not set: %d tokens, the smallest multiple of vLLM's block size %d of at least %d%s",
+                self.config.chunk_size,
+                geom.block_size,
+                DEFAULT_CHUNK_TOKENS,
+                " (a hybrid model: its block size)" if geom.hybrid else "",
             )
         self._state_layers = {n for g in geom.state_groups for n in kv_cache_config.kv_cache_groups[g].layer_names}
         self.geom = geom

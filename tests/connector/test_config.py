@@ -5,6 +5,7 @@ import json
 import re
 
 import pytest
+import torch
 
 import kvx.connector.config as C
 
@@ -442,3 +443,45 @@ def test_bad_environment_fails_the_early_config_check(monkeypatch, var, value, e
     monkeypatch.setenv(var, value)
     with pytest.raises(ConfigError, match=expected):
         KVXConnector.check_config(ktc)
+
+
+# ---------------------------------------------------------------- the chunk size an engine uses
+def _geom(block_size: int, hybrid: bool = False):
+    from kvx.connector.common import EngineGeometry
+
+    return EngineGeometry(
+        block_size=block_size,
+        num_layers=2,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.bfloat16,
+        use_mla=False,
+        opaque=False,
+        isa="",
+        page_bytes=1,
+        num_groups=2 if hybrid else 1,
+        group_kinds=("full", "state") if hybrid else (),
+    )
+
+
+@pytest.mark.parametrize(
+    "block, hybrid, chunk",
+    [(16, False, 256), (128, False, 256), (160, False, 320), (384, False, 384), (384, True, 384), (128, True, 128)],
+)
+def test_chunk_size_left_unset_follows_the_engine(block, hybrid, chunk):
+    """Unset: the smallest multiple of vLLM's block size of at least 256 tokens; a hybrid model's block size."""
+    from kvx.connector.common import resolve_chunk_size
+
+    cfg, chosen = resolve_chunk_size(KVXConfig.from_extra_config({}), _geom(block, hybrid))
+    assert (cfg.chunk_size, chosen) == (chunk, True)
+
+
+def test_a_chunk_size_set_must_fit_the_engine():
+    from kvx.connector.common import resolve_chunk_size
+
+    cfg, chosen = resolve_chunk_size(KVXConfig.from_extra_config({"chunk_size": 512}), _geom(128))
+    assert (cfg.chunk_size, chosen) == (512, False)
+    with pytest.raises(ConfigError, match="chunk_size: expected a multiple of vLLM's block size 384, got 256"):
+        resolve_chunk_size(KVXConfig.from_extra_config({"chunk_size": 256}), _geom(384))
+    with pytest.raises(ConfigError, match="chunk_size: this hybrid model .* expected chunk_size 384, got 768"):
+        resolve_chunk_size(KVXConfig.from_extra_config({"chunk_size": 768}), _geom(384, hybrid=True))

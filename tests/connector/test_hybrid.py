@@ -141,6 +141,24 @@ def test_chunk_size_must_be_the_block_size(make, store_dir):
         make(tiers(store_dir))
 
 
+def test_chunk_size_left_unset_follows_the_block_size(make, store_dir):
+    """kvx's defaults on a hybrid model: the chunk is vLLM's block size (kvx's 256 would not fit a block vLLM
+    raised to 384 or, here, 128), and the model saves and hits."""
+    extra = hybrid(store_dir)
+    del extra["chunk_size"]
+    env = make(extra)
+    assert env.conn.config.chunk_size == BLOCK
+    ids = prompt(1000, seed=21)
+    env.request("a", ids)
+    env.run()
+    env.sched.reset_prefix_cache()
+    env.request("b", ids)
+    env.step()
+    assert env.sched.requests["b"].num_computed_tokens == 7 * BLOCK
+    env.run()
+    assert "b" in env.finished_recving and not env.recving_failed
+
+
 def test_canonical_format_is_refused(make, store_dir):
     from kvx.connector.common import UnsupportedModelError
 

