@@ -501,9 +501,11 @@ class TransferBatch:
                 launch["contig"] = staging.data_ptr() + g.offset
                 # on-device: the launch's own fill cap (the copy is short; more CTAs finish it sooner)
                 _C.cuda_copy(stream=stream, max_ctas=0, **launch)
+            elif lay.device.type == "cuda":  # another CUDA impl (triton): on the job's stream, as the kernel is
+                with torch.cuda.stream(_stream_of(lay.device, stream)):
+                    ops._execute(g.op, sub, g.ids, self._view(staging, part, g), self.impl, 0, None)
             else:
-                view = self._view(staging, part, g)
-                ops._execute(g.op, sub, g.ids, view, self.impl, 0, None)
+                ops._execute(g.op, sub, g.ids, self._view(staging, part, g), self.impl, 0, None)
 
     def _view(self, staging: torch.Tensor, part: Part, g: _Group) -> torch.Tensor:
         """The group's region of ``staging``, as the op's contiguous side for layers ``[start, end)``."""
