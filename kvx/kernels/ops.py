@@ -445,13 +445,7 @@ def _run(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path, staging=None)
     if staging is not None:
         if path not in (None, "staged"):
             raise ValueError(f"staging: only path 'staged' (or None) uses a staging buffer, got path {path!r}")
-        if not isinstance(staging, torch.Tensor):
-            raise TypeError(f"staging: expected a uint8 tensor on {layout.device}, got {type(staging).__name__}")
-        if staging.dtype != torch.uint8 or staging.device != layout.device or not staging.is_contiguous():
-            raise ValueError(
-                f"staging: expected a contiguous uint8 tensor on {layout.device}, got {staging.dtype} on "
-                f"{staging.device}{'' if staging.is_contiguous() else ' (not contiguous)'}"
-            )
+        check_staging(staging, layout.device)
     ids, buf, impl = _check(op, layout, ids, buf, impl, max_ctas, path)
     if not ids.numel():
         return buf
@@ -460,6 +454,31 @@ def _run(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path, staging=None)
     else:
         _execute(op, layout, ids, buf, impl, max_ctas, path, staging=staging)
     return buf
+
+
+def check_staging(staging, device: torch.device, nbytes: int = 0) -> None:
+    """A staging buffer as the host <-> device paths take one: a contiguous uint8 tensor on the cache's ``device``
+    of at least ``nbytes`` bytes; TypeError / ValueError naming ``staging`` otherwise."""
+    if not isinstance(staging, torch.Tensor):
+        raise TypeError(f"staging: expected a uint8 tensor on {device}, got {type(staging).__name__}")
+    if staging.dtype != torch.uint8 or staging.device != device or not staging.is_contiguous():
+        raise ValueError(
+            f"staging: expected a contiguous uint8 tensor on {device}, got {staging.dtype} on "
+            f"{staging.device}{'' if staging.is_contiguous() else ' (not contiguous)'}"
+        )
+    if staging.numel() < nbytes:
+        raise ValueError(f"staging: expected at least {nbytes} bytes for this part, got {staging.numel()}")
+
+
+def as_op(op: str | Op, buf) -> Op:
+    """``op`` (an op's name or :class:`Op`) for a batch's ``add``, with its buffer present; errors name both."""
+    try:
+        op = Op(op)
+    except ValueError:
+        raise ValueError(f"op: expected one of {tuple(o.value for o in Op)}, got {op!r}") from None
+    if buf is None:
+        raise TypeError(f"{'out' if op.gather else 'src'}: expected a tensor, got None")
+    return op
 
 
 def staging_bytes(layout: KVLayout, op: str | Op, num_ids: int) -> int:
@@ -549,12 +568,7 @@ class CopyBatch:
         return len(self._items)
 
     def add(self, op: str | Op, ids, buf: torch.Tensor) -> None:
-        try:
-            op = Op(op)
-        except ValueError:
-            raise ValueError(f"op: expected one of {tuple(o.value for o in Op)}, got {op!r}") from None
-        if buf is None:
-            raise TypeError(f"{'out' if op.gather else 'src'}: expected a tensor, got None")
+        op = as_op(op, buf)
         ids, buf, impl = _check(op, self.layout, ids, buf, self._impl, self._max_ctas, self._path)
         self.add_checked(op, ids, buf, impl)
 

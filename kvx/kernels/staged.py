@@ -165,12 +165,7 @@ class TransferBatch:
         return self.path == "staged"
 
     def add(self, op: str | Op, ids, buf: torch.Tensor) -> None:
-        try:
-            op = Op(op)
-        except ValueError:
-            raise ValueError(f"op: expected one of {tuple(o.value for o in Op)}, got {op!r}") from None
-        if buf is None:
-            raise TypeError(f"{'out' if op.gather else 'src'}: expected a tensor, got None")
+        op = ops.as_op(op, buf)
         lay = self.layout
         ids, buf, impl = ops._check(op, lay, ids, buf, self._impl, self._max_ctas, None)
         arg = "out" if op.gather else "src"
@@ -539,15 +534,7 @@ def _stream_of(device: torch.device, handle: int | None):
 
 
 def _check_staging(staging: torch.Tensor | None, part: Part, layout: KVLayout) -> None:
-    if not isinstance(staging, torch.Tensor):
-        raise TypeError(f"staging: expected a uint8 tensor on {layout.device}, got {type(staging).__name__}")
-    if staging.dtype != torch.uint8 or staging.device != layout.device or not staging.is_contiguous():
-        raise ValueError(
-            f"staging: expected a contiguous uint8 tensor on {layout.device}, got {staging.dtype} on "
-            f"{staging.device}{'' if staging.is_contiguous() else ' (not contiguous)'}"
-        )
-    if staging.numel() < part.nbytes:
-        raise ValueError(f"staging: expected at least {part.nbytes} bytes for this part, got {staging.numel()}")
+    ops.check_staging(staging, layout.device, part.nbytes)
     if staging.data_ptr() % 16:
         raise ValueError(f"staging: expected a 16-byte aligned buffer, got address {staging.data_ptr():#x}")
 

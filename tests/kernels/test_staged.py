@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from kvx.kernels import ops
-from kvx.kernels.layout import KVLayout
 from kvx.kernels.staged import TransferBatch
-from kvx.testing import make_kv_caches, random_fill_
+from kvx.testing import random_fill_
 from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
 
-from .conftest import impl_or_skip
+from .conftest import impl_or_skip, two_layouts
 
 IMPLS = ["cpu", "cuda_sim", "reference"]  # the reshape's implementation on CPU
 DTYPES = [torch.bfloat16, torch.float8_e4m3fn, torch.uint8]
@@ -26,17 +25,16 @@ PATHS = ["staged", "dma", "kernel", "auto"]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none present)")
 
 
-def _caches(name, dtype, seed, device="cpu", layers=3, blocks=12, block_size=16):
+def _caches(name, dtype, seed, device="cpu", layers=3):
+    """Two identical small caches (under test, reference): odd head sizes, 12 blocks of 16 tokens."""
     geom = dict(
         num_layers=layers,
-        num_blocks=blocks,
-        block_size=block_size,
+        num_blocks=12,
+        block_size=16,
         num_heads=1 if name == "mla" else 2,
         head_size=40 if name == "mla" else 5,
     )
-    a = make_kv_caches(name, **geom, dtype=dtype, device=device, generator=torch.Generator().manual_seed(seed))
-    b = make_kv_caches(name, **geom, dtype=dtype, device=device, generator=torch.Generator().manual_seed(seed))
-    return KVLayout.from_tensors(a, name), KVLayout.from_tensors(b, name)
+    return two_layouts(name, geom, dtype, False, seed, device=device)
 
 
 def _copies(lay, g, pinned=False):
