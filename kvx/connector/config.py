@@ -123,7 +123,8 @@ class KVXConfig(StrictConfig):
         ge=4096,
         description="CUDA: device memory for the staging buffers (two per direction), e.g. '64MiB'; taken after "
         "vLLM sized its KV cache, from what gpu_memory_utilization leaves free; a layer's copies larger than one "
-        "buffer (a quarter) are split",
+        "buffer (a quarter) are split. 64 MiB: a pinned copy reaches 97% of PCIe from 8 MiB (H100), so 16 MiB "
+        "buffers keep each DMA at line rate",
     )
     max_write_backlog: int = Field(
         default=2**30,
