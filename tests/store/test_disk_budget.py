@@ -57,7 +57,7 @@ class Store:
         (or the failure), before the reservation ends."""
         final = chunk_file(self.path, key)
         r = self.budget.reserve(key, size, final)
-        tmp = temp_name(final, key)
+        tmp = temp_name(final)
         _LIVE_TMP.add(tmp)
         self.budget.track(r, tmp)
         ok = False

@@ -87,9 +87,9 @@ def test_names_the_tier_writes_are_the_ones_the_survey_knows(tmp_path):
     key = "0123456789abcdef" * 2
     final = chunk_file(str(tmp_path), key)
     assert final == os.path.join(str(tmp_path), "01", key + ".safetensors")
-    tmp = temp_name(final, key)
+    tmp = temp_name(final)
     assert os.path.dirname(tmp) == os.path.dirname(final) and is_temp_name(os.path.basename(tmp))
-    assert tmp != temp_name(final, key)  # two writers of one key never share a temporary file
+    assert tmp != temp_name(final)  # two writers of one key never share a temporary file
     now = time.time()
     _LIVE_TMP.add(tmp)
     try:
@@ -98,6 +98,20 @@ def test_names_the_tier_writes_are_the_ones_the_survey_knows(tmp_path):
         _LIVE_TMP.discard(tmp)
     stale, reason = classify_temp(tmp, os.path.basename(tmp), now, now)  # this pid, not being written: a leftover
     assert stale and reason == f"left by an earlier process with pid {os.getpid()}"
+
+
+def test_a_sealed_chunks_name_carries_its_key_id(tmp_path):
+    key, kid = "0123456789abcdef" * 2, "fedcba9876543210"
+    final = chunk_file(str(tmp_path), key, kid)
+    assert final == os.path.join(str(tmp_path), "01", f"{key}-{kid}.safetensors")
+    tmp = temp_name(final)
+    assert os.path.basename(tmp).startswith(f".{key}-{kid}.{_HOST}.{os.getpid()}.")
+    write(final, 10)
+    write(chunk_file(str(tmp_path), key), 20)  # the same chunk in the clear: another file
+    got = sorted((c.key, c.kid, c.bytes) for c in survey(str(tmp_path)).chunks)
+    assert got == [(key, "", 20), (key, kid, 10)]
+    stale, reason = classify_temp(tmp, os.path.basename(tmp), time.time(), time.time())
+    assert stale and "earlier process" in reason  # a sealed chunk's temporary file is judged as any other
 
 
 def test_survey_of_a_missing_directory_is_empty(tmp_path):

@@ -1,7 +1,10 @@
 """Disk tier: one safetensors file per chunk, safe to share between engines on one path.
 
 Layout: ``<path>/<key[:2]>/<key>.safetensors`` holding one tensor ``"kv"`` (the chunk) and metadata
-``{"kvx_format", "key", "fingerprint", "length", "crc32c", ...}`` (:mod:`kvx.store.codec`). Reads check
+``{"kvx_format", "key", "fingerprint", "length", "crc32c", ...}`` (:mod:`kvx.store.codec`). A sealed chunk
+(``encryption``, :mod:`kvx.store.seal`) is ``<key>-<kid>.safetensors``: its name carries the key id of the
+secret that sealed it, and a sealed tier looks up only the names of the secrets it holds (another tenant's
+chunk is a miss at lookup; tenants with different secrets each keep their own copy). Reads check
 the format version, key, fingerprint, dtype/shape and the checksum of the bytes; any mismatch is a
 :class:`ChunkError` (the connector reports it to vLLM, which recomputes). A corrupt file (unreadable, bad
 checksum, wrong key inside) is deleted, so the recomputed chunk is saved again rather than failing on every

@@ -1,8 +1,11 @@
 """What is in a disk store's directory (:func:`survey`): chunk files, and temporary files sorted into writes
 in flight and leftovers of dead writers; the names kvx gives both.
 
-Names. A chunk file is ``<path>/<key[:2]>/<key>.safetensors``; a write goes to the temporary file
-``.<key>.<host>.<pid>.<random>.tmp`` next to it (:func:`temp_name`), renamed into place when complete.
+Names. A chunk file is ``<path>/<key[:2]>/<key>.safetensors``, or ``<key>-<kid>.safetensors`` when sealed
+(:mod:`kvx.store.seal`; ``kid``: the key id of the secret that sealed it, so tenants with different secrets
+never share a file name, and a tier looks up only the names of the secrets it holds). A write goes to the
+temporary file ``.<key>[-<kid>].<host>.<pid>.<random>.tmp`` next to it (:func:`temp_name`), renamed into
+place when complete.
 
 Temporary files (the rule of :func:`survey`):
 
@@ -33,12 +36,15 @@ _TMP_MAX_AGE_S = 3600.0  # a write takes milliseconds: a temporary file this old
 
 @dataclass(frozen=True)
 class ChunkInfo:
-    """A chunk file: its key, path, size and mtime (the LRU clock: a read or a repeated put touches it)."""
+    """A chunk file: its key, path, size and mtime (the LRU clock: a read or a repeated put touches it), and
+    the key id of the secret that sealed it, from its name ("": in the clear, or sealed by a kvx that did
+    not name files by key id)."""
 
     key: str
     path: str
     bytes: int
     mtime: float
+    kid: str = ""
 
 
 @dataclass(frozen=True)
@@ -86,15 +92,23 @@ _HOST = _host_tag()
 _LIVE_TMP: set[str] = set()
 
 
-def chunk_file(root: str, key: str) -> str:
-    """Where chunk ``key`` (a checked key) lives under the store directory ``root``."""
-    return os.path.join(root, key[:2], key + SUFFIX)
+def name_end(kid: str | None) -> str:
+    """What follows the chunk key in a chunk file's name: ``.safetensors`` in the clear, ``-<kid>.safetensors``
+    sealed with the secret of key id ``kid``."""
+    return f"-{kid}{SUFFIX}" if kid else SUFFIX
 
 
-def temp_name(final: str, key: str) -> str:
-    """A new temporary file for a write of ``key`` to ``final``: in its directory, named by this host and
-    process (so a survey can tell whether its writer is alive)."""
-    return os.path.join(os.path.dirname(final), f".{key}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+def chunk_file(root: str, key: str, kid: str | None = None) -> str:
+    """Where chunk ``key`` (a checked key) lives under the store directory ``root``: in the clear, or sealed
+    with the secret of key id ``kid``."""
+    return os.path.join(root, key[:2], key + name_end(kid))
+
+
+def temp_name(final: str) -> str:
+    """A new temporary file for a write to the chunk file ``final``: in its directory, named after it and by
+    this host and process (so a survey can tell whether its writer is alive)."""
+    stem = os.path.basename(final)[: -len(SUFFIX)]
+    return os.path.join(os.path.dirname(final), f".{stem}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -167,5 +181,6 @@ def survey(path: str, remove_stale: bool = False) -> Survey:
                         pass  # read-only: still there, still counted
                 out.temps.append(info)
             elif e.name.endswith(SUFFIX):
-                out.chunks.append(ChunkInfo(e.name[: -len(SUFFIX)], e.path, st.st_size, st.st_mtime))
+                key, _, kid = e.name[: -len(SUFFIX)].partition("-")
+                out.chunks.append(ChunkInfo(key, e.path, st.st_size, st.st_mtime, kid))
     return out

@@ -26,7 +26,7 @@ from ..seal import EncryptionConfig, Sealer, check_encryption
 from ..tier import REMOVED, STORED, Tier, TierContext, check_key, register_tier
 from .budget import Budget, Reservation
 from .config import DiskTierConfig, check_path
-from .directory import _LIVE_TMP, ChunkInfo, Survey, TempInfo, chunk_file, survey, temp_name
+from .directory import _LIVE_TMP, ChunkInfo, Survey, TempInfo, chunk_file, name_end, survey, temp_name
 
 log = get_logger("kvx.store.disk")  # one logger for the whole tier, named as before the split
 
@@ -110,6 +110,11 @@ class DiskTier(Tier):
         self.config = config
         # None: chunks in the clear; else every put seals and every get reads only sealed chunks it can open
         self.sealer = Sealer.of(getattr(config, "encryption", None), ctx.fingerprint)
+        # the names this tier reads a chunk under, newest secret first (it writes the first): its secrets' key
+        # ids, or None for the name in the clear (kvx.store.seal, "Names")
+        self._kids: tuple[str | None, ...] = (None,) if self.sealer is None else tuple(self.sealer.kids)
+        # how each of those names ends (the lookup's hot path formats names itself: 256 keys in ~0.9 ms)
+        self._ends = tuple(name_end(kid) for kid in self._kids)
         self.path = os.path.abspath(config.path)
         os.makedirs(self.path, exist_ok=True)
         self.fingerprint = ctx.fingerprint
@@ -204,7 +209,14 @@ class DiskTier(Tier):
 
     # ---------------------------------------------------------------- paths
     def file_of(self, key: str) -> str:
-        return chunk_file(self.path, check_key(key))
+        """The file this tier writes chunk ``key`` to (sealed: named by its newest secret's key id)."""
+        return chunk_file(self.path, check_key(key), self._kids[0])
+
+    def files_of(self, key: str) -> list[str]:
+        """Every file this tier reads chunk ``key`` from, newest secret first: one, or one per secret of a
+        rotation (``key_files``)."""
+        key = check_key(key)
+        return [chunk_file(self.path, key, kid) for kid in self._kids]
 
     def _check_open(self):
         if self._closed:
@@ -213,11 +225,17 @@ class DiskTier(Tier):
     # ---------------------------------------------------------------- lookups
     def contains(self, key: str) -> bool:
         self._check_open()
-        return os.path.exists(self.file_of(key))
+        return any(os.path.exists(f) for f in self.files_of(key))
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """Per key, whether a file of it is there under a name this tier reads: a stat per key, and per
+        secret of a rotation for the keys not found under the newer ones."""
         self._check_open()
-        return [os.path.exists(self.file_of(k)) for k in keys]
+        path, exists, ends = self.path, os.path.exists, self._ends
+        if len(ends) == 1:
+            end = ends[0]
+            return [exists(f"{path}/{k[:2]}/{k}{end}") for k in map(check_key, keys)]
+        return [any(exists(f"{path}/{k[:2]}/{k}{e}") for e in ends) for k in map(check_key, keys)]
 
     # ---------------------------------------------------------------- put
     def put(self, key: str, chunk: torch.Tensor, extra: dict[str, str] | None = None) -> bool:
@@ -240,12 +258,13 @@ class DiskTier(Tier):
                 f"disk store {self.path}: no space left on device; puts refused during a "
                 f"back-off ({self._backoff_s:.0f} s, {full_for:.1f} s left)"
             )
-        if os.path.exists(final):
-            try:
-                os.utime(final)
-                return False
-            except FileNotFoundError:
-                pass  # another engine evicted it just now: write it again
+        for present in self.files_of(key) if len(self._kids) > 1 else (final,):  # sealed with any secret held
+            if os.path.exists(present):
+                try:
+                    os.utime(present)
+                    return False
+                except FileNotFoundError:
+                    pass  # another engine evicted it just now: write it again
         if self.sealer is not None:
             header, data = self.sealer.seal(chunk, key, extra, created=time.time())
         else:
@@ -286,7 +305,7 @@ class DiskTier(Tier):
     def _write(self, key: str, final: str, bufs, r: Reservation) -> None:
         """Write ``bufs`` to a temporary file next to ``final`` and rename it into place; on any failure
         (or interrupt) remove the temporary file and re-raise. Its bytes are ``r``'s (counted once)."""
-        tmp = temp_name(final, key)
+        tmp = temp_name(final)
         # registered before the file exists: a scan that sees it must see it as in flight
         _LIVE_TMP.add(tmp)
         self.budget.track(r, tmp)
@@ -372,14 +391,19 @@ class DiskTier(Tier):
 
     def _read(self, key: str, out: torch.Tensor | None, shape, dtype) -> torch.Tensor:
         self._check_open()
-        path = self.file_of(key)
-        try:
-            f = open(path, "rb", buffering=0)
-        except FileNotFoundError:
-            raise ChunkError(f"chunk {key}: not on disk ({path})") from None
-        except OSError as e:
-            self._count_error()
-            raise ChunkError(f"chunk {key}: cannot open {path}: {e}") from None
+        opened = None
+        for path, kid in zip(self.files_of(key), self._kids):  # newest secret first
+            try:
+                opened = open(path, "rb", buffering=0), path, kid
+                break
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                self._count_error()
+                raise ChunkError(f"chunk {key}: cannot open {path}: {e}") from None
+        if opened is None:
+            raise ChunkError(f"chunk {key}: not on disk ({self.file_of(key)})")
+        f, path, kid = opened
         with f:
             try:
                 prefix = f.read(codec.PREFIX_BYTES)
@@ -390,14 +414,14 @@ class DiskTier(Tier):
                 self._drop_bad(path)
                 raise ChunkError(f"chunk {key}: unreadable file {path}: {e}") from None
             if self.sealer is not None:
-                problems = self.sealer.problems(h, key, shape, dtype)
+                problems = self.sealer.problems(h, key, shape, dtype, kid)
             else:
                 problems = codec.check(h, key, self.fingerprint, shape, dtype)
             if problems:
-                # A file under the wrong name (or with mangled metadata) can never be served: drop it. A file
-                # that is merely not what this reader expects (fingerprint, format version, shape, sealed or
-                # not, another secret's seal) may be valid for another engine: keep it.
-                if h.key != key:
+                # A file under the wrong name (another key, or another secret's key id, inside; or mangled
+                # metadata) can never be served: drop it. A file that is merely not what this reader expects
+                # (fingerprint, format version, shape) may be valid for another engine: keep it.
+                if Sealer.misplaced(h, key, kid):
                     self._drop_bad(path)
                 else:
                     self._count_error()
@@ -443,16 +467,20 @@ class DiskTier(Tier):
         return out
 
     def delete(self, key: str) -> bool:
+        """Remove chunk ``key`` (every file of it this tier reads); False if there was none."""
         self._check_open()
-        path = self.file_of(key)
-        try:
-            size = os.path.getsize(path)
-            os.unlink(path)
-        except FileNotFoundError:
-            return False
-        self.budget.freed(size)
-        self._emit(REMOVED, [key])
-        return True
+        found = False
+        for path in self.files_of(key):
+            try:
+                size = os.path.getsize(path)
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            self.budget.freed(size)
+            found = True
+        if found:
+            self._emit(REMOVED, [key])
+        return found
 
     def _drop_bad(self, path: str) -> None:
         """A file that failed to read or verify can never be served: remove it, so the chunk becomes a
@@ -492,10 +520,14 @@ class DiskTier(Tier):
         return sv
 
     def _removed(self, chunks: list[ChunkInfo], evicted: bool) -> None:
-        """The budget deleted these chunk files (``evicted``: to make room)."""
+        """The budget deleted these chunk files (``evicted``: to make room): every file counts, the removal
+        events name only the chunks this tier could read (another tenant's are not this engine's)."""
         if evicted:
             self._count("evicted", len(chunks))
-        self._emit(REMOVED, [c.key for c in chunks])
+        readable = {kid or "" for kid in self._kids}
+        keys = [c.key for c in chunks if c.kid in readable]
+        if keys:
+            self._emit(REMOVED, keys)
 
     def usage(self) -> int:
         """Bytes of chunk files and temporary files (other writes in flight; stale ones are removed first)
