@@ -113,7 +113,8 @@ class DiskTier(Tier):
         # the names this tier reads a chunk under, newest secret first (it writes the first): its secrets' key
         # ids, or None for the name in the clear (kvx.store.seal, "Names")
         self._kids: tuple[str | None, ...] = (None,) if self.sealer is None else tuple(self.sealer.kids)
-        # how each of those names ends (the lookup's hot path formats names itself: 256 keys in ~0.9 ms)
+        # how each of those names ends: the lookup formats names itself (file_of and os.path.join per name were a
+        # quarter of a 256-chunk lookup: 0.89 -> 0.67 ms, benchmarks/bench_tenant_lookup.py)
         self._ends = tuple(name_end(kid) for kid in self._kids)
         self.path = os.path.abspath(config.path)
         os.makedirs(self.path, exist_ok=True)
