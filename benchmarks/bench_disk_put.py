@@ -1,6 +1,6 @@
 """Disk-tier put: kvx's own safetensors writer against ``safetensors.torch.save_file``, in the same run.
 
-Why this exists: kvx's disk tier writes its chunk files itself (:mod:`kvx.store.disk`, ``_write_all``,
+Why this exists: kvx's disk tier writes its chunk files itself (:mod:`kvx.store.disk.tier`, ``_write_all``,
 ``_WRITE_PIECE``) instead of calling the library. This benchmark is the measurement behind that choice.
 For each file system and chunk size it times, interleaved (the order rotates every repeat, so drift of
 the machine hits every method alike), the median of ``--repeats`` after ``--warmup``:
@@ -56,8 +56,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvx.store import codec
-from kvx.store import disk as kvx_disk
 from kvx.store.disk import DiskTier
+from kvx.store.disk import tier as kvx_disk
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FINGERPRINT = "0123456789abcdef"

@@ -27,8 +27,9 @@ from .errors import ChunkError
 from .seal import SEALED_VERSION, EncryptionConfig, Sealer, load_secrets
 
 
-def _check_sealed(path: str, key: str, secrets: list[bytes] | None) -> str | None:
-    """A sealed chunk file: its header (and, with the secrets, its tag: every byte) for ``key``."""
+def _check_sealed(path: str, key: str, secrets: list[bytes] | None, kid: str) -> str | None:
+    """A sealed chunk file: its header (and, with the secrets, its tag: every byte) for ``key``; ``kid``: the
+    key id its name says it was sealed with ("": a name without one, written before kvx named files by it)."""
     try:
         with open(path, "rb") as f:
             prefix = f.read(codec.PREFIX_BYTES)
@@ -36,6 +37,8 @@ def _check_sealed(path: str, key: str, secrets: list[bytes] | None) -> str | Non
             fp = h.meta.get("fingerprint", "")
             if h.key != key:
                 return f"key {h.key!r} does not match the file name"
+            if kid and h.meta.get("kid") != kid:
+                return f"key id {h.meta.get('kid')!r} does not match the file name"
             if h.dtype is None or not secrets:
                 problems = codec.check(h, key, fp, versions=(SEALED_VERSION,))
                 for field in ("seal", "kid", "nonce", "tag"):
@@ -65,8 +68,9 @@ def _check_sealed(path: str, key: str, secrets: list[bytes] | None) -> str | Non
     return None
 
 
-def _check(path: str, key: str, secrets: list[bytes] | None = None) -> str | None:
-    """None if the chunk file is sound, else what is wrong with it (``secrets``: to authenticate sealed ones)."""
+def _check(path: str, key: str, secrets: list[bytes] | None = None, kid: str = "") -> str | None:
+    """None if the chunk file is sound, else what is wrong with it (``secrets``: to authenticate sealed ones;
+    ``kid``: the key id in its name)."""
     try:
         with open(path, "rb") as f:
             prefix = f.read(codec.PREFIX_BYTES)
@@ -74,7 +78,9 @@ def _check(path: str, key: str, secrets: list[bytes] | None = None) -> str | Non
     except (ChunkError, OSError):
         sealed = None
     if sealed == SEALED_VERSION:
-        return _check_sealed(path, key, secrets)
+        return _check_sealed(path, key, secrets, kid)
+    if kid:
+        return f"in the clear (format {sealed!r}) under the name of a chunk sealed with key id {kid!r}"
     try:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
@@ -141,6 +147,8 @@ def _inspect(args) -> int:
     print(f"  {_temps_line(sv.temps)}")
     for (fp, fmt), n in fps.most_common():
         print(f"  fingerprint {fp} format {fmt}: {n} chunks")
+    for kid, n in collections.Counter(c.kid for c in sv.chunks if c.kid).most_common():
+        print(f"  sealed with key id {kid} (in the file names): {n} chunks")
     if sv.chunks:
         times = sorted(c.mtime for c in sv.chunks)
         print(f"  least recently used {time.ctime(times[0])}, most recent {time.ctime(times[-1])}")
@@ -158,7 +166,7 @@ def _verify(args) -> int:
     sv = survey(args.path)
     bad = 0
     for c in sv.chunks:
-        problem = _check(c.path, c.key, secrets)
+        problem = _check(c.path, c.key, secrets, c.kid)
         if problem:
             bad += 1
             print(f"BAD {c.path}: {problem}")

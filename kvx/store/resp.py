@@ -483,14 +483,22 @@ class RespConnection:
         """One command; its reply (an error reply is raised)."""
         return self.pipeline([args], deadline)[0]
 
-    def exists_each(self, keys: Sequence[str], deadline: float) -> list:
+    def exists_each(self, keys: Sequence[str], deadline: float, suffixes: Sequence[str] = ("",)) -> list:
         """Pipelined ``EXISTS key`` per key, in one write: 0 / 1 per key, or the error reply (e.g. a MOVED
-        :class:`RedirectError`) in its place. The lookup's hot path: the commands are formatted in one pass
-        and the replies parsed a buffer at a time (a 256-key lookup spent most of its time in the general
-        encoder and reply reader)."""
+        :class:`RedirectError`) in its place. With several ``suffixes``, one ``EXISTS key+s1 key+s2 ...`` per key
+        (names of one cluster slot), answered with how many of them exist. The lookup's hot path: the commands
+        are formatted in one pass and the replies parsed a buffer at a time (a 256-key lookup spent most of its
+        time in the general encoder and reply reader)."""
         try:
             ks = [_arg(k) for k in keys]
-            self._send([b"".join(b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n" % (len(k), k) for k in ks)], deadline)
+            sfx = [_arg(s) for s in suffixes]
+            if len(sfx) == 1:
+                s = sfx[0]
+                wire = b"".join(b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s%s\r\n" % (len(k) + len(s), k, s) for k in ks)
+            else:
+                head = b"*%d\r\n$6\r\nEXISTS\r\n" % (len(sfx) + 1)
+                wire = b"".join(head + b"".join(b"$%d\r\n%s%s\r\n" % (len(k) + len(s), k, s) for s in sfx) for k in ks)
+            self._send([wire], deadline)
             out: list = []
             n = len(keys)
             while len(out) < n:

@@ -9,7 +9,14 @@ writes every chunk sealed and reads only sealed chunks it can open. The sealed e
 - the payload: the chunk's bytes encrypted with AES-256-GCM (same length as the chunk), no CRC (the GCM tag
   authenticates every byte);
 - ``kid``: which secret sealed it (16 hex digits of SHA-256 over the secret: a reader picks its key without
-  trial decryption; a kid it does not hold is a miss), ``nonce``: 96 random bits, ``tag``: the GCM tag.
+  trial decryption), ``nonce``: 96 random bits, ``tag``: the GCM tag.
+
+Names. The tenant is part of a sealed chunk's identity: a store names it by its chunk key *and* its kid (disk
+``<key>-<kid>.safetensors``, Redis ``kvx:1:{<key>}-<kid>``), and a tier looks up only the names of the secrets
+it holds (newest first). So a chunk sealed with a secret the tier does not hold is a miss at lookup (never a
+hit that then fails to open), tenants with different secrets each store and find their own copy of the same
+prompt, and during a rotation chunks sealed with an older listed secret keep being found. A chunk whose
+header names another key or another kid than its name is misplaced (:meth:`Sealer.misplaced`) and dropped.
 
 Keys. The AES key of a chunk is ``HKDF-SHA256(secret, salt="kvx-seal-1", info="kvx chunk" || fingerprint ||
 chunk key)``. The chunk key is the hash chain whose root folds in the request's isolation namespace
@@ -303,20 +310,29 @@ class Sealer:
         return struct.pack("<Q", len(head)) + head, buf[:n]
 
     # ---------------------------------------------------------------- reading
-    def problems(self, h: codec.Header, key: str, shape=None, dtype=None) -> list[str]:
-        """What is wrong with a chunk's header for a sealed read (empty: nothing); the codec's checks too."""
+    def problems(self, h: codec.Header, key: str, shape=None, dtype=None, kid: str | None = None) -> list[str]:
+        """What is wrong with a chunk's header for a sealed read (empty: nothing); the codec's checks too.
+        ``kid``: the key id the chunk's name says it was sealed with (:meth:`misplaced`)."""
         fmt = h.meta.get("kvx_format")
         if fmt != SEALED_VERSION:
             return [f"not sealed (format {fmt!r}): this tier reads only chunks sealed with its key"]
         problems = codec.check(h, key, self.fingerprint, shape, dtype, versions=(SEALED_VERSION,))
         if h.meta.get("seal") != CIPHER:
             problems.append(f"seal {h.meta.get('seal')!r} != {CIPHER!r}")
+        elif kid is not None and h.meta.get("kid") != kid:
+            problems.append(f"sealed with key id {h.meta.get('kid')!r}, stored under the name of key id {kid!r}")
         elif h.meta.get("kid") not in self._secrets:
             problems.append(
                 f"sealed with key id {h.meta.get('kid')!r}, which this tier does not hold (its keys: {self.kids}): "
                 f"another tenant's secret, or one rotated out"
             )
         return problems
+
+    @staticmethod
+    def misplaced(h: codec.Header, key: str, kid: str | None) -> bool:
+        """A chunk stored under a name it was not sealed for: another chunk key, or another secret's key id than
+        its name says (``kid``). Never servable from there, whoever reads it: a store drops it."""
+        return h.key != key or (kid is not None and h.meta.get("kid") != kid)
 
     def opening(self, h: codec.Header, key: str, out: torch.Tensor, where: str) -> Opening:
         """Start decrypting the payload of ``h`` (checked by :meth:`problems`) into ``out``."""

@@ -150,7 +150,7 @@ def test_a_full_disk_fails_writes_at_once_stays_bounded_and_recovers(make_env, t
     assert full + dropped == 2 * SOAK and full > 0
     assert s.ledger.pending_bytes("disk") == 0 and grew < 32 * 2**20
     os.remove(filler)
-    # the disk tier backs off puts after a full disk (1 s, doubling while it stays full; kvx/store/disk.py)
+    # the disk tier backs off puts after a full disk (1 s, doubling while it stays full; kvx/store/disk/tier.py)
     tier = env.worker._worker.tiers["disk"]
     backoff = tier._full_until - tier._clock()
     assert backoff <= 60

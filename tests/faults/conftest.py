@@ -172,7 +172,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
     import json, os, sys, time
     from kvx.testing import harness as H
     if os.environ.get("KVX_TEST_WRITE_DELAY_S"):      # every chunk file stays a temporary file this long
-        import kvx.store.disk as disk
+        import kvx.store.disk.tier as disk  # the tier's file writes
         _write_all, _delay = disk._write_all, float(os.environ["KVX_TEST_WRITE_DELAY_S"])
         def _slow_write_all(fd, bufs):
             time.sleep(_delay)

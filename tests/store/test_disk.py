@@ -23,11 +23,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import kvx.store.disk as disk_mod
+import kvx.store.disk.tier as disk_mod  # the tier's file I/O: tests patch its _write_all and open
 from kvx.store import StoreError, StoreFullError
 from kvx.store.codec import FORMAT_VERSION, ST_DTYPES, crc32
 from kvx.store.codec import crc32c as checksum
-from kvx.store.disk import ChunkError, DiskTier, StoreClosedError, survey
+from kvx.store.disk import ChunkError, DiskTier, StoreClosedError, directory, survey
 from tests.helpers import assert_same_bytes, mount_tmpfs, remount, umount
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn]
@@ -1174,15 +1174,15 @@ def test_file_deleted_while_being_read_is_still_served(store, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ temporary files
-OTHER_HOST = f"{(int(disk_mod._HOST, 16) + 1) % 2**32:08x}"
-OLD = disk_mod._TMP_MAX_AGE_S + 60
+OTHER_HOST = f"{(int(directory._HOST, 16) + 1) % 2**32:08x}"
+OLD = directory._TMP_MAX_AGE_S + 60
 TEMP_NAME = re.compile(r"\.(?P<key>[0-9a-f]+)\.(?P<host>[0-9a-f]{8})\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp")
 # (case, name of the temporary file given the pids, age in seconds, stale?)
 TEMP_CASES = [
-    ("writer dead", lambda k, p: f".{k}.{disk_mod._HOST}.{p['dead']}.deadbeef.tmp", 0, True),
-    ("writer alive", lambda k, p: f".{k}.{disk_mod._HOST}.{p['live']}.deadbeef.tmp", 0, False),
-    ("writer alive, too old", lambda k, p: f".{k}.{disk_mod._HOST}.{p['live']}.deadbeef.tmp", OLD, True),
-    ("this pid, not written by it", lambda k, p: f".{k}.{disk_mod._HOST}.{os.getpid()}.deadbeef.tmp", 0, True),
+    ("writer dead", lambda k, p: f".{k}.{directory._HOST}.{p['dead']}.deadbeef.tmp", 0, True),
+    ("writer alive", lambda k, p: f".{k}.{directory._HOST}.{p['live']}.deadbeef.tmp", 0, False),
+    ("writer alive, too old", lambda k, p: f".{k}.{directory._HOST}.{p['live']}.deadbeef.tmp", OLD, True),
+    ("this pid, not written by it", lambda k, p: f".{k}.{directory._HOST}.{os.getpid()}.deadbeef.tmp", 0, True),
     ("other host", lambda k, p: f".{k}.{OTHER_HOST}.{p['dead']}.deadbeef.tmp", 0, False),
     ("other host, old", lambda k, p: f".{k}.{OTHER_HOST}.{p['dead']}.deadbeef.tmp", OLD, True),
     ("older kvx name", lambda k, p: f".{k}.{p['dead']}.deadbeef.tmp", 0, False),
@@ -1264,7 +1264,7 @@ def test_temporary_files_are_removed_only_when_their_writer_is_gone(tmp_path, pi
 def test_a_live_writers_temporary_file_is_removed_once_it_dies(tmp_path):
     writer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     key = key_of("w")
-    p = make_temp(tmp_path, key, f".{key}.{disk_mod._HOST}.{writer.pid}.0badf00d.tmp", 100)
+    p = make_temp(tmp_path, key, f".{key}.{directory._HOST}.{writer.pid}.0badf00d.tmp", 100)
     s = DiskTier.at(tmp_path)
     assert [t.reason for t in s.temp_files()] == [f"being written by pid {writer.pid}"]
     writer.stdin.close()
@@ -1323,7 +1323,7 @@ def test_put_writes_only_names_kvx_recognises(tmp_path, monkeypatch):
     tmp = seen["tmp"]
     assert seen["names"] == [os.path.relpath(tmp, path)]
     m = TEMP_NAME.fullmatch(os.path.basename(tmp))
-    assert m and m["key"] == key and m["host"] == disk_mod._HOST and int(m["pid"]) == os.getpid()
+    assert m and m["key"] == key and m["host"] == directory._HOST and int(m["pid"]) == os.getpid()
     header = os.path.getsize(s.file_of(key)) - chunk.numel() * 2
     assert seen["other"] == ([(tmp, False, "being written by this process")], header)
     assert seen["child"] == f"1 {header}"  # another pid: alive, so in flight
@@ -1365,7 +1365,7 @@ def test_kill_9_leaves_only_a_temporary_file_that_the_next_start_removes(tmp_pat
     left = files_in(path)
     assert len(left) == 1
     m = TEMP_NAME.fullmatch(os.path.basename(left[0]))
-    assert m and m["host"] == disk_mod._HOST and int(m["pid"]) == pid, left
+    assert m and m["host"] == directory._HOST and int(m["pid"]) == pid, left
     sv = survey(str(path))
     assert [(t.stale, t.reason) for t in sv.temps] == [(True, f"writer pid {pid} is gone")]
     assert store_cli.main(["inspect", str(path)]) == 0

@@ -361,6 +361,25 @@ def test_contains_many_batched(redis_server, open_tier):
     assert tier.contains_many([]) == []
 
 
+def test_exists_each_with_suffixes_asks_one_exists_per_key(redis_server):
+    """A sealed tier during a rotation: one ``EXISTS key-new key-old`` per chunk (its names under each secret),
+    answered with how many exist; one suffix is one name per key, as without."""
+    c = redis_server.client()
+    keys = [f"kvx:1:{{{new_key()}}}" for _ in range(3000)]
+    for i, k in enumerate(keys):
+        for s in ("-new", "-old")[: i % 3]:  # none, -new, or both
+            c.set(k + s, b"x")
+    conn = RespConnection("127.0.0.1", redis_server.port, deadline=time.monotonic() + 5)
+    try:
+        before = c.info("commandstats").get("cmdstat_exists", {}).get("calls", 0)
+        assert conn.exists_each(keys, time.monotonic() + 10, ("-new", "-old")) == [i % 3 for i in range(len(keys))]
+        assert c.info("commandstats")["cmdstat_exists"]["calls"] - before == len(keys)
+        assert conn.exists_each(keys, time.monotonic() + 10, ("-old",)) == [int(i % 3 == 2) for i in range(len(keys))]
+        assert conn.exists_each(keys[:3], time.monotonic() + 10) == [0, 0, 0]  # the names without a suffix
+    finally:
+        conn.close()
+
+
 def test_exists_each_parses_replies_across_reads_and_keeps_error_replies_in_place(redis_server):
     """The lookup's EXISTS fast path on a real server: 40000 replies (several reads of the 64 KiB buffer) in
     order, and per-key error replies (an ACL user may not see some keys: -NOPERM) in their places without

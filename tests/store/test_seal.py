@@ -1,7 +1,9 @@
-"""Sealed tiers (``"encryption"``, kvx.store.seal) on a real disk and a real redis-server: round trips, and a
-chunk written in the clear, with another tenant's secret, for another fingerprint, tampered (payload, header,
-tag) or replayed under another chunk key is a miss (ChunkError: the connector recomputes), never loaded; key
-rotation (written with the newest, read with any); the config's errors at check time; TLS + an ACL user."""
+"""Sealed tiers (``"encryption"``, kvx.store.seal) on a real disk and a real redis-server: round trips; the tenant
+is part of a chunk's name: a chunk written in the clear or with another tenant's secret is a miss at lookup, and
+two tenants each store and hit their own copy of one chunk key; a chunk for another fingerprint, tampered
+(payload, header, tag), replayed under another chunk key or moved under another secret's name is a miss
+(ChunkError: the connector recomputes), never loaded; key rotation (written with the newest, found and read with
+any); the config's errors at check time; TLS + an ACL user."""
 
 from __future__ import annotations
 
@@ -60,22 +62,35 @@ class Store:
         self.tiers.append(t)
         return t
 
-    def raw(self, key: str) -> bytes | None:
+    def name(self, key: str, kid: str | None = None) -> str:
+        """Where chunk ``key`` is stored: in the clear, or sealed with the secret of key id ``kid`` (the layout,
+        spelled out here rather than asked of the tier)."""
+        if self.kind == "disk":
+            return os.path.join(self.path, key[:2], f"{key}-{kid}.safetensors" if kid else f"{key}.safetensors")
+        return f"kvx:1:{{{key}}}-{kid}" if kid else f"kvx:1:{{{key}}}"
+
+    def raw(self, key: str, kid: str | None = None) -> bytes | None:
         if self.kind == "disk":
             try:
-                with open(os.path.join(self.path, key[:2], key + ".safetensors"), "rb") as f:
+                with open(self.name(key, kid), "rb") as f:
                     return f.read()
             except FileNotFoundError:
                 return None
-        return self.server.client().get(f"kvx:1:{{{key}}}")
+        return self.server.client().get(self.name(key, kid))
 
-    def set_raw(self, key: str, value: bytes) -> None:
+    def set_raw(self, key: str, value: bytes, kid: str | None = None) -> None:
         if self.kind == "disk":
             os.makedirs(os.path.join(self.path, key[:2]), exist_ok=True)
-            with open(os.path.join(self.path, key[:2], key + ".safetensors"), "wb") as f:
+            with open(self.name(key, kid), "wb") as f:
                 f.write(value)
         else:
-            self.server.client().set(f"kvx:1:{{{key}}}", value)
+            self.server.client().set(self.name(key, kid), value)
+
+    def names(self) -> list[str]:
+        """Every chunk name in the store (a disk file's path; a Redis key other than a part)."""
+        if self.kind == "disk":
+            return sorted(os.path.join(d, f) for d, _, fs in os.walk(self.path) for f in fs)
+        return sorted(k.decode() for k in self.server.client().keys("kvx:1:*") if k.count(b":") == 2)
 
     def close(self):
         for t in self.tiers:
@@ -96,7 +111,16 @@ def store(request, tmp_path):
 
 
 def enc(*paths: str) -> dict:
+    """A tier's ``encryption``: one key file, or several (newest first)."""
     return {"key_file": paths[0]} if len(paths) == 1 else {"key_files": list(paths)}
+
+
+def kid(path: str) -> str:
+    """The key id of the secret in key file ``path`` (its trailing newline is not part of it)."""
+    return key_id(open(path, "rb").read()[:-1])
+
+
+NOT_THERE = "not on disk|not in redis"  # a miss: nothing under any name the tier reads
 
 
 def miss(tier, key: str, like: torch.Tensor, match: str) -> torch.Tensor:
@@ -138,10 +162,11 @@ def test_round_trip_and_nothing_in_the_clear(store, keys, shape, dtype):
     assert_same_bytes(out, x)
     if store.kind == "redis" and x.nbytes > (64 << 10):
         return  # stored in parts: the raw value is a manifest
-    value = store.raw(key)
+    assert store.raw(key) is None  # nothing under the name in the clear: the name carries the secret's key id
+    value = store.raw(key, kid(keys["a"]))
     meta = header_of(value)["__metadata__"]
     assert meta["kvx_format"] == SEALED_VERSION and meta["seal"] == "aes-256-gcm"
-    assert meta["kid"] == key_id(open(keys["a"], "rb").read()[:-1]) and "crc32c" not in meta
+    assert meta["kid"] == kid(keys["a"]) and "crc32c" not in meta
     payload = value[-x.nbytes :]
     assert len(payload) == x.nbytes and payload != codec.byte_view(x).tobytes()
     if x.nbytes >= 64:  # no 16-byte run of the plaintext survives
@@ -159,13 +184,13 @@ def test_round_trip_in_parts_redis(tmp_path, keys):
             key = new_key()
             x = random_chunk((5, 70001), torch.uint8, 2)
             assert tier.put(key, x)
-            assert s.raw(key).startswith(b"kvxparts")
+            assert s.raw(key, kid(keys["a"])).startswith(b"kvxparts")
             out = torch.zeros_like(x)
             tier.get_into(key, out)
             assert_same_bytes(out, x)
             # a part altered: the tag fails, the chunk is dropped
             c = server.client()
-            part = sorted(k for k in c.keys(f"kvx:1:{{{key}}}:*"))[2]
+            part = sorted(k for k in c.keys(f"{s.name(key, kid(keys['a']))}:*"))[2]
             v = bytearray(c.get(part))
             v[len(v) // 2] ^= 1
             c.set(part, bytes(v))
@@ -176,33 +201,82 @@ def test_round_trip_in_parts_redis(tmp_path, keys):
 
 
 # ------------------------------------------------------------------------------------------ misses
-def test_plaintext_chunk_is_a_miss(store, keys):
+def test_plaintext_chunk_is_a_miss_at_lookup(store, keys):
     plain, sealed = store.tier(), store.tier(enc(keys["a"]))
-    key, x = new_key(), random_chunk((64, 33), torch.float16, 3)
+    key, x, y = new_key(), random_chunk((64, 33), torch.float16, 3), random_chunk((64, 33), torch.float16, 33)
     assert plain.put(key, x)
-    out = miss(sealed, key, x, "not sealed")
+    assert sealed.contains_many([key]) == [False]
+    out = miss(sealed, key, x, NOT_THERE)
     assert not torch.equal(out, x)
-    assert store.raw(key) is not None  # kept: valid for the engines that write in the clear
-    assert not sealed.put(key, x)  # and never overwritten
+    assert sealed.put(key, y)  # the sealed tier stores its own, next to the chunk in the clear
+    for tier, want in ((plain, x), (sealed, y)):
+        out = torch.zeros_like(want)
+        tier.get_into(key, out)
+        assert_same_bytes(out, want)
+    # a chunk in the clear moved under the sealed name: read, refused, dropped (misplaced), never served
+    store.set_raw(key, store.raw(key), kid(keys["a"]))
+    miss(sealed, key, x, "not sealed")
+    assert store.raw(key, kid(keys["a"])) is None and store.raw(key) is not None
 
 
 def test_sealed_chunk_is_never_served_in_the_clear(store, keys):
     plain, sealed = store.tier(), store.tier(enc(keys["a"]))
     key, x = new_key(), random_chunk((64, 33), torch.float16, 4)
     assert sealed.put(key, x)
+    assert plain.contains_many([key]) == [False]
+    miss(plain, key, x, NOT_THERE)
+    # copied under the name in the clear: a format the clear tier does not read
+    store.set_raw(key, store.raw(key, kid(keys["a"])))
     miss(plain, key, x, "kvx-sealed-1.*no encryption key")
 
 
-def test_another_tenants_secret_is_a_miss(store, keys):
+def test_another_tenants_secret_is_a_miss_at_lookup(store, keys):
     a, b = store.tier(enc(keys["a"])), store.tier(enc(keys["b"]))
     key, x = new_key(), random_chunk((128, 8), torch.bfloat16, 5)
     assert b.put(key, x)
-    miss(a, key, x, "key id .* which this tier does not hold")
-    assert store.raw(key) is not None  # another tenant's chunk: not ours to delete
-    # the same secret's id on another tenant's chunk (a forged header) only fails later, at the tag
-    kid_a = a.sealer.write_kid
-    store.set_raw(key, with_header(store.raw(key), lambda d: d["__metadata__"].update(kid=kid_a)))
+    assert a.contains_many([key]) == [False]
+    miss(a, key, x, NOT_THERE)
+    assert store.raw(key, kid(keys["b"])) is not None  # another tenant's chunk: never touched
+    assert a.stats()["errors"] == 0
+    # B's chunk moved under A's name, as is: its header names B's secret, not the name's: dropped
+    store.set_raw(key, store.raw(key, kid(keys["b"])), kid(keys["a"]))
+    miss(a, key, x, "stored under the name of key id")
+    assert store.raw(key, kid(keys["a"])) is None
+    # and with its header edited to name A's secret (a forgery): it fails at the tag
+    forged = with_header(store.raw(key, kid(keys["b"])), lambda d: d["__metadata__"].update(kid=kid(keys["a"])))
+    store.set_raw(key, forged, kid(keys["a"]))
     miss(a, key, x, "failed authentication")
+
+
+def test_two_tenants_store_and_hit_their_own_chunks_of_one_prompt(store, keys, caplog, tmp_path):
+    """The same chunk key (the same prompt, no cache_salt) for tenants with different secrets and one in the clear:
+    each stores its own copy and hits it; a tenant holding none of their secrets misses all of them at lookup.
+    No load error, no warning."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="kvx")
+    keys = {**keys, "c": secret_file(tmp_path, "c")}
+    for p in keys.values():
+        os.chmod(p, 0o600)  # no warning about the key files either
+    tenants = {"a": store.tier(enc(keys["a"])), "b": store.tier(enc(keys["b"])), "clear": store.tier()}
+    key = new_key()
+    chunks = {name: random_chunk((32, 64), torch.float16, 40 + i) for i, name in enumerate(tenants)}
+    for name, tier in tenants.items():
+        assert tier.contains_many([key]) == [False]  # the others' copies are not this tenant's
+        assert tier.put(key, chunks[name])
+    for name, tier in tenants.items():
+        assert tier.contains_many([key]) == [True]
+        assert not tier.put(key, chunks[name])  # present: not written again
+        out = torch.zeros_like(chunks[name])
+        tier.get_into(key, out)
+        assert_same_bytes(out, chunks[name])
+        assert tier.stats()["errors"] == 0
+    assert len(store.names()) == 3  # one copy per tenant
+    c = store.tier(enc(keys["c"]))
+    assert c.contains_many([key]) == [False]
+    miss(c, key, chunks["a"], NOT_THERE)
+    assert c.stats()["errors"] == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_another_fingerprint_is_a_miss(store, keys):
@@ -211,7 +285,8 @@ def test_another_fingerprint_is_a_miss(store, keys):
     assert other.put(key, x)
     miss(mine, key, x, "fingerprint")
     # its header edited to claim this engine's fingerprint: the tag (the AES key too) says otherwise
-    store.set_raw(key, with_header(store.raw(key), lambda d: d["__metadata__"].update(fingerprint=FP)))
+    ka = kid(keys["a"])
+    store.set_raw(key, with_header(store.raw(key, ka), lambda d: d["__metadata__"].update(fingerprint=FP)), ka)
     miss(mine, key, x, "failed authentication")
 
 
@@ -220,7 +295,8 @@ def test_tampered_chunk_is_a_miss_and_dropped(store, keys, where):
     tier = store.tier(enc(keys["a"]))
     key, x = new_key(), random_chunk((16, 256), torch.float16, 7)
     assert tier.put(key, x, {"tokens": "256"})
-    value = store.raw(key)
+    ka = kid(keys["a"])
+    value = store.raw(key, ka)
 
     def flip_hex(d, field):
         v = d["__metadata__"][field]
@@ -238,13 +314,13 @@ def test_tampered_chunk_is_a_miss_and_dropped(store, keys, where):
         value = with_header(value, lambda d: d["kv"].update(shape=[256, 16]))
     else:
         value = with_header(value, lambda d: d["__metadata__"].update(tokens="255"))
-    store.set_raw(key, value)
+    store.set_raw(key, value, ka)
     out = torch.zeros(16, 256, dtype=torch.float16)
     with pytest.raises(ChunkError):
         tier.get_into(key, out)
     if where == "length_field":
         return  # another shape: not what this reader asked for (kept, as any chunk of another shape)
-    assert store.raw(key) is None  # sealed with this tier's secret yet not authentic: dropped
+    assert store.raw(key, ka) is None  # sealed with this tier's secret yet not authentic: dropped
     assert tier.put(key, x)  # the recomputed chunk is stored again, and served
     tier.get_into(key, out)
     assert_same_bytes(out, x)
@@ -255,10 +331,11 @@ def test_chunk_replayed_under_another_key_is_a_miss(store, keys):
     ka, kb = new_key(), new_key()
     x = random_chunk((300,), torch.float32, 8)
     assert tier.put(ka, x)
-    store.set_raw(kb, store.raw(ka))  # as it is: its header names ka
+    k = kid(keys["a"])
+    store.set_raw(kb, store.raw(ka, k), k)  # as it is: its header names ka
     miss(tier, kb, x, f"key '{ka}'")
     # with its header rewritten to name kb: the tag binds ka (and kb's AES key is another)
-    store.set_raw(kb, with_header(store.raw(ka), lambda d: d["__metadata__"].update(key=kb)))
+    store.set_raw(kb, with_header(store.raw(ka, k), lambda d: d["__metadata__"].update(key=kb)), k)
     miss(tier, kb, x, "failed authentication")
     out = torch.zeros_like(x)
     tier.get_into(ka, out)  # the original is untouched
@@ -272,16 +349,77 @@ def test_key_rotation(store, keys):
     x, y = random_chunk((999,), torch.uint8, 9), random_chunk((999,), torch.uint8, 10)
     assert old.put(k_old, x)
     rotated = store.tier(enc(keys["a"], keys["a_old"]))  # newest first
+    assert rotated.contains_many([k_old, k_new]) == [True, False]  # found under the older secret's name
+    assert not rotated.put(k_old, x)  # present (sealed with a secret it holds): not written again
     assert rotated.put(k_new, y)
-    assert header_of(store.raw(k_new))["__metadata__"]["kid"] == rotated.sealer.write_kid != old.sealer.write_kid
+    assert store.raw(k_new, kid(keys["a_old"])) is None  # written with the newest
+    assert header_of(store.raw(k_new, kid(keys["a"])))["__metadata__"]["kid"] == rotated.sealer.write_kid
+    assert rotated.sealer.write_kid != old.sealer.write_kid
+    assert rotated.contains_many([k_old, k_new]) == [True, True]
     for k, v in ((k_old, x), (k_new, y)):  # read with any
         out = torch.zeros_like(v)
         rotated.get_into(k, out)
         assert_same_bytes(out, v)
-    miss(old, k_new, y, "does not hold")  # not yet rotated: the new key's chunks are misses
-    retired = store.tier(enc(keys["a"]))  # the old secret dropped: its chunks are misses, not errors
-    miss(retired, k_old, x, "does not hold")
-    assert store.raw(k_old) is not None
+    assert rotated.stats()["errors"] == 0
+    assert old.contains_many([k_new]) == [False]  # not yet rotated: the new key's chunks are misses at lookup
+    miss(old, k_new, y, NOT_THERE)
+    retired = store.tier(enc(keys["a"]))  # the old secret dropped: its chunks are misses at lookup, not errors
+    assert retired.contains_many([k_old, k_new]) == [False, True]
+    miss(retired, k_old, x, NOT_THERE)
+    assert store.raw(k_old, kid(keys["a_old"])) is not None
+    assert retired.stats()["errors"] == old.stats()["errors"] == 0
+    assert rotated.delete(k_old) and store.raw(k_old, kid(keys["a_old"])) is None  # under every name it reads
+
+
+def test_two_tenants_and_a_rotation_on_a_redis_cluster(redis_cluster, open_tier, keys):
+    """On a cluster every name of a chunk is in its slot: a rotating tier asks for all of them with one EXISTS per
+    chunk, on the chunk's node, and reads the older secret's copy; tenants keep their own copies."""
+    old = open_tier(redis_cluster.url, cluster=True, encryption=enc(keys["a_old"]))
+    rotated = open_tier(redis_cluster.url, cluster=True, encryption=enc(keys["a"], keys["a_old"]))
+    other = open_tier(redis_cluster.url, cluster=True, encryption=enc(keys["b"]))
+    ks = [new_key() for _ in range(24)]  # over the 3 nodes
+    x = random_chunk((4, 300), torch.float16, 50)
+    for k in ks[::2]:
+        assert old.put(k, x)
+    assert rotated.contains_many(ks) == [i % 2 == 0 for i in range(len(ks))]
+    assert other.contains_many(ks) == [False] * len(ks)
+    for k in ks[::2]:
+        assert other.put(k, x)  # its own copy, next to the old secret's
+        out = torch.zeros_like(x)
+        rotated.get_into(k, out)
+        assert_same_bytes(out, x)
+    assert other.contains_many(ks) == [i % 2 == 0 for i in range(len(ks))]
+    assert rotated.stats()["errors"] == other.stats()["errors"] == 0
+
+
+def test_disk_evictions_report_only_the_tenants_own_chunks(tmp_path, keys):
+    """Tenants share one directory's capacity: an eviction deletes the least recently used files whoever wrote
+    them (all counted), and tells this engine (REMOVED) only of its own chunks (the others' are not its)."""
+    from kvx.store.tier import REMOVED
+
+    path = str(tmp_path / "store")
+    b = DiskTier.at(path, fingerprint=FP, encryption=enc(keys["b"]))
+    theirs = [new_key() for _ in range(3)]
+    x = random_chunk((256,), torch.float16, 60)
+    for k in theirs:
+        assert b.put(k, x)
+    size = os.path.getsize(b.file_of(theirs[0]))
+    a = DiskTier.at(path, 4 * size, FP, encryption=enc(keys["a"]), low_watermark=0.5)
+    events = []
+    a.subscribe(lambda tier, event, ks: events.append((event, list(ks))))
+    old = os.path.getmtime(b.file_of(theirs[0])) - 3600
+    for k in theirs:
+        os.utime(b.file_of(k), (old, old))  # least recently used
+    mine = [new_key() for _ in range(2)]
+    for k in mine:
+        assert a.put(k, x)
+    a.evict()  # down to 2 files: B's 3 go first (least recently used)
+    assert a.stats()["evicted"] == 3 and all(a.contains(k) for k in mine)
+    assert [e for e in events if e[0] == REMOVED] == []
+    os.utime(a.file_of(mine[0]), (old, old))
+    a.capacity_bytes = 2 * size
+    a.evict()  # down to 1 file: its own least recently used one
+    assert a.stats()["evicted"] == 4 and [e for e in events if e[0] == REMOVED] == [(REMOVED, [mine[0]])]
 
 
 def test_aes_keys_differ_per_chunk_key_and_secret(keys):
@@ -524,9 +662,10 @@ def test_sealed_tier_over_tls_with_an_acl_user(tmp_path, keys):
             import redis
 
             r = redis.Redis.from_url(url)
-            manifest = r.get(f"kvx:1:{{{kk}}}")
+            name = f"kvx:1:{{{kk}}}-{kid(keys['a'])}"  # the sealed chunk's name carries its secret's key id
+            manifest = r.get(name)
             assert manifest.startswith(b"kvxparts")  # in parts; the first part starts with the sealed header
-            first = f"kvx:1:{{{kk}}}:{manifest.split(b':')[2].decode()}:0"
+            first = f"{name}:{manifest.split(b':')[2].decode()}:0"
             assert header_of(r.get(first))["__metadata__"]["kvx_format"] == SEALED_VERSION
             r.close()
             # another ACL user: kvx's keys are not its keys (NOPERM: answered as misses)
@@ -572,6 +711,8 @@ def test_store_verify_sealed_chunks(tmp_path, keys, capsys):
     ka, kb = new_key(), new_key()
     x = random_chunk((4, 999), torch.float16, 12)
     assert tier.put(ka, x) and tier.put(kb, x)
+    assert store_cli.main(["inspect", path]) == 0
+    assert f"sealed with key id {kid(keys['a'])} (in the file names): 2 chunks" in capsys.readouterr().out
     assert store_cli.main(["verify", path, "--delete-bad"]) == 0
     assert "2 good, 0 bad" in capsys.readouterr().out
     assert store_cli.main(["verify", path, "--key-file", keys["b"], "--key-file", keys["a"]]) == 0

@@ -2,9 +2,11 @@
 master of a Redis Sentinel deployment).
 
 Layout. Chunk ``<key>`` lives at ``kvx:1:{<key>}`` (the hash tag puts a chunk's parts in its slot, so
-one Lua script can publish them on a cluster). Its value is the codec's encoding (:mod:`kvx.store.codec`:
-header + payload). A value larger than ``max_value_size`` is split into parts
-``kvx:1:{<key>}:<nonce>:<i>`` of equal size (at most ``max_value_size``), and the chunk key holds a
+one Lua script can publish them on a cluster); a sealed one at ``kvx:1:{<key>}-<kid>`` (the key id of the
+secret that sealed it, :mod:`kvx.store.seal`: a sealed tier looks up only the names of the secrets it holds,
+during a rotation with one ``EXISTS`` of all of them per chunk, which share the chunk's slot). Its value
+is the codec's encoding (:mod:`kvx.store.codec`: header + payload). A value larger than ``max_value_size``
+is split into parts ``<chunk's name>:<nonce>:<i>`` of equal size (at most ``max_value_size``), and the chunk key holds a
 manifest instead (``kvxparts:1:<nonce>:<parts>:<total bytes>:<part size>``; its first 8 bytes read as
 a header length of ~8e18, which no codec header has, so the two cannot be confused).
 

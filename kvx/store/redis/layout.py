@@ -63,8 +63,15 @@ def _slot(chunk_key: str) -> int:
     return crc_hqx(chunk_key[lo + 1 : chunk_key.index("}", lo)].encode(), 0) & 16383
 
 
-def _chunk_key(key: str) -> str:
-    return f"{_PREFIX}{{{key}}}"
+def _kid_suffix(kid: str | None) -> str:
+    """What a sealed chunk's name adds to the name in the clear: ``-<kid>`` (one name per tenant; outside the
+    hash tag, so every tenant's copy and its parts stay in the chunk's slot)."""
+    return f"-{kid}" if kid else ""
+
+
+def _chunk_key(key: str, kid: str | None = None) -> str:
+    """The Redis key of chunk ``key``: in the clear, or sealed with the secret of key id ``kid``."""
+    return f"{_PREFIX}{{{key}}}-{kid}" if kid else f"{_PREFIX}{{{key}}}"
 
 
 def _part_key(chunk_key: str, nonce: str, i: int) -> str:

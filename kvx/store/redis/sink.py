@@ -30,9 +30,11 @@ class _ChunkSink:
         where: str,
         piece: int | None = None,
         sealer: Sealer | None = None,
+        kid: str | None = None,
     ):
         self.key, self.fingerprint, self.out, self.where, self.piece = key, fingerprint, out, where, piece
         self.sealer = sealer  # a sealed tier: only sealed chunks it can open are read (kvx.store.seal)
+        self.kid = kid  # the key id the value's name says it was sealed with (a sealed tier)
         self.opening: Opening | None = None  # the payload's decryption, once the header checked
         self.payload: memoryview | None = None  # out's bytes: :meth:`prepare`
         self.used = False  # handed to a GET (a second try takes a new sink)
@@ -119,13 +121,15 @@ class _ChunkSink:
             except ChunkError as e:
                 raise self._error(str(e), torn=True) from None
             if self.sealer is not None:
-                problems = self.sealer.problems(h, self.key, tuple(self.out.shape), self.out.dtype)
+                problems = self.sealer.problems(h, self.key, tuple(self.out.shape), self.out.dtype, self.kid)
             else:
                 problems = codec.check(h, self.key, self.fingerprint, tuple(self.out.shape), self.out.dtype)
             if problems:
                 # another fingerprint, format or shape is not damage (another engine's chunk): kept;
-                # another key inside is (a value written under the wrong name): dropped
-                raise self._error(f"failed verification: {'; '.join(problems)}", torn=h.key != self.key)
+                # another key or key id inside is (a value written under the wrong name): dropped
+                raise self._error(
+                    f"failed verification: {'; '.join(problems)}", torn=Sealer.misplaced(h, self.key, self.kid)
+                )
             self.header = h
             self.crc = codec.RunningChecksum(h)
             if self.header.nbytes != len(self.payload):

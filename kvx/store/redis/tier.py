@@ -28,7 +28,7 @@ from ..resp import ConnectionLost, RedirectError, RespConnection, ValueTooLarge
 from ..seal import Sealer, check_encryption
 from ..tier import REMOVED, STORED, Tier, TierConfig, TierContext, check_key, register_tier
 from .config import RedisTierConfig, _is_sentinel, _sentinel_url, _target, redact
-from .layout import _MAGIC, _chunk_key, _part_key
+from .layout import _MAGIC, _chunk_key, _kid_suffix, _part_key
 from .pool import _Node
 from .sink import _ChunkSink
 from .topology import _Topology
@@ -76,6 +76,10 @@ class RedisTier(_Topology, Tier):
         self.sentinel_spec = _sentinel_url(config.url) if _is_sentinel(config.url) else None
         # None: chunks in the clear; else every put seals and every get reads only sealed chunks it can open
         self.sealer = Sealer.of(config.encryption, ctx.fingerprint)
+        # the names this tier reads a chunk under, newest secret first (it writes the first): its secrets' key
+        # ids, or None for the name in the clear (kvx.store.seal, "Names")
+        self._kids: tuple[str | None, ...] = (None,) if self.sealer is None else tuple(self.sealer.kids)
+        self._suffixes = tuple(_kid_suffix(kid) for kid in self._kids)  # each name: the clear one + its suffix
         self._timeout = config.timeout_ms / 1000.0
         # GET: most bytes one receive takes before they are checksummed (measured per transport)
         self.piece: int | None = _PIECE_UNIX if self._params.get("path") else _PIECE
@@ -194,11 +198,22 @@ class RedisTier(_Topology, Tier):
             for k, v in inc.items():
                 self._stats[k] += v
 
+    def value_key(self, key: str) -> str:
+        """The Redis key this tier writes chunk ``key`` at (sealed: named by its newest secret's key id)."""
+        return _chunk_key(check_key(key), self._kids[0])
+
+    def value_keys(self, key: str) -> list[str]:
+        """Every Redis key this tier reads chunk ``key`` at, newest secret first (one per secret of a rotation;
+        all in the chunk's cluster slot)."""
+        key = check_key(key)
+        return [_chunk_key(key, kid) for kid in self._kids]
+
     # ---------------------------------------------------------------- lookups
     def contains_many(self, keys: Sequence[str]) -> list[bool] | None:
         """Pipelined EXISTS of the chunk keys (per node on a cluster), run on a background thread: waits
         at most ``lookup_wait_ms``, else answers None and keeps the lookup for the next ask with the same
-        keys. Keys on a node known to be down are False at once."""
+        keys. Keys on a node known to be down are False at once. During a rotation one ``EXISTS`` per chunk
+        asks for its name under each secret (one slot: one command)."""
         self._check_open()
         keys = [check_key(k) for k in keys]
         if not keys:
@@ -236,7 +251,8 @@ class RedisTier(_Topology, Tier):
     def _lookup(self, keys: list[str]) -> list[bool]:
         """On a lookup thread: EXISTS for every key, grouped by node (errors: False)."""
         found = [False] * len(keys)
-        cks = [_chunk_key(k) for k in keys]
+        cks = [_chunk_key(k) for k in keys]  # + each suffix: the names asked for (routed by the chunk's slot)
+        sfx = self._suffixes
         groups: dict[str, tuple[_Node, list[int]]] = {}
         for i, ck in enumerate(cks):
             node = self._route(ck)
@@ -251,7 +267,7 @@ class RedisTier(_Topology, Tier):
                 try:
                     replies = self._op(
                         cks[batch[0]],
-                        lambda c, ask, b=batch, d=deadline: c.exists_each([cks[i] for i in b], d),
+                        lambda c, ask, b=batch, d=deadline: c.exists_each([cks[i] for i in b], d, sfx),
                         deadline,
                         node=node,
                     )
@@ -279,7 +295,7 @@ class RedisTier(_Topology, Tier):
                     self._op(
                         cks[i],
                         lambda c, ask, ck=cks[i], d=deadline: c.pipeline(
-                            ([("ASKING",)] if ask else []) + [("EXISTS", ck)], d
+                            ([("ASKING",)] if ask else []) + [("EXISTS", *(ck + s for s in sfx))], d
                         )[-1],
                         deadline,
                     )
@@ -302,18 +318,22 @@ class RedisTier(_Topology, Tier):
                 f"out: expected a contiguous CPU tensor, got one on {out.device} with strides "
                 f"{tuple(out.stride())} for shape {tuple(out.shape)}"
             )
-        ck = _chunk_key(key)
+        names = list(zip(self.value_keys(key), self._kids))  # newest secret first: one name, or one per secret
+        ck = names[0][0]  # the name being read (every name is in the chunk's cluster slot: routed by the first)
         deadline = time.monotonic() + self._timeout
-        sink = _ChunkSink(key, self.ctx.fingerprint, out, f"redis value {ck}", self.piece, self.sealer)
+        sink = _ChunkSink(key, self.ctx.fingerprint, out, f"redis value {ck}", self.piece, self.sealer, names[0][1])
         manifest: list[bytes | None] = [None]
 
         def read(conn: RespConnection, asking: bool) -> None:
-            nonlocal sink
-            if sink.used:  # a second try (redirected, or a dead pooled connection) starts over
-                sink = _ChunkSink(key, self.ctx.fingerprint, out, sink.where, self.piece, self.sealer)
-            sink.used = True
+            nonlocal sink, ck
             ask = [("ASKING",)] if asking else []
-            conn.get_into([ck], sink, deadline, prefix=ask, ready=sink.prepare)
+            for ck, kid in names:  # a rotation: the next secret's name if this one is missing (a round trip)
+                if sink.used:  # a second try (redirected, a dead pooled connection) or another name starts over
+                    sink = _ChunkSink(key, self.ctx.fingerprint, out, f"redis value {ck}", self.piece, self.sealer, kid)
+                sink.used = True
+                conn.get_into([ck], sink, deadline, prefix=ask, ready=sink.prepare)
+                if not sink.missing:
+                    break
             if sink.missing:
                 return
             if sink.manifest is not None:
@@ -383,12 +403,13 @@ class RedisTier(_Topology, Tier):
                     encoded.extend(codec.encode(chunk, key, self.ctx.fingerprint, extra, created=time.time()))
             return encoded[0], encoded[1]
 
-        ck = _chunk_key(key)
+        names = self.value_keys(key)  # present under any of them: not written again
+        ck = names[0]
         deadline = time.monotonic() + self._timeout
         try:
             while True:
                 try:
-                    stored = self._op(ck, lambda c, ask: self._write(c, ask, ck, encode, deadline), deadline)
+                    stored = self._op(ck, lambda c, ask: self._write(c, ask, names, encode, deadline), deadline)
                     break
                 except ValueTooLarge as e:  # the server takes smaller values than we sent: parts
                     if not self._lower_value_cap(ck, e, deadline):
@@ -413,11 +434,11 @@ class RedisTier(_Topology, Tier):
         return stored
 
     @staticmethod
-    def _lacks(conn, ask: list, ck: str, encode: Callable, deadline: float) -> tuple[bytes, object] | None:
-        """``encode()`` if ``ck`` is not stored yet, else None. The EXISTS goes out first and the chunk is
+    def _lacks(conn, ask: list, names: list[str], encode: Callable, deadline: float) -> tuple[bytes, object] | None:
+        """``encode()`` if none of ``names`` is stored yet, else None. The EXISTS goes out first and the chunk is
         encoded while the server answers: a chunk already there costs a round trip, not the value's
         transfer, and a new one does not wait for that round trip (4 MiB PUT: 0.14 ms less here)."""
-        cmds = ask + [("EXISTS", ck)]
+        cmds = ask + [("EXISTS", *names)]
         conn.send(cmds, deadline)
         try:
             encoded = encode()
@@ -426,12 +447,14 @@ class RedisTier(_Topology, Tier):
             raise
         return None if conn.replies(cmds, deadline)[-1] else encoded
 
-    def _write(self, conn, asking, ck, encode, deadline) -> bool:
-        """Store the chunk at ``ck`` unless present: one ``SET NX`` of its encoding, or parts when its
-        payload is larger than ``max_value_size`` (the header rides along: a 4 MiB chunk is one 4 MiB value,
-        not two of 2 MiB) or the encoding larger than the servers take (``_value_cap``)."""
+    def _write(self, conn, asking, names, encode, deadline) -> bool:
+        """Store the chunk at ``names[0]`` unless present under any of ``names``: one ``SET NX`` of its
+        encoding, or parts when its payload is larger than ``max_value_size`` (the header rides along: a 4 MiB
+        chunk is one 4 MiB value, not two of 2 MiB) or the encoding larger than the servers take
+        (``_value_cap``)."""
+        ck = names[0]
         ask = [("ASKING",)] if asking else []
-        encoded = self._lacks(conn, ask, ck, encode, deadline)
+        encoded = self._lacks(conn, ask, names, encode, deadline)
         if encoded is None:
             return False
         header, payload = encoded
@@ -526,15 +549,16 @@ class RedisTier(_Topology, Tier):
         return True
 
     def delete(self, key: str) -> bool:
-        """Remove chunk ``key`` (and its parts); False if it was not there."""
+        """Remove chunk ``key`` (and its parts; under every name this tier reads it at); False if it was not
+        there."""
         self._check_open()
-        check_key(key)
-        ck = _chunk_key(key)
-        deadline = time.monotonic() + self._timeout
-        try:
-            r = self._op(ck, lambda c, ask: self._script(c, "drop", [ck], [b""], deadline, ask), deadline)
-        except ConnectionLost as e:
-            raise StoreUnavailableError(f"chunk {key}: redis {self.url}: {e}") from None
+        r = 0
+        for ck in self.value_keys(key):
+            deadline = time.monotonic() + self._timeout
+            try:
+                r += self._op(ck, lambda c, ask, ck=ck: self._script(c, "drop", [ck], [b""], deadline, ask), deadline)
+            except ConnectionLost as e:
+                raise StoreUnavailableError(f"chunk {key}: redis {self.url}: {e}") from None
         if r:
             self._emit(REMOVED, [key])
         return bool(r)
