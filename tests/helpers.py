@@ -142,6 +142,18 @@ def remount(path, mode: str) -> None:
     subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True, capture_output=True)
 
 
+def dir_bytes(path) -> int:
+    """Bytes of the files under ``path`` now (a file removed while walking counts nothing)."""
+    total = 0
+    for d, _, fs in os.walk(path):
+        for f in fs:
+            try:
+                total += os.lstat(os.path.join(d, f)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
 def flip_byte(path, from_end: int = 100) -> None:
     """Damage a file the way a bad disk or a stray write does: one byte ``from_end`` bytes before its end."""
     with open(path, "r+b") as f:

@@ -1,9 +1,12 @@
 """Fixtures of the store tests: real ``redis-server`` processes (kvx.testing.redis_server), stopped at teardown
-whatever the test did to them; and the helpers the Redis tests share (chunks, keys, checks of a tier)."""
+whatever the test did to them; the helpers the Redis tests share (chunks, keys, checks of a tier); and the pids of
+a live and a dead process the disk tests name temporary files after."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import time
 import uuid
 
@@ -126,3 +129,14 @@ def assert_fails_at_once(tier: RedisTier, within_s: float) -> None:
     with pytest.raises(StoreUnavailableError):
         tier.put(new_key(), torch.zeros(4))
     assert time.monotonic() - t0 < within_s
+
+
+@pytest.fixture
+def pids():
+    """A pid alive for the whole test (another engine's writer on this host) and one that is not."""
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    yield {"live": live.pid, "dead": dead.pid}
+    live.stdin.close()
+    live.wait()

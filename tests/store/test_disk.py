@@ -28,7 +28,7 @@ from kvx.store import StoreError, StoreFullError
 from kvx.store.codec import FORMAT_VERSION, ST_DTYPES, crc32
 from kvx.store.codec import crc32c as checksum
 from kvx.store.disk import ChunkError, DiskTier, StoreClosedError, directory, survey
-from tests.helpers import assert_same_bytes, mount_tmpfs, remount, umount
+from tests.helpers import assert_same_bytes, dir_bytes, mount_tmpfs, remount, umount
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn]
 SHAPES = [(1,), (7,), (3, 5), (2, 3, 17, 2, 8), (4, 1, 16, 2, 8)]  # odd sizes; the last two: [L, P, T, H, D]
@@ -754,13 +754,7 @@ class DirMeter:
 
     def measure(self) -> int:
         with self.lock:
-            total = 0
-            for d, _, fs in os.walk(self.path):
-                for f in fs:
-                    try:
-                        total += os.lstat(os.path.join(d, f)).st_size
-                    except FileNotFoundError:
-                        pass
+            total = dir_bytes(self.path)
             if total > self.peak:  # what was there, for the failure message
                 self.peak, self.at_peak = total, files_in(self.path)
             self.samples += 1
@@ -1223,17 +1217,6 @@ def child_says(pid: int) -> bytes:
 def kill_and_reap(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)  # no cleanup of any kind, as after kill -9
     os.waitpid(pid, 0)
-
-
-@pytest.fixture
-def pids():
-    """A pid that is alive for the whole test (another engine's writer on this host) and one that is not."""
-    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    yield {"live": live.pid, "dead": dead.pid}
-    live.stdin.close()
-    live.wait()
 
 
 def make_temp(path, key: str, name: str, nbytes: int, age_s: float = 0.0) -> str:

@@ -15,7 +15,7 @@ import pytest
 from kvx.store.disk.budget import FULL_EVICT_FRACTION, Budget
 from kvx.store.disk.directory import _LIVE_TMP, chunk_file, survey, temp_name
 from kvx.store.errors import StoreFullError
-from tests.helpers import wait_for
+from tests.helpers import dir_bytes, wait_for
 
 CHUNK = 4096  # bytes of every chunk file here
 # (writer threads, capacity in chunks, low watermark): 8 threads into 2 chunks wait for each other
@@ -86,14 +86,7 @@ class Store:
 
     def bytes(self) -> int:
         with self.lock:
-            total = 0
-            for d, _, fs in os.walk(self.path):
-                for f in fs:
-                    try:
-                        total += os.lstat(os.path.join(d, f)).st_size
-                    except FileNotFoundError:
-                        pass
-            return total
+            return dir_bytes(self.path)
 
 
 def aged(store: Store, n: int) -> list[str]:

@@ -6,11 +6,7 @@ survey recognises."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
-
-import pytest
 
 from kvx.store.disk.directory import (
     _HOST,
@@ -38,17 +34,6 @@ TEMPS = [
     (lambda p: ".tmpXy34Ef", OLD, True, "more than 3600 s"),
 ]
 NOT_KVX = ["README", "ab/notes.txt", "ab/.hidden", "abc/.x.tmp", "abc/x.safetensors"]
-
-
-@pytest.fixture
-def pids():
-    """A pid alive for the whole test (another engine's writer on this host) and one that is not."""
-    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    yield {"live": live.pid, "dead": dead.pid}
-    live.stdin.close()
-    live.wait()
 
 
 def write(path: str, nbytes: int, age_s: float = 0.0) -> str:
