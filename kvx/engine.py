@@ -581,19 +581,13 @@ class BlockOrder:
         edges = [marker if marker is not None else self.engine.marker()]
         return edges + self._live(self._writers, blocks) if loads else edges
 
-    def load(self, blocks: Sequence[int], fn: Callable, name: str = "", after: Iterable = (), marker=None) -> Job:
-        """Submit a copy that writes ``blocks`` (rule 1). ``marker``: one taken on the compute stream since its last
-        use of the blocks (taken now if None)."""
-        job = self.engine.submit(fn, queue="load", after=[*self.load_edges(blocks, marker), *after], name=name)
-        self._note(self._writers, blocks, job)
-        return job
+    def load(self, blocks: Sequence[int], fn: Callable, name: str = "", marker=None) -> Job:
+        """One copy ``fn(stream)`` that writes ``blocks`` (:meth:`load_parts` of one part)."""
+        return self.load_parts(blocks, [(None, fn)], None, name, marker)[0]
 
-    def save(self, blocks: Sequence[int], fn: Callable, name: str = "", marker=None, after: Iterable = ()) -> Job:
-        """Submit a copy that reads ``blocks`` (rule 2). ``marker``: one taken right after the forward wrote
-        them (taken now if None)."""
-        job = self.engine.submit(fn, queue="save", after=[*self.save_edges(blocks, marker), *after], name=name)
-        self._note(self._readers, blocks, job)
-        return job
+    def save(self, blocks: Sequence[int], fn: Callable, name: str = "", marker=None) -> Job:
+        """One copy ``fn(stream)`` that reads ``blocks`` (:meth:`save_parts` of one part)."""
+        return self.save_parts(blocks, [(fn, None)], None, name, marker)[0]
 
     def load_parts(
         self,

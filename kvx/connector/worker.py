@@ -240,7 +240,6 @@ class KVXWorker:
             )
         if self.engine is None:
             self.engine = make_engine(lay.device)
-        self.ratio = ratio
         self.cache = WorkerCache(self.config, self.geom, self.fmt, lay, ratio, self.engine, self.pool)
         self.loads.cache = self.saves.cache = self.cache
         if self.engine.staged:
