@@ -245,7 +245,7 @@ class Bench:
             dtype=args.dtype,
             device=device,
         )
-        self.worker = KVXWorker(self.config, geom, "canonical", "bench-pipeline", shard=0, shards=1, writes=True)
+        self.worker = KVXWorker(self.config, geom, "canonical", "bench-pipeline")
         self.worker.register_kv_caches(dict(zip(self.names, self.caches)), args.layout, self.num_blocks)
         self.engine = self.worker.engine
         self.pool = self.worker.pool

@@ -30,6 +30,7 @@ from ..store import CPUPool
 from .common import EngineGeometry, object_rows
 from .config import KVXConfig
 from .metadata import KVXWorkerMetadata
+from .parts import PartIO
 
 log = get_logger(__name__)
 
@@ -48,9 +49,11 @@ class WorkerCache:
         ratio: int,
         engine: TransferEngine,
         pool: CPUPool | None,
+        parts: PartIO,
     ):
         self.config, self.geom, self.fmt = config, geom, fmt
         self.layout, self.ratio, self.engine, self.pool = layout, ratio, engine, pool
+        self.parts = parts  # how this worker's share of a chunk is read from and written to a byte tier
         self.order = BlockOrder(engine)
         # Layer groups: the unit wait_for_layer_load fences and save_kv_layer queues. One per layer where copies
         # overlap the forward (CUDA, and the deferred CPU queue that runs its code path); one for all layers on CPU

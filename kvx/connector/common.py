@@ -42,6 +42,7 @@ import torch
 
 from .config import ConfigError, KVXConfig
 from .keys import namespace_digest
+from .parts import RECORD_VERSION, Share
 
 DEFAULT_CHUNK_TOKENS = 256  # chunk_size left unset: the smallest multiple of the engine's block size at least this
 
@@ -64,6 +65,11 @@ class EngineGeometry:
     num_groups: int = 1  # KV cache groups; a chunk holds every attention group's blocks (see the module docstring)
     group_kinds: tuple[str, ...] = ()  # several groups: per group "full", "sliding<window>" or "state"
     state_desc: str = ""  # recurrent-state groups: what their pages hold (shapes, dtypes, backend)
+    total_kv_heads: int = 0  # the model's KV heads, every rank's (MLA: 1); 0: num_kv_heads (one rank)
+
+    @property
+    def model_kv_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads
 
     @property
     def planes(self) -> int:
@@ -225,6 +231,7 @@ def engine_geometry(vllm_config, kv_cache_config) -> EngineGeometry:
         block_size=block_size,
         num_layers=max(len(g.layer_names) for g in groups),
         num_kv_heads=1 if use_mla else int(spec.num_kv_heads),
+        total_kv_heads=1 if use_mla else _total_kv_heads(vllm_config, int(spec.num_kv_heads)),
         head_size=int(spec.head_size),
         dtype=spec.dtype,
         use_mla=use_mla,
@@ -235,6 +242,12 @@ def engine_geometry(vllm_config, kv_cache_config) -> EngineGeometry:
         group_kinds=kinds,
         state_desc=state_description(state_specs),
     )
+
+
+def _total_kv_heads(vllm_config, per_rank: int) -> int:
+    """The model's KV heads (every TP rank's), as vLLM counts them; ``per_rank`` where the config cannot say."""
+    total = getattr(vllm_config.model_config, "get_total_num_kv_heads", None)
+    return int(total()) if callable(total) else per_rank
 
 
 def chunk_format(config: KVXConfig, geom: EngineGeometry) -> str:
@@ -254,10 +267,25 @@ def chunk_format(config: KVXConfig, geom: EngineGeometry) -> str:
     return config.format
 
 
+# page layouts whose pages hold each KV head's bytes as one run (head-major): their raw pages can be cut by head
+_HEAD_MAJOR_PAGES = ("cpu", "LBHNC", "BLHNC", "mla")
+
+
+def head_parts(geom: EngineGeometry, fmt: str, layout_name: str = "") -> bool:
+    """Whether this engine's chunks are stored as one part per KV head (:mod:`.parts`), so that engines of every
+    TP size share them: canonical chunks and head-major raw pages, MLA's single latent "head", not a hybrid model's
+    recurrent state (one part per rank, and the TP size stays in the namespace)."""
+    if geom.hybrid:
+        return False
+    return geom.use_mla or fmt == "canonical" or layout_name in _HEAD_MAJOR_PAGES
+
+
 def format_fingerprint(geom: EngineGeometry, fmt: str, layout_name: str = "") -> str:
     """What a chunk's bytes mean. Canonical chunks: planes, heads, head size, dtype. Raw pages also
-    depend on the page layout, block size and (CPU backend) the attention ISA that packed them."""
-    parts = [fmt, f"P{geom.planes}", f"H{geom.num_kv_heads}", f"D{geom.head_size}", str(geom.dtype)]
+    depend on the page layout, block size and (CPU backend) the attention ISA that packed them. Heads: the model's
+    (every rank's) when chunks are stored by head (:func:`head_parts`), else a rank's."""
+    heads = geom.model_kv_heads if head_parts(geom, fmt, layout_name) else geom.num_kv_heads
+    parts = [fmt, f"P{geom.planes}", f"H{heads}", f"D{geom.head_size}", str(geom.dtype)]
     if fmt == "pages":
         parts += [f"N{geom.block_size}", "cpu_attn" if geom.opaque else layout_name, geom.isa]
     if geom.num_groups > 1:  # every group's blocks, in group order (single-group fingerprints unchanged)
@@ -267,31 +295,39 @@ def format_fingerprint(geom: EngineGeometry, fmt: str, layout_name: str = "") ->
     return hashlib.sha256("/".join(parts).encode()).hexdigest()[:16]
 
 
-def shard_count(vllm_config, use_mla: bool) -> int:
-    """Storage shards per chunk: one per (TP rank, PP rank); MLA caches are identical across TP ranks."""
-    pc = vllm_config.parallel_config
-    tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
-    return (1 if use_mla else tp) * pp
-
-
-def worker_shard(vllm_config, use_mla: bool) -> tuple[int, int, bool]:
-    """(shard index, shard count, writes) of this worker. ``writes`` is False for MLA ranks other than
-    TP rank 0 (they hold the same bytes as rank 0)."""
+def worker_share(vllm_config, geom: EngineGeometry, split: bool, layer_names) -> Share:
+    """This worker's sub-rectangle of every chunk (:class:`~.parts.Share`): its TP rank's KV heads of the model's,
+    and its KV layers' decoder indices (from vLLM's layer names, ``layer_names`` in the cache's physical order)."""
     pc = vllm_config.parallel_config
     tp = int(pc.tensor_parallel_size)
     try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        from vllm.distributed.parallel_state import get_tp_group
 
-        tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
+        rank = get_tp_group().rank_in_group
     except Exception:  # not initialised (single process tests)
-        tp_rank, pp_rank = 0, 0
-    per_stage = 1 if use_mla else tp
-    shard = (0 if use_mla else tp_rank) + pp_rank * per_stage
-    return shard, shard_count(vllm_config, use_mla), not (use_mla and tp_rank != 0)
+        rank = 0
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    idx = [extract_layer_index(n) for n in layer_names]
+    layers = (min(idx), max(idx) + 1)
+    contiguous = idx == list(range(layers[0], layers[1]))
+    total = geom.model_kv_heads
+    if geom.use_mla:
+        return Share((0, 1), 1, layers, contiguous, writer=rank == 0)
+    if not split:
+        return Share((0, geom.num_kv_heads), geom.num_kv_heads, layers, contiguous, split=False, rank=rank, ranks=tp)
+    if tp > total:  # each head on tp / total ranks: the first of them writes it
+        per = tp // total
+        return Share((rank // per, rank // per + 1), total, layers, contiguous, writer=rank % per == 0)
+    n = geom.num_kv_heads
+    return Share((rank * n, (rank + 1) * n), total, layers, contiguous)
 
 
-def namespace(vllm_config, geom: EngineGeometry, fingerprint: str) -> bytes:
-    """The key namespace of this engine (see :mod:`kvx.connector.keys`)."""
+def namespace(vllm_config, geom: EngineGeometry, fingerprint: str, split: bool = True) -> bytes:
+    """The key namespace of this engine (see :mod:`kvx.connector.keys`). The parallel sizes are not in it when
+    chunks are stored by KV head (``split``, :func:`head_parts`): engines of every TP and PP size share chunks; a
+    hybrid model's keeps the TP size (its state cannot be cut by head). ``parts``: the storage version (chunks
+    stored before parts existed are under other keys: never looked up, recomputed)."""
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     # several groups: the group structure is named (the fingerprint holds it too); one group: as it always was
     more = {"kv_groups": list(geom.group_kinds)} if geom.num_groups > 1 else {}
@@ -302,8 +338,8 @@ def namespace(vllm_config, geom: EngineGeometry, fingerprint: str) -> bytes:
         kv_cache_dtype=str(cc.cache_dtype),
         dtype=str(geom.dtype),
         format=fingerprint,
-        tp=1 if geom.use_mla else int(pc.tensor_parallel_size),
-        pp=int(pc.pipeline_parallel_size),
+        parts=RECORD_VERSION,
+        **({} if split else {"tp": int(pc.tensor_parallel_size)}),
         **more,
     )
 

@@ -37,11 +37,11 @@ from .common import (
     chunk_format,
     engine_geometry,
     format_fingerprint,
+    head_parts,
     hma_unsupported_reason,
     namespace,
     resolve_chunk_size,
-    shard_count,
-    worker_shard,
+    worker_share,
 )
 from .config import ConfigError, KVXConfig, check_paths
 from .events import event_groups
@@ -135,7 +135,8 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
         layout = _layout_name(vllm_config, kv_cache_config)
         fmt = chunk_format(self.config, geom)
         fingerprint = format_fingerprint(geom, fmt, layout)
-        ns = namespace(vllm_config, geom, fingerprint)
+        split = head_parts(geom, fmt, layout)
+        ns = namespace(vllm_config, geom, fingerprint, split)
         self._layout_name = layout
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = KVXScheduler(
@@ -143,17 +144,18 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
                 geom,
                 ns,
                 fingerprint,
-                shards=shard_count(vllm_config, geom.use_mla),
                 num_workers=int(vllm_config.parallel_config.world_size),
                 producer=bool(ktc.is_kv_producer),
                 consumer=bool(ktc.is_kv_consumer),
                 kv_events=bool(
                     getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False)
                 ),
+                split=split,
+                stages=int(vllm_config.parallel_config.pipeline_parallel_size),
+                background_writes=not (ktc.is_kv_producer and not ktc.is_kv_consumer),
             )
             self._scheduler.events.set_groups(event_groups(kv_cache_config))
         else:
-            shard, shards, writes = worker_shard(vllm_config, geom.use_mla)
             # a kv_producer's chunks are the hand-off its consumer waits for (pd_wait_ms): written at normal
             # priority; otherwise writes only fill idle cores and never slow the forward
             self._worker = KVXWorker(
@@ -161,9 +163,7 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
                 geom,
                 fmt,
                 fingerprint,
-                shard,
-                shards,
-                writes,
+                lambda names: worker_share(vllm_config, geom, split, names),
                 fence_loads_at_start=not self.config.layerwise,
                 background_writes=not (ktc.is_kv_producer and not ktc.is_kv_consumer),
             )

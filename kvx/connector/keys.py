@@ -3,10 +3,10 @@
 ``key[i] = blake2b(key[i-1] || tokens of chunk i || extras of chunk i || len)`` (every part length-prefixed;
 extras: the concatenated digests of the chunk's multimodal items, each over its hash, its offset
 relative to the chunk and its length) with ``key[-1]`` the request's
-*root*: a digest of the engine namespace (model, KV dtype, chunk format fingerprint, tensor-parallel
-size) and the request's own isolation inputs (cache_salt, LoRA adapter). The tensor-parallel rank
-enters last, in :func:`rank_key`, so the scheduler can derive every rank's storage key from one chain;
-MLA chunks (the latent cache is identical on every rank) use the shared key. A hybrid model's recurrent state
+*root*: a digest of the engine namespace (model, KV dtype, chunk format fingerprint; not the tensor- or
+pipeline-parallel sizes where the chunk's bytes can be cut by KV head) and the request's own isolation inputs
+(cache_salt, LoRA adapter). In a byte tier the chunk key names the chunk's record and each part of the chunk
+has its own key, :func:`part_key` (:mod:`kvx.connector.parts`). A hybrid model's recurrent state
 at a chunk's end is stored under :func:`state_key` of the chunk's key. Multimodal items are mixed into
 every chunk their placeholder tokens overlap, so two prompts with the same placeholder ids but different images
 never share a chunk. No Python ``hash()`` and no vLLM per-process seed are involved.
@@ -118,21 +118,15 @@ def chunk_keys(
     return keys
 
 
-def rank_key(key: str, rank: int, world: int) -> str:
-    """The storage key of one tensor-parallel shard of chunk ``key`` (``world == 0``: shared, e.g. MLA)."""
+def part_key(key: str, name: str) -> str:
+    """The storage key of part ``name`` of chunk ``key`` in a byte tier (:mod:`kvx.connector.parts`: a KV head's
+    layers, ``h3/l0-32``; or a rank's whole share where heads cannot be cut, ``tp1of2/l0-32``). The chunk key itself
+    names the chunk's record."""
     if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
         raise ValueError(f"key: expected 32 lowercase hex digits, got {key!r}")
-    if not _is_int(world) or world < 0:
-        raise ValueError(f"world: expected a non-negative int, got {world!r}")
-    if not _is_int(rank) or rank < 0 or (world > 0 and rank >= world):
-        raise ValueError(
-            f"rank: expected an int in [0, {world}), got {rank!r}"
-            if world
-            else f"rank: expected a non-negative int, got {rank!r}"
-        )
-    if world == 0:
-        return key
-    return _digest(bytes.fromhex(key), f"tp{rank}/{world}".encode()).hex()
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name: expected a part name such as 'h0/l0-32', got {name!r}")
+    return _digest(bytes.fromhex(key), b"part", name.encode()).hex()
 
 
 def state_key(key: str) -> str:

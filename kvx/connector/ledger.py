@@ -12,7 +12,9 @@ ends when every worker reported it (:meth:`ChunkLedger.settle`). Three kinds:
   was in flight are handed back to the scheduler to plan it again. Once committed, a chunk planned with
   ``through`` tiers is written through to them (:meth:`ChunkLedger.plan_write_through`).
 - ``tier``: a chunk written to a byte tier, from the paged cache (gathered), or from its CPU slot, which the
-  transfer holds until it ends. At most one per (tier, chunk) at a time.
+  transfer holds until every worker reported. At most one per (tier, chunk) at a time. Once every worker
+  reported its parts stored (:data:`~.metadata.OK` or :data:`~.metadata.HELD`), the chunk's record is written
+  (``commit``: :mod:`.parts`); the transfer ends when it is, and only then is the chunk stored (a hit, an event).
 - ``load``: a request's load; the CPU slots it reads stay pinned until every worker finished it.
 
 A bounded write backlog (``max_write_backlog``): each tier write counts the bytes it queues on a worker (the
@@ -36,13 +38,14 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ..log import get_logger
 from ..store import CPUIndex, SlotState
 from ..store.stack import TierStack
 from .events import KVEvents
-from .metadata import FAILED, OK, ChunkSave
+from .metadata import FAILED, HELD, OK, ChunkSave
 
 log = get_logger(__name__)
 
@@ -100,6 +103,7 @@ class ChunkLedger:
         backlog: int | None = None,
         object_bytes: Callable[[int, bool], int] = lambda tokens, state: 0,
         slot_bytes: int = 0,
+        commit: Callable[[str, str], Future] | None = None,
     ):
         self.cpu = cpu
         self.writes = writes  # a producer: promoted chunks are written through to the faster tiers
@@ -116,11 +120,15 @@ class ChunkLedger:
         self.slot_bytes = slot_bytes  # a write buffer's bytes (a CPU slot's): what a buffered save occupies
         self._pending: Counter[str] = Counter()  # tier -> bytes its writes in flight queue (per worker)
         self.dropped: Counter[str] = Counter()  # tier -> writes not planned: its backlog was full
+        # (tier, chunk) -> its record being written, once every worker stored its parts; None: written at once
+        self.commit = commit
+        self._commits: list[tuple[Transfer, Future]] = []
+        self.commit_errors = 0
 
     # ---------------------------------------------------------------- queries
     def idle(self) -> bool:
-        """Nothing in flight and nothing waiting to be written through."""
-        return not self._open and not self._through
+        """Nothing in flight (records included) and nothing waiting to be written through."""
+        return not self._open and not self._through and not self._commits
 
     def writes_in_flight(self) -> int:
         """CPU slot writes and tier writes in flight (the ``pending_writes`` gauge)."""
@@ -267,6 +275,7 @@ class ChunkLedger:
     def settle(self, results: Mapping[int, Sequence[str]]) -> Settled:
         """Record the workers' outcomes; end the transfers every worker has reported."""
         out = Settled()
+        self.end_commits()
         for xid, outcomes in results.items():
             tr = self._open.get(xid)
             if tr is None:
@@ -279,17 +288,40 @@ class ChunkLedger:
             if tr.kind is Kind.SLOT:
                 self._end_slot(tr, out)
             elif tr.kind is Kind.TIER:
-                del self._tier_writes[(tr.tier, tr.key)]
-                self._pending[tr.tier] -= tr.nbytes
-                if OK in tr.outcomes and FAILED not in tr.outcomes:
-                    self.events.stored(tr.tier, tr.key)  # new bytes, every rank's share in
+                self._pending[tr.tier] -= tr.nbytes  # the workers' buffers are free
                 if tr.holds:
                     self.cpu.unpin([tr.key])
+                if all(o in (OK, HELD) for o in tr.outcomes) and self.commit is not None:
+                    self._commits.append((tr, self.commit(tr.tier, tr.key)))  # every part stored: the record
+                else:
+                    self._end_tier(tr, OK in tr.outcomes and FAILED not in tr.outcomes)
             else:
                 if tr.pins:
                     self.cpu.unpin(tr.pins)
                 out.loads_done.append(tr.key)
         return out
+
+    def _end_tier(self, tr: Transfer, stored: bool) -> None:
+        del self._tier_writes[(tr.tier, tr.key)]
+        if stored:
+            self.events.stored(tr.tier, tr.key)  # new bytes, every part in
+
+    def end_commits(self) -> None:
+        """End the tier writes whose records were written (or failed to be: the chunk stays a miss). Every step."""
+        keep = []
+        for tr, fut in self._commits:
+            if not fut.done():
+                keep.append((tr, fut))
+                continue
+            err = fut.exception()
+            if err is not None:
+                self.commit_errors += 1
+                log.warning(
+                    "kvx: the record of chunk %s was not written to %s (%s); it stays a miss", tr.key, tr.tier, err
+                )
+            # stored: the tier announces the record it wrote (its STORED event), once, when new
+            self._end_tier(tr, False)
+        self._commits = keep
 
     def _end_slot(self, tr: Transfer, out: Settled) -> None:
         del self._slot_writes[tr.key]

@@ -35,7 +35,6 @@ from ..kernels.staged import TransferBatch
 from ..log import get_logger
 from ..store import Tier
 from .cache import WorkerCache, WorkerResults
-from .keys import rank_key
 from .metadata import FAILED, OK, ChunkLoad, LoadSpec
 from .validity import LoadOutcomes
 
@@ -78,8 +77,8 @@ class LoadPipeline:
     """The loads in flight on one worker, from ``start_load_kv`` until every copy ran (see the module docstring).
 
     ``cache``: the registered KV cache (set by the worker; None while none is); ``results``: where outcomes and
-    counters go; ``tiers``: the byte tiers by name; ``shard`` of ``shards``: this rank (its storage keys);
-    ``groups``: the engine's KV cache groups."""
+    counters go; ``tiers``: the byte tiers by name; ``groups``: the engine's KV cache groups. A chunk is read from a
+    byte tier as this worker's parts of it (:class:`~.parts.PartIO`, the cache's)."""
 
     def __init__(
         self,
@@ -87,14 +86,11 @@ class LoadPipeline:
         tiers: dict[str, Tier],
         reader: ThreadPoolExecutor | None,
         fence_at_start: bool,
-        shard: int = 0,
-        shards: int = 1,
         groups: int = 1,
     ):
         self.cache: WorkerCache | None = None
         self.several_groups = groups > 1  # KV cache groups: a failed load is reported per request
         self.results, self.tiers = results, tiers
-        self.shard, self.shards = shard, shards
         self.reader = reader  # tier reads: on the critical path, normal priority
         self.fence_at_start = fence_at_start  # fence every load in start (no per-layer fences)
         self.outcomes = LoadOutcomes()  # the verdict handed to the save pipeline
@@ -259,7 +255,6 @@ class LoadPipeline:
         """Read and verify one chunk from its tier, into its CPU slot if it has one (promotion); return a
         copyable source. On a reader thread."""
         c, results = self.cache, self.results
-        key = rank_key(ch.key, self.shard, self.shards) if self.shards > 1 else ch.key
         shape = c.chunk_shape(ch.tokens, ch.state)
         dst = c.slot_view(ch.slot, ch.tokens, ch.state) if ch.slot is not None else None
         if dst is not None and dst.is_contiguous():
@@ -267,7 +262,7 @@ class LoadPipeline:
         else:  # a partial chunk's slot view is strided; DMA reads host memory asynchronously only when pinned
             out = torch.empty(shape, dtype=c.chunk_dtype, pin_memory=c.layout.device.type == "cuda")
         t0 = time.perf_counter()
-        self.tiers[ch.tier].get_into(key, out)
+        c.parts.read(self.tiers[ch.tier], ch.key, out)
         results.note_read(ch.tier, out.nbytes, time.perf_counter() - t0)
         results.stats[f"{ch.tier}_reads"] += 1
         results.stats[f"{ch.tier}_read_bytes"] += out.nbytes

@@ -25,7 +25,8 @@ except ImportError:  # the worker side also runs without vLLM (tests/worker driv
 
 # What one worker reports for one transfer (:attr:`KVXWorkerMetadata.results`)
 OK = "ok"  # done: the CPU slot written, the tier stored new bytes, the load finished
-NOOP = "noop"  # nothing to do here: the tier held the chunk already, the save was dropped or is not this rank's
+NOOP = "noop"  # nothing done: the save was dropped (backpressure, a failed load) or this engine does not write
+HELD = "held"  # a tier write: this worker's parts are in the tier, all there already (or it writes none: a replica)
 FAILED = "failed"  # the copy, read or write failed
 
 
@@ -112,17 +113,20 @@ class KVXMetadata(KVConnectorMetadata):
 class KVXWorkerMetadata(KVConnectorWorkerMetadata):
     """What workers report to the scheduler (merged by :meth:`aggregate`).
 
-    results: transfer id -> each reporting worker's outcome (:data:`OK`, :data:`NOOP`, :data:`FAILED`)
+    results: transfer id -> each reporting worker's outcome (:data:`OK`, :data:`HELD`, :data:`NOOP`, :data:`FAILED`)
     failed_blocks: blocks whose load failed on a worker (union over workers)
     removed: (tier, chunk key) of chunks removed from a byte tier on a worker (evicted, dropped)
     reads: one record per chunk read from a byte tier: (tier, bytes, seconds), for the scheduler's estimate of
     each tier's read speed (:class:`~.scheduler.HitCosts`)
+    layers: the reporting workers' layer ranges (sent with every report; not a result on its own)
     """
 
     results: dict[int, list[str]] = field(default_factory=dict)
     failed_blocks: list[int] = field(default_factory=list)
     removed: list[tuple[str, str]] = field(default_factory=list)
     reads: list[tuple[str, int, float]] = field(default_factory=list)
+    # the layer ranges (decoder indices) of the reporting workers' parts (:mod:`.parts`): a chunk's record lists them
+    layers: list[tuple[int, int]] = field(default_factory=list)
 
     def report(self, xfer: int, outcome: str) -> None:
         self.results.setdefault(xfer, []).append(outcome)
@@ -138,6 +142,7 @@ class KVXWorkerMetadata(KVConnectorWorkerMetadata):
             sorted(set(self.failed_blocks) | set(other.failed_blocks)),
             self.removed + other.removed,
             self.reads + other.reads,
+            sorted(set(self.layers) | set(other.layers)),
         )
 
     def is_empty(self) -> bool:

@@ -40,17 +40,17 @@ from ..kernels.staged import TransferBatch
 from ..log import get_logger
 from ..store import StoreFullError, Tier
 from .cache import WorkerCache, WorkerResults
-from .keys import rank_key
 from .loads import failure_cause, wait_quietly
-from .metadata import FAILED, NOOP, OK, ChunkSave, KVXMetadata
+from .metadata import FAILED, HELD, NOOP, OK, ChunkSave, KVXMetadata
+from .parts import PartIO
 from .validity import LoadOutcomes
 
 log = get_logger(__name__)
 
-_MAX_RANK_KEYS = 1 << 18  # TP: storage keys remembered to name evicted chunks (bounded memory)
+_MAX_PART_KEYS = 1 << 18  # parts' keys remembered to name evicted chunks (bounded memory)
 
 
-def _background_priority() -> None:
+def background_priority() -> None:
     """Run this I/O thread only when a core is idle (Linux SCHED_IDLE; else the lowest nice level).
 
     Writing a chunk file costs ~6 ms of CPU per 4 MiB (mostly the kernel filling the page cache). On a
@@ -118,7 +118,8 @@ class _WriteBuffers:
 class SavePipeline:
     """The saves in flight on one worker (see the module docstring). ``cache``: the registered KV cache (set by the
     worker); ``results``: where outcomes and counters go; ``tiers``: the byte tiers by name; ``buffers``: the
-    write buffers; ``shard`` of ``shards``: this rank; ``writes``: whether this engine writes to the tiers."""
+    write buffers; ``writes``: whether this worker writes to the tiers. A chunk is written to a byte tier as this
+    worker's parts of it (:class:`~.parts.PartIO`, the cache's)."""
 
     def __init__(
         self,
@@ -126,13 +127,11 @@ class SavePipeline:
         tiers: dict[str, Tier],
         writer: ThreadPoolExecutor | None,
         buffers: _WriteBuffers,
-        shard: int = 0,
-        shards: int = 1,
         writes: bool = True,
     ):
         self.cache: WorkerCache | None = None
         self.results, self.tiers = results, tiers
-        self.shard, self.shards, self.writes = shard, shards, writes
+        self.writes = writes
         self.writer = writer  # tier writes: background unless a P/D producer's
         self.buffers = buffers
         self._saves: list[_Save] = []  # handed to the writers, not all reported yet
@@ -142,16 +141,17 @@ class SavePipeline:
         # their blocks); batch None when it could not be built
         self._gathers: tuple[TransferBatch | None, dict[int, list], list[_Save], list[int]] | None = None
         self._submitted: set[int] = set()  # layer groups whose gathers are queued this step
-        self._rank_keys: OrderedDict[str, str] = OrderedDict()  # TP: storage key -> chunk key, written here
-        self.rank_keys_lock = threading.Lock()
+        # the first part's key -> its chunk's key, of the parts written here (an eviction of it names the chunk)
+        self._part_keys: OrderedDict[str, str] = OrderedDict()
+        self.part_keys_lock = threading.Lock()
 
     def idle(self) -> bool:
         return not self._saves and self._step is None
 
-    def chunk_of(self, storage_key: str) -> str | None:
-        """TP: the chunk key of a rank's storage key this process wrote (None: not known here)."""
-        with self.rank_keys_lock:
-            return self._rank_keys.pop(storage_key, None)
+    def chunk_of(self, part_key: str) -> str | None:
+        """The chunk key of the first part of a chunk this process wrote (None: not such a part)."""
+        with self.part_keys_lock:
+            return self._part_keys.pop(part_key, None)
 
     # ---------------------------------------------------------------- one step
     def bind(self, meta: KVXMetadata | None) -> None:
@@ -265,7 +265,8 @@ class SavePipeline:
                         rec.jobs += c.queue_saves(batch, group_parts, s.block_ids, marker, f"save {s.key}")
             for name, xfer in s.to_tiers.items():
                 if self.writes:
-                    rec.writes[name] = self.writer.submit(self._write_chunk, name, s, rec, list(rec.jobs), c.fmt)
+                    args = (name, s, rec, list(rec.jobs), c.fmt, c.parts)  # the parts: a sleep may drop the cache
+                    rec.writes[name] = self.writer.submit(self._write_chunk, *args)
                 else:
                     r.out.report(xfer, NOOP)
             self._saves.append(rec)
@@ -278,22 +279,21 @@ class SavePipeline:
         self._step = None
         self._gathers = None
 
-    def _write_chunk(self, name: str, s: ChunkSave, rec: _Save, jobs: list[Job], fmt: str) -> bool:
+    def _write_chunk(self, name: str, s: ChunkSave, rec: _Save, jobs: list[Job], fmt: str, parts: PartIO) -> bool:
         """One tier write, on a writer thread, once the chunk's copies ran (it may end after a sleep dropped the
         registered cache: it reads only kvx's own buffer)."""
         for job in jobs:
             job.wait()
         if rec.error is not None:
             raise rec.error
-        key = rank_key(s.key, self.shard, self.shards) if self.shards > 1 else s.key
-        if self.shards > 1:
-            with self.rank_keys_lock:
-                self._rank_keys[key] = s.key
-                while len(self._rank_keys) > _MAX_RANK_KEYS:
-                    self._rank_keys.popitem(last=False)
         t0 = time.perf_counter()
-        written = self.tiers[name].put(key, rec.dest, {"tokens": str(s.tokens), "format": fmt})
+        written, keys = parts.write(self.tiers[name], s.key, rec.dest, {"tokens": str(s.tokens), "format": fmt})
         self.results.stats[f"{name}_write_ms"] += (time.perf_counter() - t0) * 1e3
+        if keys:
+            with self.part_keys_lock:
+                self._part_keys[keys[0]] = s.key
+                while len(self._part_keys) > _MAX_PART_KEYS:
+                    self._part_keys.popitem(last=False)
         return written
 
     # ---------------------------------------------------------------- results
@@ -362,7 +362,8 @@ class SavePipeline:
             elif fut.result():
                 r.stats[f"{name}_writes"] += 1
                 r.stats[f"{name}_write_bytes"] += rec.dest.nbytes
-            r.out.report(s.to_tiers[name], FAILED if err is not None else OK if fut.result() else NOOP)
+            # every part of this worker's in the tier: written now (OK) or there already (HELD)
+            r.out.report(s.to_tiers[name], FAILED if err is not None else OK if fut.result() else HELD)
             del rec.writes[name]
 
     def close(self) -> None:

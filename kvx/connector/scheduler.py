@@ -44,6 +44,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..log import get_logger
@@ -54,10 +55,12 @@ from .common import _NULL_BLOCK, EngineGeometry, chunk_bytes, num_cpu_slots, obj
 from .config import KVXConfig
 from .costs import HitCosts
 from .events import CPU_PLACE, KVEvents
-from .keys import MMItem, chunk_keys, rank_key, request_root, state_key
+from .keys import MMItem, chunk_keys, request_root, state_key
 from .ledger import ChunkLedger
 from .metadata import ChunkLoad, KVXMetadata, KVXWorkerMetadata, LoadSpec
 from .params import RequestControls, controls_of
+from .parts import record_of
+from .saves import background_priority
 from .validity import BlockValidity
 
 log = get_logger(__name__)
@@ -150,16 +153,21 @@ class KVXScheduler:
         geom: EngineGeometry,
         namespace: bytes,
         fingerprint: str,
-        shards: int,
         num_workers: int,
         producer: bool,
         consumer: bool,
         kv_events: bool = False,
+        split: bool = True,
+        stages: int = 1,
+        background_writes: bool = True,
     ):
+        """``split``: chunks are stored by KV head (:func:`~.common.head_parts`); ``stages``: pipeline stages (a
+        chunk's record lists one layer range per stage); ``background_writes``: records are written on idle cores
+        only, as the workers' tier writes (a P/D producer passes False: its consumer waits for them)."""
         self.config = config
+        self.split, self.stages = split, stages
         self.geom = geom
         self.namespace = namespace
-        self.shards = shards
         self.num_workers = num_workers
         self.producer, self.consumer = producer, consumer
         self.chunk_size = config.chunk_size
@@ -178,7 +186,16 @@ class KVXScheduler:
         self.cpu = CPUIndex(n_slots) if config.cpu_tier is not None else None
         ctx = TierContext(fingerprint, role="scheduler", writes=producer, io_threads=config.io_threads)
         self.tiers = {t.type: tier_class(t.type).open(t, ctx) for t in config.byte_tiers}
-        self.stack = TierStack(list(self.tiers.values()), self._shard_keys)
+        self.stack = TierStack(list(self.tiers.values()))
+        # chunk records (:mod:`.parts`): written here once every worker stored its parts, off this thread
+        self._layer_ranges: set[tuple[int, int]] = set()  # the workers' layer ranges, as they report them
+        self._recorder = (
+            ThreadPoolExecutor(
+                1, thread_name_prefix="kvx-record", initializer=background_priority if background_writes else None
+            )
+            if self.tiers and producer
+            else None
+        )
         self.events = KVEvents(
             kv_events,
             geom.block_size,
@@ -203,6 +220,7 @@ class KVXScheduler:
             backlog=write_backlog(config, geom),
             object_bytes=lambda tokens, state: object_bytes(geom, tokens, state),
             slot_bytes=slot_bytes,
+            commit=self._commit if self._recorder is not None else None,
         )
         self.admission = Admission(config.admit_after, config.admission_capacity) if config.admit_after > 1 else None
         self._new_loads: list[LoadSpec] = []
@@ -233,9 +251,16 @@ class KVXScheduler:
             self.trackers[request.request_id] = t
         return t
 
-    def _shard_keys(self, key: str) -> list[str]:
-        """The keys of every rank's share of chunk ``key`` in the byte tiers."""
-        return [key] if self.shards == 1 else [rank_key(key, s, self.shards) for s in range(self.shards)]
+    def _commit(self, tier: str, key: str) -> Future:
+        """Write chunk ``key``'s record to ``tier`` (every worker stored its parts there), on the recorder thread."""
+        if len(self._layer_ranges) != self.stages:  # every worker reports its range with its results: a defect
+            fut: Future = Future()
+            fut.set_exception(RuntimeError(f"expected {self.stages} stages' layer ranges, got {self._layer_ranges}"))
+            return fut
+        record = record_of(
+            sorted(self._layer_ranges), self.geom.model_kv_heads if self.split else self.geom.num_kv_heads
+        )
+        return self._recorder.submit(self.tiers[tier].put, key, record.encode(), {"kind": "record"})
 
     def _locate(self, keys: list[str]) -> list[str | None] | None:
         """Per key, the fastest tier holding it ("cpu" or a tier's name; None: none). None: not known yet."""
@@ -707,6 +732,7 @@ class KVXScheduler:
 
     # ------------------------------------------------------------------ step 4: worker results
     def update_connector_output(self, output) -> None:
+        self.ledger.end_commits()  # records written since the last step: those chunks are stored now
         if self.costs is not None:
             self.costs.step_end()
         wm = getattr(output, "kv_connector_worker_meta", None)
@@ -717,6 +743,7 @@ class KVXScheduler:
                 self.costs.read(tier, nbytes, seconds)
         if wm.failed_blocks:
             self._on_failed_loads(wm.failed_blocks)
+        self._layer_ranges.update(map(tuple, wm.layers))
         done = self.ledger.settle(wm.results)
         for tier, key in wm.removed:
             self.events.removed(tier, key)
@@ -814,4 +841,6 @@ class KVXScheduler:
         return ok
 
     def close(self) -> None:
+        if self._recorder is not None:
+            self._recorder.shutdown(wait=True)
         self.stack.close()

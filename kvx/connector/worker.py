@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -48,11 +49,12 @@ from ..kernels.layout import KVLayout
 from ..log import get_logger
 from ..store import REMOVED, CPUPool, Tier, TierContext, tier_class
 from .cache import WorkerCache, WorkerResults
-from .common import EngineGeometry, chunk_bytes, num_cpu_slots, object_rows, write_backlog
+from .common import EngineGeometry, chunk_bytes, head_parts, num_cpu_slots, object_rows, write_backlog
 from .config import ConfigError, KVXConfig
 from .loads import LoadPipeline
 from .metadata import KVXMetadata, KVXWorkerMetadata
-from .saves import SavePipeline, _background_priority, _WriteBuffers
+from .parts import PartIO, Share
+from .saves import SavePipeline, _WriteBuffers, background_priority
 
 log = get_logger(__name__)
 
@@ -61,6 +63,25 @@ log = get_logger(__name__)
 # thread needs between its kernels (measured: a 16-chunk hybrid load from the CPU tier took 180 ms over ~1400 idle
 # steps); a wait releases it, and costs nothing while nothing else is scheduled.
 IDLE_STEP_WAIT_S = 0.005
+
+
+def _whole_share(geom: EngineGeometry, split: bool, layers: int) -> Share:
+    """The share of a worker holding every head and layer (one process, tests): layers numbered from 0."""
+    if geom.total_kv_heads not in (0, geom.num_kv_heads) and not geom.use_mla:
+        raise ValueError(
+            f"share_of: expected a worker's share for a model of {geom.total_kv_heads} KV heads, {geom.num_kv_heads} "
+            "of them here"
+        )
+    heads = 1 if geom.use_mla else geom.num_kv_heads
+    return Share((0, heads), heads, (0, layers), split=split)
+
+
+def _physical_names(views: dict[str, torch.Tensor], lay: KVLayout) -> list[str]:
+    """Per physical layer of ``lay``, the name of a layer viewing it (the first: several KV cache groups alias it)."""
+    first: dict[int, str] = {}
+    for name, t in views.items():
+        first.setdefault(t.data_ptr(), name)
+    return [first[t.data_ptr()] for t in lay.layers]
 
 
 class KVXWorker:
@@ -72,19 +93,20 @@ class KVXWorker:
         geom: EngineGeometry,
         fmt: str,
         fingerprint: str,
-        shard: int,
-        shards: int,
-        writes: bool,
+        share_of: Callable[[list[str]], Share] | None = None,
         fence_loads_at_start: bool = False,
         background_writes: bool = True,
     ):
-        """``fence_loads_at_start``: fence every load in ``start_load_kv`` (no per-layer fences: a connector not
-        ``layerwise``). ``background_writes``: tier writes run only on idle cores (SCHED_IDLE); a P/D producer's
-        writes are what its consumer waits for, so it passes False (normal priority)."""
+        """``share_of``: this worker's :class:`~.parts.Share` of every chunk from its KV layers' names, in the
+        cache's physical order (default: the whole chunk, layers numbered from 0). ``fence_loads_at_start``: fence
+        every load in ``start_load_kv`` (no per-layer fences: a connector not ``layerwise``).
+        ``background_writes``: tier writes run only on idle cores (SCHED_IDLE); a P/D producer's writes are what its
+        consumer waits for, so it passes False (normal priority)."""
         self.config = config
         self.geom = geom
         self.fmt = fmt
-        self.shard, self.shards, self.writes = shard, shards, writes
+        self.share_of = share_of  # None: the whole chunk (set when the caches' layout is known)
+        self.share: Share | None = None  # fixed at the first registration
         self.fingerprint = fingerprint
         self.background_writes = background_writes
         self.cache: WorkerCache | None = None  # the registered KV cache (None before registration, during a sleep)
@@ -97,8 +119,8 @@ class KVXWorker:
         self._loads_started = False
         self._idle_step = False
         self.results = WorkerResults()  # outcomes, counters, samples: the pipelines report here
-        self.loads = LoadPipeline(self.results, self.tiers, None, fence_loads_at_start, shard, shards, geom.num_groups)
-        self.saves = SavePipeline(self.results, self.tiers, None, _WriteBuffers([]), shard, shards, writes)
+        self.loads = LoadPipeline(self.results, self.tiers, None, fence_loads_at_start, geom.num_groups)
+        self.saves = SavePipeline(self.results, self.tiers, None, _WriteBuffers([]))
         self._polled_for_stats = False  # take_stats polled the saves since build_worker_meta last ran
         self.totals = Counter()  # every counter since start (take_stats adds to it)
         self._removed: list[tuple[str, str]] = []  # (tier, chunk key) removed from a byte tier here (any thread)
@@ -152,7 +174,7 @@ class KVXWorker:
         if n_slots:
             self.pool = CPUPool(n_slots, self.cache.slot_shape(), self.cache.chunk_dtype, pin=pin)
             self.cache.pool = self.pool
-        ctx = TierContext(self.fingerprint, role="worker", writes=self.writes, io_threads=self.config.io_threads)
+        ctx = TierContext(self.fingerprint, role="worker", writes=self.share.writer, io_threads=self.config.io_threads)
         self.tiers.update({t.type: tier_class(t.type).open(t, ctx) for t in self.config.byte_tiers})
         for tier in self.tiers.values():
             tier.subscribe(self._on_tier_event)
@@ -163,7 +185,7 @@ class KVXWorker:
             writer = ThreadPoolExecutor(
                 self.config.io_threads * len(self.tiers),
                 thread_name_prefix="kvx-write",
-                initializer=_background_priority if self.background_writes else None,
+                initializer=background_priority if self.background_writes else None,
             )
             shape, dtype = self.cache.slot_shape(), self.cache.chunk_dtype
 
@@ -182,16 +204,15 @@ class KVXWorker:
                 self.tiers,
                 reader,
                 self.loads.fence_at_start,
-                self.shard,
-                self.shards,
                 self.geom.num_groups,
             )
-            self.saves = SavePipeline(self.results, self.tiers, writer, buffers, self.shard, self.shards, self.writes)
+            self.saves = SavePipeline(self.results, self.tiers, writer, buffers)
             self.loads.cache = self.saves.cache = self.cache
         log.info(
-            "kvx: worker %d/%d registered %s, format %s, %d CPU slots, tiers %s, copies %s%s",
-            self.shard,
-            self.shards,
+            "kvx: worker (heads %s of %d, layers %s) registered %s, format %s, %d CPU slots, tiers %s, copies %s%s",
+            self.share.heads,
+            self.share.total_heads,
+            self.share.layers,
             lay,
             self.fmt,
             n_slots,
@@ -240,7 +261,14 @@ class KVXWorker:
             )
         if self.engine is None:
             self.engine = make_engine(lay.device)
-        self.cache = WorkerCache(self.config, self.geom, self.fmt, lay, ratio, self.engine, self.pool)
+        if self.share is None:
+            if self.share_of is None:
+                self.share = _whole_share(self.geom, head_parts(self.geom, self.fmt, layout_name), lay.num_layers)
+            else:
+                self.share = self.share_of(_physical_names(views, lay))
+        self.cache = WorkerCache(
+            self.config, self.geom, self.fmt, lay, ratio, self.engine, self.pool, PartIO(self.share, self.fmt)
+        )
         self.loads.cache = self.saves.cache = self.cache
         if self.engine.staged:
             self._configure_staging(lay)
@@ -301,9 +329,9 @@ class KVXWorker:
         self.loads.cache = self.saves.cache = None
         self.saves.bind(None)
         log.info(
-            "kvx: worker %d/%d unregistered its KV caches (sleep); %s chunks stay in the tiers",
-            self.shard,
-            self.shards,
+            "kvx: worker (heads %s, layers %s) unregistered its KV caches (sleep); %s chunks stay in the tiers",
+            self.share.heads,
+            self.share.layers,
             "CPU and byte tier" if self.pool is not None else "byte tier",
         )
 
@@ -317,7 +345,12 @@ class KVXWorker:
         if self.layout is not None and kv_caches is None:
             return
         self._describe(views if kv_caches is None else kv_caches, layout_name, num_blocks)
-        log.info("kvx: worker %d/%d restored its KV caches: %s", self.shard, self.shards, self.layout)
+        log.info(
+            "kvx: worker (heads %s, layers %s) restored its KV caches: %s",
+            self.share.heads,
+            self.share.layers,
+            self.layout,
+        )
 
     # the stored objects' shapes (:class:`~.cache.WorkerCache`), for callers that knew them as the worker's
     @property
@@ -418,9 +451,17 @@ class KVXWorker:
         self._polled_for_stats = False
         with self._removed_lock:
             removed, self._removed = self._removed, []
+        if removed and self.saves.writer is not None:
+            # a chunk whose part went is no longer whole: its record goes too (off this thread), so lookups miss it
+            for tier, key in removed:
+                self.saves.writer.submit(self.tiers[tier].delete, key)
         out = self.results.take_out()
         out.removed, out.reads = removed, self.results.take_reads()
-        return None if out.is_empty() else out
+        if out.is_empty():
+            return None
+        if self.share is not None:
+            out.layers = [self.share.layers]
+        return out
 
     def idle(self) -> bool:
         """No load or save in flight on this worker."""
@@ -431,8 +472,9 @@ class KVXWorker:
         write, a corrupt copy dropped), for the scheduler's KV events and eviction counts."""
         if event != REMOVED:
             return
-        if self.shards > 1:  # a rank's storage key: the chunk's key, if this process wrote it
-            keys = [k for k in map(self.saves.chunk_of, keys) if k is not None]
+        # a chunk's first part names it, if this process wrote it: other parts, records and other processes' chunks
+        # are not counted (a chunk is one eviction, not one per part)
+        keys = [k for k in map(self.saves.chunk_of, keys) if k is not None]
         with self._removed_lock:
             self._removed += [(tier, k) for k in keys]
 

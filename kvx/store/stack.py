@@ -3,8 +3,8 @@
 The CPU pool's index stays with the scheduler (:class:`kvx.store.CPUIndex`); this stack holds the byte
 tiers in config order (fastest first) and answers, for the connector's scheduler:
 
-- :meth:`TierStack.locate`: which tier serves each chunk: the fastest one holding every tensor-parallel
-  rank's share of it (a chunk one rank lacks is a miss);
+- :meth:`TierStack.locate`: which tier serves each chunk: the fastest one holding its record (written once
+  every part of the chunk is stored: :mod:`kvx.connector.parts`);
 - :meth:`TierStack.lacking`: which tiers a chunk is written to (write-to-all: every tier not known to
   hold it);
 - :meth:`TierStack.faster`: which tiers a hit from a slower tier is promoted into.
@@ -15,19 +15,18 @@ thread only (no locking).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from .tier import Tier
 
 
 class TierStack:
-    def __init__(self, tiers: Sequence[Tier], shard_keys: Callable[[str], list[str]]):
+    def __init__(self, tiers: Sequence[Tier]):
         names = [t.type for t in tiers]  # a tier is named by its type: one tier per type
         if len(set(names)) != len(names):
             raise ValueError(f"tiers: expected at most one tier of each type, got {names}")
         self.tiers = list(tiers)
         self.by_name = {t.type: t for t in self.tiers}
-        self._shard_keys = shard_keys
 
     def __bool__(self) -> bool:
         return bool(self.tiers)
@@ -37,7 +36,7 @@ class TierStack:
 
     # ---------------------------------------------------------------- reads
     def locate(self, keys: Sequence[str]) -> list[str | None] | None:
-        """Per key, the name of the fastest tier holding every shard of it (None: no tier does).
+        """Per key, the name of the fastest tier holding it (None: no tier does).
 
         None: a tier does not know yet without blocking on the network; ask again later."""
         found: list[str | None] = [None] * len(keys)
@@ -45,18 +44,13 @@ class TierStack:
         for tier in self.tiers:
             if not todo:
                 break
-            per = [self._shard_keys(keys[i]) for i in todo]
-            answers = tier.contains_many([k for ks in per for k in ks])
+            answers = tier.contains_many([keys[i] for i in todo])
             if answers is None:
                 return None
-            rest, at = [], 0
-            for i, ks in zip(todo, per):
-                if all(answers[at : at + len(ks)]):
+            for i, held in zip(todo, answers):
+                if held:
                     found[i] = tier.type
-                else:
-                    rest.append(i)
-                at += len(ks)
-            todo = rest
+            todo = [i for i, held in zip(todo, answers) if not held]
         return found
 
     # ---------------------------------------------------------------- writes
@@ -68,11 +62,8 @@ class TierStack:
         out = []
         for name in self.names() if among is None else among:
             tier = self.by_name[name]
-            if tier.local_lookup:
-                ks = self._shard_keys(key)
-                answers = tier.contains_many(ks)
-                if answers is not None and all(answers):
-                    continue
+            if tier.local_lookup and tier.contains_many([key]) == [True]:
+                continue
             out.append(name)
         return out
 

@@ -16,6 +16,7 @@ if a block they depend on is wrong on *any* rank (the all-reduce mixes every ran
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import zlib
@@ -46,6 +47,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvx.connector import KVXConnector  # noqa: E402
 from kvx.connector.metadata import KVXMetadata  # noqa: E402
+from kvx.connector.parts import Share  # noqa: E402
 from kvx.connector.stats import GAUGES  # noqa: E402
 from kvx.store import SlotState  # noqa: E402
 from kvx.testing import RUNNER_ORDERS, end_step, make_kv_caches  # noqa: E402
@@ -216,9 +218,10 @@ class Env:
             return events
 
         self.conn.take_events = keep_events
-        if tp > 1:  # one level below real TP: the scheduler counts tp workers, each stores its own shard
-            self.conn._scheduler.num_workers = self.conn._scheduler.shards = tp
-            self.conn._scheduler.ledger.num_workers = tp
+        if tp > 1:  # one level below real TP: the scheduler counts tp workers, each holds HEADS of HEADS * tp heads
+            sched = self.conn._scheduler
+            sched.num_workers = sched.ledger.num_workers = tp
+            sched.geom = dataclasses.replace(sched.geom, total_kv_heads=HEADS * tp)
         self.workers: list[KVXConnector] = []
         self.rank_caches: list[list[torch.Tensor]] = []
         if virtual_forward and (copy_queue != "deferred" or tp != 1):
@@ -229,7 +232,9 @@ class Env:
             os.environ["KVX_COPY_QUEUE"] = copy_queue  # read when the worker registers its caches
         for rank in range(tp):
             w = KVXConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
-            w._worker.shard, w._worker.shards = rank, tp
+            if tp > 1:
+                heads = (rank * HEADS, (rank + 1) * HEADS)
+                w._worker.share_of = lambda names, heads=heads: Share(heads, HEADS * tp, (0, len(LAYERS)))
             caches = self._new_caches()
             try:
                 w.register_kv_caches(dict(zip(LAYERS, caches)))
@@ -477,29 +482,38 @@ class Env:
                             f"CPU tier chunk {key} rank {rank}: block {i} layer {layer}",
                         )
                 checked += 1
-        from kvx.connector.keys import rank_key
-
-        tp = len(self.workers)
-        for w in self.workers:
+        for rank, w in enumerate(self.workers):
             disk = w._worker.tiers.get("disk")
             if disk is None:
                 continue
-            names = {(rank_key(k, w._worker.shard, tp) if tp > 1 else k): k for k in self.chunks}
-            for c in disk.scan():
-                if c.key not in names:
-                    continue  # another rank's shard
-                key = names[c.key]
+            on_disk = {c.key for c in disk.scan()}
+            for key in self.chunks:
+                if key not in on_disk:
+                    continue  # no record: not stored whole
                 want = self.expected_chunk_pages(key)
                 blocks = len(want) // len(LAYERS)
-                data = disk.get(c.key, w._worker.chunk_shape(blocks * BLOCK), w._worker.chunk_dtype)
+                data = torch.empty(w._worker.chunk_shape(blocks * BLOCK), dtype=w._worker.chunk_dtype)
+                w._worker.cache.parts.read(disk, key, data)  # the record, then this rank's parts
                 for (layer, i), page in want.items():
                     assert_same_bytes(
                         data[layer, :, i].reshape(-1),
                         page,
-                        f"disk chunk {key} rank {w._worker.shard}: block {i} layer {layer}",
+                        f"disk chunk {key} rank {rank}: block {i} layer {layer}",
                     )
                 checked += 1
         return checked
+
+    def part_file(self, key: str, head: int = 0, tier: str = "disk") -> str:
+        """The file of KV head ``head``'s part of chunk ``key`` (:mod:`kvx.connector.parts`) in a disk ``tier``."""
+        from kvx.connector.keys import part_key
+
+        return self.conn._scheduler.tiers[tier].file_of(part_key(key, f"h{head}/l0-{len(LAYERS)}"))
+
+    def stored_chunks(self, tier: str = "disk") -> set[str]:
+        """The planned chunks stored whole in ``tier`` (their records: :mod:`kvx.connector.parts`)."""
+        keys = list(self.chunks)
+        held = self.conn._scheduler.tiers[tier].contains_many(keys) if keys else []
+        return {k for k, h in zip(keys, held) if h}
 
     def run(self, timeout_s=60.0, settle_writes=False):
         """Step until vLLM has nothing left (requests, or kvx writes still draining)."""

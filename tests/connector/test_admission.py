@@ -21,13 +21,13 @@ def test_a_chunk_is_stored_on_its_second_sighting(make_env, store_dir):
     env.request("a", ids)
     env.run()
     assert saves(env) == [] and env.sched_stats["saves_skipped_admission"] == 2
-    assert len(s.cpu) == 0 and sum(1 for _ in s.tiers["disk"].scan()) == 0
+    assert len(s.cpu) == 0 and len(env.stored_chunks()) == 0
     env.sched.reset_prefix_cache()
     env.request("b", ids)  # a miss (nothing stored); its lookup is the chunks' second sighting
     env.run()
     assert [x.tokens for x in saves(env)] == [CHUNK, CHUNK]
     assert env.sched_stats["saves_skipped_admission"] == 2  # no more skips
-    assert sum(1 for _ in s.tiers["disk"].scan()) == 2
+    assert len(env.stored_chunks()) == 2
     env.sched.reset_prefix_cache()
     env.request("c", ids + [7])
     so = env.step()
@@ -100,4 +100,4 @@ def test_a_producer_announces_only_the_chunks_it_admitted(make_env, store_dir):
     prod.run(settle_writes=True)
     params = prod.kv_params["b"]
     assert params["kvx_pd_chunks"] == 2  # the system prompt's chunks; not b's own third one
-    assert sum(1 for _ in prod.conn._scheduler.tiers["disk"].scan()) == 2
+    assert len(prod.stored_chunks()) == 2

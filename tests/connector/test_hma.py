@@ -168,9 +168,10 @@ def test_mamba_group_outside_align_mode_makes_kvx_passive(tiny_model, store_dir,
     worker.shutdown()
 
 
-def test_single_group_namespace_is_unchanged(tiny_model):
-    """One group: the namespace digest is what it was before several groups were supported (stored chunks
-    stay valid); two groups get another one."""
+def test_namespace_names_the_groups_and_the_storage_version_not_the_parallel_sizes(tiny_model):
+    """One group: the namespace digest is the model, dtypes, format and storage version (parts, with no TP or PP
+    size: every split shares chunks); two groups get another one; chunks stored before parts (a namespace with
+    ``tp`` and ``pp``) are under other keys."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
@@ -188,6 +189,17 @@ def test_single_group_namespace_is_unchanged(tiny_model):
     )
     g1, g2 = engine_geometry(vc, one), engine_geometry(vc, two)
     assert (g1.num_groups, g2.num_groups, g2.num_layers) == (1, 2, 2)
+
+    def old_fields(mc, vc, g):
+        return dict(
+            model=str(mc.model),
+            revision=str(mc.revision),
+            quantization=str(mc.quantization),
+            kv_cache_dtype=str(vc.cache_config.cache_dtype),
+            dtype=str(g.dtype),
+            format="f",
+        )
+
     old = namespace_digest(
         model=str(mc.model),
         revision=str(mc.revision),
@@ -195,8 +207,10 @@ def test_single_group_namespace_is_unchanged(tiny_model):
         kv_cache_dtype=str(vc.cache_config.cache_dtype),
         dtype=str(g1.dtype),
         format="f",
-        tp=1,
-        pp=1,
+        parts=1,
     )
     assert namespace(vc, g1, "f") == old
     assert namespace(vc, g2, "f") != old
+    before_parts = namespace_digest(**{k: v for k, v in old_fields(mc, vc, g1).items()}, tp=1, pp=1)
+    assert namespace(vc, g1, "f") != before_parts
+    assert namespace(vc, g1, "f", split=False) != old  # chunks that cannot be cut by head name the TP size

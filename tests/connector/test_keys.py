@@ -1,5 +1,5 @@
 """Chunk keys: format, determinism across processes, the hash chain, isolation inputs (namespace, salt,
-LoRA), multimodal items, partial chunks, rank keys and bad input."""
+LoRA), multimodal items, partial chunks, part keys and bad input."""
 
 import hashlib
 import json
@@ -13,7 +13,7 @@ import pytest
 
 import kvx.connector.keys as K
 
-MMItem, chunk_keys, rank_key = K.MMItem, K.chunk_keys, K.rank_key
+MMItem, chunk_keys, part_key = K.MMItem, K.chunk_keys, K.part_key
 namespace_digest, request_root = K.namespace_digest, K.request_root
 
 CHUNK_SIZES = [1, 4, 7, 16]
@@ -34,7 +34,7 @@ GOLDEN_INPUT = dict(
     chunk_size=4,
     mm=[("img0", 3, 2)],
     partial=2,
-    rank=(1, 2),
+    part="h1/l0-32",
 )
 GOLDEN = {
     "ns": "79f01e5e280f5b52b2cfbd0d73e7fa5d",
@@ -44,7 +44,7 @@ GOLDEN = {
         "b1d6200b3c25749186beb0cbf1ec1526",
         "a9009d2bc54e13193afa6d2f2b33abf2",
     ],
-    "rank": "f6ec9ada0b99b23b3e7c51b80ea66d87",
+    "part": "7ea097bca6b4eaa76c6d2743d167ad67",
 }
 # what the subprocess prints: the golden input, run through the module loaded from its file
 GOLDEN_SCRIPT = """
@@ -56,7 +56,7 @@ ns = k.namespace_digest(**g["ns_fields"])
 root = k.request_root(ns, g["salt"], g["lora"])
 keys = k.chunk_keys(root, g["tokens"], g["chunk_size"], mm_items=[k.MMItem(*m) for m in g["mm"]],
                     partial_tokens=g["partial"])
-print(json.dumps({"ns": ns.hex(), "root": root.hex(), "keys": keys, "rank": k.rank_key(keys[0], *g["rank"])}))
+print(json.dumps({"ns": ns.hex(), "root": root.hex(), "keys": keys, "part": k.part_key(keys[0], g["part"])}))
 """
 BAD_CHUNK_KEYS_ARGS = [
     (dict(chunk_size=0), "chunk_size"),
@@ -75,19 +75,11 @@ BAD_CHUNK_KEYS_ARGS = [
     (dict(token_ids=[1.5, 2.0, 3.0, 4.0]), "token_ids"),
     (dict(token_ids=["a", "b", "c", "d"]), "token_ids"),
 ]
-BAD_RANK_ARGS = [
-    (dict(rank=2, world=2), "rank"),
-    (dict(rank=-1, world=2), "rank"),
-    (dict(rank=-1, world=0), "rank"),
-    (dict(rank=0, world=-1), "world"),
-    (dict(rank=0.0, world=2), "rank"),
-    (dict(rank=0, world=2.0), "world"),
-    (dict(rank=True, world=2), "rank"),
-    (dict(key="0123456789abcdef"), "key"),  # too short
-    (dict(key="0123456789ABCDEF0123456789ABCDEF"), "key"),  # uppercase
-    (dict(key="0123456789abcdef0123456789abcdeg"), "key"),  # not hex
-    (dict(key="0123456789abcdef0123456789abcdef00"), "key"),  # too long
+BAD_PART_ARGS = [
+    (dict(key="0123"), "key"),
     (dict(key=None), "key"),
+    (dict(name=""), "name"),
+    (dict(name=3), "name"),
 ]
 
 
@@ -114,7 +106,7 @@ def test_keys_are_32_lowercase_hex_and_one_per_full_chunk(chunk_size, seed):
     assert all(HEX32.fullmatch(k) for k in keys)
     part = chunk_keys(ROOT, toks, chunk_size, partial_tokens=chunk_size // 2) if chunk_size > 1 else keys
     assert all(HEX32.fullmatch(k) for k in part)
-    assert HEX32.fullmatch(rank_key(keys[0], 3, 4))
+    assert HEX32.fullmatch(part_key(keys[0], "h3/l0-4"))
 
 
 @pytest.mark.parametrize("n", [0, 1, 3])
@@ -149,7 +141,7 @@ def test_golden_keys():
     keys = chunk_keys(
         root, g["tokens"], g["chunk_size"], mm_items=[MMItem(*m) for m in g["mm"]], partial_tokens=g["partial"]
     )
-    assert {"ns": ns.hex(), "root": root.hex(), "keys": keys, "rank": rank_key(keys[0], *g["rank"])} == GOLDEN
+    assert {"ns": ns.hex(), "root": root.hex(), "keys": keys, "part": part_key(keys[0], g["part"])} == GOLDEN
 
 
 def test_golden_keys_match_the_documented_formula():
@@ -170,7 +162,7 @@ def test_golden_keys_match_the_documented_formula():
         prev = digest(prev, toks[start:end].tobytes(), extras, str(end - start).encode())
         keys.append(prev.hex())
     assert [ns.hex(), keys] == [GOLDEN["ns"], GOLDEN["keys"]]
-    assert digest(bytes.fromhex(keys[0]), b"tp1/2").hex() == GOLDEN["rank"]
+    assert digest(bytes.fromhex(keys[0]), b"part", b"h1/l0-32").hex() == GOLDEN["part"]
 
 
 @pytest.mark.parametrize("hashseed", ["0", "4242"])
@@ -376,27 +368,14 @@ def test_partial_of_zero_tokens_adds_no_key():
     assert chunk_keys(ROOT, toks, 4, partial_tokens=0) == chunk_keys(ROOT, toks, 4)
 
 
-# ------------------------------------------------------------------------------------------ rank keys
-@pytest.mark.parametrize("world", [1, 2, 8])
-def test_rank_keys_are_distinct_per_rank_and_deterministic(world):
-    key = chunk_keys(ROOT, rand_tokens(16, 12), 16)[0]
-    ranked = [rank_key(key, r, world) for r in range(world)]
-    assert len(set(ranked)) == world and key not in ranked
-    assert ranked == [rank_key(key, r, world) for r in range(world)]
-    assert all(HEX32.fullmatch(k) for k in ranked)
-
-
-def test_rank_keys_depend_on_key_and_world():
+# ------------------------------------------------------------------------------------------ part keys
+def test_part_keys_are_distinct_per_part_and_chunk_and_deterministic():
     k1, k2 = chunk_keys(ROOT, rand_tokens(32, 13), 16)
-    assert rank_key(k1, 0, 2) != rank_key(k2, 0, 2)
-    assert rank_key(k1, 0, 2) != rank_key(k1, 0, 4)
-    assert rank_key(k1, 1, 12) != rank_key(k1, 1, 2)
-
-
-@pytest.mark.parametrize("rank", [0, 3])
-def test_world_zero_is_the_shared_key(rank):
-    key = chunk_keys(ROOT, rand_tokens(16, 14), 16)[0]
-    assert rank_key(key, rank, 0) == key
+    names = [f"h{h}/l{a}-{b}" for h in range(4) for a, b in ((0, 32), (0, 16), (16, 32))] + ["tp0of2/l0-32"]
+    parts = [part_key(k, n) for k in (k1, k2) for n in names]
+    assert len(set(parts)) == len(parts) and not {k1, k2} & set(parts)
+    assert parts == [part_key(k, n) for k in (k1, k2) for n in names]
+    assert all(HEX32.fullmatch(k) for k in parts)
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -416,11 +395,11 @@ def test_partial_tokens_beyond_the_sequence():
     assert len(chunk_keys(ROOT, list(range(10)), 4, num_chunks=1, partial_tokens=3)) == 2
 
 
-@pytest.mark.parametrize("kw, arg", BAD_RANK_ARGS, ids=case_ids(BAD_RANK_ARGS))
-def test_rank_key_bad_args(kw, arg):
-    kw = {"key": "0123456789abcdef0123456789abcdef", "rank": 0, "world": 2, **kw}
+@pytest.mark.parametrize("kw, arg", BAD_PART_ARGS, ids=case_ids(BAD_PART_ARGS))
+def test_part_key_bad_args(kw, arg):
+    kw = {"key": "0123456789abcdef0123456789abcdef", "name": "h0/l0-2", **kw}
     with pytest.raises(ValueError, match=f"^{arg}: "):
-        rank_key(kw["key"], kw["rank"], kw["world"])
+        part_key(kw["key"], kw["name"])
 
 
 # ------------------------------------------------------------------------------------------ KV cache dtype

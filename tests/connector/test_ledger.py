@@ -29,7 +29,7 @@ def disk(tmp_path):
 
 def ledger(disk, num_workers=1, slots=4, writes=True) -> ChunkLedger:
     events = KVEvents(False, 16, {"cpu": "CPU", DISK: "DISK"})
-    return ChunkLedger(CPUIndex(slots), TierStack([disk], lambda k: [k]), num_workers, events, writes=writes)
+    return ChunkLedger(CPUIndex(slots), TierStack([disk]), num_workers, events, writes=writes)
 
 
 def results(*pairs) -> dict[int, list[str]]:
@@ -117,7 +117,7 @@ def bounded(disk, backlog, slots=8) -> ChunkLedger:
     events = KVEvents(False, 16, {"cpu": "CPU", DISK: "DISK"})
     return ChunkLedger(
         CPUIndex(slots) if slots else None,
-        TierStack([disk], lambda k: [k]),
+        TierStack([disk]),
         1,
         events,
         writes=True,

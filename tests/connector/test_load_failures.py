@@ -125,7 +125,7 @@ def test_tensor_parallel_a_failure_on_one_rank_keeps_every_rank_from_storing(mak
     """Rank 0 cannot read a chunk that rank 1 reads fine. Rank 1's KV of the chunks computed after it is
     wrong too (the all-reduce mixes rank 0's attention in), but rank 1 cannot know that in the step: the
     scheduler, which hears both ranks, must keep every rank's shard of those chunks out of every tier."""
-    from kvx.connector.keys import rank_key
+    from kvx.connector.keys import part_key
     from kvx.store import ChunkError
 
     a = prompt(2 * CHUNK + 10, seed=45)
@@ -133,11 +133,11 @@ def test_tensor_parallel_a_failure_on_one_rank_keeps_every_rank_from_storing(mak
     env.request("a", a)
     env.run()
     keys = [s.key for s in saves(env)]
-    assert sum(1 for _ in env.conn._scheduler.tiers["disk"].scan()) == 4  # 2 chunks x 2 ranks
+    assert env.stored_chunks() == set(keys)
     env2 = make_env(tiers(store_dir), tp=2)
     rank0 = env2.workers[0]._worker.tiers["disk"]
     get = rank0.get_into
-    bad = rank_key(keys[1], 0, 2)
+    bad = part_key(keys[1], "h0/l0-2")  # rank 0's first KV head
 
     def fail_once(key, *args, **kw):
         if key == bad and not fail_once.done:
@@ -156,7 +156,7 @@ def test_tensor_parallel_a_failure_on_one_rank_keeps_every_rank_from_storing(mak
     assert planned and not any(s.to_tiers for s in planned)  # with deps: CPU tier first, disk later
     env2.run()
     assert env2.stats.get("saves_dropped") == 3  # rank 0 knew at once; rank 1 could not
-    assert sum(1 for _ in env2.conn._scheduler.tiers["disk"].scan()) == 2 * 5  # every shard of B's 5 chunks on disk
+    assert len(env2.stored_chunks()) == 5  # B's 5 chunks on disk, whole
     # and all sound, every chunk in every tier: B's 5 in the CPU tier (its chunks 2-4 again, although each was
     # planned again while its poisoned slot was still being written on the rank that could not know), 2 x 5 on
     # disk

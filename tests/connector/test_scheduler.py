@@ -23,7 +23,7 @@ def test_cold_request_saves_full_prompt_chunks_only(make_env, store_dir):
     assert all(s.slot is not None and s.to_tiers for s in sv)
     s = env.conn._scheduler
     assert all(x.key in s.cpu for x in sv)  # committed after the workers reported
-    assert sum(1 for _ in s.tiers["disk"].scan()) == 2
+    assert len(env.stored_chunks()) == 2
     env.assert_clean()
 
 
@@ -155,11 +155,9 @@ def test_corrupt_chunk_is_reported_and_recomputed(make_env, store_dir):
     env = make_env(tiers(store_dir, cpu=None))
     env.request("a", ids)
     env.run()
-    files = sorted(c.path for c in env.conn._scheduler.tiers["disk"].scan())
-    assert len(files) == 2
-    # flip a byte in the data of the second chunk file (the first chunk stays good)
-    chunk1 = [f for f in files if os.path.basename(f).startswith(saves(env)[1].key)][0]
-    flip_byte(chunk1)
+    assert env.stored_chunks() == {s.key for s in saves(env)}
+    # flip a byte in the data of one part of the second chunk (one KV head's; the first chunk stays good)
+    flip_byte(env.part_file(saves(env)[1].key, head=1))
     env2 = make_env(tiers(store_dir, cpu=None))
     env2.request("b", ids)
     so = env2.step()
@@ -171,7 +169,9 @@ def test_corrupt_chunk_is_reported_and_recomputed(make_env, store_dir):
     assert so2.scheduled_cached_reqs.num_computed_tokens[0] == CHUNK
     env2.run()
     assert env2.stats.get("load_errors") == 1
-    assert env2.assert_store_sound() == 2  # the recomputed chunk was written again
+    # the corrupt part was dropped, and the chunk's record with it (a miss, not a load failing again and again);
+    # the recomputed chunk was stored again: its missing part written, its record too
+    assert env2.assert_store_sound() == 2 and env2.stored_chunks() == {s.key for s in saves(env)}
     env2.assert_clean()
 
 

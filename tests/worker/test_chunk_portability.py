@@ -64,8 +64,9 @@ import torch
 from kvx import engine as kvx_engine
 from kvx.connector.common import EngineGeometry, format_fingerprint, namespace
 from kvx.connector.config import KVXConfig
-from kvx.connector.keys import chunk_keys, request_root
+from kvx.connector.keys import chunk_keys, part_key, request_root
 from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
+from kvx.connector.parts import PartIO, Share, record_of
 from kvx.connector.worker import KVXWorker
 from kvx.store import DiskTier
 from kvx.testing import RUNNER_ORDERS, TransferTally, end_step, make_kv_caches, random_fill_
@@ -166,7 +167,7 @@ class Engine:
         )
         gen = torch.Generator().manual_seed(zlib.crc32(f"cache/{name}/{side}/{dtype}".encode()))
         self.caches = self._make_caches(gen)
-        self.worker = KVXWorker(config, self.geom, fmt, self.fingerprint, shard=0, shards=1, writes=True)
+        self.worker = KVXWorker(config, self.geom, fmt, self.fingerprint)
         self.worker.register_kv_caches(dict(zip(LAYER_NAMES, self.caches)), side.vllm_layout, num_blocks)
         self.engine = self.worker.engine
         self.deferred = self.engine.mode == "deferred"
@@ -370,6 +371,7 @@ def save_prompt(a: Engine, kv: torch.Tensor, chunks=range(N_CHUNKS)) -> list[int
     want = {f"{DISK}/{a.keys[c]}": 1 for c in chunks}
     a.settle(lambda: all(a.tally.tier_done.get(k) for k in want), "every disk write done")
     a.finish()
+    commit(a, [a.keys[c] for c in chunks])
     assert a.tally.tier_done == want and a.tally.tier_written == want and not a.tally.tier_failed, (
         f"A's disk writes: done {a.tally.tier_done}, written {a.tally.tier_written}, failed {a.tally.tier_failed}"
     )
@@ -383,6 +385,24 @@ def save_prompt(a: Engine, kv: torch.Tensor, chunks=range(N_CHUNKS)) -> list[int
                 f"A's CPU slot {slots[c]} (chunk {c})", slot_bytes(a, slots[c]), kv, range(c * CHUNK, (c + 1) * CHUNK)
             )
     return table
+
+
+def commit(eng: Engine, keys) -> None:
+    """Write the records of chunks ``eng`` stored whole (what the scheduler does once every worker reported its
+    parts: :mod:`kvx.connector.parts`)."""
+    store = DiskTier.at(eng.worker.tiers[DISK].config.path, fingerprint=eng.fingerprint)
+    try:
+        for key in keys:
+            store.put(key, record_of([eng.worker.share.layers], eng.worker.share.total_heads).encode())
+    finally:
+        store.close()
+
+
+def read_stored(store: DiskTier, eng: Engine, key: str) -> torch.Tensor:
+    """Chunk ``key`` as stored (its record, then one part per KV head), read as one worker of every head."""
+    out = torch.empty((NUM_LAYERS, eng.planes, CHUNK, eng.heads, eng.head_size), dtype=eng.dtype)
+    PartIO(Share((0, eng.heads), eng.heads, (0, NUM_LAYERS)), "canonical").read(store, key, out)
+    return out
 
 
 def slot_bytes(eng: Engine, slot: int) -> torch.Tensor:
@@ -546,7 +566,7 @@ def test_chunks_load_across_block_sizes_and_layouts(case, dtype, queue, tmp_path
     store = DiskTier.at(disk, fingerprint=a.fingerprint)
     try:
         for c in range(N_CHUNKS):
-            chunk = store.get(a.keys[c])
+            chunk = read_stored(store, a, a.keys[c])
             assert tuple(chunk.shape) == (NUM_LAYERS, a.planes, CHUNK, a.heads, a.head_size) and chunk.dtype == dtype
             assert_same(f"the disk file of chunk {c}", chunk.view(torch.uint8), kv, range(c * CHUNK, (c + 1) * CHUNK))
     finally:
@@ -587,8 +607,8 @@ def test_corrupt_chunk_is_reported_not_served(queue, tmp_path):
     case = "attn-16NHD-to-32HND"
     a, make_b, disk, kv = saved_by_a(tmp_path, queue, case, torch.bfloat16, f"corrupt/{case}")
     store = DiskTier.at(disk, fingerprint=a.fingerprint)
-    path = store.file_of(a.keys[1])
-    with open(path, "r+b") as f:  # a byte of the payload (the file ends with the chunk's bytes)
+    path = store.file_of(part_key(a.keys[1], f"h1/l0-{NUM_LAYERS}"))  # one KV head's part of chunk 1
+    with open(path, "r+b") as f:  # a byte of the payload (the file ends with the part's bytes)
         f.seek(os.path.getsize(path) - 1000)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
@@ -611,7 +631,8 @@ def test_corrupt_chunk_is_reported_not_served(queue, tmp_path):
         assert problems(
             "B's cache, chunk 1", b.gather(got.table, range(CHUNK, 2 * CHUNK)), kv, range(CHUNK, 2 * CHUNK)
         ), "chunk 1 holds A's KV although its file was corrupt"
-        assert not store.contains(a.keys[1]), "the corrupt file is still served"
+        assert not store.contains(a.keys[1]), "the chunk with a corrupt part is still served (its record)"
+        assert not os.path.exists(path), "the corrupt part is still on disk"
         assert store.contains(a.keys[0]) and store.contains(a.keys[2])
     finally:
         b.close()

@@ -296,7 +296,7 @@ class Pipeline:
             dtype=dtype,
             device=device,
         )
-        self.worker = KVXWorker(config, geom, "canonical", "tests-gpu", shard=0, shards=1, writes=True)
+        self.worker = KVXWorker(config, geom, "canonical", "tests-gpu")
         self.worker.register_kv_caches(dict(zip(LAYER_NAMES, self.caches)), layout, NUM_BLOCKS)
         self.engine = self.worker.engine
         self.deferred = self.engine.mode == "deferred"
