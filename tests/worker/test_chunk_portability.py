@@ -30,6 +30,12 @@ Cases: attention (2 KV heads x 64) 16/NHD -> 32/HND and 16/NHD -> 64/BLHNC, MLA 
 loads early, saves late, the fake forward lazy on the virtual compute stream) and on the default thread
 queue; CUDA (marked ``gpu``; skipped without a device).
 
+Pipeline stages (``test_chunks_cross_pipeline_stage_splits``): A as the stages of one PP split (all 4 layers; 2 + 2;
+1 + 3, an uneven ``VLLM_PP_LAYER_PARTITION``), each stage's worker storing its layers' parts, the record listing
+every stage's layer range (:mod:`kvx.connector.parts`); B as the stages of another split, each loading its layers
+bit-exact (the parts cut where the splits differ). The workers' shares come from their layer names, as the
+connector derives them (:func:`kvx.connector.common.worker_share`).
+
 Negative controls (the test can fail):
 
 - ``test_corrupt_chunk_is_reported_not_served``: one byte of one chunk file flipped: the disk tier's CRC
@@ -62,7 +68,7 @@ import pytest
 import torch
 
 from kvx import engine as kvx_engine
-from kvx.connector.common import EngineGeometry, format_fingerprint, namespace
+from kvx.connector.common import EngineGeometry, format_fingerprint, head_parts, namespace, worker_share
 from kvx.connector.config import KVXConfig
 from kvx.connector.keys import chunk_keys, part_key, request_root
 from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
@@ -129,8 +135,12 @@ class Engine:
         fmt: str = "canonical",
         num_blocks: int = 32,
         cpu_slots: int = 2,
+        layers: range = range(NUM_LAYERS),
     ):
+        """``layers``: the model's layers this engine's worker holds (a pipeline stage's; default all)."""
         self.name = name
+        self.layers = layers
+        self.names = [LAYER_NAMES[i] for i in layers]
         self.device = torch.device(device)
         self.dtype = dtype
         self.mla = mla
@@ -145,7 +155,7 @@ class Engine:
         page_bytes = self.planes * self.block * self.heads * self.head_size * self.itemsize
         self.geom = EngineGeometry(
             block_size=self.block,
-            num_layers=NUM_LAYERS,
+            num_layers=len(layers),
             num_kv_heads=self.heads,
             head_size=self.head_size,
             dtype=dtype,
@@ -157,7 +167,7 @@ class Engine:
         # what the connector computes (kvx.connector.connector): fingerprint, namespace, keys
         self.fingerprint = format_fingerprint(self.geom, fmt, side.vllm_layout)
         self.keys = engine_keys(self.geom, self.fingerprint)
-        chunk_bytes = NUM_LAYERS * page_bytes * (CHUNK // self.block)
+        chunk_bytes = len(layers) * page_bytes * (CHUNK // self.block)
         config = KVXConfig.from_extra_config(
             {
                 "chunk_size": CHUNK,
@@ -167,8 +177,12 @@ class Engine:
         )
         gen = torch.Generator().manual_seed(zlib.crc32(f"cache/{name}/{side}/{dtype}".encode()))
         self.caches = self._make_caches(gen)
-        self.worker = KVXWorker(config, self.geom, fmt, self.fingerprint)
-        self.worker.register_kv_caches(dict(zip(LAYER_NAMES, self.caches)), side.vllm_layout, num_blocks)
+        # its share of every chunk, as the connector derives it from the layer names (a stage's decoder layers)
+        stub = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+        split = head_parts(self.geom, fmt, side.vllm_layout)
+        share_of = (lambda names: worker_share(stub, self.geom, split, names)) if layers != range(NUM_LAYERS) else None
+        self.worker = KVXWorker(config, self.geom, fmt, self.fingerprint, share_of)
+        self.worker.register_kv_caches(dict(zip(self.names, self.caches)), side.vllm_layout, num_blocks)
         self.engine = self.worker.engine
         self.deferred = self.engine.mode == "deferred"
         self.pool = self.worker.pool
@@ -179,7 +193,7 @@ class Engine:
         self.stats: dict[str, int] = {}
 
     def _make_caches(self, gen: torch.Generator) -> list[torch.Tensor]:
-        L, B, N, D = NUM_LAYERS, self.num_blocks, self.block, self.head_size
+        L, B, N, D = len(self.layers), self.num_blocks, self.block, self.head_size
         if self.side.layout == "mla-layer-outer":  # [L, B, 1, N, C]: each layer [B, 1, N, C]
             base = torch.empty(L, B, 1, N, D, dtype=self.dtype, device=self.device)
             random_fill_(base, gen)
@@ -205,7 +219,7 @@ class Engine:
 
     def token_bytes(self) -> tuple[int, ...]:
         """Shape of the KV of ``n`` tokens, as bytes: [L, P, n, H, D * itemsize] with n = -1."""
-        return (NUM_LAYERS, self.planes, -1, self.heads, self.head_size * self.itemsize)
+        return (len(self.layers), self.planes, -1, self.heads, self.head_size * self.itemsize)
 
     # -------------------------------------------------------------- the cache, by token position
     def _index(self, table, positions) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,7 +251,7 @@ class Engine:
         rd = [self._index(t, pos) for t, pos in reads]
         outs = [
             torch.zeros(
-                (NUM_LAYERS, self.planes, len(pos), self.heads, self.head_size * self.itemsize),
+                (len(self.layers), self.planes, len(pos), self.heads, self.head_size * self.itemsize),
                 dtype=torch.uint8,
                 device=self.device,
             )
@@ -254,7 +268,7 @@ class Engine:
         w.handle_preemptions(meta)
         w.bind(meta)
         w.start_load_kv()
-        for layer, name in enumerate(LAYER_NAMES):
+        for layer, name in enumerate(self.names):
             w.wait_for_layer_load(name)
             if self.deferred:  # the forward on the virtual compute stream: it runs as lazily as a GPU's
                 self.engine.compute(lambda layer=layer: forward(layer), name=f"{self.name} forward layer {layer}")
@@ -341,10 +355,11 @@ def prompt_kv(eng: Engine, seed: str) -> torch.Tensor:
     return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
 
 
-def save_prompt(a: Engine, kv: torch.Tensor, chunks=range(N_CHUNKS)) -> list[int]:
+def save_prompt(a: Engine, kv: torch.Tensor, chunks=range(N_CHUNKS), record: bool = True) -> list[int]:
     """Engine A prefills the prompt in two steps into shuffled blocks and saves ``chunks`` to the disk tier
     (chunk 0 through CPU slot 0, chunk 1 through a write buffer, chunk 2 through CPU slot 1), until its
-    worker reported every write done. Returns A's block table."""
+    worker reported every write done; with ``record``, the chunks' records are written (as the scheduler does
+    once every worker reported). ``kv``: A's layers' KV. Returns A's block table."""
     bs = a.block
     table = shuffled_table(a.num_blocks, -(-PROMPT // bs), seed=1)
     slots = {0: 0, 1: None, 2: 1}
@@ -371,7 +386,8 @@ def save_prompt(a: Engine, kv: torch.Tensor, chunks=range(N_CHUNKS)) -> list[int
     want = {f"{DISK}/{a.keys[c]}": 1 for c in chunks}
     a.settle(lambda: all(a.tally.tier_done.get(k) for k in want), "every disk write done")
     a.finish()
-    commit(a, [a.keys[c] for c in chunks])
+    if record:
+        commit(a, [a.keys[c] for c in chunks], [a.worker.share.layers])
     assert a.tally.tier_done == want and a.tally.tier_written == want and not a.tally.tier_failed, (
         f"A's disk writes: done {a.tally.tier_done}, written {a.tally.tier_written}, failed {a.tally.tier_failed}"
     )
@@ -387,13 +403,13 @@ def save_prompt(a: Engine, kv: torch.Tensor, chunks=range(N_CHUNKS)) -> list[int
     return table
 
 
-def commit(eng: Engine, keys) -> None:
-    """Write the records of chunks ``eng`` stored whole (what the scheduler does once every worker reported its
-    parts: :mod:`kvx.connector.parts`)."""
+def commit(eng: Engine, keys, ranges) -> None:
+    """Write the records of chunks stored whole by workers of layer ``ranges`` (what the scheduler does once every
+    worker reported its parts: :mod:`kvx.connector.parts`)."""
     store = DiskTier.at(eng.worker.tiers[DISK].config.path, fingerprint=eng.fingerprint)
     try:
         for key in keys:
-            store.put(key, record_of([eng.worker.share.layers], eng.worker.share.total_heads).encode())
+            store.put(key, record_of(ranges, eng.worker.share.total_heads).encode())
     finally:
         store.close()
 
@@ -429,7 +445,7 @@ def load_prompt(b: Engine, kv: torch.Tensor, swap_chunk: int | None = None) -> L
     local = bs if bs < CHUNK else 0
     if local:  # B computed its first block itself earlier (same prompt, same KV)
         idx = b._index(table, range(local))
-        for layer in range(NUM_LAYERS):
+        for layer in range(len(b.layers)):
             b.write(layer, idx, kv[:, :, :local].to(b.device))
     before = b.snapshot()
     loads = []
@@ -704,3 +720,46 @@ def test_check_detects_misplaced_blocks(queue, tmp_path):
     assert f"what B's forward read: 64 of {PROMPT} tokens wrong: {swapped}" in found, found
     assert any(line.startswith("B's cache") and swapped in line for line in found), found
     assert not any("CPU slot" in line for line in found), found  # the promoted slot is right; the blocks are not
+
+
+# ------------------------------------------------------------------ pipeline stages
+STAGES = {
+    "pp1": [range(0, 4)],
+    "pp2": [range(0, 2), range(2, 4)],
+    "pp2-uneven": [range(0, 1), range(1, 4)],  # VLLM_PP_LAYER_PARTITION=1,3
+}
+PP_PAIRS = [("pp2", "pp1"), ("pp1", "pp2"), ("pp2", "pp2-uneven"), ("pp2-uneven", "pp2")]
+
+
+@pytest.mark.parametrize("queue", QUEUES, indirect=True)
+@pytest.mark.parametrize("writer, reader", PP_PAIRS, ids=[f"{w}-to-{r}" for w, r in PP_PAIRS])
+def test_chunks_cross_pipeline_stage_splits(writer, reader, queue, tmp_path):
+    """Chunks written by an engine of one PP split load bit-exact into an engine of another (with another block size
+    and page layout too): each writer stage stores its layers' parts, the record lists every stage's range, and
+    each reader stage reads the parts overlapping its layers (cut where the splits differ)."""
+    device, _ = queue
+    disk = tmp_path / "kv"
+    side_a, side_b = CASES["attn-16NHD-to-32HND"][1:]
+    g = torch.Generator().manual_seed(zlib.crc32(f"pp/{writer}/{reader}".encode()))
+    kv = torch.randint(0, 256, (NUM_LAYERS, 2, PROMPT, HEADS, HEAD_SIZE * 2), dtype=torch.uint8, generator=g)
+    keys = None
+    for i, layers in enumerate(STAGES[writer]):
+        a = Engine(f"A{i}", device, torch.bfloat16, False, side_a, disk, num_blocks=32, layers=layers)
+        try:
+            save_prompt(a, kv[layers.start : layers.stop], record=False)
+            keys = a.keys
+            assert a.worker.share.layers == (layers.start, layers.stop)
+        finally:
+            a.close()
+    commit(a, keys, [(r.start, r.stop) for r in STAGES[writer]])
+    for i, layers in enumerate(STAGES[reader]):
+        b = Engine(f"B{i}", device, torch.bfloat16, False, side_b, disk, num_blocks=16, layers=layers)
+        try:
+            assert b.keys == keys
+            mine = kv[layers.start : layers.stop]
+            got = load_prompt(b, mine)
+            found = check_loaded(b, mine, got)
+            assert not found, f"stage {layers}: KV is not bit-exact:\n  " + "\n  ".join(found)
+            assert not b.load_errors and b.tally.loads_done == {"B": 1}, (b.load_errors, b.tally.loads_done)
+        finally:
+            b.close()
