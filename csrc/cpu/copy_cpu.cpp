@@ -282,6 +282,12 @@ void parallel_memcpy(void* dst, const void* src, size_t bytes, int num_threads) 
 
 void copy_runs(const int64_t* dsts, const int64_t* srcs, const int64_t* sizes, int64_t n, int64_t dst_base,
                int64_t src_base, int num_threads) {
+  if (num_threads == 1) {  // the calling thread alone: no pool (its lock and dispatch cost ~1 us a run)
+    for (int64_t i = 0; i < n; ++i)
+      std::memcpy(reinterpret_cast<void*>(dsts[i] + dst_base), reinterpret_cast<const void*>(srcs[i] + src_base),
+                  static_cast<size_t>(sizes[i]));
+    return;
+  }
   for (int64_t i = 0; i < n; ++i)
     parallel_memcpy(reinterpret_cast<void*>(dsts[i] + dst_base), reinterpret_cast<const void*>(srcs[i] + src_base),
                     static_cast<size_t>(sizes[i]), num_threads);

@@ -30,6 +30,7 @@ void parallel_memcpy(void* dst, const void* src, size_t bytes, int num_threads);
 // The runs of a DMA plan executed on the CPU, in order: `sizes[i]` bytes from `srcs[i] + src_base` to
 // `dsts[i] + dst_base` (what the CUDA copy engines do with the same arrays, cuda::copy_runs). A base lets one
 // run list serve every staging buffer: offsets on the staging side, absolute addresses on the other.
+// num_threads 1: the calling thread alone, no pool (kvx.kernels.ops.host_copy on I/O threads).
 //   dsts, srcs, sizes: [n] int64
 void copy_runs(const int64_t* dsts, const int64_t* srcs, const int64_t* sizes, int64_t n, int64_t dst_base,
                int64_t src_base, int num_threads);

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.ops import host_copy
 from ..store import ChunkError, StoreError, Tier
 from .keys import part_key
 
@@ -135,7 +136,11 @@ class PartIO:
         keys = self.part_keys(key)
         wrote = False
         for k, part in zip(keys, self.heads_view(chunk)):
-            wrote |= tier.put(k, part.contiguous(), extra)
+            if not part.is_contiguous():  # a head of several: its own buffer (one thread: ops.host_copy)
+                dense = torch.empty(part.shape, dtype=part.dtype)
+                host_copy(dense, part)
+                part = dense
+            wrote |= tier.put(k, part, extra)
         return wrote, keys
 
     # ------------------------------------------------------------------ reads (a reader thread)
@@ -171,7 +176,7 @@ class PartIO:
             for k, view in zip(self.part_keys(key, (a, b)), views):
                 part = torch.empty((b - a, *view.shape[1:]), dtype=view.dtype)
                 self._get_part(tier, key, k, part)
-                view.narrow(0, first - lo, end - first).copy_(part.narrow(0, first - a, end - first))
+                host_copy(view.narrow(0, first - lo, end - first), part.narrow(0, first - a, end - first))
         if covered != hi - lo:
             raise ChunkError(f"chunk {key}: its layer ranges {rec.ranges} do not cover this worker's {sh.layers}")
 
@@ -189,4 +194,4 @@ class PartIO:
                 pass
             raise
         if dst is not out:
-            out.copy_(dst)
+            host_copy(out, dst)

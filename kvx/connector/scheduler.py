@@ -13,8 +13,8 @@ Life of a request:
 
 1. ``get_num_new_matched_tokens`` (maybe several times; side-effect free): walk the chunk keys,
    each chunk available from the fastest tier that holds it (CPU READY, else the first tier holding
-   every rank's share), stop at the first miss; report the hit beyond vLLM's local prefix hit. A
-   full-prompt hit leaves only the last token to compute (sync loads must leave one); the block it
+   its record: every part stored, :mod:`.parts`), stop at the first miss; report the hit beyond vLLM's local
+   prefix hit. A full-prompt hit leaves only the last token to compute (sync loads must leave one); the block it
    lands in is loaded before the forward. ``None`` when a tier cannot answer without blocking on the
    network (vLLM asks again at its next step).
 2. ``update_state_after_alloc`` with ``num_external_tokens > 0``: build the :class:`LoadSpec`

@@ -25,8 +25,9 @@ Names: tier type ``<Name>`` is the class ``<Name>Tier`` with the config model ``
 (``DiskTier`` / ``DiskTierConfig``, ``RedisTier`` / ``RedisTierConfig``; the CPU pool's config is
 ``kvx.connector.config.CPUTierConfig``), and every tier is constructed from ``(config, ctx)``.
 
-Keys passed to a tier are chunk keys (lowercase hex; a tensor-parallel rank's share of a chunk has its
-own key). Every operation may be called from several threads at once.
+Keys passed to a tier are lowercase hex: the connector stores a chunk as parts (one per KV head) under their own
+keys and a record under the chunk key (:mod:`kvx.connector.parts`); a tier stores each as an object. Every operation
+may be called from several threads at once.
 """
 
 from __future__ import annotations
