@@ -167,6 +167,7 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
                 fence_loads_at_start=not self.config.layerwise,
                 background_writes=not (ktc.is_kv_producer and not ktc.is_kv_consumer),
             )
+            self._worker.write_records = int(vllm_config.parallel_config.world_size) == 1
         log.info(
             "kvx: %s ready: chunk %d tokens, format %s, tiers %s",
             role.name,

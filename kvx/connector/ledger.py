@@ -103,7 +103,7 @@ class ChunkLedger:
         backlog: int | None = None,
         object_bytes: Callable[[int, bool], int] = lambda tokens, state: 0,
         slot_bytes: int = 0,
-        commit: Callable[[str, str], Future] | None = None,
+        commit: Callable[[str, str], Future | None] | None = None,
     ):
         self.cpu = cpu
         self.writes = writes  # a producer: promoted chunks are written through to the faster tiers
@@ -120,7 +120,7 @@ class ChunkLedger:
         self.slot_bytes = slot_bytes  # a write buffer's bytes (a CPU slot's): what a buffered save occupies
         self._pending: Counter[str] = Counter()  # tier -> bytes its writes in flight queue (per worker)
         self.dropped: Counter[str] = Counter()  # tier -> writes not planned: its backlog was full
-        # (tier, chunk) -> its record being written, once every worker stored its parts; None: written at once
+        # writes a chunk's record once every worker stored its parts (None from it, or no commit: nothing to write)
         self.commit = commit
         self._commits: list[tuple[Transfer, Future]] = []
         self.commit_errors = 0
@@ -291,9 +291,12 @@ class ChunkLedger:
                 self._pending[tr.tier] -= tr.nbytes  # the workers' buffers are free
                 if tr.holds:
                     self.cpu.unpin([tr.key])
-                if all(o in (OK, HELD) for o in tr.outcomes) and self.commit is not None:
-                    self._commits.append((tr, self.commit(tr.tier, tr.key)))  # every part stored: the record
-                else:
+                fut = (
+                    self.commit(tr.tier, tr.key) if self.commit and all(o in (OK, HELD) for o in tr.outcomes) else None
+                )
+                if fut is not None:
+                    self._commits.append((tr, fut))  # every part stored: the record is being written
+                else:  # no record to write here (one worker wrote it with its parts), or not every part stored
                     self._end_tier(tr, OK in tr.outcomes and FAILED not in tr.outcomes)
             else:
                 if tr.pins:

