@@ -83,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         files = [f for _, _, fs in os.walk(store) for f in fs if f.endswith(".safetensors")]
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(store) for f in fs)
         same = cold.tokens == warm.tokens
-        print(f"  store: {len(files)} chunks, {size / 2**20:.1f} MiB on disk at {store}")
+        chunks = len(ids) // args.chunk_size
+        print(
+            f"  store: {chunks} chunks in {len(files)} files (a part per KV head and a record each), "
+            f"{size / 2**20:.1f} MiB on disk at {store}"
+        )
         print(
             f"  hit: {warm.num_cached_tokens} tokens; TTFT {cold.ttft_s:.3f} s -> {warm.ttft_s:.3f} s "
             f"({cold.ttft_s / max(warm.ttft_s, 1e-9):.1f}x faster)"
