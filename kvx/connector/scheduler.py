@@ -540,6 +540,7 @@ class KVXScheduler:
 
     # ------------------------------------------------------------------ step 3: per-step metadata
     def build_connector_meta(self, so) -> KVXMetadata:
+        self.ledger.end_commits()  # records written since the last step (vLLM reports no output on an idle step)
         meta = KVXMetadata(
             loads=self._new_loads,
             preempted=sorted(getattr(so, "preempted_req_ids", None) or ()),
@@ -830,7 +831,9 @@ class KVXScheduler:
         return self.events.take()
 
     def has_pending_push_work(self) -> bool:
-        # keep the engine stepping while a worker has something to report: the reports ride on steps
+        # keep the engine stepping while a worker has something to report: the reports ride on steps; records
+        # written since are ended here too (vLLM calls update_connector_output only with workers' output)
+        self.ledger.end_commits()
         return not self.ledger.idle()
 
     def reset_cache(self) -> bool:

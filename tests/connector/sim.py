@@ -152,14 +152,17 @@ def sim_request(sched: Scheduler, req_id, tokens, max_tokens=2, kv_transfer_para
 
 def runner_output(sched: Scheduler, so, **kv_connector_output) -> ModelRunnerOutput:
     """What the model runner returns for step ``so`` of ``sched``: one token sampled for each request whose prompt
-    is computed (its ``num_computed_tokens`` already advanced by ``schedule()``), and the connector's output."""
+    is computed (its ``num_computed_tokens`` already advanced by ``schedule()``), and the connector's output: None
+    when empty, as vLLM's runner returns it (``ModelRunnerOutput.with_kv_conn_output_only``), so the scheduler's
+    ``update_connector_output`` is not called on such a step."""
     ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
     sampled = [[7] if sched.requests[rid].num_computed_tokens >= sched.requests[rid].num_tokens else [] for rid in ids]
+    kv = KVConnectorOutput(**kv_connector_output)
     return ModelRunnerOutput(
         req_ids=ids,
         req_id_to_index={r: i for i, r in enumerate(ids)},
         sampled_token_ids=sampled,
-        kv_connector_output=KVConnectorOutput(**kv_connector_output),
+        kv_connector_output=None if kv.is_empty() else kv,
     )
 
 

@@ -195,3 +195,27 @@ def test_async_load_failure_recomputes_and_stores_again(make_env, store_dir, mon
     env3.run()
     for e in (env, env2, env3):
         e.assert_clean()
+
+
+def test_tensor_parallel_a_record_landing_after_the_last_report_ends_the_write(make_env, store_dir, monkeypatch):
+    """With several workers the scheduler writes each chunk's record once every rank reported its parts. A record
+    that lands after the workers' last report (a slow disk) must still end the write: vLLM calls
+    update_connector_output only on steps with workers' output, and keeps stepping while kvx has work pending, so a
+    record that only that hook ended would keep an idle engine stepping forever."""
+    import time as _time
+
+    from kvx.store.disk import DiskTier
+
+    put = DiskTier.put
+
+    def slow_record(self, key, chunk, extra=None):
+        if (extra or {}).get("kind") == "record":
+            _time.sleep(0.3)  # the record lands long after the ranks reported their parts
+        return put(self, key, chunk, extra)
+
+    monkeypatch.setattr(DiskTier, "put", slow_record)
+    env = make_env(tiers(store_dir, cpu=None), tp=2)
+    env.request("a", prompt(2 * CHUNK + 10, seed=47))
+    env.run(timeout_s=30)  # ends only once the ledger is idle (vLLM's has_requests asks has_pending_push_work)
+    assert env.stored_chunks() == {s.key for s in saves(env)} and len(env.stored_chunks()) == 2
+    env.assert_clean()
