@@ -163,6 +163,53 @@ def flip_byte(path, from_end: int = 100) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
+# ------------------------------------------------------------------------------------------ stored chunks
+# In a byte tier (disk, Redis) a chunk is a *record* under its chunk key, written once the chunk is stored whole,
+# and *parts* under kvx.connector.keys.part_key(chunk key, name): one per KV head of the model (per pipeline
+# stage's layers), or one per TP rank for hybrid models (kvx.connector.parts). A file or value is told from the
+# other by its header: the scheduler writes records with the metadata ``kind: record``.
+def is_record(head: bytes) -> bool:
+    """Whether a stored object whose first bytes are ``head`` (its codec header, sealed or not: the metadata is in
+    the clear) is a chunk's record, not a part of one (False for anything else, such as the manifest of a Redis
+    value split in pieces)."""
+    from kvx.store import ChunkError, codec
+
+    try:
+        return codec.decode_header(head).meta.get("kind") == "record"
+    except ChunkError:
+        return False
+
+
+def store_objects(path) -> tuple[list[str], list[str]]:
+    """(records, parts): a disk store's chunk files (``.safetensors``), sorted. A file removed while it is read
+    counts as neither."""
+    records, parts = [], []
+    for d, _, fs in os.walk(path):
+        for f in fs:
+            if not f.endswith(".safetensors"):
+                continue
+            p = os.path.join(d, f)
+            try:
+                with open(p, "rb") as fh:
+                    head = fh.read(1 << 16)
+            except FileNotFoundError:
+                continue
+            (records if is_record(head) else parts).append(p)
+    return sorted(records), sorted(parts)
+
+
+def stored_chunk_keys(llm, ids: list[int], chunk_size: int) -> list[tuple[str, list[str]]]:
+    """Per full chunk of ``ids`` (no cache_salt), as an in-process engine ``llm`` (one worker, every KV head and
+    layer) stores it in a byte tier: (the chunk key, which names its record; its parts' keys)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from kvx.connector.keys import chunk_keys, part_key, request_root
+
+    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+    names = get_kv_transfer_group()._worker.share.part_names()
+    return [(k, [part_key(k, n) for n in names]) for k in chunk_keys(request_root(sched.namespace), ids, chunk_size)]
+
+
 # ------------------------------------------------------------------------------------------ benchmarks, Redis
 def load_benchmark(monkeypatch, name: str):
     """``benchmarks/<name>.py`` as a module (benchmarks are scripts, not a package)."""

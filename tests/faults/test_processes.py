@@ -1,8 +1,8 @@
 """Faults that need engines in separate processes: an engine killed (``kill -9``) in the middle of writing a
-chunk file, and two engines serving from one store at the same time (with and without a size cap). Each
-case: greedy tokens equal to an engine without kvx, no crash (exit codes; the killed engine excepted),
-every stored chunk verifies and no temporary file is left, and an in-process engine on the store at the
-end settles (nothing pinned or in flight).
+chunk's file (a part or its record), and two engines serving from one store at the same time (with and without
+a size cap). Each case: greedy tokens equal to an engine without kvx, no crash (exit codes; the killed engine
+excepted), every stored record and part verifies and no temporary file is left, and an in-process engine on the
+store at the end settles (nothing pinned or in flight).
 
 References are computed before any kvx engine starts in this process: vLLM's KV-transfer state is
 process-global, so no second engine is built in-process while one is alive.
@@ -21,17 +21,20 @@ import pytest
 
 from kvx.store.disk import DiskTierConfig
 from kvx.testing import harness as H
-from tests.helpers import stopped, wait_for
+from tests.helpers import stopped, store_objects, stored_chunk_keys, wait_for
 
 from .conftest import (
     CHUNK,
+    CHUNK_BYTES,
+    KV_HEADS,
     MAX_TOKENS,
     assert_store_sound,
-    chunk_files,
     connector_sides,
     engine,
     engine_process,
     full_hit,
+    parts,
+    records,
     results,
     settle,
     tiers,
@@ -39,7 +42,8 @@ from .conftest import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-# kill -9: 6 unrelated prompts of 8 full chunks each (48 chunk files of 512 KiB) and an odd tail.
+# kill -9: 6 unrelated prompts of 8 full chunks each (48 chunks: a record and 2 parts of 256 KiB each) and an odd
+# tail.
 KILL_PROMPTS = [H.prompt_ids(8 * CHUNK + 17 + i, seed=200 + i) for i in range(6)]
 # Two engines: 6 prompts on one shared prefix of 8 chunks, branching after 1-8 of its chunks into tails of
 # their own of 0-6 full chunks and an odd remainder: (shared chunks, own chunks, extra tokens).
@@ -48,7 +52,7 @@ _SHARED = H.prompt_ids(8 * CHUNK, seed=300)
 SHARED_PROMPTS = [
     _SHARED[: k * CHUNK] + H.prompt_ids(m * CHUNK + r, seed=310 + i) for i, (k, m, r) in enumerate(BRANCHES)
 ]
-DISTINCT_CHUNKS = 8 + sum(m for _, m, _ in BRANCHES)  # 22 chunk files in all
+DISTINCT_CHUNKS = 8 + sum(m for _, m, _ in BRANCHES)  # 22 chunks in all
 ALL_PROMPTS = KILL_PROMPTS + SHARED_PROMPTS
 
 IO_THREADS = 2  # kvx's default io_threads
@@ -123,10 +127,16 @@ def dir_bytes(path) -> int:
     return total
 
 
+def chunk_files(store) -> list[str]:
+    """Every chunk file of ``store``: records and parts."""
+    recs, prts = store_objects(store)
+    return recs + prts
+
+
 def kill_mid_write(child: Child, store, after_results: int, after_chunks: int, timeout: float) -> tuple[str, list[str]]:
-    """Once ``child`` has printed ``after_results`` results and ``store`` holds ``after_chunks`` chunk files,
-    wait for a temporary file in ``store``; stop the process, and if the file is still there (its write
-    has not finished), kill it. Returns (the temporary file, the chunk files present at the kill)."""
+    """Once ``child`` has printed ``after_results`` results and ``store`` holds ``after_chunks`` chunks stored
+    whole (records), wait for a temporary file in ``store``; stop the process, and if the file is still there
+    (its write has not finished), kill it. Returns (the temporary file, the chunk files present at the kill)."""
     pid = child.proc.pid
 
     def killed() -> tuple[str, list[str]] | None:
@@ -135,7 +145,7 @@ def kill_mid_write(child: Child, store, after_results: int, after_chunks: int, t
                 f"the engine ended before the kill could land in the middle of a chunk write "
                 f"(no temporary file seen while it ran):\n{child.describe()}"
             )
-        if len(results(child.stdout)) < after_results or len(chunk_files(store)) < after_chunks:
+        if len(results(child.stdout)) < after_results or len(records(store)) < after_chunks:
             time.sleep(0.05)
             return None
         tmps = temp_files(store)
@@ -162,9 +172,9 @@ def kill_mid_write(child: Child, store, after_results: int, after_chunks: int, t
 
 
 def test_kill_9_mid_write_then_restart_on_the_same_store(model, reference, tmp_path):
-    """An engine killed while writing a chunk file leaves its temporary file; an engine started on the store
-    removes it, serves the chunks the killed engine completed, and computes (and stores) the rest."""
-    from kvx.connector.keys import chunk_keys, request_root
+    """An engine killed while writing a chunk's file (a part, or the record) leaves its temporary file; an engine
+    started on the store removes it, serves the chunks the killed engine completed (their records), and computes
+    (and stores) the rest."""
     from kvx.store.disk import survey
 
     refs = refs_of(reference, KILL_PROMPTS)
@@ -173,7 +183,7 @@ def test_kill_9_mid_write_then_restart_on_the_same_store(model, reference, tmp_p
     # slip between the polls below before the engine ends
     child = Child(engine_process(tmp_path, model, tiers(store, cpu=None), KILL_PROMPTS, write_delay_s=0.05))
     try:
-        # after 2 prompts and 10 chunk files (the writes lag behind the prompts: kvx's writers run only
+        # after 2 prompts and 10 chunks stored whole (the writes lag behind the prompts: kvx's writers run only
         # on idle cores), so that the first prompt's chunks are complete on disk when the kill lands
         tmp, present = kill_mid_write(child, store, after_results=2, after_chunks=10, timeout=START_TIMEOUT_S)
         rc = child.wait(60)
@@ -202,19 +212,23 @@ def test_kill_9_mid_write_then_restart_on_the_same_store(model, reference, tmp_p
         assert not any(os.path.exists(t) for t in left), "stale temporary files survived the start-up"
         sched, worker = connector_sides(llm)
         assert worker.tiers["disk"].stats()["tmp_removed"] + sched.tiers["disk"].stats()["tmp_removed"] >= 1
-        # chunks the killed engine completed: a prompt hits its leading chunks present on disk
-        root = request_root(sched.namespace)
+        # chunks the killed engine completed (their records): a prompt hits its leading chunks present on disk
+        chunks = [stored_chunk_keys(llm, prompt, CHUNK) for prompt in KILL_PROMPTS]
         leading = []
-        for prompt in KILL_PROMPTS:
-            on_disk = [
-                all(sched.tiers["disk"].contains_many(sched._shard_keys(k))) for k in chunk_keys(root, prompt, CHUNK)
-            ]
+        for objs in chunks:
+            on_disk = sched.tiers["disk"].contains_many([k for k, _ in objs])
             leading.append(on_disk.index(False) if False in on_disk else len(on_disk))
-        keys = {k for prompt in KILL_PROMPTS for k in chunk_keys(root, prompt, CHUNK)}
-        assert {os.path.basename(f)[: -len(".safetensors")] for f in present} <= keys
-        # the chunk being written when killed: a miss
-        assert key in keys and not all(sched.tiers["disk"].contains_many(sched._shard_keys(key)))
-        assert len(present) >= sum(leading)
+        owner = {o: k for objs in chunks for k, ps in objs for o in (k, *ps)}  # record or part key -> chunk key
+        present_recs, present_parts = store_objects(store)  # (the files present at the kill, asserted above)
+
+        def names(files):
+            return {os.path.basename(f)[: -len(".safetensors")] for f in files}
+
+        assert names(present_recs) <= {k for objs in chunks for k, _ in objs}
+        assert names(present_parts) <= {p for objs in chunks for _, ps in objs for p in ps}
+        # the chunk whose part or record was being written when killed: a miss
+        assert key in owner and sched.tiers["disk"].contains_many([owner[key]]) == [False]
+        assert len(present_recs) >= sum(leading)
         assert max(leading) == 8, f"no prompt had all its chunks on disk at the kill: {leading}"
         for prompt, ref, lead in zip(KILL_PROMPTS, refs, leading):
             r = H.generate(llm, prompt, MAX_TOKENS)
@@ -297,8 +311,8 @@ def test_two_engines_sharing_one_store(model, reference, tmp_path, capped):
     the same chunks); with a cap of a third of the chunks they also evict each other's files."""
     refs = refs_of(reference, SHARED_PROMPTS)
     store = tmp_path / "store"
-    file_bytes_guess = 2 * 2 * 64 * 2 * 4 * CHUNK + 4096  # chunk bytes + header (< 4 KiB)
-    cap = DISTINCT_CHUNKS // 3 * file_bytes_guess if capped else None
+    chunk_bytes_guess = CHUNK_BYTES + (KV_HEADS + 1) * 4096  # KV bytes + a header (< 4 KiB) per part and the record
+    cap = DISTINCT_CHUNKS // 3 * chunk_bytes_guess if capped else None
     extra = tiers(store, disk_size=cap)
     orders = [list(range(len(SHARED_PROMPTS))), list(reversed(range(len(SHARED_PROMPTS))))]
     children: list[Child] = []
@@ -320,13 +334,14 @@ def test_two_engines_sharing_one_store(model, reference, tmp_path, capped):
         assert [r["i"] for r in res] == list(range(len(order)))
         for r, i in zip(res, order):
             assert r["tokens"] == refs[i], f"prompt {i}: wrong tokens"
-    n_files = assert_store_sound(store)
-    file_bytes = os.path.getsize(chunk_files(store)[0])
+    n_chunks = assert_store_sound(store)
+    file_bytes = max(os.path.getsize(f) for f in parts(store))  # the largest file a put writes: a part
     if not capped:
-        assert n_files == DISTINCT_CHUNKS
+        assert n_chunks == DISTINCT_CHUNKS and len(parts(store)) == KV_HEADS * DISTINCT_CHUNKS
     else:
         # README: N engines on one path stay within size + (N-1) x min(size, W x rescan + (io_threads + 1) x
         # chunk file), W one engine's write rate: what the others write between two counts of the directory
+        # (a chunk file: one put's, here a part)
         rescan_s = DiskTierConfig.model_fields["rescan_s"].default
         written = sampler.most_written_within(rescan_s)
         n = len(children)

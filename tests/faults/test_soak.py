@@ -1,5 +1,6 @@
-"""Soak: a few hundred requests on one engine whose tiers evict all the time, while chunk files are
-damaged and deleted under it. Zero wrong tokens, zero leaked files, zero pinned slots."""
+"""Soak: a few hundred requests on one engine whose tiers evict all the time, while chunks' part files are
+damaged and chunk files (records and parts) deleted under it. Zero wrong tokens, zero leaked files, zero pinned
+slots."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import random
 
 import pytest
 
+from tests.helpers import dir_bytes, store_objects
+
 from .conftest import (
     CHUNK_BYTES,
+    KV_HEADS,
     assert_store_sound,
-    chunk_files,
     connector_sides,
     engine,
     shared_prefix_prompts,
@@ -39,19 +42,20 @@ def test_soak_under_eviction_and_damaged_files(model, reference, tmp_path):
     store = tmp_path / "store"
     rng = random.Random(11)
     sp = SamplingParams(temperature=0, ignore_eos=True, detokenize=False, max_tokens=MAX_TOKENS)
-    chunk_file_bytes = None
+    chunk_bytes = None  # a chunk stored whole on disk: its record and a part per KV head
     wrong, served, deleted, damages = [], 0, 0, 0
     damaged: dict[str, tuple[int, int]] = {}  # path -> (inode, mtime) right after the test damaged it
     # CPU tier: 3 chunks; disk: 10 chunks, of the ~40 the pool needs: both tiers evict all the time
     with engine(model, tiers(store, cpu=str(3 * CHUNK_BYTES))) as llm:
         sched, worker = connector_sides(llm)
         while served < REQUESTS:
-            files = chunk_files(store)
-            if files and chunk_file_bytes is None:
-                chunk_file_bytes = os.path.getsize(files[0])
-                worker.tiers["disk"].capacity_bytes = sched.tiers["disk"].capacity_bytes = 10 * chunk_file_bytes
-            if files and rng.random() < 0.25:  # damage a stored chunk: a flipped byte ...
-                f = rng.choice(files)
+            recs, prts = store_objects(store)
+            if recs and prts and chunk_bytes is None:
+                chunk_bytes = os.path.getsize(recs[0]) + KV_HEADS * os.path.getsize(prts[0])
+                worker.tiers["disk"].capacity_bytes = sched.tiers["disk"].capacity_bytes = 10 * chunk_bytes
+            files = recs + prts
+            if prts and rng.random() < 0.25:  # damage a stored chunk: a flipped byte of a part ...
+                f = rng.choice(prts)
                 try:
                     with open(f, "r+b") as fh:
                         fh.seek(-rng.randrange(1, 4096), os.SEEK_END)
@@ -63,7 +67,7 @@ def test_soak_under_eviction_and_damaged_files(model, reference, tmp_path):
                     damages += 1
                 except (FileNotFoundError, ValueError):
                     pass
-            if files and rng.random() < 0.1:  # ... or a file another engine evicted
+            if files and rng.random() < 0.1:  # ... or a file (record or part) another engine evicted
                 try:
                     os.unlink(rng.choice(files))
                     deleted += 1
@@ -98,6 +102,6 @@ def test_soak_under_eviction_and_damaged_files(model, reference, tmp_path):
     assert totals.get("loaded_chunks", 0) > 50
     assert sched.cpu.stats["evicted"] > 0
     assert worker.tiers["disk"].stats()["evicted"] > 0
-    n = assert_store_sound(store)  # no stray or temporary files, every chunk verifies
-    assert n * chunk_file_bytes <= 10 * chunk_file_bytes
+    assert_store_sound(store)  # no stray or temporary files, every record and part verifies
+    assert dir_bytes(store) <= 10 * chunk_bytes  # within the disk tier's capacity
     assert all(f.endswith(".safetensors") for f in store_files(store))
