@@ -814,7 +814,11 @@ class KVXScheduler:
 
     def take_stats(self) -> dict:
         """Counters since the last call, the tiers' stored/eviction counts, and the ``pending_writes`` gauge
-        (tier writes and CPU slot writes in flight) whenever it changed."""
+        (tier writes and CPU slot writes in flight) whenever it changed. vLLM asks every step, after the step's
+        output: the step's end for the prefill-throughput estimate too (``update_connector_output`` runs only on
+        steps with workers' output)."""
+        if self.costs is not None:
+            self.costs.step_end()
         stats, self.stats = dict(self.stats), Counter()
         stats.update(self.events.take_counts())
         if self.ledger.dropped:
