@@ -190,27 +190,16 @@ def test_namespace_names_the_groups_and_the_storage_version_not_the_parallel_siz
     g1, g2 = engine_geometry(vc, one), engine_geometry(vc, two)
     assert (g1.num_groups, g2.num_groups, g2.num_layers) == (1, 2, 2)
 
-    def old_fields(mc, vc, g):
-        return dict(
-            model=str(mc.model),
-            revision=str(mc.revision),
-            quantization=str(mc.quantization),
-            kv_cache_dtype=str(vc.cache_config.cache_dtype),
-            dtype=str(g.dtype),
-            format="f",
-        )
-
-    old = namespace_digest(
+    fields = dict(
         model=str(mc.model),
         revision=str(mc.revision),
         quantization=str(mc.quantization),
         kv_cache_dtype=str(vc.cache_config.cache_dtype),
         dtype=str(g1.dtype),
         format="f",
-        parts=1,
     )
+    old = namespace_digest(**fields, parts=1)
     assert namespace(vc, g1, "f") == old
     assert namespace(vc, g2, "f") != old
-    before_parts = namespace_digest(**{k: v for k, v in old_fields(mc, vc, g1).items()}, tp=1, pp=1)
-    assert namespace(vc, g1, "f") != before_parts
+    assert namespace(vc, g1, "f") != namespace_digest(**fields, tp=1, pp=1)  # the namespace before parts
     assert namespace(vc, g1, "f", split=False) != old  # chunks that cannot be cut by head name the TP size

@@ -54,11 +54,12 @@ def server_args(store: str, role: str, **extra) -> list[str]:
     ]
 
 
-def reference_tokens(model: str) -> list[list[int]]:
+def reference_tokens(model: str, prompts=None) -> list[list[int]]:
+    """Greedy tokens of an engine without kvx for ``prompts`` (default: PROMPTS + DEAD)."""
     llm = H.build_llm(model, kv_cache_bytes=256 << 20, max_model_len=2560, dtype="float32")
     try:
         out = []
-        for ids in PROMPTS + DEAD:
+        for ids in PROMPTS + DEAD if prompts is None else prompts:
             llm.reset_prefix_cache()
             out.append(H.generate(llm, ids, MAX_TOKENS).tokens)
         return out
@@ -227,14 +228,7 @@ def test_pd_handoff_between_different_tp_sizes(tmp_path, prefill_tp, decode_tp):
     cons = server("kv_consumer", decode_tp, "decode", pd_wait_ms=10000)
     proxy = None
     try:
-        llm = H.build_llm(model, kv_cache_bytes=256 << 20, max_model_len=2560, dtype="float32")
-        try:
-            reference = []
-            for ids in TP_PROMPTS:
-                llm.reset_prefix_cache()
-                reference.append(H.generate(llm, ids, MAX_TOKENS).tokens)
-        finally:
-            H.shutdown(llm)
+        reference = reference_tokens(model, TP_PROMPTS)  # while the servers start
         prod.wait_healthy()
         cons.wait_healthy()
         proxy = Proxy(prod.url, cons.url, str(tmp_path / "proxy.log"))
