@@ -21,7 +21,7 @@ import pytest
 
 from kvx.store.disk import DiskTierConfig
 from kvx.testing import harness as H
-from tests.helpers import stopped, store_objects, stored_chunk_keys, wait_for
+from tests.helpers import dir_bytes, stopped, store_objects, stored_chunk_keys, wait_for
 
 from .conftest import (
     CHUNK,
@@ -113,18 +113,6 @@ class Child:
 
 def temp_files(path) -> list[str]:
     return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".tmp")]
-
-
-def dir_bytes(path) -> int:
-    """Bytes of every file (chunks and temporary files) under a store; files may vanish meanwhile."""
-    total = 0
-    for d, _, fs in os.walk(path):
-        for f in fs:
-            try:
-                total += os.stat(os.path.join(d, f)).st_size
-            except FileNotFoundError:
-                pass
-    return total
 
 
 def chunk_files(store) -> list[str]:
