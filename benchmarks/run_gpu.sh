@@ -68,13 +68,14 @@ run_step() {
 }
 
 step env
+# SM_CAP, not CC: CC names the C compiler Triton builds its launcher with
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-CC=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '. ')
-ARCH=${KVX_CUDA_ARCHS:-${CC:-90}}
+SM_CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '. ')
+ARCH=${KVX_CUDA_ARCHS:-${SM_CAP:-90}}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,pcie.link.gen.max,pcie.link.width.max \
   --format=csv 2>&1
 nvcc --version 2>&1 | tail -1
-note "- device: ${GPU:-unknown}, compute capability ${CC:-unknown}, built for sm_$ARCH; kvx $(git rev-parse --short HEAD 2>/dev/null)"
+note "- device: ${GPU:-unknown}, compute capability ${SM_CAP:-unknown}, built for sm_$ARCH; kvx $(git rev-parse --short HEAD 2>/dev/null)"
 if ls .whl/*.whl > /dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > "$R/wheels.log" 2>&1 || note "- WHEELS FAILED (see wheels.log)"

@@ -731,7 +731,8 @@ CUDA_FAILURES = {
     "rule1_load_after_last_use": [f"{STEP4}: D:"],
     "rule2_save_after_forward": ["CPU slot 0 (chunk a0 of A)"],
     "rule3_fence_before_forward": ["CPU slot 1 (chunk a1 of A)"],
-    "rule4_fence_before_layer_reads": [f"{STEP4}: D:"],
+    # which of the two loads racing at step 4 the forward catches first depends on the device's timing
+    "rule4_fence_before_layer_reads": [(f"{STEP4}: D:", f"{STEP4}: F:")],
     "rule5_staging_reuse": [f"{STEP4}: D:"],  # the loads' DMAs run ahead of the slow reshapes
 }
 
@@ -760,4 +761,5 @@ def test_scenario_detects_a_broken_rule(device, rule, order, monkeypatch, copy_q
         run_scenario(device, "LBNHC", torch.bfloat16, slow if device == "cuda" else None, order)
     msg = str(e.value)
     for line in (CPU_FAILURES if device == "cpu" else CUDA_FAILURES).get(rule, []):
-        assert line in msg, f"expected {line!r} among the failures:\n{msg}"
+        either = line if isinstance(line, tuple) else (line,)
+        assert any(one in msg for one in either), f"expected one of {either!r} among the failures:\n{msg}"
