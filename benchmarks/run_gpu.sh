@@ -9,14 +9,16 @@
 #   phase 1   correctness, concurrently, each under its own timeout: tests/kernels -m gpu (xdist -n 8),
 #             tests/worker -m gpu, compute-sanitizer memcheck on the copy kernels and on the worker pipeline.
 #   phase 2   timings, the GPU to itself, each under a timeout derived from the time left, most targets first:
+#             gpu_staged_stress.py (~55 s: host copies checked bit-exact in a loop, by variant, idle and under load),
 #             bench_copy --quick (table under idle and GEMM load, one layer's copies, both directions at once),
 #             bench_copy --h2d-only --quick (per-layer batches of pages: auto vs dma and staged),
 #             bench_pipeline --quick (kvx's default config: loads hidden, saves' slowdown, hooks' host time).
 #   summary   benchmarks/gpu_targets.py judges every target from the CSVs (met / MISSED / NOT MEASURED, each with
 #             its number and same-run baseline), also into benchmarks/results/gpu_targets_<device>.md.
 #
-# $OUT (default ./gpu-results) gets 7 files (the device tool returns <= 8 of <= 16 MiB): summary.md (read this
-# first), gpu_targets_<device>.md, copy_cuda_quick.md, copy_h2d_cuda.md, pipeline_cuda.md, log.txt, results.tgz
+# $OUT (default ./gpu-results) gets 8 files (the device tool returns <= 8 of <= 16 MiB): summary.md (read this
+# first), gpu_targets_<device>.md, staged_stress_cuda.md, copy_cuda_quick.md, copy_h2d_cuda.md, pipeline_cuda.md,
+# log.txt, results.tgz
 # (every CSV and log: untar its results/ into benchmarks/results/ to commit the numbers).
 #
 # The device tool call (after `bash benchmarks/fetch_gpu_wheels.sh` here, which fills the ignored .whl/):
@@ -128,7 +130,9 @@ left_over=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,nohead
 [ -n "$left_over" ] && note "- WARNING: GPU processes still running before the timings: $left_over"
 
 step "phase 2: timings (GPU to itself)"
-rm -f $RES/copy_cuda_quick* $RES/copy_h2d_cuda.* $RES/pipeline_cuda.* $RES/gpu_targets_*.md  # no stale numbers
+rm -f $RES/copy_cuda_quick* $RES/copy_h2d_cuda.* $RES/pipeline_cuda.* $RES/gpu_targets_*.md $RES/staged_stress_cuda.md
+# the staged path over pinned memory lost bytes in 5-7 test cases per run on an H100 (2026-11-27): which variant
+run_step staged_stress 75 200 "$PY" benchmarks/gpu_staged_stress.py --seconds 2 --out $RES/staged_stress_cuda.md
 run_step bench_copy 170 130 "$PY" benchmarks/bench_copy.py --device cuda --quick --sections table,layer,bidir \
   --out $RES/copy_cuda_quick
 run_step bench_h2d 70 75 "$PY" benchmarks/bench_copy.py --device cuda --quick --h2d-only --out $RES/copy_cuda_quick
@@ -146,10 +150,10 @@ TARGETS=$(ls $RES/gpu_targets_*.md 2> /dev/null | head -1)
   [ -n "$TARGETS" ] && sed 's/^# /## /' "$TARGETS"
 } > "$OUT/summary.md"
 cat "$OUT/summary.md"
-for f in "$TARGETS" $RES/copy_cuda_quick.md $RES/copy_h2d_cuda.md $RES/pipeline_cuda.md; do
+for f in "$TARGETS" $RES/copy_cuda_quick.md $RES/copy_h2d_cuda.md $RES/pipeline_cuda.md $RES/staged_stress_cuda.md; do
   [ -f "$f" ] && cp "$f" "$OUT/"
 done
-mkdir -p "$R/results" && cp $RES/copy_cuda_quick* $RES/copy_h2d_cuda.* $RES/pipeline_cuda.* $RES/gpu_targets_*.md \
+mkdir -p "$R/results" && cp $RES/copy_cuda_quick* $RES/copy_h2d_cuda.* $RES/pipeline_cuda.* $RES/gpu_targets_*.md $RES/staged_stress_cuda.md \
   "$R/results/" 2> /dev/null
 tar czf "$OUT/results.tgz" -C "$R" . && rm -rf "$R"
 step "done in $(now) s"

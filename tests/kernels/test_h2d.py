@@ -313,10 +313,15 @@ class _Spy:
     def __init__(self, fn):
         self.fn, self.calls = fn, []
 
-    def __call__(self, *args):
-        result = self.fn(*args)
-        self.calls.append((args, result))
+    def __call__(self, *args, **kwargs):
+        result = self.fn(*args, **kwargs)
+        self.calls.append((args, kwargs, result))
         return result
+
+    def arg(self, call: int, name: str, position: int):
+        """Argument ``name`` (keyword) or ``position`` (positional) of call ``call``."""
+        args, kwargs, _ = self.calls[call]
+        return kwargs[name] if name in kwargs else args[position]
 
 
 @needs_cuda
@@ -346,13 +351,13 @@ def test_each_call_takes_the_path_the_rule_says(monkeypatch):
             spy.calls.clear()
         ops.gather_pages(lay, ids, out, impl="cuda", **kw)
         torch.cuda.synchronize()
-        if dma.calls and dma.calls[-1][1]:
+        if dma.calls and dma.calls[-1][2]:
             assert not kernel.calls and not runs.calls
             return "dma", None
         assert len(kernel.calls) == 1
         if runs.calls:
-            return "staged", kernel.calls[0][0][-1]  # max_ctas
-        return "kernel", kernel.calls[0][0][-1]
+            return "staged", kernel.arg(0, "max_ctas", -1)
+        return "kernel", kernel.arg(0, "max_ctas", -1)
 
     monkeypatch.setenv(h2d.H2D_ENV, str(lay.page_bytes))
     assert taken() == ("dma", None)
@@ -372,4 +377,4 @@ def test_each_call_takes_the_path_the_rule_says(monkeypatch):
     monkeypatch.setenv(h2d.H2D_ENV, "0")
     kernel.calls.clear()
     ops.gather_pages(lay, ids, hbm, impl="cuda")
-    assert len(kernel.calls) == 1 and kernel.calls[0][0][-1] == 0
+    assert len(kernel.calls) == 1 and kernel.arg(0, "max_ctas", -1) == 0
