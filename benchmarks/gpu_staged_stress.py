@@ -220,7 +220,12 @@ def main(argv=None) -> int:
                 f"{'; '.join(r['first'])} |\n"
             )
     print(f"wrote {out}")
-    return 1 if any(r["bad"] for r in rows) else 0
+    bad = sum(r["bad"] for r in rows)
+    where = ", ".join(
+        f"{r['variant']}/{r['stream']}{'/load' if r['load'] else ''} {r['bad']}" for r in rows if r["bad"]
+    )
+    print(f"staged stress: {bad} failed of {sum(r['rounds'] for r in rows)} rounds ({where or 'none'})")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -121,7 +121,11 @@ if [ "$T1" -gt 0 ]; then
   # the worker's staged loads and saves racing a slow forward / slow copies (a one-block budget splits every layer)
   start sanitizer_memcheck_worker compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" -m pytest tests/worker \
     -q -m gpu -k "(bit_exact and LBNHC) or splits" -p no:cacheprovider
-  for n in kernels_gpu worker_gpu sanitizer_memcheck_kernels sanitizer_memcheck_worker; do finish "$n"; done
+  # the same loop as in phase 2, here with the GPU shared by the jobs above (the conditions the lost bytes showed in)
+  start staged_stress_shared "$PY" benchmarks/gpu_staged_stress.py --seconds 2 --out "$R/staged_stress_shared.md"
+  for n in kernels_gpu worker_gpu sanitizer_memcheck_kernels sanitizer_memcheck_worker staged_stress_shared; do
+    finish "$n"
+  done
   step "phase 1 took $(($(now) - S1)) s"
 else
   note "- phase 1: SKIPPED (no time left)"
