@@ -4,11 +4,11 @@ against chunks written by a TP=1 engine, in one run, on the disk and Redis tiers
 Chunks are stored as one part per KV head and a record (:mod:`kvx.connector.parts`). Each store is written as an
 engine of that TP size writes it (every rank its heads' parts, then the record); a fresh tier instance (a fresh
 engine's) then reads every chunk as a TP=1 worker does (:meth:`kvx.connector.parts.PartIO.read`: the record, then
-every head's part into the worker's chunk buffer, ``[L, P, T, H, D]``: each part through a scratch buffer, as its
-head's slice of that buffer is strided). Two more rows, for what parts cost themselves: the same reads into a
-head-major buffer (``[H, L, P, T, D]`` seen as ``[L, P, T, H, D]``: each part lands straight in its contiguous head
-slice, no copy), and the same bytes read as one object per chunk (``one object``: how kvx stored a TP=1 engine's
-chunk before parts).
+every head's part into the worker's chunk buffer). The buffer is a CPU worker's, head-major (``[H, L, P, T, D]``
+seen as ``[L, P, T, H, D]``, :attr:`kvx.connector.cache.WorkerCache.head_major`: each part lands straight in its
+contiguous head slice), and again a CUDA worker's, token-major (``[L, P, T, H, D]``: its DMA moves a token's heads
+as one run; each part goes through a scratch buffer, as its head's slice is strided). The last row reads the same
+bytes as one object per chunk (``one object``: how kvx stored a TP=1 engine's chunk before parts).
 
 Shape: Llama-3-8B's KV (32 layers, 8 KV heads of 128, bf16), 256-token chunks: 32 MiB a chunk, 4 MiB a part.
 Stores alternate within each round; a round takes the median per chunk over ``--chunks`` chunks; the table gives
@@ -34,7 +34,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 FP = "bench-tp-share"
-CASES = ("written by TP=1", "written by TP=2", "written by TP=1, head-major buffer", "one object")
+CASES = (
+    "written by TP=1",
+    "written by TP=2",
+    "written by TP=1, token-major buffer",
+    "written by TP=2, token-major buffer",
+    "one object",
+)
 
 
 def shares(tp: int, heads: int, layers: int):
@@ -95,10 +101,11 @@ def run_tier(name: str, open_tier, args, shape) -> list[dict]:
     head_major = torch.empty((heads, *shape[:3], shape[4]), dtype=torch.bfloat16).movedim(0, 3)
     io = PartIO(shares(1, heads, layers)[0], "canonical")
     reads = {
-        CASES[0]: (lambda key: io.read(reader, key, out), k1),
-        CASES[1]: (lambda key: io.read(reader, key, out), k2),
-        CASES[2]: (lambda key: io.read(reader, key, head_major), k1),
-        CASES[3]: (lambda key: reader.get_into(key, out), k0),
+        CASES[0]: (lambda key: io.read(reader, key, head_major), k1),
+        CASES[1]: (lambda key: io.read(reader, key, head_major), k2),
+        CASES[2]: (lambda key: io.read(reader, key, out), k1),
+        CASES[3]: (lambda key: io.read(reader, key, out), k2),
+        CASES[4]: (lambda key: reader.get_into(key, out), k0),
     }
     for read, ks in reads.values():  # warm-up: the first reads open connections and fill caches
         read(ks[0])
@@ -108,7 +115,7 @@ def run_tier(name: str, open_tier, args, shape) -> list[dict]:
             samples[case].append(timed_reads(read, ks))
     reader.close()
     base = statistics.median(samples[CASES[0]])
-    stored = {CASES[0]: bytes1, CASES[1]: bytes2, CASES[2]: bytes1, CASES[3]: bytes0}
+    stored = {CASES[0]: bytes1, CASES[1]: bytes2, CASES[2]: bytes1, CASES[3]: bytes2, CASES[4]: bytes0}
     return [
         {
             "tier": name,

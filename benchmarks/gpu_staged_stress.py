@@ -105,12 +105,22 @@ def _copy(variant: str, lay: KVLayout, op: str, ids, buf, sync) -> None:
     return batch, staging  # held by the caller until its check
 
 
+def _host(shape, dt, g: torch.Generator, head_major: bool) -> torch.Tensor:
+    """A host buffer of ``shape``, filled with noise; a canonical one head-major when asked (a worker's buffers
+    when it holds several KV heads)."""
+    if head_major and len(shape) == 5:
+        return random_fill_(torch.empty((shape[3], *shape[:3], shape[4]), dtype=dt), g).movedim(0, 3)
+    return random_fill_(torch.empty(shape, dtype=dt), g)
+
+
 def _round(variant: str, g: torch.Generator, device: torch.device, sync) -> str | None:
     """One gather and one scatter, each checked; a line naming the first mismatch, or None."""
     a, ref, kind, ids, shape, dt, what = _case(g, device)
-    out = random_fill_(torch.empty(shape, dtype=dt), g)
+    head_major = bool(torch.randint(2, (1,), generator=g))
+    what += " head-major" if head_major and len(shape) == 5 else ""
+    out = _host(shape, dt, g, head_major)
     out = out.pin_memory() if device.type == "cuda" else out
-    expected = out.to(device, copy=True)
+    expected = out.to(device, copy=True)  # (strides kept)
     held = _copy(variant, a, f"gather_{kind}", ids, out, sync)
     getattr(ops, f"gather_{kind}")(ref, ids, expected, impl="reference")
     sync()
@@ -118,7 +128,7 @@ def _round(variant: str, g: torch.Generator, device: torch.device, sync) -> str 
     if not torch.equal(out.to(device).view(torch.uint8), expected.view(torch.uint8)):
         bad = int((out.to(device).view(torch.uint8) != expected.view(torch.uint8)).sum())
         return f"gather_{kind} {what}: {bad} of {expected.numel() * expected.element_size()} bytes differ"
-    src = random_fill_(torch.empty(shape, dtype=dt), g)
+    src = _host(shape, dt, g, head_major)
     src = src.pin_memory() if device.type == "cuda" else src
     held = _copy(variant, a, f"scatter_{kind}", ids, src, sync)
     getattr(ops, f"scatter_{kind}")(ref, ids, src.to(device), impl="reference")

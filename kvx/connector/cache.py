@@ -87,6 +87,37 @@ class WorkerCache:
         chunk = self.config.chunk_size
         return self.shape(max(self.rows(chunk), self.rows(chunk, state=True)))
 
+    # ------------------------------------------------------------------ host buffers
+    @property
+    def head_major(self) -> bool:
+        """Whether host buffers (CPU slots, write buffers, read buffers) hold each KV head's bytes as one run:
+        ``[H, L, P, T, D]`` in memory, seen as the canonical ``[L, P, T, H, D]``. Then each head's part of a chunk
+        is written and read in place, with no copy on the way (:class:`~.parts.PartIO`): so when canonical chunks
+        are cut by head and this worker holds several heads. The host path stages them head-major too
+        (:mod:`kvx.kernels.staged`), so that a head's tokens cross PCIe as one DMA run."""
+        share = self.parts.share
+        return self.fmt == "canonical" and share.split and share.heads[1] - share.heads[0] > 1
+
+    def host_storage_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape in memory of a host buffer of (logical) ``shape``: heads first when :attr:`head_major`."""
+        shape = tuple(shape)
+        return (shape[3], *shape[:3], *shape[4:]) if self.head_major else shape
+
+    def host_view(self, storage: torch.Tensor) -> torch.Tensor:
+        """A host buffer in memory (:meth:`host_storage_shape`) as its logical shape."""
+        return storage.movedim(0, 3) if self.head_major else storage
+
+    def host_empty(self, shape: Sequence[int], pin: bool = False) -> torch.Tensor:
+        """A new host buffer of (logical) ``shape``, laid out as :attr:`head_major` says."""
+        storage = torch.empty(self.host_storage_shape(shape), dtype=self.chunk_dtype, pin_memory=pin)
+        return self.host_view(storage)
+
+    def dense(self, buf: torch.Tensor) -> bool:
+        """Whether ``buf`` is a whole host buffer in this cache's layout (not a strided part of one)."""
+        if self.head_major:
+            return buf.movedim(3, 0).is_contiguous()
+        return buf.is_contiguous()
+
     def blocks_view(self, chunk: torch.Tensor, first_block: int, n_blocks: int) -> torch.Tensor:
         """The part of a chunk tensor that holds vLLM blocks [first_block, first_block + n_blocks)."""
         unit = self.ratio if self.fmt == "pages" else self.geom.block_size
@@ -99,7 +130,11 @@ class WorkerCache:
 
     def slot_view(self, slot: int, tokens: int, state: bool = False) -> torch.Tensor:
         """The part of CPU slot ``slot`` that holds a chunk of ``tokens`` tokens (``state``: its state object)."""
-        return self.blocks_view(self.pool.slot(slot), 0, self.rows(tokens, state))
+        return self.blocks_view(self.slot(slot), 0, self.rows(tokens, state))
+
+    def slot(self, slot: int) -> torch.Tensor:
+        """CPU slot ``slot``, whole, in the logical shape of :meth:`slot_shape`."""
+        return self.host_view(self.pool.slot(slot))
 
     def group_of_layer(self, layer: int) -> int:
         return next(g for g, (a, b, _) in enumerate(self.groups) if a <= layer < b)

@@ -257,10 +257,10 @@ class LoadPipeline:
         c, results = self.cache, self.results
         shape = c.chunk_shape(ch.tokens, ch.state)
         dst = c.slot_view(ch.slot, ch.tokens, ch.state) if ch.slot is not None else None
-        if dst is not None and dst.is_contiguous():
+        if dst is not None and c.dense(dst):
             out = dst
         else:  # a partial chunk's slot view is strided; DMA reads host memory asynchronously only when pinned
-            out = torch.empty(shape, dtype=c.chunk_dtype, pin_memory=c.layout.device.type == "cuda")
+            out = c.host_empty(shape, pin=c.layout.device.type == "cuda")
         t0 = time.perf_counter()
         c.parts.read(self.tiers[ch.tier], ch.key, out)
         results.note_read(ch.tier, out.nbytes, time.perf_counter() - t0)

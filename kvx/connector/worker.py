@@ -175,7 +175,8 @@ class KVXWorker:
         pin = lay.device.type == "cuda"
         n_slots = num_cpu_slots(self.config, self.geom)
         if n_slots:
-            self.pool = CPUPool(n_slots, self.cache.slot_shape(), self.cache.chunk_dtype, pin=pin)
+            shape = self.cache.host_storage_shape(self.cache.slot_shape())
+            self.pool = CPUPool(n_slots, shape, self.cache.chunk_dtype, pin=pin)
             self.cache.pool = self.pool
         ctx = TierContext(self.fingerprint, role="worker", writes=self.share.writer, io_threads=self.config.io_threads)
         self.tiers.update({t.type: tier_class(t.type).open(t, ctx) for t in self.config.byte_tiers})
@@ -193,12 +194,12 @@ class KVXWorker:
                 initializer=io_thread,
                 initargs=(self.background_writes,),
             )
-            shape, dtype = self.cache.slot_shape(), self.cache.chunk_dtype
+            cache, shape = self.cache, self.cache.slot_shape()
 
             # write buffers (saves to the byte tiers alone): a few now, up to as many as the scheduler's write
             # backlog lets be in flight (each counts a whole buffer against every tier it writes)
             def new_buffer():
-                return torch.empty(shape, dtype=dtype, pin_memory=pin)
+                return cache.host_empty(shape, pin=pin)
 
             per_tier = write_backlog(self.config, self.geom) // chunk_bytes(self.config, self.geom)
             cap = len(self.tiers) * per_tier

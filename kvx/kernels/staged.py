@@ -68,6 +68,7 @@ class _Item:
     buf: torch.Tensor  # host side, every layer of the batch's layout: [L, P, T, H, D] or [L, S, n, seg] uint8
     unit: int  # entries of the contiguous side's dim 2 per id: block_size for blocks, 1 for slots and pages
     id_bytes: int  # bytes one id moves in one layer
+    heads_outer: bool = False  # blocks, slots: each head's tokens are adjacent in buf (a head-major buffer)
 
 
 @dataclasses.dataclass(slots=True)
@@ -80,6 +81,7 @@ class _Group:
     offset: int  # byte offset of the group inside one layer of the part's staging
     entries: int  # extent of the staging view's dim 2: tokens (blocks, slots) or pages
     ids_at: int = 0  # offset of its ids in the batch's id table (uploaded once on CUDA)
+    heads_outer: bool = False  # staged head-major, [H, P, entries, D], as its host buffers are
 
 
 @dataclasses.dataclass(slots=True)
@@ -190,7 +192,10 @@ class TransferBatch:
             unit, id_bytes = 1, lay.num_planes * lay.num_heads * lay.row_bytes
         else:
             unit, id_bytes = lay.block_size, lay.num_planes * lay.block_size * lay.num_heads * lay.row_bytes
-        self._items.append(_Item(op, ids, buf, unit, id_bytes))
+        # a head-major host buffer ([H, L, P, T, D] seen as [L, P, T, H, D]): staged head-major too, so that each
+        # head's tokens cross in one DMA run
+        heads_outer = not op.pages and lay.num_heads > 1 and buf.stride(2) == buf.shape[4] and buf.stride(4) == 1
+        self._items.append(_Item(op, ids, buf, unit, id_bytes, heads_outer))
         if self.path == "kernel":
             if self._kernel is None:
                 uva = lay.device.type == "cuda" and impl == "cuda"
@@ -304,7 +309,8 @@ class TransferBatch:
                 continue
             ids = torch.cat([self._items[i].ids[lo:hi] for i, lo, hi in mine])
             entries = sum((hi - lo) * self._items[i].unit for i, lo, hi in mine)
-            groups.append(_Group(op, mine, ids, offset, entries))
+            outer = all(self._items[i].heads_outer for i, _, _ in mine)
+            groups.append(_Group(op, mine, ids, offset, entries, heads_outer=outer))
             offset += sum((hi - lo) * self._items[i].id_bytes for i, lo, hi in mine)
         spec = _Spec(groups, offset)
         if self.path == "staged":
@@ -333,9 +339,11 @@ class TransferBatch:
         return self.layout.page.segments if op.pages else self.layout.num_planes
 
     def _staged_template(self, spec: _Spec) -> None:
-        """One layer's DMA runs of a staged spec: every piece's window of every plane, host side by address (layer
-        0), staging side by offset in the part's layer, merged where both sides continue for every layer."""
+        """One layer's DMA runs of a staged spec: every piece's window of every plane (and head, staged head-major),
+        host side by address (layer 0), staging side by offset in the part's layer, merged where both sides
+        continue for every layer."""
         host, stage, size, ls = [], [], [], []
+        lay = self.layout
         for g in spec.groups:
             eb, planes = self._entry_bytes(g.op), self._planes(g.op)
             at = 0  # entries of the group before this piece
@@ -345,12 +353,24 @@ class TransferBatch:
                 layer_stride = it.buf.stride(0) * it.buf.element_size()
                 for a, b in _valid_spans(it, lo, hi):  # entries [a, b) of the piece (padding slots skipped)
                     win = it.buf[0].narrow(1, lo * it.unit + a, b - a)  # [P, b-a, H, D] or [S, b-a, seg]
-                    for p in range(planes):
-                        h, s, z = _window_runs(win[p], eb, g.offset + (p * g.entries + at + a) * eb)
-                        host += h
-                        stage += s
-                        size += z
-                        ls += [layer_stride] * len(h)
+                    if g.heads_outer:  # staging [H, P, entries, D]: a head's rows of a plane are one region
+                        row = lay.row_bytes
+                        runs = [
+                            _window_runs(
+                                win[p, :, h : h + 1], row, g.offset + ((h * planes + p) * g.entries + at + a) * row
+                            )
+                            for h in range(lay.num_heads)
+                            for p in range(planes)
+                        ]
+                    else:
+                        runs = [
+                            _window_runs(win[p], eb, g.offset + (p * g.entries + at + a) * eb) for p in range(planes)
+                        ]
+                    for run_host, run_stage, run_size in runs:
+                        host += run_host
+                        stage += run_stage
+                        size += run_size
+                        ls += [layer_stride] * len(run_host)
                 at += n
         if host:
             spec.host, spec.dev, spec.size, spec.host_ls = _merge_runs(
@@ -514,7 +534,11 @@ class TransferBatch:
         item = lay.itemsize
         hd = lay.num_heads * lay.head_size
         shape = (layers, lay.num_planes, g.entries, lay.num_heads, lay.head_size)
-        strides = (part.layer_bytes // item, g.entries * hd, hd, lay.head_size, 1)
+        if g.heads_outer:  # [H, P, entries, D]
+            d = lay.head_size
+            strides = (part.layer_bytes // item, g.entries * d, d, lay.num_planes * g.entries * d, 1)
+        else:
+            strides = (part.layer_bytes // item, g.entries * hd, hd, lay.head_size, 1)
         usable = staging.numel() // item * item
         return staging[:usable].view(lay.dtype).as_strided(shape, strides, g.offset // item)
 

@@ -188,7 +188,8 @@ class CPUPool:
 
     Args:
         num_slots: number of chunk slots.
-        slot_shape, dtype: one chunk (canonical ``[L, P, T, H, D]`` or raw pages ``[L, S, n, bytes]``).
+        slot_shape, dtype: one chunk as it lies in memory (canonical ``[L, P, T, H, D]``, or ``[H, L, P, T, D]`` for
+            a worker whose host buffers are head-major, or raw pages ``[L, S, n, bytes]``).
         pin: page-lock the pool for DMA/UVA copies to a GPU (registered with ``cudaHostRegister`` so a
             large pool is not rounded up to a power of two by torch's pinned allocator).
         populate: commit every page now (unpinned pools; page-locking commits them anyway), on the kvx

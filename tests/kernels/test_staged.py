@@ -175,6 +175,61 @@ def test_a_whole_chunk_layer_is_one_run():
     assert part.runs[2].tolist() == [row, row, 2 * row, 2 * row]  # slot 3, then 40-41, each plane; no padding
 
 
+def _head_major(shape, dtype, g):
+    """A canonical buffer of ``shape`` laid out head-major: ``[H, L, P, T, D]`` in memory (a connector worker's
+    buffers when it holds several KV heads, :attr:`kvx.connector.cache.WorkerCache.head_major`)."""
+    L, P, T, H, D = shape
+    return random_fill_(torch.empty((H, L, P, T, D), dtype=dtype), g).movedim(0, 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", ["LBNHC", "LBHNC", "BLNHC", "flash", "flashinfer"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_head_major_buffers_stage_head_major(impl, name, dtype):
+    """Head-major host buffers (whole chunks, a partial chunk cut from one, padding slots) are staged head-major,
+    bit-exact in both directions, whole layers and a capacity that splits a layer between ids."""
+    impl_or_skip(impl)
+    seed = case_seed("staged-head-major", impl, name, str(dtype))
+    g = torch.Generator().manual_seed(seed)
+    lay, ref = _caches(name, dtype, seed)
+    bs = lay.block_size
+
+    def copies():
+        whole = _head_major(lay.canonical_shape(3 * bs), dtype, g)
+        return [
+            ("blocks", [4, 0], _head_major(lay.canonical_shape(2 * bs), dtype, g)),
+            ("blocks", [7, 2], whole.narrow(2, 0, 2 * bs)),  # a partial chunk's view of a slot
+            ("slots", [11 * bs + 3, -1, 11 * bs, 10 * bs + bs - 1, -1], _head_major(lay.canonical_shape(5), dtype, g)),
+        ]
+
+    for cap in (1 << 20, lay.num_planes * bs * lay.num_heads * lay.row_bytes):
+        batch, _ = _check_gathers(lay, ref, copies(), "staged", impl, _ranges(lay.num_layers), cap)
+        assert all(grp.heads_outer for part in batch.plan(capacity=cap) for grp in part.groups)
+        _check_scatters(lay, ref, copies(), "staged", impl, _ranges(lay.num_layers), cap)
+
+
+def test_a_head_major_chunk_layer_is_one_run_per_head():
+    """A head-major chunk's layer crosses as one run per KV head (its planes adjacent on both sides), and a mix of
+    head-major and token-major buffers in one op is staged token-major, still bit-exact."""
+    g = torch.Generator().manual_seed(2)
+    lay, ref = _caches("LBNHC", torch.bfloat16, 2)
+    chunk = _head_major(lay.canonical_shape(32), lay.dtype, g)
+    batch = TransferBatch(lay, path="staged")
+    batch.add("scatter_blocks", [3, 4], chunk)
+    parts = batch.plan([(i, i + 1) for i in range(lay.num_layers)], 1 << 20)
+    for layer, part in enumerate(parts):
+        dsts, srcs, sizes = part.runs
+        head = chunk[layer, :, :, 0].nbytes  # [P, T, D]
+        assert sizes.tolist() == [head] * lay.num_heads and dsts.tolist() == [h * head for h in range(lay.num_heads)]
+        assert srcs.tolist() == [chunk[layer, 0, 0, h].data_ptr() for h in range(lay.num_heads)]
+    mixed = [
+        ("blocks", [3, 4], chunk),
+        ("blocks", [7], random_fill_(torch.empty(lay.canonical_shape(16), dtype=lay.dtype), g)),
+    ]
+    batch, parts = _check_scatters(lay, ref, mixed, "staged", "cpu", [(0, lay.num_layers)], 1 << 20)
+    assert not any(grp.heads_outer for grp in parts[0].groups)
+
+
 def test_auto_takes_dma_for_large_pieces_and_staged_for_rows(monkeypatch):
     """Path "auto" on a CPU cache: DMA straight into the blocks from CPU_DMA_MIN_BYTES (or the variable)."""
     from kvx.kernels import dma

@@ -68,6 +68,7 @@ import pytest
 import torch
 
 from kvx import engine as kvx_engine
+from kvx.connector import parts as parts_module
 from kvx.connector.common import EngineGeometry, format_fingerprint, head_parts, namespace, worker_share
 from kvx.connector.config import KVXConfig
 from kvx.connector.keys import chunk_keys, part_key, request_root
@@ -423,7 +424,7 @@ def read_stored(store: DiskTier, eng: Engine, key: str) -> torch.Tensor:
 
 
 def slot_bytes(eng: Engine, slot: int) -> torch.Tensor:
-    return eng.pool.slot(slot).view(torch.uint8).reshape(eng.token_bytes())
+    return eng.worker.cache.slot(slot).view(torch.uint8).reshape(eng.token_bytes())
 
 
 @dataclass
@@ -615,6 +616,29 @@ def test_chunks_load_across_block_sizes_and_layouts(case, dtype, queue, tmp_path
         assert got.loads[0].first_block == (1 if got.local else 0)
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("queue", QUEUES, indirect=True)
+def test_parts_of_several_heads_move_without_a_copy(queue, tmp_path, monkeypatch):
+    """A worker holding several KV heads keeps its host buffers head-major, so it writes and reads each head's part
+    in place: no copy between its buffers and the parts (the deferred queue runs the CUDA code path, which stages
+    head-major too); the loaded KV is bit-exact."""
+    copies = []
+    real = parts_module.host_copy
+    monkeypatch.setattr(parts_module, "host_copy", lambda dst, src: copies.append(dst.shape) or real(dst, src))
+    case = "attn-16NHD-to-32HND"
+    a, make_b, disk, kv = saved_by_a(tmp_path, queue, case, torch.bfloat16, f"no-copy/{case}")
+    assert a.worker.cache.head_major and a.heads > 1
+    assert not copies, f"the saves copied heads: {copies}"
+    b = make_b()
+    try:
+        got = load_prompt(b, kv)
+        found = check_loaded(b, kv, got)
+        assert not found, "KV is not bit-exact:\n  " + "\n  ".join(found)
+        assert b.stats.get("disk_reads") == N_CHUNKS
+    finally:
+        b.close()
+    assert not copies, f"the loads copied heads: {copies}"
 
 
 @pytest.mark.parametrize("queue", QUEUES, indirect=True)

@@ -470,7 +470,7 @@ class Pipeline:
         """Deferred queue, before a step: the copy or forward ``probe`` names has not run yet."""
         if probe[0] == "slot":
             slot, r, first = SLOTS[probe[1]]
-            got, want = self.pool.slot(slot), self.expected(r, range(first, first + CHUNK))
+            got, want = self.worker.cache.slot(slot), self.expected(r, range(first, first + CHUNK))
         else:
             _, r, table, end = probe
             got, want = self.gather(table, end), self.expected(r, range(end))
@@ -522,9 +522,8 @@ class Pipeline:
         """Every place that does not hold the exact KV it must, described by whose KV it holds instead."""
         out = []
         for key, (slot, r, first) in SLOTS.items():
-            out += self._diff(
-                f"CPU slot {slot} (chunk {key} of {r.name})", self.pool.slot(slot), r, range(first, first + CHUNK)
-            )
+            got = self.worker.cache.slot(slot)
+            out += self._diff(f"CPU slot {slot} (chunk {key} of {r.name})", got, r, range(first, first + CHUNK))
         for what, run, got in self.reads:
             out += self._diff(f"what the forward read at {what}", got.cpu(), run.req, range(run.end))
         for r, table, end in FINAL_TABLES:
