@@ -311,9 +311,8 @@ class Bench:
         cache = self.worker.cache
         batch = cache.batch()
         for i in range(n):
-            batch.add(
-                "scatter_blocks" if direction == "h2d" else "gather_blocks", self.chunk_blocks(1, i), self.pool.slot(i)
-            )
+            op = "scatter_blocks" if direction == "h2d" else "gather_blocks"
+            batch.add(op, self.chunk_blocks(1, i), cache.slot(i))
         parts = [p for p in cache.plan(batch) if p.start == 0]
         staging = self.engine.ring("save" if batch.gather else "load").buffers[0] if batch.staged else None
 
@@ -410,7 +409,7 @@ class Bench:
         """The blocks a load filled hold their slot's bytes."""
         for i in range(n):
             got = ops.gather_blocks(self.worker.layout, self.chunk_blocks(1, i)).cpu()
-            if not torch.equal(got.view(torch.int16), self.pool.slot(i).view(torch.int16)):
+            if not torch.equal(got.view(torch.int16), self.worker.cache.slot(i).view(torch.int16)):
                 raise RuntimeError(f"{self.shape.name}: blocks of loaded chunk {i} do not hold CPU slot {i}")
 
     def check_saved(self, n: int) -> None:
@@ -419,7 +418,7 @@ class Bench:
             first = 1 + k * n * self.bpc
             for i in range(n):
                 got = ops.gather_blocks(self.worker.layout, self.chunk_blocks(first, i)).cpu()
-                if not torch.equal(got.view(torch.int16), self.pool.slot(k * n + i).view(torch.int16)):
+                if not torch.equal(got.view(torch.int16), self.worker.cache.slot(k * n + i).view(torch.int16)):
                     raise RuntimeError(
                         f"{self.shape.name}: CPU slot {k * n + i} does not hold the blocks saved into it"
                     )

@@ -32,6 +32,11 @@ where they are adjacent on both sides: a whole chunk's layer is one run). ::
 
     staging = [layer start] [group 0: P x T0 x H x D][group 1: ...] [layer start + 1] [group 0] ...
 
+A group whose host buffers are all head-major (``[H, L, P, T, D]`` in memory, seen as ``[L, P, T, H, D]``: a
+connector worker's when it holds several KV heads, so that each head's part of a chunk is one run in host memory)
+is staged head-major, ``H x P x T0 x D``, so that each head's tokens still cross in one run: a whole chunk's layer is
+then one run per head.
+
 On a CPU cache every path runs too (the DMA is :func:`kvx._C.copy_runs`, a memcpy of the same run list; the
 reshape is the ``cpu`` impl or another CPU impl): the deferred copy queue runs the CUDA code path this way, so CI
 executes these plans, their run lists and the reshape views bit for bit.

@@ -844,10 +844,12 @@ def run_layer(
         "LBNHC",
     )
     model = _model_cache(shape, device)
-    # the batch rows' chunks: every layer of max(batch_chunks) chunks, as CPU-tier slots hold them
+    # the batch rows' chunks: every layer of max(batch_chunks) chunks, as CPU-tier slots hold them (head-major
+    # when there are several KV heads: a worker's slots then are, kvx.connector.cache.WorkerCache.head_major)
     nb = max(batch_chunks, default=0)
+    L, P, T, H, D = model.canonical_shape(shape.chunk)
     slots = [
-        _random_(torch.empty(model.canonical_shape(shape.chunk), dtype=torch.bfloat16, pin_memory=on_gpu), dev, g)
+        _random_(torch.empty((H, L, P, T, D), dtype=torch.bfloat16, pin_memory=on_gpu), dev, g).movedim(0, 3)
         for _ in range(nb)
     ]
     order = (1 + torch.randperm(model.num_blocks - 1, generator=g)).tolist()
