@@ -1,10 +1,13 @@
-"""Host <-> device copies checked bit-exact in a loop, by variant, to find which one loses bytes on a GPU.
+"""Host <-> device copies checked bit-exact in a loop, by variant: a regression check of the host paths on a GPU.
 
 On an H100 (2026-11-27, ``benchmarks/results/h100-2026-11-27-run_gpu/``) the ops' staged path over pinned host
 memory gave wrong bytes in 5-7 of ~200 test cases per run, different ones in each run, both directions, while
-the tests shared the GPU with other processes; the worker's pipeline (a staging ring and a batch that outlive
-their copies) was bit-exact in every test. The kernel's launch arguments of that path, run through the kernel's
-own source on CPU (``cuda_sim``), are bit-exact. This loop tells the variants apart on the device:
+the tests shared the GPU with other processes; the worker's pipeline was bit-exact in every test. The cause, found
+afterwards in torch's source: a copy issued on the legacy default stream has stream handle 0, and the staged
+reshape entered ``torch.cuda.ExternalStream(0)`` to upload its ids (and to run a Triton reshape), which torch
+answers with a new stream of its pool, not the default stream: the upload raced the kernel on handle 0.
+:func:`kvx.engine.torch_stream` now maps handle 0 to the default stream. This loop runs the variants that tell
+the paths apart, to confirm that on the device and to catch the next such race:
 
   staged        ``ops.gather_*/scatter_*(path="staged")``: the op allocates its staging buffer and batch and
                 drops both when it returns (the failing tests' path)

@@ -135,7 +135,7 @@ left_over=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,nohead
 
 step "phase 2: timings (GPU to itself)"
 rm -f $RES/copy_cuda_quick* $RES/copy_h2d_cuda.* $RES/pipeline_cuda.* $RES/gpu_targets_*.md $RES/staged_stress_cuda.md
-# the staged path over pinned memory lost bytes in 5-7 test cases per run on an H100 (2026-11-27): which variant
+# the host paths checked bit-exact in a loop (the staged path lost bytes on an H100, 2026-11-27: a stream race)
 run_step staged_stress 75 200 "$PY" benchmarks/gpu_staged_stress.py --seconds 2 --out $RES/staged_stress_cuda.md
 run_step bench_copy 170 130 "$PY" benchmarks/bench_copy.py --device cuda --quick --sections table,layer,bidir \
   --out $RES/copy_cuda_quick

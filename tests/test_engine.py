@@ -4,11 +4,12 @@ rules, rule 5 (staging buffers) included, each with a case where dropping it giv
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kvx.engine import BlockOrder, StagingRing, make_engine, on_stream
+from kvx.engine import BlockOrder, StagingRing, make_engine, on_stream, torch_stream
 from tests.helpers import wait_for
 
 
@@ -331,3 +332,17 @@ def test_engine_staging_budget_is_split_in_two_rings():
     with pytest.raises(ValueError, match="budget: expected at least 1024 bytes"):
         eng.configure_staging(100)
     eng.close()
+
+
+def test_torch_stream_maps_handle_0_to_the_default_stream(monkeypatch):
+    """A handle names a CUDA stream; 0 is the legacy default stream. ``torch.cuda.ExternalStream(0)`` is not it: torch
+    takes a zero pointer as "none given" and hands out a new stream of its pool, which neither waits for the default
+    stream nor is waited for (an upload issued there raced the kernels on handle 0, H100, 2026-11-27). The rule, with
+    torch.cuda's stream functions stood in for (no GPU here; tests/kernels/test_h2d.py has the GPU twin)."""
+    current, default, external = SimpleNamespace(cuda_stream=7), SimpleNamespace(cuda_stream=0), []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: default)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda h, device=None: external.append(h) or ("external", h))
+    assert torch_stream(None) is current and torch_stream(7) is current
+    assert torch_stream(0) is default
+    assert torch_stream(5) == ("external", 5) and external == [5]

@@ -55,6 +55,7 @@ from collections.abc import Sequence
 import torch
 
 from .._ext import C as _C
+from ..engine import torch_stream
 from . import ops
 from .dma import dma_threshold
 from .layout import KVLayout, Op
@@ -496,7 +497,7 @@ class TransferBatch:
         lay = self.layout
         if self.path == "kernel":
             if lay.device.type == "cuda":
-                with torch.cuda.stream(_stream_of(lay.device, stream)):
+                with torch.cuda.stream(torch_stream(stream, lay.device)):
                     self._kernel.run(part.start, part.end)
             else:
                 self._kernel.run(part.start, part.end)
@@ -510,7 +511,7 @@ class TransferBatch:
             if stream is None:
                 stream = torch.cuda.current_stream(lay.device).cuda_stream
             if self._ids_dev is None:  # every part's ids, once, on the stream every reshape of the batch runs on
-                with torch.cuda.stream(_stream_of(lay.device, stream)):
+                with torch.cuda.stream(torch_stream(stream, lay.device)):
                     self._ids_dev = self._ids_host.pin_memory().to(lay.device, non_blocking=True)
         for k, g in enumerate(part.groups):
             if cuda:
@@ -522,7 +523,7 @@ class TransferBatch:
                 # on-device: the launch's own fill cap (the copy is short; more CTAs finish it sooner)
                 _C.cuda_copy(stream=stream, max_ctas=0, **launch)
             elif lay.device.type == "cuda":  # another CUDA impl (triton): on the job's stream, as the kernel is
-                with torch.cuda.stream(_stream_of(lay.device, stream)):
+                with torch.cuda.stream(torch_stream(stream, lay.device)):
                     ops._execute(g.op, sub, g.ids, self._view(staging, part, g), self.impl, 0, None)
             else:
                 ops._execute(g.op, sub, g.ids, self._view(staging, part, g), self.impl, 0, None)
@@ -553,13 +554,6 @@ class TransferBatch:
         args = ops._c_copy_args(plan, 0, 0, g.op)
         args.update(layer_ptrs_host=sub.layer_ptrs().data_ptr(), layer_ptrs_dev=sub.layer_ptrs(sub.device).data_ptr())
         return args
-
-
-def _stream_of(device: torch.device, handle: int | None):
-    """The torch stream of a handle (the current stream when None)."""
-    if handle is None:
-        return torch.cuda.current_stream(device)
-    return torch.cuda.ExternalStream(handle, device=device)
 
 
 def _check_staging(staging: torch.Tensor | None, part: Part, layout: KVLayout) -> None:

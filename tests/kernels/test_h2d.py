@@ -13,13 +13,15 @@ import math
 import pytest
 import torch
 
+from kvx.engine import torch_stream
 from kvx.kernels import dma as h2d
 from kvx.kernels import ops
 from kvx.kernels.layout import LAYOUTS, Op
+from kvx.kernels.staged import TransferBatch
 from kvx.testing import random_fill_
 from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
 
-from .conftest import two_layouts
+from .conftest import impl_or_skip, two_layouts
 
 KiB = 1024
 SIZES = [4 * KiB << k for k in range(9)]  # 4 KiB .. 1 MiB, as the calibration sweeps
@@ -280,6 +282,60 @@ def test_dma_staged_and_kernel_give_identical_bytes(stream):
             scatter(b, ids, src, impl="cuda", path="staged")
             s.synchronize()
             assert_all_same_bytes(a.layers, b.layers)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+def test_staged_copies_on_the_default_stream_wait_for_their_own_steps(impl):
+    """A staged copy issued on the legacy default stream (handle 0) keeps every step there: its ids' upload and its
+    reshape do not go to a stream of torch's pool (``torch.cuda.ExternalStream(0)`` is one), which would run apart
+    from the DMA and the kernel. Every pool stream is kept busy, so a step sent there would come too late: wrong
+    bytes (on an H100 that race lost 5-7 cases per run of this file's staged tests). The op (impl cuda) and a
+    batch of the reshape's impl, both directions."""
+    _need_cuda_impl()
+    impl_or_skip(impl, "cuda")
+    assert torch.cuda.current_stream().cuda_stream == 0 and torch_stream(0).cuda_stream == 0
+    lay, ref = two_layouts(
+        "LBNHC",
+        dict(num_layers=2, num_blocks=16, block_size=16, num_heads=2, head_size=64),
+        torch.bfloat16,
+        False,
+        4,
+        device="cuda",
+    )
+    g = torch.Generator().manual_seed(4)
+
+    def busy_pool():
+        for _ in range(64):  # twice round torch's pool of streams
+            with torch.cuda.stream(torch.cuda.Stream()):
+                torch.cuda._sleep(20_000_000)
+
+    def staged(op, ids, buf):
+        if impl == "cuda":
+            getattr(ops, op)(lay, ids, buf, impl="cuda", path="staged")
+            return None
+        batch = TransferBatch(lay, path="staged", impl=impl)
+        batch.add(op, ids, buf)
+        staging = torch.empty(batch.nbytes, dtype=torch.uint8, device="cuda")
+        for part in batch.plan(capacity=staging.numel()):
+            batch.run(part, staging)
+        return batch, staging  # held until the check
+
+    busy_pool()
+    out = random_fill_(torch.empty(lay.canonical_shape(48), dtype=lay.dtype), g).pin_memory()
+    expected = out.cuda()
+    held = staged("gather_blocks", [5, 1, 9], out)
+    ops.gather_blocks(ref, [5, 1, 9], expected, impl="reference")
+    torch.cuda.synchronize()
+    assert_same_bytes(out.cuda(), expected)
+    busy_pool()
+    src = random_fill_(torch.empty(lay.canonical_shape(48), dtype=lay.dtype), g).pin_memory()
+    held = staged("scatter_blocks", [2, 7, 11], src)
+    ops.scatter_blocks(ref, [2, 7, 11], src.cuda(), impl="reference")
+    torch.cuda.synchronize()
+    del held
+    assert_all_same_bytes(lay.layers, ref.layers)
 
 
 @needs_cuda
