@@ -296,14 +296,7 @@ def test_staged_copies_on_the_default_stream_wait_for_their_own_steps(impl):
     _need_cuda_impl()
     impl_or_skip(impl, "cuda")
     assert torch.cuda.current_stream().cuda_stream == 0 and torch_stream(0).cuda_stream == 0
-    lay, ref = two_layouts(
-        "LBNHC",
-        dict(num_layers=2, num_blocks=16, block_size=16, num_heads=2, head_size=64),
-        torch.bfloat16,
-        False,
-        4,
-        device="cuda",
-    )
+    lay, ref = _small_gpu_caches(torch.bfloat16, 4)
     g = torch.Generator().manual_seed(4)
 
     def busy_pool():
@@ -363,6 +356,12 @@ def test_calibration_is_sane(monkeypatch):
     assert again is not cal and h2d.calibrate_h2d() is again
 
 
+def _small_gpu_caches(dtype, seed):
+    """Two identical LBNHC caches on the GPU: 2 layers of 16 blocks of 16 tokens, 2 heads of 64."""
+    geom = dict(num_layers=2, num_blocks=16, block_size=16, num_heads=2, head_size=64)
+    return two_layouts("LBNHC", geom, dtype, False, seed, device="cuda")
+
+
 class _Spy:
     """Records the calls of one kvx._C function and forwards them."""
 
@@ -387,14 +386,7 @@ def test_each_call_takes_the_path_the_rule_says(monkeypatch):
     page, staged above it (a DMA of the whole copy and the kernel on the device, uncapped); the UVA kernel (at most
     8 CTAs) only when asked for; an explicit path wins over the rule."""
     _need_cuda_impl()
-    lay, _ = two_layouts(
-        "LBNHC",
-        dict(num_layers=2, num_blocks=16, block_size=16, num_heads=2, head_size=64),
-        torch.float16,
-        False,
-        1,
-        device="cuda",
-    )
+    lay, _ = _small_gpu_caches(torch.float16, 1)
     ids = [1, 5, 9]
     out = torch.empty(lay.page_shape(3), dtype=torch.uint8).pin_memory()
     dma, runs, kernel = _Spy(ops._C.cuda_copy_dma), _Spy(ops._C.cuda_copy_runs), _Spy(ops._C.cuda_copy)
