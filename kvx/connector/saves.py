@@ -138,8 +138,8 @@ class _WriteBuffers:
 class SavePipeline:
     """The saves in flight on one worker (see the module docstring). ``cache``: the registered KV cache (set by the
     worker); ``results``: where outcomes and counters go; ``tiers``: the byte tiers by name; ``buffers``: the
-    write buffers; ``writes``: whether this worker writes to the tiers. A chunk is written to a byte tier as this
-    worker's parts of it (:class:`~.parts.PartIO`, the cache's)."""
+    write buffers. A chunk is written to a byte tier as this worker's parts of it (:class:`~.parts.PartIO`, the
+    cache's; a replica of another rank's heads writes none)."""
 
     def __init__(
         self,
@@ -147,11 +147,9 @@ class SavePipeline:
         tiers: dict[str, Tier],
         writer: ThreadPoolExecutor | None,
         buffers: _WriteBuffers,
-        writes: bool = True,
     ):
         self.cache: WorkerCache | None = None
         self.results, self.tiers = results, tiers
-        self.writes = writes
         self.writer = writer  # tier writes: background unless a P/D producer's
         self.buffers = buffers
         self._saves: list[_Save] = []  # handed to the writers, not all reported yet
@@ -283,12 +281,9 @@ class SavePipeline:
                 if batch is not None:
                     for group_parts in parts.values():
                         rec.jobs += c.queue_saves(batch, group_parts, s.block_ids, marker, f"save {s.key}")
-            for name, xfer in s.to_tiers.items():
-                if self.writes:
-                    args = (name, s, rec, list(rec.jobs), c.fmt, c.parts)  # the parts: a sleep may drop the cache
-                    rec.writes[name] = self.writer.submit(self._write_chunk, *args)
-                else:
-                    r.out.report(xfer, NOOP)
+            for name in s.to_tiers:
+                args = (name, s, rec, list(rec.jobs), c.fmt, c.parts)  # the parts: a sleep may drop the cache
+                rec.writes[name] = self.writer.submit(self._write_chunk, *args)
             self._saves.append(rec)
             r.stats["saved_chunks"] += 1
         if c.engine.host_copies:

@@ -284,6 +284,12 @@ def test_dma_staged_and_kernel_give_identical_bytes(stream):
             assert_all_same_bytes(a.layers, b.layers)
 
 
+def _small_gpu_caches(dtype, seed):
+    """Two identical LBNHC caches on the GPU: 2 layers of 16 blocks of 16 tokens, 2 heads of 64."""
+    geom = dict(num_layers=2, num_blocks=16, block_size=16, num_heads=2, head_size=64)
+    return two_layouts("LBNHC", geom, dtype, False, seed, device="cuda")
+
+
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["cuda", "triton"])
@@ -354,12 +360,6 @@ def test_calibration_is_sane(monkeypatch):
     assert h2d.h2d_dma_min_bytes(cal.device, "scatter", 100) == cal.dma_min_bytes[1][1]  # the nearest batch size
     again = h2d.calibrate_h2d(force=True)
     assert again is not cal and h2d.calibrate_h2d() is again
-
-
-def _small_gpu_caches(dtype, seed):
-    """Two identical LBNHC caches on the GPU: 2 layers of 16 blocks of 16 tokens, 2 heads of 64."""
-    geom = dict(num_layers=2, num_blocks=16, block_size=16, num_heads=2, head_size=64)
-    return two_layouts("LBNHC", geom, dtype, False, seed, device="cuda")
 
 
 class _Spy:
