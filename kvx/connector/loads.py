@@ -103,6 +103,10 @@ class LoadPipeline:
     def idle(self) -> bool:
         return not (self._sync or self._async or self._retiring)
 
+    def has_async(self) -> bool:
+        """Async loads not yet reported finished."""
+        return bool(self._async)
+
     # ---------------------------------------------------------------- start
     def start(self, specs: list[LoadSpec]) -> None:
         for spec in specs:

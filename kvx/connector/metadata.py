@@ -97,13 +97,15 @@ class KVXMetadata(KVConnectorMetadata):
     """One step's instructions. ``forward_blocks``: the blocks this step's forward writes and the blocks
     freed since the last step (finished or preempted requests: the next forwards may write them); the
     worker fences every queued copy of them before the forward (``kvx.engine.BlockOrder``). ``finished``:
-    requests finished since the last step."""
+    requests finished since the last step. ``pd_waiting``: a request waits for the chunks its producer announced
+    (its lookup this step was put off): a worker's idle step may pause a little (:data:`.worker.PD_IDLE_PAUSE_S`)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[ChunkSave] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     forward_blocks: list[int] = field(default_factory=list)
+    pd_waiting: bool = False
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.preempted or self.finished or self.forward_blocks)

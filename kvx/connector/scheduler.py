@@ -222,6 +222,7 @@ class KVXScheduler:
         self.validity = BlockValidity(self.blocks_per_chunk)
         self._freed: list[int] = []  # blocks freed since the last step (for the workers)
         self._pending_reported = 0
+        self._pd_waiting = False  # a lookup this step waited for a producer's chunks (scheduler thread)
         self.stats = Counter()
         self.costs = HitCosts(config.io_threads) if config.decline_slow_hits and self.stack else None
 
@@ -324,6 +325,7 @@ class KVXScheduler:
             state = (skeys[n - 1], stored[n - 1]) if n else None
         if t.controls.pd and self._pd_wait(t, keys, len(tiers)):
             self.stats["lookups_pending"] += 1
+            self._pd_waiting = True
             return None, False
         hit_keys = keys[: len(tiers)]
         chunk_tokens = [self.chunk_size] * len(tiers)
@@ -543,10 +545,12 @@ class KVXScheduler:
         self.ledger.end_commits()  # records written since the last step (vLLM reports no output on an idle step)
         meta = KVXMetadata(
             loads=self._new_loads,
+            pd_waiting=self._pd_waiting,
             preempted=sorted(getattr(so, "preempted_req_ids", None) or ()),
             finished=sorted(getattr(so, "finished_req_ids", None) or ()),
         )
         self._new_loads = []
+        self._pd_waiting = False
         if self.costs is not None:
             self.costs.step_begin(int(getattr(so, "total_num_scheduled_tokens", 0) or 0))
         freed, self._freed = self._freed, []

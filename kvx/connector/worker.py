@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -64,6 +65,14 @@ log = get_logger(__name__)
 # thread needs between its kernels (measured: a 16-chunk hybrid load from the CPU tier took 180 ms over ~1400 idle
 # steps); a wait releases it, and costs nothing while nothing else is scheduled.
 IDLE_STEP_WAIT_S = 0.005
+# An idle step while a request waits for the chunks its P/D producer announced (KVXMetadata.pd_waiting) and no load is
+# in flight pauses this long in get_finished. vLLM steps such steps back to back, each a lookup in the scheduler and,
+# with TP > 1, a round trip through its worker processes, which spin between steps (its shared-memory queue polls
+# with sched_yield for a second after each read). Measured with a TP=1 producer and a TP=2 consumer on 2 cores: ~480
+# lookups a second kept both cores busy, and the producer's writes and every other process on the host sat runnable
+# and unrun for the whole pd_wait_ms (10 s); the consumer then computed the chunks it was waiting for. A pause
+# lets the workers sleep; a chunk that lands is seen at most this much later.
+PD_IDLE_PAUSE_S = 0.01
 
 
 def _whole_share(geom: EngineGeometry, split: bool, layers: int) -> Share:
@@ -121,6 +130,7 @@ class KVXWorker:
         self._meta: KVXMetadata | None = None
         self._loads_started = False
         self._idle_step = False
+        self._pd_pause = False  # this idle step pauses in get_finished (worker thread)
         self.results = WorkerResults()  # outcomes, counters, samples: the pipelines report here
         self.loads = LoadPipeline(self.results, self.tiers, None, fence_loads_at_start, geom.num_groups)
         self.saves = SavePipeline(self.results, self.tiers, None, _WriteBuffers([]))
@@ -398,6 +408,7 @@ class KVXWorker:
         # a step that computes nothing (no block written, nothing to save): vLLM steps such steps back to back while
         # requests wait for their async loads, so its result hooks may wait for those a little (poll_async)
         self._idle_step = isinstance(meta, KVXMetadata) and not (meta.forward_blocks or meta.saves or meta.loads)
+        self._pd_pause = self._idle_step and meta.pd_waiting
         self._loads_started = False
         self.saves.bind(meta)
 
@@ -441,6 +452,9 @@ class KVXWorker:
         hook, it first finishes the step's sync loads (the runners call the result hooks before or after
         ``wait_for_save``: :data:`kvx.testing.RUNNER_ORDERS`)."""
         self.loads.finish_sync()
+        if self._pd_pause and not self.loads.has_async():
+            self._pd_pause = False  # once per step
+            time.sleep(PD_IDLE_PAUSE_S)
         done = self.loads.poll_async(wait_s=IDLE_STEP_WAIT_S if self._idle_step else 0.0)
         self.loads.retire()
         return None, (done or None)

@@ -201,6 +201,44 @@ def test_consumer_waits_for_announced_chunks_then_loads_them(make_env, store_dir
     cons.assert_clean()
 
 
+def test_a_consumer_waiting_for_its_producer_pauses_its_idle_steps(make_env, store_dir, tmp_path, monkeypatch):
+    """While a request waits for the chunks its producer announced, vLLM steps idle steps back to back (with TP > 1
+    each a round trip through its spinning worker processes: measured on 2 cores, every other process on the host,
+    the producer's writers among them, got no CPU until pd_wait_ms passed). Each such step tells the workers, and
+    they pause in get_finished; steps with work, or with a load in flight, do not."""
+    from kvx.connector import worker as W
+
+    pauses = []
+
+    class Clock:  # the worker module's time: its sleeps recorded
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def sleep(self, s):
+            pauses.append(s)
+            time.sleep(s)
+
+    monkeypatch.setattr(W, "time", Clock())
+    ids = prompt(1000, seed=22)
+    params = _produce(make_env, store_dir, ids)
+    hidden = str(tmp_path / "in-flight")
+    shutil.move(store_dir, hidden)
+    os.makedirs(store_dir)
+    cons = make_env({**tiers(store_dir, cpu=None), "pd_wait_ms": 60_000}, role="kv_consumer")
+    pauses.clear()
+    _consumer_waits(cons, "c", ids, params)
+    assert cons.step().total_num_scheduled_tokens == 0
+    assert [m.pd_waiting for m in cons.metas] == [True, True]
+    assert pauses == [W.PD_IDLE_PAUSE_S] * 2 * len(cons.workers)  # one per idle step and worker
+    shutil.rmtree(store_dir)
+    shutil.move(hidden, store_dir)
+    cons.run()
+    assert not any(m.pd_waiting for m in cons.metas[2:])
+    assert len(pauses) == 2 * len(cons.workers)  # the load, the forward, the steps after: no pause
+    assert [len(s.chunks) for s in loads(cons)] == [3]
+    cons.assert_clean()
+
+
 def test_dead_producer_costs_at_most_pd_wait_ms(make_env, store_dir):
     ids = prompt(1000, seed=17)
     params = _produce(make_env, store_dir, ids)

@@ -9,8 +9,8 @@ with the producer's ``kv_transfer_params``. Checks:
 - the proxy streams (SSE) and passes the client's own kv_transfer_params (a kvx_namespace) to both;
 - the consumer reports no wait that timed out, the producer wrote every chunk;
 - with the producer killed, requests still complete, identical, computed by the consumer; nothing hangs;
-- a producer and a consumer of different TP sizes (TP=2 -> TP=1): the consumer gets every whole chunk the producer
-  announced (chunks are stored per KV head, :mod:`kvx.connector.parts`).
+- a producer and a consumer of different TP sizes (TP=2 -> TP=1 and TP=1 -> TP=2): the consumer gets every whole
+  chunk the producer announced (chunks are stored per KV head, :mod:`kvx.connector.parts`).
 The servers inherit the environment (KVX_COPY_QUEUE included); marked ``once``: CI runs it in the default copy
 queue only (the deferred pass runs the offline and multiprocess engines).
 """
@@ -206,10 +206,10 @@ TP_PROMPTS = [H.prompt_ids(600 + 331 * i, seed=800 + i) for i in range(4)]  # 60
 
 
 @pytest.mark.skipif(len(CORES) < 2, reason=f"TP=2 needs 2 CPU cores, this process may use {len(CORES)}")
-# TP=1 -> TP=2 is not run here: on this 2-core machine a TP=1 producer next to a TP=2 consumer waiting for its chunks
-# stalls mid-write until the consumer gives up (every kvx thread of the producer, the files' times show, for the
-# whole pd_wait_ms; not root-caused). Chunks a TP=1 engine wrote are loaded by a TP=2 engine in test_tp.py.
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1)], ids=["tp2-to-tp1"])
+# TP=1 -> TP=2 failed 5 runs in 7 here until a consumer's idle steps paused while it waited for its producer's chunks
+# (kvx.connector.worker.PD_IDLE_PAUSE_S): its back-to-back steps through two spinning worker processes left the
+# producer's writers, and every other process on the host, runnable and unrun for the whole pd_wait_ms
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
 def test_pd_handoff_between_different_tp_sizes(tmp_path, prefill_tp, decode_tp):
     """A producer of one TP size and a consumer of another on one disk store: every consumer request gets every
     whole chunk its producer announced, from the first request on, and the greedy tokens of an engine without
