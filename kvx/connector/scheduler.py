@@ -830,6 +830,8 @@ class KVXScheduler:
                 stats[f"{tier}_dropped_backpressure"] = n
             stats["saves_dropped_backpressure"] = sum(self.ledger.dropped.values())
             self.ledger.dropped.clear()
+        if self.ledger.slots_busy:
+            stats["cpu_slots_busy"], self.ledger.slots_busy = self.ledger.slots_busy, 0
         pending = self.ledger.writes_in_flight()
         if pending != self._pending_reported:
             stats["pending_writes"] = self._pending_reported = pending

@@ -250,6 +250,16 @@ def test_cpu_tier_eviction_under_pressure(make_env, store_dir):
     env.assert_clean()
 
 
+def test_saves_that_find_every_cpu_slot_busy_go_to_the_byte_tiers_and_are_counted(make_env, store_dir):
+    chunk_bytes = 2 * 2 * 64 * 1024
+    env = make_env(tiers(store_dir, cpu=str(chunk_bytes)))  # 1 CPU slot
+    env.request("a", prompt(3 * CHUNK + 10, seed=23))  # 3 chunks planned in one step: the first takes the slot
+    env.run(settle_writes=True)
+    st = env.sched_stats
+    assert st["cpu_slots_busy"] == 2 and st["cpu_stored"] == 1 and st["disk_stored"] == 3, st
+    env.assert_clean()
+
+
 def test_chunk_size_must_be_a_multiple_of_the_block_size(make_env, store_dir):
     with pytest.raises(ConfigError, match="chunk_size: expected a multiple of vLLM's block size 128"):
         make_env({"chunk_size": 200, "tiers": [{"type": "disk", "path": store_dir}]})
