@@ -29,7 +29,9 @@ may be copied; token-granular or canonical copies of it are refused.
 Two contiguous formats are defined here (see :meth:`KVLayout.canonical_shape` and
 :meth:`KVLayout.page_shape`): the *canonical* chunk ``[L, P, T, H, D]`` in the cache dtype, which does
 not depend on the layout or block size, and the *raw page* chunk ``[L, S, n, segment_bytes]`` (uint8),
-the fast path when source and destination layouts are identical.
+the fast path when source and destination layouts are identical. Where each KV head's bytes are one run of a
+page segment (:attr:`KVLayout.page_head_bytes`), a raw-page chunk may also be seen split by head,
+``[L, S, n, H, segment_bytes / H]``: the same bytes, whose head dim may have any stride (a head-major buffer).
 """
 
 from __future__ import annotations
@@ -346,6 +348,27 @@ class KVLayout:
                 "contiguous page per block; use the canonical format"
             )
         return (self.num_layers, self.page.segments, num_blocks, self.page.segment_bytes)
+
+    def page_heads_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
+        """Shape of the raw-page chunk split by head, ``[L, S, n, H, segment_bytes / H]`` (uint8), holding
+        ``num_blocks`` blocks: only where :attr:`page_head_bytes` is set."""
+        run = self.page_head_bytes
+        if run is None:
+            raise ValueError(
+                f"layout: {self.name!r} with strides {self.layers[0].stride()} does not hold each of its "
+                f"{self.num_heads} KV heads as one run of a page; a raw-page chunk cannot be split by head"
+            )
+        return (*self.page_shape(num_blocks)[:3], self.num_heads, run)
+
+    @property
+    def page_head_bytes(self) -> int | None:
+        """Bytes of one KV head in a page segment when the segment is the heads' runs one after another (heads
+        outermost: ``HND`` layouts, the CPU backend's pages); None otherwise, or with one head."""
+        g = self.page
+        if g is None or self.num_heads < 2 or g.segment_bytes % self.num_heads:
+            return None
+        run = g.segment_bytes // self.num_heads
+        return run if self.paged.head_stride == run else None
 
     @property
     def page_bytes(self) -> int:

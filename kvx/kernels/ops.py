@@ -306,7 +306,10 @@ def _check_ids(name: str, ids: torch.Tensor, op: Op, layout: KVLayout) -> None:
 def _check_buffer(arg: str, buf: torch.Tensor, op: Op, layout: KVLayout, n: int) -> None:
     if not isinstance(buf, torch.Tensor):
         raise TypeError(f"{arg}: expected a torch.Tensor, got {type(buf).__name__}")
-    if op.pages:
+    if op.pages and buf.dim() == 5:
+        shape, dtype = layout.page_heads_shape(n), torch.uint8
+        what = "raw-page chunk split by head [L, S, n, H, segment_bytes / H]"
+    elif op.pages:
         shape, dtype = layout.page_shape(n), torch.uint8
         what = "raw-page chunk [L, S, n, segment_bytes]"
     else:
@@ -368,6 +371,23 @@ def _pick_impl(impl: str | None, layout: KVLayout, buf: torch.Tensor) -> str:
 def _plan(op: Op, layout: KVLayout, buf: torch.Tensor, n: int) -> CopyPlan:
     item = buf.element_size()
     layer_stride, plane_stride, token_stride, head_stride = (int(s) * item for s in buf.stride()[:4])
+    if op.pages and buf.dim() == 5:
+        # [L, S, n, H, run]: segments are the planes, ids the tokens, each head a run of its segment
+        g, run = layout.page, layout.page_head_bytes
+        paged = PagedDesc(
+            plane_stride=g.segment_stride,
+            block_stride=layout.paged.block_stride,
+            token_stride=0,
+            head_stride=run,
+            num_blocks=layout.num_blocks,
+            num_planes=g.segments,
+            block_size=1,
+            num_heads=layout.num_heads,
+        )
+        contig = ContigDesc(
+            layer_stride=layer_stride, plane_stride=plane_stride, token_stride=token_stride, head_stride=head_stride
+        )
+        return CopyPlan(paged, contig, run, layout.num_layers, n, op.c_mode)
     if op.pages:
         # [L, S, n, segment_bytes]: segments are the planes, ids the tokens, one "head" of one segment
         g = layout.page

@@ -10,7 +10,7 @@ value is ever converted on the way.
 
 Shapes (``L`` layers, ``P`` planes, ``n`` ids, ``N`` block size, ``H`` heads, ``D`` head size):
     canonical chunk: ``[L, P, n*N or n, H, D]`` in the cache dtype
-    raw pages:       ``[L, S, n, segment_bytes]`` uint8
+    raw pages:       ``[L, S, n, segment_bytes]`` uint8, or split by head ``[L, S, n, H, segment_bytes / H]``
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ def gather_pages(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor) -
     """``out[l, s, i] = segment s of block block_ids[i] of layer l``, as bytes."""
     ids = block_ids.to(layout.device)
     for l in range(layout.num_layers):
-        out[l].copy_(_page_views(layout, l)[ids].transpose(0, 1))
+        pages = _page_views(layout, l)[ids].transpose(0, 1)
+        out[l].copy_(pages.unflatten(-1, out.shape[3:]) if out.dim() == 5 else pages)
     return out
 
 
@@ -106,4 +107,5 @@ def scatter_pages(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor) 
     ids = block_ids.to(layout.device)
     for l in range(layout.num_layers):
         pages = _page_views(layout, l)
-        pages[ids] = src[l].transpose(0, 1).to(pages.device)
+        seg = src[l].flatten(-2) if src.dim() == 5 else src[l]  # split by head: the heads' runs side by side
+        pages[ids] = seg.transpose(0, 1).to(pages.device)

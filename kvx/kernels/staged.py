@@ -182,6 +182,11 @@ class TransferBatch:
                 f"{arg}: expected pinned host memory for path {self.path!r} (the device side is the staging buffer "
                 f"or the blocks), got a tensor on {buf.device}"
             )
+        if op.pages and buf.dim() == 5 and self.path != "kernel":
+            raise ValueError(
+                f"{arg}: a raw-page chunk split by head ([L, S, n, H, segment_bytes / H]) is copied by path 'kernel' "
+                f"only, got path {self.path!r}"
+            )
         if self._gather is not None and op.gather != self._gather:
             raise ValueError(
                 f"op: expected {'gathers' if self._gather else 'scatters'} only (one direction per batch), "

@@ -1,5 +1,7 @@
 """One test per bad input: each is refused with a ValueError/TypeError that names the argument."""
 
+import re
+
 import pytest
 import torch
 
@@ -174,6 +176,25 @@ def test_pages_need_a_dense_page():
     lay = make_layout("LBNHC", **GEOM, padded=True)  # padding inside rows
     with pytest.raises(ValueError, match="layout: 'LBNHC' .* has no contiguous page per block"):
         ops.gather_pages(lay, [0])
+
+
+def test_pages_split_by_head_need_a_head_major_page_and_the_kernel_path():
+    lay = make_layout("LBNHC", **GEOM)  # token-major: a head's bytes are not one run of the page
+    seg = lay.page.segment_bytes
+    with pytest.raises(ValueError, match="layout: 'LBNHC' .* cannot be split by head"):
+        ops.gather_pages(lay, [0], torch.empty((*lay.page_shape(1)[:3], lay.num_heads, seg // lay.num_heads)))
+    hm = make_layout("LBHNC", **GEOM)
+    shape = hm.page_heads_shape(2)
+    wrong = (*shape[:3], shape[3] + 1, shape[4])
+    with pytest.raises(
+        ValueError, match=rf"out: expected shape {re.escape(str(shape))} for the raw-page chunk split by"
+    ):
+        ops.gather_pages(hm, [0, 1], torch.empty(wrong, dtype=torch.uint8))
+    out = torch.empty(shape, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="out: a raw-page chunk split by head .* path 'kernel' only, got path 'dma'"):
+        ops.gather_pages(hm, [0, 1], out, path="dma")
+    ops.gather_pages(hm, [0, 1], out)
+    assert_same_bytes(out.flatten(-2), ops.gather_pages(hm, [0, 1], impl="reference"))
 
 
 def test_empty_ids_are_a_no_op(lay):

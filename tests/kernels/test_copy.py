@@ -135,6 +135,59 @@ def test_pages(impl, name, dtype, block_size):
     assert_all_same_bytes(lay.layers, ref.layers)
 
 
+HEAD_MAJOR_PAGES = ["LBHNC", "BLHNC", "cpu"]  # layouts whose page segments hold each head's bytes as one run
+
+
+def test_which_layouts_pages_split_by_head():
+    for name in LAYOUTS:
+        geom = dict(num_layers=1, num_blocks=3, block_size=16, num_heads=1 if name == "mla" else 3, head_size=8)
+        lay = KVLayout.from_tensors(make_kv_caches(name, **geom, dtype=torch.bfloat16), name)
+        run = lay.page_head_bytes
+        assert (run is not None) == (name in HEAD_MAJOR_PAGES), (name, run)
+        if run is not None:
+            assert run * 3 == lay.page.segment_bytes and lay.page_heads_shape(2) == (1, 1, 2, 3, run)
+        else:
+            with pytest.raises(ValueError, match="cannot be split by head"):
+                lay.page_heads_shape(2)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "token-major"])
+@pytest.mark.parametrize(
+    "name,dtype,block_size",
+    [
+        pytest.param(name, dtype, bs, id=f"{name}-{str(dtype)[6:]}-bs{bs}")
+        for name, dtype, bs in itertools.product(HEAD_MAJOR_PAGES, [torch.bfloat16, torch.float8_e4m3fn], [16, 128])
+    ],
+)
+def test_pages_split_by_head(impl, head_major, name, dtype, block_size):
+    """A raw-page chunk seen as ``[L, S, n, H, run]``: the same bytes as ``[L, S, n, segment_bytes]``, each head's
+    runs wherever its buffer puts them (head-major: ``[H, L, S, n, run]`` in memory, one run per head)."""
+    impl_or_skip(impl)
+    seed = case_seed("pages-heads", name, str(dtype), block_size, head_major)
+    g = torch.Generator().manual_seed(seed)
+    geom = dict(
+        num_layers=3, num_blocks=7, block_size=block_size, num_heads=int(torch.randint(2, 5, (1,), generator=g))
+    )
+    lay, ref = two_layouts(name, {**geom, "head_size": 64 if name != "cpu" else 32}, dtype, False, seed)
+    ids = torch.randperm(geom["num_blocks"], generator=g)[:5]
+    shape = lay.page_heads_shape(5)
+    if head_major:
+        out = torch.empty((shape[3], *shape[:3], shape[4]), dtype=torch.uint8).movedim(0, 3)
+    else:
+        out = torch.empty(shape, dtype=torch.uint8)
+    random_fill_(out, g)
+    ops.gather_pages(lay, ids, out, impl=impl)
+    expected = ops.gather_pages(ref, ids, impl="reference")  # [L, S, n, segment_bytes]
+    assert_same_bytes(out.contiguous().flatten(-2), expected)
+    src = random_fill_(torch.empty_like(out), g)  # same strides as out
+    ops.scatter_pages(lay, ids, src, impl=impl)
+    ops.scatter_pages(ref, ids, src.contiguous().flatten(-2), impl="reference")
+    assert_all_same_bytes(lay.layers, ref.layers)
+    back = ops.gather_pages(ref, ids, torch.empty_like(out), impl="reference")  # the reference's own 5-D path
+    assert_same_bytes(back.contiguous(), src.contiguous())
+
+
 def clobber(lay, ids):
     for l in range(lay.num_layers):
         for plane in lay.plane_views(l):
