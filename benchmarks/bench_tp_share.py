@@ -8,7 +8,10 @@ every head's part into the worker's chunk buffer). The buffer is a CPU worker's,
 seen as ``[L, P, T, H, D]``, :attr:`kvx.connector.cache.WorkerCache.head_major`: each part lands straight in its
 contiguous head slice), and again a CUDA worker's, token-major (``[L, P, T, H, D]``: its DMA moves a token's heads
 as one run; each part goes through a scratch buffer, as its head's slice is strided). The last row reads the same
-bytes as one object per chunk (``one object``: how kvx stored a TP=1 engine's chunk before parts).
+bytes as one object per chunk (``one object``: how kvx stored a TP=1 engine's chunk before parts). The last two
+read the same number of bytes stored as raw pages of a head-major page layout (vLLM's CPU backend), one part per
+head, into a head-major buffer (``[H, L, S, n, run]`` seen as ``[L, S, n, H, run]``: in place) and into a
+page-major one (``[L, S, n, segment_bytes]``: each part through a scratch buffer).
 
 Shape: Llama-3-8B's KV (32 layers, 8 KV heads of 128, bf16), 256-token chunks: 32 MiB a chunk, 4 MiB a part.
 Stores alternate within each round; a round takes the median per chunk over ``--chunks`` chunks; the table gives
@@ -40,6 +43,8 @@ CASES = (
     "written by TP=1, token-major buffer",
     "written by TP=2, token-major buffer",
     "one object",
+    "raw pages by head, head-major buffer",
+    "raw pages by head, page-major buffer",
 )
 
 
@@ -54,9 +59,10 @@ def keys(prefix: int, n: int) -> list[str]:
     return [f"{prefix:08x}{i:024x}" for i in range(n)]
 
 
-def write_store(tier, chunks, tp: int, heads: int, layers: int, prefix: int) -> tuple[list[str], int]:
+def write_store(tier, chunks, tp: int, heads: int, layers: int, prefix: int, fmt="canonical") -> tuple[list[str], int]:
     """Every rank of a ``tp`` engine writes its parts of each chunk, then the record. Returns the keys and the
-    bytes stored per chunk (parts and record as the tier counts them)."""
+    bytes stored per chunk (parts and record as the tier counts them). ``fmt`` "pages": ``chunks`` are raw pages
+    split by head, ``[L, S, n, H, run]`` (TP=1 only)."""
     from kvx.connector.parts import PartIO, record_of
 
     before = tier.usage()
@@ -64,7 +70,7 @@ def write_store(tier, chunks, tp: int, heads: int, layers: int, prefix: int) -> 
     for key, chunk in zip(ks, chunks):
         for sh in shares(tp, heads, layers):
             a, b = sh.heads
-            PartIO(sh, "canonical").write(tier, key, chunk[:, :, :, a:b].contiguous(), {})
+            PartIO(sh, fmt).write(tier, key, chunk.narrow(3, a, b - a).contiguous(), {})
         tier.put(key, record_of([(0, layers)], heads).encode(), {"kind": "record"})
     return ks, (tier.usage() - before) // len(chunks)
 
@@ -94,18 +100,27 @@ def run_tier(name: str, open_tier, args, shape) -> list[dict]:
     for key, chunk in zip(k0, chunks):
         writer.put(key, chunk, {})
     bytes0 = (writer.usage() - before) // len(chunks)
+    # the same bytes as raw pages of a head-major page layout (vLLM's CPU backend): [L, S, n, H, run], 16-token blocks
+    pshape = (layers, 1, shape[2] // 16, heads, 16 * shape[1] * shape[4] * 2)
+    pages = [c.view(torch.uint8).reshape(pshape) for c in chunks]  # any bytes do: only their size matters here
+    kp, bytesp = write_store(writer, pages, 1, heads, layers, 4, fmt="pages")
     writer.close()
 
     reader = open_tier()  # a fresh engine's tier
     out = torch.empty(shape, dtype=torch.bfloat16)
     head_major = torch.empty((heads, *shape[:3], shape[4]), dtype=torch.bfloat16).movedim(0, 3)
     io = PartIO(shares(1, heads, layers)[0], "canonical")
+    io_pages = PartIO(shares(1, heads, layers)[0], "pages")
+    pages_head_major = torch.empty((heads, *pshape[:3], pshape[4]), dtype=torch.uint8).movedim(0, 3)
+    pages_out = torch.empty((*pshape[:3], heads * pshape[4]), dtype=torch.uint8)  # [L, S, n, segment_bytes]
     reads = {
         CASES[0]: (lambda key: io.read(reader, key, head_major), k1),
         CASES[1]: (lambda key: io.read(reader, key, head_major), k2),
         CASES[2]: (lambda key: io.read(reader, key, out), k1),
         CASES[3]: (lambda key: io.read(reader, key, out), k2),
         CASES[4]: (lambda key: reader.get_into(key, out), k0),
+        CASES[5]: (lambda key: io_pages.read(reader, key, pages_head_major), kp),
+        CASES[6]: (lambda key: io_pages.read(reader, key, pages_out), kp),
     }
     for read, ks in reads.values():  # warm-up: the first reads open connections and fill caches
         read(ks[0])
@@ -115,7 +130,7 @@ def run_tier(name: str, open_tier, args, shape) -> list[dict]:
             samples[case].append(timed_reads(read, ks))
     reader.close()
     base = statistics.median(samples[CASES[0]])
-    stored = {CASES[0]: bytes1, CASES[1]: bytes2, CASES[2]: bytes1, CASES[3]: bytes2, CASES[4]: bytes0}
+    stored = dict(zip(CASES, (bytes1, bytes2, bytes1, bytes2, bytes0, bytesp, bytesp)))
     return [
         {
             "tier": name,

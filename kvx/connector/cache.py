@@ -74,8 +74,11 @@ class WorkerCache:
         return object_rows(self.geom, tokens, state)
 
     def shape(self, rows: int) -> tuple[int, ...]:
+        """A stored object's logical shape: canonical ``[L, P, T, H, D]``, raw pages ``[L, S, n, segment_bytes]``, or
+        raw pages split by head ``[L, S, n, H, segment_bytes / H]`` when :attr:`head_major`."""
         if self.fmt == "pages":
-            return self.layout.page_shape(rows * (self.geom.block_size // self.layout.block_size))
+            n = rows * (self.geom.block_size // self.layout.block_size)
+            return self.layout.page_heads_shape(n) if self.head_major else self.layout.page_shape(n)
         return self.layout.canonical_shape(rows * self.geom.block_size)
 
     def chunk_shape(self, tokens: int, state: bool = False) -> tuple[int, ...]:
@@ -91,12 +94,20 @@ class WorkerCache:
     @property
     def head_major(self) -> bool:
         """Whether host buffers (CPU slots, write buffers, read buffers) hold each KV head's bytes as one run:
-        ``[H, L, P, T, D]`` in memory, seen as the canonical ``[L, P, T, H, D]``. Then each head's part of a chunk
-        is written and read in place, with no copy on the way (:class:`~.parts.PartIO`): so when canonical chunks
-        are cut by head and this worker holds several heads. The host path stages them head-major too
-        (:mod:`kvx.kernels.staged`), so that a head's tokens cross PCIe as one DMA run."""
+        ``[H, L, P, T, D]`` in memory, seen as the canonical ``[L, P, T, H, D]`` (raw pages: ``[H, L, S, n, run]``
+        seen as ``[L, S, n, H, run]``, :meth:`kvx.kernels.layout.KVLayout.page_heads_shape`). Then each head's part
+        of a chunk is written and read in place, with no copy on the way (:class:`~.parts.PartIO`): so when chunks
+        are cut by head and this worker holds several heads. Canonical chunks: the host path stages them
+        head-major too (:mod:`kvx.kernels.staged`), so that a head's tokens cross PCIe as one DMA run. Raw pages:
+        where each head's bytes are one run of a page (the CPU backend's pages, ``HND`` layouts) and the copy
+        kernel moves them (a CPU cache; a CUDA cache on ``copy_path`` "kernel"); on the other paths a head's part
+        goes through a buffer of its own."""
         share = self.parts.share
-        return self.fmt == "canonical" and share.split and share.heads[1] - share.heads[0] > 1
+        if not (share.split and share.heads[1] - share.heads[0] > 1):
+            return False
+        if self.fmt == "canonical":
+            return True
+        return self.layout.page_head_bytes is not None and self.path == "kernel"
 
     def host_storage_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
         """The shape in memory of a host buffer of (logical) ``shape``: heads first when :attr:`head_major`."""

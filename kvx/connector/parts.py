@@ -124,9 +124,9 @@ class PartIO:
         if not self.share.split:
             return chunk.unsqueeze(0)
         n = self.share.heads[1] - self.share.heads[0]
-        if self.fmt == "pages":  # a head-major page: each head's bytes are one run of the page
+        if self.fmt == "pages" and chunk.dim() == 4:  # a head-major page: each head's bytes are one run of the page
             return chunk.unflatten(-1, (n, chunk.shape[-1] // n)).movedim(-2, 0)
-        return chunk.movedim(3, 0)
+        return chunk.movedim(3, 0)  # canonical [L, P, T, H, D]; raw pages split by head [L, S, n, H, run]
 
     def part_keys(self, key: str, layers: tuple[int, int] | None = None) -> list[str]:
         return [part_key(key, name) for name in self.share.part_names(layers)]

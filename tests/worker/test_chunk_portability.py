@@ -642,6 +642,46 @@ def test_parts_of_several_heads_move_without_a_copy(queue, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("queue", QUEUES, indirect=True)
+def test_raw_pages_of_several_heads_move_without_a_copy_on_the_kernel_path(queue, tmp_path, monkeypatch):
+    """Raw pages whose segments hold each head's bytes as one run (the CPU backend's, ``HND``), cut into one part per
+    head: a worker whose copies run on the kernel path (a CPU cache's thread queue) keeps its host buffers
+    head-major, ``[H, L, S, n, run]``, and writes and reads each head's part in place; the deferred queue and CUDA
+    (the staged and DMA paths) copy each head's part through a buffer of its own. Either way the pages an engine of
+    the same kind loads are bit-exact."""
+    device, mode = queue
+    copies = []
+    real = parts_module.host_copy
+    monkeypatch.setattr(parts_module, "host_copy", lambda dst, src: copies.append(dst.shape) or real(dst, src))
+    disk = tmp_path / "kv"
+    a = Engine("A", device, torch.bfloat16, False, Side(16, "LBHNC"), disk, fmt="pages")
+    kv = prompt_kv(a, "pages-by-head")
+    in_place = mode == "thread"
+    try:
+        assert a.worker.cache.head_major == in_place and a.heads > 1
+        assert a.worker.cache.slot_shape()[3:] == (
+            (HEADS, 16 * 2 * HEAD_SIZE * 2) if in_place else (16 * 2 * 64 * 2 * HEADS,)
+        )
+        save_prompt(a, kv, chunks=(0,))
+    finally:
+        a.close()
+    assert (not copies) == in_place, copies
+    copies.clear()
+    b = Engine("A2", device, torch.bfloat16, False, Side(16, "LBHNC"), disk, fmt="pages", num_blocks=16)
+    try:
+        assert b.keys[0] == a.keys[0]
+        table = shuffled_table(b.num_blocks, CHUNK // 16, seed=5)
+        load = ChunkLoad(key=b.keys[0], tier=DISK, slot=None, block_ids=table, first_block=0, tokens=CHUNK)
+        spec = LoadSpec(req_id="A2", chunks=[load], is_async=False, xfer=TALLY.id("load", "A2"))
+        b.step(KVXMetadata(loads=[spec]))
+        b.finish()
+        assert not b.load_errors, b.load_errors
+        assert_same("A2's cache (raw pages, one part per head)", b.gather(table, range(CHUNK)), kv, range(CHUNK))
+    finally:
+        b.close()
+    assert (not copies) == in_place, copies
+
+
+@pytest.mark.parametrize("queue", QUEUES, indirect=True)
 def test_corrupt_chunk_is_reported_not_served(queue, tmp_path):
     """One flipped byte in chunk 1's file: the CRC refuses it; B reports exactly its blocks as load errors,
     leaves them as they were, and the file is dropped (a miss next time); chunk 0 still loads bit-exact."""
