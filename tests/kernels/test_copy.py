@@ -25,6 +25,8 @@ TOKEN_LAYOUTS = [name for name in LAYOUTS if name != "cpu"]  # the CPU backend's
 # compared with "reference"; "cuda_sim" is the CUDA kernel's own source emulated on CPU (its twin on a GPU is
 # impl "cuda" in test_gpu_matches_reference below, on the same CASES)
 IMPLS = ["cpu", "triton", "cuda_sim"]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none present)")
+GPU_IMPLS = ["cuda", "triton"]
 
 
 def _geometry(layout, block_size, head_size, seed):
@@ -151,38 +153,59 @@ def test_which_layouts_pages_split_by_head():
                 lay.page_heads_shape(2)
 
 
+PAGES_BY_HEAD = [
+    pytest.param(name, dtype, bs, id=f"{name}-{str(dtype)[6:]}-bs{bs}")
+    for name, dtype, bs in itertools.product(HEAD_MAJOR_PAGES, [torch.bfloat16, torch.float8_e4m3fn], [16, 128])
+]
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "token-major"])
-@pytest.mark.parametrize(
-    "name,dtype,block_size",
-    [
-        pytest.param(name, dtype, bs, id=f"{name}-{str(dtype)[6:]}-bs{bs}")
-        for name, dtype, bs in itertools.product(HEAD_MAJOR_PAGES, [torch.bfloat16, torch.float8_e4m3fn], [16, 128])
-    ],
-)
+@pytest.mark.parametrize("name,dtype,block_size", PAGES_BY_HEAD)
 def test_pages_split_by_head(impl, head_major, name, dtype, block_size):
     """A raw-page chunk seen as ``[L, S, n, H, run]``: the same bytes as ``[L, S, n, segment_bytes]``, each head's
     runs wherever its buffer puts them (head-major: ``[H, L, S, n, run]`` in memory, one run per head)."""
     impl_or_skip(impl)
+    _pages_by_head_case(impl, head_major, name, dtype, block_size, "cpu")
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", GPU_IMPLS)
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "token-major"])
+@pytest.mark.parametrize("name,dtype,block_size", PAGES_BY_HEAD)
+def test_gpu_pages_split_by_head(impl, head_major, name, dtype, block_size):
+    """The same on a CUDA cache, the host side in pinned memory (the kernel reads and writes it over UVA)."""
+    impl_or_skip(impl, "cuda")
+    _pages_by_head_case(impl, head_major, name, dtype, block_size, "cuda")
+
+
+def _pages_by_head_case(impl, head_major, name, dtype, block_size, device):
     seed = case_seed("pages-heads", name, str(dtype), block_size, head_major)
     g = torch.Generator().manual_seed(seed)
     geom = dict(
         num_layers=3, num_blocks=7, block_size=block_size, num_heads=int(torch.randint(2, 5, (1,), generator=g))
     )
-    lay, ref = two_layouts(name, {**geom, "head_size": 64 if name != "cpu" else 32}, dtype, False, seed)
+    geom["head_size"] = 64 if name != "cpu" else 32
+    lay, ref = two_layouts(name, geom, dtype, False, seed, device=device)
     ids = torch.randperm(geom["num_blocks"], generator=g)[:5]
     shape = lay.page_heads_shape(5)
+    pin = device == "cuda"
     if head_major:
-        out = torch.empty((shape[3], *shape[:3], shape[4]), dtype=torch.uint8).movedim(0, 3)
+        out = torch.empty((shape[3], *shape[:3], shape[4]), dtype=torch.uint8, pin_memory=pin).movedim(0, 3)
     else:
-        out = torch.empty(shape, dtype=torch.uint8)
+        out = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
     random_fill_(out, g)
     ops.gather_pages(lay, ids, out, impl=impl)
-    expected = ops.gather_pages(ref, ids, impl="reference")  # [L, S, n, segment_bytes]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    expected = ops.gather_pages(ref, ids, impl="reference").cpu()  # [L, S, n, segment_bytes]
     assert_same_bytes(out.contiguous().flatten(-2), expected)
-    src = random_fill_(torch.empty_like(out), g)  # same strides as out
+    src = random_fill_(torch.empty_like(out), g)  # same strides as out (pinned: empty_like keeps it)
     ops.scatter_pages(lay, ids, src, impl=impl)
-    ops.scatter_pages(ref, ids, src.contiguous().flatten(-2), impl="reference")
+    ops.scatter_pages(ref, ids, src.contiguous().flatten(-2).to(device), impl="reference")
+    if device == "cuda":
+        torch.cuda.synchronize()
     assert_all_same_bytes(lay.layers, ref.layers)
     back = ops.gather_pages(ref, ids, torch.empty_like(out), impl="reference")  # the reference's own 5-D path
     assert_same_bytes(back.contiguous(), src.contiguous())
@@ -445,8 +468,6 @@ def test_cpu_large_copies_and_thread_counts():
 
 
 # ------------------------------------------------------------------------------------------ GPU
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none present)")
-GPU_IMPLS = ["cuda", "triton"]
 
 
 @needs_cuda
