@@ -97,17 +97,14 @@ class WorkerCache:
         ``[H, L, P, T, D]`` in memory, seen as the canonical ``[L, P, T, H, D]`` (raw pages: ``[H, L, S, n, run]``
         seen as ``[L, S, n, H, run]``, :meth:`kvx.kernels.layout.KVLayout.page_heads_shape`). Then each head's part
         of a chunk is written and read in place, with no copy on the way (:class:`~.parts.PartIO`): so when chunks
-        are cut by head and this worker holds several heads. Canonical chunks: the host path stages them
-        head-major too (:mod:`kvx.kernels.staged`), so that a head's tokens cross PCIe as one DMA run. Raw pages:
-        where each head's bytes are one run of a page (the CPU backend's pages, ``HND`` layouts) and the copy
-        kernel moves them (a CPU cache; a CUDA cache on ``copy_path`` "kernel"); on the other paths a head's part
-        goes through a buffer of its own."""
+        are cut by head and this worker holds several heads (raw pages: where each head's bytes are one run of a
+        page, :attr:`kvx.kernels.layout.KVLayout.page_head_bytes`, as in the CPU backend's pages and ``HND``
+        layouts). The host path stages them head-major too (:mod:`kvx.kernels.staged`), so that a head's tokens
+        cross PCIe as one DMA run."""
         share = self.parts.share
         if not (share.split and share.heads[1] - share.heads[0] > 1):
             return False
-        if self.fmt == "canonical":
-            return True
-        return self.layout.page_head_bytes is not None and self.path == "kernel"
+        return self.fmt == "canonical" or self.layout.page_head_bytes is not None
 
     def host_storage_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
         """The shape in memory of a host buffer of (logical) ``shape``: heads first when :attr:`head_major`."""

@@ -71,10 +71,10 @@ class _Item:
 
     op: Op
     ids: torch.Tensor  # int64, CPU
-    buf: torch.Tensor  # host side, every layer of the batch's layout: [L, P, T, H, D] or [L, S, n, seg] uint8
+    buf: torch.Tensor  # host side, every layer: [L, P, T, H, D], or uint8 [L, S, n, seg] or [L, S, n, H, run]
     unit: int  # entries of the contiguous side's dim 2 per id: block_size for blocks, 1 for slots and pages
     id_bytes: int  # bytes one id moves in one layer
-    heads_outer: bool = False  # blocks, slots: each head's tokens are adjacent in buf (a head-major buffer)
+    heads_outer: bool = False  # each head's tokens (pages) are adjacent in buf (a head-major buffer)
 
 
 @dataclasses.dataclass(slots=True)
@@ -88,6 +88,7 @@ class _Group:
     entries: int  # extent of the staging view's dim 2: tokens (blocks, slots) or pages
     ids_at: int = 0  # offset of its ids in the batch's id table (uploaded once on CUDA)
     heads_outer: bool = False  # staged head-major, [H, P, entries, D], as its host buffers are
+    split: bool = False  # raw pages split by head ([S, entries, H, run]), as its host buffers are
 
 
 @dataclasses.dataclass(slots=True)
@@ -182,11 +183,6 @@ class TransferBatch:
                 f"{arg}: expected pinned host memory for path {self.path!r} (the device side is the staging buffer "
                 f"or the blocks), got a tensor on {buf.device}"
             )
-        if op.pages and buf.dim() == 5 and self.path != "kernel":
-            raise ValueError(
-                f"{arg}: a raw-page chunk split by head ([L, S, n, H, segment_bytes / H]) is copied by path 'kernel' "
-                f"only, got path {self.path!r}"
-            )
         if self._gather is not None and op.gather != self._gather:
             raise ValueError(
                 f"op: expected {'gathers' if self._gather else 'scatters'} only (one direction per batch), "
@@ -203,9 +199,9 @@ class TransferBatch:
             unit, id_bytes = 1, lay.num_planes * lay.num_heads * lay.row_bytes
         else:
             unit, id_bytes = lay.block_size, lay.num_planes * lay.block_size * lay.num_heads * lay.row_bytes
-        # a head-major host buffer ([H, L, P, T, D] seen as [L, P, T, H, D]): staged head-major too, so that each
-        # head's tokens cross in one DMA run
-        heads_outer = not op.pages and lay.num_heads > 1 and buf.stride(2) == buf.shape[4] and buf.stride(4) == 1
+        # a head-major host buffer ([H, L, P, T, D] seen as [L, P, T, H, D]; raw pages split by head: [H, L, S, n, run]
+        # seen as [L, S, n, H, run]): staged head-major too, so that each head's tokens cross in one DMA run
+        heads_outer = buf.dim() == 5 and lay.num_heads > 1 and buf.stride(2) == buf.shape[4] and buf.stride(4) == 1
         self._items.append(_Item(op, ids, buf, unit, id_bytes, heads_outer))
         if self.path == "kernel":
             if self._kernel is None:
@@ -321,7 +317,14 @@ class TransferBatch:
             ids = torch.cat([self._items[i].ids[lo:hi] for i, lo, hi in mine])
             entries = sum((hi - lo) * self._items[i].unit for i, lo, hi in mine)
             outer = all(self._items[i].heads_outer for i, _, _ in mine)
-            groups.append(_Group(op, mine, ids, offset, entries, heads_outer=outer))
+            split = op.pages and all(self._items[i].buf.dim() == 5 for i, _, _ in mine)
+            if op.pages and not split and any(self._items[i].buf.dim() == 5 for i, _, _ in mine):
+                # one staged view per group: a batch's raw pages are all split by head or none (a worker's are)
+                raise ValueError(
+                    "op: raw-page buffers split by head ([L, S, n, H, run]) and whole ([L, S, n, segment_bytes]) in "
+                    "one batch; add each kind to a batch of its own"
+                )
+            groups.append(_Group(op, mine, ids, offset, entries, heads_outer=outer, split=split))
             offset += sum((hi - lo) * self._items[i].id_bytes for i, lo, hi in mine)
         spec = _Spec(groups, offset)
         if self.path == "staged":
@@ -363,9 +366,10 @@ class TransferBatch:
                 n = (hi - lo) * it.unit
                 layer_stride = it.buf.stride(0) * it.buf.element_size()
                 for a, b in _valid_spans(it, lo, hi):  # entries [a, b) of the piece (padding slots skipped)
-                    win = it.buf[0].narrow(1, lo * it.unit + a, b - a)  # [P, b-a, H, D] or [S, b-a, seg]
+                    # [P, b-a, H, D], [S, b-a, seg] or (raw pages split by head) [S, b-a, H, run]
+                    win = it.buf[0].narrow(1, lo * it.unit + a, b - a)
                     if g.heads_outer:  # staging [H, P, entries, D]: a head's rows of a plane are one region
-                        row = lay.row_bytes
+                        row = win.shape[-1] * win.element_size()
                         runs = [
                             _window_runs(
                                 win[p, :, h : h + 1], row, g.offset + ((h * planes + p) * g.entries + at + a) * row
@@ -538,8 +542,16 @@ class TransferBatch:
         lay = self.layout
         layers = part.end - part.start
         if g.op.pages:
-            seg = lay.page.segment_bytes
-            shape = (layers, lay.page.segments, g.entries, seg)
+            seg, segments = lay.page.segment_bytes, lay.page.segments
+            if g.split:  # [layers, S, entries, H, run]: staged head-major ([H, S, entries, run]) or page-major
+                run, h = lay.page_head_bytes, lay.num_heads
+                shape = (layers, segments, g.entries, h, run)
+                if g.heads_outer:
+                    strides = (part.layer_bytes, g.entries * run, run, segments * g.entries * run, 1)
+                else:
+                    strides = (part.layer_bytes, g.entries * seg, seg, run, 1)
+                return staging.as_strided(shape, strides, g.offset)
+            shape = (layers, segments, g.entries, seg)
             strides = (part.layer_bytes, g.entries * seg, seg, 1)
             return staging.as_strided(shape, strides, g.offset)
         item = lay.itemsize

@@ -7,6 +7,7 @@ import torch
 
 from kvx.kernels import ops
 from kvx.kernels.layout import KVLayout
+from kvx.kernels.staged import TransferBatch
 from kvx.testing import make_kv_caches, make_layout
 from tests.helpers import assert_all_same_bytes, assert_same_bytes
 
@@ -178,7 +179,7 @@ def test_pages_need_a_dense_page():
         ops.gather_pages(lay, [0])
 
 
-def test_pages_split_by_head_need_a_head_major_page_and_the_kernel_path():
+def test_pages_split_by_head_need_a_head_major_page_and_no_whole_pages_beside_them():
     lay = make_layout("LBNHC", **GEOM)  # token-major: a head's bytes are not one run of the page
     seg = lay.page.segment_bytes
     with pytest.raises(ValueError, match="layout: 'LBNHC' .* cannot be split by head"):
@@ -191,10 +192,13 @@ def test_pages_split_by_head_need_a_head_major_page_and_the_kernel_path():
     ):
         ops.gather_pages(hm, [0, 1], torch.empty(wrong, dtype=torch.uint8))
     out = torch.empty(shape, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="out: a raw-page chunk split by head .* path 'kernel' only, got path 'dma'"):
-        ops.gather_pages(hm, [0, 1], out, path="dma")
     ops.gather_pages(hm, [0, 1], out)
     assert_same_bytes(out.flatten(-2), ops.gather_pages(hm, [0, 1], impl="reference"))
+    batch = TransferBatch(hm, path="staged")  # one staged view per group: split or whole, not both
+    batch.add("gather_pages", [0, 1], out)
+    batch.add("gather_pages", [2], torch.empty(hm.page_shape(1), dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"op: raw-page buffers split by head .* and whole .* in one batch"):
+        batch.plan(capacity=1 << 20)
 
 
 def test_empty_ids_are_a_no_op(lay):

@@ -208,6 +208,35 @@ def test_head_major_buffers_stage_head_major(impl, name, dtype):
         _check_scatters(lay, ref, copies(), "staged", impl, _ranges(lay.num_layers), cap)
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "page-major"])
+@pytest.mark.parametrize("name", ["LBHNC", "BLHNC", "cpu"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_raw_pages_split_by_head_on_every_path(impl, name, head_major, path):
+    """Raw pages seen split by head, ``[L, S, n, H, run]`` (head-major in memory: a connector worker's buffers when it
+    holds several KV heads of a head-major page layout), bit-exact on every path in both directions, whole layers
+    and a capacity of one page of one layer; staged head-major when the buffers are."""
+    impl_or_skip(impl)
+    seed = case_seed("staged-pages-by-head", impl, name, head_major, path)
+    g = torch.Generator().manual_seed(seed)
+    lay, ref = _caches(name, torch.bfloat16, seed)
+
+    def buf(n):
+        L, S, _, H, run = shape = lay.page_heads_shape(n)
+        if head_major:
+            return random_fill_(torch.empty((H, L, S, n, run), dtype=torch.uint8), g).movedim(0, 3)
+        return random_fill_(torch.empty(shape, dtype=torch.uint8), g)
+
+    def copies():
+        return [("pages", [1, 8, 3], buf(3)), ("pages", [5, 0], buf(4).narrow(2, 1, 2))]  # a chunk, a slot's part
+
+    for cap in (1 << 20, lay.page.page_bytes):
+        batch, parts = _check_gathers(lay, ref, copies(), path, impl, _ranges(lay.num_layers), cap)
+        if batch.path == "staged":
+            assert all(grp.split and grp.heads_outer == head_major for part in parts for grp in part.groups)
+        _check_scatters(lay, ref, copies(), path, impl, _ranges(lay.num_layers), cap)
+
+
 def test_a_head_major_chunk_layer_is_one_run_per_head():
     """A head-major chunk's layer crosses as one run per KV head (its planes adjacent on both sides), and a mix of
     head-major and token-major buffers in one op is staged token-major, still bit-exact."""

@@ -642,12 +642,11 @@ def test_parts_of_several_heads_move_without_a_copy(queue, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("queue", QUEUES, indirect=True)
-def test_raw_pages_of_several_heads_move_without_a_copy_on_the_kernel_path(queue, tmp_path, monkeypatch):
+def test_raw_pages_of_several_heads_move_without_a_copy(queue, tmp_path, monkeypatch):
     """Raw pages whose segments hold each head's bytes as one run (the CPU backend's, ``HND``), cut into one part per
-    head: a worker whose copies run on the kernel path (a CPU cache's thread queue) keeps its host buffers
-    head-major, ``[H, L, S, n, run]``, and writes and reads each head's part in place; the deferred queue and CUDA
-    (the staged and DMA paths) copy each head's part through a buffer of its own. Either way the pages an engine of
-    the same kind loads are bit-exact."""
+    head: a worker holding several heads keeps its host buffers head-major, ``[H, L, S, n, run]``, and writes and
+    reads each head's part in place (the deferred queue runs the CUDA code path, which stages them head-major too);
+    the pages an engine of the same kind loads are bit-exact."""
     device, mode = queue
     copies = []
     real = parts_module.host_copy
@@ -655,16 +654,13 @@ def test_raw_pages_of_several_heads_move_without_a_copy_on_the_kernel_path(queue
     disk = tmp_path / "kv"
     a = Engine("A", device, torch.bfloat16, False, Side(16, "LBHNC"), disk, fmt="pages")
     kv = prompt_kv(a, "pages-by-head")
-    in_place = mode == "thread"
     try:
-        assert a.worker.cache.head_major == in_place and a.heads > 1
-        assert a.worker.cache.slot_shape()[3:] == (
-            (HEADS, 16 * 2 * HEAD_SIZE * 2) if in_place else (16 * 2 * 64 * 2 * HEADS,)
-        )
+        assert a.worker.cache.head_major and a.heads > 1
+        assert a.worker.cache.slot_shape()[3:] == (HEADS, 16 * 2 * HEAD_SIZE * 2)  # [L, S, n, H, run]
         save_prompt(a, kv, chunks=(0,))
     finally:
         a.close()
-    assert (not copies) == in_place, copies
+    assert not copies, f"the save copied heads: {copies}"
     copies.clear()
     b = Engine("A2", device, torch.bfloat16, False, Side(16, "LBHNC"), disk, fmt="pages", num_blocks=16)
     try:
@@ -678,7 +674,7 @@ def test_raw_pages_of_several_heads_move_without_a_copy_on_the_kernel_path(queue
         assert_same("A2's cache (raw pages, one part per head)", b.gather(table, range(CHUNK)), kv, range(CHUNK))
     finally:
         b.close()
-    assert (not copies) == in_place, copies
+    assert not copies, f"the load copied heads: {copies}"
 
 
 @pytest.mark.parametrize("queue", QUEUES, indirect=True)
