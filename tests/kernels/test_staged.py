@@ -333,3 +333,40 @@ def test_gpu_batch_matches_each_op_alone(name, dtype, path):
             getattr(ops, f"scatter_{kind}")(ref, ids, src.cuda(), impl="reference")
         torch.cuda.synchronize()
         assert_all_same_bytes(lay.layers, ref.layers)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "page-major"])
+@pytest.mark.parametrize("name", ["LBHNC", "BLHNC"])
+def test_gpu_raw_pages_split_by_head_on_every_path(name, head_major, path):
+    """Raw pages split by head between a CUDA cache and pinned buffers, on every path, bit-exact both ways."""
+    seed = case_seed("staged-gpu-pages-by-head", name, head_major, path)
+    g = torch.Generator().manual_seed(seed)
+    lay, ref = _caches(name, torch.bfloat16, seed, device="cuda")
+    ids = [1, 8, 3]
+    L, S, n, H, run = lay.page_heads_shape(len(ids))
+
+    def pinned():
+        if head_major:
+            t = torch.empty((H, L, S, n, run), dtype=torch.uint8, pin_memory=True).movedim(0, 3)
+        else:
+            t = torch.empty((L, S, n, H, run), dtype=torch.uint8, pin_memory=True)
+        return random_fill_(t, g)
+
+    for cap in (1 << 20, lay.page.page_bytes):
+        staging = torch.empty(cap, dtype=torch.uint8, device="cuda")
+        out = pinned()
+        batch = TransferBatch(lay, path=path, impl="cuda")
+        batch.add("gather_pages", ids, out)
+        _run(batch, batch.plan(_ranges(lay.num_layers), cap), staging)
+        torch.cuda.synchronize()
+        assert_same_bytes(out.contiguous().flatten(-2).cuda(), ops.gather_pages(ref, ids, impl="reference"))
+        src = pinned()
+        batch = TransferBatch(lay, path=path, impl="cuda")
+        batch.add("scatter_pages", ids, src)
+        _run(batch, batch.plan(_ranges(lay.num_layers), cap), staging)
+        ops.scatter_pages(ref, ids, src.contiguous().flatten(-2).cuda(), impl="reference")
+        torch.cuda.synchronize()
+        assert_all_same_bytes(lay.layers, ref.layers)
