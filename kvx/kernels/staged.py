@@ -28,7 +28,9 @@ The staging buffer of a part, for its layers ``[start, end)``: per layer, one re
 each the group's pieces back to back in the canonical order of the op's contiguous side, ``[P, T, H, D]`` (blocks,
 slots) or ``[S, n, segment_bytes]`` (pages), so that every group is one strided view the copy kernel takes as it
 takes ``out=`` (its ids concatenated), and every piece of every plane is one DMA run (planes merge into one run
-where they are adjacent on both sides: a whole chunk's layer is one run). ::
+where they are adjacent on both sides: a whole chunk's layer is one run). Head-major host buffers (``[H, L, P, T,
+D]`` seen as ``[L, P, T, H, D]``; raw pages split by head, ``[H, L, S, n, run]``) are staged head-major, ``[H, P, T,
+D]``, so that a head's piece of a layer is one run. ::
 
     staging = [layer start] [group 0: P x T0 x H x D][group 1: ...] [layer start + 1] [group 0] ...
 
