@@ -140,6 +140,7 @@ class Engine:
     ):
         """``layers``: the model's layers this engine's worker holds (a pipeline stage's; default all)."""
         self.name = name
+        self.disk_path = disk_path
         self.layers = layers
         self.names = [LAYER_NAMES[i] for i in layers]
         self.device = torch.device(device)
@@ -574,6 +575,23 @@ def saved_by_a(tmp_path, queue, case: str, dtype: torch.dtype, tag: str):
     return a, make_b, disk, kv
 
 
+def load_raw_pages_again(a: Engine, side: Side, kv, seed: int, what: str) -> None:
+    """A fresh engine "A2" of raw pages with ``a``'s device and block size on ``side`` derives ``a``'s key of chunk 0,
+    loads it from ``a``'s disk into a shuffled table: no load error, its cache bit-exact against ``kv``."""
+    e = Engine("A2", a.device.type, a.dtype, False, side, a.disk_path, fmt="pages", num_blocks=16)
+    try:
+        assert e.keys[0] == a.keys[0]
+        table = shuffled_table(e.num_blocks, CHUNK // 16, seed=seed)
+        load = ChunkLoad(key=e.keys[0], tier=DISK, slot=None, block_ids=table, first_block=0, tokens=CHUNK)
+        spec = LoadSpec(req_id="A2", chunks=[load], is_async=False, xfer=TALLY.id("load", "A2"))
+        e.step(KVXMetadata(loads=[spec]))
+        e.finish()
+        assert not e.load_errors, e.load_errors
+        assert_same(what, e.gather(table, range(CHUNK)), kv, range(CHUNK))
+    finally:
+        e.close()
+
+
 # ------------------------------------------------------------------ tests
 @pytest.mark.parametrize("queue", QUEUES, indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -662,18 +680,7 @@ def test_raw_pages_of_several_heads_move_without_a_copy(queue, tmp_path, monkeyp
         a.close()
     assert not copies, f"the save copied heads: {copies}"
     copies.clear()
-    b = Engine("A2", device, torch.bfloat16, False, Side(16, "LBHNC"), disk, fmt="pages", num_blocks=16)
-    try:
-        assert b.keys[0] == a.keys[0]
-        table = shuffled_table(b.num_blocks, CHUNK // 16, seed=5)
-        load = ChunkLoad(key=b.keys[0], tier=DISK, slot=None, block_ids=table, first_block=0, tokens=CHUNK)
-        spec = LoadSpec(req_id="A2", chunks=[load], is_async=False, xfer=TALLY.id("load", "A2"))
-        b.step(KVXMetadata(loads=[spec]))
-        b.finish()
-        assert not b.load_errors, b.load_errors
-        assert_same("A2's cache (raw pages, one part per head)", b.gather(table, range(CHUNK)), kv, range(CHUNK))
-    finally:
-        b.close()
+    load_raw_pages_again(a, Side(16, "LBHNC"), kv, 5, "A2's cache (raw pages, one part per head)")
     assert not copies, f"the load copied heads: {copies}"
 
 
@@ -752,18 +759,7 @@ def test_raw_pages_do_not_cross_block_sizes(queue, tmp_path):
     finally:
         b.close()
 
-    same = Engine("A2", device, torch.bfloat16, False, Side(16, "LBNHC"), disk, fmt="pages", num_blocks=16)
-    try:
-        assert same.keys[0] == a.keys[0]
-        table = shuffled_table(same.num_blocks, CHUNK // 16, seed=4)
-        load = ChunkLoad(key=same.keys[0], tier=DISK, slot=None, block_ids=table, first_block=0, tokens=CHUNK)
-        spec = LoadSpec(req_id="A2", chunks=[load], is_async=False, xfer=TALLY.id("load", "A2"))
-        same.step(KVXMetadata(loads=[spec]))
-        same.finish()
-        assert not same.load_errors, same.load_errors
-        assert_same("A2's cache (raw pages of A's kind)", same.gather(table, range(CHUNK)), kv, range(CHUNK))
-    finally:
-        same.close()
+    load_raw_pages_again(a, Side(16, "LBNHC"), kv, 4, "A2's cache (raw pages of A's kind)")
 
 
 @pytest.mark.parametrize("queue", [QUEUES[0]], indirect=True)
