@@ -371,40 +371,28 @@ def _pick_impl(impl: str | None, layout: KVLayout, buf: torch.Tensor) -> str:
 def _plan(op: Op, layout: KVLayout, buf: torch.Tensor, n: int) -> CopyPlan:
     item = buf.element_size()
     layer_stride, plane_stride, token_stride, head_stride = (int(s) * item for s in buf.stride()[:4])
-    if op.pages and buf.dim() == 5:
-        # [L, S, n, H, run]: segments are the planes, ids the tokens, each head a run of its segment
-        g, run = layout.page, layout.page_head_bytes
+    if op.pages:
+        # [L, S, n, segment_bytes]: segments are the planes, ids the tokens, one "head" of one segment; split by head,
+        # [L, S, n, H, run]: each head a run of its segment, at the buffer's head stride
+        g = layout.page
+        if buf.dim() == 5:
+            heads, run = layout.num_heads, layout.page_head_bytes
+        else:
+            heads, run, head_stride = 1, g.segment_bytes, g.segment_bytes
         paged = PagedDesc(
             plane_stride=g.segment_stride,
             block_stride=layout.paged.block_stride,
             token_stride=0,
-            head_stride=run,
+            head_stride=run if heads > 1 else 0,
             num_blocks=layout.num_blocks,
             num_planes=g.segments,
             block_size=1,
-            num_heads=layout.num_heads,
+            num_heads=heads,
         )
         contig = ContigDesc(
             layer_stride=layer_stride, plane_stride=plane_stride, token_stride=token_stride, head_stride=head_stride
         )
         return CopyPlan(paged, contig, run, layout.num_layers, n, op.c_mode)
-    if op.pages:
-        # [L, S, n, segment_bytes]: segments are the planes, ids the tokens, one "head" of one segment
-        g = layout.page
-        paged = PagedDesc(
-            plane_stride=g.segment_stride,
-            block_stride=layout.paged.block_stride,
-            token_stride=0,
-            head_stride=0,
-            num_blocks=layout.num_blocks,
-            num_planes=g.segments,
-            block_size=1,
-            num_heads=1,
-        )
-        contig = ContigDesc(
-            layer_stride=layer_stride, plane_stride=plane_stride, token_stride=token_stride, head_stride=g.segment_bytes
-        )
-        return CopyPlan(paged, contig, g.segment_bytes, layout.num_layers, n, op.c_mode)
     contig = ContigDesc(
         layer_stride=layer_stride, plane_stride=plane_stride, token_stride=token_stride, head_stride=head_stride
     )
