@@ -1,0 +1,82 @@
+"""A blocking client connection to ``kvx node`` (:mod:`.protocol`): one request, one reply, with a timeout.
+
+Used by the engines' :class:`~.client.NodeIndex` and by the ``kvx node`` control subcommands. Not thread-safe:
+one owner (the thread that calls it).
+"""
+
+from __future__ import annotations
+
+import socket
+
+from .protocol import HEADER, ProtocolError, body_length, decode, encode
+
+
+class NodeError(RuntimeError):
+    """The node answered a request with an error (``ok`` false): the request was wrong, the node is well."""
+
+
+class NodeUnavailable(ConnectionError):
+    """The node could not be reached, or the connection broke or timed out."""
+
+
+class Connection:
+    """One connection to the node at ``path``. ``timeout``: seconds per request (connect, send, reply)."""
+
+    def __init__(self, path: str, timeout: float = 2.0):
+        self.path = str(path)
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self._next = 0
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def connect(self) -> None:
+        if self._sock is not None:
+            return
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self.path)
+        except OSError as e:
+            s.close()
+            raise NodeUnavailable(f"kvx node at {self.path}: {e}") from None
+        self._sock = s
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+
+    def _recv(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            part = self._sock.recv(n - len(buf))
+            if not part:
+                raise NodeUnavailable(f"kvx node at {self.path}: connection closed")
+            buf += part
+        return bytes(buf)
+
+    def call(self, op: str, **args) -> dict:
+        """Send request ``op`` and return its reply; :class:`NodeError` if the node refused it,
+        :class:`NodeUnavailable` (the connection closed) if it could not be sent or answered."""
+        self.connect()
+        self._next += 1
+        msg = {"op": op, "id": self._next, **args}
+        try:
+            self._sock.sendall(encode(msg))
+            reply = decode(self._recv(body_length(self._recv(HEADER.size))))
+        except (OSError, ProtocolError) as e:
+            self.close()
+            if isinstance(e, NodeUnavailable):
+                raise
+            raise NodeUnavailable(f"kvx node at {self.path}: {op}: {e}") from None
+        if reply.get("id") != self._next:
+            self.close()
+            raise NodeUnavailable(f"kvx node at {self.path}: {op}: a reply to request {reply.get('id')}")
+        if not reply.get("ok"):
+            raise NodeError(f"kvx node: {op}: {reply.get('error', 'refused')}")
+        return reply
