@@ -18,6 +18,7 @@ COMMANDS = {
     "demo": ("kvx.testing.demo", "tiny local Llama on vLLM: cold run, then a fresh engine warm from the kvx store"),
     "store": ("kvx.store.cli", "inspect, verify or clear a kvx disk store"),
     "pd-proxy": ("kvx.tools.pd_proxy", "prefill/decode proxy: prompt on a kv_producer, answer from a kv_consumer"),
+    "node": ("kvx.node.cli", "the host's shared KV pool daemon (one per host, every engine maps it), and its controls"),
 }
 
 
