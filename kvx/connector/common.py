@@ -382,6 +382,27 @@ def chunk_bytes(config: KVXConfig, geom: EngineGeometry) -> int:
     return max(object_bytes(geom, config.chunk_size), object_bytes(geom, config.chunk_size, state=True))
 
 
+def node_slot_bytes(config: KVXConfig, geom: EngineGeometry) -> int:
+    """The bytes one chunk (or state object) takes in a node's slot: every rank's KV heads (:func:`chunk_bytes` is
+    one rank's; MLA's latent cache is the same on every rank)."""
+    return chunk_bytes(config, geom) * geom.model_kv_heads // geom.num_kv_heads
+
+
+def node_reason(config: KVXConfig, geom: EngineGeometry, split: bool, tp: int, pp: int) -> str | None:
+    """Why this engine cannot use a node tier (None: it can): a node stores each chunk once per host, whole, with
+    every rank's heads in one slot, so each rank's share must be a range of heads (or the whole chunk)."""
+    if config.node_tier is None:
+        return None
+    if pp > 1:
+        return f"tiers: the node tier serves engines of one pipeline stage, got pipeline_parallel_size={pp}"
+    if tp > 1 and not split and not geom.use_mla:
+        return (
+            f"tiers: the node tier stores chunks cut by KV head; this engine's chunks (tensor_parallel_size={tp}) "
+            f"cannot be cut by head (a hybrid model's state, or raw pages with tokens outside heads): use the cpu tier"
+        )
+    return None
+
+
 def write_backlog(config: KVXConfig, geom: EngineGeometry) -> int:
     """``max_write_backlog``, at least one chunk (a CPU slot's bytes: a buffered save counts one whole)."""
     return max(config.max_write_backlog, chunk_bytes(config, geom))

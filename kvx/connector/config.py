@@ -35,13 +35,31 @@ class CPUTierConfig(TierConfig):
     _size = field_validator("size", mode="before")(parse_size)
 
 
+class NodeTierConfig(TierConfig):
+    """The host's ``kvx node`` pool in the CPU tier's place: one pool per host in shared memory, shared by every
+    engine on it and outliving them (:mod:`kvx.node`). Workers copy straight between the KV cache and the pool's
+    slots; the scheduler asks the node, over its control socket, which chunks it holds."""
+
+    type: Literal["node"]
+    socket: str = Field(description="the node's control socket (kvx node --socket PATH)")
+    timeout: float = Field(
+        default=2.0, gt=0, le=60, description="seconds a request to the node may take before it counts as down"
+    )
+    retry_s: float = Field(
+        default=1.0, gt=0, le=600, description="seconds between attempts to reach a node that is down"
+    )
+
+
+_FIRST_TIERS = {"cpu": CPUTierConfig, "node": NodeTierConfig}  # the first level: slots the workers copy into
+
+
 def _tier_model(kind: str) -> type[TierConfig]:
-    return CPUTierConfig if kind == "cpu" else tier_class(kind).config_model
+    return _FIRST_TIERS[kind] if kind in _FIRST_TIERS else tier_class(kind).config_model
 
 
 def _parse_tier(raw: Any) -> Any:
-    if isinstance(raw, dict) and raw.get("type") == "cpu":
-        return CPUTierConfig.model_validate(raw)
+    if isinstance(raw, dict) and raw.get("type") in _FIRST_TIERS:
+        return _FIRST_TIERS[raw["type"]].model_validate(raw)
     return parse_tier_config(raw) if isinstance(raw, dict) else raw
 
 
@@ -157,6 +175,12 @@ class KVXConfig(StrictConfig):
         kinds = [t.type for t in self.tiers]
         if len(set(kinds)) != len(kinds):
             raise ValueError(f"tiers: expected at most one tier of each type, got {kinds}")
+        first = [k for k in kinds if k in _FIRST_TIERS]
+        if len(first) > 1 or (first and kinds[0] != first[0]):
+            raise ValueError(
+                f"tiers: expected at most one of 'cpu' and 'node', first in the list (the level the workers copy "
+                f"into), got {kinds}"
+            )
         return self
 
     @property
@@ -164,9 +188,13 @@ class KVXConfig(StrictConfig):
         return next((t for t in self.tiers if t.type == "cpu"), None)
 
     @property
+    def node_tier(self) -> NodeTierConfig | None:
+        return next((t for t in self.tiers if t.type == "node"), None)
+
+    @property
     def byte_tiers(self) -> list[TierConfig]:
-        """The tiers after the CPU pool (disk, redis, ...), fastest first."""
-        return [t for t in self.tiers if t.type != "cpu"]
+        """The tiers after the CPU pool or the node (disk, redis, ...), fastest first."""
+        return [t for t in self.tiers if t.type not in _FIRST_TIERS]
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> KVXConfig:
@@ -233,7 +261,7 @@ def check_paths(config: KVXConfig, writes: bool) -> None:
     Raises :class:`ConfigError` naming the key, what was expected and what was given."""
     problems = []
     for i, tier in enumerate(config.tiers):
-        if tier.type != "cpu":
+        if tier.type not in _FIRST_TIERS:
             problems += tier_class(tier.type).check_config(tier, f"tiers.{i}", writes)
     if problems:
         raise ConfigError("invalid kvx kv_connector_extra_config:\n  " + "\n  ".join(problems))

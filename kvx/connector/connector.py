@@ -40,6 +40,7 @@ from .common import (
     head_parts,
     hma_unsupported_reason,
     namespace,
+    node_reason,
     resolve_chunk_size,
     worker_share,
 )
@@ -138,6 +139,10 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
         split = head_parts(geom, fmt, layout)
         ns = namespace(vllm_config, geom, fingerprint, split)
         self._layout_name = layout
+        pc = vllm_config.parallel_config
+        reason = node_reason(self.config, geom, split, int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size))
+        if reason is not None:
+            raise ConfigError(reason)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = KVXScheduler(
                 self.config,
@@ -153,6 +158,7 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
                 split=split,
                 stages=int(vllm_config.parallel_config.pipeline_parallel_size),
                 background_writes=not (ktc.is_kv_producer and not ktc.is_kv_consumer),
+                model=str(vllm_config.model_config.model),
             )
             self._scheduler.events.set_groups(event_groups(kv_cache_config))
         else:

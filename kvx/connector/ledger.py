@@ -172,6 +172,8 @@ class ChunkLedger:
                 continue
             if holds:
                 slot = self.cpu.hold(key)
+                if slot is None:  # a node that lost the chunk, or is down: nothing to read it from
+                    break
             self._pending[name] += nbytes
             out[name] = self._open_transfer(Kind.TIER, key, tier=name, holds=holds, nbytes=nbytes).id
         return out, slot
@@ -203,8 +205,11 @@ class ChunkLedger:
             awaiting = self._open[self._slot_writes[key]].awaiting
             awaiting[req_id] = _first_chunk(awaiting.get(req_id, chunk), chunk)
         slot_tr = self._open_transfer(Kind.SLOT, key) if slot is not None else None
-        to_tiers = [n for n in self.lacking(key) if n != skip_tier]
-        if to_tiers and gather_first:
+        shared = getattr(self.cpu, "shared", False)  # a node: other engines store into it too
+        # a chunk the node holds (or is being written by an engine) is written to the byte tiers by its writer, once
+        # it commits: once per host
+        to_tiers = [n for n in self.lacking(key) if n != skip_tier] if not (shared and in_cpu is not None) else []
+        if to_tiers and (gather_first or (shared and slot is not None)):
             if slot_tr is not None:
                 slot_tr.through = (tokens, to_tiers, state)
             to_tiers = []

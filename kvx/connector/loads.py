@@ -33,7 +33,7 @@ import torch
 from ..engine import Job
 from ..kernels.staged import TransferBatch
 from ..log import get_logger
-from ..store import Tier
+from ..store import ChunkError, Tier
 from .cache import WorkerCache, WorkerResults
 from .metadata import FAILED, OK, ChunkLoad, LoadSpec
 from .validity import LoadOutcomes
@@ -68,6 +68,7 @@ class _Load:
     early: list[Job] = field(default_factory=list)  # raw pages that must land before the forward (see ChunkLoad)
     started: float = 0.0
     reported: bool = False  # failures reported to vLLM and the scheduler
+    checks: list[tuple[ChunkLoad, int]] = field(default_factory=list)  # node slots read: (chunk, generation)
 
     def all_jobs(self) -> list[Job]:
         return self.early + [j for js in self.jobs.values() for j in js]
@@ -132,6 +133,13 @@ class LoadPipeline:
         for ch in spec.chunks:
             self.outcomes.started(ch.block_ids)
             if ch.tier == "cpu":
+                try:  # a node's slot: this chunk's, READY (checked again once copied)
+                    generation = c.check_slot(ch.slot, ch.key, reading=True)
+                except ChunkError as e:
+                    self._fail_chunk(load, ch, e)
+                    continue
+                if generation is not None:
+                    load.checks.append((ch, generation))
                 ready.append((ch, c.slot_view(ch.slot, ch.tokens, ch.state)))
                 stats["cpu_read_bytes"] += ready[-1][1].nbytes
             else:
@@ -337,6 +345,11 @@ class LoadPipeline:
         for job in load.all_jobs():
             if job.done() and job.error() is not None:
                 self._fail_all(load, job.error())
+        for ch, generation in load.checks:  # the slot was not handed on while it was read
+            try:
+                self.cache.check_slot(ch.slot, ch.key, True, generation)
+            except ChunkError as e:
+                self._fail_chunk(load, ch, e)
         for ch in load.spec.chunks:
             if ch.key in load.failed:
                 if self.several_groups:  # block ids cannot name it to vLLM: the request fails (async)

@@ -106,6 +106,7 @@ class KVXMetadata(KVConnectorMetadata):
     finished: list[str] = field(default_factory=list)
     forward_blocks: list[int] = field(default_factory=list)
     pd_waiting: bool = False
+    node: tuple[str, str] | None = None  # the node tier's pool file and epoch (kvx.node.client.NodePool.attach)
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.preempted or self.finished or self.forward_blocks)

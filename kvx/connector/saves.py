@@ -38,7 +38,7 @@ import torch
 from ..engine import Job
 from ..kernels.staged import TransferBatch
 from ..log import get_logger
-from ..store import StoreFullError, Tier
+from ..store import ChunkError, StoreFullError, Tier
 from .cache import WorkerCache, WorkerResults
 from .loads import failure_cause, wait_quietly
 from .metadata import FAILED, HELD, NOOP, OK, ChunkSave, KVXMetadata
@@ -98,6 +98,7 @@ class _Save:
     buffer: int | None = None  # its write buffer (a save to the byte tiers alone)
     error: BaseException | None = None  # its copies could not be queued
     slot_reported: bool = False
+    generation: int | None = None  # a node slot's generation when the save began (checked again when written)
     started: float = field(default_factory=time.perf_counter)
 
     def copies_done(self) -> bool:
@@ -201,10 +202,17 @@ class SavePipeline:
                 r.stats["saves_dropped"] += 1
                 continue
             rec = _Save(s)
-            if s.from_slot is not None:
-                rec.dest = c.slot_view(s.from_slot, s.tokens, s.state)
-            elif s.slot is not None:
-                rec.dest = c.slot_view(s.slot, s.tokens, s.state)
+            slot = s.from_slot if s.from_slot is not None else s.slot
+            if slot is not None:
+                try:  # a node's slot: still this chunk's (a lost connection may have handed it on)
+                    rec.generation = c.check_slot(slot, s.key, reading=s.from_slot is not None)
+                except ChunkError as e:
+                    r.throttle.warning("slot", "kvx: chunk %s not saved: %s", s.key, str(e))
+                    for xfer in ([s.slot_xfer] if s.slot_xfer is not None else []) + list(s.to_tiers.values()):
+                        r.out.report(xfer, FAILED)
+                    r.stats["saves_dropped"] += 1
+                    continue
+                rec.dest = c.slot_view(slot, s.tokens, s.state)
             else:  # other tiers only: a write buffer if one is free now, else one in finish_step
                 self._take_buffer(rec, self.buffers.take())
             self._step.append(rec)
@@ -343,6 +351,11 @@ class SavePipeline:
         if rec.copies_done():
             rec.slot_reported = True
             err = rec.copy_error()
+            if err is None and rec.generation is not None and s.slot is not None:
+                try:
+                    self.cache.check_slot(s.slot, s.key, False, rec.generation)
+                except ChunkError as e:
+                    err = e
             if err is not None:
                 r.throttle.error(failure_cause("save", err), "kvx: saving chunk %s failed: %s", s.key, str(err))
                 r.stats["save_errors"] += 1

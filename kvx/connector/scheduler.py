@@ -48,10 +48,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..log import get_logger
+from ..node.client import NodeIndex
 from ..store import CPUIndex, TierContext, tier_class
 from ..store.stack import TierStack
 from .admission import Admission
-from .common import _NULL_BLOCK, EngineGeometry, chunk_bytes, num_cpu_slots, object_bytes, write_backlog
+from .common import (
+    _NULL_BLOCK,
+    EngineGeometry,
+    chunk_bytes,
+    node_slot_bytes,
+    num_cpu_slots,
+    object_bytes,
+    write_backlog,
+)
 from .config import KVXConfig
 from .costs import HitCosts
 from .events import CPU_PLACE, KVEvents
@@ -160,10 +169,12 @@ class KVXScheduler:
         split: bool = True,
         stages: int = 1,
         background_writes: bool = True,
+        model: str = "",
     ):
         """``split``: chunks are stored by KV head (:func:`~.common.head_parts`); ``stages``: pipeline stages (a
         chunk's record lists one layer range per stage); ``background_writes``: records are written on idle cores
-        only, as the workers' tier writes (a P/D producer passes False: its consumer waits for them)."""
+        only, as the workers' tier writes (a P/D producer passes False: its consumer waits for them); ``model``: the
+        model's name, as a node's ``stats`` lists this engine's namespace."""
         self.config = config
         self.split, self.stages = split, stages
         self.geom = geom
@@ -183,7 +194,18 @@ class KVXScheduler:
                 f"of {config.chunk_size} tokens ({geom.num_layers} layers x {geom.page_bytes} "
                 f"bytes per block); raise its size or lower chunk_size"
             )
-        self.cpu = CPUIndex(n_slots) if config.cpu_tier is not None else None
+        self.cpu: CPUIndex | NodeIndex | None = CPUIndex(n_slots) if config.cpu_tier is not None else None
+        if config.node_tier is not None:
+            node = config.node_tier
+            self.cpu = NodeIndex(
+                node.socket,
+                namespace,
+                model,
+                config.chunk_size,
+                node_slot_bytes(config, geom),
+                timeout=node.timeout,
+                retry_s=node.retry_s,
+            )
         ctx = TierContext(fingerprint, role="scheduler", writes=producer, io_threads=config.io_threads)
         self.tiers = {t.type: tier_class(t.type).open(t, ctx) for t in config.byte_tiers}
         self.stack = TierStack(list(self.tiers.values()))
@@ -267,7 +289,8 @@ class KVXScheduler:
 
     def _locate(self, keys: list[str]) -> list[str | None] | None:
         """Per key, the fastest tier holding it ("cpu" or a tier's name; None: none). None: not known yet."""
-        found: list[str | None] = ["cpu" if self.cpu is not None and k in self.cpu else None for k in keys]
+        cached = self.cpu.contains_many(keys) if self.cpu is not None else [False] * len(keys)
+        found: list[str | None] = ["cpu" if hit else None for hit in cached]
         rest = [i for i, f in enumerate(found) if f is None]
         if rest and self.stack:
             more = self.stack.locate([keys[i] for i in rest])
@@ -587,6 +610,7 @@ class KVXScheduler:
                         meta,
                     )
             meta.saves += self.ledger.plan_write_through()
+        meta.node = getattr(self.cpu, "pool", None)  # the node's pool file these plans name slots of
         return meta
 
     def _forward_writes(self, so, entries, block_state, from_first_token: bool = False) -> list[int]:

@@ -49,6 +49,7 @@ from ..engine import TransferEngine, make_engine
 from ..kernels import ops
 from ..kernels.layout import KVLayout
 from ..log import get_logger
+from ..node.client import NodePool
 from ..store import REMOVED, CPUPool, Tier, TierContext, tier_class
 from .cache import WorkerCache, WorkerResults
 from .common import EngineGeometry, chunk_bytes, head_parts, num_cpu_slots, object_rows, write_backlog
@@ -73,6 +74,33 @@ IDLE_STEP_WAIT_S = 0.005
 # and unrun for the whole pd_wait_ms (10 s); the consumer then computed the chunks it was waiting for. A pause
 # lets the workers sleep; a chunk that lands is seen at most this much later.
 PD_IDLE_PAUSE_S = 0.01
+
+
+def node_pool(cache: WorkerCache, page_heads: bool) -> NodePool:
+    """This worker's view of a node's slots: a slot holds a chunk with every rank's KV heads, head-major (each
+    head's bytes one run), and a rank of any TP size copies its heads' runs; a chunk that cannot be cut by head
+    (MLA, where every rank holds the same bytes; a single worker) is the whole slot. ``page_heads``: raw pages
+    whose heads are runs of a page (:attr:`kvx.kernels.layout.KVLayout.page_head_bytes`)."""
+    share = cache.parts.share
+    logical = cache.slot_shape()
+    storage = cache.host_storage_shape(logical)
+    if share.heads == (0, share.total_heads):
+        return NodePool(storage, cache.chunk_dtype, None, storage)
+    n = share.heads[1] - share.heads[0]
+    if share.split and share.layers[0] == 0 and (cache.fmt == "canonical" or page_heads):
+        if cache.head_major:
+            per_head = storage[1:]
+        elif len(logical) == 5:  # one head, [L, P, T, 1, D]
+            per_head = (*logical[:3], *logical[4:])
+        else:  # one head's raw pages, [L, S, n, bytes]
+            per_head = logical
+        if n == 1 or cache.head_major:
+            return NodePool((share.total_heads, *per_head), cache.chunk_dtype, share.heads, storage)
+    raise ValueError(
+        f"tiers: the node tier stores a chunk once per host, cut by KV head, for engines of one pipeline stage; this "
+        f"worker holds heads {share.heads} of {share.total_heads} and layers {share.layers} of chunks in format "
+        f"{cache.fmt!r}, which it cannot cut by head (use the cpu tier)"
+    )
 
 
 def _whole_share(geom: EngineGeometry, split: bool, layers: int) -> Share:
@@ -124,7 +152,7 @@ class KVXWorker:
         self.cache: WorkerCache | None = None  # the registered KV cache (None before registration, during a sleep)
         self.group_of: dict[str, int] = {}
         self.layer_of: dict[str, int] = {}  # layer name -> layer index in the layout
-        self.pool: CPUPool | None = None
+        self.pool: CPUPool | NodePool | None = None
         self.tiers: dict[str, Tier] = {}  # the tiers after the CPU pool, by name
         self.engine: TransferEngine | None = None
         self._meta: KVXMetadata | None = None
@@ -184,7 +212,10 @@ class KVXWorker:
         lay = self.layout
         pin = lay.device.type == "cuda"
         n_slots = num_cpu_slots(self.config, self.geom)
-        if n_slots:
+        if self.config.node_tier is not None:
+            self.pool = node_pool(self.cache, lay.page_head_bytes is not None)
+            self.cache.pool = self.pool
+        elif n_slots:
             shape = self.cache.host_storage_shape(self.cache.slot_shape())
             self.pool = CPUPool(n_slots, shape, self.cache.chunk_dtype, pin=pin)
             self.cache.pool = self.pool
@@ -409,6 +440,8 @@ class KVXWorker:
         # requests wait for their async loads, so its result hooks may wait for those a little (poll_async)
         self._idle_step = isinstance(meta, KVXMetadata) and not (meta.forward_blocks or meta.saves or meta.loads)
         self._pd_pause = self._idle_step and meta.pd_waiting
+        if isinstance(self.pool, NodePool) and isinstance(meta, KVXMetadata):
+            self.pool.attach(meta.node)  # the node's pool of this step's plans (mapped anew after a node restart)
         self._loads_started = False
         self.saves.bind(meta)
 

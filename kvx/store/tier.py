@@ -267,8 +267,8 @@ def register_tier(cls: type[Tier]) -> type[Tier]:
     if not (isinstance(cls, type) and issubclass(cls, Tier)):
         raise TypeError(f"register_tier: expected a Tier subclass, got {cls!r}")
     kind = getattr(cls, "type", None)
-    if not isinstance(kind, str) or not kind or kind == "cpu":
-        raise ValueError(f"register_tier: {cls.__name__}.type must be a name other than 'cpu', got {kind!r}")
+    if not isinstance(kind, str) or not kind or kind in ("cpu", "node"):
+        raise ValueError(f"register_tier: {cls.__name__}.type must be a name other than 'cpu' and 'node', got {kind!r}")
     model = getattr(cls, "config_model", None)
     if not (isinstance(model, type) and issubclass(model, TierConfig)):
         raise TypeError(f"register_tier: {cls.__name__}.config_model must be a TierConfig subclass")
@@ -297,7 +297,7 @@ def tier_class(kind: str) -> type[Tier]:
         if not (isinstance(cls, type) and issubclass(cls, Tier)):
             raise ValueError(f"expected {kind!r} to name a kvx.store.Tier subclass, got {cls!r}")
         return register_tier(cls)  # from now on known by its type too (the config carries the type)
-    raise ValueError(f"expected one of {['cpu'] + tier_types()} or 'module:Class', got {kind!r}")
+    raise ValueError(f"expected one of {['cpu', 'node'] + tier_types()} or 'module:Class', got {kind!r}")
 
 
 def parse_tier_config(raw: Any) -> TierConfig:
@@ -310,7 +310,7 @@ def parse_tier_config(raw: Any) -> TierConfig:
     kind = raw.get("type")
     if not isinstance(kind, str):
         raise ValueError(
-            f"expected a 'type' naming a tier (one of {['cpu'] + tier_types()} or 'module:Class'), got {kind!r}"
+            f"expected a 'type' naming a tier (one of {['cpu', 'node'] + tier_types()} or 'module:Class'), got {kind!r}"
         )
     cls = tier_class(kind)
     if ":" in kind:  # the model's type field names the registered type; accept the import path too

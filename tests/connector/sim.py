@@ -49,7 +49,8 @@ from kvx.connector import KVXConnector  # noqa: E402
 from kvx.connector.metadata import KVXMetadata  # noqa: E402
 from kvx.connector.parts import Share  # noqa: E402
 from kvx.connector.stats import GAUGES  # noqa: E402
-from kvx.store import SlotState  # noqa: E402
+from kvx.node.protocol import READY  # noqa: E402
+from kvx.store import CPUIndex, SlotState  # noqa: E402
 from kvx.testing import RUNNER_ORDERS, end_step, make_kv_caches  # noqa: E402
 from tests.helpers import assert_same_bytes, wait_for  # noqa: E402
 
@@ -472,13 +473,11 @@ class Env:
         s = self.conn._scheduler
         checked = 0
         if s.cpu is not None:
-            for key, e in list(s.cpu._entries.items()):
-                if e.state is not SlotState.READY:
-                    continue
+            for key, slot in self.first_level_chunks():
                 assert key in self.chunks, f"CPU tier holds chunk {key} that no save planned"
                 want = self.expected_chunk_pages(key)
                 for rank, w in enumerate(self.workers):
-                    view = w._worker.slot_view(e.slot, len(want) // len(LAYERS) * BLOCK)
+                    view = w._worker.slot_view(slot, len(want) // len(LAYERS) * BLOCK)
                     for (layer, i), page in want.items():
                         assert_same_bytes(
                             view[layer, :, i].reshape(-1),
@@ -506,6 +505,15 @@ class Env:
                     )
                 checked += 1
         return checked
+
+    def first_level_chunks(self) -> list[tuple[str, int]]:
+        """(key, slot) of every chunk the CPU tier or the node holds READY (a node: from its pool file's table)."""
+        s = self.conn._scheduler
+        if isinstance(s.cpu, CPUIndex):
+            return [(k, e.slot) for k, e in s.cpu._entries.items() if e.state is SlotState.READY]
+        pool = self.worker._worker.pool
+        entries = [pool.entry(i) for i in range(pool.num_slots)]
+        return [(key, i) for i, (key, _, state) in enumerate(entries) if state == READY]
 
     def part_file(self, key: str, head: int = 0, tier: str = "disk") -> str:
         """The file of KV head ``head``'s part of chunk ``key`` (:mod:`kvx.connector.parts`) in a disk ``tier``."""
@@ -539,7 +547,7 @@ class Env:
         assert s.ledger.idle(), f"transfers in flight: {s.ledger.open_transfers()}"
         assert not s.validity.num_guards()
         assert all(w._worker.idle() for w in self.workers)
-        if s.cpu is not None:
+        if isinstance(s.cpu, CPUIndex):
             assert s.cpu.pinned() == 0
             assert not any(e.state is not SlotState.READY for e in s.cpu._entries.values())
         pool = self.sched.kv_cache_manager.block_pool

@@ -276,7 +276,7 @@ def test_wrong_tier_type(tier, expect):
     line = line_of(error_of({"tiers": [tier]}), "tiers.0")
     assert expect in line
     if "type" in tier:
-        assert "'cpu', 'disk'" in line  # says what is expected
+        assert "'cpu', 'node', 'disk'" in line  # says what is expected
 
 
 @pytest.mark.parametrize("tiers", DUPLICATE_TIERS, ids=["cpu,cpu", "disk,cpu,disk"])
@@ -485,3 +485,37 @@ def test_a_chunk_size_set_must_fit_the_engine():
         resolve_chunk_size(KVXConfig.from_extra_config({"chunk_size": 256}), _geom(384))
     with pytest.raises(ConfigError, match="chunk_size: this hybrid model .* expected chunk_size 384, got 768"):
         resolve_chunk_size(KVXConfig.from_extra_config({"chunk_size": 768}), _geom(384, hybrid=True))
+
+
+def test_a_node_tier_takes_the_cpu_tiers_place():
+    cfg = KVXConfig.from_extra_config(
+        {"tiers": [{"type": "node", "socket": "/run/kvx/node.sock"}, {"type": "disk", "path": "/tmp/kv"}]}
+    )
+    assert cfg.node_tier.socket == "/run/kvx/node.sock" and cfg.node_tier.timeout == 2.0
+    assert cfg.cpu_tier is None and [t.type for t in cfg.byte_tiers] == ["disk"]
+
+
+@pytest.mark.parametrize(
+    "tiers",
+    [
+        [{"type": "cpu", "size": "1GiB"}, {"type": "node", "socket": "/s"}],
+        [{"type": "disk", "path": "/tmp/kv"}, {"type": "node", "socket": "/s"}],
+    ],
+)
+def test_a_node_tier_is_the_first_and_only_first_level(tiers):
+    with pytest.raises(ConfigError, match="at most one of 'cpu' and 'node', first in the list"):
+        KVXConfig.from_extra_config({"tiers": tiers})
+
+
+@pytest.mark.parametrize(
+    "tier, expect",
+    [
+        ({"type": "node"}, "tiers.0.node.socket: Field required"),
+        ({"type": "node", "socket": "/s", "timeout": 0}, "tiers.0.node.timeout: Input should be greater than 0"),
+        ({"type": "node", "socket": "/s", "port": 1}, "tiers.0.node.port: unknown key (known: retry_s, socket"),
+    ],
+)
+def test_bad_node_tier_settings_name_the_key(tier, expect):
+    with pytest.raises(ConfigError) as e:
+        KVXConfig.from_extra_config({"tiers": [tier]})
+    assert expect in str(e.value)

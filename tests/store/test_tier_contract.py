@@ -273,7 +273,7 @@ def test_close_is_idempotent_and_final(open_tier):
 def test_every_tier_type_is_registered():
     assert tier_class("disk") is DiskTier and tier_class("redis") is RedisTier
     assert tier_class("kvx.store.redis:RedisTier") is RedisTier  # a third-party tier: by import path
-    with pytest.raises(ValueError, match="'cpu', 'disk'"):
+    with pytest.raises(ValueError, match="'cpu', 'node', 'disk'"):
         tier_class("nope")
 
 

@@ -1,0 +1,277 @@
+"""An engine's side of ``kvx node``: the scheduler's index (:class:`NodeIndex`) and the workers' mapping of the
+pool (:class:`NodePool`).
+
+The node takes the CPU tier's place: :class:`NodeIndex` answers the calls the connector makes of
+:class:`kvx.store.CPUIndex` (``allocate``, ``commit``, ``pin``, ...) by asking the daemon, and every worker copies
+into and out of the slots of the pool file it maps. The scheduler's connection holds the engine's leases: its
+PENDING slots and its pins end with it, so an engine killed mid-save or mid-load leaves nothing held.
+
+A node that is down (or answers late) degrades to recompute, never to an error or a hang: lookups find nothing,
+saves find no slot (the byte tiers alone get them), and a pin that fails hands the workers slot -1, which fails
+that chunk's load (vLLM recomputes it). The index tries the node again at most every ``retry_s``; each new
+connection tells the workers the pool file and its epoch (:attr:`NodeIndex.pool`), so a restarted node's new
+pool is mapped at the next step.
+
+Workers check a slot's table entry (:func:`kvx.node.protocol.slot_entry`) before they copy from it and again once
+the copy is done, and before and after they write it: a slot that is not the chunk's (another key, another
+generation, not READY / PENDING) fails the copy.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ..log import get_logger
+from ..store.cpu import SlotState
+from ..store.tier import STORED, Listener
+from .connection import Connection, NodeError, NodeUnavailable
+from .protocol import PENDING, READY, PoolGeometry, ProtocolError, slot_entry, unpack_header
+
+log = get_logger(__name__)
+
+_STATES = {0: None, 1: SlotState.PENDING, 2: SlotState.READY}
+
+
+class NodeIndex:
+    """The node's index as the connector's first level (the calls of :class:`kvx.store.CPUIndex`). Scheduler thread
+    only: it owns the connection, and with it the engine's leases.
+
+    ``namespace``: the engine's key namespace (its digest: :func:`kvx.connector.common.namespace`); ``model``: a
+    name for ``kvx node stats``; ``slot_bytes``: the bytes one of its chunks takes in a slot (every rank's heads).
+    """
+
+    shared = True  # several engines store into it: a chunk present is written to the byte tiers by its writer only
+
+    def __init__(
+        self,
+        socket_path: str,
+        namespace: bytes,
+        model: str,
+        chunk_size: int,
+        slot_bytes: int,
+        timeout: float = 2.0,
+        retry_s: float = 1.0,
+    ):
+        self.conn = Connection(socket_path, timeout)
+        self.hello = {
+            "version": 1,
+            "role": "engine",
+            "namespace": namespace.hex(),
+            "model": model,
+            "chunk_size": chunk_size,
+            "slot_bytes": slot_bytes,
+            "pid": os.getpid(),
+        }
+        self.retry_s = retry_s
+        self.pool: tuple[str, str] | None = None  # (pool file, epoch) of the live connection
+        self._next_try = 0.0
+        self._listeners: list[Listener] = []
+        self.stats = {"unavailable": 0, "refused": 0, "reconnects": 0}
+
+    # ---------------------------------------------------------------- connection
+    def _call(self, op: str, **args) -> dict | None:
+        """The reply to ``op``; None if the node is down (tried again after ``retry_s``)."""
+        if not self.conn.connected:
+            if time.monotonic() < self._next_try:
+                return None
+            self._next_try = time.monotonic() + self.retry_s
+            try:
+                reply = self.conn.call("hello", **self.hello)
+            except NodeUnavailable:
+                return None
+            except NodeError as e:
+                log.error("kvx: the node at %s refused this engine: %s", self.conn.path, e)
+                self.conn.close()
+                self.stats["refused"] += 1
+                return None
+            self.pool = (reply["pool"], reply["epoch"])
+            self.stats["reconnects"] += 1
+            log.info("kvx: connected to the node at %s (pool %s)", self.conn.path, reply["pool"])
+        try:
+            return self.conn.call(op, **args)
+        except NodeUnavailable as e:
+            log.warning("kvx: the node is unavailable (%s); its chunks are misses until it is back", e)
+            self.pool = None
+            self.stats["unavailable"] += 1
+            return None
+
+    def close(self) -> None:
+        self.conn.close()
+        self.pool = None
+
+    def subscribe(self, listener: Listener) -> None:
+        """``listener("cpu", STORED | REMOVED, keys)`` for the chunks this engine commits or evicts itself."""
+        self._listeners.append(listener)
+
+    def _emit(self, event: str, keys: list[str]) -> None:
+        for fn in self._listeners:
+            fn("cpu", event, keys)
+
+    # ---------------------------------------------------------------- queries
+    def states(self, keys: Sequence[str]) -> list[SlotState | None]:
+        if not keys:
+            return []
+        reply = self._call("lookup", keys=list(keys))
+        return [_STATES[s] for s in reply["states"]] if reply else [None] * len(keys)
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return [s is SlotState.READY for s in self.states(keys)]
+
+    def __contains__(self, key: str) -> bool:
+        return self.contains_many([key])[0]
+
+    def state(self, key: str) -> SlotState | None:
+        return self.states([key])[0]
+
+    def pending(self) -> int:
+        return 0  # the ledger counts its own slot writes; the node's others are other engines'
+
+    # ---------------------------------------------------------------- slots
+    def allocate(self, key: str) -> int | None:
+        reply = self._call("allocate", key=key)
+        return reply["slot"] if reply else None
+
+    def commit(self, key: str) -> None:
+        try:
+            reply = self._call("commit", key=key)
+        except NodeError as e:  # the connection was lost meanwhile: its slot was freed
+            log.warning("kvx: chunk %s not committed to the node (%s)", key, e)
+            return
+        if reply is not None:
+            self._emit(STORED, [key])
+
+    def abort(self, key: str) -> None:
+        try:
+            self._call("abort", key=key)
+        except NodeError:
+            pass
+
+    def pin(self, keys: Sequence[str]) -> list[int]:
+        """Lease pins on READY chunks for a load: their slots; -1 for each if the node refused or is down (the
+        workers then fail those chunks' loads: recomputed)."""
+        keys = list(keys)
+        try:
+            reply = self._call("pin", keys=keys)
+        except NodeError as e:  # evicted since the lookup
+            log.info("kvx: %s", e)
+            reply = None
+        return reply["slots"] if reply else [-1] * len(keys)
+
+    def hold(self, key: str) -> int | None:
+        """A lease pin while the chunk's slot is read for a byte tier's write; None if the node refused or is down
+        (that write is not made)."""
+        try:
+            reply = self._call("hold", key=key)
+        except NodeError:
+            return None
+        return reply["slot"] if reply else None
+
+    def unpin(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        if keys and self.conn.connected:  # a lost connection released them all
+            try:
+                self._call("unpin", keys=keys)
+            except NodeError as e:
+                log.warning("kvx: %s", e)
+
+    def clear(self) -> bool:
+        """vLLM's reset_cache: the node's chunks are every engine's on the host; an operator evicts them
+        (``kvx node evict``). Nothing of this engine's is left to drop."""
+        return True
+
+
+class NodePool:
+    """A worker's mapping of the node's pool file, as the slots of :class:`kvx.store.CPUPool` (``slot(i)``).
+
+    ``storage_shape``: a whole slot's tensor (every rank's KV heads: head-major ``[H, ...]`` when ``heads`` cuts
+    it); ``heads``: this worker's [first, end) of dim 0, or None (the worker's share is the whole slot);
+    ``view_shape``: the shape :meth:`slot` returns (this worker's storage shape). Worker thread only; the mapping
+    of a replaced pool stays alive as long as a tensor of it does.
+    """
+
+    pinned = False
+
+    def __init__(
+        self,
+        storage_shape: Sequence[int],
+        dtype: torch.dtype,
+        heads: tuple[int, int] | None,
+        view_shape: Sequence[int],
+    ):
+        self.storage_shape, self.dtype = tuple(storage_shape), dtype
+        self.heads, self.view_shape = heads, tuple(view_shape)
+        self.slot_bytes = torch.Size(self.storage_shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.epoch: str | None = None
+        self.geom: PoolGeometry | None = None
+        self._map: mmap.mmap | None = None
+        self.data: torch.Tensor | None = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.geom.num_slots if self.geom is not None else 0
+
+    def attach(self, pool: tuple[str, str] | None) -> None:
+        """Map ``pool`` ((path, epoch), from the step's metadata) unless it is the one mapped."""
+        if pool is None or pool[1] == self.epoch:
+            return
+        path, epoch = pool
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                size = os.fstat(fd).st_size
+                m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            geom, file_epoch = unpack_header(m)
+            if file_epoch.hex() != epoch:
+                raise ProtocolError(f"pool file {path}: expected epoch {epoch}, got {file_epoch.hex()}")
+            if geom.slot_bytes < self.slot_bytes or geom.file_bytes > size:
+                raise ProtocolError(
+                    f"pool file {path}: expected slots of at least {self.slot_bytes} bytes, got {geom.slot_bytes}"
+                )
+        except (OSError, ValueError) as e:
+            log.error("kvx: cannot map the node's pool (%s); its chunks fail to copy until it is back", e)
+            self.epoch = self.geom = self._map = self.data = None
+            return
+        data = torch.frombuffer(m, dtype=torch.uint8, offset=geom.data_offset, count=geom.num_slots * geom.slot_bytes)
+        self.data = data.view(geom.num_slots, geom.slot_bytes)
+        self._map, self.geom, self.epoch = m, geom, epoch
+        log.info("kvx: mapped the node's pool %s (%d slots of %d bytes)", path, geom.num_slots, geom.slot_bytes)
+
+    def slot(self, i: int) -> torch.Tensor:
+        """This worker's part of slot ``i`` (:attr:`view_shape`)."""
+        if self.data is None or not 0 <= i < self.geom.num_slots:
+            raise ValueError(f"slot: expected a slot of the mapped node pool ({self.num_slots} slots), got {i}")
+        whole = self.data[i, : self.slot_bytes].view(self.dtype).view(self.storage_shape)
+        if self.heads is not None:
+            whole = whole.narrow(0, self.heads[0], self.heads[1] - self.heads[0])
+        return whole.view(self.view_shape) if whole.is_contiguous() else whole
+
+    def entry(self, slot: int) -> tuple[str, int, int] | None:
+        """(key, generation, state) of ``slot`` in the pool's table; None if no pool is mapped or no such slot."""
+        if self._map is None or not 0 <= slot < self.geom.num_slots:
+            return None
+        key, gen, state = slot_entry(self._map, self.geom, slot)
+        return key.hex(), gen, state
+
+    def check(self, slot: int, key: str, reading: bool, generation: int | None = None) -> int:
+        """The generation of ``slot`` if it holds chunk ``key`` (READY when ``reading``, else PENDING) and, given
+        ``generation``, still that one; :class:`kvx.store.ChunkError` otherwise."""
+        from ..store import ChunkError
+
+        e = self.entry(slot)
+        want = READY if reading else PENDING
+        if e is None or e[0] != key or e[2] != want or (generation is not None and e[1] != generation):
+            raise ChunkError(
+                f"node slot {slot}: expected chunk {key} ({'ready' if reading else 'being written'}"
+                f"{'' if generation is None else f', generation {generation}'}), got {e}"
+            )
+        return e[1]
+
+    def close(self) -> None:
+        self.data = self._map = None  # unmapped when the last tensor of it goes
