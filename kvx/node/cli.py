@@ -34,6 +34,7 @@ import re
 import signal
 import sys
 
+from ..sizes import parse_size
 from .connection import Connection, NodeError, NodeUnavailable
 from .protocol import NAMESPACE_RE, VERSION, PoolGeometry
 
@@ -60,8 +61,6 @@ class _Parser(argparse.ArgumentParser):
 
 # ------------------------------------------------------------------------------------------------ argument types
 def _size(text: str) -> int:
-    from kvx.store import parse_size  # imports torch (~1.5 s): only where a size is given
-
     try:
         return parse_size(text)
     except ValueError as e:

@@ -943,9 +943,6 @@ class NodeServer:
             except ProtocolError as e:
                 self._bad_frame(conn, str(e))
                 return
-            except RecursionError:  # json.loads of "[[[[...": protocol.decode lets it through
-                self._bad_frame(conn, "body: expected a JSON object, got one nested too deeply to decode")
-                return
             del conn.rbuf[: HEADER.size + n]
             reply, keep = self.state.request(conn.cid, msg)
             try:

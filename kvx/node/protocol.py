@@ -77,7 +77,7 @@ def decode(body: bytes) -> dict:
     """A frame's body as a JSON object; :class:`ProtocolError` otherwise."""
     try:
         msg = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested past Python's limit
         raise ProtocolError(f"body: expected a JSON object, got undecodable bytes ({e})") from None
     if not isinstance(msg, dict):
         raise ProtocolError(f"body: expected a JSON object, got {type(msg).__name__}")
