@@ -56,6 +56,26 @@ class Kind(enum.Enum):
     LOAD = "load"  # a request's load
 
 
+@dataclass(frozen=True)
+class LoadChunk:
+    """One chunk of a request's load, as the scheduler plans it (:meth:`ChunkLedger.plan_load`)."""
+
+    key: str
+    tier: str  # where it is read from ("cpu": the first level, the CPU tier or the node)
+    tokens: int
+    promote: bool = False  # from another tier: also read into a first-level slot, if one is free
+    state: bool = False  # a hybrid model's state object
+
+
+@dataclass(frozen=True)
+class WriteThrough:
+    """A chunk to write to ``tiers`` from its first-level slot once that slot is committed."""
+
+    tokens: int
+    tiers: list[str]
+    state: bool = False
+
+
 @dataclass
 class Transfer:
     """One transfer in flight. Owned by :class:`ChunkLedger` (scheduler thread)."""
@@ -67,7 +87,7 @@ class Transfer:
     nbytes: int = 0  # TIER: the bytes it queues on a worker (counted against the tier's backlog until it ends)
     holds: bool = False  # TIER: reads the chunk's CPU slot, held until the write ends
     pins: list[str] = field(default_factory=list)  # LOAD: CPU chunks pinned for it
-    through: tuple[int, list[str], bool] | None = None  # SLOT: (tokens, tiers, state) to write through once committed
+    through: WriteThrough | None = None  # SLOT: the writes to make from the slot once committed
     # SLOT: requests that counted the chunk as saved because this write was in flight: {request: its chunk index
     # (None: its trailing partial chunk)}; planned again if the write is aborted
     awaiting: dict[str, int | None] = field(default_factory=dict)
@@ -114,7 +134,7 @@ class ChunkLedger:
         self._open: dict[int, Transfer] = {}
         self._slot_writes: dict[str, int] = {}  # chunk key -> its SLOT transfer
         self._tier_writes: dict[tuple[str, str], int] = {}  # (tier, chunk key) -> its TIER transfer
-        self._through: list[tuple[str, int, list[str], bool]] = []  # committed: (key, tokens, tiers, state)
+        self._through: list[tuple[str, WriteThrough]] = []  # committed slots' writes: (chunk key, its writes)
         self.backlog = backlog  # bytes per tier that its writes in flight may queue (None: no bound)
         self.object_bytes = object_bytes  # (tokens, state) -> a stored object's bytes on one worker
         self.slot_bytes = slot_bytes  # a write buffer's bytes (a CPU slot's): what a buffered save occupies
@@ -211,7 +231,7 @@ class ChunkLedger:
         to_tiers = [n for n in self.lacking(key) if n != skip_tier] if not (shared and in_cpu is not None) else []
         if to_tiers and (gather_first or (shared and slot is not None)):
             if slot_tr is not None:
-                slot_tr.through = (tokens, to_tiers, state)
+                slot_tr.through = WriteThrough(tokens, to_tiers, state)
             to_tiers = []
         # the tier writes read the CPU slot: the READY copy (no gather needed), or the one being gathered into
         holds = bool(to_tiers) and (in_cpu is SlotState.READY or slot is not None)
@@ -233,28 +253,26 @@ class ChunkLedger:
             state=state,
         )
 
-    def plan_load(
-        self, req_id: str, chunks: Sequence[tuple[str, str, int, bool, bool]]
-    ) -> tuple[int, list[tuple[int | None, int | None]]]:
-        """Plan request ``req_id``'s load of ``chunks`` ((key, tier, tokens, promote, state) each): pin the CPU hits,
-        and for a hit from another tier with ``promote``, allocate a CPU slot to read it into (written through, once
-        committed, to the tiers faster than its own that lack it, by a producer). Returns the load's transfer id
-        and, per chunk, (slot, the slot write's transfer id)."""
-        pins = [key for key, tier, *_ in chunks if tier == "cpu"]
+    def plan_load(self, req_id: str, chunks: Sequence[LoadChunk]) -> tuple[int, list[tuple[int | None, int | None]]]:
+        """Plan request ``req_id``'s load of ``chunks``: pin the CPU hits, and for a hit from another tier with
+        ``promote``, allocate a CPU slot to read it into (written through, once committed, to the tiers faster than
+        its own that lack it, by a producer). Returns the load's transfer id and, per chunk, (slot, the slot write's
+        transfer id)."""
+        pins = [c.key for c in chunks if c.tier == "cpu"]
         pinned = dict(zip(pins, self.cpu.pin(pins))) if pins else {}  # before allocating: that may evict
         out = []
-        for key, tier, tokens, promote, state in chunks:
-            if tier == "cpu":
-                out.append((pinned[key], None))
+        for c in chunks:
+            if c.tier == "cpu":
+                out.append((pinned[c.key], None))
                 continue
-            slot = self.cpu.allocate(key) if promote else None
+            slot = self.cpu.allocate(c.key) if c.promote else None
             if slot is None:
                 out.append((None, None))
                 continue
-            tr = self._open_transfer(Kind.SLOT, key)
-            faster = self.lacking(key, self.stack.faster(tier)) if self.writes else []
+            tr = self._open_transfer(Kind.SLOT, c.key)
+            faster = self.lacking(c.key, self.stack.faster(c.tier)) if self.writes else []
             if faster:
-                tr.through = (tokens, faster, state)
+                tr.through = WriteThrough(c.tokens, faster, c.state)
             out.append((slot, tr.id))
         return self._open_transfer(Kind.LOAD, req_id, pins=pins).id, out
 
@@ -262,14 +280,14 @@ class ChunkLedger:
         """The writes of chunks committed since the last call to the tiers they were planned ``through``."""
         todo, self._through = self._through, []
         saves = []
-        for key, tokens, tiers, state in todo:
-            tiers = self.lacking(key, tiers)
+        for key, w in todo:
+            tiers = self.lacking(key, w.tiers)
             if self.cpu.state(key) is not SlotState.READY or not tiers:
                 continue
-            writes, held = self._write_tiers(key, tiers, True, self.object_bytes(tokens, state))
+            writes, held = self._write_tiers(key, tiers, True, self.object_bytes(w.tokens, w.state))
             if not writes:
                 continue
-            saves.append(ChunkSave("", key, [], tokens, None, writes, held, state=state))
+            saves.append(ChunkSave("", key, [], w.tokens, None, writes, held, state=w.state))
         return saves
 
     def poison(self, keys: Sequence[str]) -> None:
@@ -341,7 +359,7 @@ class ChunkLedger:
         if all(o == OK for o in tr.outcomes) and not tr.poisoned:
             self.cpu.commit(tr.key)
             if tr.through is not None:
-                self._through.append((tr.key, *tr.through))
+                self._through.append((tr.key, tr.through))
             return
         self.cpu.abort(tr.key)
         out.aborted += 1

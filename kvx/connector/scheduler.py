@@ -65,7 +65,7 @@ from .config import KVXConfig
 from .costs import HitCosts
 from .events import CPU_PLACE, KVEvents
 from .keys import MMItem, chunk_keys, request_root, state_key
-from .ledger import ChunkLedger
+from .ledger import ChunkLedger, LoadChunk
 from .metadata import ChunkLoad, KVXMetadata, KVXWorkerMetadata, LoadSpec
 from .params import RequestControls, controls_of
 from .parts import record_of
@@ -92,6 +92,20 @@ class LoadPlan:
     keys: list[str]  # per chunk (the last may be a partial chunk's key)
     chunk_tokens: list[int]
     state: tuple[str, str] | None = None  # hybrid models: (key, tier) of the last chunk's state object
+
+
+@dataclass
+class Lookup:
+    """One lookup of a request's prefix, as the hit filters narrow it (scheduler thread, one call)."""
+
+    t: RequestTracker
+    num_computed: int  # vLLM's own prefix hit
+    keys: list[str]  # the full chunks looked up
+    tiers: list[str]  # the hit: per leading chunk, the fastest tier holding it
+    stored: list[str | None] = field(default_factory=list)  # hybrid models: per chunk, the tier of its state object
+    partial: tuple[str, int, str | None] | None = None  # the trailing partial chunk: (key, tokens, its tier)
+    extra: tuple[str, int, str] | None = None  # the partial chunk, added to the hit
+    state: tuple[str, str] | None = None  # hybrid models: (key, tier) of the hit's last state object
 
 
 @dataclass
@@ -247,6 +261,13 @@ class KVXScheduler:
         self._pd_waiting = False  # a lookup this step waited for a producer's chunks (scheduler thread)
         self.stats = Counter()
         self.costs = HitCosts(config.io_threads) if config.decline_slow_hits and self.stack else None
+        # the lookup's policies, in order (get_num_new_matched_tokens); each narrows the hit or puts the lookup off
+        self._hit_filters = (
+            ([self._decline_slow] if self.costs is not None else [])
+            + ([self._round_to_state] if self.state_groups else [])
+            + [self._wait_for_producer]
+            + ([self._add_partial] if config.save_partial_chunks and not self.state_groups else [])
+        )
 
     # ------------------------------------------------------------------ helpers
     def _tracker(self, request) -> RequestTracker:
@@ -303,7 +324,12 @@ class KVXScheduler:
     # ------------------------------------------------------------------ step 1: lookup
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` (vLLM's block-aligned local hit) that kvx can load; None
-        if a tier is still looking (vLLM skips the request this step and asks again)."""
+        if a tier is still looking, or a P/D consumer waits for its producer's chunks (vLLM skips the request this
+        step and asks again).
+
+        The hit is the leading run of chunks some tier holds (:meth:`_look_up`), narrowed by each of
+        :attr:`_hit_filters` in turn (each a small policy: :meth:`_decline_slow`, :meth:`_round_to_state`,
+        :meth:`_wait_for_producer`, :meth:`_add_partial`), then reported (:meth:`_report`)."""
         t = self._tracker(request)
         t.plan = None
         if self.admission is not None and not t.sighted:
@@ -311,7 +337,17 @@ class KVXScheduler:
         if not self.consumer or t.controls.skip_load:
             return 0, False
         t.local_hit = num_computed_tokens
-        num_tokens = request.num_tokens
+        lk = self._look_up(t, num_computed_tokens)
+        if lk is None or not all(f(lk) for f in self._hit_filters):
+            self.stats["lookups_pending"] += 1
+            return None, False
+        self.stats["lookups"] += 1
+        return self._report(lk)
+
+    def _look_up(self, t: RequestTracker, num_computed: int) -> Lookup | None:
+        """Where each chunk of the request's prompt is (None: a tier cannot answer yet); the hit so far: the leading
+        run of chunks found. The tiers found holding a chunk are noted (its save skips them)."""
+        num_tokens = t.request.num_tokens
         keys = t.full_keys(num_tokens, self.chunk_size)
         if self.state_groups:
             # the state must be the one before the last token, which vLLM computes (for its logits)
@@ -322,57 +358,77 @@ class KVXScheduler:
         skeys = [state_key(k) for k in keys] if self.state_groups else []
         located = self._locate(keys + ([pkey] if pkey else []) + skeys)
         if located is None:
-            self.stats["lookups_pending"] += 1
-            return None, False
+            return None
         found, stored = located[: len(keys)], located[len(located) - len(skeys) :]  # chunks, state objects
-        tiers: list[str] = []
-        for tier in found:
-            if tier is None:
-                break
-            tiers.append(tier)
         for key, tier in zip(keys + skeys, found + stored):
             if tier is not None and tier != "cpu":  # that tier holds it: a save of it (declined, or under vLLM's
                 t.loaded_from.setdefault(key, tier)  # own hit) skips that tier, as after a load from it
-        if self.costs is not None and tiers:
-            n = self.costs.servable(tiers, num_computed_tokens // self.chunk_size, self.chunk_size, self._chunk_bytes)
-            if n < len(tiers):  # a tier slower than recomputing: computed from there instead
+        n = next((i for i, tier in enumerate(found) if tier is None), len(found))
+        return Lookup(
+            t,
+            num_computed,
+            keys,
+            tiers=list(found[:n]),
+            stored=stored,
+            partial=(pkey, rest, located[len(keys)]) if pkey else None,
+        )
+
+    def _decline_slow(self, lk: Lookup) -> bool:
+        """``decline_slow_hits``: stop the hit before a tier slower than recomputing its chunks."""
+        if lk.tiers:
+            n = self.costs.servable(lk.tiers, lk.num_computed // self.chunk_size, self.chunk_size, self._chunk_bytes)
+            if n < len(lk.tiers):
                 self.stats["hits_declined_slow"] += 1
-                tiers = tiers[:n]
-        state = None
-        if self.state_groups:
-            # a hit ends where a state object is stored: the longest prefix of chunks, rounded down to one
-            n = next((j for j in range(len(tiers), 0, -1) if stored[j - 1] is not None), 0)
-            if n < len(tiers):
-                self.stats["hits_rounded_to_state"] += 1
-            tiers = tiers[:n]
-            state = (skeys[n - 1], stored[n - 1]) if n else None
-        if t.controls.pd and self._pd_wait(t, keys, len(tiers)):
-            self.stats["lookups_pending"] += 1
+                del lk.tiers[n:]
+        return True
+
+    def _round_to_state(self, lk: Lookup) -> bool:
+        """A hybrid model's hit ends where a state object is stored: the longest prefix of chunks, rounded down to
+        one whose state is."""
+        n = next((j for j in range(len(lk.tiers), 0, -1) if lk.stored[j - 1] is not None), 0)
+        if n < len(lk.tiers):
+            self.stats["hits_rounded_to_state"] += 1
+        del lk.tiers[n:]
+        lk.state = (state_key(lk.keys[n - 1]), lk.stored[n - 1]) if n else None
+        return True
+
+    def _wait_for_producer(self, lk: Lookup) -> bool:
+        """A P/D consumer's request: put the lookup off while its producer's chunks are still landing."""
+        if lk.t.controls.pd and self._pd_wait(lk.t, lk.keys, len(lk.tiers)):
             self._pd_waiting = True
-            return None, False
-        hit_keys = keys[: len(tiers)]
+            return False
+        return True
+
+    def _add_partial(self, lk: Lookup) -> bool:
+        """``save_partial_chunks``: a hit of every full chunk goes on with the trailing partial chunk, if stored."""
+        if lk.partial is not None and len(lk.tiers) == len(lk.keys) and lk.partial[2] is not None:
+            lk.extra = lk.partial
+        return True
+
+    def _report(self, lk: Lookup) -> tuple[int, bool]:
+        """The tokens of the hit past vLLM's own (the plan kept for update_state_after_alloc)."""
+        tiers, hit_keys = list(lk.tiers), lk.keys[: len(lk.tiers)]
         chunk_tokens = [self.chunk_size] * len(tiers)
         hit = len(tiers) * self.chunk_size
-        if pkey is not None and len(tiers) == len(keys) and located[len(keys)] is not None:
-            tiers.append(located[len(keys)])
+        if lk.extra is not None:
+            pkey, rest, tier = lk.extra
+            tiers.append(tier)
             hit_keys = hit_keys + [pkey]
             chunk_tokens.append(rest)
             hit += rest
-        self.stats["lookups"] += 1
-        if hit <= num_computed_tokens:
+        if hit <= lk.num_computed:
             return 0, False
-        load_async = self.load_async
-        if not load_async and hit >= num_tokens:
+        num_tokens = lk.t.request.num_tokens
+        if not self.load_async and hit >= num_tokens:
             # A sync load must leave a token to compute: report all but the last one. The block holding
             # it is loaded whole before the forward (ChunkLoad.before_forward), which then writes the
             # last token's KV over the loaded copy; only that one token is recomputed, where vLLM's own
             # prefix cache recomputes the whole last block.
             hit = num_tokens - 1
-            if hit <= num_computed_tokens:
+            if hit <= lk.num_computed:
                 return 0, False
-        n = hit - num_computed_tokens
-        t.plan = LoadPlan(num_computed_tokens, hit, tiers, hit_keys, chunk_tokens, state)
-        return n, load_async
+        lk.t.plan = LoadPlan(lk.num_computed, hit, tiers, hit_keys, chunk_tokens, lk.state)
+        return hit - lk.num_computed, self.load_async
 
     def _sight(self, t: RequestTracker) -> None:
         """admit_after > 1: count the chunks request ``t``'s prompt covers as seen once more (once per request)."""
@@ -462,8 +518,11 @@ class KVXScheduler:
         ]
         xfer, slots = self.ledger.plan_load(
             request.request_id,
-            [(sp[0], sp[1], sp[2], p, False) for sp, p in zip(spans, promote)]
-            + [(key, tier, self.chunk_size, p, True) for (key, tier, _), p in zip(states, promote[len(spans) :])],
+            [LoadChunk(key, tier, ntok, p) for (key, tier, ntok, *_), p in zip(spans, promote)]
+            + [
+                LoadChunk(key, tier, self.chunk_size, p, state=True)
+                for (key, tier, _), p in zip(states, promote[len(spans) :])
+            ],
         )
         chunks: list[ChunkLoad] = []
         loaded: dict[int, int] = {}

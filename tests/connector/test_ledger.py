@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvx.connector.events import KVEvents
-from kvx.connector.ledger import ChunkLedger, Kind
+from kvx.connector.ledger import ChunkLedger, Kind, LoadChunk
 from kvx.connector.metadata import FAILED, NOOP, OK, KVXWorkerMetadata
 from kvx.store import CPUIndex, DiskTier, SlotState
 from kvx.store.stack import TierStack
@@ -84,7 +84,7 @@ def test_a_load_pins_its_hits_until_every_worker_finished_it_and_promotes_the_ot
     led = ledger(disk, num_workers=2)
     save = led.plan_save("r", 0, HOT, [1], 16, [], DISK, False)
     led.settle(results((save.slot_xfer, OK), (save.slot_xfer, OK)))
-    xfer, slots = led.plan_load("q", [(HOT, "cpu", 16, False, False), (COLD, DISK, 16, True, False)])
+    xfer, slots = led.plan_load("q", [LoadChunk(HOT, "cpu", 16), LoadChunk(COLD, DISK, 16, promote=True)])
     (hot_slot, none), (cold_slot, cold_xfer) = slots
     assert hot_slot == save.slot and none is None and cold_slot is not None and cold_xfer is not None
     assert led.cpu.pinned() == 1
