@@ -76,18 +76,20 @@ IDLE_STEP_WAIT_S = 0.005
 PD_IDLE_PAUSE_S = 0.01
 
 
-def node_pool(cache: WorkerCache, page_heads: bool) -> NodePool:
+def node_pool(cache: WorkerCache, page_heads: bool, pin: bool = False) -> NodePool:
     """This worker's view of a node's slots: a slot holds a chunk with every rank's KV heads, head-major (each
     head's bytes one run), and a rank of any TP size copies its heads' runs; a chunk that cannot be cut by head
     (MLA, where every rank holds the same bytes; a single worker) is the whole slot. ``page_heads``: raw pages
-    whose heads are runs of a page (:attr:`kvx.kernels.layout.KVLayout.page_head_bytes`)."""
+    whose heads are runs of a page (:attr:`kvx.kernels.layout.KVLayout.page_head_bytes`); ``pin``: a GPU engine's
+    (:class:`~kvx.node.client.NodePool`)."""
     share = cache.parts.share
     logical = cache.slot_shape()
     storage = cache.host_storage_shape(logical)
     if share.heads == (0, share.total_heads):
-        return NodePool(storage, cache.chunk_dtype, None, storage)
+        return NodePool(storage, cache.chunk_dtype, None, storage, pin)
     n = share.heads[1] - share.heads[0]
-    if share.split and share.layers[0] == 0 and (cache.fmt == "canonical" or page_heads):
+    # one head's raw pages are that head's run of a page of every head (chunks split by head: parts.py)
+    if share.split and share.layers[0] == 0 and (cache.fmt == "canonical" or page_heads or n == 1):
         if cache.head_major:
             per_head = storage[1:]
         elif len(logical) == 5:  # one head, [L, P, T, 1, D]
@@ -95,7 +97,7 @@ def node_pool(cache: WorkerCache, page_heads: bool) -> NodePool:
         else:  # one head's raw pages, [L, S, n, bytes]
             per_head = logical
         if n == 1 or cache.head_major:
-            return NodePool((share.total_heads, *per_head), cache.chunk_dtype, share.heads, storage)
+            return NodePool((share.total_heads, *per_head), cache.chunk_dtype, share.heads, storage, pin)
     raise ValueError(
         f"tiers: the node tier stores a chunk once per host, cut by KV head, for engines of one pipeline stage; this "
         f"worker holds heads {share.heads} of {share.total_heads} and layers {share.layers} of chunks in format "
@@ -213,7 +215,7 @@ class KVXWorker:
         pin = lay.device.type == "cuda"
         n_slots = num_cpu_slots(self.config, self.geom)
         if self.config.node_tier is not None:
-            self.pool = node_pool(self.cache, lay.page_head_bytes is not None)
+            self.pool = node_pool(self.cache, lay.page_head_bytes is not None, pin=pin)
             self.cache.pool = self.pool
         elif n_slots:
             shape = self.cache.host_storage_shape(self.cache.slot_shape())

@@ -194,15 +194,17 @@ class NodePool:
     of a replaced pool stays alive as long as a tensor of it does.
     """
 
-    pinned = False
-
     def __init__(
         self,
         storage_shape: Sequence[int],
         dtype: torch.dtype,
         heads: tuple[int, int] | None,
         view_shape: Sequence[int],
+        pin: bool = False,
     ):
+        """``pin``: register each mapping with CUDA (page-locked, mapped into the device's address space), as the
+        CPU tier's pool is on a GPU engine, so the copy paths DMA to and from it."""
+        self.pin, self.pinned = pin, False
         self.storage_shape, self.dtype = tuple(storage_shape), dtype
         self.heads, self.view_shape = heads, tuple(view_shape)
         self.slot_bytes = torch.Size(self.storage_shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -239,6 +241,14 @@ class NodePool:
             self.epoch = self.geom = self._map = self.data = None
             return
         data = torch.frombuffer(m, dtype=torch.uint8, offset=geom.data_offset, count=geom.num_slots * geom.slot_bytes)
+        if self.pin:
+            # portable | mapped, as CPUPool. A replaced pool's registration stays: copies in flight may read it
+            err = int(torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.numel(), 3))
+            if err != 0:
+                log.error("kvx: cannot page-lock the node's pool (cudaHostRegister error %d); not using it", err)
+                self.epoch = self.geom = self._map = self.data = None
+                return
+            self.pinned = True
         self.data = data.view(geom.num_slots, geom.slot_bytes)
         self._map, self.geom, self.epoch = m, geom, epoch
         log.info("kvx: mapped the node's pool %s (%d slots of %d bytes)", path, geom.num_slots, geom.slot_bytes)

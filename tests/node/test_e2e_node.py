@@ -11,6 +11,7 @@ Every scenario checks each engine's greedy tokens against an engine without kvx:
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 
@@ -60,9 +61,9 @@ def procs(tmp_path):
             started.append(n)
             return n.start()
 
-        def engine(self, model: str, name: str, **extra) -> Engine:
+        def engine(self, model: str, name: str, env: dict | None = None, **extra) -> Engine:
             cfg = {"chunk_size": CHUNK, "tiers": [{"type": "node", "socket": self.sock, "retry_s": 0.2}], **extra}
-            e = Engine(model, cfg, str(tmp_path / f"{name}.log"))
+            e = Engine(model, cfg, str(tmp_path / f"{name}.log"), env)
             started.append(e)
             return e
 
@@ -149,10 +150,14 @@ def test_an_engine_killed_while_it_saves_leaves_nothing_held_and_nothing_served_
     assert node.stats()["pool"]["pending"] == 0
 
 
+CORES = sorted(os.sched_getaffinity(0))
+
+
 @pytest.mark.once
+@pytest.mark.skipif(len(CORES) < 2, reason=f"TP=2 needs 2 CPU cores, this process may use {len(CORES)}")
 def test_the_ranks_of_a_tp2_engine_share_the_node_with_a_tp1_engine(model, reference, procs):
     node = procs.node()
-    tp2 = procs.engine(model, "tp2", tp=2)
+    tp2 = procs.engine(model, "tp2", env={"VLLM_CPU_OMP_THREADS_BIND": f"{CORES[0]}|{CORES[1]}"}, tp=2)
     check(tp2.generate(PROMPTS), reference[:2])
     wait_for(lambda: namespace_stats(node)["chunks"] == CHUNKS, 60, lambda: str(node.stats()))
     tp2.stop()
