@@ -13,12 +13,13 @@
 A prompt's chunk keys are computed here as an engine computes them (:func:`kvx.connector.keys.chunk_keys` under
 :func:`~kvx.connector.keys.request_root`), with the namespace's chunk size as the daemon knows it.
 
-``stats`` fields: ``pool`` {path, bytes, num_slots, slot_bytes, used, free, pending}; ``clients`` (connections
-now); ``refused_clients`` (peers whose uid/gid is not admitted), ``bad_frames`` (frames kvx did not write: the
-connection was closed), ``bad_requests`` (unknown ops, wrong arguments), ``internal_errors`` (requests the daemon
-failed on: see its log), ``leases_released`` and ``aborted_on_disconnect`` (pins and PENDING slots that
-connections left behind when they closed); ``namespaces`` {hex: {model, chunk_size, chunks (READY), pending, bytes,
-hits, misses, evictions (to make room), pinned (admin pins), quota, clients}}.
+``stats`` fields: ``pool`` {path, bytes, num_slots, slot_bytes, used, free, quarantined, pending}; ``clients``
+(connections now); ``leases`` (lease pins held now); ``refused_clients`` (peers whose uid/gid is not admitted),
+``bad_frames`` (frames kvx did not write: the connection was closed), ``bad_requests`` (unknown ops, wrong
+arguments), ``internal_errors`` (requests the daemon failed on: see its log), ``leases_released`` and
+``aborted_on_disconnect`` (pins and PENDING slots that connections left behind when they closed); ``namespaces``
+{hex: {model, chunk_size, chunks (READY), pending, bytes, hits, misses, evictions (to make room), pinned (admin
+pins), quota, clients}}.
 
 Exit codes: 0 done; 1 the daemon is not reachable (or cannot start); 2 bad arguments, or the daemon refused the
 request.

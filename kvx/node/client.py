@@ -30,7 +30,7 @@ from ..log import get_logger
 from ..store.cpu import SlotState
 from ..store.tier import STORED, Listener
 from .connection import Connection, NodeError, NodeUnavailable
-from .protocol import PENDING, READY, PoolGeometry, ProtocolError, slot_entry, unpack_header
+from .protocol import PENDING, READY, Directory, PoolGeometry, ProtocolError, slot_entry, unpack_header
 
 log = get_logger(__name__)
 
@@ -71,6 +71,9 @@ class NodeIndex:
         self.pool: tuple[str, str] | None = None  # (pool file, epoch) of the live connection
         self._next_try = 0.0
         self._listeners: list[Listener] = []
+        self._dir: Directory | None = None  # the pool's directory and slot table, mapped read-only
+        self._tally = [0, 0]  # hits, misses since the last tally
+        self._next_tally = 0.0
         self.stats = {"unavailable": 0, "refused": 0, "reconnects": 0}
 
     # ---------------------------------------------------------------- connection
@@ -90,19 +93,23 @@ class NodeIndex:
                 self.stats["refused"] += 1
                 return None
             self.pool = (reply["pool"], reply["epoch"])
+            self._dir = _map_directory(reply)
             self.stats["reconnects"] += 1
             log.info("kvx: connected to the node at %s (pool %s)", self.conn.path, reply["pool"])
         try:
             return self.conn.call(op, **args)
         except NodeUnavailable as e:
-            log.warning("kvx: the node is unavailable (%s); its chunks are misses until it is back", e)
-            self.pool = None
-            self.stats["unavailable"] += 1
+            self._lost(e)
             return None
+
+    def _lost(self, why) -> None:
+        log.warning("kvx: the node is unavailable (%s); its chunks are misses until it is back", why)
+        self.pool = self._dir = None
+        self.stats["unavailable"] += 1
 
     def close(self) -> None:
         self.conn.close()
-        self.pool = None
+        self.pool = self._dir = None
 
     def subscribe(self, listener: Listener) -> None:
         """``listener("cpu", STORED | REMOVED, keys)`` for the chunks this engine commits or evicts itself."""
@@ -114,13 +121,34 @@ class NodeIndex:
 
     # ---------------------------------------------------------------- queries
     def states(self, keys: Sequence[str]) -> list[SlotState | None]:
+        """READY, PENDING or None per key: the daemon's answer (a round trip)."""
         if not keys:
             return []
-        reply = self._call("lookup", keys=list(keys))
+        reply = self._call("lookup", keys="".join(keys))
         return [_STATES[s] for s in reply["states"]] if reply else [None] * len(keys)
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        return [s is SlotState.READY for s in self.states(keys)]
+        """Whether each key is READY: read from the pool's directory (:class:`kvx.node.protocol.Directory`), with
+        no round trip. The hits (the leading READY keys) and misses are told to the daemon at most once a
+        second (``tally``), for its per-namespace figures."""
+        if not keys:
+            return []
+        if not self.conn.alive():
+            if self.pool is not None:
+                self._lost("its connection closed")
+            if self._call("tally", hits=0, misses=0) is None:  # a new connection, at most every retry_s
+                return [False] * len(keys)
+        if self._dir is None:
+            return [False] * len(keys)
+        found = self._dir.ready("".join(keys))
+        hits = next((i for i, f in enumerate(found) if not f), len(found))
+        self._tally[0] += hits
+        self._tally[1] += hits < len(found)
+        if time.monotonic() >= self._next_tally:
+            self._next_tally = time.monotonic() + 1.0
+            self._call("tally", hits=self._tally[0], misses=self._tally[1])
+            self._tally = [0, 0]
+        return found
 
     def __contains__(self, key: str) -> bool:
         return self.contains_many([key])[0]
@@ -156,7 +184,7 @@ class NodeIndex:
         workers then fail those chunks' loads: recomputed)."""
         keys = list(keys)
         try:
-            reply = self._call("pin", keys=keys)
+            reply = self._call("pin", keys="".join(keys))
         except NodeError as e:  # evicted since the lookup
             log.info("kvx: %s", e)
             reply = None
@@ -175,7 +203,7 @@ class NodeIndex:
         keys = list(keys)
         if keys and self.conn.connected:  # a lost connection released them all
             try:
-                self._call("unpin", keys=keys)
+                self._call("unpin", keys="".join(keys))
             except NodeError as e:
                 log.warning("kvx: %s", e)
 
@@ -183,6 +211,21 @@ class NodeIndex:
         """vLLM's reset_cache: the node's chunks are every engine's on the host; an operator evicts them
         (``kvx node evict``). Nothing of this engine's is left to drop."""
         return True
+
+
+def _map_directory(hello: dict) -> Directory | None:
+    """The directory and slot table of the pool a ``hello`` reply names, mapped read-only; None if it cannot be
+    (logged: lookups then miss)."""
+    try:
+        with open(hello["pool"], "rb") as f:
+            m = mmap.mmap(f.fileno(), hello["data_offset"], mmap.MAP_SHARED, mmap.PROT_READ)
+        geom, epoch = unpack_header(m)
+        if epoch.hex() != hello["epoch"]:
+            raise ProtocolError(f"expected epoch {hello['epoch']}, got {epoch.hex()}")
+        return Directory(m, geom)
+    except (OSError, ValueError) as e:
+        log.error("kvx: cannot map the node's pool %s (%s); its chunks are misses", hello["pool"], e)
+        return None
 
 
 class NodePool:

@@ -6,6 +6,7 @@ one owner (the thread that calls it).
 
 from __future__ import annotations
 
+import select
 import socket
 
 from .protocol import HEADER, ProtocolError, body_length, decode, encode
@@ -26,6 +27,7 @@ class Connection:
         self.path = str(path)
         self.timeout = timeout
         self._sock: socket.socket | None = None
+        self._buf = bytearray()  # bytes read past the last frame
         self._next = 0
 
     @property
@@ -44,7 +46,24 @@ class Connection:
             raise NodeUnavailable(f"kvx node at {self.path}: {e}") from None
         self._sock = s
 
+    def alive(self) -> bool:
+        """Whether the connection is open and the node has not closed its end (one non-blocking peek: the node's
+        death is seen at once, not at the next request)."""
+        if self._sock is None:
+            return False
+        try:
+            if not select.select([self._sock], [], [], 0)[0]:
+                return True  # nothing to read: open
+            # readable: the node closed it (EOF), or bytes it sent unasked (kept for the next call to judge)
+            if self._sock.recv(1, socket.MSG_PEEK) != b"":
+                return True
+        except OSError:
+            pass
+        self.close()
+        return False
+
     def close(self) -> None:
+        self._buf.clear()
         if self._sock is not None:
             try:
                 self._sock.close()
@@ -52,13 +71,16 @@ class Connection:
                 self._sock = None
 
     def _recv(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            part = self._sock.recv(n - len(buf))
+        """``n`` bytes of the reply: from what the last read brought beyond the previous frame, then the socket
+        (reads of up to 64 KiB: a reply's header and body mostly in one system call)."""
+        while len(self._buf) < n:
+            part = self._sock.recv(max(65536, n - len(self._buf)))
             if not part:
                 raise NodeUnavailable(f"kvx node at {self.path}: connection closed")
-            buf += part
-        return bytes(buf)
+            self._buf += part
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
 
     def call(self, op: str, **args) -> dict:
         """Send request ``op`` and return its reply; :class:`NodeError` if the node refused it,

@@ -50,9 +50,11 @@ from typing import Any
 
 from ..log import Throttle, get_logger
 from .protocol import (
+    DIR_ENTRY,
     FREE,
     HEADER,
     KEY_RE,
+    KEYS_RE,
     NAMESPACE_RE,
     PENDING,
     READY,
@@ -61,6 +63,7 @@ from .protocol import (
     ProtocolError,
     body_length,
     decode,
+    dir_home,
     encode,
     pack_header,
     write_entry,
@@ -162,7 +165,15 @@ def _key(args: dict, name: str = "key") -> str:
 
 
 def _keys(args: dict, name: str = "keys") -> list[str]:
-    keys = _get(args, name, lambda v: isinstance(v, list), "a list of keys (32 lowercase hex digits each)")
+    """A request's keys: a list, or one string of keys end to end (:data:`~.protocol.KEYS_RE`: what engines send,
+    a quarter of the list's cost to encode and decode), each checked."""
+    keys = _get(args, name, lambda v: isinstance(v, (list, str)), "a list of keys (32 lowercase hex digits each)")
+    if isinstance(keys, str):
+        if not KEYS_RE.fullmatch(keys):
+            raise BadRequest(f"{name}: expected keys of 32 lowercase hex digits end to end, got {_show(keys)}")
+        return [keys[i : i + 32] for i in range(0, len(keys), 32)]
+    if all(isinstance(k, str) for k in keys) and KEYS_RE.fullmatch("".join(keys)) and all(len(k) == 32 for k in keys):
+        return keys  # one match for the whole list
     for i, k in enumerate(keys):
         if not (isinstance(k, str) and KEY_RE.fullmatch(k)):
             raise BadRequest(f"{name}[{i}]: expected 32 lowercase hex digits, got {_show(k)}")
@@ -235,6 +246,7 @@ class NodeState:
             "pin": (self._op_pin, "engine"),
             "hold": (self._op_hold, "engine"),
             "unpin": (self._op_unpin, "engine"),
+            "tally": (self._op_tally, "engine"),
             "stats": (lambda c, a: self.stats(), None),
             "pin_prefix": (self._op_pin_prefix, None),
             "unpin_prefix": (self._op_unpin_prefix, None),
@@ -365,6 +377,14 @@ class NodeState:
         ns.misses += hits < len(states)
         return states
 
+    def _op_tally(self, c: _Client, args: dict) -> dict:
+        """An engine's lookups it answered from the directory since its last tally: ``hits`` (leading READY keys)
+        and ``misses`` (lookups whose prefix stopped), added to its namespace's figures."""
+        for name in ("hits", "misses"):
+            n = _get(args, name, lambda v: _is_int(v) and v >= 0, "a count (an int >= 0)")
+            setattr(c.ns, name, getattr(c.ns, name) + n)
+        return {}
+
     def _op_allocate(self, c: _Client, args: dict) -> dict:
         return self.allocate(c, _key(args))
 
@@ -429,6 +449,7 @@ class NodeState:
         self._lru[e] = None
         e.ns.lru[e] = None
         write_entry(self.table, self.geom, e.slot, bytes.fromhex(key), self._generation[e.slot], READY)
+        self._dir_insert(bytes.fromhex(key), e.slot)
 
     @staticmethod
     def _describe(ns: _Namespace, key: str) -> str:
@@ -596,6 +617,7 @@ class NodeState:
         ns = e.ns
         del ns.entries[e.key]
         if e.state == READY:
+            self._dir_remove(bytes.fromhex(e.key))  # no engine finds it from now on
             ns.chunks -= 1
             if e.admin:
                 ns.admin_pinned -= 1
@@ -610,6 +632,54 @@ class NodeState:
             e.doomed = True
         else:
             self._release(e, quarantine)
+
+    # -------------------------------------------------------------------------------------- the directory
+    def _dir_at(self, i: int) -> tuple[bytes, int]:
+        return DIR_ENTRY.unpack_from(self.table, self.geom.dir_offset + DIR_ENTRY.size * i)
+
+    def _dir_put(self, i: int, key: bytes, slot1: int) -> None:
+        """Entry ``i`` := (``key``, ``slot1``): the key first, the slot last, so a reader that sees the slot sees
+        the key (or, where a slot is being cleared, 0 first)."""
+        off = self.geom.dir_offset + DIR_ENTRY.size * i
+        if slot1 == 0:
+            struct.pack_into("<I", self.table, off + 16, 0)
+            self.table[off : off + 16] = key
+        else:
+            self.table[off : off + 16] = key
+            struct.pack_into("<I", self.table, off + 16, slot1)
+
+    def _dir_insert(self, key: bytes, slot: int) -> None:
+        """Publish a READY chunk in the directory (linear probing: :mod:`.protocol`)."""
+        mask = self.geom.dir_entries - 1
+        i = dir_home(key, self.geom.dir_entries)
+        while self._dir_at(i)[1]:
+            i = (i + 1) & mask
+        self._dir_put(i, key, slot + 1)
+
+    def _dir_remove(self, key: bytes) -> None:
+        """Take a chunk out of the directory, shifting the entries after it back (no tombstones: a probe stops at
+        the first empty entry)."""
+        mask = self.geom.dir_entries - 1
+        i = dir_home(key, self.geom.dir_entries)
+        while True:
+            k, slot1 = self._dir_at(i)
+            if not slot1:
+                return
+            if k == key:
+                break
+            i = (i + 1) & mask
+        j = i
+        while True:
+            j = (j + 1) & mask
+            k, slot1 = self._dir_at(j)
+            if not slot1:
+                break
+            home = dir_home(k, self.geom.dir_entries)
+            if (home - i - 1) & mask < (j - i) & mask:  # its home lies in (i, j]: it stays
+                continue
+            self._dir_put(i, k, slot1)
+            i = j
+        self._dir_put(i, _ZERO_KEY, 0)
 
     def _release(self, e: _Entry, quarantine: bool = False) -> None:
         self._generation[e.slot] += 1  # a reader or writer of the old chunk sees it changed
@@ -635,6 +705,7 @@ class NodeState:
                 "pending": sum(ns.pending for ns in self._namespaces.values()),
             },
             "clients": len(self._clients),
+            "leases": sum(len(held) for c in self._clients.values() for held in c.leases.values()),  # pins now
             **self.counters,
             "namespaces": {
                 name: {

@@ -4,9 +4,10 @@
 ``MAGIC`` (4 bytes), ``VERSION`` (u16), 2 reserved zero bytes, the body's length (u32), all little-endian,
 then the body: one JSON object, UTF-8, at most :data:`MAX_BODY` bytes. A request carries ``"op"`` and an
 ``"id"`` (an int the reply echoes); the reply carries ``"id"``, ``"ok"`` (bool) and, when ``ok`` is false,
-``"error"`` (a sentence naming what was expected and what was given). A frame with another magic or version,
-a body that is not a JSON object, or a body over :data:`MAX_BODY` gets an error reply and the connection is
-closed; an unknown op or bad arguments get an error reply and the connection stays open.
+``"error"`` (a sentence naming what was expected and what was given). A request's ``"keys"`` is a list of keys or
+one string of keys end to end (engines send the string: cheaper to encode and decode). A frame with another magic
+or version, a body that is not a JSON object, or a body over :data:`MAX_BODY` gets an error reply and the
+connection is closed; an unknown op or bad arguments get an error reply and the connection stays open.
 
 **Pool file.** One file (on ``/dev/shm``, or a hugetlbfs mount), mapped by the daemon and by every engine's
 workers (read and write), laid out as::
@@ -14,13 +15,21 @@ workers (read and write), laid out as::
     [0, 4096)                  header: POOL_HEADER (magic, version, num_slots, slot_bytes, table_offset,
                                data_offset, epoch)
     [table_offset, +32 * n)    slot table: per slot SLOT_ENTRY (key 16 bytes, generation u64, state u32, pad)
+    [dir_offset, +32 * d)      directory: the READY chunks' keys, a hash table of d (a power of two, >= 2n)
+                               DIR_ENTRY (key 16 bytes, slot + 1 u32: 0 empty), linear probing from the key's
+                               first 8 bytes (little-endian) modulo d
     [data_offset, +slot_bytes * n)  the slots' bytes (data_offset a multiple of 2 MiB; slot_bytes of 4 KiB)
 
-Only the daemon writes the header and the table. A slot's entry changes as ``allocate`` (state PENDING, then
-the key, then the generation bumped), ``commit`` (state READY), ``free`` (state FREE, generation bumped). A
-worker reading a slot checks the entry before and after it copies (:func:`slot_entry`): same generation, state
-READY, the key it expected; anything else fails the load (vLLM recomputes), so a slot reused or freed under a
-reader is never served.
+Only the daemon writes the header, the table and the directory. A slot's entry changes as ``allocate`` (state
+PENDING, then the key, then the generation bumped), ``commit`` (state READY), ``free`` (state FREE, generation
+bumped). A worker reading a slot checks the entry before and after it copies (:func:`slot_entry`): same
+generation, state READY, the key it expected; anything else fails the load (vLLM recomputes), so a slot reused or
+freed under a reader is never served.
+
+The directory lets an engine look chunks up without a round trip to the daemon (:class:`Directory`): it holds a
+key from its commit until it leaves READY (an entry's key is written before its slot, and its slot cleared before
+its key; removal shifts later entries back, so a lookup racing a change may miss a chunk, never find a wrong one);
+a key found there counts only if the slot table says that slot holds it, READY.
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ import json
 import re
 import struct
 from dataclasses import dataclass
+
+import numpy as np
 
 MAGIC = b"KVXN"
 VERSION = 1
@@ -39,6 +50,7 @@ POOL_MAGIC = b"KVXPOOL\0"
 POOL_VERSION = 1
 POOL_HEADER = struct.Struct("<8sIIQQQQ16s")  # magic, version, reserved, num_slots, slot_bytes, table, data, epoch
 SLOT_ENTRY = struct.Struct("<16sQI4x")  # key, generation, state
+DIR_ENTRY = struct.Struct("<16sI12x")  # key, slot + 1 (0: empty)
 TABLE_OFFSET = 4096
 DATA_ALIGN = 2 << 20
 SLOT_ALIGN = 4096
@@ -46,6 +58,7 @@ SLOT_ALIGN = 4096
 FREE, PENDING, READY = 0, 1, 2  # a slot's state in the table
 
 KEY_RE = re.compile(r"[0-9a-f]{32}")  # a chunk key (kvx.connector.keys): 16 bytes as hex
+KEYS_RE = re.compile(r"(?:[0-9a-f]{32})*")  # keys end to end: how a request's "keys" may travel as one string
 NAMESPACE_RE = re.compile(r"[0-9a-f]{8,128}")  # an engine's namespace digest, as hex
 
 
@@ -96,8 +109,17 @@ class PoolGeometry:
         return TABLE_OFFSET
 
     @property
-    def data_offset(self) -> int:
+    def dir_entries(self) -> int:
+        return max(16, 1 << (2 * self.num_slots - 1).bit_length())  # a power of two, at least twice the slots
+
+    @property
+    def dir_offset(self) -> int:
         end = TABLE_OFFSET + SLOT_ENTRY.size * self.num_slots
+        return -(-end // SLOT_ALIGN) * SLOT_ALIGN
+
+    @property
+    def data_offset(self) -> int:
+        end = self.dir_offset + DIR_ENTRY.size * self.dir_entries
         return -(-end // DATA_ALIGN) * DATA_ALIGN
 
     @property
@@ -114,7 +136,7 @@ class PoolGeometry:
     def fit(cls, size: int, slot_bytes: int) -> PoolGeometry:
         """The most slots of ``slot_bytes`` (rounded up to :data:`SLOT_ALIGN`) a file of ``size`` bytes holds."""
         slot_bytes = -(-slot_bytes // SLOT_ALIGN) * SLOT_ALIGN
-        n = max(0, (size - DATA_ALIGN) // (slot_bytes + SLOT_ENTRY.size))
+        n = max(0, (size - DATA_ALIGN) // (slot_bytes + SLOT_ENTRY.size + 4 * DIR_ENTRY.size))
         while n and cls(n, slot_bytes).file_bytes > size:
             n -= 1
         return cls(n, slot_bytes)
@@ -146,3 +168,46 @@ def write_entry(buf, geom: PoolGeometry, slot: int, key: bytes, generation: int,
     struct.pack_into("<I", buf, off + 24, state)
     buf[off : off + 16] = key
     struct.pack_into("<Q", buf, off + 16, generation)
+
+
+def dir_home(key: bytes, entries: int) -> int:
+    """Where a lookup of ``key`` (16 bytes) starts in a directory of ``entries`` (a power of two)."""
+    return int.from_bytes(key[:8], "little") & (entries - 1)
+
+
+class Directory:
+    """The directory and slot table of a mapped pool file, read by an engine (see the module docstring): which of
+    a list of keys are READY, without asking the daemon. Vectorised (numpy): 256 keys in tens of microseconds."""
+
+    _DIR = np.dtype([("a", "<u8"), ("b", "<u8"), ("slot", "<u4"), ("pad", "V12")])
+    _TABLE = np.dtype([("a", "<u8"), ("b", "<u8"), ("gen", "<u8"), ("state", "<u4"), ("pad", "V4")])
+    _KEY = np.dtype([("a", "<u8"), ("b", "<u8")])
+
+    def __init__(self, buf, geom: PoolGeometry):
+        self.geom = geom
+        self.mask = geom.dir_entries - 1
+        self.dir = np.frombuffer(buf, dtype=self._DIR, count=geom.dir_entries, offset=geom.dir_offset)
+        self.table = np.frombuffer(buf, dtype=self._TABLE, count=geom.num_slots, offset=geom.table_offset)
+
+    def ready(self, keys_hex: str) -> list[bool]:
+        """Per key (``keys_hex``: 32-hex keys end to end), whether the pool holds it READY now."""
+        want = np.frombuffer(bytes.fromhex(keys_hex), dtype=self._KEY)
+        n = len(want)
+        slots = np.full(n, -1, dtype=np.int64)
+        todo = np.arange(n)
+        pos = want["a"] & np.uint64(self.mask)
+        for _ in range(self.mask + 1):
+            e = self.dir[pos.astype(np.int64)]
+            mine = want[todo]
+            found = (e["slot"] != 0) & (e["a"] == mine["a"]) & (e["b"] == mine["b"])
+            slots[todo[found]] = e["slot"][found].astype(np.int64) - 1
+            go = ~found & (e["slot"] != 0)
+            todo, pos = todo[go], (pos[go] + np.uint64(1)) & np.uint64(self.mask)
+            if not todo.size:
+                break
+        hit = slots >= 0
+        t = self.table[slots[hit]]
+        ok = (t["state"] == READY) & (t["a"] == want["a"][hit]) & (t["b"] == want["b"][hit])
+        out = np.zeros(n, dtype=bool)
+        out[np.flatnonzero(hit)[ok]] = True
+        return out.tolist()

