@@ -54,6 +54,11 @@ def row(measure: str, value, baseline: str = "", ratio: float | str = "") -> dic
     return {"measure": measure, "value": value, "baseline": baseline, "ratio": ratio}
 
 
+def shm(work: str) -> str:
+    """The pool file: on /dev/shm, as kvx node's default (a tmpfs: no writeback)."""
+    return f"/dev/shm/{os.path.basename(work)}.pool"
+
+
 def node_tier(sock: str) -> dict:
     return {"chunk_size": CHUNK, "tiers": [{"type": "node", "socket": sock, "retry_s": 0.2}]}
 
@@ -75,7 +80,7 @@ def bench_ttft(model: str, work: str, sock: str, args) -> list[dict]:
         warm = [cpu.generate(prompts, max_tokens=1) for _ in range(args.repeats)]
     finally:
         cpu.stop()
-    node = Node(sock, "2GiB", "8MiB", f"{work}/node.log").start()
+    node = Node(sock, "2GiB", "8MiB", f"{work}/node.log", pool=shm(work)).start()
     try:
         writer = Engine(model, node_tier(sock), f"{work}/writer.log", engine=engine_args)
         try:
@@ -88,6 +93,7 @@ def bench_ttft(model: str, work: str, sock: str, args) -> list[dict]:
             reader = Engine(model, node_tier(sock), f"{work}/reader{i}.log", engine=engine_args)
             try:
                 reader.generate(warmup[:1], max_tokens=1)  # its first forward, a miss (warm-up, not timed)
+                time.sleep(args.settle_s)
                 fresh += reader.generate([ids], max_tokens=1)
             finally:
                 reader.stop()
@@ -111,7 +117,7 @@ def bench_lookup(work: str, sock: str, args) -> list[dict]:
     from kvx.store import CPUIndex
 
     keys = [f"{random.Random(i).getrandbits(128):032x}" for i in range(256)]
-    node = Node(sock, "64MiB", "64KiB", f"{work}/node-lookup.log").start()
+    node = Node(sock, "64MiB", "64KiB", f"{work}/node-lookup.log", pool=shm(work)).start()
     try:
         index = NodeIndex(sock, bytes(range(16)), "bench", CHUNK, 4096)
         for k in keys:
@@ -153,7 +159,7 @@ def bench_sharing(model: str, work: str, sock: str, args) -> list[dict]:
             own += e.metrics()["vllm:kvx_cpu_write_bytes"]
         finally:
             e.stop()
-    node = Node(sock, "2GiB", "8MiB", f"{work}/node-share.log").start()
+    node = Node(sock, "2GiB", "8MiB", f"{work}/node-share.log", pool=shm(work)).start()
     try:
         for i, ids in enumerate(prompts):
             e = Engine(model, node_tier(sock), f"{work}/shared{i}.log", engine=engine_args)
@@ -177,14 +183,14 @@ def bench_sharing(model: str, work: str, sock: str, args) -> list[dict]:
 def bench_soak(tiny: str, work: str, sock: str, args) -> list[dict]:
     rng = random.Random(7)
     prefixes = [H.prompt_ids(CHUNK * 3, seed=500 + i) for i in range(3)]
-    prompts = [p + H.prompt_ids(rng.randrange(1, 3 * CHUNK), seed=600 + i) for i, p in enumerate(prefixes * 4)]
+    prompts = [p + H.prompt_ids(rng.randrange(1, 3 * CHUNK), seed=600 + i) for i, p in enumerate(prefixes * 8)]
     ref = Engine(tiny, None, f"{work}/soak-ref.log")
     try:
         reference = [r["tokens"] for r in ref.generate(prompts)]
     finally:
         ref.stop()
-    # ~40 chunks of distinct prefixes and suffixes against a pool of 24 slots: constant eviction
-    node = Node(sock, "26MiB", "1MiB", f"{work}/node-soak.log").start()
+    # ~35 chunks of distinct prefixes and suffixes against a pool of 12 slots: constant eviction
+    node = Node(sock, "14MiB", "1MiB", f"{work}/node-soak.log", pool=shm(work)).start()
     engines: list[Engine | None] = [None] * args.soak_engines
     answers = wrong = kills = 0
     most_used = 0
@@ -203,7 +209,7 @@ def bench_soak(tiny: str, work: str, sock: str, args) -> list[dict]:
                 most_used = max(most_used, node.stats()["pool"]["used"])
                 if time.monotonic() >= next_kill:  # the one that just answered, while its saves are in flight
                     e.send({"op": "generate", "prompts": [prompts[rng.randrange(len(prompts))]]})
-                    time.sleep(rng.uniform(0.0, 0.3))
+                    time.sleep(rng.uniform(0.0, 0.05))  # within its prefill and saves (tens of ms)
                     e.kill()
                     e.stop()
                     kills += 1
@@ -241,6 +247,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--lookups", type=int, default=2000)
+    ap.add_argument("--settle-s", type=float, default=0.0, help="a fresh engine idles this long before its hit")
     ap.add_argument("--soak-s", type=float, default=120.0)
     ap.add_argument("--soak-engines", type=int, default=3)
     ap.add_argument("--kill-every", type=float, default=5.0)

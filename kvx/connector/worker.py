@@ -216,6 +216,7 @@ class KVXWorker:
         n_slots = num_cpu_slots(self.config, self.geom)
         if self.config.node_tier is not None:
             self.pool = node_pool(self.cache, lay.page_head_bytes is not None, pin=pin)
+            self.pool.attach_now(self.config.node_tier.socket, self.config.node_tier.timeout)
             self.cache.pool = self.pool
         elif n_slots:
             shape = self.cache.host_storage_shape(self.cache.slot_shape())

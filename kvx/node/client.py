@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -73,6 +75,7 @@ class NodeIndex:
         self._listeners: list[Listener] = []
         self._dir: Directory | None = None  # the pool's directory and slot table, mapped read-only
         self._tally = [0, 0]  # hits, misses since the last tally
+        self._held: Counter[str] = Counter()  # lease pins the connection holds, per key
         self._next_tally = 0.0
         self.stats = {"unavailable": 0, "refused": 0, "reconnects": 0}
 
@@ -105,6 +108,7 @@ class NodeIndex:
     def _lost(self, why) -> None:
         log.warning("kvx: the node is unavailable (%s); its chunks are misses until it is back", why)
         self.pool = self._dir = None
+        self._held.clear()  # the node released the connection's leases
         self.stats["unavailable"] += 1
 
     def close(self) -> None:
@@ -156,9 +160,6 @@ class NodeIndex:
     def state(self, key: str) -> SlotState | None:
         return self.states([key])[0]
 
-    def pending(self) -> int:
-        return 0  # the ledger counts its own slot writes; the node's others are other engines'
-
     # ---------------------------------------------------------------- slots
     def allocate(self, key: str) -> int | None:
         reply = self._call("allocate", key=key)
@@ -188,7 +189,10 @@ class NodeIndex:
         except NodeError as e:  # evicted since the lookup
             log.info("kvx: %s", e)
             reply = None
-        return reply["slots"] if reply else [-1] * len(keys)
+        if not reply:
+            return [-1] * len(keys)
+        self._held.update(keys)
+        return reply["slots"]
 
     def hold(self, key: str) -> int | None:
         """A lease pin while the chunk's slot is read for a byte tier's write; None if the node refused or is down
@@ -197,20 +201,49 @@ class NodeIndex:
             reply = self._call("hold", key=key)
         except NodeError:
             return None
-        return reply["slot"] if reply else None
+        if not reply:
+            return None
+        self._held[key] += 1
+        return reply["slot"]
 
     def unpin(self, keys: Iterable[str]) -> None:
-        keys = list(keys)
-        if keys and self.conn.connected:  # a lost connection released them all
+        """Release the lease pins this connection holds among ``keys`` (a pin that failed, or that a lost connection
+        released, is not asked for)."""
+        mine = []
+        for k in keys:
+            if self._held[k] > 0:
+                self._held[k] -= 1
+                mine.append(k)
+        self._held += Counter()  # drop the zeros
+        if mine:
             try:
-                self._call("unpin", keys="".join(keys))
+                self._call("unpin", keys="".join(mine))
             except NodeError as e:
                 log.warning("kvx: %s", e)
 
-    def clear(self) -> bool:
-        """vLLM's reset_cache: the node's chunks are every engine's on the host; an operator evicts them
-        (``kvx node evict``). Nothing of this engine's is left to drop."""
-        return True
+
+_POPULATE_STEP = 4 << 20  # bytes per call in the background: the copy pool waits at most one call (~1 ms here)
+_POPULATE_ALL = 1 << 62  # one call, on every core of the copy pool (at registration)
+
+
+def _populate(data: torch.Tensor, current, step: int = _POPULATE_STEP) -> None:
+    """Map every page of a node pool into this process ahead of its copies, ``step`` bytes a call, while
+    ``current()`` (the pool is still the one mapped). Each page's first touch is otherwise a fault on the
+    critical path: a fresh engine's first load of a 4096-token prefix (64 MiB) took 16 ms more than from a CPU
+    tier, whose pool is committed at start-up (:class:`kvx.store.CPUPool`), and 40 ms more while a background
+    commit of the pool still ran (``benchmarks/bench_node.py``)."""
+    try:
+        from .._ext import load
+
+        _C = load()
+    except ImportError:  # the pure-Python fallback: pages fault in on first touch
+        return
+    ptr, n = data.data_ptr(), data.numel()
+    for off in range(0, n, step):
+        if not current():
+            return
+        if _C.cpu_populate_write(ptr + off, min(step, n - off), 1 if step == _POPULATE_STEP else 0):
+            return  # EINVAL: a kernel before 5.14
 
 
 def _map_directory(hello: dict) -> Directory | None:
@@ -260,8 +293,22 @@ class NodePool:
     def num_slots(self) -> int:
         return self.geom.num_slots if self.geom is not None else 0
 
-    def attach(self, pool: tuple[str, str] | None) -> None:
-        """Map ``pool`` ((path, epoch), from the step's metadata) unless it is the one mapped."""
+    def attach_now(self, socket_path: str, timeout: float) -> None:
+        """At registration: ask the node at ``socket_path`` for its pool, map it and commit its pages now, on every
+        core, as the CPU tier's pool is committed at start-up (a node that is down: mapped when a step names it)."""
+        conn = Connection(socket_path, timeout)
+        try:
+            hello = conn.call("hello", version=1, role="control", pid=os.getpid())
+        except (NodeUnavailable, NodeError) as e:
+            log.info("kvx: the node is not up yet (%s); its pool is mapped once it is", e)
+            return
+        finally:
+            conn.close()
+        self.attach((hello["pool"], hello["epoch"]), background=False)
+
+    def attach(self, pool: tuple[str, str] | None, background: bool = True) -> None:
+        """Map ``pool`` ((path, epoch), from the step's metadata) unless it is the one mapped, and commit its pages
+        (``background``: on a thread, as the engine serves; else now, on every core)."""
         if pool is None or pool[1] == self.epoch:
             return
         path, epoch = pool
@@ -294,6 +341,13 @@ class NodePool:
             self.pinned = True
         self.data = data.view(geom.num_slots, geom.slot_bytes)
         self._map, self.geom, self.epoch = m, geom, epoch
+        if not background:
+            _populate(data, lambda: True, _POPULATE_ALL)
+            return
+        self._populating = threading.Thread(
+            target=_populate, args=(data, lambda e=epoch: self.epoch == e), name="kvx-node-populate", daemon=True
+        )
+        self._populating.start()
         log.info("kvx: mapped the node's pool %s (%d slots of %d bytes)", path, geom.num_slots, geom.slot_bytes)
 
     def slot(self, i: int) -> torch.Tensor:
@@ -327,4 +381,4 @@ class NodePool:
         return e[1]
 
     def close(self) -> None:
-        self.data = self._map = None  # unmapped when the last tensor of it goes
+        self.data = self._map = self.epoch = None  # unmapped when the last tensor of it goes

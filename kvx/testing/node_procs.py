@@ -39,14 +39,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 class Node:
     """``kvx node`` on ``socket`` (a subprocess); its log at ``log``."""
 
-    def __init__(self, socket: str, size: str = "64MiB", slot_size: str = "1MiB", log: str | None = None, *args: str):
+    def __init__(
+        self,
+        socket: str,
+        size: str = "64MiB",
+        slot_size: str = "1MiB",
+        log: str | None = None,
+        *args: str,
+        pool: str | None = None,
+    ):
+        """``pool``: the pool file (default: beside the socket); ``args``: more ``kvx node`` arguments."""
         self.socket, self.size, self.slot_size, self.args = socket, size, slot_size, list(args)
+        self.pool = pool or socket + ".pool"
         self.log_path = log or socket + ".log"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Node:
         cmd = [sys.executable, "-m", "kvx.node.cli", "--socket", self.socket, "--size", self.size]
-        cmd += ["--slot-size", self.slot_size, "--pool", self.socket + ".pool", *self.args]
+        cmd += ["--slot-size", self.slot_size, "--pool", self.pool, *self.args]
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, start_new_session=True)
         deadline = time.monotonic() + 30
