@@ -158,6 +158,10 @@ class NodeIndex:
         return self.contains_many([key])[0]
 
     def state(self, key: str) -> SlotState | None:
+        """READY if the directory says so (no round trip: a save planned for a chunk the request just loaded asks
+        this of every chunk), else the daemon's answer (PENDING or None)."""
+        if self._dir is not None and self.conn.alive() and self._dir.ready(key)[0]:
+            return SlotState.READY
         return self.states([key])[0]
 
     # ---------------------------------------------------------------- slots
