@@ -100,7 +100,11 @@ class NodeIndex:
             self.stats["reconnects"] += 1
             log.info("kvx: connected to the node at %s (pool %s)", self.conn.path, reply["pool"])
         try:
-            return self.conn.call(op, **args)
+            reply = self.conn.call(op, **args)
+            if op != "tally" and self._tally != [0, 0]:  # the lookups' figures ride with the engine's next request
+                self.conn.call("tally", hits=self._tally[0], misses=self._tally[1])
+                self._tally = [0, 0]
+            return reply
         except NodeUnavailable as e:
             self._lost(e)
             return None
@@ -133,8 +137,9 @@ class NodeIndex:
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is READY: read from the pool's directory (:class:`kvx.node.protocol.Directory`), with
-        no round trip. The hits (the leading READY keys) and misses are told to the daemon at most once a
-        second (``tally``), for its per-namespace figures."""
+        no round trip. The hits (the leading READY keys) and misses are told to the daemon (``tally``), for its
+        per-namespace figures, after the engine's next request (a hit's pin, a miss's allocations), or a second
+        later at the latest while it looks up."""
         if not keys:
             return []
         if not self.conn.alive():
