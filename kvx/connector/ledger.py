@@ -191,9 +191,10 @@ class ChunkLedger:
                 self.dropped[name] += 1  # the tier is not keeping up: the chunk is not written there
                 continue
             if holds:
-                slot = self.cpu.hold(key)
-                if slot is None:  # a node that lost the chunk, or is down: nothing to read it from
+                held = self.cpu.hold(key)
+                if held is None:  # a node that lost the chunk, or is down: nothing to read it from
                     break
+                slot = held
             self._pending[name] += nbytes
             out[name] = self._open_transfer(Kind.TIER, key, tier=name, holds=holds, nbytes=nbytes).id
         return out, slot
