@@ -1,4 +1,5 @@
-"""A blocking client connection to ``kvx node`` (:mod:`.protocol`): one request, one reply, with a timeout.
+"""A blocking client connection to ``kvx node`` (:mod:`.protocol`): one request, one reply, with a timeout; or
+requests posted without waiting, whose replies are read after (the daemon answers a connection's frames in order).
 
 Used by the engines' :class:`~.client.NodeIndex` and by the ``kvx node`` control subcommands. Not thread-safe:
 one owner (the thread that calls it).
@@ -8,8 +9,13 @@ from __future__ import annotations
 
 import select
 import socket
+from collections import deque
+from collections.abc import Callable
 
+from ..log import get_logger
 from .protocol import HEADER, ProtocolError, body_length, decode, encode
+
+log = get_logger(__name__)
 
 
 class NodeError(RuntimeError):
@@ -29,6 +35,8 @@ class Connection:
         self._sock: socket.socket | None = None
         self._buf = bytearray()  # bytes read past the last frame
         self._next = 0
+        # posted requests whose replies are not read yet, in order: (id, op, on_reply)
+        self._posted: deque[tuple[int, str, Callable[[dict | NodeError], None] | None]] = deque()
 
     @property
     def connected(self) -> bool:
@@ -52,6 +60,10 @@ class Connection:
         if self._sock is None:
             return False
         try:
+            self.poll()  # the replies of posted requests first: what follows them is the node's EOF or nothing
+        except NodeUnavailable:
+            return False
+        try:
             if not select.select([self._sock], [], [], 0)[0]:
                 return True  # nothing to read: open
             # readable: the node closed it (EOF), or bytes it sent unasked (kept for the next call to judge)
@@ -63,7 +75,10 @@ class Connection:
         return False
 
     def close(self) -> None:
+        """Close the connection; the replies of posted requests are dropped unread (the node undoes a closed
+        connection's leases and allocations itself)."""
         self._buf.clear()
+        self._posted.clear()
         if self._sock is not None:
             try:
                 self._sock.close()
@@ -84,21 +99,74 @@ class Connection:
 
     def call(self, op: str, **args) -> dict:
         """Send request ``op`` and return its reply; :class:`NodeError` if the node refused it,
-        :class:`NodeUnavailable` (the connection closed) if it could not be sent or answered."""
-        self.connect()
-        self._next += 1
-        msg = {"op": op, "id": self._next, **args}
+        :class:`NodeUnavailable` (the connection closed) if it could not be sent or answered. The replies of the
+        requests posted before it are read first, and handed to their ``on_reply``."""
+        rid = self._send(op, args)
+        self.drain()
         try:
-            self._sock.sendall(encode(msg))
-            reply = decode(self._recv(body_length(self._recv(HEADER.size))))
-        except (OSError, ProtocolError) as e:
+            reply = self._reply(op, rid)
+        except NodeUnavailable:
             self.close()
-            if isinstance(e, NodeUnavailable):
-                raise
-            raise NodeUnavailable(f"kvx node at {self.path}: {op}: {e}") from None
-        if reply.get("id") != self._next:
-            self.close()
-            raise NodeUnavailable(f"kvx node at {self.path}: {op}: a reply to request {reply.get('id')}")
+            raise
         if not reply.get("ok"):
             raise NodeError(f"kvx node: {op}: {reply.get('error', 'refused')}")
         return reply
+
+    def post(self, op: str, on_reply: Callable[[dict | NodeError], None] | None = None, **args) -> None:
+        """Send request ``op`` without waiting for its reply: a later :meth:`call` or :meth:`poll` reads it and
+        hands it to ``on_reply`` (the reply, or the :class:`NodeError` of a refusal; without ``on_reply``, a
+        refusal is logged). :class:`NodeUnavailable` if it could not be sent."""
+        self.poll()  # replies already here: read, so that they never pile up
+        rid = self._send(op, args)
+        self._posted.append((rid, op, on_reply))
+
+    def poll(self) -> None:
+        """Read the replies of posted requests that have arrived, without waiting for the others."""
+        try:
+            while self._posted and (self._buf or select.select([self._sock], [], [], 0)[0]):
+                self._take_posted()
+        except (OSError, ValueError) as e:  # ValueError: select on a closed socket
+            self.close()
+            if isinstance(e, NodeUnavailable):
+                raise
+            raise NodeUnavailable(f"kvx node at {self.path}: {e}") from None
+
+    def drain(self) -> None:
+        """Read the replies of every posted request, waiting for those not here yet."""
+        try:
+            while self._posted:
+                self._take_posted()
+        except NodeUnavailable:
+            self.close()
+            raise
+
+    def _send(self, op: str, args: dict) -> int:
+        self.connect()
+        self._next += 1
+        try:
+            self._sock.sendall(encode({"op": op, "id": self._next, **args}))
+        except (OSError, ProtocolError) as e:
+            self.close()
+            raise NodeUnavailable(f"kvx node at {self.path}: {op}: {e}") from None
+        return self._next
+
+    def _reply(self, op: str, rid: int) -> dict:
+        """The next reply on the connection, which must answer request ``rid``."""
+        try:
+            reply = decode(self._recv(body_length(self._recv(HEADER.size))))
+        except NodeUnavailable:
+            raise
+        except (OSError, ProtocolError) as e:
+            raise NodeUnavailable(f"kvx node at {self.path}: {op}: {e}") from None
+        if reply.get("id") != rid:
+            raise NodeUnavailable(f"kvx node at {self.path}: {op}: a reply to request {reply.get('id')}")
+        return reply
+
+    def _take_posted(self) -> None:
+        rid, op, on_reply = self._posted.popleft()
+        reply = self._reply(op, rid)
+        out = reply if reply.get("ok") else NodeError(f"kvx node: {op}: {reply.get('error', 'refused')}")
+        if on_reply is not None:
+            on_reply(out)
+        elif isinstance(out, NodeError):
+            log.warning("%s", out)

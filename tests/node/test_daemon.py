@@ -140,6 +140,12 @@ def check_invariants(state: NodeState) -> None:
     assert d.ready("".join(ready)) == [True] * len(ready)
     assert d.ready("".join(others + [key(10_000 + i) for i in range(8)])) == [False] * (len(others) + 8)
     assert int((d.dir["slot"] != 0).sum()) == len(ready)
+    assert [d.state(k) for k in ready] == [READY] * len(ready)
+    pending = [
+        k for ns in state._namespaces.values() for k, e in ns.entries.items() if e.state == PENDING and k not in ready
+    ]
+    assert [d.state(k) for k in pending] == [PENDING] * len(pending)
+    assert {d.state(k) for k in others if k not in pending} | {d.state(key(10_000))} <= {FREE}
 
 
 def test_allocate_commit_abort_write_the_table():
@@ -644,6 +650,54 @@ def test_an_engine_cycle_matches_the_mapped_pool_file(node):
         assert slot_entry(m, geom, a2["slot"]) == (bytes(16), a2["generation"] + 1, FREE)
     eng.call("unpin", keys=[k1])
     eng.close()
+
+
+def test_posted_requests_are_answered_in_order_and_read_by_the_next_call(node, caplog):
+    eng = node.engine(NS_A)
+    k1, k2 = key(0xB1), key(0xB2)
+    got = []
+    eng.post("allocate", got.append, key=k1)
+    eng.post("commit", got.append, key=k1)
+    eng.post("pin", keys=[k2])  # refused (not stored), without on_reply: logged, never raised
+    eng.post("unpin", got.append, keys=[k2])  # refused too: handed to on_reply
+    assert eng.call("lookup", keys=[k1])["states"] == [READY]  # read after the four posted replies
+    assert [type(r).__name__ for r in got] == ["dict", "dict", "NodeError"]
+    assert got[0]["slot"] >= 0 and "unpin: expected keys this connection leased" in str(got[2])
+    assert "kvx node: pin:" in caplog.text
+    eng.post("pin", got.append, keys=[k1])
+    wait_for(lambda: node.stats()["leases"] == 1, 10, "the posted pin to be held")
+    eng.poll()  # its reply is here: read without a request
+    assert got[-1]["slots"] == [got[0]["slot"]] and not eng._posted
+    eng.post("unpin", keys=[k1])
+    eng.drain()
+    assert node.stats()["leases"] == 0
+    eng.close()
+
+
+def test_a_node_index_pin_is_posted_with_the_directorys_slots_and_released_by_unpin(node):
+    from kvx.node.client import NodeIndex
+
+    writer = node.engine(NS_C)
+    k1, k2, gone = key(0xC1), key(0xC2), key(0xC3)
+    s1, s2 = writer.call("allocate", key=k1)["slot"], writer.call("allocate", key=k2)["slot"]
+    writer.call("commit", key=k1)
+    writer.call("commit", key=k2)
+    idx = NodeIndex(node.socket, bytes.fromhex(NS_C), "tiny", 16, SLOT, timeout=10)
+    try:
+        assert idx.contains_many([k1, k2, gone]) == [True, True, False]
+        assert idx.pin([k1, k2, gone]) == [s1, s2, -1]  # no round trip: the directory's slots
+        idx.unpin([k1, k2, gone])  # at once: the pin's reply is read first, so both leases are released
+        idx.conn.drain()
+        assert node.stats()["leases"] == 0 and not idx._held
+        assert idx.pin([k1]) == [s1] and idx.pin([k1]) == [s1]  # two loads of one chunk: two leases
+        wait_for(lambda: node.stats()["leases"] == 2, 10, "both posted pins to be held")
+        idx.unpin([k1])
+        idx.conn.drain()
+        assert node.stats()["leases"] == 1 and idx._held == Counter({k1: 1})
+    finally:
+        idx.close()
+        writer.close()
+    wait_for(lambda: node.stats()["leases"] == 0, 10, "the closed connection's lease to be released")
 
 
 KILLED_CLIENT = textwrap.dedent(
