@@ -78,6 +78,7 @@ class NodeIndex:
         self._held: Counter[str] = Counter()  # lease pins the connection holds, per key
         self._next_tally = 0.0
         self.stats = {"unavailable": 0, "refused": 0, "reconnects": 0}
+        self._refusal: str | None = None  # the node's last refusal of this engine's hello, logged once
 
     # ---------------------------------------------------------------- connection
     def _call(self, op: str, **args) -> dict | None:
@@ -90,11 +91,14 @@ class NodeIndex:
                 reply = self.conn.call("hello", **self.hello)
             except NodeUnavailable:
                 return None
-            except NodeError as e:
-                log.error("kvx: the node at %s refused this engine: %s", self.conn.path, e)
+            except NodeError as e:  # asked again every retry_s (the node may be restarted otherwise); said once
+                if str(e) != self._refusal:
+                    log.error("kvx: the node at %s refused this engine: %s", self.conn.path, e)
+                self._refusal = str(e)
                 self.conn.close()
                 self.stats["refused"] += 1
                 return None
+            self._refusal = None
             self.pool = (reply["pool"], reply["epoch"])
             self._dir = _map_directory(reply)
             self.stats["reconnects"] += 1
@@ -359,7 +363,7 @@ class NodePool:
                     f"pool file {path}: expected slots of at least {self.slot_bytes} bytes, got {geom.slot_bytes}"
                 )
         except (OSError, ValueError) as e:
-            log.error("kvx: cannot map the node's pool (%s); its chunks fail to copy until it is back", e)
+            log.error("kvx: cannot map the node's pool (%s); its chunks are recomputed on this worker until it can", e)
             self.epoch = self.geom = self._map = self.data = None
             return
         data = torch.frombuffer(m, dtype=torch.uint8, offset=geom.data_offset, count=geom.num_slots * geom.slot_bytes)

@@ -25,8 +25,8 @@ def node(tmp_path):
     sock = f"{tempfile.mkdtemp(prefix='kvxn', dir='/tmp')}/node.sock"
     made = []
 
-    def make(start: bool = True) -> Node:
-        n = Node(sock, "32MiB", "1MiB", str(tmp_path / "node.log"))
+    def make(start: bool = True, slot_size: str = "1MiB") -> Node:
+        n = Node(sock, "32MiB", slot_size, str(tmp_path / "node.log"))
         made.append(n)
         return n.start() if start else n
 
@@ -193,3 +193,26 @@ def test_a_quota_and_an_admin_pin_hold_while_two_engines_save_in_turns(make_env,
     assert a.assert_store_sound() == b.assert_store_sound() == s["chunks"]
     for env in (a, b):
         env.assert_clean()
+
+
+def test_an_engine_whose_chunks_exceed_the_nodes_slots_is_refused_once_and_serves(make_env, node, caplog):
+    n = node(slot_size="64KiB")  # a chunk of the test model (every head, every layer) takes more
+    env = make_env(node_tiers(n.socket))
+    index = env.conn._scheduler.cpu
+    sent = []
+
+    def refused(times: int) -> bool:  # asked again at a lookup retry_s after a refusal; refused, logged once
+        env.request(f"r{len(sent)}", prompt(600, seed=17 + len(sent)))
+        sent.append(1)
+        env.run()
+        return index.stats["refused"] >= times
+
+    for times in (1, 2, 3):
+        wait_for(lambda times=times: refused(times), 10, lambda: f"refusal {times}: {index.stats}")
+    refusals = [r.getMessage() for r in caplog.records if "refused this engine" in r.getMessage()]
+    assert len(refusals) == 1, refusals
+    assert "slot_bytes: expected at most the pool's slot size, 65536 bytes" in refusals[0]
+    assert "(start kvx node with a larger --slot-size)" in refusals[0]
+    assert saves(env) == [] and not any(env.load_errors) and node_chunks(n) == 0
+    assert n.stats()["namespaces"] == {}
+    env.assert_clean()
