@@ -1,6 +1,6 @@
 """``kvx node``: run the host's KV pool daemon (:mod:`.daemon`), or ask a running one.
 
-    kvx node --socket PATH --size 64GiB [--slot-size 32MiB] [--pool PATH] [--socket-mode 660]
+    kvx node --socket PATH --size 64GiB [--slot-size auto|SIZE] [--pool PATH] [--socket-mode 660]
              [--metrics-port N] [--allow-uid UID ...] [--allow-gid GID ...] [--quota NS=SIZE ...]
     kvx node stats  --socket PATH [--json]
     kvx node lookup --socket PATH --namespace NS (--tokens 1,2,3 | --tokens-file F) [--cache-salt S]
@@ -37,7 +37,7 @@ import sys
 
 from ..sizes import parse_size
 from .connection import Connection, NodeError, NodeUnavailable
-from .protocol import NAMESPACE_RE, VERSION, PoolGeometry
+from .protocol import NAMESPACE_RE, SLOT_ALIGN, VERSION, PoolGeometry
 
 _TIMEOUT_S = 5.0  # per control request
 _PROMPT_OPS = ("lookup", "pin", "unpin")
@@ -66,6 +66,11 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _slot_size(text: str) -> int | None:
+    """``--slot-size``: a size, or ``auto`` (None)."""
+    return None if text == "auto" else _size(text)
 
 
 def _namespace(text: str) -> str:
@@ -133,7 +138,12 @@ def _daemon_parser() -> _Parser:
     ap.add_argument("--socket", required=True, metavar="PATH", help="the unix socket to listen on")
     ap.add_argument("--size", required=True, type=_size, metavar="SIZE", help="bytes of the pool, e.g. 64GiB")
     ap.add_argument(
-        "--slot-size", type=_size, metavar="SIZE", default="32MiB", help="bytes of one slot (default 32MiB)"
+        "--slot-size",
+        type=_slot_size,
+        metavar="SIZE",
+        default="auto",
+        help="bytes of one slot, or auto (the default): as large as the first engine's chunks (every rank's KV "
+        "heads of one chunk); give the largest model's for a host serving several",
     )
     ap.add_argument(
         "--pool",
@@ -218,12 +228,15 @@ def _control_parser() -> _Parser:
 def _run_daemon(args: argparse.Namespace) -> int:
     from .daemon import NodeServer, StartError, default_pool_path
 
-    geom = PoolGeometry.fit(args.size, args.slot_size)
+    slot = args.slot_size if args.slot_size is not None else SLOT_ALIGN  # auto: at least the smallest slot
+    geom = PoolGeometry.fit(args.size, slot)
     if geom.num_slots < 1:
         raise _UsageError(
             f"kvx node: --size: expected room for the table and at least one slot of --slot-size "
-            f"{args.slot_size} bytes ({PoolGeometry(1, args.slot_size).file_bytes} bytes or more), got {args.size}"
+            f"{args.slot_size or 'auto'} ({PoolGeometry(1, slot).file_bytes} bytes or more), got {args.size}"
         )
+    if args.slot_size is None:
+        geom = None  # made at the first engine's hello
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
     server = NodeServer(
@@ -236,6 +249,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
         quotas=dict(args.quota),
         metrics_port=args.metrics_port,
         quarantine_s=args.quarantine_s,
+        size=args.size,
     )
     previous = {sig: signal.signal(sig, lambda *_: server.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:  # a signal during start: serve() returns at once and cleans up
@@ -320,9 +334,15 @@ def _mib(n: int) -> str:
 
 def _stats_table(s: dict) -> str:
     pool = s["pool"]
+    if pool["slot_bytes"] is None:
+        head = "pool: not made yet (its slots are sized by the first engine's chunks)"
+    else:
+        head = (
+            f"pool {pool['path']}: {pool['num_slots']} slots x {_mib(pool['slot_bytes'])} = {_mib(pool['bytes'])}; "
+            f"used {pool['used']} (pending {pool['pending']}), free {pool['free']}"
+        )
     lines = [
-        f"pool {pool['path']}: {pool['num_slots']} slots x {_mib(pool['slot_bytes'])} = {_mib(pool['bytes'])}; "
-        f"used {pool['used']} (pending {pool['pending']}), free {pool['free']}",
+        head,
         f"clients {s['clients']}, refused {s['refused_clients']}; bad frames {s['bad_frames']}, bad requests "
         f"{s['bad_requests']}, internal errors {s['internal_errors']}; released on disconnect: "
         f"{s['leases_released']} leases, {s['aborted_on_disconnect']} pending slots",

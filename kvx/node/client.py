@@ -340,6 +340,9 @@ class NodePool:
             return
         finally:
             conn.close()
+        if hello["pool"] is None:  # --slot-size auto: this engine's scheduler is the first, and makes it
+            log.info("kvx: the node has no pool yet; it is mapped when a step names it")
+            return
         self.attach((hello["pool"], hello["epoch"]), background=False)
 
     def attach(self, pool: tuple[str, str] | None, background: bool = True) -> None:

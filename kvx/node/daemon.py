@@ -2,7 +2,9 @@
 
 Every vLLM engine on the host connects to the unix socket (:mod:`.protocol`'s frames), asks for slots
 (``allocate`` / ``commit`` / ``pin`` ...) and copies chunk bytes into or out of the mapped pool file itself:
-no chunk byte crosses the socket. The daemon writes only the pool's header and slot table.
+no chunk byte crosses the socket. The daemon writes only the pool's header and slot table. The pool file is made
+at start with ``--slot-size SIZE``, or, by default (``auto``), at the first engine's hello, its slots as large as
+that engine's chunks: one model's engines fit, whatever the model.
 
 Slot life cycle (as :class:`kvx.store.cpu.CPUIndex`, per namespace, leases held by connections)::
 
@@ -43,7 +45,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
@@ -193,7 +195,9 @@ class NodeState:
     connection is an id given to :meth:`open`, and :meth:`request` answers one decoded request. Loop thread only.
 
     Args:
-        geom: the pool's geometry.
+        geom: the pool's geometry; None: none yet, ``carve(slot_bytes)`` makes the pool at the first engine's hello
+            and returns its ``(geom, table, epoch)`` (its slots as large as that engine's chunks), or raises
+            :class:`Refused`.
         table: a writable buffer of at least ``geom.data_offset`` bytes (its slot table starts all FREE).
         pool_path, epoch: what ``hello`` tells engines (the file to map, and its 16 random bytes).
         quotas: namespaces registered up front, with their quota in bytes.
@@ -204,23 +208,26 @@ class NodeState:
 
     def __init__(
         self,
-        geom: PoolGeometry,
+        geom: PoolGeometry | None,
         table,
         pool_path: str,
-        epoch: bytes,
+        epoch: bytes | None,
         quotas: dict[str, int] | None = None,
         quarantine_s: float = 0.0,
+        carve: Callable[[int], tuple[PoolGeometry, Any, bytes]] | None = None,
     ):
-        if geom.num_slots < 1:
-            raise ValueError(f"geom: expected at least one slot, got {geom}")
-        self.geom = geom
-        self.table = table
+        if geom is None and carve is None:
+            raise ValueError("geom: expected a pool geometry, or carve to make one, got neither")
+        self.geom: PoolGeometry | None = None
+        self.table = self.epoch = None
+        self._free: list[int] = []
+        self._generation: list[int] = []
+        self._carve = carve
+        if geom is not None:
+            self._use_pool(geom, table, epoch)
         self.pool_path = pool_path
-        self.epoch = epoch
-        self._free = list(range(geom.num_slots - 1, -1, -1))  # a stack: slot 0 first
         self.quarantine_s = quarantine_s
         self._quarantine: deque[tuple[float, int]] = deque()  # (when it may be reused, slot), oldest first
-        self._generation = [0] * geom.num_slots
         self._lru: OrderedDict[_Entry, None] = OrderedDict()  # READY, no admin pin, every namespace; LRU first
         self._namespaces: dict[str, _Namespace] = {}
         self._clients: dict[int, _Client] = {}
@@ -253,6 +260,18 @@ class NodeState:
             "evict": (self._op_evict, None),
             "quota": (self._op_quota, None),
         }
+
+    def _use_pool(self, geom: PoolGeometry, table, epoch: bytes) -> None:
+        if geom.num_slots < 1:
+            raise ValueError(f"geom: expected at least one slot, got {geom}")
+        self.geom, self.table, self.epoch = geom, table, epoch
+        self._free = list(range(geom.num_slots - 1, -1, -1))  # a stack: slot 0 first
+        self._generation = [0] * geom.num_slots
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of a slot; 0 while the pool is not carved (no chunk yet)."""
+        return self.geom.slot_bytes if self.geom is not None else 0
 
     # -------------------------------------------------------------------------------------- connections
     def open(self, cid: int, pid: int = 0) -> None:
@@ -314,6 +333,8 @@ class NodeState:
         if role == "engine":
             self._hello_engine(c, args)
         c.role, c.pid = role, pid
+        if self.geom is None:  # a control connection before any engine: no pool file yet
+            return {"pool": None, "epoch": None, "num_slots": 0, "slot_bytes": None}
         return {
             "pool": self.pool_path,
             "epoch": self.epoch.hex(),
@@ -328,10 +349,12 @@ class NodeState:
         model = _get(args, "model", lambda v: isinstance(v, str), "a model name (str)")
         chunk_size = _get(args, "chunk_size", lambda v: _is_int(v) and v > 0, "a positive int (tokens)")
         need = _get(args, "slot_bytes", lambda v: _is_int(v) and v > 0, "a positive int (bytes of one chunk)")
+        if self.geom is None:
+            self._use_pool(*self._carve(need))
         if need > self.geom.slot_bytes:
             raise BadRequest(
                 f"slot_bytes: expected at most the pool's slot size, {self.geom.slot_bytes} bytes, got {need} "
-                "(start kvx node with a larger --slot-size)"
+                "(start kvx node with a --slot-size as large as the largest model's chunks)"
             )
         ns = self._namespaces.get(name)
         if ns is None:
@@ -545,7 +568,7 @@ class NodeState:
     def pin_prefix(self, ns: _Namespace, keys: Sequence[str]) -> int:
         """Admin-pin the leading READY ``keys`` of ``ns`` while its pinned bytes stay within its quota; returns how
         many. An admin pin outlives the connection; pins of overlapping prefixes count."""
-        sb = self.geom.slot_bytes
+        sb = self.slot_bytes
         for n, k in enumerate(keys):
             e = self._ready(ns, k)
             if e is None or (not e.admin and ns.quota is not None and (ns.admin_pinned + 1) * sb > ns.quota):
@@ -600,7 +623,7 @@ class NodeState:
         """Set (or clear, None) ``ns``'s quota; if it is now over, evict its LRU unpinned chunks until within or
         none is left."""
         ns.quota = quota
-        while quota is not None and (ns.chunks + ns.pending) * self.geom.slot_bytes > quota:
+        while quota is not None and (ns.chunks + ns.pending) * self.slot_bytes > quota:
             victim = next(self._evictable(ns.lru), None)
             if victim is None:
                 return
@@ -692,14 +715,15 @@ class NodeState:
     # -------------------------------------------------------------------------------------- stats
     def stats(self) -> dict:
         """Everything ``stats`` answers (see the module docstring of :mod:`kvx.node.cli` for the fields)."""
-        sb = self.geom.slot_bytes
+        sb = self.slot_bytes
+        num_slots = self.geom.num_slots if self.geom is not None else 0
         return {
             "pool": {
-                "path": self.pool_path,
-                "bytes": self.geom.num_slots * sb,
-                "num_slots": self.geom.num_slots,
-                "slot_bytes": sb,
-                "used": self.geom.num_slots - len(self._free),
+                "path": self.pool_path if self.geom is not None else None,
+                "bytes": num_slots * sb,
+                "num_slots": num_slots,
+                "slot_bytes": sb or None,
+                "used": num_slots - len(self._free),
                 "free": len(self._free),
                 "quarantined": len(self._quarantine),
                 "pending": sum(ns.pending for ns in self._namespaces.values()),
@@ -749,14 +773,16 @@ _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 class NodeServer:
     """The daemon: the pool file, the socket and the event loop that serves :class:`NodeState`.
 
-    :meth:`start` binds the socket and makes the pool file; :meth:`serve` runs the loop in the calling thread until
-    :meth:`stop` (safe from a signal handler or another thread), then closes every connection and removes the
-    socket and the pool file. Everything but the metrics snapshot is owned by the loop thread.
+    :meth:`start` binds the socket and makes the pool file (with ``geom`` None: at the first engine's hello);
+    :meth:`serve` runs the loop in the calling thread until :meth:`stop` (safe from a signal handler or another
+    thread), then closes every connection and removes the socket and the pool file. Everything but the metrics
+    snapshot is owned by the loop thread.
 
     Args:
         socket_path: the unix socket engines connect to.
         pool_path: the pool file (``/dev/shm`` or a hugetlbfs mount).
-        geom: the pool's geometry (:meth:`PoolGeometry.fit`).
+        geom: the pool's geometry (:meth:`PoolGeometry.fit`); None: the pool is made at the first engine's hello,
+            ``size`` bytes of slots as large as that engine's chunks (``--slot-size auto``).
         socket_mode: permissions of the socket and of the pool file (peers need both).
         allow_uids, allow_gids: peers admitted besides the daemon's own uid and root (a gid: the peer's primary
             group). With ``allow_gids`` the socket and pool file are given to the first group.
@@ -777,10 +803,14 @@ class NodeServer:
         quotas: dict[str, int] | None = None,
         metrics_port: int = 0,
         quarantine_s: float = 5.0,
+        size: int | None = None,
     ):
+        if geom is None and size is None:
+            raise ValueError("size: expected the pool's bytes when geom is None (slots sized by the first engine)")
         self.socket_path = os.path.abspath(socket_path)
         self.pool_path = os.path.abspath(pool_path)
         self.geom = geom
+        self.size = size if geom is None else geom.file_bytes
         self.socket_mode = socket_mode
         self.allow_uids = {os.getuid(), 0, *allow_uids}
         self.allow_gids = set(allow_gids)
@@ -805,27 +835,64 @@ class NodeServer:
 
     # -------------------------------------------------------------------------------------- start and stop
     def start(self) -> None:
-        """Bind the socket, make a fresh pool file and start the metrics endpoint; :class:`StartError` if one of
-        them fails (nothing is left behind then)."""
+        """Bind the socket, make a fresh pool file (unless its slots wait for the first engine) and start the
+        metrics endpoint; :class:`StartError` if one of them fails (nothing is left behind then)."""
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         try:
             self._bind()
-            self._make_pool()
+            if self.geom is not None:
+                table, epoch = self._make_pool()
+                self.state = NodeState(self.geom, table, self.pool_path, epoch, self._quotas, self.quarantine_s)
+            else:
+                self._check_room(os.statvfs(os.path.dirname(self.pool_path)), self.size)
+                self.state = NodeState(
+                    None, None, self.pool_path, None, self._quotas, self.quarantine_s, carve=self._carve
+                )
             if self.metrics_port:
                 self._start_metrics()
         except BaseException:
             self._cleanup()
             raise
         self._publish()
+        metrics = f", metrics on port {self.metrics_port}" if self.metrics_port else ""
+        if self.geom is None:
+            log.info(
+                "kvx node: socket %s, pool %s: %.2f GiB, its slots as large as the first engine's chunks%s",
+                self.socket_path,
+                self.pool_path,
+                self.size / 2**30,
+                metrics,
+            )
+        else:
+            self._log_pool("")
+            log.info("kvx node: socket %s%s", self.socket_path, metrics)
+
+    def _log_pool(self, why: str) -> None:
+        g = self.geom
         log.info(
-            "kvx node: socket %s, pool %s: %d slots x %g MiB (%.2f GiB)%s",
-            self.socket_path,
+            "kvx node: pool %s: %d slots x %g MiB (%.2f GiB)%s",
             self.pool_path,
-            self.geom.num_slots,
-            self.geom.slot_bytes / 2**20,
-            self.geom.num_slots * self.geom.slot_bytes / 2**30,
-            f", metrics on port {self.metrics_port}" if self.metrics_port else "",
+            g.num_slots,
+            g.slot_bytes / 2**20,
+            g.num_slots * g.slot_bytes / 2**30,
+            why,
         )
+
+    def _carve(self, slot_bytes: int) -> tuple[PoolGeometry, Any, bytes]:
+        """The pool, made at the first engine's hello with slots of its ``slot_bytes`` (:class:`NodeState`)."""
+        geom = PoolGeometry.fit(self.size, slot_bytes)
+        if geom.num_slots < 1:
+            raise Refused(
+                f"slot_bytes: expected chunks that a pool of --size {self.size} bytes holds one of, got {slot_bytes}"
+            )
+        self.geom = geom
+        try:
+            table, epoch = self._make_pool()
+        except StartError as e:
+            self.geom = None
+            raise Refused(f"cannot make the pool: {e}") from None
+        self._log_pool(" (slots sized by the first engine's chunks)")
+        return geom, table, epoch
 
     def _bind(self) -> None:
         path = self.socket_path
@@ -857,7 +924,8 @@ class NodeServer:
         sock.setblocking(False)
         self._sel.register(sock, selectors.EVENT_READ, "accept")
 
-    def _make_pool(self) -> None:
+    def _make_pool(self) -> tuple[mmap.mmap, bytes]:
+        """A fresh pool file of ``geom``: its mapped header and table, and its epoch."""
         path = self.pool_path
         try:
             if os.path.lexists(path):
@@ -868,7 +936,7 @@ class NodeServer:
         try:
             self._remember(path)
             self._own(path)
-            self._check_room(fd)
+            self._check_room(os.fstatvfs(fd), self.geom.file_bytes)
             block = max(os.fstat(fd).st_blksize, 4096)  # a hugetlbfs file is sized and mapped in huge pages
             os.ftruncate(fd, -(-self.geom.file_bytes // block) * block)
             self._map = mmap.mmap(fd, -(-self.geom.data_offset // block) * block)  # header and table only
@@ -879,17 +947,16 @@ class NodeServer:
         epoch = os.urandom(16)
         header = pack_header(self.geom, epoch)
         self._map[: len(header)] = header
-        self.state = NodeState(self.geom, self._map, path, epoch, self._quotas, self.quarantine_s)
+        return self._map, epoch
 
-    def _check_room(self, fd: int) -> None:
+    def _check_room(self, vfs: os.statvfs_result, nbytes: int) -> None:
         """A pool larger than its file system's free space would be sized (sparse) and mapped, and an engine
         writing past the free space would die of SIGBUS: refuse it now."""
-        vfs = os.fstatvfs(fd)
         free = vfs.f_bavail * vfs.f_frsize
-        if self.geom.file_bytes > free:
+        if nbytes > free:
             raise StartError(
                 f"--size: expected at most the {free} bytes free on the file system of {self.pool_path}, got a "
-                f"pool of {self.geom.file_bytes} bytes"
+                f"pool of {nbytes} bytes"
             )
 
     def _remember(self, path: str) -> None:

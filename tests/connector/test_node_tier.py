@@ -47,7 +47,7 @@ def node_chunks(node: Node) -> int:
 
 
 def test_a_second_engine_loads_the_first_ones_chunks_from_the_node_stored_once(make_env, node, store_dir):
-    n = node()
+    n = node(slot_size="auto")  # kvx node's default: the first engine's hello makes the pool, its slots its chunks'
     a = make_env(node_tiers(n.socket, store_dir))
     ids = prompt(700, seed=11)
     a.request("a", ids)
@@ -212,7 +212,7 @@ def test_an_engine_whose_chunks_exceed_the_nodes_slots_is_refused_once_and_serve
     refusals = [r.getMessage() for r in caplog.records if "refused this engine" in r.getMessage()]
     assert len(refusals) == 1, refusals
     assert "slot_bytes: expected at most the pool's slot size, 65536 bytes" in refusals[0]
-    assert "(start kvx node with a larger --slot-size)" in refusals[0]
+    assert "(start kvx node with a --slot-size as large as the largest model's chunks)" in refusals[0]
     assert saves(env) == [] and not any(env.load_errors) and node_chunks(n) == 0
     assert n.stats()["namespaces"] == {}
     env.assert_clean()

@@ -25,7 +25,7 @@ import pytest
 from kvx.connector.keys import chunk_keys, request_root
 from kvx.node import cli
 from kvx.node.connection import Connection, NodeError
-from kvx.node.daemon import NodeState, default_pool_path
+from kvx.node.daemon import NodeState, Refused, default_pool_path
 from kvx.node.protocol import (
     FREE,
     HEADER,
@@ -57,11 +57,13 @@ def key(i: int) -> str:
 class Peer:
     """One connection to a :class:`NodeState`, through :meth:`NodeState.request` (the path every frame takes)."""
 
-    def __init__(self, state: NodeState, cid: int, role: str = "engine", ns: str = NS_A):
+    def __init__(self, state: NodeState, cid: int, role: str = "engine", ns: str = NS_A, slot_bytes: int = SLOT):
         self.state, self.cid, self._id = state, cid, 0
         state.open(cid, pid=1000 + cid)
         extra = (
-            {"namespace": ns, "model": f"m-{ns[:2]}", "chunk_size": 16, "slot_bytes": SLOT} if role == "engine" else {}
+            {"namespace": ns, "model": f"m-{ns[:2]}", "chunk_size": 16, "slot_bytes": slot_bytes}
+            if role == "engine"
+            else {}
         )
         self.hello = self.call("hello", version=VERSION, role=role, pid=1000 + cid, **extra)
 
@@ -146,6 +148,45 @@ def check_invariants(state: NodeState) -> None:
     ]
     assert [d.state(k) for k in pending] == [PENDING] * len(pending)
     assert {d.state(k) for k in others if k not in pending} | {d.state(key(10_000))} <= {FREE}
+
+
+def test_auto_slots_are_carved_at_the_first_engines_hello_as_large_as_its_chunks():
+    carved = []
+
+    def carve(slot_bytes: int):
+        if slot_bytes > 1 << 20:
+            raise Refused(f"no room for a slot of {slot_bytes} bytes")
+        geom = PoolGeometry.fit(8 << 20, slot_bytes)
+        carved.append(geom)
+        return geom, bytearray(geom.data_offset), bytes(16)
+
+    state = NodeState(None, None, "/dev/shm/test.pool", None, {NS_B: 4 * SLOT}, carve=carve)
+    ctl = Peer(state, 0, role="control")
+    assert ctl.hello["pool"] is None and ctl.hello["num_slots"] == 0  # nothing to map yet
+    s = state.stats()
+    assert (s["pool"]["num_slots"], s["pool"]["slot_bytes"], s["pool"]["bytes"], s["pool"]["path"]) == (
+        0,
+        None,
+        0,
+        None,
+    )
+    # control ops on a namespace known before any engine (a quota) answer from an empty pool
+    assert ctl.call("pin_prefix", namespace=NS_B, keys=[key(1)])["pinned"] == 0
+    assert ctl.call("evict", namespace=NS_B, keys=[])["evicted"] == 0
+    ctl.call("quota", namespace=NS_B, bytes=SLOT)
+    assert state.stats()["namespaces"][NS_B]["bytes"] == 0
+    with pytest.raises(NodeError, match="no room for a slot of 2097152 bytes"):
+        Peer(state, 9, slot_bytes=2 << 20)
+    assert state.geom is None and carved == []  # refused: the next engine's hello tries again
+    first = Peer(state, 10, slot_bytes=5000).hello
+    assert first["slot_bytes"] == 8192 and first["pool"] == "/dev/shm/test.pool"
+    assert [g.slot_bytes for g in carved] == [8192] and state.geom == carved[0]
+    Peer(state, 11, slot_bytes=100)  # smaller chunks fit
+    with pytest.raises(NodeError, match="expected at most the pool's slot size, 8192 bytes, got 9000"):
+        Peer(state, 12, slot_bytes=9000)
+    assert len(carved) == 1
+    assert Peer(state, 13).call("allocate", key=key(1))["slot"] == 0
+    check_invariants(state)
 
 
 def test_allocate_commit_abort_write_the_table():
@@ -963,12 +1004,39 @@ def test_cli_without_a_daemon_or_with_bad_sizes(short_dir, capsys):
     assert "kvx node stats: --socket: expected a running kvx node, got" in err and err.count("\n") == 1
     sock = str(short_dir / "x")
     assert cli.main(["--socket", sock, "--size", "1MiB"]) == 2
-    assert "--size: expected room for the table and at least one slot of --slot-size" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--size: expected room for the table and at least one slot of --slot-size auto" in err
+    assert cli.main(["--socket", sock, "--size", "40MiB", "--slot-size", "64MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "--size: expected room for the table and at least one slot of --slot-size 67108864 (" in err
     assert cli.main(["--socket", sock, "--size", "64GiB", "--quota", "nothex=1GiB"]) == 2
     assert "argument --quota: expected 8-128 lowercase hex digits, got 'nothex'" in capsys.readouterr().err
     assert cli.main(["--socket", sock, "--size", "-3"]) == 2
     assert "argument --size: expected" in capsys.readouterr().err
     assert not os.path.exists(sock)
+
+
+def test_a_daemon_with_auto_slots_makes_its_pool_at_the_first_engines_hello(short_dir, capsys):
+    root = short_dir / "auto"
+    root.mkdir()
+    d = Daemon(root, "--slot-size", "auto").wait_ready()
+    try:
+        assert cli.main(["stats", "--socket", d.socket]) == 0
+        assert "pool: not made yet (its slots are sized by the first engine's chunks)" in capsys.readouterr().out
+        assert not os.path.exists(d.pool)
+        eng = Connection(d.socket, timeout=10)
+        hello = eng.call(
+            "hello", version=VERSION, role="engine", namespace=NS_A, model="m", chunk_size=16, slot_bytes=3 * SLOT - 1
+        )
+        assert hello["slot_bytes"] == 3 * SLOT and hello["pool"] == d.pool and os.path.exists(d.pool)
+        pool = d.stats()["pool"]
+        assert pool["slot_bytes"] == 3 * SLOT and pool["num_slots"] * 3 * SLOT <= 8 << 20
+        assert eng.call("allocate", key=key(1))["slot"] == 0
+        eng.close()
+        assert "slots sized by the first engine's chunks" in d.stderr()
+    finally:
+        assert d.stop() == 0, d.stderr()
+    assert not os.path.exists(d.pool)
 
 
 def test_sigterm_stops_cleanly_and_a_second_daemon_refuses_the_socket(short_dir):

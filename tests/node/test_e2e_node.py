@@ -55,8 +55,8 @@ def procs(tmp_path):
     class Procs:
         sock = f"{short}/node.sock"
 
-        def node(self, *args: str) -> Node:
-            n = Node(self.sock, "64MiB", "1MiB", str(tmp_path / "node.log"), *args)
+        def node(self, *args: str, slot_size: str = "1MiB") -> Node:
+            n = Node(self.sock, "64MiB", slot_size, str(tmp_path / "node.log"), *args)
             started.append(n)
             return n.start()
 
@@ -86,7 +86,8 @@ def check(results: list[dict], reference: list[list[int]]) -> None:
 
 
 def test_a_second_engine_hits_the_first_ones_prompts_held_once_and_a_restarted_engine_its_own(model, reference, procs):
-    node = procs.node()
+    node = procs.node(slot_size="auto")  # kvx node's default: slots as large as the first engine's chunks
+    assert node.stats()["pool"]["slot_bytes"] is None  # no pool file before an engine says hello
     a = procs.engine(model, "a")
     first = a.generate(PROMPTS)
     check(first, reference[:2])
@@ -99,6 +100,8 @@ def test_a_second_engine_hits_the_first_ones_prompts_held_once_and_a_restarted_e
     assert [r["cached"] for r in second] == [len(p) // CHUNK * CHUNK for p in PROMPTS]
     # the hits reach the daemon posted with the engine's next request (its pins): nothing waits for them
     ns = wait_for(lambda: (s := namespace_stats(node))["hits"] >= CHUNKS and s, 10, lambda: f"hits: {node.stats()}")
+    pool = node.stats()["pool"]
+    assert 0 < pool["slot_bytes"] < 1 << 20 and pool["num_slots"] * pool["slot_bytes"] <= 64 << 20
     assert ns["chunks"] == CHUNKS  # held once on the host
     assert ns["clients"] == 2
 
