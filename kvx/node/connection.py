@@ -108,9 +108,10 @@ class Connection:
         except NodeUnavailable:
             self.close()
             raise
-        if not reply.get("ok"):
-            raise NodeError(f"kvx node: {op}: {reply.get('error', 'refused')}")
-        return reply
+        out = _refusal_or(op, reply)
+        if isinstance(out, NodeError):
+            raise out
+        return out
 
     def post(self, op: str, on_reply: Callable[[dict | NodeError], None] | None = None, **args) -> None:
         """Send request ``op`` without waiting for its reply: a later :meth:`call` or :meth:`poll` reads it and
@@ -164,9 +165,13 @@ class Connection:
 
     def _take_posted(self) -> None:
         rid, op, on_reply = self._posted.popleft()
-        reply = self._reply(op, rid)
-        out = reply if reply.get("ok") else NodeError(f"kvx node: {op}: {reply.get('error', 'refused')}")
+        out = _refusal_or(op, self._reply(op, rid))
         if on_reply is not None:
             on_reply(out)
         elif isinstance(out, NodeError):
             log.warning("%s", out)
+
+
+def _refusal_or(op: str, reply: dict) -> dict | NodeError:
+    """``reply``, or the :class:`NodeError` of a refusal (``ok`` false)."""
+    return reply if reply.get("ok") else NodeError(f"kvx node: {op}: {reply.get('error', 'refused')}")
