@@ -140,7 +140,9 @@ class ChunkLedger:
         self.slot_bytes = slot_bytes  # a write buffer's bytes (a CPU slot's): what a buffered save occupies
         self._pending: Counter[str] = Counter()  # tier -> bytes its writes in flight queue (per worker)
         self.dropped: Counter[str] = Counter()  # tier -> writes not planned: its backlog was full
-        self.slots_busy = 0  # saves that found every CPU slot being written or read (the byte tiers alone got them)
+        # saves planned to the byte tiers alone because every CPU slot was being written or read: one per planned save
+        # (a chunk with nowhere to go is no save and is not counted)
+        self.slots_busy = 0
         # writes a chunk's record once every worker stored its parts (None from it, or no commit: nothing to write)
         self.commit = commit
         self._commits: list[tuple[Transfer, Future]] = []
@@ -218,8 +220,6 @@ class ChunkLedger:
         scheduler hears every worker's failures). ``state``: ``key`` names a state object. None: nothing to do."""
         in_cpu = self.cpu.state(key) if self.cpu is not None else None
         slot = self.cpu.allocate(key) if self.cpu is not None and in_cpu is None else None
-        if slot is None and self.cpu is not None and in_cpu is None:
-            self.slots_busy += 1
         if in_cpu is SlotState.PENDING and key in self._slot_writes:
             # another save is writing the chunk into the CPU tier (or this request's own earlier one, which a
             # failed load poisoned): counted as saved only if that write commits
@@ -241,6 +241,8 @@ class ChunkLedger:
         writes, held = self._write_tiers(key, to_tiers, holds, nbytes)
         if slot is None and not writes:
             return None
+        if slot is None and self.cpu is not None and in_cpu is None:
+            self.slots_busy += 1  # a save planned without the CPU tier: it found every slot being written or read
         return ChunkSave(
             req_id,
             key,

@@ -72,6 +72,8 @@ COUNTERS = {
     "pd_mismatches": "Consumer requests whose announced chunks were not their prompt's in this namespace",
     "cpu_store_failed": "Chunks whose CPU-tier write failed on a worker",
     "cpu_slots_busy": "Chunk saves that found every CPU slot being written or read (stored in the byte tiers alone)",
+    "saves_incomplete": "Chunk saves not made because a sliding-window group had already released one of the "
+    "chunk's blocks (the chunk could not serve every group)",
     "saves_deferred": "Chunk saves held back because their KV depends on a failed load (saved after recompute)",
     "saves_poisoned": "In-flight chunk saves discarded because a load they depend on failed",
     "saves_dropped": "Chunk saves a worker dropped because a load they depend on failed there",

@@ -16,7 +16,7 @@ from vllm.distributed.kv_events import (  # noqa: E402
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
-from kvx.connector.stats import GAUGES, KVXStats  # noqa: E402
+from kvx.connector.stats import GAUGES, HISTOGRAMS, KVXStats, counters  # noqa: E402
 
 from .conftest import BLOCK, CHUNK, prompt, saves  # noqa: E402
 
@@ -223,6 +223,28 @@ def test_a_write_is_counted_in_the_stats_of_the_step_that_reports_it(make_env, s
         st, ws = env.sched_stats, env.stats
         assert st.get("pending_writes", 0) == 0
         assert ws.get("disk_writes", 0) == st["disk_stored"] == 2 * (i + 1)
+
+
+def test_every_figure_the_connector_counts_is_exported_with_its_help_text():
+    """A name the connector counts but vLLM's Prometheus hook does not know is dropped silently by ``observe``:
+    every literal ``stats[...]`` / ``hist[...]`` name in the connector's source is a declared counter, histogram or
+    gauge (``{tier}`` names for every registered tier type)."""
+    import re
+    from pathlib import Path
+
+    from kvx.store import tier_types
+
+    src = Path(__file__).resolve().parents[2] / "kvx" / "connector"
+    names = set()
+    for f in src.glob("*.py"):
+        for fstr, name in re.findall(r'(?:stats|hist)\[(f?)"([a-z_{}.]+)"\]', f.read_text()):
+            if fstr:
+                names |= {re.sub(r"\{[a-z_.]+\}", tier, name) for tier in tier_types()}
+            else:
+                names.add(name)
+    assert len(names) > 30  # the scan found the connector's figures
+    declared = set(counters()) | set(HISTOGRAMS) | set(GAUGES)
+    assert names <= declared, sorted(names - declared)
 
 
 def test_stats_aggregate_counters_samples_and_gauges():

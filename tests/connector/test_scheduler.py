@@ -257,6 +257,19 @@ def test_saves_that_find_every_cpu_slot_busy_go_to_the_byte_tiers_and_are_counte
     env.run(settle_writes=True)
     st = env.sched_stats
     assert st["cpu_slots_busy"] == 2 and st["cpu_stored"] == 1 and st["disk_stored"] == 3, st
+    assert st["saves"] == 3, st  # one save per chunk: the slot's, and two to the byte tiers alone
+    env.assert_clean()
+
+
+def test_a_chunk_with_no_free_cpu_slot_and_no_byte_tier_is_no_save_and_not_counted_busy(make_env, store_dir):
+    chunk_bytes = 2 * 2 * 64 * 1024
+    env = make_env(tiers(store_dir, cpu=str(chunk_bytes), disk=False))  # 1 CPU slot, nothing after it
+    env.request("a", prompt(3 * CHUNK + 10, seed=23))  # 3 chunks in one step: the first takes the slot
+    env.run(settle_writes=True)
+    st = env.sched_stats
+    # the other two had nowhere to go: no save was planned for them, so none found "every slot busy"
+    assert st["saves"] == 1 and st["cpu_stored"] == 1 and "cpu_slots_busy" not in st, st
+    assert len(saves(env)) == 1
     env.assert_clean()
 
 

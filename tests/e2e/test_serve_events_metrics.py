@@ -198,10 +198,15 @@ def test_kv_events_and_metrics_of_a_serving_engine(tmp_path):
         assert m["vllm:kvx_hit_tokens_disk_total"] >= 2 * CHUNK
         assert m["vllm:kvx_miss_tokens_total"] >= 7 * 700 - 2 * CHUNK
         assert m["vllm:kvx_disk_write_bytes_total"] == 14 * CHUNK_BYTES
-        # each save found a CPU slot, or found them all busy (promotions from disk count as stored, not as saves)
+        # each planned save either wrote a CPU slot or found every slot busy and went to the disk alone: one count
+        # each (promotions from disk count as stored, not as saves). The 14 chunks computed are saves; the repeat's
+        # 2 chunks (loaded from disk) are saves too when no promotion took a slot for them and a slot was free when
+        # their save was planned, which depends on timing
+        saves = m["vllm:kvx_saves_total"]
+        assert 14 <= saves <= 16, m
         cpu_saves, rest = divmod(m["vllm:kvx_cpu_write_bytes_total"], CHUNK_BYTES)
         assert rest == 0 and 1 <= cpu_saves <= m["vllm:kvx_cpu_stored_total"], m
-        assert cpu_saves + m.get("vllm:kvx_cpu_slots_busy_total", 0) == 14, m
+        assert cpu_saves + m.get("vllm:kvx_cpu_slots_busy_total", 0) == saves, m
         assert m["vllm:kvx_disk_read_bytes_total"] >= 2 * CHUNK_BYTES
         assert m["vllm:kvx_load_seconds_count"] >= 1 and m["vllm:kvx_load_seconds_sum"] > 0
         assert m["vllm:kvx_save_seconds_count"] >= 14
