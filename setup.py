@@ -18,10 +18,15 @@ from setuptools.command.build_ext import build_ext
 
 # copy_sim.cu: impl "cuda_sim", the kernel body of copy_kernel.cuh compiled by nvcc as host code (CPU CI
 # runs the CUDA kernel's own source); built with the kernels, absent without nvcc.
-CUDA_SOURCES = ["csrc/cuda/copy_cuda.cu", "csrc/cuda/copy_sim.cu"]
+CUDA_SOURCES = [
+    "csrc/cuda/copy_cuda.cu",
+    "csrc/cuda/copy_sim.cu",
+    "csrc/plan/copy_plan_cuda.cu",
+    "csrc/plan/queues_cuda.cu",
+]
 # Sources nvcc compiles for their host code only (no __global__ function): one virtual arch instead of
 # every SASS target skips device passes that would produce nothing (~5 s of a 2-core build).
-HOST_ONLY_CUDA_SOURCES = {"csrc/cuda/copy_sim.cu"}
+HOST_ONLY_CUDA_SOURCES = {"csrc/cuda/copy_sim.cu", "csrc/plan/copy_plan_cuda.cu", "csrc/plan/queues_cuda.cu"}
 DEFAULT_ARCHS = "80;90;100;120"
 
 
@@ -113,7 +118,14 @@ class BuildExt(build_ext):
 
 ext = Extension(
     "kvx._C",
-    sources=["csrc/bindings.cpp", "csrc/cpu/copy_cpu.cpp", "csrc/cpu/crc32c.cpp"],
+    sources=[
+        "csrc/bindings.cpp",
+        "csrc/cpu/copy_cpu.cpp",
+        "csrc/cpu/crc32c.cpp",
+        "csrc/plan/copy_plan.cpp",
+        "csrc/plan/queues.cpp",
+        "csrc/plan/bindings.cpp",
+    ],
     include_dirs=[pybind11.get_include(), "csrc"],
     extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-pthread"],
     extra_link_args=["-pthread"],

@@ -54,6 +54,12 @@ copies happened.
     python benchmarks/bench_pipeline.py [--device cuda] [--shapes llama3-8b,llama3.2-1b] [--chunks 1,2,4,8]
         [--compute matmul,sleep] [--save-compute 1,8] [--repeats 10] [--quick] [--copy-path staged]
 
+``--host-only`` (no GPU needed): the hooks' host time where CI runs, every host-time target of the GPU run measured
+through the compiled path with :class:`kvx.engine.NullEngine` (everything a CUDA engine does on the host but the CUDA
+calls, which it counts), against the same steps without kvx: a step loading or saving 1 and 8 chunks, a step with
+nothing to copy, one layer's batch, one op (:mod:`kvx.testing.host_time`); writes ``host_cpu.{md,csv}`` under
+``--out`` (default ``benchmarks/results``).
+
 Writes benchmarks/results/pipeline_cuda.{md,csv} (``--quick``: one shape, 1 and 8 chunks, 5 repeats).
 ``--device cpu`` (the tiny shape, 1 and 2 chunks of 32 tokens, 2 repeats, ``--quick`` or not) runs the same
 code path on a CPU cache with the ``thread`` copy queue (``KVX_COPY_QUEUE=thread``) and a small torch matmul as
@@ -66,7 +72,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import math
 import os
 import statistics
 import sys
@@ -76,23 +81,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvx import engine as kvx_engine
-from kvx.connector.common import EngineGeometry
-from kvx.connector.config import KVXConfig
-from kvx.connector.metadata import FAILED, ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
-from kvx.connector.worker import KVXWorker
 from kvx.kernels import ops
-from kvx.testing import TransferTally, make_kv_caches
 from kvx.testing.bench import Clock, cpu_name
+from kvx.testing.pipeline_bench import MAX_PAD_MS, NO_KVX, Bench, Compute, _copy_queue  # noqa: F401 - its names
 
 LOAD_TARGET = 0.80  # hidden fraction of the load copy time, layerwise, compute of equal length
 SAVE_TARGET = 0.05  # forward slowdown with save_layerwise
 HOST_STEP_TARGET_MS = 1.0  # hooks' host time over the step without kvx, a step loading or saving 8 chunks
 HOST_IDLE_TARGET_US = 5.0  # ... per layer, a step with nothing to copy
-NO_KVX = "no kvx"  # the variant with no hook called: the host-time baseline
 HOST_MODES = ("compute only", "layerwise", "all at start", "no saves", "save_layerwise", "all at once")
 TIE = 0.01  # differences below 1% of the reference time are ties (noise)
-MAX_PAD_MS = 250.0
 
 
 @dataclass(frozen=True)
@@ -129,315 +127,6 @@ def _median(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-# ------------------------------------------------------------------ compute (Clock: kvx.testing.bench)
-class Compute:
-    """A synthetic per-layer forward on the current stream, sized to take ``target_ms``.
-
-    ``matmul``: ``k`` square matmuls of size ``n`` (CUDA: bf16, the largest ``n`` of 4096..512 whose one
-    matmul takes <= a third of the target, so rounding to whole matmuls errs by <= ~17%; CPU: float32,
-    n = 64). ``sleep`` (CUDA): ``torch.cuda._sleep`` of the matching cycle count."""
-
-    _unit_ms: dict[tuple, float] = {}
-
-    def __init__(self, kind: str, clock: Clock, device: torch.device, target_ms: float):
-        self.kind, self.clock, self.device = kind, clock, device
-        self.target_ms = target_ms
-        if kind == "sleep":
-            if not clock.cuda:
-                raise ValueError("--compute sleep: torch.cuda._sleep needs --device cuda")
-            self.cycles = max(1, int(target_ms * clock.cycles_per_ms))
-            self.desc = f"sleep {self.cycles} cycles"
-            return
-        if kind != "matmul":
-            raise ValueError(f"--compute: expected matmul or sleep, got {kind!r}")
-        sizes = (4096, 2048, 1024, 512) if clock.cuda else (64,)
-        dtype = torch.bfloat16 if clock.cuda else torch.float32
-        for n in sizes:
-            unit = self._matmul_ms(n, dtype)
-            if unit <= target_ms / 3:
-                break
-        self.n, self.k = n, max(1, round(target_ms / unit))
-        self.a = torch.randn(n, n, dtype=dtype, device=device) / math.sqrt(n)
-        self.b = torch.randn(n, n, dtype=dtype, device=device) / math.sqrt(n)
-        self.c = torch.empty(n, n, dtype=dtype, device=device)
-        self.desc = f"matmul {n}^2 x {self.k}"
-
-    def _matmul_ms(self, n: int, dtype: torch.dtype) -> float:
-        key = (str(self.device), n, dtype)
-        if key not in self._unit_ms:
-            a = torch.randn(n, n, dtype=dtype, device=self.device)
-            c = torch.empty_like(a)
-            reps = 10 if self.clock.cuda else 50
-            per = self.clock.time_ms(lambda: [torch.mm(a, a, out=c) for _ in range(reps)], 5, pad_ms=5.0)
-            self._unit_ms[key] = per / reps
-        return self._unit_ms[key]
-
-    def __call__(self) -> None:
-        if self.kind == "sleep":
-            torch.cuda._sleep(self.cycles)
-        else:
-            for _ in range(self.k):
-                torch.mm(self.a, self.b, out=self.c)
-
-
-# ------------------------------------------------------------------ the worker under test
-@contextlib.contextmanager
-def _copy_queue(value: str | None):
-    """Set ``KVX_COPY_QUEUE`` for the run (read when the worker registers its caches), then restore it."""
-    old = os.environ.get(kvx_engine.ENV)
-    if value is not None:
-        os.environ[kvx_engine.ENV] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(kvx_engine.ENV, None)
-        else:
-            os.environ[kvx_engine.ENV] = old
-
-
-class Bench:
-    """A KVXWorker on per-layer caches of one shape, with the blocks and CPU slots for every case.
-
-    Blocks: 0 is vLLM's null block and never used; a load of n chunks fills blocks [1, 1 + n*bpc) from slots
-    [0, n); save step k writes and saves blocks [1 + k*n*bpc, 1 + (k+1)*n*bpc) into slots [k*n, (k+1)*n)."""
-
-    def __init__(self, shape: Shape, args, device: torch.device, clock: Clock):
-        self.shape, self.args, self.device, self.clock = shape, args, device, clock
-        self.block, self.chunk = args.block_size, args.chunk_size
-        self.bpc = self.chunk // self.block
-        max_n = max(args.chunks)
-        self.num_blocks = 1 + (args.save_steps + 1) * max_n * self.bpc
-        itemsize = torch.empty((), dtype=args.dtype).element_size()
-        page_bytes = 2 * self.block * shape.kv_heads * shape.head_size * itemsize
-        geom = EngineGeometry(
-            block_size=self.block,
-            num_layers=shape.layers,
-            num_kv_heads=shape.kv_heads,
-            head_size=shape.head_size,
-            dtype=args.dtype,
-            use_mla=False,
-            opaque=False,
-            isa="",
-            page_bytes=page_bytes,
-        )
-        self.chunk_bytes = shape.layers * page_bytes * self.bpc
-        self.layer_chunk_bytes = page_bytes * self.bpc  # one chunk of one layer
-        slots = args.save_steps * max_n
-        self.config = KVXConfig.from_extra_config(
-            {
-                "chunk_size": self.chunk,
-                "tiers": [{"type": "cpu", "size": slots * self.chunk_bytes}],
-                "layerwise": True,
-                "save_layerwise": True,
-                **({"copy_path": args.copy_path} if args.copy_path else {}),
-            }
-        )
-        self.copy_path = self.config.copy_path  # what the worker was configured with
-        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(shape.layers)]
-        self.caches = make_kv_caches(
-            args.layout,
-            num_layers=shape.layers,
-            num_blocks=self.num_blocks,
-            block_size=self.block,
-            num_heads=shape.kv_heads,
-            head_size=shape.head_size,
-            dtype=args.dtype,
-            device=device,
-        )
-        self.worker = KVXWorker(self.config, geom, "canonical", "bench-pipeline")
-        self.worker.register_kv_caches(dict(zip(self.names, self.caches)), args.layout, self.num_blocks)
-        self.engine = self.worker.engine
-        self.pool = self.worker.pool
-        self.side = torch.cuda.Stream(device) if clock.cuda else None
-        self.expected_loads = 0
-        self.expected_saves = 0
-        self.tally = TransferTally()  # transfer ids of the hand-built metadata
-
-    def set_mode(self, layerwise: bool = True, save_layerwise: bool = True) -> None:
-        """What KVXConnector does with the config: the worker reads ``save_layerwise`` per step from its
-        config, and ``fence_loads_at_start`` is ``not layerwise``."""
-        self.worker.config = self.config.model_copy(update={"layerwise": layerwise, "save_layerwise": save_layerwise})
-        self.worker.loads.fence_at_start = not layerwise
-
-    def close(self) -> None:
-        self.worker.close()
-
-    # -------------------------------------------------------------- blocks and metadata
-    def chunk_blocks(self, first: int, i: int) -> list[int]:
-        start = first + i * self.bpc
-        return list(range(start, start + self.bpc))
-
-    def load_meta(self, n: int, loads: bool) -> KVXMetadata:
-        """A prefix hit on n chunks (CPU tier); the step computes its last token into the next block."""
-        chunks = [
-            ChunkLoad(
-                key=f"hit{i}", tier="cpu", slot=i, block_ids=self.chunk_blocks(1, i), first_block=0, tokens=self.chunk
-            )
-            for i in range(n)
-        ]
-        spec = [LoadSpec(req_id="hit", chunks=chunks, is_async=False, xfer=self.tally.id("load", "hit"))]
-        spec = spec if loads else []
-        return KVXMetadata(loads=spec, forward_blocks=[1 + n * self.bpc])
-
-    def save_metas(self, n: int, saves: bool) -> list[KVXMetadata]:
-        """K prefill steps of n chunks each (saved when ``saves``), then one step saving nothing."""
-        metas = []
-        for k in range(self.args.save_steps + 1):
-            first = 1 + k * n * self.bpc
-            blocks = list(range(first, first + n * self.bpc))
-            chunk_saves = (
-                [
-                    ChunkSave(
-                        req_id=f"r{k}",
-                        key=f"s{k}c{i}",
-                        block_ids=self.chunk_blocks(first, i),
-                        tokens=self.chunk,
-                        slot=k * n + i,
-                        slot_xfer=self.tally.id("slot", f"s{k}c{i}"),
-                    )
-                    for i in range(n)
-                ]
-                if saves and k < self.args.save_steps
-                else []
-            )
-            metas.append(KVXMetadata(saves=chunk_saves, forward_blocks=blocks))
-        return metas
-
-    # -------------------------------------------------------------- one layer's copy (calibration)
-    def layer_copy_ms(self, n: int, direction: str) -> float:
-        """One layer's copy of n chunks as the worker issues it (layer 0's parts of one batch of them all, planned
-        by the worker's cache: its copy path and staging buffers), both steps on a side stream."""
-        cache = self.worker.cache
-        batch = cache.batch()
-        for i in range(n):
-            op = "scatter_blocks" if direction == "h2d" else "gather_blocks"
-            batch.add(op, self.chunk_blocks(1, i), cache.slot(i))
-        parts = [p for p in cache.plan(batch) if p.start == 0]
-        staging = self.engine.ring("save" if batch.gather else "load").buffers[0] if batch.staged else None
-
-        def copy():
-            for part in parts:
-                batch.run(part, staging)
-
-        ctx = torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
-        with ctx:
-            ms = self.clock.time_ms(copy, self.args.repeats, pad_ms=20.0)
-        self.clock.sync()
-        return ms
-
-    # -------------------------------------------------------------- steps
-    def _step(self, meta: KVXMetadata, compute, hooks: bool = True) -> tuple:
-        if not hooks:  # the same step without kvx: the markers and the compute alone
-            f0 = self.clock.mark()
-            for _ in self.names:
-                if compute is not None:
-                    compute()
-            f1 = self.clock.mark()
-            return f0, f1, self.clock.mark()
-        w = self.worker
-        w.handle_preemptions(meta)
-        w.bind(meta)
-        w.start_load_kv()
-        f0 = self.clock.mark()
-        for i, name in enumerate(self.names):
-            w.wait_for_layer_load(name)
-            if compute is not None:
-                compute()
-            w.save_kv_layer(name, self.caches[i], None)
-        f1 = self.clock.mark()
-        w.wait_for_save()
-        end = self.clock.mark()
-        w.get_finished(set())
-        errors = w.get_block_ids_with_load_errors()
-        out = w.build_worker_meta()
-        w.clear()
-        if errors or (out is not None and (out.failed_blocks or any(FAILED in o for o in out.results.values()))):
-            raise RuntimeError(f"the worker reported failed copies: load errors {sorted(errors)[:8]}, {out}")
-        return f0, f1, end
-
-    def run(self, metas: list[KVXMetadata], compute, pad_ms: float, hooks: bool = True) -> dict:
-        """Steps back to back from an idle GPU, behind a pad; the times of the sequence (ms). ``hooks`` False:
-        the same steps without kvx (``metas`` must then copy nothing)."""
-        if not hooks and any(m.loads or m.saves for m in metas):
-            raise ValueError("run: the steps without kvx must not load or save")
-        self.clock.sync()
-        self.clock.pad(pad_ms)
-        t0 = time.perf_counter()
-        start = self.clock.mark()
-        marks = [self._step(m, compute, hooks) for m in metas]
-        saves = any(m.saves for m in metas)
-        if saves and self.clock.cuda:
-            saved = self.clock.mark(self.engine.stream_of("save"))  # after every gather queued so far
-        elif saves:
-            self.engine.flush()
-            saved = self.clock.mark()
-        else:
-            saved = None
-        host_ms = (time.perf_counter() - t0) * 1e3
-        self.clock.sync()
-        self.worker.build_worker_meta()  # collect what finished since
-        self.expected_loads += sum(len(c.chunks) for m in metas for c in m.loads)
-        self.expected_saves += sum(len(m.saves) for m in metas)
-        return {
-            "step": self.clock.ms(start, marks[-1][2]),
-            "fwd": sum(self.clock.ms(f0, f1) for f0, f1, _ in marks),
-            "saved": self.clock.ms(start, saved) if saved is not None else None,
-            "host": host_ms,
-            "behind": self.clock.cuda and host_ms > pad_ms,
-        }
-
-    def measure(self, variants: dict, warmup: int, repeats: int) -> tuple[dict, float]:
-        """``variants``: name -> (set_mode kwargs, metas, compute). Warm-up (the first without a pad, which
-        sizes the pad), then the variants interleaved in every repeat. Returns name -> list of runs."""
-        host, pad_ms = [], 0.0
-        for _ in range(max(1, warmup)):
-            for name, (mode, metas, compute) in variants.items():
-                self.set_mode(**mode)
-                host.append(self.run(metas, compute, pad_ms=pad_ms, hooks=name != NO_KVX)["host"])
-            pad_ms = min(MAX_PAD_MS, 1.5 * max(host) + 1.0) if self.clock.cuda else 0.0
-        runs: dict[str, list[dict]] = {name: [] for name in variants}
-        for _ in range(repeats):
-            for name, (mode, metas, compute) in variants.items():
-                self.set_mode(**mode)
-                runs[name].append(self.run(metas, compute, pad_ms, hooks=name != NO_KVX))
-        self.set_mode()
-        return runs, pad_ms
-
-    # -------------------------------------------------------------- checks
-    def check_loaded(self, n: int) -> None:
-        """The blocks a load filled hold their slot's bytes."""
-        for i in range(n):
-            got = ops.gather_blocks(self.worker.layout, self.chunk_blocks(1, i)).cpu()
-            if not torch.equal(got.view(torch.int16), self.worker.cache.slot(i).view(torch.int16)):
-                raise RuntimeError(f"{self.shape.name}: blocks of loaded chunk {i} do not hold CPU slot {i}")
-
-    def check_saved(self, n: int) -> None:
-        """Every saved slot holds its blocks' bytes."""
-        for k in range(self.args.save_steps):
-            first = 1 + k * n * self.bpc
-            for i in range(n):
-                got = ops.gather_blocks(self.worker.layout, self.chunk_blocks(first, i)).cpu()
-                if not torch.equal(got.view(torch.int16), self.worker.cache.slot(k * n + i).view(torch.int16)):
-                    raise RuntimeError(
-                        f"{self.shape.name}: CPU slot {k * n + i} does not hold the blocks saved into it"
-                    )
-
-    def check_counts(self) -> None:
-        """The worker counted every chunk this script asked it to load and save, and no error."""
-        stats = self.worker.take_stats()
-        got = (stats.get("loaded_chunks", 0), stats.get("saved_chunks", 0))
-        if got != (self.expected_loads, self.expected_saves):
-            raise RuntimeError(
-                f"{self.shape.name}: the worker loaded/saved {got} chunks, expected "
-                f"{(self.expected_loads, self.expected_saves)}"
-            )
-        bad = {k: v for k, v in stats.items() if "error" in k and v}
-        if bad:
-            raise RuntimeError(f"{self.shape.name}: the worker counted errors: {bad}")
-
-
-# ------------------------------------------------------------------ the cases
 def bench_loads(b: Bench, n: int, kind: str) -> list[dict]:
     args = b.args
     copy_ms = b.layer_copy_ms(n, "h2d")
@@ -831,6 +520,60 @@ def _config_note(b: Bench) -> list[str]:
 
 
 # ------------------------------------------------------------------ main
+def host_only(args, command: str) -> int:
+    """``--host-only``: the host-time table of every target (``host_cpu.md``, ``host_cpu.csv``)."""
+    import platform
+    import subprocess
+
+    from kvx.testing import host_time as H
+
+    chunks = tuple(_ints(args.chunks)) if args.chunks else (1, 8)
+    names = [s for s in (args.shapes or "llama3-8b").split(",") if s]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown or not chunks or min(chunks) < 1:
+        raise SystemExit(
+            f"--shapes, --chunks: expected names among {', '.join(SHAPES)} and counts >= 1, got {names}, {chunks}"
+        )
+    repeats, warmup = args.repeats or 200, args.warmup if args.warmup is not None else 20
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out, exist_ok=True)
+    t0 = time.perf_counter()
+    rows = []
+    for name in names:
+        s = SHAPES[name]
+        w = H.Worker(
+            H.Shape(s.name, s.layers, s.kv_heads, s.head_size, args.block_size, args.chunk_size or 256), max(chunks)
+        )
+        try:
+            rows += H.measure_steps(w, chunks, warmup, repeats)
+            rows += H.measure_op(w, warmup, 5 * repeats)
+        finally:
+            w.close()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    header = [
+        f"# Host time of the hooks, compiled path, null engine: {cpu_name()}",
+        "",
+        f"Reproduce: `{command}` ({time.perf_counter() - t0:.0f} s; kvx {commit or '?'}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}).",
+        "",
+        "What a CUDA engine does on the host, measured on this machine: the worker plans every step's copies once and "
+        "issues them through the compiled path (kvx._C: plans, run lists, launches, the ordering rules, the staging "
+        "rings) on `kvx.engine.NullEngine`, which makes no CUDA call but counts each one it would make (each costs a "
+        "few microseconds on a GPU host: the last columns). Against the same step without kvx (the loop over the "
+        f"layers, no hook called). Shapes: {', '.join(names)}; medians of {repeats} steps (ops: {5 * repeats}) after "
+        f"{warmup} warm-up ones, each step interleaved with its baseline.",
+    ]
+    H.write_md(os.path.join(out, "host_cpu.md"), rows, header)
+    H.write_csv(os.path.join(out, "host_cpu.csv"), rows)
+    for target, limit, measured, met in H.targets(rows):
+        print(f"{'met   ' if met else 'MISSED'} {target}: {measured} ({limit})")
+    print(f"wrote {os.path.join(out, 'host_cpu.md')} and host_cpu.csv")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default=None, help="cuda (default when present) or cpu (a smoke run)")
@@ -859,10 +602,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--out",
         default=None,
-        help="results path stem (default benchmarks/results/pipeline_cuda; CPU: a temporary directory)",
+        help="results path stem (default benchmarks/results/pipeline_cuda; CPU: a temporary directory); --host-only: "
+        "a directory (default benchmarks/results) for host_cpu.md and host_cpu.csv",
+    )
+    ap.add_argument(
+        "--host-only",
+        action="store_true",
+        help="the hooks' host time on this machine (no GPU): the compiled path with a null engine, against the same "
+        "steps without kvx (kvx.testing.host_time); the llama3-8b shape, 1 and 8 chunks unless --shapes/--chunks",
     )
     args = ap.parse_args(argv)
     command = ("python benchmarks/bench_pipeline.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    if args.host_only:
+        return host_only(args, command)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():

@@ -13,7 +13,7 @@ the paths apart, to confirm that on the device and to catch the next such race:
                 drops both when it returns (the failing tests' path)
   staged-held   the same with a caller-owned ``staging=`` buffer, kept until the check
   staged-sync   as ``staged``, the stream synchronized right after each kvx op
-  batch         a :class:`kvx.kernels.staged.TransferBatch` and its staging buffer, both kept until the check
+  batch         a compiled plan (:class:`kvx.kernels.plan.Copies`) and its staging buffer, both kept until the check
   dma, kernel   the other host paths, as controls
 
 each on the default (legacy) stream and on a side stream (batched DMA), with and without a bf16 GEMM loop on
@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvx.kernels import ops  # noqa: E402
 from kvx.kernels.layout import KVLayout  # noqa: E402
-from kvx.kernels.staged import TransferBatch  # noqa: E402
+from kvx.kernels.plan import Copies  # noqa: E402
 from kvx.testing import make_kv_caches, random_fill_  # noqa: E402
 
 VARIANTS = ("staged", "staged-held", "staged-sync", "batch", "dma", "kernel")
@@ -97,15 +97,15 @@ def _copy(variant: str, lay: KVLayout, op: str, ids, buf, sync) -> None:
             variant = None  # the UVA kernel is CUDA's; on CPU the default path
         getattr(ops, op)(lay, ids, buf, impl=impl, path=variant)
         return
-    batch = TransferBatch(lay, path="staged", impl=impl)
+    batch = Copies(lay, path="staged", impl=impl)
     batch.add(op, ids, buf)
     staging = torch.empty(max(batch.nbytes, 16), dtype=torch.uint8, device=lay.device)
     if variant == "staged-held":
         getattr(ops, op)(lay, ids, buf, impl=impl, path="staged", staging=staging)
-    else:
-        for part in batch.plan(capacity=staging.numel()):
-            batch.run(part, staging)
-    return batch, staging  # held by the caller until its check
+        return None, staging
+    plan = batch.plan(capacity=staging.numel())
+    plan.run(staging)
+    return plan, staging  # held by the caller until its check
 
 
 def _host(shape, dt, g: torch.Generator, head_major: bool) -> torch.Tensor:

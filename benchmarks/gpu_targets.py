@@ -181,7 +181,7 @@ def _layer_ratio(layer: list[dict] | None) -> Target:
 
 
 def _layer_host(layer: list[dict] | None) -> Target:
-    t = Target("host time of one layer's batch of copies (the worker's CopyBatch, 1-8 chunks)", "<= 15 us")
+    t = Target("host time of one layer's batch of copies (the worker's compiled plan, 1-8 chunks)", "<= 15 us")
     if not layer:
         return t
     rows = [r for r in layer if r["row"] == "batch" and _num(r, "host_us") is not None]

@@ -9,7 +9,7 @@ Cases: an LBNHC bf16 cache (8 KV heads x 128, 4 layers, 4096 tokens: 64 MiB move
 (vLLM GPU) and 128 (vLLM CPU), gather and scatter of blocks (a chunk in canonical form) and of slots.
 Each group's table compares its three rows. ``extra_info`` of each row carries the bytes and GB/s.
 One more group times a layer-wise load (16 chunks into 8 layers, one layer at a time) issued as one op per
-chunk and layer against one ``CopyBatch`` run per layer (see ``test_layerwise_load``).
+chunk and layer against one compiled plan run per layer (see ``test_layerwise_load``).
 
     pytest benchmarks --benchmark-only --benchmark-json=benchmarks/results/copy_pytest_benchmark_cpu.json
 
@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from kvx.kernels import ops
+from kvx.kernels.plan import Copies
 from kvx.testing.bench import Case, _setup
 
 IMPLS = ("memcpy", "kvx-cpu", "torch-index")
@@ -84,7 +85,7 @@ def test_copy(benchmark, ext, case, impl):
 # A warm load as the layer-wise pipeline issues it (CUDA, and the deferred CPU queue): 16 chunks of 256
 # tokens from CPU-pool slots into an 8-layer cache, one layer at a time, every layer. Rows:
 #   ops-per-chunk-and-layer  one scatter op per chunk and layer (128 ops: each checks its arguments)
-#   batch-per-layer          one CopyBatch of the 16 chunks, run layer by layer (8 runs)
+#   batch-per-layer          one plan of the 16 chunks, run layer by layer (8 runs)
 #   ops-per-chunk            one all-layers op per chunk (16 ops: the thread queue's single layer group)
 #   memcpy                   the same bytes, one memcpy
 LAYERWISE = dict(layers=8, chunks=16, tokens=256, block_size=16, heads=8, head_size=64)
@@ -139,11 +140,12 @@ def test_layerwise_load(benchmark, ext, layerwise_setup, row):
     else:
 
         def fn():
-            batch = ops.CopyBatch(lay)
+            batch = Copies(lay)
             for c, blocks in enumerate(ids):
                 batch.add("scatter_blocks", blocks, pool[c])
+            plan = batch.plan([(i, i + 1) for i in range(lay.num_layers)])
             for i in range(lay.num_layers):
-                batch.run(i, i + 1)
+                plan.run(None, None, *plan.range_parts(i))
 
     if row != "memcpy":  # every row lands the same bytes
         fn()

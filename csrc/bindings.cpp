@@ -19,6 +19,10 @@
 
 namespace py = pybind11;
 
+namespace kvx {
+void bind_plan(py::module_& m);  // plan/bindings.cpp
+}
+
 namespace {
 
 kvx::CopyParams params_from(const kvx::PagedDesc& paged, const kvx::ContigDesc& contig, int64_t row_bytes,
@@ -79,6 +83,7 @@ struct SimFault : std::runtime_error {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "kvx compiled kernels (torch-free). Use kvx.kernels.ops, which validates arguments.";
+  kvx::bind_plan(m);
 
   // The descriptors of kv_layout.h as named structs: built from kvx.kernels.layout.PagedDesc / ContigDesc by
   // field name (keyword-only constructors), so a reordering of fields on either side cannot swap strides.
@@ -460,7 +465,7 @@ PYBIND11_MODULE(_C, m) {
         check(err, "DMA runs");
       },
       py::arg("dsts"), py::arg("srcs"), py::arg("sizes"), py::arg("n"), py::arg("dst_base"), py::arg("src_base"),
-      py::arg("src_host"), py::arg("dst_host"), py::arg("stream"),
+      py::kw_only(), py::arg("src_host"), py::arg("dst_host"), py::arg("stream"),
       "Issue a DMA plan on `stream` (no sync): sizes[i] bytes from srcs[i] + src_base to dsts[i] + dst_base, "
       "batched with cudaMemcpyBatchAsync where available; dsts, srcs, sizes: addresses of [n] int64 host arrays.");
   m.def("cuda_batch_memcpy", &kvx::cuda::batch_memcpy_available,

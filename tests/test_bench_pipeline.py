@@ -138,3 +138,20 @@ def test_copy_path_reaches_the_worker_config(bench, tmp_path, capsys):
     with open(tmp_path / "p.csv", newline="") as f:
         assert {r["copy_path"] for r in csv.DictReader(f)} == {"staged"}
     assert "(--copy-path staged)" in (tmp_path / "p.md").read_text()
+
+
+def test_host_only_writes_every_target_with_the_cuda_calls_counted(monkeypatch, tmp_path):
+    """``--host-only``: the compiled path on a null engine, a small shape so it is quick; every target is in the table
+    with a verdict, and the CUDA calls a CUDA engine would make are counted (a load issues DMA batches and launches)."""
+    bench = load_benchmark(monkeypatch, "bench_pipeline")
+    argv = ["--host-only", "--shapes", "llama3.2-1b", "--chunks", "1,2", "--repeats", "4", "--warmup", "1"]
+    assert bench.main([*argv, "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "host_cpu.md").read_text()
+    for target in ("a step loading 1 chunk", "a step saving 1 chunk", "nothing to copy", "one layer's batch", "one op"):
+        assert target in md, md
+    assert md.count("| met |") + md.count("| MISSED |") == 5  # no 8-chunk step asked for
+    with open(tmp_path / "host_cpu.csv", newline="") as f:
+        rows = {(r["variant"], r["chunks"]): r for r in csv.DictReader(f)}
+    load = rows[("load", "2")]
+    assert float(load["dma_calls"]) >= 16 and float(load["launches"]) >= 16, load  # one part per layer (16 layers)
+    assert float(rows[("nothing", "0")]["launches"]) == 0

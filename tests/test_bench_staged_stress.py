@@ -2,7 +2,7 @@
 
 import torch
 
-from kvx.kernels.staged import TransferBatch
+from kvx import _ext
 from tests.helpers import load_benchmark
 
 
@@ -13,9 +13,10 @@ def test_every_variant_runs_clean_on_cpu(monkeypatch):
     assert all(r["rounds"] > 0 and r["bad"] == 0 for r in rows), rows
 
 
-def test_a_lost_dma_is_counted(monkeypatch):
+def test_a_lost_copy_is_counted(monkeypatch):
     stress = load_benchmark(monkeypatch, "gpu_staged_stress")
-    monkeypatch.setattr(TransferBatch, "dma", lambda self, part, staging=None, stream=None: None)
+    # the compiled plan's host executor loses every copy (the reference the check compares with runs in Python)
+    monkeypatch.setattr(_ext.C, "run_host", lambda *args, **kwargs: None)
     (row,) = stress.run(torch.device("cpu"), 0.2, ("batch",))
     assert row["rounds"] > 0 and row["bad"] == row["rounds"], row
     assert row["first"] and "differ" in row["first"][0]

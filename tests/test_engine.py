@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from kvx.engine import BlockOrder, StagingRing, make_engine, on_stream, torch_stream
+from kvx.kernels import ops
+from kvx.kernels.plan import Copies
+from kvx.testing import make_layout, random_fill_
 from tests.helpers import wait_for
 
 
@@ -225,97 +228,79 @@ def test_make_engine_modes_and_their_properties():
 
 
 # ---------------------------------------------------------------- staging buffers (rule 5)
-def _staged_steps(eng, order, ring, parts: int):
-    """Staged loads of ``parts`` parts through ``ring``: each part DMAs its bytes (the value ``k``) from "host"
-    into a staging buffer, then "reshapes" the buffer into block ``k``; returns the blocks."""
-    blocks = torch.full((parts,), -1)
-
-    def dma(k):
-        return lambda buf, s: buf.fill_(k)
-
-    def reshape(k):
-        return lambda buf, s: blocks.__setitem__(k, int(buf[0]))
-
-    for k in range(parts):
-        order.load_staged([k], ring, dma(k), reshape(k), name=f"part {k}")
-    return blocks
+LAYERS = 6  # a part per layer through a ring of two buffers: each buffer is reused twice
 
 
-def test_staged_loads_reuse_a_buffer_only_after_its_reshape():
+def _plan(lay, op, buf):
+    """A staged plan of one copy of block 1, a part per layer (the compiled path, as a worker's step plans it)."""
+    copies = Copies(lay, path="staged")
+    copies.add(op, [1], buf)
+    return copies.plan([(layer, layer + 1) for layer in range(lay.num_layers)], 1 << 10)
+
+
+def _staged_engine(rule5: bool):
     eng = deferred()
-    order, ring = BlockOrder(eng), StagingRing(torch.device("cpu"), 2, 16)
-    eng.step_begin()
-    blocks = _staged_steps(eng, order, ring, 6)
-    eng.flush()
-    assert blocks.tolist() == [0, 1, 2, 3, 4, 5]
-    eng.close()
-
-
-def without_rule_5(monkeypatch) -> None:
-    """The seeded bug: a staging buffer handed out again without its previous users."""
-    real = StagingRing.acquire
-    monkeypatch.setattr(StagingRing, "acquire", lambda self: (*real(self)[:2], []))
-
-
-def test_staged_loads_without_rule_5_overwrite_a_buffer_first(monkeypatch):
-    """The deferred queue runs a ready DMA before a ready reshape (both legal on a GPU), so without rule 5 part 2's
-    DMA lands in buffer 0 before part 0's reshape read it."""
-    without_rule_5(monkeypatch)
-    eng = deferred()
-    order, ring = BlockOrder(eng), StagingRing(torch.device("cpu"), 2, 16)
-    eng.step_begin()
-    blocks = _staged_steps(eng, order, ring, 6)
-    eng.flush()
-    assert blocks.tolist() != [0, 1, 2, 3, 4, 5]
-    assert blocks[0] != 0  # part 0 reshaped what part 2 (or 4) put in buffer 0
-    eng.close()
-
-
-def _staged_saves(eng, order, ring, parts: int):
-    """Staged saves of ``parts`` parts: each gathers block ``k`` (value ``k``) into a staging buffer, then DMAs the
-    buffer to "host" slot ``k``; returns the slots."""
-    host = torch.full((parts,), -1)
-
-    def gather(k):
-        return lambda buf, s: buf.fill_(k)
-
-    def dma(k):
-        return lambda buf, s: host.__setitem__(k, int(buf[0]))
-
-    return host, [order.save_staged([k], ring, gather(k), dma(k), name=f"part {k}") for k in range(parts)]
+    eng.configure_staging(4 << 10)  # rings of two 1 KiB buffers; a layer's part is 128 bytes
+    for direction in ("load", "save"):
+        eng.ring(direction).c.rule5 = rule5
+    return eng, BlockOrder(eng)
 
 
 @pytest.mark.parametrize("rule5", [True, False], ids=["rule5", "no-rule5"])
-def test_staged_saves_and_rule_5(rule5, monkeypatch):
-    """Saves run late, gathers before DMAs: without rule 5, part 2's gather fills buffer 0 before part 0's DMA
-    empties it."""
-    if not rule5:
-        without_rule_5(monkeypatch)
-    eng = deferred()
-    order, ring = BlockOrder(eng), StagingRing(torch.device("cpu"), 2, 16)
+def test_staged_loads_reuse_a_buffer_only_after_its_reshape(rule5):
+    """The deferred queue runs a ready DMA before a ready reshape (both legal on a GPU), so without rule 5 part 2's
+    DMA lands in buffer 0 before part 0's reshape read it: layer 0 gets layer 2's bytes."""
+    lay = make_layout(
+        "LBNHC", num_layers=LAYERS, num_blocks=4, block_size=4, num_heads=1, head_size=8, dtype=torch.bfloat16
+    )
+    src = random_fill_(torch.empty(lay.canonical_shape(4), dtype=lay.dtype), torch.Generator().manual_seed(1))
+    eng, order = _staged_engine(rule5)
     eng.step_begin()
-    host, jobs = _staged_saves(eng, order, ring, 6)
+    order.load_plan([1], _plan(lay, "scatter_blocks", src))
+    eng.flush()
+    got = ops.gather_blocks(lay, [1], impl="reference")
+    assert torch.equal(got.view(torch.int16), src.view(torch.int16)) == rule5
+    if not rule5:
+        assert not torch.equal(got[0].view(torch.int16), src[0].view(torch.int16))  # layer 0 holds another's
+    eng.close()
+
+
+@pytest.mark.parametrize("rule5", [True, False], ids=["rule5", "no-rule5"])
+def test_staged_saves_and_rule_5(rule5):
+    """Saves run late, gathers before DMAs: without rule 5, part 2's gather fills buffer 0 before part 0's DMA
+    emptied it."""
+    lay = make_layout(
+        "LBNHC", num_layers=LAYERS, num_blocks=4, block_size=4, num_heads=1, head_size=8, dtype=torch.bfloat16
+    )
+    out = torch.zeros(lay.canonical_shape(4), dtype=lay.dtype)
+    eng, order = _staged_engine(rule5)
+    eng.step_begin()
+    plan = _plan(lay, "gather_blocks", out)
+    for r in range(plan.num_ranges):  # layer by layer, as save_kv_layer issues them
+        order.save_plan([1], plan, r, first=r == 0, last=r == plan.num_ranges - 1)
     for _ in range(3):  # two more steps' forwards: the saves run, as late as allowed
         eng.step_begin()
         eng.forward_done()
-    assert all(j.done() for j in jobs)
-    assert (host.tolist() == [0, 1, 2, 3, 4, 5]) == rule5, host.tolist()
+    assert plan.done(plan.num_parts - 1).query()
+    expected = ops.gather_blocks(lay, [1], impl="reference")
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16)) == rule5
     eng.close()
 
 
 def test_ring_hands_out_buffers_in_turn_with_their_users():
     eng = deferred()
     ring = StagingRing(torch.device("cpu"), 2, 64)
-    i0, b0, users0 = ring.acquire()
+    i0, a0, users0 = ring.c.acquire()
     job = eng.submit(lambda s: None, queue="h2d")
-    ring.note(i0, job)
-    i1, b1, users1 = ring.acquire()
-    i2, b2, users2 = ring.acquire()
-    assert (i0, i1, i2) == (0, 1, 0) and b2 is b0 and b1 is not b0
-    assert users0 == users1 == [] and users2 == [job]  # the next writer of buffer 0 follows the job that used it
-    eng.flush()
-    ring.note(i2, job)
-    assert ring.acquire()[2] == [] and ring.acquire()[2] == []  # finished users are no edge
+    ring.c.note(i0, eng.event_of(job))
+    i1, a1, users1 = ring.c.acquire()
+    i2, a2, users2 = ring.c.acquire()
+    assert (i0, i1, i2) == (0, 1, 0) and a2 == a0 == ring.buffers[0].data_ptr() and a1 != a0
+    assert users0 == users1 == [] and [u.payload for u in users2] == [job]  # the next writer follows its user
+    assert ring.c.acquire()[2] == []  # handed out with its users: the next turn has none
+    ring.c.rule5 = False  # the seeded bug: handed out without them
+    ring.c.note(1, eng.event_of(job))
+    assert ring.c.acquire()[2] == []
     with pytest.raises(ValueError, match="count, capacity: expected >= 1"):
         StagingRing(torch.device("cpu"), 0, 64)
     eng.close()
@@ -346,3 +331,22 @@ def test_torch_stream_maps_handle_0_to_the_default_stream(monkeypatch):
     assert torch_stream(None) is current and torch_stream(7) is current
     assert torch_stream(0) is default
     assert torch_stream(5) == ("external", 5) and external == [5]
+
+
+def test_the_null_engine_runs_nothing_and_counts_what_cuda_would_call():
+    """The host-only benchmark's engine: submits, markers and fences are counted as the CUDA calls they would be
+    (a record per job and marker, a wait per edge and fence), and no job is run; its rings hold no memory."""
+    from kvx.engine import NullEngine
+
+    eng = NullEngine(torch.device("cpu"))
+    ran = []
+    marker = eng.marker()
+    job = eng.submit(lambda s: ran.append(1), queue="save", after=[marker, None])
+    eng.fence(job)
+    assert ran == [] and job.done()
+    q = eng.queues
+    assert (q.records, q.waits, q.dma_calls, q.launches) == (2, 2, 0, 0)
+    eng.configure_staging(1 << 20)
+    assert eng.ring("load").buffers == [] and eng.staging_bytes == 1 << 20
+    assert eng.ring("load").c.address(0) != eng.ring("save").c.address(0)
+    eng.close()

@@ -2,7 +2,8 @@
 ``triton_kernels``).
 
 - :mod:`.copy`: ``copy_rows``, the paged <-> contiguous KV copy (the address math of ``csrc/kv_layout.h``),
-  called by :func:`kvx.kernels.ops._run_triton`. Runs on CUDA caches, and on CPU caches under ``TRITON_INTERPRET=1``.
+  called by :class:`kvx.kernels.plan.Plan` (impl ``triton``). Runs on CUDA caches, and on CPU caches under
+  ``TRITON_INTERPRET=1``.
 
 The top-level name ``triton_kernels`` belongs to the Triton project's package, which vLLM imports. With this
 repository's root on ``sys.path`` (``python -m`` or ``python -c`` run from it, ``PYTHONPATH`` naming it) this

@@ -1,4 +1,4 @@
-"""Triton implementation of the paged <-> contiguous KV copy (the ``triton`` impl of :mod:`kvx.kernels.ops`).
+"""Triton implementation of the paged <-> contiguous KV copy (the ``triton`` impl of :mod:`kvx.kernels.plan`).
 
 The address math is the one of ``csrc/kv_layout.h`` (authoritative; read it first). The paged side is
 ``L`` layers with identical geometry; the row of (layer ``l``, plane ``p``, block ``b``, token ``t``,
@@ -64,10 +64,10 @@ import triton
 import triton.language as tl
 
 from .._ext import C as _C  # the host-side plan (kv_layout.h); always built
-from ..kernels.ops import _c_descs
+from ..kernels.layout import c_descs as _c_descs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvx.kernels.layout import CopyPlan
+    from kvx.kernels.layout import CopyGeometry
 
 _BLOCKS, _SLOTS = 0, 1
 _GATHER, _SCATTER = 0, 1
@@ -268,7 +268,12 @@ def _tiles(total_rows: int, row_words: int, vec: int, interpreted: bool = _INTER
 
 
 def copy_rows(
-    plan: CopyPlan, layer_ptrs: torch.Tensor, ids: torch.Tensor, buf: torch.Tensor, direction: int, anchor: torch.Tensor
+    plan: CopyGeometry,
+    layer_ptrs: torch.Tensor,
+    ids: torch.Tensor,
+    buf: torch.Tensor,
+    direction: int,
+    anchor: torch.Tensor,
 ) -> None:
     """Copy every row of ``plan`` between the paged cache and ``buf`` (see the module docstring for shapes).
 
@@ -321,7 +326,7 @@ def copy_rows(
 
 
 def _launch_args(
-    plan: CopyPlan, ptrs: list[int], ids: torch.Tensor, buf: torch.Tensor, direction: int, anchor: torch.Tensor
+    plan: CopyGeometry, ptrs: list[int], ids: torch.Tensor, buf: torch.Tensor, direction: int, anchor: torch.Tensor
 ) -> tuple[tuple[int, int], tuple, dict] | None:
     """Grid, arguments and meta-parameters of the kernel launch for ``plan`` (``None``: nothing to copy).
 

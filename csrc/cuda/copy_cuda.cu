@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
                                              access);
 }
 
-int sm_count() {
+int sm_count_of_current() {
   static int cached[64] = {0};  // per device; a benign race at worst queries twice
   int dev = 0, n = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return 1;
@@ -101,8 +101,13 @@ int copy(const CopyParams& params, const int64_t* layer_ptrs_host, const int64_t
          const int64_t* ids_dev, int64_t contig, int32_t direction, int64_t stream_handle, int max_ctas,
          LaunchConfig* used) {
   // Width, items, index width and grid from the one host function the emulation (copy_sim.cu) calls too.
-  const LaunchConfig c = kernel_launch_config(params, layer_ptrs_host, contig, sm_count(), max_ctas);
+  const LaunchConfig c = kernel_launch_config(params, layer_ptrs_host, contig, sm_count_of_current(), max_ctas);
   if (used != nullptr) *used = c;
+  return launch(c, layer_ptrs_dev, ids_dev, contig, direction, stream_handle);
+}
+
+int launch(const LaunchConfig& c, const int64_t* layer_ptrs_dev, const int64_t* ids_dev, int64_t contig,
+           int32_t direction, int64_t stream_handle) {
   if (c.ctas == 0) return cudaSuccess;
   char* base = reinterpret_cast<char*>(contig);
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
@@ -243,6 +248,8 @@ int copy_dma(const CopyParams& p, const int64_t* layer_ptrs_host, const int64_t*
   return issue_runs(runs, gather ? false : contig_on_host, gather ? contig_on_host : false,
                     reinterpret_cast<cudaStream_t>(stream_handle));
 }
+
+int sm_count() { return sm_count_of_current(); }
 
 bool batch_memcpy_available() { return batch_usable.load(std::memory_order_relaxed); }
 

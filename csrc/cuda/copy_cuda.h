@@ -22,6 +22,14 @@ int copy(const CopyParams& p, const int64_t* layer_ptrs_host, const int64_t* lay
          const int64_t* ids_dev, int64_t contig, int32_t direction, int64_t stream, int max_ctas,
          LaunchConfig* used = nullptr);
 
+// Launch the copy kernel as `c` (kernel_launch_config(), decided when a plan was built) on `stream`. Nothing is
+// computed here: the launch a plan's part issues per layer. Returns a cudaError_t; never syncs.
+//   layer_ptrs_dev: [c.params.num_layers] layer base addresses in device-accessible memory
+//   ids_dev:        [c.params.num_ids] int64 ids in device-accessible memory
+//   contig:         device-accessible address of the contiguous side
+int launch(const LaunchConfig& c, const int64_t* layer_ptrs_dev, const int64_t* ids_dev, int64_t contig,
+           int32_t direction, int64_t stream);
+
 // Issue the copy as DMA on `stream`: its runs of contiguous bytes (for_each_run in kv_layout.h), with
 // cudaMemcpyBatchAsync (CUDA >= 12.8, any stream but the legacy default one; chunks of 4096 runs) or one
 // cudaMemcpyAsync per run. Only when the runs average at least `min_run_bytes` (<= 0: always); otherwise
@@ -44,6 +52,9 @@ int copy_dma(const CopyParams& p, const int64_t* layer_ptrs_host, const int64_t*
 //   src_host, dst_host: where each side lives (the batched copies' location hints)
 int copy_runs(const int64_t* dsts, const int64_t* srcs, const int64_t* sizes, int64_t n, int64_t dst_base,
               int64_t src_base, bool src_host, bool dst_host, int64_t stream);
+
+// SMs of the current device (cached per device; 1 when it cannot be read): the grid's fill cap.
+int sm_count();
 
 // Whether copy_dma() batches its runs: built with CUDA >= 12.8 and the driver has not refused it.
 bool batch_memcpy_available();

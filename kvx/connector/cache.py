@@ -3,10 +3,10 @@
 :class:`WorkerCache` is the KV cache a worker registered, as the load and save pipelines see it: the layout and
 its layer groups, the chunk format and the shapes of stored objects, the CPU tier's slots, and the copies'
 machinery (the :class:`kvx.engine.TransferEngine`, its :class:`kvx.engine.BlockOrder`, the host path and its
-staging rings). :meth:`WorkerCache.queue_loads` / :meth:`WorkerCache.queue_saves` turn a
-:class:`kvx.kernels.staged.TransferBatch` into copy jobs, one or two per part (a staged part is a DMA job and a
-reshape job, ordered by rule 5), tagged with the layer group each fences. :class:`WorkerResults` collects what the
-pipelines report to vLLM and the scheduler.
+staging rings). :meth:`WorkerCache.queue_loads` / :meth:`WorkerCache.queue_saves` issue a compiled
+:class:`kvx.kernels.plan.Plan` on the engine's queues (one or two jobs per part: a staged part is a DMA and a reshape,
+ordered by rule 5), and :meth:`WorkerCache.fence` fences a layer group's parts: each one compiled call.
+:class:`WorkerResults` collects what the pipelines report to vLLM and the scheduler.
 
 Owned by :class:`~.worker.KVXWorker`, which builds a new :class:`WorkerCache` whenever it describes the caches
 (registration, a wake-up after sleep: the tensors' addresses change) and hands it to both pipelines; worker
@@ -22,9 +22,10 @@ from collections.abc import Sequence
 
 import torch
 
+from .._ext import C as _C
 from ..engine import BlockOrder, Job, TransferEngine
 from ..kernels.layout import KVLayout
-from ..kernels.staged import TransferBatch
+from ..kernels.plan import Copies, Plan
 from ..log import Throttle, get_logger
 from ..node.client import NodePool
 from ..store import CPUPool
@@ -100,7 +101,7 @@ class WorkerCache:
         of a chunk is written and read in place, with no copy on the way (:class:`~.parts.PartIO`): so when chunks
         are cut by head and this worker holds several heads (raw pages: where each head's bytes are one run of a
         page, :attr:`kvx.kernels.layout.KVLayout.page_head_bytes`, as in the CPU backend's pages and ``HND``
-        layouts). The host path stages them head-major too (:mod:`kvx.kernels.staged`), so that a head's tokens
+        layouts). The host path stages them head-major too (:mod:`kvx.kernels.plan`), so that a head's tokens
         cross PCIe as one DMA run."""
         share = self.parts.share
         if not (share.split and share.heads[1] - share.heads[0] > 1):
@@ -156,55 +157,65 @@ class WorkerCache:
         return next(g for g, (a, b, _) in enumerate(self.groups) if a <= layer < b)
 
     # ------------------------------------------------------------------ copies
-    def batch(self) -> TransferBatch:
-        """An empty batch of copies between the cache and host buffers, by this worker's path."""
-        return TransferBatch(self.layout, path=self.path, max_ctas=self.config.max_ctas)
+    def copies(self) -> Copies:
+        """An empty set of copies between the cache and host buffers, by this worker's path (a step's loads, or its
+        saves: :mod:`kvx.kernels.plan`)."""
+        return Copies(self.layout, path=self.path, max_ctas=self.config.max_ctas, sm_count=self.engine.sm_count)
 
-    def plan(self, batch: TransferBatch):
-        """``batch``'s parts by layer group (staged: at most one staging buffer each)."""
-        batch.resolve_path()
-        capacity = self.engine.ring("save" if batch.gather else "load").capacity if batch.staged else None
-        return batch.plan(self.ranges, capacity)
+    def plan(self, copies: Copies, name: str = "") -> Plan:
+        """``copies`` planned by layer group (staged: each part fits one buffer of the engine's ring)."""
+        ring = None
+        if self.engine.staged:
+            ring = self.engine.ring("save" if copies.gather else "load")
+        plan = copies.plan(self.ranges, ring.capacity if ring is not None else None)
+        plan.name = name
+        return plan
 
-    def queue_loads(self, batch: TransferBatch, blocks: Sequence[int], name: str) -> list[tuple[int, Job]]:
-        """Submit every part of a load batch (rule 1; staged: rule 5): ``[(layer group, job)]`` in layer order,
-        each job the one that writes the blocks (its end implies the whole part's)."""
-        parts = self.plan(batch)
-        if batch.staged:
-            steps = [
-                (lambda buf, s, p=p: batch.dma(p, buf, s), lambda buf, s, p=p: batch.reshape(p, buf, s)) for p in parts
-            ]
-        elif batch.path == "dma":
-            steps = [(None, lambda s, p=p: batch.dma(p, None, s)) for p in parts]
-        else:
-            steps = [(None, lambda s, p=p: batch.reshape(p, None, s)) for p in parts]
-        ring = self.engine.ring("load") if batch.staged else None
-        jobs = self.order.load_parts(blocks, steps, ring, name)
-        return [(self.group_of_layer(p.start), job) for p, job in zip(parts, jobs)]
+    def queue_loads(self, plan: Plan, blocks: Sequence[int]) -> Job | None:
+        """Issue every part of a load plan in compiled code (rules 1 and 5: :meth:`kvx.engine.BlockOrder.load_plan`);
+        the job recorded against the blocks (None: nothing to copy)."""
+        return self.order.load_plan(blocks, plan)
 
-    def queue_saves(
-        self,
-        batch: TransferBatch,
-        parts,
-        blocks: Sequence[int],
-        marker,
-        name: str,
-        first: bool = True,
-        last: bool = True,
-    ) -> list[Job]:
-        """Submit ``parts`` of a save batch after ``marker`` (rule 2; staged: rule 5): the jobs whose end is the
-        parts' end (staged: the DMA to host memory). ``first`` / ``last``: this call holds the batch's first / last
-        parts (:meth:`kvx.engine.BlockOrder.save_parts`)."""
-        if batch.staged:
-            steps = [
-                (lambda buf, s, p=p: batch.reshape(p, buf, s), lambda buf, s, p=p: batch.dma(p, buf, s)) for p in parts
-            ]
-        elif batch.path == "dma":
-            steps = [(lambda s, p=p: batch.dma(p, None, s), None) for p in parts]
-        else:
-            steps = [(lambda s, p=p: batch.reshape(p, None, s), None) for p in parts]
-        ring = self.engine.ring("save") if batch.staged else None
-        return self.order.save_parts(blocks, steps, ring, name, marker, first, last)
+    def fence(self, plan: Plan, group: int) -> None:
+        """Rule 4: the compute stream waits for ``plan``'s parts of layer group ``group`` (one compiled call)."""
+        _C.fence_range(self.engine.queues, plan, group)
+
+    def queue_saves(self, plan: Plan, group: int, blocks: Sequence[int], first: bool, last: bool) -> None:
+        """Issue ``plan``'s parts of layer group ``group`` in compiled code, right after the forward wrote them (rules
+        2 and 5: :meth:`kvx.engine.BlockOrder.save_plan`). ``first`` / ``last``: the plan's first / last call."""
+        self.order.save_plan(blocks, plan, group, first, last)
+
+
+def plan_done(plan: Plan) -> bool:
+    """Every issued part of a plan ran: the last issued part's last job did (a plan's parts end in order on one
+    queue). Call once it is issued (a part never issued, after an error, is not waited for)."""
+    for k in range(plan.num_parts - 1, -1, -1):
+        ev = plan.done(k)
+        if ev is not None:
+            return ev.query()
+    return True
+
+
+def plan_error(plan: Plan) -> BaseException | None:
+    """The first error a Python engine's job of ``plan`` kept (a CUDA engine's errors raise when issued)."""
+    n = plan.num_parts
+    last = plan.done(n - 1) if n else None
+    if last is None or last.payload is None:  # not issued, or not a Python engine's jobs: nothing kept
+        return None
+    for k in range(n):
+        for ev in (plan.touched(k), plan.done(k)):
+            job = ev.payload if ev is not None else None
+            if job is not None and job.done() and job.error() is not None:
+                return job.error()
+    return None
+
+
+def wait_plan(plan: Plan) -> None:
+    """Block until every issued part of ``plan`` ran (off the per-step path, or on CPU threads)."""
+    for k in range(plan.num_parts):
+        ev = plan.done(k)
+        if ev is not None:
+            ev.synchronize()
 
 
 class WorkerResults:

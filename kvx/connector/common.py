@@ -35,6 +35,7 @@ several groups).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -75,14 +76,15 @@ class EngineGeometry:
     def planes(self) -> int:
         return 1 if self.use_mla else 2
 
-    @property
+    @functools.cached_property
     def state_groups(self) -> tuple[int, ...]:
         """The recurrent-state (Mamba / linear-attention) groups, by index."""
         return tuple(g for g, k in enumerate(self.group_kinds) if k == STATE)
 
-    @property
+    @functools.cached_property
     def attn_groups(self) -> tuple[int, ...]:
-        """The attention groups, by index (every group of an engine without recurrent state)."""
+        """The attention groups, by index (every group of an engine without recurrent state). Cached: a chunk's
+        shape asks it (:func:`object_rows`)."""
         return tuple(g for g in range(self.num_groups) if g not in self.state_groups)
 
     @property

@@ -1,8 +1,8 @@
 """The worker's load pipeline: chunk bytes from the tiers into the paged KV cache.
 
-The copies of chunks in the CPU tier are queued at once: one :class:`kvx.kernels.staged.TransferBatch` of every chunk
-at hand (checked once, not once per layer), planned into parts by *layer group* (staged across PCIe: a DMA job and a
-reshape job per part, :meth:`~.cache.WorkerCache.queue_loads`); chunks in the other
+The copies of chunks in the CPU tier are queued at once: one compiled :class:`kvx.kernels.plan.Plan` of every chunk
+at hand (checked and planned once, not once per layer), cut into parts by *layer group* and issued in compiled code
+(staged across PCIe: a DMA job and a reshape job per part, :meth:`~.cache.WorkerCache.queue_loads`); chunks in the other
 tiers (disk, Redis, ...: :class:`kvx.store.Tier`) are read and verified on I/O threads straight into a CPU slot
 when the scheduler allotted one (promotion), and their copies are queued as soon as the read is in, at the latest
 in :meth:`LoadPipeline.wait_for_layer` of the first layer, the only place that waits for a read. That fences the
@@ -30,11 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine import Job
-from ..kernels.staged import TransferBatch
+from ..kernels.plan import Copies, Plan
 from ..log import get_logger
 from ..store import ChunkError, Tier
-from .cache import WorkerCache, WorkerResults
+from .cache import WorkerCache, WorkerResults, plan_done, plan_error, wait_plan
 from .metadata import FAILED, OK, ChunkLoad, LoadSpec
 from .validity import LoadOutcomes
 
@@ -60,18 +59,18 @@ class _Load:
     """One request's load in flight. Worker thread only, except ``failed`` / ``keep`` (I/O threads)."""
 
     spec: LoadSpec
-    jobs: dict[int, list[Job]] = field(default_factory=dict)  # layer group -> its copy jobs
+    plans: list[Plan] = field(default_factory=list)  # its issued copies (each fenced layer group by layer group)
     pending: list[tuple[ChunkLoad, Future]] = field(default_factory=list)  # reads not done at submission
     failed: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     keep: list[torch.Tensor] = field(default_factory=list)  # pinned sources the copies may still read
-    early: list[Job] = field(default_factory=list)  # raw pages that must land before the forward (see ChunkLoad)
+    early: list[Plan] = field(default_factory=list)  # raw pages that must land before the forward (see ChunkLoad)
     started: float = 0.0
     reported: bool = False  # failures reported to vLLM and the scheduler
     checks: list[tuple[ChunkLoad, int]] = field(default_factory=list)  # node slots read: (chunk, generation)
 
-    def all_jobs(self) -> list[Job]:
-        return self.early + [j for js in self.jobs.values() for j in js]
+    def all_plans(self) -> list[Plan]:
+        return self.early + self.plans
 
 
 class LoadPipeline:
@@ -99,10 +98,16 @@ class LoadPipeline:
         self._async: dict[str, _Load] = {}
         self._retiring: list[_Load] = []  # reported to vLLM, copies maybe still running
         self._errors: set[int] = set()  # blocks that failed to load, for vLLM
+        self._fenced: set[int] = set()  # layer groups wait_for_layer fenced this step
         self._failed_reqs: set[str] = set()  # several groups: async loads that failed, for failed_recving
 
     def idle(self) -> bool:
         return not (self._sync or self._async or self._retiring)
+
+    @property
+    def loading(self) -> bool:
+        """This step has sync loads for its layers to fence (``wait_for_layer_load`` returns at once otherwise)."""
+        return bool(self._sync)
 
     def has_async(self) -> bool:
         """Async loads not yet reported finished."""
@@ -116,13 +121,12 @@ class LoadPipeline:
                 self._async[spec.req_id] = load
                 continue
             self._sync.append(load)
-            for job in load.early:
-                self._fence_job(load, job)
+            for plan in load.early:
+                self._fence_plan(load, plan)
             if self.fence_at_start:
                 self._resolve(load)
-                for jobs in load.jobs.values():
-                    for job in jobs:
-                        self._fence_job(load, job)
+                for plan in load.plans:
+                    self._fence_plan(load, plan)
 
     def _start_load(self, spec: LoadSpec) -> _Load:
         """Queue the copies of every chunk whose bytes are at hand (CPU tier); start the other tiers' reads,
@@ -153,7 +157,8 @@ class LoadPipeline:
             ready += self._take_ready(load)
             srcs = [(ch, src) for ch, src in ready if ch.before_forward]
             ready = [(ch, src) for ch, src in ready if not ch.before_forward]
-            load.early = [job for _, job in self._submit(load, srcs, "before forward")]
+            plan = self._submit(load, srcs, "before forward")
+            load.early = [plan] if plan is not None else []
         self._queue_chunks(load, ready + self._take_ready(load))
         stats["loaded_chunks"] += len(spec.chunks)
         stats["loaded_blocks"] += sum(len(c.block_ids) for c in spec.chunks)
@@ -182,35 +187,34 @@ class LoadPipeline:
             self._queue_chunks(load, self._take_ready(load))
 
     def _queue_chunks(self, load: _Load, chunks: list[tuple[ChunkLoad, torch.Tensor]]) -> None:
-        """Queue the copies of ``chunks``: one batch of them all, its parts by layer group (group order: the forward
+        """Queue the copies of ``chunks``: one plan of them all, its parts by layer group (group order: the forward
         reads group 0 first)."""
-        for g, job in self._submit(load, chunks):
-            load.jobs.setdefault(g, []).append(job)
+        plan = self._submit(load, chunks)
+        if plan is not None:
+            load.plans.append(plan)
 
-    def _submit(
-        self, load: _Load, chunks: list[tuple[ChunkLoad, torch.Tensor]], what: str = ""
-    ) -> list[tuple[int, Job]]:
-        """One :class:`kvx.kernels.staged.TransferBatch` of ``chunks`` (checked once), submitted part by part:
-        ``[(layer group, job)]``. A batch that cannot be built (a check failing) fails its chunks: recomputed."""
+    def _submit(self, load: _Load, chunks: list[tuple[ChunkLoad, torch.Tensor]], what: str = "") -> Plan | None:
+        """One compiled plan of ``chunks`` (checked and planned once), issued whole (:meth:`~.cache.WorkerCache.
+        queue_loads`). A plan that cannot be built or issued (a check failing) fails its chunks: recomputed."""
         if not chunks:
-            return []
+            return None
         try:
-            batch = self.scatter_batch(chunks)
+            plan = self.cache.plan(self.scatter_copies(chunks), f"load {load.spec.req_id}{' ' + what if what else ''}")
+            self.cache.queue_loads(plan, [b for ch, _ in chunks for b in ch.block_ids])
         except Exception as e:  # noqa: BLE001 - any failure to copy means "recompute"
             for ch, _ in chunks:
                 self._fail_chunk(load, ch, e)
-            return []
-        blocks = [b for ch, _ in chunks for b in ch.block_ids]
-        return self.cache.queue_loads(batch, blocks, f"load {load.spec.req_id}{' ' + what if what else ''}")
+            return None
+        return plan
 
-    def scatter_batch(self, chunks) -> TransferBatch:
+    def scatter_copies(self, chunks) -> Copies:
         """The scatters that write ``chunks`` (every layer) into their blocks."""
-        batch = self.cache.batch()
+        copies = self.cache.copies()
         for ch, src in chunks:
-            self._add_scatters(batch, ch, src)
-        return batch
+            self._add_scatters(copies, ch, src)
+        return copies
 
-    def _add_scatters(self, batch: TransferBatch, ch: ChunkLoad, src: torch.Tensor) -> None:
+    def _add_scatters(self, batch: Copies, ch: ChunkLoad, src: torch.Tensor) -> None:
         c = self.cache
         if ch.positions is not None:  # several groups / null blocks skipped: contiguous runs
             if ch.before_forward and c.fmt == "pages":  # the scheduler never plans this
@@ -290,15 +294,22 @@ class LoadPipeline:
     def wait_for_layer(self, g: int) -> None:
         """Rule 4: before attention reads layer group ``g``, its loads are fenced. A read still in flight is
         waited for here, where the forward first needs it, and only here."""
+        self._fenced.add(g)
         for load in self._sync:
             if load.pending:
                 self._resolve(load)
-            for job in load.jobs.get(g, ()):
-                self._fence_job(load, job)
+            for plan in load.plans:
+                try:
+                    self.cache.fence(plan, g)
+                except Exception as e:  # noqa: BLE001 - the copy itself failed: recompute every chunk
+                    self._fail_all(load, e)
 
-    def _fence_job(self, load: _Load, job: Job) -> None:
+    def _fence_plan(self, load: _Load, plan: Plan, skip: set[int] = frozenset()) -> None:
+        """Fence every layer group of ``plan`` but those in ``skip`` (fenced already)."""
         try:
-            self.cache.engine.fence(job)
+            for g in range(plan.num_ranges):
+                if g not in skip:
+                    self.cache.fence(plan, g)
         except Exception as e:  # noqa: BLE001 - the copy itself failed: recompute every chunk
             self._fail_all(load, e)
 
@@ -325,11 +336,12 @@ class LoadPipeline:
         """The step's sync loads are over once its forward ran: wait for the reads still out, fence the groups
         no layer fenced (a step without those layers) and report the chunks that failed, so that vLLM hears
         of them with this step's results and recomputes them before it samples from them. Idempotent."""
+        fenced, self._fenced = self._fenced, set()
         for load in self._sync:
             self._resolve(load)
-            for jobs in load.jobs.values():
-                for job in jobs:
-                    self._fence_job(load, job)
+            for plan in load.plans:
+                if len(fenced) < plan.num_ranges:  # a step without some of the layers: fence the rest now
+                    self._fence_plan(load, plan, fenced)
             self._report_failures(load)
             self._retiring.append(load)
         self._sync = []
@@ -342,9 +354,10 @@ class LoadPipeline:
             return
         load.reported = True
         r = self.results
-        for job in load.all_jobs():
-            if job.done() and job.error() is not None:
-                self._fail_all(load, job.error())
+        for plan in load.all_plans():
+            err = plan_error(plan)
+            if err is not None:
+                self._fail_all(load, err)
         for ch, generation in load.checks:  # the slot was not handed on while it was read
             try:
                 self.cache.check_slot(ch.slot, ch.key, True, generation)
@@ -376,15 +389,17 @@ class LoadPipeline:
                     futures_wait([f for _, f in load.pending], timeout=max(0.0, deadline - time.perf_counter()))
                 self._queue_chunks(load, self._take_ready(load))
             if deadline is not None and not load.pending:
-                for job in load.all_jobs():
+                for plan in load.all_plans():
                     left = deadline - time.perf_counter()
-                    if left <= 0:
+                    if left <= 0 or not plan.num_parts:
                         break
+                    job = plan.done(plan.num_parts - 1).payload  # a Python engine's: a host wait with a timeout
                     try:
-                        job.wait(left)
+                        if job is not None:
+                            job.wait(left)
                     except Exception:  # noqa: BLE001 - a timeout or the copy's own error: judged below, as polled
                         break
-            if not load.pending and all(j.done() for j in load.all_jobs()):
+            if not load.pending and all(plan_done(p) for p in load.all_plans()):
                 self._report_failures(load)
                 self._retiring.append(load)
                 del self._async[rid]
@@ -406,9 +421,9 @@ class LoadPipeline:
         keep = []
         for load in self._retiring:
             if block:
-                for job in load.all_jobs():
-                    wait_quietly(job.wait)
-            if all(job.done() for job in load.all_jobs()):
+                for plan in load.all_plans():
+                    wait_quietly(lambda plan=plan: wait_plan(plan))
+            if all(plan_done(p) for p in load.all_plans()):
                 load.keep.clear()
                 r.out.report(load.spec.xfer, OK)
                 r.stats["load_ms"] += (time.perf_counter() - load.started) * 1e3

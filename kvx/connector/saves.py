@@ -1,9 +1,9 @@
 """The worker's save pipeline: chunk bytes from the paged KV cache into the CPU tier and the byte tiers.
 
-:meth:`SavePipeline.submit_group` queues a layer group's gathers (that group's parts of one
-:class:`kvx.kernels.staged.TransferBatch` of the step's saves: staged across PCIe, a gather into a staging buffer
-and a DMA to host memory per part, :meth:`~.cache.WorkerCache.queue_saves`) as soon as the forward wrote its last
-layer (after a marker taken then), so the copies overlap the
+:meth:`SavePipeline.submit_group` issues a layer group's gathers (that group's parts of one compiled
+:class:`kvx.kernels.plan.Plan` of the step's saves, planned when the first group is: staged across PCIe, a gather
+into a staging buffer and a DMA to host memory per part, :meth:`~.cache.WorkerCache.queue_saves`, one compiled call
+that also takes the marker) as soon as the forward wrote its last layer, so the copies overlap the
 rest of the forward (``save_layerwise``; otherwise, and for groups no layer reported, :meth:`SavePipeline.finish_step`
 queues them). A save whose KV depends on a block whose load failed on this worker (the load pipeline's verdict,
 an argument) is dropped before anything is gathered. :meth:`SavePipeline.finish_step` starts the tier writes on I/O
@@ -35,11 +35,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine import Job
-from ..kernels.staged import TransferBatch
+from ..kernels.plan import Plan
 from ..log import get_logger
 from ..store import ChunkError, StoreFullError, Tier
-from .cache import WorkerCache, WorkerResults
+from .cache import WorkerCache, WorkerResults, plan_done, plan_error, wait_plan
 from .loads import failure_cause, wait_quietly
 from .metadata import FAILED, HELD, NOOP, OK, ChunkSave, KVXMetadata
 from .parts import PartIO
@@ -92,7 +91,7 @@ def io_thread(background: bool) -> None:
 @dataclass
 class _Save:
     save: ChunkSave
-    jobs: list[Job] = field(default_factory=list)  # the copies it waits for (none: from a CPU slot)
+    plan: Plan | None = None  # the gathers it waits for (none: from a CPU slot)
     dest: torch.Tensor | None = None
     writes: dict[str, Future] = field(default_factory=dict)  # tier name -> its write in flight
     buffer: int | None = None  # its write buffer (a save to the byte tiers alone)
@@ -102,10 +101,15 @@ class _Save:
     started: float = field(default_factory=time.perf_counter)
 
     def copies_done(self) -> bool:
-        return all(j.done() for j in self.jobs)
+        return self.plan is None or plan_done(self.plan)
 
     def copy_error(self) -> BaseException | None:
-        return self.error or next((j.error() for j in self.jobs if j.error() is not None), None)
+        return self.error or (plan_error(self.plan) if self.plan is not None else None)
+
+    def wait_copies(self) -> None:
+        """Block until its gathers ran (re-raise a job's error)."""
+        if self.plan is not None:
+            wait_plan(self.plan)
 
 
 class _WriteBuffers:
@@ -156,9 +160,9 @@ class SavePipeline:
         self._saves: list[_Save] = []  # handed to the writers, not all reported yet
         self._meta: KVXMetadata | None = None
         self._step: list[_Save] | None = None  # this step's saves, once begun
-        # this step's gathers, fixed when the first group is queued: (batch, its parts by layer group, its saves,
-        # their blocks); batch None when it could not be built
-        self._gathers: tuple[TransferBatch | None, dict[int, list], list[_Save], list[int]] | None = None
+        # this step's gathers, fixed when the first group is queued: (the plan, its saves, their blocks); plan None
+        # when it could not be built
+        self._gathers: tuple[Plan | None, list[_Save], list[int]] | None = None
         self._submitted: set[int] = set()  # layer groups whose gathers are queued this step
         # the first part's key -> its chunk's key, of the parts written here (an eviction of it names the chunk)
         self._part_keys: OrderedDict[str, str] = OrderedDict()
@@ -224,55 +228,55 @@ class SavePipeline:
             rows = self.cache.rows(rec.save.tokens, rec.save.state)
             rec.dest = self.cache.blocks_view(self.buffers.buffers[idx], 0, rows)
 
-    def submit_group(self, g: int, marker, verdict: Callable[[], LoadOutcomes]) -> None:
-        """Queue the gathers of layer group ``g`` of this step's saves: its parts of one
-        :class:`kvx.kernels.staged.TransferBatch` of every save (built and planned once, at the first group)."""
+    def submit_group(self, g: int, verdict: Callable[[], LoadOutcomes]) -> None:
+        """Issue the gathers of layer group ``g`` of this step's saves, right after the forward wrote it: its parts of
+        one compiled plan of every save (built once, at the first group), in one compiled call."""
         if g in self._submitted:
             return
         self._submitted.add(g)
         if self._gathers is None:
             recs = [rec for rec in self._begin(verdict) if rec.save.from_slot is None and rec.dest is not None]
-            batch, parts = self._gather_batch(recs)
-            self._gathers = (batch, parts, recs, [blk for r in recs for blk in r.save.block_ids])
-        batch, parts, recs, blocks = self._gathers
-        if batch is None or not parts.get(g):
+            self._gathers = (self._gather_plan(recs), recs, [blk for r in recs for blk in r.save.block_ids])
+        plan, recs, blocks = self._gathers
+        if plan is None:
             return
-        # the batch's edges to queued loads go with its first group submitted, its record against the blocks with
-        # its last (the save queue runs the groups in order): per layer, only the layer's own marker
+        # the plan's edges to queued loads go with its first group issued, its record against the blocks with its
+        # last (the save queue runs the groups in order): per layer, only the layer's own marker
         first = len(self._submitted) == 1
         last = len(self._submitted) == len(self.cache.groups)
-        name = f"save {len(recs)} chunks group {g}"
-        jobs = self.cache.queue_saves(batch, parts[g], blocks, marker, name, first, last)
-        for rec in recs:
-            rec.jobs.extend(jobs)
+        try:
+            self.cache.queue_saves(plan, g, blocks, first, last)
+        except Exception as e:  # noqa: BLE001 - a copy that cannot be issued: its saves fail, nothing is stored
+            for rec in recs:
+                rec.error = rec.error or e
 
-    def _gather_batch(self, recs: list[_Save]) -> tuple[TransferBatch | None, dict[int, list]]:
-        """The gathers of ``recs`` in one batch, planned by layer group; ``(None, {})`` when it cannot be built (its
-        saves then fail: nothing is stored)."""
+    def _gather_plan(self, recs: list[_Save]) -> Plan | None:
+        """The gathers of ``recs`` as one compiled plan by layer group; None when it cannot be built (its saves then
+        fail: nothing is stored)."""
         if not recs:
-            return None, {}
+            return None
         c = self.cache
         op = "gather_pages" if c.fmt == "pages" else "gather_blocks"
         try:
-            batch = c.batch()
+            copies = c.copies()
             for rec in recs:
-                batch.add(op, c.kernel_ids(rec.save.block_ids), rec.dest)
-            parts: dict[int, list] = {}
-            for part in c.plan(batch):
-                parts.setdefault(c.group_of_layer(part.start), []).append(part)
+                copies.add(op, c.kernel_ids(rec.save.block_ids), rec.dest)
+            plan = c.plan(copies, f"save {len(recs)} chunks")
         except Exception as e:  # noqa: BLE001 - reported as the saves' copy error
             for rec in recs:
                 rec.error = e
-            return None, {}
-        return batch, parts
+            return None
+        for rec in recs:
+            rec.plan = plan
+        return plan
 
     def finish_step(self, verdict: Callable[[], LoadOutcomes]) -> None:
         """End of the step's forward: queue the gathers ``submit_group`` did not, start the tier writes."""
         c, r = self.cache, self.results
         t0 = time.perf_counter()
-        marker = c.engine.marker()
-        for g in range(len(c.groups)):
-            self.submit_group(g, marker, verdict)
+        if len(self._submitted) < len(c.groups):  # the groups save_kv_layer did not queue
+            for g in range(len(c.groups)):
+                self.submit_group(g, verdict)
         for rec in self._begin(verdict):
             s = rec.save
             if rec.dest is None and s.from_slot is None:
@@ -285,28 +289,28 @@ class SavePipeline:
                         r.out.report(xfer, NOOP)
                     r.stats["saves_dropped_backpressure"] += 1
                     continue
-                batch, parts = self._gather_batch([rec])
-                if batch is not None:
-                    for group_parts in parts.values():
-                        rec.jobs += c.queue_saves(batch, group_parts, s.block_ids, marker, f"save {s.key}")
+                plan = self._gather_plan([rec])
+                try:
+                    for g in range(plan.num_ranges if plan is not None else 0):
+                        c.queue_saves(plan, g, s.block_ids, g == 0, g == plan.num_ranges - 1)
+                except Exception as e:  # noqa: BLE001 - reported as the save's copy error
+                    rec.error = e
             for name in s.to_tiers:
-                args = (name, s, rec, list(rec.jobs), c.fmt, c.parts)  # the parts: a sleep may drop the cache
+                args = (name, s, rec, c.fmt, c.parts)  # the parts: a sleep may drop the cache
                 rec.writes[name] = self.writer.submit(self._write_chunk, *args)
             self._saves.append(rec)
             r.stats["saved_chunks"] += 1
         if c.engine.host_copies:
-            for rec in self._step:
-                for job in rec.jobs:
-                    wait_quietly(job.wait)
+            for plan in {id(rec.plan): rec.plan for rec in self._step if rec.plan is not None}.values():
+                wait_quietly(lambda plan=plan: wait_plan(plan))
             r.stats["save_ms"] += (time.perf_counter() - t0) * 1e3
         self._step = None
         self._gathers = None
 
-    def _write_chunk(self, name: str, s: ChunkSave, rec: _Save, jobs: list[Job], fmt: str, parts: PartIO) -> bool:
+    def _write_chunk(self, name: str, s: ChunkSave, rec: _Save, fmt: str, parts: PartIO) -> bool:
         """One tier write, on a writer thread, once the chunk's copies ran (it may end after a sleep dropped the
         registered cache: it reads only kvx's own buffer)."""
-        for job in jobs:
-            job.wait()
+        rec.wait_copies()
         if rec.error is not None:
             raise rec.error
         t0 = time.perf_counter()
@@ -346,8 +350,7 @@ class SavePipeline:
         if rec.slot_reported:
             return
         if block:
-            for job in rec.jobs:
-                wait_quietly(job.wait)
+            wait_quietly(rec.wait_copies)
         if rec.copies_done():
             rec.slot_reported = True
             err = rec.copy_error()

@@ -1,14 +1,14 @@
 """Worker side of the connector: the hooks vLLM calls in each worker process (one per TP/PP rank), in their order.
 
-What to move comes from the scheduler's :class:`KVXMetadata`; how is :mod:`kvx.kernels.staged` (batches of copies
-between host memory and the cache: staged through device buffers, by DMA, or by the copy kernel) on the
-:class:`kvx.engine.TransferEngine` copy queues; in what order against the forwards is
-:class:`kvx.engine.BlockOrder` (every copy goes through it). The work is two pipelines, one per direction:
-:class:`~.loads.LoadPipeline` (tiers -> paged KV cache) and :class:`~.saves.SavePipeline` (paged KV cache -> tiers);
-this module describes the registered KV cache (:class:`~.cache.WorkerCache`: layout, layer groups, the CPU pool's
-slots, the copies' machinery) and hands it to both, owns the tiers and the transfer engine, hands each step's
-metadata to the pipelines, and hands the step's load verdict to the save pipeline as an argument (a save computed
-against a load that failed here is dropped: :mod:`.validity`). Results (one outcome per transfer id,
+What to move comes from the scheduler's :class:`KVXMetadata`; how is :mod:`kvx.kernels.plan` (a step's copies between
+host memory and the cache, planned once into a compiled plan: staged through device buffers, by DMA, or by the copy
+kernel), issued on the :class:`kvx.engine.TransferEngine` copy queues by compiled code, one call per layer; in what
+order against the forwards is :class:`kvx.engine.BlockOrder` (every copy goes through it). The work is two pipelines,
+one per direction: :class:`~.loads.LoadPipeline` (tiers -> paged KV cache) and :class:`~.saves.SavePipeline` (paged KV
+cache -> tiers); this module describes the registered KV cache (:class:`~.cache.WorkerCache`: layout, layer groups,
+the CPU pool's slots, the copies' machinery) and hands it to both, owns the tiers and the transfer engine, hands each
+step's metadata to the pipelines, and hands the step's load verdict to the save pipeline as an argument (a save
+computed against a load that failed here is dropped: :mod:`.validity`). Results (one outcome per transfer id,
 :class:`KVXWorkerMetadata`) are collected in a :class:`~.cache.WorkerResults` and returned by
 :meth:`KVXWorker.build_worker_meta`.
 
@@ -161,6 +161,8 @@ class KVXWorker:
         self._loads_started = False
         self._idle_step = False
         self._pd_pause = False  # this idle step pauses in get_finished (worker thread)
+        self._save_layers = False  # this step queues its saves layer by layer (save_kv_layer)
+        self._group_ends: dict[str, int] = {}  # name of the last layer of each layer group -> the group
         self.results = WorkerResults()  # outcomes, counters, samples: the pipelines report here
         self.loads = LoadPipeline(self.results, self.tiers, None, fence_loads_at_start, geom.num_groups)
         self.saves = SavePipeline(self.results, self.tiers, None, _WriteBuffers([]))
@@ -340,12 +342,14 @@ class KVXWorker:
                 # scratch buffers (not the KV tensors): a sleep does not change it
                 ops.calibrate_h2d(lay.device)
         ptr_to_layer = {t.data_ptr(): i for i, t in enumerate(lay.layers)}
-        self.layer_of, self.group_of = {}, {}
+        self.layer_of, self.group_of, self._group_ends = {}, {}, {}
         for name, t in views.items():
             layer = ptr_to_layer.get(t.data_ptr())
             if layer is not None:
                 self.layer_of[name] = layer
-                self.group_of[name] = self.cache.group_of_layer(layer)
+                g = self.group_of[name] = self.cache.group_of_layer(layer)
+                if layer == self.cache.groups[g][1] - 1:
+                    self._group_ends[name] = g  # the layer that completes its group: save_kv_layer queues it
         self._registered = (views, geometry, layout_name, num_blocks)
 
     def _configure_staging(self, lay: KVLayout) -> None:
@@ -383,7 +387,7 @@ class KVXWorker:
         self.loads.after_drain()  # a step vLLM did not finish (it drains them first): reported
         self.engine.drop_staging()  # device memory a sleeping engine should not hold
         # no job refers to the old blocks any more: a new cache (and BlockOrder) is described on wake-up
-        self.cache, self.layer_of, self.group_of = None, {}, {}
+        self.cache, self.layer_of, self.group_of, self._group_ends = None, {}, {}, {}
         self.loads.cache = self.saves.cache = None
         self.saves.bind(None)
         log.info(
@@ -447,6 +451,8 @@ class KVXWorker:
             self.pool.attach(meta.node)  # the node's pool of this step's plans (mapped anew after a node restart)
         self._loads_started = False
         self.saves.bind(meta)
+        # this step's layer-wise saves (decided once, not per layer)
+        self._save_layers = self.config.save_layerwise and self.saves.has_saves() and self.geom.num_groups == 1
 
     def start_load_kv(self) -> None:
         meta = self._meta
@@ -456,19 +462,22 @@ class KVXWorker:
         self.loads.start(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        """Rule 4: the layer's loads fenced (one compiled call per plan); a step loading nothing returns at once."""
+        if not self.loads.loading:
+            return
         g = self.group_of.get(layer_name)
         if g is not None:
             self.loads.wait_for_layer(g)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata) -> None:
         """Layer-wise saves: once the forward wrote the last layer of a layer group, that group's gathers
-        are queued (after a marker taken now), so they overlap the rest of the forward."""
-        if not self.config.save_layerwise or not self.saves.has_saves() or self.geom.num_groups > 1:
+        are issued (after a marker the compiled call takes), so they overlap the rest of the forward. A step saving
+        nothing returns at once."""
+        if not self._save_layers:
             return
-        g = self.group_of.get(layer_name)
-        if g is None or self.layer_of.get(layer_name) != self.groups[g][1] - 1:
-            return
-        self.saves.submit_group(g, self.engine.marker(), self.loads.verdict)
+        g = self._group_ends.get(layer_name)
+        if g is not None:
+            self.saves.submit_group(g, self.loads.verdict)
 
     def wait_for_save(self) -> None:
         """End of the step's forward: finish the sync loads (if no result hook did), queue the gathers

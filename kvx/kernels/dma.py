@@ -9,23 +9,23 @@ never on SMs by default (measured on an H100: a UVA kernel on 8 SMs read host me
   straight between host memory and the blocks with ``cudaMemcpyBatchAsync`` (CUDA >= 12.8, on any stream but the
   legacy default one) or one ``cudaMemcpyAsync`` per run. Each run costs the copy engines a descriptor (~0.6 us
   per entry, LMCache's H200 cost model), so it wins for large pieces (raw pages of tens of KiB and up).
-- ``"staged"`` (:mod:`kvx.kernels.staged`): one DMA of the whole piece set between host memory and a device
+- ``"staged"`` (:mod:`kvx.kernels.plan`): one DMA of the whole piece set between host memory and a device
   staging buffer, and the copy kernel between that buffer and the blocks inside HBM (~5 us of GPU time per MiB).
 
-Per call, ``path=None`` takes ``"dma"`` when the copy's runs average at least :func:`h2d_dma_min_bytes` bytes, else
-``"staged"``. The threshold is measured once per device and process (:func:`calibrate_h2d`: both paths timed with
-CUDA events on what the worker issues per layer, batches of 16 and 128 pieces (one and eight chunks of 16 blocks)
-of 4 KiB .. 512 KiB each, in each direction; ~0.1 s and one sync of its own stream, lazily at the first such copy
-unless called before) and chosen by :func:`choose_dma_min_bytes`; ``KVX_H2D_DMA_MIN_BYTES`` (bytes, ``0`` = always
-DMA) replaces the measurement. ``path="kernel"`` forces the copy kernel over mapped host memory (capped at
-:data:`H2D_MAX_CTAS` thread blocks): it stays for measurements that show it winning somewhere; no default takes it.
-On a CPU cache (the deferred copy queue runs the CUDA code path there) the rule uses :data:`CPU_DMA_MIN_BYTES`.
+A plan of path ``"auto"`` (the default for a CUDA cache's host buffers, :mod:`kvx.kernels.plan`) takes ``"dma"``
+when every copy's runs average at least :func:`dma_threshold` bytes, else ``"staged"``. The threshold is measured
+once per device and process (:func:`calibrate_h2d`: both paths timed with CUDA events on what the worker issues per
+layer, batches of 16 and 128 pieces (one and eight chunks of 16 blocks) of 4 KiB .. 512 KiB each, in each
+direction; ~0.1 s and one sync of its own stream, lazily at the first such copy unless called before) and chosen by
+:func:`choose_dma_min_bytes`; ``KVX_H2D_DMA_MIN_BYTES`` (bytes, ``0`` = always DMA) replaces the measurement.
+``path="kernel"`` forces the copy kernel over mapped host memory (capped at :data:`H2D_MAX_CTAS` thread blocks): it
+stays for measurements that show it winning somewhere; no default takes it. On a CPU cache (the deferred copy
+queue runs the CUDA code path there) the rule uses :data:`CPU_DMA_MIN_BYTES`.
 
-Who runs what: :mod:`kvx.kernels.ops` asks :func:`dma_min_run_bytes` on every host copy of impl ``cuda``, and a
-batch of path ``"auto"`` (:mod:`kvx.kernels.staged`, the connector's worker) asks :func:`dma_threshold` once, on
-the thread issuing the copies. The calibration is measured once per device and process, under a lock (two threads
-asking at once measure once), and cached; the worker calls :func:`calibrate_h2d` when it registers its caches,
-which keeps the measurement off the first copy.
+Who runs what: :meth:`kvx.kernels.plan.Copies.plan` asks :func:`dma_threshold` once per plan of path ``"auto"``, on
+the thread planning it. The calibration is measured once per device and process, under a lock (two threads asking at
+once measure once), and cached; the worker calls :func:`calibrate_h2d` when it registers its caches, which keeps the
+measurement off the first copy.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ import torch
 from .._ext import require as _require_ext
 from .layout import Op
 
-PATHS = ("kernel", "dma", "staged")  # host <-> device paths (the ops' ``path=``); None = by the measured rule
 H2D_MAX_CTAS = 8  # thread blocks (so SMs) the copy kernel may use for a host <-> device copy (path "kernel")
 DMA_NEVER = 2**63 - 1  # a DMA threshold no copy reaches: always staged
 H2D_ENV = "KVX_H2D_DMA_MIN_BYTES"
@@ -51,27 +50,15 @@ CAL_PIECES = (16, 128)  # pieces per copy the calibration times: a layer of 1 an
 _DIRECTIONS = ("gather", "scatter")  # index = Op.c_direction
 
 
-def dma_min_run_bytes(device: torch.device, op: Op, path: str | None, host: bool, pieces: int = CAL_PIECES[0]) -> int:
-    """The mean run size in bytes from which one copy of impl ``cuda`` goes by DMA straight into the blocks (the
-    ``min_run_bytes`` of ``kvx._C.cuda_copy_dma``, which declines below it); :data:`DMA_NEVER`: never.
-
-    ``path="dma"``: 0 (always); ``"kernel"`` or ``"staged"``, or ``None`` with the contiguous side on the device
-    (``host`` False): never; ``None`` with it in pinned host memory: :func:`h2d_dma_min_bytes` of the op's
-    direction for a copy of ``pieces`` pieces per layer (its ids).
-    """
-    if path == "dma":
-        return 0
-    if path is None and host:
-        return h2d_dma_min_bytes(device, _DIRECTIONS[op.c_direction], pieces)
-    return DMA_NEVER
-
-
 def dma_threshold(device: torch.device | str, direction: str, pieces: int) -> int:
     """The mean run size in bytes from which a batch of ``pieces`` pieces per layer in ``direction`` (``"gather"``
     or ``"scatter"``) goes by DMA straight into the blocks rather than staged: the measured rule on CUDA
-    (:func:`h2d_dma_min_bytes`), :data:`CPU_DMA_MIN_BYTES` (or the variable) on CPU."""
-    if torch.device(device).type == "cuda":
-        return h2d_dma_min_bytes(device, direction, pieces)
+    (:func:`h2d_dma_min_bytes`), :data:`CPU_DMA_MIN_BYTES` (or the variable) on CPU. Asked once per plan."""
+    dev = device if isinstance(device, torch.device) else torch.device(device)
+    if dev.type == "cuda":
+        return h2d_dma_min_bytes(dev, direction, pieces)
+    if H2D_ENV not in os.environ:  # the common case: no variable to parse (a miss of .get raises inside: slower)
+        return CPU_DMA_MIN_BYTES
     env = h2d_env_min_bytes()
     return CPU_DMA_MIN_BYTES if env is None else env
 

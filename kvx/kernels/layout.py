@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -89,10 +90,18 @@ class PageGeometry:
 class Op(enum.Enum):
     """A copy op of :mod:`kvx.kernels.ops`: which way (gather: paged cache -> contiguous side; scatter: back) and
     what the ids name (whole blocks, single slots, raw pages of whole blocks). The value is the op's name: its
-    function in :mod:`kvx.kernels.ops` and the ``op`` of :meth:`kvx.kernels.ops.CopyBatch.add`.
+    function in :mod:`kvx.kernels.ops` and the ``op`` of :meth:`kvx.kernels.plan.Copies.add`.
 
     The one encoding of an op in Python; the extension's integers (:attr:`c_mode`, :attr:`c_direction`) are
-    read only where a kernel is called. Immutable: any thread.
+    read only where a kernel is called. Each member's facts are plain attributes, set once below (a copy's checks
+    read several of them: a property of an enum costs ~0.4 us a read). Immutable: any thread.
+
+    - ``gather``: paged cache -> contiguous side (False: a scatter, contiguous side -> paged cache);
+    - ``slots``: the ids are slots (``block * N + offset``; negative = padding), one token each;
+    - ``pages``: the ids are blocks copied as raw pages (``[L, S, n, segment_bytes]`` uint8);
+    - ``id_name``: the ids' argument name, as errors say it;
+    - ``c_mode``: the extension's id mode (``kvx::CopyParams::mode``): 0 block ids (pages too), 1 slot ids;
+    - ``c_direction``: the extension's direction argument: 0 gather, 1 scatter.
     """
 
     GATHER_BLOCKS = "gather_blocks"
@@ -102,42 +111,23 @@ class Op(enum.Enum):
     GATHER_PAGES = "gather_pages"
     SCATTER_PAGES = "scatter_pages"
 
-    @property
-    def gather(self) -> bool:
-        """Paged cache -> contiguous side (False: a scatter, contiguous side -> paged cache)."""
-        return self.value.startswith("gather_")
 
-    @property
-    def slots(self) -> bool:
-        """The ids are slots (``block * N + offset``; negative = padding), one token each."""
-        return self.value.endswith("_slots")
-
-    @property
-    def pages(self) -> bool:
-        """The ids are blocks copied as raw pages (``[L, S, n, segment_bytes]`` uint8)."""
-        return self.value.endswith("_pages")
-
-    @property
-    def id_name(self) -> str:
-        """The ids' argument name, as errors say it."""
-        return "slot_ids" if self.slots else "block_ids"
-
-    @property
-    def c_mode(self) -> int:
-        """The extension's id mode (``kvx::CopyParams::mode``): 0 block ids (pages too), 1 slot ids."""
-        return 1 if self.slots else 0
-
-    @property
-    def c_direction(self) -> int:
-        """The extension's direction argument: 0 gather, 1 scatter."""
-        return 0 if self.gather else 1
+for _op in Op:
+    _op.gather = _op.value.startswith("gather_")
+    _op.slots = _op.value.endswith("_slots")
+    _op.pages = _op.value.endswith("_pages")
+    _op.id_name = "slot_ids" if _op.slots else "block_ids"
+    _op.c_mode = 1 if _op.slots else 0
+    _op.c_direction = 0 if _op.gather else 1
+del _op
 
 
 @dataclasses.dataclass(frozen=True)
-class CopyPlan:
-    """Everything a backend needs for one copy, mirrored by ``kvx::CopyParams`` (before collapsing).
+class CopyGeometry:
+    """Everything a kernel needs for one copy, mirrored by ``kvx::CopyParams`` (before collapsing): what
+    :func:`copy_geometry` reads off the layout and the contiguous side.
 
-    ``mode`` is the extension's id mode, :attr:`Op.c_mode` (0 block ids, 1 slot ids). ``kvx.kernels.ops`` hands
+    ``mode`` is the extension's id mode, :attr:`Op.c_mode` (0 block ids, 1 slot ids). :func:`c_descs` hands
     ``paged`` and ``contig`` to the compiled kernels field by field, by name (``kvx._C.PagedDesc`` /
     ``kvx._C.ContigDesc``).
     """
@@ -263,7 +253,11 @@ class KVLayout:
             self.row_bytes,
         )
         self._planes = tuple(tuple(ps) for ps in planes)
-        self.spans = tuple((_byte_span(pl), i) for i, ps in enumerate(self._planes) for pl in ps)  # ((lo, hi), layer)
+        self.spans = tuple((byte_span(pl), i) for i, ps in enumerate(self._planes) for pl in ps)  # ((lo, hi), layer)
+        self.hull = (min(lo for (lo, _), _ in self.spans), max(hi for (_, hi), _ in self.spans))  # every layer's bytes
+        self._bounds: torch.Tensor | None = None
+        self._c_paged: dict = {}
+        self._plan_tables: tuple[int, int, int] | None = None
         self._layer_ptrs = torch.tensor([ps[0].data_ptr() for ps in planes], dtype=torch.int64)
         self._device_tables: dict[torch.device, torch.Tensor] = {}
         self._ranges: dict[tuple[int, int], KVLayout] = {}
@@ -375,6 +369,12 @@ class KVLayout:
         """Bytes of one block of one layer."""
         return self.num_planes * self.block_size * self.num_heads * self.row_bytes
 
+    @functools.cached_property
+    def most_id_bytes(self) -> int:
+        """The most bytes one id of any op moves in one layer (a block, or a raw page): the smallest staging buffer
+        that fits any copy's part."""
+        return max(self.page_bytes, self.page.page_bytes if self.page is not None else 0)
+
     def layer_range(self, start: int, end: int) -> KVLayout:
         """Layers ``[start, end)`` as a layout of their own (cached: one object, and one device table, per
         range)."""
@@ -399,6 +399,30 @@ class KVLayout:
             self._device_tables[device] = table
         return table
 
+    def plan_tables(self) -> tuple[int, int, int]:
+        """``(layer table, device layer table (0 on CPU), layer bounds)`` addresses for a compiled plan (cached)."""
+        tables = self._plan_tables
+        if tables is None:
+            dev = self.layer_ptrs(self.device).data_ptr() if self.device.type == "cuda" else 0
+            tables = self._plan_tables = (self._layer_ptrs.data_ptr(), dev, self.layer_bounds().data_ptr())
+        return tables
+
+    def layer_bounds(self) -> torch.Tensor:
+        """int64 ``[L, 2]``: each layer tensor's byte extent ``[lo, hi)`` (what the CUDA kernel's emulation holds each
+        layer's accesses to; cached)."""
+        if self._bounds is None:
+            self._bounds = torch.tensor([byte_span(t) for t in self.layers], dtype=torch.int64)
+        return self._bounds
+
+    def c_paged(self, op: Op, split: bool = False):
+        """The paged side of ``op`` as ``kvx._C.PagedDesc`` (cached per kind: blocks and slots, raw pages, raw pages
+        split by head)."""
+        key = (op.pages, split)
+        desc = self._c_paged.get(key)
+        if desc is None:
+            desc = self._c_paged[key] = c_paged_desc(paged_desc(op, self, split))
+        return desc
+
     def __repr__(self) -> str:
         return (
             f"KVLayout({self.name}, layers={self.num_layers}, planes={self.num_planes}, "
@@ -407,14 +431,96 @@ class KVLayout:
         )
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+def paged_desc(op: Op, layout: KVLayout, split: bool = False) -> PagedDesc:
+    """The paged side of ``op``: the layout's rows (blocks, slots), or its pages (``[L, S, n, segment_bytes]``: segments
+    as planes, ids as tokens, one "head" of one segment; ``split``, ``[L, S, n, H, run]``: each head a run)."""
+    if not op.pages:
+        return layout.paged
+    g = layout.page
+    heads = layout.num_heads if split else 1
+    run = layout.page_head_bytes if split else g.segment_bytes
+    return PagedDesc(
+        plane_stride=g.segment_stride,
+        block_stride=layout.paged.block_stride,
+        token_stride=0,
+        head_stride=run if heads > 1 else 0,
+        num_blocks=layout.num_blocks,
+        num_planes=g.segments,
+        block_size=1,
+        num_heads=heads,
+    )
+
+
+def copy_geometry(op: Op, layout: KVLayout, buf: torch.Tensor, n: int) -> CopyGeometry:
+    """One copy's geometry: ``op`` over ``n`` ids between ``layout`` and the contiguous side ``buf`` (checked)."""
+    item = buf.element_size()
+    layer_stride, plane_stride, token_stride, head_stride = (int(s) * item for s in buf.stride()[:4])
+    split = op.pages and buf.dim() == 5
+    if op.pages:
+        row = layout.page_head_bytes if split else layout.page.segment_bytes
+        if not split:
+            head_stride = row
+    else:
+        row = layout.row_bytes
+    contig = ContigDesc(
+        layer_stride=layer_stride, plane_stride=plane_stride, token_stride=token_stride, head_stride=head_stride
+    )
+    return CopyGeometry(paged_desc(op, layout, split), contig, row, layout.num_layers, n, op.c_mode)
+
+
+_PAGED_FIELDS = tuple(f.name for f in dataclasses.fields(PagedDesc))
+_CONTIG_FIELDS = tuple(f.name for f in dataclasses.fields(ContigDesc))
+
+
+def c_paged_desc(paged: PagedDesc):
+    """``paged`` as ``kvx._C.PagedDesc``, built field by field, by name: the constructor is keyword-only, so a field
+    missing or renamed on either side is a TypeError and a reordering cannot swap strides silently."""
+    from .._ext import require
+
+    return require().PagedDesc(**{f: getattr(paged, f) for f in _PAGED_FIELDS})
+
+
+def c_descs(geometry: CopyGeometry) -> tuple:
+    """``geometry``'s descriptors as ``(kvx._C.PagedDesc, kvx._C.ContigDesc)``, by name (see :func:`c_paged_desc`):
+    what the compiled kernels, their emulation and the Triton launcher's planning take."""
+    from .._ext import require
+
+    contig = require().ContigDesc(**{f: getattr(geometry.contig, f) for f in _CONTIG_FIELDS})
+    return c_paged_desc(geometry.paged), contig
+
+
+def c_copy_args(geometry: CopyGeometry, ids: int, contig: int, op: Op) -> dict:
+    """The arguments every ``kvx._C`` copy function shares, by the bindings' own names (a renamed or missing one is
+    a TypeError, never a swapped stride or id count)."""
+    paged, contig_strides = c_descs(geometry)
+    return dict(
+        num_layers=geometry.num_layers,
+        ids=ids,
+        num_ids=geometry.num_ids,
+        contig=contig,
+        paged=paged,
+        contig_strides=contig_strides,
+        row_bytes=geometry.row_bytes,
+        mode=geometry.mode,
+        direction=op.c_direction,
+    )
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
     """Byte range [lo, hi) a strided tensor touches."""
-    if t.numel() == 0:
-        return (t.data_ptr(), t.data_ptr())
+    ptr = t.data_ptr()
+    if t.is_contiguous():
+        return (ptr, ptr + t.numel() * t.element_size())
+    lo = hi = 0
+    for size, stride in zip(t.shape, t.stride()):
+        if size == 0:
+            return (ptr, ptr)
+        if stride > 0:
+            hi += (size - 1) * stride
+        else:
+            lo += (size - 1) * stride
     item = t.element_size()
-    lo = t.data_ptr() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if st < 0) * item
-    hi = t.data_ptr() + (sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if st > 0) + 1) * item
-    return lo, hi
+    return (ptr + lo * item, ptr + (hi + 1) * item)
 
 
 def _plane_views(name: str, t: torch.Tensor, i: int) -> tuple[torch.Tensor, ...]:

@@ -60,8 +60,10 @@ def make_kv_caches(
     device: str | torch.device = "cpu",
     padded: bool = False,
     generator: torch.Generator | None = None,
+    fill: bool = True,
 ) -> list[torch.Tensor]:
-    """Per-layer cache tensors in ``layout`` (one of :data:`kvx.kernels.layout.LAYOUTS`), filled with random bytes.
+    """Per-layer cache tensors in ``layout`` (one of :data:`kvx.kernels.layout.LAYOUTS`), filled with random bytes
+    (``fill=False``: left as allocated, pages not committed).
 
     ``head_size`` is D (the packed vLLM layouts get ``C = 2D``; ``mla`` gets ``C = D`` and one head).
     """
@@ -85,7 +87,7 @@ def make_kv_caches(
         tensors = [base[:, l, :, :D] for l in range(L)]
     else:
         raise ValueError(f"layout: expected one of {tuple(_ORDERS) + ('flash', 'flashinfer', 'mla')}, got {layout!r}")
-    for t in tensors:
+    for t in tensors if fill else ():
         random_fill_(t, generator)
     return tensors
 

@@ -14,7 +14,7 @@ Sections (``--sections``; CPU runs ``table``, CUDA all four):
   runs on another stream (the roof of that column is the pinned copy timed under the same load).
 ``layer`` (``<stem>_layer.csv``): one layer's copy of a step (llama3-8b: 32 layers x 8 heads x 128, bf16, block
   16, chunk 256 tokens = 1 MiB per chunk and layer) of 1, 2, 8, 32 chunks, each path against a plain copy of
-  the same bytes (GPU time per op, as a ratio), with the host time per op; and one layer of a CopyBatch of
+  the same bytes (GPU time per op, as a ratio), with the host time per op; and one layer of a compiled plan of
   1, 2, 8 chunks as the worker runs it (one add per chunk, ``run(i, i + 1)`` on the 32-layer cache).
   N ops are queued back to back behind a ``torch.cuda._sleep`` pad: GPU time = events around them / N,
   host time = wall clock of the enqueue loop / N.
@@ -723,7 +723,7 @@ class LayerShape:
 LLAMA3_8B = LayerShape("llama3-8b", 32, 8, 128, 16, 256)  # 1 MiB per chunk and layer
 TINY = LayerShape("tiny", 4, 2, 64, 16, 32)  # the CPU smoke runs: 16 KiB per chunk and layer
 LAYER_CHUNKS = (1, 2, 8, 32)  # one layer's copy of a step of C chunks (C MiB for llama3-8b)
-BATCH_CHUNKS = (1, 2, 8)  # ... and as the worker issues it (a CopyBatch of C chunks over every layer)
+BATCH_CHUNKS = (1, 2, 8)  # ... and as the worker issues it (a plan of C chunks over every layer)
 BIDIR_CHUNKS = 8  # each way, every layer (256 MiB for llama3-8b)
 _SHARED: dict = {}  # the 32-layer cache the layer and bidir sections share (built once per run)
 
@@ -749,26 +749,26 @@ def _model_cache(shape: LayerShape, device: str) -> KVLayout:
 
 
 def worker_layer(layout: KVLayout, op: str, copies) -> tuple[Callable[[], None], int]:
-    """One layer of a batch as the connector's worker issues it: a :class:`kvx.kernels.staged.TransferBatch` of
-    ``copies`` (``(block ids, host buffer)``) by the config's default ``copy_path``, planned per layer with the
-    default ``staging_bytes`` budget's buffers (:class:`kvx.connector.cache.WorkerCache`); returns a call running
-    layer 0's parts on the current stream (the worker puts a part's DMA and reshape on two queues), and the copies'
-    count. The engine's job bookkeeping is not in it: ``bench_pipeline.py`` times the hooks whole."""
+    """One layer of a step's copies as the connector's worker issues them: a compiled plan
+    (:class:`kvx.kernels.plan.Copies`) of ``copies`` (``(block ids, host buffer)``) by the config's default
+    ``copy_path``, planned per layer with the default ``staging_bytes`` budget's buffers
+    (:class:`kvx.connector.cache.WorkerCache`); returns a call running layer 0's parts on the current stream (the worker
+    puts a part's DMA and reshape on two queues), and the copies' count. The engine's job bookkeeping is not in it:
+    ``bench_pipeline.py`` times the hooks whole."""
     from ..connector.config import KVXConfig
-    from ..kernels.staged import TransferBatch
+    from ..kernels.plan import Copies
 
     cfg = KVXConfig.from_extra_config({})
-    batch = TransferBatch(layout, path=cfg.copy_path if layout.device.type == "cuda" else "staged")
+    batch = Copies(layout, path=cfg.copy_path if layout.device.type == "cuda" else "staged")
     for ids, buf in copies:
         batch.add(op, ids, buf)
-    batch.resolve_path()
     capacity = cfg.staging_bytes // 4
-    parts = [p for p in batch.plan([(i, i + 1) for i in range(layout.num_layers)], capacity) if p.start == 0]
-    staging = torch.empty(capacity, dtype=torch.uint8, device=layout.device) if batch.staged else None
+    plan = batch.plan([(i, i + 1) for i in range(layout.num_layers)], capacity)
+    lo, hi = plan.range_parts(0)
+    staging = torch.empty(capacity, dtype=torch.uint8, device=layout.device) if plan.staged else None
 
     def run() -> None:
-        for part in parts:
-            batch.run(part, staging)
+        plan.run(staging, None, lo, hi)
 
     return run, len(batch)
 
@@ -928,7 +928,7 @@ def layer_md(rows: list[LayerRow], shape: LayerShape, smoke: bool) -> list[str]:
         "",
         f"{shape.name} ({shape.layers} layers x {shape.heads} x {shape.head_size}, bf16, block {shape.block_size}, "
         f"chunk {shape.chunk} tokens: {shape.chunk_layer_bytes / MiB:g} MiB per chunk and layer). One op per row "
-        "moving one layer of C chunks between the cache and pinned host memory (`batch`: one layer of a CopyBatch "
+        "moving one layer of C chunks between the cache and pinned host memory (`batch`: one layer of a compiled plan "
         "of C chunks, one add per chunk, on the 32-layer cache, as the worker runs it); N ops queued back to back "
         "behind a `torch.cuda._sleep` pad: `GPU us` = per op on the stream, `host us` = issuing one op. "
         "`x plain` = GPU time over the plain copy of the same bytes. Targets: staged (>= 1 MiB) within 1.5x of "

@@ -69,16 +69,18 @@ def test_full_prompt_hit_leaves_only_the_last_token_to_compute(make_env, store_d
     env.request("a", ids)
     env.run()
     env.sched.reset_prefix_cache()
-    build = env.worker._worker.loads.scatter_batch
+    cache = env.worker._worker.loads.cache
+    build = cache.plan
 
-    def slow(chunks):  # slow loads: a load that is not fenced before the forward lands after its write
-        batch = build(chunks)
-        reshape, dma = batch.reshape, batch.dma
-        batch.reshape = lambda *a: (time.sleep(0.05), reshape(*a))
-        batch.dma = lambda *a: (time.sleep(0.05), dma(*a))
-        return batch
+    def slow(copies, name=""):  # slow loads: a load that is not fenced before the forward lands after its write
+        plan = build(copies, name)
+        if not copies.gather:
+            reshape, dma = plan.reshape, plan.dma
+            plan.reshape = lambda *a: (time.sleep(0.05), reshape(*a))
+            plan.dma = lambda *a: (time.sleep(0.05), dma(*a))
+        return plan
 
-    monkeypatch.setattr(env.worker._worker.loads, "scatter_batch", slow)
+    monkeypatch.setattr(cache, "plan", slow)
     r = env.request("b", ids)
     so = env.step()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 2 * CHUNK - 1

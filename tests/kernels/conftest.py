@@ -55,13 +55,13 @@ def impl_or_skip(impl, device="cpu"):
             pytest.skip("triton is not installed")
         if impl == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("Triton runs CPU caches only in its interpreter: set TRITON_INTERPRET=1")
-        if impl == "cuda_sim" and ops._C is not None and nvcc_path() is None:
+        if impl == "cuda_sim" and C is not None and nvcc_path() is None:
             pytest.skip(
                 "cuda_sim is the CUDA kernel compiled by nvcc as host code: no nvcc here (or KVX_CUDA=0), "
                 "so kvx._C has none"
             )
-        why = ops._C_ERROR or ""
-        if impl == "cuda_sim" and ops._C is not None:
+        why = ERROR or ""
+        if impl == "cuda_sim" and C is not None:
             why = (
                 f"nvcc is at {nvcc_path()} but kvx._C was built without it (has_cuda_sim is False): rebuild "
                 "with `pip install -e .` (KVX_CUDA=1 makes a missing nvcc a build error)"

@@ -7,7 +7,7 @@ import torch
 
 from kvx.kernels import ops
 from kvx.kernels.layout import KVLayout
-from kvx.kernels.staged import TransferBatch
+from kvx.kernels.plan import Copies
 from kvx.testing import make_kv_caches, make_layout
 from tests.helpers import assert_all_same_bytes, assert_same_bytes
 
@@ -136,17 +136,17 @@ def test_negative_max_ctas(lay):
 
 
 def test_unknown_path(lay):
-    with pytest.raises(ValueError, match=r"path: expected one of \('kernel', 'dma', 'staged'\) or None, got 'fast'"):
+    with pytest.raises(
+        ValueError, match=r"path: expected one of \('kernel', 'dma', 'staged', 'auto'\) or None, got 'fast'"
+    ):
         ops.gather_blocks(lay, [0], path="fast")
 
 
-def test_path_kernel_needs_the_cuda_impl(lay):
-    with pytest.raises(
-        ValueError,
-        match="path: 'kernel' forces the CUDA copy kernel over host memory, which only impl 'cuda' has; this "
-        "copy runs impl 'reference'",
-    ):
-        ops.gather_blocks(lay, [0], impl="reference", path="kernel")
+def test_path_kernel_runs_the_chosen_impls_kernel(lay):
+    """On a CPU cache every path runs its CPU twin: ``kernel`` is the chosen implementation between buffer and blocks
+    (on a CUDA cache, the copy kernel over device or mapped host memory)."""
+    for impl in ("reference", "cpu"):
+        assert_same_bytes(ops.gather_blocks(lay, [2, 0], impl=impl, path="kernel"), ops.gather_blocks(lay, [2, 0]))
 
 
 def test_staging_only_with_the_staged_path(lay):
@@ -194,11 +194,10 @@ def test_pages_split_by_head_need_a_head_major_page_and_no_whole_pages_beside_th
     out = torch.empty(shape, dtype=torch.uint8)
     ops.gather_pages(hm, [0, 1], out)
     assert_same_bytes(out.flatten(-2), ops.gather_pages(hm, [0, 1], impl="reference"))
-    batch = TransferBatch(hm, path="staged")  # one staged view per group: split or whole, not both
+    batch = Copies(hm, path="staged")  # one staged view per group: split or whole, not both
     batch.add("gather_pages", [0, 1], out)
-    batch.add("gather_pages", [2], torch.empty(hm.page_shape(1), dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"op: raw-page buffers split by head .* and whole .* in one batch"):
-        batch.plan(capacity=1 << 20)
+        batch.add("gather_pages", [2], torch.empty(hm.page_shape(1), dtype=torch.uint8))
 
 
 def test_empty_ids_are_a_no_op(lay):

@@ -1,5 +1,5 @@
-"""``kvx.kernels.ops.CopyBatch``: copies checked once and run layer range by layer range, bit-exact against the
-reference running each op alone over every layer."""
+"""``kvx.kernels.plan.Copies`` on path ``kernel``: copies checked once, planned by layer range and run range by
+range, bit-exact against the reference running each op alone over every layer."""
 
 import re
 
@@ -8,6 +8,7 @@ import torch
 
 from kvx.kernels import ops
 from kvx.kernels.layout import KVLayout, Op
+from kvx.kernels.plan import Copies
 from kvx.testing import make_kv_caches, random_fill_
 from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
 
@@ -57,6 +58,18 @@ def _ranges(num_layers):
     return [(0, num_layers)] if num_layers == 1 else [(0, 1), (1, num_layers)]
 
 
+def _batch_of(lay, impl=None):
+    return Copies(lay, impl=impl, path="kernel")
+
+
+def _run_by_ranges(batch, ranges):
+    """Plan ``batch`` by ``ranges`` and run them one after another, as a layer-wise pipeline issues them."""
+    plan = batch.plan(ranges)
+    for r in range(len(ranges)):
+        lo, hi = plan.range_parts(r)
+        plan.run(None, None, lo, hi)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("name", LAYOUTS)
 @pytest.mark.parametrize("impl", IMPLS)
@@ -69,11 +82,10 @@ def test_batch_by_layer_ranges_matches_each_op_alone(impl, name, dtype):
     # gathers: into buffers filled with noise, so a row the batch misses shows
     outs = [buf.clone() for _, _, buf in copies]
     expected = [buf.clone() for _, _, buf in copies]
-    batch = ops.CopyBatch(lay, impl=impl)
+    batch = _batch_of(lay, impl)
     for (kind, ids, _), out in zip(copies, outs):
         batch.add(f"gather_{kind}", ids, out)
-    for a, b in _ranges(lay.num_layers):
-        batch.run(a, b)
+    _run_by_ranges(batch, _ranges(lay.num_layers))
     for (kind, ids, _), exp in zip(copies, expected):
         getattr(ops, f"gather_{kind}")(ref, ids, exp, impl="reference")
     for out, exp in zip(outs, expected):
@@ -85,11 +97,10 @@ def test_batch_by_layer_ranges_matches_each_op_alone(impl, name, dtype):
 def _check_scatters(lay, ref, copies, impl):
     """Every scatter of ``copies`` in one batch of ``impl``, run by layer ranges, against each op alone on
     the reference's copy of the cache."""
-    batch = ops.CopyBatch(lay, impl=impl)
+    batch = _batch_of(lay, impl)
     for kind, ids, src in copies:
         batch.add(f"scatter_{kind}", ids, src)
-    for a, b in _ranges(lay.num_layers):
-        batch.run(a, b)
+    _run_by_ranges(batch, _ranges(lay.num_layers))
     for kind, ids, src in copies:
         getattr(ops, f"scatter_{kind}")(ref, ids, src.to(ref.device), impl="reference")
     if lay.device.type == "cuda":
@@ -107,11 +118,10 @@ def test_cpu_layout_pages_batch(impl):
         (ids, random_fill_(torch.empty(lay.page_shape(len(ids)), dtype=torch.uint8), g))
         for ids in ([3, 1], [0], [11, 6, 7])
     ]
-    batch = ops.CopyBatch(lay, impl=impl)
+    batch = _batch_of(lay, impl)
     for ids, src in srcs:
         batch.add("scatter_pages", ids, src)
-    for layer in range(lay.num_layers):
-        batch.run(layer, layer + 1)
+    _run_by_ranges(batch, [(layer, layer + 1) for layer in range(lay.num_layers)])
     for ids, src in srcs:
         ops.scatter_pages(ref, ids, src, impl="reference")
     assert_all_same_bytes(lay.layers, ref.layers)
@@ -134,14 +144,20 @@ def test_an_op_is_named_once():
     g = torch.Generator().manual_seed(5)
     lay, ref = _caches("LBNHC", torch.float16, 5)
     src = random_fill_(torch.empty(lay.canonical_shape(2 * lay.block_size), dtype=lay.dtype), g)
-    batch = ops.CopyBatch(lay, impl="reference")
+    batch = _batch_of(lay, "reference")
     batch.add(Op.SCATTER_BLOCKS, [4, 2], src)
-    batch.add("gather_blocks", [4, 2], out := torch.empty_like(src))
+    batch.add("scatter_blocks", [5], src[:, :, : lay.block_size])
     assert len(batch) == 2
-    batch.run()
+    batch.plan().run()
     ops.scatter_blocks(ref, [4, 2], src, impl="reference")
+    ops.scatter_blocks(ref, [5], src[:, :, : lay.block_size], impl="reference")
     assert_all_same_bytes(lay.layers, ref.layers)
-    assert_same_bytes(out, src)
+    out = _batch_of(lay, "reference")
+    got = out.add("gather_blocks", [4, 2])  # a gather's buffer, allocated
+    out.plan().run()
+    assert_same_bytes(got, src)
+    with pytest.raises(ValueError, match=r"op: expected scatters only \(one direction per batch\), got gather_blocks"):
+        batch.add("gather_blocks", [4], torch.empty_like(src[:, :, : lay.block_size]))
 
 
 def test_run_touches_only_its_layers():
@@ -149,9 +165,9 @@ def test_run_touches_only_its_layers():
     lay, _ = _caches("LBNHC", torch.float16, 4)
     before = [t.clone() for t in lay.layers]
     src = random_fill_(torch.empty(lay.canonical_shape(2 * lay.block_size), dtype=lay.dtype), g)
-    batch = ops.CopyBatch(lay)
+    batch = _batch_of(lay)
     batch.add("scatter_blocks", [3, 6], src)
-    batch.run(1, 2)
+    batch.plan([(1, 2)]).run()
     assert_same_bytes(lay.layers[0], before[0])
     assert_same_bytes(lay.layers[2], before[2])
     assert_same_bytes(ops.gather_blocks(lay, [3, 6])[1], src[1])
@@ -169,7 +185,7 @@ def test_layer_range_is_one_object_per_range():
 # ------------------------------------------------------------------------------------------ bad input
 def _batch():
     lay, _ = _caches("LBNHC", torch.bfloat16, 2)
-    return lay, ops.CopyBatch(lay)
+    return lay, _batch_of(lay)
 
 
 def test_bad_op_name():
@@ -180,12 +196,12 @@ def test_bad_op_name():
 
 def test_bad_layout():
     with pytest.raises(TypeError, match="layout: expected a kvx.kernels.layout.KVLayout, got Tensor"):
-        ops.CopyBatch(torch.empty(1))
+        Copies(torch.empty(1))
 
 
 def test_missing_buffer():
     _, batch = _batch()
-    with pytest.raises(TypeError, match="src: expected a tensor, got None"):
+    with pytest.raises(TypeError, match="src: expected a tensor to scatter, got None"):
         batch.add("scatter_blocks", [0], None)
 
 
@@ -230,15 +246,18 @@ def test_gathers_may_overlap():
     out = [torch.empty(lay.canonical_shape(16), dtype=lay.dtype) for _ in range(2)]
     batch.add("gather_blocks", [3], out[0])
     batch.add("gather_blocks", [3], out[1])
-    batch.run()
+    batch.plan().run()
     assert_same_bytes(out[0], out[1])
 
 
 @pytest.mark.parametrize("start,end", [(-1, 1), (2, 1), (0, 4), (1, 1), (0.0, 1)])
 def test_bad_layer_range(start, end):
-    _, batch = _batch()
-    with pytest.raises(ValueError, match=rf"start, end: expected 0 <= start < end <= 3, got {start}, {end}"):
-        batch.run(start, end)
+    lay, batch = _batch()
+    batch.add("gather_blocks", [3])
+    with pytest.raises(
+        ValueError, match=rf"ranges: expected \(start, end\) with 0 <= start < end <= 3, got \({start}, {end}\)"
+    ):
+        batch.plan([(start, end)])
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -269,11 +288,10 @@ def test_gpu_batch_gathers_by_layer_ranges(impl, pinned, name):
     copies = _copies(lay, g, "cuda", pinned=pinned)
     outs = [buf.clone().pin_memory() if pinned else buf.clone() for _, _, buf in copies]
     expected = [buf.to("cuda", copy=True) for _, _, buf in copies]
-    batch = ops.CopyBatch(lay, impl=impl)
+    batch = _batch_of(lay, impl)
     for (kind, ids, _), out in zip(copies, outs):
         batch.add(f"gather_{kind}", ids, out)
-    for a, b in _ranges(lay.num_layers):
-        batch.run(a, b)
+    _run_by_ranges(batch, _ranges(lay.num_layers))
     for (kind, ids, _), exp in zip(copies, expected):
         getattr(ops, f"gather_{kind}")(ref, ids, exp, impl="reference")
     torch.cuda.synchronize()

@@ -45,7 +45,7 @@ def test_cuda_kernels_compiled_when_nvcc_is_present():
 def test_descriptors_are_built_by_field_name():
     """kvx._C.PagedDesc/ContigDesc take keywords only, so a positional tuple can never swap strides."""
     from kvx._ext import C
-    from kvx.kernels.layout import ContigDesc, CopyPlan, PagedDesc
+    from kvx.kernels.layout import ContigDesc, CopyGeometry, PagedDesc, c_descs
 
     paged = PagedDesc(
         plane_stride=11,
@@ -58,7 +58,7 @@ def test_descriptors_are_built_by_field_name():
         num_heads=17,
     )
     contig = ContigDesc(layer_stride=21, plane_stride=22, token_stride=23, head_stride=24)
-    cp, cc = ops._c_descs(CopyPlan(paged, contig, 8, 1, 1, 0))
+    cp, cc = c_descs(CopyGeometry(paged, contig, 8, 1, 1, 0))
     for name, value in vars(paged).items():
         assert getattr(cp, name) == value, name
     for name, value in vars(contig).items():

@@ -17,14 +17,15 @@ import re
 import pytest
 import torch
 
+from kvx._ext import C as _ext_C
 from kvx.kernels import ops
-from kvx.kernels.layout import LAYOUTS, KVLayout, Op
+from kvx.kernels.layout import LAYOUTS, KVLayout, Op, byte_span, c_descs, copy_geometry
 from kvx.testing import make_kv_caches, make_layout, random_fill_
 from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
 
 from .conftest import impl_or_skip, two_layouts
 
-_C = ops._C  # None without the extension: then conftest.py fails every test, with the import error
+_C = _ext_C  # None without the extension: then conftest.py fails every test, with the import error
 _BLOCKS = 0
 _GATHER, _SCATTER = 0, 1
 THREADS = 256  # threads per CTA of copy_cuda.cu (kThreads)
@@ -272,9 +273,9 @@ def test_launch_config_checks_its_arguments():
 
 # ------------------------------------------------------------------------------ the emulation
 def _config(kind, lay, n, buf, *, sm_count=H100_SMS, max_ctas=0, contig=None, index32_limit=INDEX32_LIMIT):
-    plan = ops._plan(Op("gather_" + kind), lay, buf, n)
+    plan = copy_geometry(Op("gather_" + kind), lay, buf, n)
     return _C.cuda_launch_config(
-        *ops._c_descs(plan),
+        *c_descs(plan),
         plan.row_bytes,
         plan.num_layers,
         plan.num_ids,
@@ -284,6 +285,26 @@ def _config(kind, lay, n, buf, *, sm_count=H100_SMS, max_ctas=0, contig=None, in
         sm_count,
         max_ctas,
         index32_limit=index32_limit,
+    )
+
+
+def cuda_sim_args(geo, lay, ids, buf) -> tuple:
+    """``(bounds, args)`` for one copy: ``args`` are the arguments of ``kvx._C.cuda_sim_copy`` up to ``contig_strides``;
+    ``bounds`` is the int64 ``[L, 2]`` tensor of per-layer ``[lo, hi)`` they point to (hold it while the call runs; the
+    checker's tests narrow a bound in it). The bounds are the views' extents: each layer tensor's byte span (an access
+    into another layer of a shared allocation is out of bounds) and the contiguous side's span."""
+    bounds = lay.layer_bounds().clone()
+    lo, hi = byte_span(buf)
+    return bounds, (
+        lay.layer_ptrs().data_ptr(),
+        bounds.data_ptr(),
+        geo.num_layers,
+        ids.data_ptr(),
+        geo.num_ids,
+        buf.data_ptr(),
+        lo,
+        hi,
+        *c_descs(geo),
     )
 
 
@@ -304,8 +325,8 @@ def _sim(
     layer index)."""
     impl_or_skip("cuda_sim")
     ids = torch.as_tensor(ids, dtype=torch.int64).contiguous()
-    plan = ops._plan(Op("gather_" + kind), lay, buf, ids.numel())
-    bounds, args = ops._cuda_sim_args(plan, lay, ids, buf)
+    plan = copy_geometry(Op("gather_" + kind), lay, buf, ids.numel())
+    bounds, args = cuda_sim_args(plan, lay, ids, buf)
     args = list(args)
     if short == "contig":
         args[7] -= 1  # contig_hi
@@ -763,7 +784,7 @@ def test_gpu_launch_matches_the_function_and_the_sim(name, head_size, dtype, kin
     out = random_fill_(torch.empty(shape, dtype=torch.uint8 if kind == "pages" else dtype), g).cuda()
     expected = out.clone()
     ids_dev = torch.tensor(ids, dtype=torch.int64).cuda()
-    plan = ops._plan(Op("gather_" + kind), lay, out, n)
+    plan = copy_geometry(Op("gather_" + kind), lay, out, n)
     used = _C.cuda_copy(
         lay.layer_ptrs().data_ptr(),
         lay.layer_ptrs(lay.device).data_ptr(),
@@ -771,7 +792,7 @@ def test_gpu_launch_matches_the_function_and_the_sim(name, head_size, dtype, kin
         ids_dev.data_ptr(),
         plan.num_ids,
         out.data_ptr(),
-        *ops._c_descs(plan),
+        *c_descs(plan),
         plan.row_bytes,
         plan.mode,
         _GATHER,

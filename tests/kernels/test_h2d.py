@@ -13,12 +13,13 @@ import math
 import pytest
 import torch
 
-from kvx.engine import torch_stream
+from kvx import _ext
+from kvx.kernels import check, ops
 from kvx.kernels import dma as h2d
-from kvx.kernels import ops
-from kvx.kernels.layout import LAYOUTS, Op
-from kvx.kernels.staged import TransferBatch
-from kvx.testing import random_fill_
+from kvx.kernels.layout import LAYOUTS
+from kvx.kernels.plan import Copies
+from kvx.kernels.streams import torch_stream
+from kvx.testing import make_layout, random_fill_
 from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
 
 from .conftest import impl_or_skip, two_layouts
@@ -107,18 +108,35 @@ def test_threshold_arguments_are_checked(monkeypatch):
         h2d.calibrate_h2d("cpu")
 
 
-def test_each_copy_asks_the_rule(monkeypatch):
-    """kvx.kernels.dma.dma_min_run_bytes: the DMA threshold one copy of impl "cuda" hands the extension (the ops
-    re-export the rule's public names)."""
-    monkeypatch.setenv(h2d.H2D_ENV, "4096")
-    dev = torch.device("cuda", 0)
-    for op in Op:
-        assert h2d.dma_min_run_bytes(dev, op, "dma", host=False) == 0
-        assert h2d.dma_min_run_bytes(dev, op, "kernel", host=True) == h2d.DMA_NEVER
-        assert h2d.dma_min_run_bytes(dev, op, "staged", host=True) == h2d.DMA_NEVER
-        assert h2d.dma_min_run_bytes(dev, op, None, host=False) == h2d.DMA_NEVER  # device <-> device: the kernel
-        assert h2d.dma_min_run_bytes(dev, op, None, host=True) == 4096
-    assert ops.calibrate_h2d is h2d.calibrate_h2d and ops.DMA_NEVER == h2d.DMA_NEVER and ops.PATHS is h2d.PATHS
+def test_the_ops_reexport_the_rule():
+    assert ops.calibrate_h2d is h2d.calibrate_h2d and ops.DMA_NEVER == h2d.DMA_NEVER and ops.PATHS is check.PATHS
+    assert ops.dma_threshold is h2d.dma_threshold
+
+
+def test_each_plan_takes_the_path_the_rule_says(monkeypatch):
+    """Path ``auto`` (the default for a CUDA cache's host buffers; asked for here on a CPU cache, whose twin runs the
+    same plans): pages of non-adjacent blocks are runs of exactly one page, so DMA straight into them from a threshold
+    of one page, staged above it; an explicit path wins over the rule."""
+    lay = make_layout(
+        "LBNHC", num_layers=2, num_blocks=12, block_size=16, num_heads=2, head_size=8, dtype=torch.bfloat16
+    )
+    out = torch.empty(lay.page_shape(3), dtype=torch.uint8)
+
+    def taken(path="auto"):
+        copies = Copies(lay, path=path)
+        copies.add("gather_pages", [1, 5, 9], out)
+        return copies.plan(capacity=1 << 20).path_name
+
+    monkeypatch.setenv(h2d.H2D_ENV, str(lay.page_bytes))
+    assert taken() == "dma"
+    monkeypatch.setenv(h2d.H2D_ENV, str(lay.page_bytes + 1))
+    assert taken() == "staged"
+    assert taken("dma") == "dma" and taken("kernel") == "kernel"
+    monkeypatch.setenv(h2d.H2D_ENV, "0")
+    assert taken() == "dma" and taken("staged") == "staged"
+    monkeypatch.setenv(h2d.H2D_ENV, str(h2d.DMA_NEVER))
+    assert taken() == "staged"
+    assert Copies(lay).resolved_path() == "kernel"  # a CPU cache's default: its copy kernel
 
 
 def test_cpu_caches_use_a_fixed_threshold(monkeypatch):
@@ -184,7 +202,7 @@ def _need_cuda_impl():
     if "cuda" not in ops.available_impls("cuda"):
         pytest.fail(
             f"impl 'cuda' should run here but is unavailable ({ops.available_impls('cuda')}); "
-            f"{ops._C_ERROR or 'kvx._C built without CUDA'}",
+            f"{_ext.ERROR or 'kvx._C built without CUDA'}",
             pytrace=False,
         )
 
@@ -314,12 +332,12 @@ def test_staged_copies_on_the_default_stream_wait_for_their_own_steps(impl):
         if impl == "cuda":
             getattr(ops, op)(lay, ids, buf, impl="cuda", path="staged")
             return None
-        batch = TransferBatch(lay, path="staged", impl=impl)
+        batch = Copies(lay, path="staged", impl=impl)
         batch.add(op, ids, buf)
         staging = torch.empty(batch.nbytes, dtype=torch.uint8, device="cuda")
-        for part in batch.plan(capacity=staging.numel()):
-            batch.run(part, staging)
-        return batch, staging  # held until the check
+        plan = batch.plan(capacity=staging.numel())
+        plan.run(staging)
+        return plan, staging  # held until the check
 
     busy_pool()
     out = random_fill_(torch.empty(lay.canonical_shape(48), dtype=lay.dtype), g).pin_memory()
@@ -362,67 +380,33 @@ def test_calibration_is_sane(monkeypatch):
     assert again is not cal and h2d.calibrate_h2d() is again
 
 
-class _Spy:
-    """Records the calls of one kvx._C function and forwards them."""
-
-    def __init__(self, fn):
-        self.fn, self.calls = fn, []
-
-    def __call__(self, *args, **kwargs):
-        result = self.fn(*args, **kwargs)
-        self.calls.append((args, kwargs, result))
-        return result
-
-    def arg(self, call: int, name: str, position: int):
-        """Argument ``name`` (keyword) or ``position`` (positional) of call ``call``."""
-        args, kwargs, _ = self.calls[call]
-        return kwargs[name] if name in kwargs else args[position]
-
-
 @needs_cuda
 @pytest.mark.gpu
 def test_each_call_takes_the_path_the_rule_says(monkeypatch):
-    """Pages of non-adjacent blocks are runs of exactly one page: DMA straight into them from a threshold of one
-    page, staged above it (a DMA of the whole copy and the kernel on the device, uncapped); the UVA kernel (at most
-    8 CTAs) only when asked for; an explicit path wins over the rule."""
+    """On a CUDA cache: pages of non-adjacent blocks are runs of exactly one page, so DMA straight into them from a
+    threshold of one page, staged above it (the kernel on the device, uncapped); the UVA kernel (at most 8 CTAs) only
+    when asked for; device memory on the contiguous side: the kernel, uncapped, unless DMA is asked for."""
     _need_cuda_impl()
     lay, _ = _small_gpu_caches(torch.float16, 1)
-    ids = [1, 5, 9]
     out = torch.empty(lay.page_shape(3), dtype=torch.uint8).pin_memory()
-    dma, runs, kernel = _Spy(ops._C.cuda_copy_dma), _Spy(ops._C.cuda_copy_runs), _Spy(ops._C.cuda_copy)
-    monkeypatch.setattr(ops._C, "cuda_copy_dma", dma)
-    monkeypatch.setattr(ops._C, "cuda_copy_runs", runs)
-    monkeypatch.setattr(ops._C, "cuda_copy", kernel)
 
-    def taken(**kw):
-        for spy in (dma, runs, kernel):
-            spy.calls.clear()
-        ops.gather_pages(lay, ids, out, impl="cuda", **kw)
-        torch.cuda.synchronize()
-        if dma.calls and dma.calls[-1][2]:
-            assert not kernel.calls and not runs.calls
-            return "dma", None
-        assert len(kernel.calls) == 1
-        if runs.calls:
-            return "staged", kernel.arg(0, "max_ctas", -1)
-        return "kernel", kernel.arg(0, "max_ctas", -1)
+    def taken(buf=out, **kw):
+        max_ctas = kw.pop("max_ctas", 0)
+        copies = Copies(lay, impl="cuda", max_ctas=max_ctas, **kw)
+        copies.add("gather_pages", [1, 5, 9], buf)
+        plan = copies.plan(capacity=1 << 20)
+        ctas = [launch["ctas"] for launch in plan.launches(0)]
+        return plan.path_name, max(ctas) if ctas else None
 
     monkeypatch.setenv(h2d.H2D_ENV, str(lay.page_bytes))
     assert taken() == ("dma", None)
     monkeypatch.setenv(h2d.H2D_ENV, str(lay.page_bytes + 1))
-    assert taken() == ("staged", 0)
-    assert taken(path="kernel") == ("kernel", ops.H2D_MAX_CTAS)
-    assert taken(path="kernel", max_ctas=3) == ("kernel", 3)
-    assert taken(path="kernel", max_ctas=100) == ("kernel", ops.H2D_MAX_CTAS)
+    assert taken()[0] == "staged"
+    assert taken(path="kernel")[0] == "kernel" and taken(path="kernel")[1] <= ops.H2D_MAX_CTAS
+    assert taken(path="kernel", max_ctas=3)[1] <= 3
     assert taken(path="dma") == ("dma", None)
     monkeypatch.setenv(h2d.H2D_ENV, "0")
     assert taken() == ("dma", None)
-    assert taken(path="staged") == ("staged", 0)
-    monkeypatch.setenv(h2d.H2D_ENV, str(h2d.DMA_NEVER))
-    assert taken() == ("staged", 0)
-    # device memory on the contiguous side: the kernel, uncapped, unless DMA is asked for
+    assert taken(path="staged")[0] == "staged"
     hbm = torch.empty(lay.page_shape(3), dtype=torch.uint8, device="cuda")
-    monkeypatch.setenv(h2d.H2D_ENV, "0")
-    kernel.calls.clear()
-    ops.gather_pages(lay, ids, hbm, impl="cuda")
-    assert len(kernel.calls) == 1 and kernel.arg(0, "max_ctas", -1) == 0
+    assert taken(hbm)[0] == "kernel"

@@ -9,20 +9,20 @@ import importlib.util
 import pytest
 import torch
 
-from kvx.kernels import ops
-from kvx.kernels.layout import Op
+from kvx._ext import C as _ext_C
+from kvx.kernels.layout import Op, c_descs, copy_geometry
 from kvx.testing import make_layout
 
-_C = ops._C  # None without the extension: then conftest.py fails every test, with the import error
+_C = _ext_C  # None without the extension: then conftest.py fails every test, with the import error
 
 GEOM = dict(num_layers=2, num_blocks=4, block_size=16, num_heads=2, head_size=8, dtype=torch.float16)
 _BLOCKS, _SLOTS = 0, 1
 
 
 def _launch(kind, lay, buf, n):
-    plan = ops._plan(Op("gather_" + kind), lay, buf, n)
+    plan = copy_geometry(Op("gather_" + kind), lay, buf, n)
     return _C.plan_launch(
-        *ops._c_descs(plan),
+        *c_descs(plan),
         plan.row_bytes,
         plan.num_layers,
         plan.num_ids,
@@ -120,7 +120,7 @@ def test_triton_word_and_unit_come_from_copy_width(head_size, word, vec):
     words = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
     lay = make_layout("LBNHC", **{**GEOM, "head_size": head_size})
     buf = torch.empty(lay.canonical_shape(16), dtype=torch.float16)
-    plan = ops._plan(Op.GATHER_BLOCKS, lay, buf, 1)
+    plan = copy_geometry(Op.GATHER_BLOCKS, lay, buf, 1)
     _, args, meta = tk._launch_args(
         plan, lay.layer_ptrs().tolist(), torch.zeros(1, dtype=torch.int64), buf, 0, lay.plane_views(0)[0]
     )

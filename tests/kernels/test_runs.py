@@ -12,14 +12,15 @@ import itertools
 import pytest
 import torch
 
+from kvx._ext import C as _ext_C
 from kvx.kernels import ops
-from kvx.kernels.layout import LAYOUTS, KVLayout, Op
+from kvx.kernels.layout import LAYOUTS, KVLayout, Op, c_descs, copy_geometry
 from kvx.testing import make_layout, random_fill_
 from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
 
 from .conftest import two_layouts
 
-_C = ops._C  # None without the extension: then conftest.py fails every test, with the import error
+_C = _ext_C  # None without the extension: then conftest.py fails every test, with the import error
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -33,14 +34,14 @@ _GATHER, _SCATTER = 0, 1
 def _plan_runs(kind, direction, lay, ids, buf, min_run_bytes=0):
     """(dst, src, bytes) int64 tensors, or None when the runs average fewer than ``min_run_bytes``."""
     ids = torch.as_tensor(ids, dtype=torch.int64).contiguous()
-    plan = ops._plan(Op("gather_" + kind), lay, buf, ids.numel())
+    plan = copy_geometry(Op("gather_" + kind), lay, buf, ids.numel())
     runs = _C.plan_runs(
         lay.layer_ptrs().data_ptr(),
         plan.num_layers,
         ids.data_ptr(),
         plan.num_ids,
         buf.data_ptr(),
-        *ops._c_descs(plan),
+        *c_descs(plan),
         plan.row_bytes,
         plan.mode,
         direction,

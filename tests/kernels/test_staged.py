@@ -1,4 +1,4 @@
-"""``kvx.kernels.staged.TransferBatch``: the host <-> device data path, planned into parts, bit-exact against the
+"""``kvx.kernels.plan``: the host <-> device data path, planned into parts (the compiled plan), bit-exact against the
 reference running each op alone over every layer.
 
 On CPU every path runs its CPU twin (the DMA plan run by memcpy, the reshape by a CPU impl, ``cuda_sim`` included:
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvx.kernels import ops
-from kvx.kernels.staged import TransferBatch
+from kvx.kernels.plan import Copies
 from kvx.testing import random_fill_
 from tests.helpers import assert_all_same_bytes, assert_same_bytes, case_seed
 
@@ -61,39 +61,38 @@ def _pages(lay, g, pinned=False):
     return [("pages", [1, 8, 3], t.pin_memory() if pinned else t)]
 
 
-def _run(batch, parts, staging):
+def _run(plan, staging):
     """Every part's steps in the direction's order on one stream, as the engine orders them."""
-    for part in parts:
-        batch.run(part, staging)
+    plan.run(staging if plan.staged else None)
 
 
 def _check_gathers(lay, ref, copies, path, impl, ranges, capacity):
     outs = [buf.clone() for _, _, buf in copies]  # filled with noise: a row the batch misses shows
     expected = [buf.clone() for _, _, buf in copies]
-    batch = TransferBatch(lay, path=path, impl=impl)
+    batch = Copies(lay, path=path, impl=impl)
     for (kind, ids, _), out in zip(copies, outs):
         batch.add(f"gather_{kind}", ids, out)
-    parts = batch.plan(ranges, capacity)
+    plan = batch.plan(ranges, capacity)
     staging = torch.empty(capacity or 16, dtype=torch.uint8, device=lay.device)
-    _run(batch, parts, staging)
+    _run(plan, staging)
     for (kind, ids, _), exp in zip(copies, expected):
         getattr(ops, f"gather_{kind}")(ref, ids, exp, impl="reference")
     for out, exp in zip(outs, expected):
         assert_same_bytes(out, exp)
-    return batch, parts
+    return plan
 
 
 def _check_scatters(lay, ref, copies, path, impl, ranges, capacity):
-    batch = TransferBatch(lay, path=path, impl=impl)
+    batch = Copies(lay, path=path, impl=impl)
     for kind, ids, src in copies:
         batch.add(f"scatter_{kind}", ids, src)
-    parts = batch.plan(ranges, capacity)
+    plan = batch.plan(ranges, capacity)
     staging = torch.empty(capacity or 16, dtype=torch.uint8, device=lay.device)
-    _run(batch, parts, staging)
+    _run(plan, staging)
     for kind, ids, src in copies:
         getattr(ops, f"scatter_{kind}")(ref, ids, src.to(ref.device), impl="reference")
     assert_all_same_bytes(lay.layers, ref.layers)
-    return batch, parts
+    return plan
 
 
 def _ranges(num_layers):
@@ -128,11 +127,11 @@ def test_a_small_capacity_splits_a_layer_between_ids(impl, name):
     lay, ref = _caches(name, torch.bfloat16, seed)
     block = lay.num_planes * lay.block_size * lay.num_heads * lay.row_bytes
     copies = _copies(lay, g)
-    batch, parts = _check_gathers(lay, ref, copies, "staged", impl, None, block)
+    parts = _check_gathers(lay, ref, copies, "staged", impl, None, block).parts()
     assert all(p.nbytes <= block and p.end - p.start == 1 for p in parts)
     n_blocks = sum(len(ids) for kind, ids, _ in copies if kind == "blocks")
     assert len(parts) >= lay.num_layers * n_blocks
-    batch, parts = _check_scatters(lay, ref, _copies(lay, g), "staged", impl, None, block + 7)
+    parts = _check_scatters(lay, ref, _copies(lay, g), "staged", impl, None, block + 7).parts()
     assert all(p.nbytes <= block + 7 for p in parts)
 
 
@@ -140,11 +139,11 @@ def test_a_large_capacity_takes_several_layers_per_part():
     g = torch.Generator().manual_seed(5)
     lay, ref = _caches("LBNHC", torch.float16, 5, layers=5)
     copies = _copies(lay, g)
-    per_layer = TransferBatch(lay, path="staged")
+    per_layer = Copies(lay, path="staged")
     for kind, ids, buf in copies:
         per_layer.add(f"gather_{kind}", ids, buf)
     layer_bytes = per_layer.nbytes // lay.num_layers
-    _, parts = _check_gathers(lay, ref, copies, "staged", "cpu", [(0, 5)], 2 * layer_bytes)
+    parts = _check_gathers(lay, ref, copies, "staged", "cpu", [(0, 5)], 2 * layer_bytes).parts()
     assert [(p.start, p.end) for p in parts] == [(0, 2), (2, 4), (4, 5)]
 
 
@@ -154,25 +153,28 @@ def test_a_whole_chunk_layer_is_one_run():
     g = torch.Generator().manual_seed(1)
     lay, _ = _caches("LBNHC", torch.bfloat16, 1)
     chunk = random_fill_(torch.empty(lay.canonical_shape(32), dtype=lay.dtype), g)
-    one = TransferBatch(lay, path="staged")
+    one = Copies(lay, path="staged")
     one.add("scatter_blocks", [3, 4], chunk)
-    parts = one.plan([(i, i + 1) for i in range(lay.num_layers)], 1 << 20)
-    for layer, part in enumerate(parts):
-        dsts, srcs, sizes = part.runs
+    plan = one.plan([(i, i + 1) for i in range(lay.num_layers)], 1 << 20)
+    assert plan.num_parts == lay.num_layers
+    for layer in range(plan.num_parts):
+        dsts, srcs, sizes = plan.runs(layer)
         assert sizes.tolist() == [chunk[0].nbytes] and dsts.tolist() == [0]
         assert srcs.tolist() == [chunk[layer].data_ptr()]
-    two = TransferBatch(lay, path="staged")
+    two = Copies(lay, path="staged")
     other = random_fill_(torch.empty(lay.canonical_shape(16), dtype=lay.dtype), g)
     two.add("scatter_blocks", [3, 4], chunk)
     two.add("scatter_blocks", [7], other)
-    (part,) = two.plan([(0, 1)], 1 << 20)
-    assert part.runs[2].tolist() == [chunk[0, 0].nbytes, chunk[0, 1].nbytes, other[0, 0].nbytes, other[0, 1].nbytes]
-    slots = TransferBatch(lay, path="staged")
+    plan = two.plan([(0, 1)], 1 << 20)
+    assert plan.num_parts == 1
+    sizes = plan.runs(0)[2].tolist()
+    assert sizes == [chunk[0, 0].nbytes, chunk[0, 1].nbytes, other[0, 0].nbytes, other[0, 1].nbytes]
+    slots = Copies(lay, path="staged")
     out = torch.empty(lay.canonical_shape(5), dtype=lay.dtype)
     slots.add("gather_slots", [3, -1, -1, 40, 41], out)
-    (part,) = slots.plan([(0, 1)], 1 << 20)
+    plan = slots.plan([(0, 1)], 1 << 20)
     row = out[0, 0, 0].nbytes
-    assert part.runs[2].tolist() == [row, row, 2 * row, 2 * row]  # slot 3, then 40-41, each plane; no padding
+    assert plan.runs(0)[2].tolist() == [row, row, 2 * row, 2 * row]  # slot 3, then 40-41, each plane; no padding
 
 
 def _head_major(shape, dtype, g):
@@ -203,8 +205,8 @@ def test_head_major_buffers_stage_head_major(impl, name, dtype):
         ]
 
     for cap in (1 << 20, lay.num_planes * bs * lay.num_heads * lay.row_bytes):
-        batch, _ = _check_gathers(lay, ref, copies(), "staged", impl, _ranges(lay.num_layers), cap)
-        assert all(grp.heads_outer for part in batch.plan(capacity=cap) for grp in part.groups)
+        plan = _check_gathers(lay, ref, copies(), "staged", impl, _ranges(lay.num_layers), cap)
+        assert all(launch["heads_outer"] for k in range(plan.num_parts) for launch in plan.launches(k))
         _check_scatters(lay, ref, copies(), "staged", impl, _ranges(lay.num_layers), cap)
 
 
@@ -231,9 +233,11 @@ def test_raw_pages_split_by_head_on_every_path(impl, name, head_major, path):
         return [("pages", [1, 8, 3], buf(3)), ("pages", [5, 0], buf(4).narrow(2, 1, 2))]  # a chunk, a slot's part
 
     for cap in (1 << 20, lay.page.page_bytes):
-        batch, parts = _check_gathers(lay, ref, copies(), path, impl, _ranges(lay.num_layers), cap)
-        if batch.path == "staged":
-            assert all(grp.split and grp.heads_outer == head_major for part in parts for grp in part.groups)
+        plan = _check_gathers(lay, ref, copies(), path, impl, _ranges(lay.num_layers), cap)
+        if plan.path_name == "staged":
+            launches = [launch for k in range(plan.num_parts) for launch in plan.launches(k)]
+            assert all(launch["row_bytes"] == lay.page_head_bytes for launch in launches)  # split by head
+            assert all(launch["heads_outer"] == head_major for launch in launches)
         _check_scatters(lay, ref, copies(), path, impl, _ranges(lay.num_layers), cap)
 
 
@@ -243,11 +247,11 @@ def test_a_head_major_chunk_layer_is_one_run_per_head():
     g = torch.Generator().manual_seed(2)
     lay, ref = _caches("LBNHC", torch.bfloat16, 2)
     chunk = _head_major(lay.canonical_shape(32), lay.dtype, g)
-    batch = TransferBatch(lay, path="staged")
+    batch = Copies(lay, path="staged")
     batch.add("scatter_blocks", [3, 4], chunk)
-    parts = batch.plan([(i, i + 1) for i in range(lay.num_layers)], 1 << 20)
-    for layer, part in enumerate(parts):
-        dsts, srcs, sizes = part.runs
+    plan = batch.plan([(i, i + 1) for i in range(lay.num_layers)], 1 << 20)
+    for layer in range(plan.num_parts):
+        dsts, srcs, sizes = plan.runs(layer)
         head = chunk[layer, :, :, 0].nbytes  # [P, T, D]
         assert sizes.tolist() == [head] * lay.num_heads and dsts.tolist() == [h * head for h in range(lay.num_heads)]
         assert srcs.tolist() == [chunk[layer, 0, 0, h].data_ptr() for h in range(lay.num_heads)]
@@ -255,8 +259,8 @@ def test_a_head_major_chunk_layer_is_one_run_per_head():
         ("blocks", [3, 4], chunk),
         ("blocks", [7], random_fill_(torch.empty(lay.canonical_shape(16), dtype=lay.dtype), g)),
     ]
-    batch, parts = _check_scatters(lay, ref, mixed, "staged", "cpu", [(0, lay.num_layers)], 1 << 20)
-    assert not any(grp.heads_outer for grp in parts[0].groups)
+    plan = _check_scatters(lay, ref, mixed, "staged", "cpu", [(0, lay.num_layers)], 1 << 20)
+    assert not any(launch["heads_outer"] for launch in plan.launches(0))
 
 
 def test_auto_takes_dma_for_large_pieces_and_staged_for_rows(monkeypatch):
@@ -266,23 +270,24 @@ def test_auto_takes_dma_for_large_pieces_and_staged_for_rows(monkeypatch):
     monkeypatch.delenv(dma.H2D_ENV, raising=False)
     g = torch.Generator().manual_seed(2)
     lay, _ = _caches("LBNHC", torch.bfloat16, 2)
-    pages = TransferBatch(lay, path="auto")
+    pages = Copies(lay, path="auto")
     pages.add("gather_pages", [1, 5], torch.empty(lay.page_shape(2), dtype=torch.uint8))
-    rows = TransferBatch(lay, path="auto")
+    rows = Copies(lay, path="auto")
     rows.add("gather_blocks", [1, 5], random_fill_(torch.empty(lay.canonical_shape(32), dtype=lay.dtype), g))
-    assert pages.resolve_path() == rows.resolve_path() == "staged"  # pages of 640 B < 64 KiB
+    cap = 1 << 20
+    assert pages.plan(capacity=cap).path_name == rows.plan(capacity=cap).path_name == "staged"  # 640 B < 64 KiB
     monkeypatch.setenv(dma.H2D_ENV, str(lay.page.page_bytes))
-    pages = TransferBatch(lay, path="auto")
-    pages.add("gather_pages", [1, 5], torch.empty(lay.page_shape(2), dtype=torch.uint8))
-    assert pages.resolve_path() == "dma"
+    assert pages.plan(capacity=cap).path_name == "dma"
 
 
 def test_bad_batches_are_refused():
     lay, _ = _caches("LBNHC", torch.bfloat16, 3)
     buf = torch.empty(lay.canonical_shape(16), dtype=lay.dtype)
-    with pytest.raises(ValueError, match=r"path: expected one of \('kernel', 'dma', 'staged', 'auto'\), got 'x'"):
-        TransferBatch(lay, path="x")
-    batch = TransferBatch(lay)
+    with pytest.raises(
+        ValueError, match=r"path: expected one of \('kernel', 'dma', 'staged', 'auto'\) or None, got 'x'"
+    ):
+        Copies(lay, path="x")
+    batch = Copies(lay, path="staged")
     batch.add("gather_blocks", [1], buf)
     with pytest.raises(ValueError, match="op: expected gathers only .one direction per batch., got scatter_blocks"):
         batch.add("scatter_blocks", [2], buf)
@@ -292,10 +297,11 @@ def test_bad_batches_are_refused():
         batch.plan(capacity=639)
     with pytest.raises(ValueError, match=r"ranges: expected \(start, end\) with 0 <= start < end <= 3, got \(2, 5\)"):
         batch.plan([(2, 5)], 1 << 20)
-    (part,) = batch.plan(capacity=1 << 20)
+    plan = batch.plan(capacity=1 << 20)
+    (part,) = plan.parts()
     with pytest.raises(ValueError, match=f"staging: expected at least {part.nbytes} bytes for this part, got 64"):
-        batch.dma(part, torch.empty(64, dtype=torch.uint8))
-    scatter = TransferBatch(lay)
+        plan.dma(0, torch.empty(64, dtype=torch.uint8))
+    scatter = Copies(lay)
     scatter.add("scatter_blocks", [1, 2], torch.empty(lay.canonical_shape(32), dtype=lay.dtype))
     with pytest.raises(ValueError, match=r"block_ids: expected blocks and slots no earlier scatter .* got \[2\]"):
         scatter.add("scatter_blocks", [2], buf)
@@ -314,21 +320,21 @@ def test_gpu_batch_matches_each_op_alone(name, dtype, path):
     for cap in (1 << 20, lay.num_planes * lay.block_size * lay.num_heads * lay.row_bytes):
         outs = _copies(lay, g, pinned=True)
         expected = [buf.cuda() for _, _, buf in outs]
-        batch = TransferBatch(lay, path=path, impl="cuda")
+        batch = Copies(lay, path=path, impl="cuda")
         for kind, ids, out in outs:
             batch.add(f"gather_{kind}", ids, out)
         staging = torch.empty(cap, dtype=torch.uint8, device="cuda")
-        _run(batch, batch.plan(_ranges(lay.num_layers), cap), staging)
+        _run(batch.plan(_ranges(lay.num_layers), cap), staging)
         for (kind, ids, _), exp in zip(outs, expected):
             getattr(ops, f"gather_{kind}")(ref, ids, exp, impl="reference")
         torch.cuda.synchronize()
         for (_, _, out), exp in zip(outs, expected):
             assert_same_bytes(out.cuda(), exp)
         srcs = _copies(lay, g, pinned=True)
-        batch = TransferBatch(lay, path=path, impl="cuda")
+        batch = Copies(lay, path=path, impl="cuda")
         for kind, ids, src in srcs:
             batch.add(f"scatter_{kind}", ids, src)
-        _run(batch, batch.plan(_ranges(lay.num_layers), cap), staging)
+        _run(batch.plan(_ranges(lay.num_layers), cap), staging)
         for kind, ids, src in srcs:
             getattr(ops, f"scatter_{kind}")(ref, ids, src.cuda(), impl="reference")
         torch.cuda.synchronize()
@@ -358,15 +364,15 @@ def test_gpu_raw_pages_split_by_head_on_every_path(name, head_major, path):
     for cap in (1 << 20, lay.page.page_bytes):
         staging = torch.empty(cap, dtype=torch.uint8, device="cuda")
         out = pinned()
-        batch = TransferBatch(lay, path=path, impl="cuda")
+        batch = Copies(lay, path=path, impl="cuda")
         batch.add("gather_pages", ids, out)
-        _run(batch, batch.plan(_ranges(lay.num_layers), cap), staging)
+        _run(batch.plan(_ranges(lay.num_layers), cap), staging)
         torch.cuda.synchronize()
         assert_same_bytes(out.contiguous().flatten(-2).cuda(), ops.gather_pages(ref, ids, impl="reference"))
         src = pinned()
-        batch = TransferBatch(lay, path=path, impl="cuda")
+        batch = Copies(lay, path=path, impl="cuda")
         batch.add("scatter_pages", ids, src)
-        _run(batch, batch.plan(_ranges(lay.num_layers), cap), staging)
+        _run(batch.plan(_ranges(lay.num_layers), cap), staging)
         ops.scatter_pages(ref, ids, src.contiguous().flatten(-2).cuda(), impl="reference")
         torch.cuda.synchronize()
         assert_all_same_bytes(lay.layers, ref.layers)

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent("""
         print("SKIP", e); sys.exit(0)
     import kvx.triton_kernels.copy as C
     from kvx.kernels import ops
-    from kvx.kernels.layout import Op
+    from kvx.kernels.layout import Op, copy_geometry
     from kvx.testing import make_layout
 
     fn = C._copy_rows_kernel
@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent("""
                               dtype=dtype)
             shape = lay.page_shape(3) if kind == "pages" else lay.canonical_shape(3 * 16 if kind == "blocks" else 3)
             buf = torch.empty(shape, dtype=torch.uint8 if kind == "pages" else dtype)
-            plan = ops._plan(Op("gather_" + kind), lay, buf, 3)
+            plan = copy_geometry(Op("gather_" + kind), lay, buf, 3)
             for direction in (0, 1):
                 grid, args, meta = C._launch_args(plan, lay.layer_ptrs().tolist(), torch.zeros(3, dtype=torch.int64),
                                                   buf, direction, lay.plane_views(0)[0])

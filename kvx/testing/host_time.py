@@ -1,0 +1,363 @@
+"""Host time of the worker's hooks and of one op, on a machine without a GPU: ``bench_pipeline.py --host-only``.
+
+vLLM calls ``wait_for_layer_load`` and ``save_kv_layer`` inside the model's forward, layer by layer, on the host thread
+that launches the model's kernels: whatever they cost on the host lands on the forward. This measures that cost where
+CI runs, with :class:`kvx.engine.NullEngine`: the worker plans and issues every copy through the compiled path exactly
+as on a CUDA engine (plans, run lists, launches decided, the ordering rules, the staging rings), and the CUDA API
+calls themselves are not made but counted (``kvx._C.NullQueues``; each costs a few microseconds on a GPU host: count
+them per layer to add that).
+
+Steps (a :class:`kvx.connector.worker.KVXWorker` on per-layer caches as vLLM >= 0.32 hands them over, CPU tier, hand-
+built metadata; the hooks in vLLM's order)::
+
+    handle_preemptions -> bind -> start_load_kv -> per layer: wait_for_layer_load, save_kv_layer
+    -> wait_for_save -> get_finished -> get_block_ids_with_load_errors -> build_worker_meta
+
+against the same step without kvx (the same loop over the layers, no hook called). Variants: a step loading N chunks
+from the CPU tier, a step saving N chunks (``save_layerwise``), a step with nothing to copy (a decode step: its forward
+writes one block); one layer's batch (the per-layer hook of a step with N chunks: its compiled call, layers after the
+first); one op (``ops.gather_blocks`` of one chunk, staged and auto, checked, planned and issued). Medians of
+``repeats`` timed runs after a warm-up, the variant and its baseline interleaved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+HOST_STEP_1_MS = 0.3  # a step loading or saving 1 chunk over 32 layers, over the step without kvx
+HOST_STEP_8_MS = 1.0  # ... 8 chunks
+HOST_IDLE_US = 5.0  # a step with nothing to copy, per layer
+HOST_LAYER_US = 15.0  # one layer's batch of copies (1-8 chunks)
+HOST_OP_US = 20.0  # one op
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    layers: int
+    kv_heads: int
+    head_size: int
+    block_size: int = 16
+    chunk: int = 256
+
+
+LLAMA3_8B = Shape("llama3-8b", 32, 8, 128)
+
+
+@dataclasses.dataclass
+class Row:
+    variant: str  # "load", "save", "nothing", "layer load", "layer save", "op"
+    chunks: int
+    host_us: float  # per step (per call for "layer" and "op")
+    base_us: float  # the same step without kvx (0 for "layer" and "op")
+    layers: int
+    calls: dict  # CUDA API calls a CUDA engine would make, per step (per call)
+
+    @property
+    def over_us(self) -> float:
+        return self.host_us - self.base_us
+
+
+def _median_us(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e6
+
+
+class Worker:
+    """A worker of ``shape`` with a null engine, a CPU tier of ``slots`` chunks and caches for the steps' blocks.
+    Blocks: 0 is vLLM's null block; a load of n chunks fills blocks [1, 1 + n*bpc) from slots [0, n); a save of n
+    chunks reads blocks [1 + n_max*bpc, ...) into slots [n_max, n_max + n)."""
+
+    def __init__(self, shape: Shape, n_max: int, layout: str = "LBNHC", dtype=torch.bfloat16):
+        from ..connector.common import EngineGeometry
+        from ..connector.config import KVXConfig
+        from ..connector.worker import KVXWorker
+        from ..engine import NullEngine
+        from . import TransferTally, make_kv_caches
+
+        self.shape, self.n_max = shape, n_max
+        self.bpc = shape.chunk // shape.block_size
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        page_bytes = 2 * shape.block_size * shape.kv_heads * shape.head_size * itemsize
+        geom = EngineGeometry(
+            block_size=shape.block_size,
+            num_layers=shape.layers,
+            num_kv_heads=shape.kv_heads,
+            head_size=shape.head_size,
+            dtype=dtype,
+            use_mla=False,
+            opaque=False,
+            isa="",
+            page_bytes=page_bytes,
+        )
+        chunk_bytes = shape.layers * page_bytes * self.bpc
+        self.config = KVXConfig.from_extra_config(
+            {
+                "chunk_size": shape.chunk,
+                "tiers": [{"type": "cpu", "size": 2 * n_max * chunk_bytes}],
+                "layerwise": True,
+                "save_layerwise": True,
+            }
+        )
+        self.num_blocks = 2 + 2 * n_max * self.bpc
+        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(shape.layers)]
+        # untouched memory: the null engine copies nothing, so the caches' pages are never committed
+        caches = make_kv_caches(
+            layout,
+            num_layers=shape.layers,
+            num_blocks=self.num_blocks,
+            block_size=shape.block_size,
+            num_heads=shape.kv_heads,
+            head_size=shape.head_size,
+            dtype=dtype,
+            device="cpu",
+            fill=False,
+        )
+        self.worker = KVXWorker(self.config, geom, "canonical", "bench-host-time")
+        self.worker.engine = NullEngine(torch.device("cpu"))
+        self.worker.register_kv_caches(dict(zip(self.names, caches)), layout, self.num_blocks)
+        self.engine = self.worker.engine
+        self.tally = TransferTally()
+
+    def blocks(self, first: int, i: int) -> list[int]:
+        start = first + i * self.bpc
+        return list(range(start, start + self.bpc))
+
+    def load_meta(self, n: int):
+        from ..connector.metadata import ChunkLoad, KVXMetadata, LoadSpec
+
+        chunks = [ChunkLoad(f"hit{i}", "cpu", i, self.blocks(1, i), 0, self.shape.chunk) for i in range(n)]
+        spec = LoadSpec("hit", chunks, False, self.tally.id("load", "hit"))
+        return KVXMetadata(loads=[spec], forward_blocks=[1 + n * self.bpc])
+
+    def save_meta(self, n: int):
+        from ..connector.metadata import ChunkSave, KVXMetadata
+
+        first = 1 + self.n_max * self.bpc
+        saves = [
+            ChunkSave(
+                "r",
+                f"s{i}",
+                self.blocks(first, i),
+                self.shape.chunk,
+                self.n_max + i,
+                slot_xfer=self.tally.id("slot", "s"),
+            )
+            for i in range(n)
+        ]
+        return KVXMetadata(saves=saves, forward_blocks=[b for s in saves for b in s.block_ids])
+
+    def nothing_meta(self):
+        from ..connector.metadata import KVXMetadata
+
+        return KVXMetadata(forward_blocks=[1])
+
+    def step(self, meta, layer_times: list[float] | None = None) -> float:
+        """One step through every hook; its host time (s). ``layer_times``: each layer's hook time, appended."""
+        w, clock = self.worker, time.perf_counter
+        t0 = clock()
+        w.handle_preemptions(meta)
+        w.bind(meta)
+        w.start_load_kv()
+        for name in self.names:
+            if layer_times is not None:
+                a = clock()
+                w.wait_for_layer_load(name)
+                w.save_kv_layer(name, None, None)
+                layer_times.append(clock() - a)
+            else:
+                w.wait_for_layer_load(name)
+                w.save_kv_layer(name, None, None)
+        w.wait_for_save()
+        w.get_finished(set())
+        w.get_block_ids_with_load_errors()
+        w.build_worker_meta()
+        w.clear()
+        return clock() - t0
+
+    def no_kvx(self, meta) -> float:
+        """The same step without kvx: the loop over the layers, no hook called."""
+        t0 = time.perf_counter()
+        for _name in self.names:
+            pass
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def _interleaved(fns: list[Callable[[], float]], warmup: int, repeats: int) -> list[list[float]]:
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            out[i].append(fn())
+    return out
+
+
+def _calls(queues, before: dict, per: int) -> dict:
+    now = {k: getattr(queues, k) for k in ("records", "waits", "dma_calls", "launches", "uploads")}
+    return {k: (now[k] - before[k]) / per for k in now}
+
+
+def _snapshot(queues) -> dict:
+    return {k: getattr(queues, k) for k in ("records", "waits", "dma_calls", "launches", "uploads")}
+
+
+def measure_steps(w: Worker, chunks: tuple[int, ...], warmup: int, repeats: int) -> list[Row]:
+    """Loads, saves and a step with nothing to copy, each against the same step without kvx; the per-layer hook time
+    of the load and save steps (layers after the first: the layer's batch)."""
+    rows = []
+    q = w.engine.queues
+    L = w.shape.layers
+    cases = [("load", n, w.load_meta) for n in chunks] + [("save", n, w.save_meta) for n in chunks]
+    cases.append(("nothing", 0, lambda n: w.nothing_meta()))
+    for variant, n, make in cases:
+        metas = [make(n) for _ in range(warmup + repeats)]  # built beforehand: the scheduler's work, not the hooks'
+        it = iter(metas)
+        before = _snapshot(q)
+        kvx, base = _interleaved([lambda: w.step(next(it)), lambda: w.no_kvx(None)], warmup, repeats)
+        calls = _calls(q, before, warmup + repeats)
+        rows.append(Row(variant, n, _median_us(kvx), _median_us(base), L, calls))
+        if variant in ("load", "save"):
+            layer_times: list[float] = []
+            for _ in range(max(3, repeats // 4)):
+                per_step: list[float] = []
+                w.step(make(n), per_step)
+                layer_times += per_step[1:]  # the first layer of a save plans the step's gathers
+            rows.append(Row(f"layer {variant}", n, _median_us(layer_times), 0.0, 1, {}))
+    return rows
+
+
+def measure_op(w: Worker, warmup: int, repeats: int) -> list[Row]:
+    """One op: ``gather_blocks`` of one chunk into a host buffer, staged (a caller's staging buffer) and auto, checked,
+    planned and issued on null queues (what ``kvx.kernels.ops`` does but the CUDA calls)."""
+    from .._ext import require
+    from ..kernels.layout import Op
+    from ..kernels.plan import Copies
+
+    lay = w.worker.layout
+    out = torch.empty(lay.canonical_shape(w.shape.chunk), dtype=lay.dtype)
+    staging = torch.empty(w.config.staging_bytes // 4, dtype=torch.uint8)
+    ids = w.blocks(1, 0)
+    rows = []
+    for path in ("staged", "auto"):
+        q = require().NullQueues()
+
+        def op(path=path, q=q):
+            t0 = time.perf_counter()
+            copies = Copies(lay, path=path, sm_count=132)  # as kvx.kernels.ops._one, but for the queues
+            copies.add(Op.GATHER_BLOCKS, ids, out)
+            copies.run(staging, queues=q)
+            return time.perf_counter() - t0
+
+        (times,) = _interleaved([op], warmup, repeats)
+        rows.append(Row(f"op {path}", 1, _median_us(times), 0.0, w.shape.layers, _calls(q, _zero(), warmup + repeats)))
+    return rows
+
+
+def _zero() -> dict:
+    return dict.fromkeys(("records", "waits", "dma_calls", "launches", "uploads"), 0)
+
+
+def targets(rows: list[Row]) -> list[tuple[str, str, str, bool]]:
+    """(target, limit, measured, met) per target of the host-time issue."""
+    by = {(r.variant, r.chunks): r for r in rows}
+    out = []
+    for n, limit in ((1, HOST_STEP_1_MS), (8, HOST_STEP_8_MS)):
+        for variant, what in (("load", "loading"), ("save", "saving")):
+            r = by.get((variant, n))
+            if r is not None:
+                ms = r.over_us / 1e3
+                out.append(
+                    (
+                        f"hooks' host time, a step {what} {n} chunk{'s' if n > 1 else ''} over {r.layers} layers",
+                        f"<= {limit:g} ms over no kvx",
+                        f"{ms:.3f} ms ({r.host_us:.1f} us vs {r.base_us:.1f} us)",
+                        ms <= limit,
+                    )
+                )
+    r = by.get(("nothing", 0))
+    if r is not None:
+        per = r.over_us / r.layers
+        out.append(
+            (
+                "a step with nothing to copy",
+                f"<= {HOST_IDLE_US:g} us per layer",
+                f"{per:.2f} us per layer ({r.over_us:.1f} us a step)",
+                per <= HOST_IDLE_US,
+            )
+        )
+    layer = [r for r in rows if r.variant.startswith("layer ")]
+    if layer:
+        worst = max(layer, key=lambda r: r.host_us)
+        detail = ", ".join(f"{r.variant.split()[1]} x{r.chunks} {r.host_us:.2f}" for r in layer)
+        out.append(
+            (
+                "one layer's batch of copies (1-8 chunks): the layer's hooks",
+                f"<= {HOST_LAYER_US:g} us",
+                f"worst {worst.host_us:.2f} us ({detail})",
+                worst.host_us <= HOST_LAYER_US,
+            )
+        )
+    ops = [r for r in rows if r.variant.startswith("op ")]
+    if ops:
+        worst = max(ops, key=lambda r: r.host_us)
+        detail = ", ".join(f"{r.variant.split()[1]} {r.host_us:.1f}" for r in ops)
+        out.append(
+            (
+                "one op (ops.gather_blocks of a chunk: check, plan, issue)",
+                f"<= {HOST_OP_US:g} us",
+                f"worst {worst.host_us:.1f} us ({detail})",
+                worst.host_us <= HOST_OP_US,
+            )
+        )
+    return out
+
+
+def write_md(path: str, rows: list[Row], header: list[str]) -> None:
+    lines = [*header, "", "| target | limit | measured | verdict |", "|---|---|---|---|"]
+    for name, limit, measured, met in targets(rows):
+        lines.append(f"| {name} | {limit} | {measured} | {'met' if met else 'MISSED'} |")
+    lines += [
+        "",
+        "Every variant (host time per step; `layer`: per layer's hooks, layers after the first; `op`: per op). CUDA "
+        "API calls a CUDA engine would make (counted by the null engine), per step or call, and per layer:",
+        "",
+        "| variant | chunks | host us | no kvx us | over us | over per layer us | event records | stream waits "
+        "| DMA calls | launches | id uploads | CUDA calls per layer |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        c = r.calls
+        total = sum(c.values()) if c else 0
+        per_layer = total / r.layers if c and r.layers else 0
+        cells = (
+            [f"{c.get(k, 0):.1f}" for k in ("records", "waits", "dma_calls", "launches", "uploads")] if c else [""] * 5
+        )
+        lines.append(
+            f"| {r.variant} | {r.chunks} | {r.host_us:.1f} | {r.base_us:.2f} | {r.over_us:.1f} | "
+            f"{r.over_us / r.layers:.2f} | {' | '.join(cells)} | {per_layer:.2f} |"
+        )
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def write_csv(path: str, rows: list[Row]) -> None:
+    import csv
+
+    keys = ("records", "waits", "dma_calls", "launches", "uploads")
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["variant", "chunks", "host_us", "base_us", "over_us", "layers", *keys])
+        for r in rows:
+            out.writerow(
+                [r.variant, r.chunks, f"{r.host_us:.3f}", f"{r.base_us:.3f}", f"{r.over_us:.3f}", r.layers]
+                + [f"{r.calls.get(k, 0):.2f}" for k in keys]
+            )
