@@ -545,8 +545,7 @@ def host_only(args, command: str) -> int:
             H.Shape(s.name, s.layers, s.kv_heads, s.head_size, args.block_size, args.chunk_size or 256), max(chunks)
         )
         try:
-            rows += H.measure_steps(w, chunks, warmup, repeats)
-            rows += H.measure_op(w, warmup, 5 * repeats)
+            rows += H.measure(w, chunks, warmup, repeats, 5 * repeats)
         finally:
             w.close()
     try:
@@ -556,7 +555,7 @@ def host_only(args, command: str) -> int:
     header = [
         f"# Host time of the hooks, compiled path, null engine: {cpu_name()}",
         "",
-        f"Reproduce: `{command}` ({time.perf_counter() - t0:.0f} s; kvx {commit or '?'}, "
+        f"Reproduce: `{command}` ({time.perf_counter() - t0:.1f} s; kvx {commit or '?'}, "
         f"Python {platform.python_version()}, torch {torch.__version__}).",
         "",
         "What a CUDA engine does on the host, measured on this machine: the worker plans every step's copies once and "
@@ -564,7 +563,8 @@ def host_only(args, command: str) -> int:
         "rings) on `kvx.engine.NullEngine`, which makes no CUDA call but counts each one it would make (each costs a "
         "few microseconds on a GPU host: the last columns). Against the same step without kvx (the loop over the "
         f"layers, no hook called). Shapes: {', '.join(names)}; medians of {repeats} steps (ops: {5 * repeats}) after "
-        f"{warmup} warm-up ones, each step interleaved with its baseline.",
+        f"{warmup} warm-up ones, each step followed by its baseline, every variant run in turn in each of 10 rounds (a "
+        "slow phase of a shared machine falls on all alike).",
     ]
     H.write_md(os.path.join(out, "host_cpu.md"), rows, header)
     H.write_csv(os.path.join(out, "host_cpu.csv"), rows)

@@ -117,6 +117,9 @@ class Copies:
     None: allocated), and checks them as the op does (same errors). ``sm_count``: plan the CUDA launches for a device
     of that many SMs (a null engine's plans on a CPU cache; 0: the cache's device's, on CUDA)."""
 
+    __slots__ = ("layout", "path", "max_ctas", "sm_count", "impl", "_cuda", "copies", "_gather", "_split", "_host")
+    __slots__ += ("_claims",)
+
     def __init__(
         self,
         layout: KVLayout,
@@ -297,7 +300,8 @@ class Copies:
                     )
         dma_min = 0
         if path == "auto" and copies:
-            dma_min = dma.dma_threshold(lay.device, "gather" if self._gather else "scatter", sum(c.n for c in copies))
+            pieces = copies[0].n if len(copies) == 1 else sum(c.n for c in copies)
+            dma_min = dma.dma_threshold(lay.device, "gather" if self._gather else "scatter", pieces)
         elif path == "staged" and copies and capacity is None:
             raise ValueError("capacity: expected the staging buffer's bytes for path 'staged', got None")
         max_ctas, sm, uva = self.max_ctas, self.sm_count, False

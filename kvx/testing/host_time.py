@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -190,80 +189,93 @@ class Worker:
         self.worker.close()
 
 
-def _interleaved(fns: list[Callable[[], float]], warmup: int, repeats: int) -> list[list[float]]:
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    out: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            out[i].append(fn())
-    return out
-
-
-def _calls(queues, before: dict, per: int) -> dict:
-    now = {k: getattr(queues, k) for k in ("records", "waits", "dma_calls", "launches", "uploads")}
-    return {k: (now[k] - before[k]) / per for k in now}
+_CALLS = ("records", "waits", "dma_calls", "launches", "uploads")
 
 
 def _snapshot(queues) -> dict:
-    return {k: getattr(queues, k) for k in ("records", "waits", "dma_calls", "launches", "uploads")}
+    return {k: getattr(queues, k) for k in _CALLS}
 
 
-def measure_steps(w: Worker, chunks: tuple[int, ...], warmup: int, repeats: int) -> list[Row]:
-    """Loads, saves and a step with nothing to copy, each against the same step without kvx; the per-layer hook time
-    of the load and save steps (layers after the first: the layer's batch)."""
-    rows = []
-    q = w.engine.queues
-    L = w.shape.layers
-    cases = [("load", n, w.load_meta) for n in chunks] + [("save", n, w.save_meta) for n in chunks]
-    cases.append(("nothing", 0, lambda n: w.nothing_meta()))
-    for variant, n, make in cases:
-        metas = [make(n) for _ in range(warmup + repeats)]  # built beforehand: the scheduler's work, not the hooks'
-        it = iter(metas)
-        before = _snapshot(q)
-        kvx, base = _interleaved([lambda: w.step(next(it)), lambda: w.no_kvx(None)], warmup, repeats)
-        calls = _calls(q, before, warmup + repeats)
-        rows.append(Row(variant, n, _median_us(kvx), _median_us(base), L, calls))
-        if variant in ("load", "save"):
-            layer_times: list[float] = []
-            for _ in range(max(3, repeats // 4)):
-                per_step: list[float] = []
-                w.step(make(n), per_step)
-                layer_times += per_step[1:]  # the first layer of a save plans the step's gathers
-            rows.append(Row(f"layer {variant}", n, _median_us(layer_times), 0.0, 1, {}))
-    return rows
+class _Variant:
+    """One thing timed: ``fn()`` returns its seconds (a list: several samples), ``base()`` its baseline's; the samples
+    kept, and the CUDA calls counted on ``queues`` while it runs."""
+
+    def __init__(self, name: str, chunks: int, fn, base=None, queues=None, layers: int = 1):
+        self.name, self.chunks, self.fn, self.base, self.queues, self.layers = name, chunks, fn, base, queues, layers
+        self.samples: list[float] = []
+        self.base_samples: list[float] = []
+        self.calls = dict.fromkeys(_CALLS, 0)
+        self.runs = 0
+
+    def run(self, n: int, keep: bool) -> None:
+        before = _snapshot(self.queues) if self.queues is not None else None
+        for _ in range(n):
+            t = self.fn()
+            b = self.base() if self.base is not None else 0.0
+            if keep:
+                if isinstance(t, list):
+                    self.samples.extend(t)
+                else:
+                    self.samples.append(t)
+                self.base_samples.append(b)
+        if before is not None and keep:
+            now = _snapshot(self.queues)
+            for k in _CALLS:
+                self.calls[k] += now[k] - before[k]
+            self.runs += n
+
+    def row(self) -> Row:
+        calls = {k: v / self.runs for k, v in self.calls.items()} if self.runs else {}
+        base = _median_us(self.base_samples) if self.base is not None else 0.0
+        return Row(self.name, self.chunks, _median_us(self.samples), base, self.layers, calls)
 
 
-def measure_op(w: Worker, warmup: int, repeats: int) -> list[Row]:
-    """One op: ``gather_blocks`` of one chunk into a host buffer, staged (a caller's staging buffer) and auto, checked,
-    planned and issued on null queues (what ``kvx.kernels.ops`` does but the CUDA calls)."""
+def measure(w: Worker, chunks: tuple[int, ...], warmup: int, repeats: int, op_repeats: int, rounds: int = 10):
+    """Every variant (see the module docstring), ``repeats`` samples each (ops: ``op_repeats``), in ``rounds`` rounds:
+    each round runs a share of every variant in turn, so that a slow phase of the machine (a shared VM's) falls on all
+    of them alike; medians over every round's samples. Returns a :class:`Row` per variant."""
     from .._ext import require
     from ..kernels.layout import Op
     from ..kernels.plan import Copies
 
+    L = w.shape.layers
+    q = w.engine.queues
+    variants: list[_Variant] = []
+    for kind, make in (("load", w.load_meta), ("save", w.save_meta)):
+        for n in chunks:
+
+            def step(make=make, n=n):
+                return w.step(make(n))  # the metadata is the scheduler's work: a few us, in no variant's baseline
+
+            def layers(make=make, n=n):
+                per_step: list[float] = []
+                w.step(make(n), per_step)
+                return per_step[1:]  # the first layer of a save plans the step's gathers
+
+            variants.append(_Variant(kind, n, step, lambda: w.no_kvx(None), q, L))
+            variants.append(_Variant(f"layer {kind}", n, layers))
+    variants.append(_Variant("nothing", 0, lambda: w.step(w.nothing_meta()), lambda: w.no_kvx(None), q, L))
     lay = w.worker.layout
     out = torch.empty(lay.canonical_shape(w.shape.chunk), dtype=lay.dtype)
     staging = torch.empty(w.config.staging_bytes // 4, dtype=torch.uint8)
     ids = w.blocks(1, 0)
-    rows = []
     for path in ("staged", "auto"):
-        q = require().NullQueues()
+        oq = require().NullQueues()
 
-        def op(path=path, q=q):
+        def op(path=path, oq=oq):
             t0 = time.perf_counter()
-            copies = Copies(lay, path=path, sm_count=132)  # as kvx.kernels.ops._one, but for the queues
+            copies = Copies(lay, path=path, sm_count=w.engine.sm_count)  # kvx.kernels.ops._one, on the null queues
             copies.add(Op.GATHER_BLOCKS, ids, out)
-            copies.run(staging, queues=q)
+            copies.run(staging, queues=oq)
             return time.perf_counter() - t0
 
-        (times,) = _interleaved([op], warmup, repeats)
-        rows.append(Row(f"op {path}", 1, _median_us(times), 0.0, w.shape.layers, _calls(q, _zero(), warmup + repeats)))
-    return rows
-
-
-def _zero() -> dict:
-    return dict.fromkeys(("records", "waits", "dma_calls", "launches", "uploads"), 0)
+        variants.append(_Variant(f"op {path}", 1, op, None, oq, L))
+    for v in variants:
+        v.run(max(1, warmup), keep=False)
+    for _ in range(rounds):
+        for v in variants:
+            v.run(max(1, (op_repeats if v.name.startswith("op ") else repeats) // rounds), keep=True)
+    return [v.row() for v in variants]
 
 
 def targets(rows: list[Row]) -> list[tuple[str, str, str, bool]]:
