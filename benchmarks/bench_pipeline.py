@@ -538,6 +538,7 @@ def host_only(args, command: str) -> int:
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
+    speed = [H.python_speed_us()]
     rows = []
     for name in names:
         s = SHAPES[name]
@@ -548,6 +549,7 @@ def host_only(args, command: str) -> int:
             rows += H.measure(w, chunks, warmup, repeats, 5 * repeats)
         finally:
             w.close()
+    speed.append(H.python_speed_us())
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -565,6 +567,9 @@ def host_only(args, command: str) -> int:
         f"layers, no hook called). Shapes: {', '.join(names)}; medians of {repeats} steps (ops: {5 * repeats}) after "
         f"{warmup} warm-up ones, each step followed by its baseline, every variant run in turn in each of 10 rounds (a "
         "slow phase of a shared machine falls on all alike).",
+        "",
+        f"This machine's speed during the run: `sum(range(1000))` took {speed[0]:.1f} us before and {speed[1]:.1f} us "
+        "after (this 2-core VM quiet: ~13.5 us; in its slow phases, ~18-19 us, every figure grows alike).",
     ]
     H.write_md(os.path.join(out, "host_cpu.md"), rows, header)
     H.write_csv(os.path.join(out, "host_cpu.csv"), rows)

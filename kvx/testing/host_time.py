@@ -62,6 +62,18 @@ class Row:
         return self.host_us - self.base_us
 
 
+def python_speed_us(repeats: int = 200) -> float:
+    """A fixed piece of Python (``sum(range(1000))``), median microseconds: this machine's speed at the time, printed
+    beside the figures (a shared VM's slow phases slow every figure alike: ~13.5 us on the 2-core VM when quiet,
+    ~18-19 in a slow phase)."""
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sum(range(1000))
+        samples.append(time.perf_counter() - t0)
+    return _median_us(samples)
+
+
 def _median_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
