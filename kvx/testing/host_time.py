@@ -78,13 +78,32 @@ def _median_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
+def geometry(layers: int, kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype):
+    """The :class:`kvx.connector.common.EngineGeometry` of a dense-attention model of this shape (one worker holding
+    every KV head), and one block's bytes of one layer: what the benchmarks' workers are built with."""
+    from ..connector.common import EngineGeometry
+
+    page_bytes = 2 * block_size * kv_heads * head_size * torch.empty((), dtype=dtype).element_size()
+    geom = EngineGeometry(
+        block_size=block_size,
+        num_layers=layers,
+        num_kv_heads=kv_heads,
+        head_size=head_size,
+        dtype=dtype,
+        use_mla=False,
+        opaque=False,
+        isa="",
+        page_bytes=page_bytes,
+    )
+    return geom, page_bytes
+
+
 class Worker:
     """A worker of ``shape`` with a null engine, a CPU tier of ``slots`` chunks and caches for the steps' blocks.
     Blocks: 0 is vLLM's null block; a load of n chunks fills blocks [1, 1 + n*bpc) from slots [0, n); a save of n
     chunks reads blocks [1 + n_max*bpc, ...) into slots [n_max, n_max + n)."""
 
     def __init__(self, shape: Shape, n_max: int, layout: str = "LBNHC", dtype=torch.bfloat16):
-        from ..connector.common import EngineGeometry
         from ..connector.config import KVXConfig
         from ..connector.worker import KVXWorker
         from ..engine import NullEngine
@@ -92,19 +111,7 @@ class Worker:
 
         self.shape, self.n_max = shape, n_max
         self.bpc = shape.chunk // shape.block_size
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        page_bytes = 2 * shape.block_size * shape.kv_heads * shape.head_size * itemsize
-        geom = EngineGeometry(
-            block_size=shape.block_size,
-            num_layers=shape.layers,
-            num_kv_heads=shape.kv_heads,
-            head_size=shape.head_size,
-            dtype=dtype,
-            use_mla=False,
-            opaque=False,
-            isa="",
-            page_bytes=page_bytes,
-        )
+        geom, page_bytes = geometry(shape.layers, shape.kv_heads, shape.head_size, shape.block_size, dtype)
         chunk_bytes = shape.layers * page_bytes * self.bpc
         self.config = KVXConfig.from_extra_config(
             {

@@ -13,13 +13,13 @@ import time
 import torch
 
 from .. import engine as kvx_engine
-from ..connector.common import EngineGeometry
 from ..connector.config import KVXConfig
 from ..connector.metadata import FAILED, ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from ..connector.worker import KVXWorker
 from ..kernels import ops
 from . import TransferTally, make_kv_caches
-from .bench import Clock
+from .bench_timing import Clock
+from .host_time import geometry
 
 NO_KVX = "no kvx"  # the variant with no hook called: the host-time baseline
 MAX_PAD_MS = 250.0  # the longest pad before a run (a host slower than its pad is counted "behind")
@@ -104,19 +104,7 @@ class Bench:
         self.bpc = self.chunk // self.block
         max_n = max(args.chunks)
         self.num_blocks = 1 + (args.save_steps + 1) * max_n * self.bpc
-        itemsize = torch.empty((), dtype=args.dtype).element_size()
-        page_bytes = 2 * self.block * shape.kv_heads * shape.head_size * itemsize
-        geom = EngineGeometry(
-            block_size=self.block,
-            num_layers=shape.layers,
-            num_kv_heads=shape.kv_heads,
-            head_size=shape.head_size,
-            dtype=args.dtype,
-            use_mla=False,
-            opaque=False,
-            isa="",
-            page_bytes=page_bytes,
-        )
+        geom, page_bytes = geometry(shape.layers, shape.kv_heads, shape.head_size, self.block, args.dtype)
         self.chunk_bytes = shape.layers * page_bytes * self.bpc
         self.layer_chunk_bytes = page_bytes * self.bpc  # one chunk of one layer
         slots = args.save_steps * max_n
