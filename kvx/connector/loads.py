@@ -195,16 +195,21 @@ class LoadPipeline:
 
     def _submit(self, load: _Load, chunks: list[tuple[ChunkLoad, torch.Tensor]], what: str = "") -> Plan | None:
         """One compiled plan of ``chunks`` (checked and planned once), issued whole (:meth:`~.cache.WorkerCache.
-        queue_loads`). A plan that cannot be built or issued (a check failing) fails its chunks: recomputed."""
+        queue_loads`). A plan that cannot be built (a check failing) or issued fails its chunks: recomputed. One that
+        failed while being issued is returned still: the parts it issued are fenced like any (they write blocks)."""
         if not chunks:
             return None
         try:
             plan = self.cache.plan(self.scatter_copies(chunks), f"load {load.spec.req_id}{' ' + what if what else ''}")
-            self.cache.queue_loads(plan, [b for ch, _ in chunks for b in ch.block_ids])
         except Exception as e:  # noqa: BLE001 - any failure to copy means "recompute"
             for ch, _ in chunks:
                 self._fail_chunk(load, ch, e)
             return None
+        try:
+            self.cache.queue_loads(plan, [b for ch, _ in chunks for b in ch.block_ids])
+        except Exception as e:  # noqa: BLE001
+            for ch, _ in chunks:
+                self._fail_chunk(load, ch, e)
         return plan
 
     def scatter_copies(self, chunks) -> Copies:

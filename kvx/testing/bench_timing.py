@@ -125,13 +125,27 @@ class GemmLoad:
         self._pending.clear()
 
 
+_CLOCKS: dict[torch.device, Clock] = {}
+MAX_QUEUE_PAD_MS = 1000.0
+
+
 def _time_interleaved(fns: list[Callable[[], None]], repeats: int, on_gpu: bool) -> list[float]:
     """Median milliseconds of each fn, timing them in turn within every repeat, so drift of the machine
-    (other load, frequency, page cache) hits the roof and the kernels alike."""
+    (other load, frequency, page cache) hits the roof and the kernels alike. On a GPU the time is the device's: every
+    call is queued behind a pad of 1.5x the host time of issuing them (measured in the warm-up, at most
+    :data:`MAX_QUEUE_PAD_MS`), so the events time the GPU work, not the host issuing it (the host's cost of an op is
+    the ``layer`` section's ``host us``, and ``bench_pipeline.py --host-only``'s)."""
+    t0 = time.perf_counter()
     for fn in fns:  # warm-up
         fn()
+    round_ms = (time.perf_counter() - t0) * 1e3
     if on_gpu:
         torch.cuda.synchronize()
+        dev = torch.device("cuda", torch.cuda.current_device())
+        clock = _CLOCKS.get(dev)
+        if clock is None:
+            clock = _CLOCKS[dev] = Clock(dev)
+        clock.pad(min(MAX_QUEUE_PAD_MS, 1.5 * repeats * round_ms + 1.0))
         events = [
             [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
             for _ in fns
