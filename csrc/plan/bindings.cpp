@@ -225,6 +225,11 @@ void bind_plan(py::module_& m) {
       .def_property_readonly("num_ranges", &CopyPlan::num_ranges)
       .def_property_readonly("nbytes", &CopyPlan::nbytes)
       .def_property_readonly("min_staging_bytes", &CopyPlan::min_staging_bytes)
+      .def_property_readonly("num_ids", [](const CopyPlan& p) { return static_cast<int64_t>(p.ids().size()); },
+                             "Ids in the plan's id table (its launches').")
+      .def("set_device_ids", &CopyPlan::set_device_ids, py::arg("address"),
+           "The id table on the device (num_ids int64, uploaded by the caller on a stream the plan's reshapes follow); "
+           "kept alive by the caller. The executor then uploads nothing.")
       .def(
           "part",
           [](const CopyPlan& plan, int32_t k) {

@@ -143,6 +143,14 @@ class CopyPlan {
   // ---- the CUDA executors (copy_plan_cuda.cu; cudaError_t, 0 = success; never sync)
   int dma_cuda(int32_t part, int64_t staging, int64_t stream) const;
   int reshape_cuda(int32_t part, int64_t staging, int64_t stream);  // uploads the ids at the first call
+  // The id table (``ids()``) already on the device, uploaded by the caller on a stream every reshape of the plan is
+  // ordered after (kvx/kernels/plan.py: torch's copy from pinned memory, on the stream the plan is built on, which
+  // the plan's first part follows); kept alive by the caller while the plan lives. The CUDA executor then uploads
+  // nothing.
+  void set_device_ids(int64_t address) {
+    ids_dev_ = address;
+    uploaded_ = true;
+  }
   // True the first time only: the executor that runs the plan's first reshape uploads its id table then.
   bool take_upload() {
     const bool first = !uploaded_;
@@ -180,6 +188,7 @@ class CopyPlan {
   std::vector<int64_t> run_dst_, run_src_, run_bytes_;
   int64_t ids_dev_ = 0;  // the id table on the device (CUDA), uploaded by the first reshape
   int64_t ids_stream_ = 0;  // the stream it was uploaded (and is freed) on
+  bool own_ids_ = false;    // ids_dev_ was allocated here (freed with the plan)
   bool uploaded_ = false;
   bool built_ = false;
 };

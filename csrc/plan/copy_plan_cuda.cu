@@ -35,6 +35,7 @@ int CopyPlan::reshape_cuda(int32_t part, int64_t staging, int64_t stream) {
     }
     ids_dev_ = reinterpret_cast<int64_t>(d);
     ids_stream_ = stream;
+    own_ids_ = true;
   }
   const int64_t base = path_ == kPathStaged ? staging : 0;
   const auto* layers = reinterpret_cast<const int64_t*>(layer_ptrs_dev_);
@@ -48,7 +49,7 @@ int CopyPlan::reshape_cuda(int32_t part, int64_t staging, int64_t stream) {
 }
 
 CopyPlan::~CopyPlan() {
-  if (ids_dev_ != 0) {  // stream-ordered: after the last launch that reads the ids
+  if (own_ids_) {  // stream-ordered: after the last launch that reads the ids
     cudaFreeAsync(reinterpret_cast<void*>(ids_dev_), reinterpret_cast<cudaStream_t>(ids_stream_));
     cudaGetLastError();
   }

@@ -191,6 +191,9 @@ class TransferEngine:
         deferred: a node after the virtual compute stream's last op; thread: None, already passed)."""
         return None
 
+    def sync_compute(self) -> None:
+        """Take the current stream as the compute stream the compiled path records markers on (CUDA; else nothing)."""
+
     def tail(self, queue: str):
         """The last job submitted on ``queue`` (None: none): a point after everything on it."""
         return None

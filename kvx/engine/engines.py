@@ -53,6 +53,9 @@ class CudaEngine(TransferEngine):
     def _compute(self) -> None:
         self.queues.compute = torch.cuda.current_stream(self.device).cuda_stream
 
+    def sync_compute(self) -> None:
+        self._compute()
+
     def stream_of(self, queue: str):
         return self._streams.get(queue)
 

@@ -70,6 +70,7 @@ class BlockOrder:
         ``last``, or no part)."""
         eng = self.engine
         if first:
+            eng.sync_compute()  # the marker's stream: the one the plan's id table was uploaded on (CUDA)
             edges = self.save_edges(blocks, NOW)
             plan.marker = any(e is NOW for e in edges)  # each range takes its own marker (rule 2)
             after = [eng.event_of(e) for e in edges if e is not NOW]

@@ -319,6 +319,14 @@ class Copies:
             else:
                 p.add(*c.args)
         p.build(_PATH_CODE[path], ranges, capacity or 0, dma_min, sm, max_ctas)
+        if self._cuda and self.impl == "cuda" and p.num_ids:
+            # the id table, once, from pinned memory (a copy from pageable memory may wait on the host), by torch on the
+            # current stream, which records both buffers' use: the plan's first part follows this stream (a one-off
+            # op runs on it; an engine's first part waits for a marker taken on it after this), and the plan holds the
+            # device table until it is dropped, once its jobs have run
+            with torch.cuda.device(lay.device):
+                p.dev_ids = torch.from_numpy(p.ids(0, p.num_ids)).pin_memory().to(lay.device, non_blocking=True)
+            p.set_device_ids(p.dev_ids.data_ptr())
         return p
 
     def run(self, staging: torch.Tensor | None = None, queues=None) -> None:
@@ -393,7 +401,8 @@ class Plan(_C.CopyPlan if _C is not None else object):
     ) -> None:
         """Parts ``[lo, hi)`` (default: all) in order, each DMA and reshape in the direction's order (a load: DMA then
         reshape; a save: the reverse): on the CPU now, on CUDA on ``stream`` (a handle; default the current stream),
-        where the stream orders the staging buffer's reuse."""
+        where the stream orders the staging buffer's reuse. (A CUDA plan's id table was uploaded on the stream current
+        when it was planned: another ``stream`` must be ordered after that one by the caller.)"""
         hi = self.num_parts if hi is None else hi
         if lo >= hi:
             return
