@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvx.connector.keys import chunk_keys
+from kvx.keys import chunk_keys
 from kvx.store.disk import DiskTier
 from kvx.testing.bench import machine
 

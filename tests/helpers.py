@@ -165,7 +165,7 @@ def flip_byte(path, from_end: int = 100) -> None:
 
 # ------------------------------------------------------------------------------------------ stored chunks
 # In a byte tier (disk, Redis) a chunk is a *record* under its chunk key, written once the chunk is stored whole,
-# and *parts* under kvx.connector.keys.part_key(chunk key, name): one per KV head of the model (per pipeline
+# and *parts* under kvx.keys.part_key(chunk key, name): one per KV head of the model (per pipeline
 # stage's layers), or one per TP rank for hybrid models (kvx.connector.parts). A file or value is told from the
 # other by its header: the scheduler writes records with the metadata ``kind: record``.
 def is_record(head: bytes) -> bool:
@@ -203,7 +203,7 @@ def stored_chunk_keys(llm, ids: list[int], chunk_size: int) -> list[tuple[str, l
     layer) stores it in a byte tier: (the chunk key, which names its record; its parts' keys)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    from kvx.connector.keys import chunk_keys, part_key, request_root
+    from kvx.keys import chunk_keys, part_key, request_root
 
     sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
     names = get_kv_transfer_group()._worker.share.part_names()

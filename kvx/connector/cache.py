@@ -27,8 +27,7 @@ from ..engine import BlockOrder, Job, TransferEngine
 from ..kernels.layout import KVLayout
 from ..kernels.plan import Copies, Plan
 from ..log import Throttle, get_logger
-from ..node.client import NodePool
-from ..store import CPUPool
+from ..store import SlotPool
 from .common import EngineGeometry, object_rows
 from .config import KVXConfig
 from .metadata import KVXWorkerMetadata
@@ -50,7 +49,7 @@ class WorkerCache:
         layout: KVLayout,
         ratio: int,
         engine: TransferEngine,
-        pool: CPUPool | NodePool | None,
+        pool: SlotPool | None,
         parts: PartIO,
     ):
         self.config, self.geom, self.fmt = config, geom, fmt
@@ -149,9 +148,8 @@ class WorkerCache:
     def check_slot(self, slot: int, key: str, reading: bool, generation: int | None = None) -> int | None:
         """A node pool's slot ``slot``: its generation if it holds chunk ``key`` (READY when ``reading``, else being
         written) and, given ``generation``, still that one; :class:`kvx.store.ChunkError` if not
-        (:meth:`kvx.node.client.NodePool.check`). A CPU pool's slots are this engine's alone: None."""
-        check = getattr(self.pool, "check", None)
-        return check(slot, key, reading, generation) if check is not None else None
+        (:meth:`kvx.store.SlotPool.check`). A CPU pool's slots are this engine's alone: None."""
+        return self.pool.check(slot, key, reading, generation)
 
     def group_of_layer(self, layer: int) -> int:
         return next(g for g, (a, b, _) in enumerate(self.groups) if a <= layer < b)

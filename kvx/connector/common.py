@@ -22,7 +22,7 @@ block_size`` tokens, where a step ended there (other positions are vLLM's null b
 are the attention groups' page size and alias the same tensors (layer ``i`` of every group), so kvx copies
 them as raw pages, like attention pages. A hybrid model's chunk is then two objects under two keys: the
 attention chunk (the attention groups' blocks of its tokens, as above) and, when vLLM kept the state at the
-chunk's end, its *state object* (:func:`~.keys.state_key`: one block per state group, per physical layer).
+chunk's end, its *state object* (:func:`~kvx.keys.state_key`: one block per state group, per physical layer).
 A hit needs the attention chunks of its whole prefix and the state object of its last chunk: it is rounded
 down to the last chunk whose state is stored, never a partial load (:mod:`.scheduler`). Chunk size and vLLM's
 block size must agree (states exist only at block ends). Chunks are raw pages ("pages" format).
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..keys import namespace_digest
 from .config import ConfigError, KVXConfig
-from .keys import namespace_digest
 from .parts import RECORD_VERSION, Share
 
 DEFAULT_CHUNK_TOKENS = 256  # chunk_size left unset: the smallest multiple of the engine's block size at least this
@@ -326,7 +326,7 @@ def worker_share(vllm_config, geom: EngineGeometry, split: bool, layer_names) ->
 
 
 def namespace(vllm_config, geom: EngineGeometry, fingerprint: str, split: bool = True) -> bytes:
-    """The key namespace of this engine (see :mod:`kvx.connector.keys`). The parallel sizes are not in it when
+    """The key namespace of this engine (see :mod:`kvx.keys`). The parallel sizes are not in it when
     chunks are stored by KV head (``split``, :func:`head_parts`): engines of every TP and PP size share chunks; a
     hybrid model's keeps the TP size (its state cannot be cut by head). ``parts``: the storage version (chunks
     stored before parts existed are under other keys: never looked up, recomputed)."""

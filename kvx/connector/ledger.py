@@ -25,7 +25,7 @@ and a worker never has more buffered saves in flight than its write-buffer pool 
 :class:`~.saves.SavePipeline`).
 
 The request-level decisions (which chunks, save cursors, P/D waits, validity) stay in
-:class:`~.scheduler.KVXScheduler`; the CPU tier's index (:class:`kvx.store.CPUIndex`) is the slots' allocator,
+:class:`~.scheduler.KVXScheduler`; the slot tier's index (:class:`kvx.store.SlotIndex`) is the slots' allocator,
 and :class:`kvx.store.stack.TierStack` answers queries only. Life of one saved chunk::
 
     plan_save ──> ChunkSave(slot_xfer, to_tiers={tier: xfer}) ──> workers ──> results {xfer: [outcome per worker]}
@@ -42,7 +42,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ..log import get_logger
-from ..store import CPUIndex, SlotState
+from ..store import SlotIndex, SlotState
 from ..store.stack import TierStack
 from .events import KVEvents
 from .metadata import FAILED, HELD, OK, ChunkSave
@@ -115,7 +115,7 @@ class ChunkLedger:
 
     def __init__(
         self,
-        cpu: CPUIndex | None,
+        cpu: SlotIndex | None,
         stack: TierStack,
         num_workers: int,
         events: KVEvents,
@@ -226,7 +226,7 @@ class ChunkLedger:
             awaiting = self._open[self._slot_writes[key]].awaiting
             awaiting[req_id] = _first_chunk(awaiting.get(req_id, chunk), chunk)
         slot_tr = self._open_transfer(Kind.SLOT, key) if slot is not None else None
-        shared = getattr(self.cpu, "shared", False)  # a node: other engines store into it too
+        shared = self.cpu is not None and self.cpu.shared  # a node: other engines store into it too
         # a chunk the node holds (or is being written by an engine) is written to the byte tiers by its writer, once
         # it commits: once per host
         to_tiers = [n for n in self.lacking(key) if n != skip_tier] if not (shared and in_cpu is not None) else []

@@ -3,7 +3,7 @@
 A chunk's KV is a rectangle of KV heads x model layers. Each worker holds a sub-rectangle of it: its
 tensor-parallel rank's KV heads and its pipeline stage's layers (:class:`Share`). In a byte tier the chunk is
 stored as **parts**, one object per KV head (of the model, not of a rank) per writer stage's layer range, each
-under :func:`~.keys.part_key` of the chunk key and its name ``h<head>/l<first>-<end>``. A rank of any TP size
+under :func:`~kvx.keys.part_key` of the chunk key and its name ``h<head>/l<first>-<end>``. A rank of any TP size
 reads exactly its heads' parts, and a stage of any PP size the parts whose layers overlap its own, whatever
 split wrote them. Bytes stored per chunk do not depend on TP: a head replicated on several ranks (TP larger
 than the number of KV heads) is written by the first of them; MLA's latent cache is one "head", written by TP
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.ops import host_copy
+from ..keys import part_key
 from ..store import ChunkError, StoreError, Tier
-from .keys import part_key
 
 RECORD_VERSION = 1
 _RECORD_LEN = 64  # int64 entries: version, heads, ranges, then (first, end) per range

@@ -47,9 +47,10 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..keys import MMItem, chunk_keys, request_root, state_key
 from ..log import get_logger
 from ..node.client import NodeIndex
-from ..store import CPUIndex, TierContext, tier_class
+from ..store import CPUIndex, SlotIndex, TierContext, tier_class
 from ..store.stack import TierStack
 from .admission import Admission
 from .common import (
@@ -64,7 +65,6 @@ from .common import (
 from .config import KVXConfig
 from .costs import HitCosts
 from .events import CPU_PLACE, KVEvents
-from .keys import MMItem, chunk_keys, request_root, state_key
 from .ledger import ChunkLedger, LoadChunk
 from .metadata import ChunkLoad, KVXMetadata, KVXWorkerMetadata, LoadSpec
 from .params import RequestControls, controls_of
@@ -208,7 +208,7 @@ class KVXScheduler:
                 f"of {config.chunk_size} tokens ({geom.num_layers} layers x {geom.page_bytes} "
                 f"bytes per block); raise its size or lower chunk_size"
             )
-        self.cpu: CPUIndex | NodeIndex | None = CPUIndex(n_slots) if config.cpu_tier is not None else None
+        self.cpu: SlotIndex | None = CPUIndex(n_slots) if config.cpu_tier is not None else None
         if config.node_tier is not None:
             node = config.node_tier
             self.cpu = NodeIndex(
@@ -669,7 +669,7 @@ class KVXScheduler:
                         meta,
                     )
             meta.saves += self.ledger.plan_write_through()
-        meta.node = getattr(self.cpu, "pool", None)  # the node's pool file these plans name slots of
+        meta.node = self.cpu.pool if self.cpu is not None else None  # the node's pool file these plans name slots of
         return meta
 
     def _forward_writes(self, so, entries, block_state, from_first_token: bool = False) -> list[int]:
@@ -930,7 +930,7 @@ class KVXScheduler:
         return not self.ledger.idle()
 
     def reset_cache(self) -> bool:
-        if self.cpu is None or getattr(self.cpu, "shared", False):
+        if self.cpu is None or self.cpu.shared:
             return True  # a node's chunks are every engine's on the host (kvx node evict drops them)
         self.events.apply_observed()
         ok = self.cpu.clear()

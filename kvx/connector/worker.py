@@ -50,7 +50,7 @@ from ..kernels import ops
 from ..kernels.layout import KVLayout
 from ..log import get_logger
 from ..node.client import NodePool
-from ..store import REMOVED, CPUPool, Tier, TierContext, tier_class
+from ..store import REMOVED, CPUPool, SlotPool, Tier, TierContext, tier_class
 from .cache import WorkerCache, WorkerResults
 from .common import EngineGeometry, chunk_bytes, head_parts, num_cpu_slots, object_rows, write_backlog
 from .config import ConfigError, KVXConfig
@@ -154,7 +154,7 @@ class KVXWorker:
         self.cache: WorkerCache | None = None  # the registered KV cache (None before registration, during a sleep)
         self.group_of: dict[str, int] = {}
         self.layer_of: dict[str, int] = {}  # layer name -> layer index in the layout
-        self.pool: CPUPool | NodePool | None = None
+        self.pool: SlotPool | None = None
         self.tiers: dict[str, Tier] = {}  # the tiers after the CPU pool, by name
         self.engine: TransferEngine | None = None
         self._meta: KVXMetadata | None = None
@@ -447,7 +447,7 @@ class KVXWorker:
         # requests wait for their async loads, so its result hooks may wait for those a little (poll_async)
         self._idle_step = isinstance(meta, KVXMetadata) and not (meta.forward_blocks or meta.saves or meta.loads)
         self._pd_pause = self._idle_step and meta.pd_waiting
-        if isinstance(self.pool, NodePool) and isinstance(meta, KVXMetadata):
+        if self.pool is not None and isinstance(meta, KVXMetadata):
             self.pool.attach(meta.node)  # the node's pool of this step's plans (mapped anew after a node restart)
         self._loads_started = False
         self.saves.bind(meta)

@@ -10,8 +10,8 @@
     kvx node evict  --socket PATH --namespace NS [--tokens ... | --tokens-file F]   -> {"namespace", "evicted"}
     kvx node quota  --socket PATH --namespace NS --bytes SIZE|none                   -> {"namespace", "quota"}
 
-A prompt's chunk keys are computed here as an engine computes them (:func:`kvx.connector.keys.chunk_keys` under
-:func:`~kvx.connector.keys.request_root`), with the namespace's chunk size as the daemon knows it.
+A prompt's chunk keys are computed here as an engine computes them (:func:`kvx.keys.chunk_keys` under
+:func:`~kvx.keys.request_root`), with the namespace's chunk size as the daemon knows it.
 
 ``stats`` fields: ``pool`` {path, bytes, num_slots, slot_bytes, used, free, quarantined, pending}; ``clients``
 (connections now); ``leases`` (lease pins held now); ``refused_clients`` (peers whose uid/gid is not admitted),
@@ -267,7 +267,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------ control
 def _prompt_keys(conn: Connection, args: argparse.Namespace) -> tuple[list[str], int]:
     """The chunk keys of ``--tokens`` in ``--namespace``, and the namespace's chunk size."""
-    from kvx.connector.keys import chunk_keys, request_root
+    from kvx.keys import chunk_keys, request_root
 
     known = conn.call("stats")["namespaces"]
     if args.namespace not in known:

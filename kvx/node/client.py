@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ..log import get_logger
-from ..store.cpu import SlotState
+from ..store.slots import SlotIndex, SlotPool, SlotState
 from ..store.tier import STORED, Listener
 from .connection import Connection, NodeError, NodeUnavailable
 from .protocol import PENDING, READY, Directory, PoolGeometry, ProtocolError, slot_entry, unpack_header
@@ -39,8 +39,8 @@ log = get_logger(__name__)
 _STATES = {0: None, 1: SlotState.PENDING, 2: SlotState.READY}
 
 
-class NodeIndex:
-    """The node's index as the connector's first level (the calls of :class:`kvx.store.CPUIndex`). Scheduler thread
+class NodeIndex(SlotIndex):
+    """The node's index as the connector's first level (a :class:`kvx.store.SlotIndex`, shared). Scheduler thread
     only: it owns the connection, and with it the engine's leases.
 
     ``namespace``: the engine's key namespace (its digest: :func:`kvx.connector.common.namespace`); ``model``: a
@@ -296,8 +296,8 @@ def _map_directory(hello: dict) -> Directory | None:
         return None
 
 
-class NodePool:
-    """A worker's mapping of the node's pool file, as the slots of :class:`kvx.store.CPUPool` (``slot(i)``).
+class NodePool(SlotPool):
+    """A worker's mapping of the node's pool file (a :class:`kvx.store.SlotPool`, shared).
 
     ``storage_shape``: a whole slot's tensor (every rank's KV heads: head-major ``[H, ...]`` when ``heads`` cuts
     it); ``heads``: this worker's [first, end) of dim 0, or None (the worker's share is the whole slot);

@@ -18,7 +18,7 @@ Slot life cycle (as :class:`kvx.store.cpu.CPUIndex`, per namespace, leases held 
   evicted to make room.
 - ``evict`` (the operator's explicit request) of a leased chunk *dooms* it: it leaves the index at once (lookups
   miss it) and its slot is freed when the last lease goes, so a reader never sees its bytes change under it.
-- A namespace (an engine's model, KV dtype and chunk format: :func:`kvx.connector.keys.namespace_digest`) may
+- A namespace (an engine's model, KV dtype and chunk format: :func:`kvx.keys.namespace_digest`) may
   have a quota in bytes (every chunk takes one whole slot): an allocation that would exceed it evicts the
   namespace's own least recently used chunks, and only those; ``pin_prefix`` never pins past it.
 

@@ -59,7 +59,7 @@ SLOT_ALIGN = 4096
 
 FREE, PENDING, READY = 0, 1, 2  # a slot's state in the table
 
-KEY_RE = re.compile(r"[0-9a-f]{32}")  # a chunk key (kvx.connector.keys): 16 bytes as hex
+KEY_RE = re.compile(r"[0-9a-f]{32}")  # a chunk key (kvx.keys): 16 bytes as hex
 KEYS_RE = re.compile(r"(?:[0-9a-f]{32})*")  # keys end to end: how a request's "keys" may travel as one string
 NAMESPACE_RE = re.compile(r"[0-9a-f]{8,128}")  # an engine's namespace digest, as hex
 
@@ -141,6 +141,8 @@ class PoolGeometry:
         n = max(0, (size - DATA_ALIGN) // (slot_bytes + SLOT_ENTRY.size + 4 * DIR_ENTRY.size))
         while n and cls(n, slot_bytes).file_bytes > size:
             n -= 1
+        while cls(n + 1, slot_bytes).file_bytes <= size:  # the estimate counts the directory's largest share
+            n += 1
         return cls(n, slot_bytes)
 
 

@@ -10,10 +10,11 @@
 - :mod:`kvx.store.stack`: the scheduler's view of the stack: read-first-hit, write-to-all, promotion.
 """
 
-from .cpu import CPUIndex, CPUPool, SlotState
+from .cpu import CPUIndex, CPUPool
 from .disk import DiskTier, DiskTierConfig  # noqa: E402 - registers "disk"
 from .errors import ChunkError, StoreClosedError, StoreError, StoreFullError, StoreUnavailableError
 from .redis import RedisTier, RedisTierConfig  # noqa: E402 - registers "redis"
+from .slots import SlotIndex, SlotPool, SlotState
 from .tier import (
     REMOVED,
     STORED,
@@ -31,6 +32,8 @@ from .tier import (
 __all__ = [
     "CPUIndex",
     "CPUPool",
+    "SlotIndex",
+    "SlotPool",
     "SlotState",
     "DiskTier",
     "DiskTierConfig",

@@ -16,7 +16,6 @@ written) is never evicted nor served.
 
 from __future__ import annotations
 
-import enum
 import math
 import mmap
 import operator
@@ -27,14 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from ..log import get_logger
+from .slots import SlotIndex, SlotPool, SlotState
 from .tier import REMOVED, STORED, Listener
 
 log = get_logger(__name__)
-
-
-class SlotState(enum.Enum):
-    PENDING = "pending"
-    READY = "ready"
 
 
 @dataclass
@@ -45,8 +40,9 @@ class _Entry:
     doomed: bool = False  # aborted while pinned: freed by the last unpin
 
 
-class CPUIndex:
-    """LRU index of ``num_slots`` chunk slots. Scheduler thread only (no locking)."""
+class CPUIndex(SlotIndex):
+    """The CPU tier's :class:`~.slots.SlotIndex`: an LRU index of ``num_slots`` chunk slots of this engine's own.
+    Scheduler thread only (no locking)."""
 
     def __init__(self, num_slots: int):
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
@@ -72,7 +68,7 @@ class CPUIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: str) -> bool:  # no list: the scheduler asks this per chunk
         e = self._entries.get(key)
         return e is not None and e.state is SlotState.READY
 
@@ -183,7 +179,7 @@ class CPUIndex:
         return not self._entries
 
 
-class CPUPool:
+class CPUPool(SlotPool):
     """The bytes of the CPU tier on one worker: ``num_slots`` chunks of ``slot_shape`` in one allocation.
 
     Args:

@@ -20,7 +20,7 @@ header names another key or another kid than its name is misplaced (:meth:`Seale
 
 Keys. The AES key of a chunk is ``HKDF-SHA256(secret, salt="kvx-seal-1", info="kvx chunk" || fingerprint ||
 chunk key)``. The chunk key is the hash chain whose root folds in the request's isolation namespace
-(``cache_salt``, ``kvx_namespace``, the LoRA adapter, the engine namespace: :func:`kvx.connector.keys.request_root`),
+(``cache_salt``, ``kvx_namespace``, the LoRA adapter, the engine namespace: :func:`kvx.keys.request_root`),
 so every namespace gets its own keys (a refinement of one key per namespace: one per namespace and prefix),
 derived where the tier encodes and decodes, with no namespace passed to the tier. A key encrypts one chunk
 (a few times at most: a chunk rewritten after an eviction), far below AES-GCM's bound on random nonces per key.

@@ -517,7 +517,7 @@ class Env:
 
     def part_file(self, key: str, head: int = 0, tier: str = "disk") -> str:
         """The file of KV head ``head``'s part of chunk ``key`` (:mod:`kvx.connector.parts`) in a disk ``tier``."""
-        from kvx.connector.keys import part_key
+        from kvx.keys import part_key
 
         return self.conn._scheduler.tiers[tier].file_of(part_key(key, f"h{head}/l0-{len(LAYERS)}"))
 

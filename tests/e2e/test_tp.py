@@ -74,7 +74,7 @@ def test_chunks_cross_tp_sizes_both_ways_and_a_missing_part(tmp_path, monkeypatc
     try:
         fresh = H.generate(llm, IDS, MAX_TOKENS)
         assert fresh.num_cached_tokens == 3 * CHUNK and fresh.tokens == want
-        from kvx.connector.keys import chunk_keys, part_key, request_root
+        from kvx.keys import chunk_keys, part_key, request_root
 
         sched = scheduler(llm)
         keys = chunk_keys(request_root(sched.namespace), IDS, CHUNK)

@@ -196,7 +196,7 @@ def records_on(servers) -> int:
 
 def redis_key(sched, prompt, chunk: int) -> str:
     """The Redis key of chunk ``chunk`` of ``prompt`` (no cache_salt): its record's."""
-    from kvx.connector.keys import chunk_keys, request_root
+    from kvx.keys import chunk_keys, request_root
 
     return f"kvx:1:{{{chunk_keys(request_root(sched.namespace), prompt, CHUNK)[chunk]}}}"
 

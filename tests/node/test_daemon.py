@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kvx.connector.keys import chunk_keys, request_root
+from kvx.keys import chunk_keys, request_root
 from kvx.node import cli
 from kvx.node.connection import Connection, NodeError
 from kvx.node.daemon import NodeState, Refused, default_pool_path
@@ -1069,3 +1069,11 @@ def closed_by_daemon(conn: Connection) -> bool:
     except OSError:
         return True
     return False
+
+
+@pytest.mark.parametrize("slot_bytes", [SLOT, 3 * SLOT, 1 << 20])
+@pytest.mark.parametrize("num_slots", [1, 3, 4, 17, 300])
+def test_a_pool_of_exactly_the_file_size_of_n_slots_holds_n_slots(num_slots, slot_bytes):
+    size = PoolGeometry(num_slots, slot_bytes).file_bytes
+    assert PoolGeometry.fit(size, slot_bytes).num_slots == num_slots
+    assert PoolGeometry.fit(size - 1, slot_bytes).num_slots == num_slots - 1

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from kvx.connector.keys import part_key
 from kvx.connector.parts import MAX_STAGES, PartIO, Record, Share, record_of
+from kvx.keys import part_key
 from kvx.store import ChunkError, DiskTier
 from tests.helpers import same_bytes
 

@@ -425,7 +425,7 @@ def test_disk_evictions_report_only_the_tenants_own_chunks(tmp_path, keys):
 def test_aes_keys_differ_per_chunk_key_and_secret(keys):
     """Per-namespace keys: a chunk key folds the request's namespace in (cache_salt, kvx_namespace), and the AES
     key is derived from the chunk key, so two namespaces never share an AES key (nor two secrets)."""
-    from kvx.connector.keys import chunk_keys, request_root
+    from kvx.keys import chunk_keys, request_root
 
     ns = b"engine-namespace"
     ka = chunk_keys(request_root(ns, cache_salt="tenant-a"), list(range(16)), 16)[0]

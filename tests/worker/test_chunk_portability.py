@@ -71,10 +71,10 @@ from kvx import engine as kvx_engine
 from kvx.connector import parts as parts_module
 from kvx.connector.common import EngineGeometry, format_fingerprint, head_parts, namespace, worker_share
 from kvx.connector.config import KVXConfig
-from kvx.connector.keys import chunk_keys, part_key, request_root
 from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from kvx.connector.parts import PartIO, Share, record_of
 from kvx.connector.worker import KVXWorker
+from kvx.keys import chunk_keys, part_key, request_root
 from kvx.store import DiskTier
 from kvx.testing import RUNNER_ORDERS, TransferTally, end_step, make_kv_caches, random_fill_
 from tests.helpers import wait_for

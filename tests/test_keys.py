@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-import kvx.connector.keys as K
+import kvx.keys as K
 
 MMItem, chunk_keys, part_key = K.MMItem, K.chunk_keys, K.part_key
 namespace_digest, request_root = K.namespace_digest, K.request_root
