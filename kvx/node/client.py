@@ -290,7 +290,7 @@ def _map_directory(hello: dict) -> Directory | None:
         geom, epoch = unpack_header(m)
         if epoch.hex() != hello["epoch"]:
             raise ProtocolError(f"expected epoch {hello['epoch']}, got {epoch.hex()}")
-        return Directory(m, geom)
+        return Directory(m, geom, epoch)
     except (OSError, ValueError) as e:
         log.error("kvx: cannot map the node's pool %s (%s); its chunks are misses", hello["pool"], e)
         return None

@@ -66,6 +66,7 @@ from .protocol import (
     body_length,
     decode,
     dir_home,
+    dir_seed,
     encode,
     pack_header,
     write_entry,
@@ -265,6 +266,7 @@ class NodeState:
         if geom.num_slots < 1:
             raise ValueError(f"geom: expected at least one slot, got {geom}")
         self.geom, self.table, self.epoch = geom, table, epoch
+        self._seed = dir_seed(epoch)
         self._free = list(range(geom.num_slots - 1, -1, -1))  # a stack: slot 0 first
         self._generation = [0] * geom.num_slots
 
@@ -674,7 +676,7 @@ class NodeState:
     def _dir_insert(self, key: bytes, slot: int) -> None:
         """Publish a READY chunk in the directory (linear probing: :mod:`.protocol`)."""
         mask = self.geom.dir_entries - 1
-        i = dir_home(key, self.geom.dir_entries)
+        i = dir_home(key, self.geom.dir_entries, self._seed)
         while self._dir_at(i)[1]:
             i = (i + 1) & mask
         self._dir_put(i, key, slot + 1)
@@ -683,7 +685,7 @@ class NodeState:
         """Take a chunk out of the directory, shifting the entries after it back (no tombstones: a probe stops at
         the first empty entry)."""
         mask = self.geom.dir_entries - 1
-        i = dir_home(key, self.geom.dir_entries)
+        i = dir_home(key, self.geom.dir_entries, self._seed)
         while True:
             k, slot1 = self._dir_at(i)
             if not slot1:
@@ -697,7 +699,7 @@ class NodeState:
             k, slot1 = self._dir_at(j)
             if not slot1:
                 break
-            home = dir_home(k, self.geom.dir_entries)
+            home = dir_home(k, self.geom.dir_entries, self._seed)
             if (home - i - 1) & mask < (j - i) & mask:  # its home lies in (i, j]: it stays
                 continue
             self._dir_put(i, k, slot1)

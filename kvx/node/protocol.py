@@ -17,7 +17,7 @@ workers (read and write), laid out as::
     [table_offset, +32 * n)    slot table: per slot SLOT_ENTRY (key 16 bytes, generation u64, state u32, pad)
     [dir_offset, +32 * d)      directory: the READY chunks' keys, a hash table of d (a power of two, >= 2n)
                                DIR_ENTRY (key 16 bytes, slot + 1 u32: 0 empty), linear probing from the key's
-                               first 8 bytes (little-endian) modulo d
+                               home, :func:`dir_home`: both halves of the key and the epoch, mixed
     [data_offset, +slot_bytes * n)  the slots' bytes (data_offset a multiple of 2 MiB; slot_bytes of 4 KiB)
 
 Only the daemon writes the header, the table and the directory. A slot's entry changes as ``allocate`` (state
@@ -47,11 +47,12 @@ HEADER = struct.Struct("<4sHHI")  # magic, version, reserved, body length
 MAX_BODY = 4 << 20  # bytes: a lookup of 4096 keys is ~150 KiB
 
 POOL_MAGIC = b"KVXPOOL\0"
-POOL_VERSION = 1
+POOL_VERSION = 2  # 2: a directory entry's home mixes the whole key with the epoch (1: its first 8 bytes)
 POOL_HEADER = struct.Struct("<8sIIQQQQ16s")  # magic, version, reserved, num_slots, slot_bytes, table, data, epoch
 SLOT_ENTRY = struct.Struct("<16sQI4x")  # key, generation, state
 DIR_ENTRY = struct.Struct("<16sI12x")  # key, slot + 1 (0: empty)
 _LOW32 = np.uint64(0xFFFFFFFF)  # a directory entry's slot, a table entry's state: the low half of a uint64 (LE)
+_MIX64 = np.uint64(0x9E3779B97F4A7C15)  # _MIX
 _KEY2 = struct.Struct("<QQ")  # a key as the directory compares it: two little-endian halves
 TABLE_OFFSET = 4096
 DATA_ALIGN = 2 << 20
@@ -174,9 +175,31 @@ def write_entry(buf, geom: PoolGeometry, slot: int, key: bytes, generation: int,
     struct.pack_into("<Q", buf, off + 16, generation)
 
 
-def dir_home(key: bytes, entries: int) -> int:
+_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio (odd): Fibonacci hashing's multiplier
+_M64 = (1 << 64) - 1
+
+
+def dir_seed(epoch: bytes) -> int:
+    """The directory's hash seed: the pool's epoch (16 random bytes), its first 8. Keys made to share a home (keys
+    that share their first 8 bytes, as a crafted client or ``f"{i:032x}"`` makes them) then share it by chance."""
+    return int.from_bytes(epoch[:8], "little")
+
+
+def dir_shift(entries: int) -> int:
+    """How far a mixed key is shifted down to a home in a directory of ``entries`` (a power of two)."""
+    return 65 - entries.bit_length()
+
+
+def home_of(a: int, b: int, seed: int, shift: int) -> int:
+    """The home of the key whose little-endian halves are ``a``, ``b``: Fibonacci hashing of both, the top bits.
+    Python ints here; :meth:`Directory.slots` computes the same on uint64 arrays (wrapping)."""
+    return ((((a ^ seed) * _MIX + b) & _M64) * _MIX & _M64) >> shift
+
+
+def dir_home(key: bytes, entries: int, seed: int) -> int:
     """Where a lookup of ``key`` (16 bytes) starts in a directory of ``entries`` (a power of two)."""
-    return int.from_bytes(key[:8], "little") & (entries - 1)
+    a, b = _KEY2.unpack(key)
+    return home_of(a, b, seed, dir_shift(entries))
 
 
 class Directory:
@@ -186,15 +209,17 @@ class Directory:
     _DIR = np.dtype([("a", "<u8"), ("b", "<u8"), ("slot", "<u4"), ("pad", "V12")])
     _TABLE = np.dtype([("a", "<u8"), ("b", "<u8"), ("gen", "<u8"), ("state", "<u4"), ("pad", "V4")])
 
-    def __init__(self, buf, geom: PoolGeometry):
+    def __init__(self, buf, geom: PoolGeometry, epoch: bytes):
         self.geom = geom
         self.mask = geom.dir_entries - 1
+        self.seed, self.shift = dir_seed(epoch), dir_shift(geom.dir_entries)
         self.dir = np.frombuffer(buf, dtype=self._DIR, count=geom.dir_entries, offset=geom.dir_offset)
         self.table = np.frombuffer(buf, dtype=self._TABLE, count=geom.num_slots, offset=geom.table_offset)
         self._dir64 = np.frombuffer(buf, dtype="<u8", count=geom.dir_entries * 4, offset=geom.dir_offset).reshape(-1, 4)
         self._table64 = np.frombuffer(buf, dtype="<u8", count=geom.num_slots * 4, offset=geom.table_offset)
         self._table64 = self._table64.reshape(-1, 4)
         self._mask64 = np.uint64(self.mask)
+        self._seed64, self._shift64 = np.uint64(self.seed), np.uint64(self.shift)
 
     def ready(self, keys_hex: str) -> list[bool]:
         """Per key (``keys_hex``: 32-hex keys end to end), whether the pool holds it READY now."""
@@ -205,7 +230,7 @@ class Directory:
         numpy call on the way to a READY answer). A daemon writing meanwhile may make the answer stale at once;
         nothing reads a slot on this answer alone (the workers check the slot's entry around their copies)."""
         a, b = _KEY2.unpack(bytes.fromhex(key_hex))
-        pos = a & self.mask
+        pos = home_of(a, b, self.seed, self.shift)
         for _ in range(self.mask + 1):
             e = self.dir[pos]
             slot = int(e["slot"])
@@ -229,7 +254,7 @@ class Directory:
         n = len(want)
         slot_of = np.full(n, -1, dtype=np.int64)
         todo, wa, wb = np.arange(n), want[:, 0], want[:, 1]
-        pos = wa & self._mask64
+        pos = (((wa ^ self._seed64) * _MIX64 + wb) * _MIX64) >> self._shift64  # home_of, wrapping in uint64
         for _ in range(self.mask + 1):
             e = self._dir64[pos]
             slot = (e[:, 2] & _LOW32).astype(np.int64)  # slot + 1; 0: an empty entry, where a probe ends

@@ -138,7 +138,7 @@ def check_invariants(state: NodeState) -> None:
     # namespace's in practice: keys are hash chains rooted in the namespace; the tests reuse keys across them)
     ready = [k for ns in state._namespaces.values() for k, e in ns.entries.items() if e.state == READY]
     others = [k for ns in state._namespaces.values() for k in ns.entries if k not in ready]
-    d = Directory(state.table, state.geom)
+    d = Directory(state.table, state.geom, state.epoch)
     assert d.ready("".join(ready)) == [True] * len(ready)
     assert d.ready("".join(others + [key(10_000 + i) for i in range(8)])) == [False] * (len(others) + 8)
     assert int((d.dir["slot"] != 0).sum()) == len(ready)
