@@ -52,7 +52,8 @@ POOL_HEADER = struct.Struct("<8sIIQQQQ16s")  # magic, version, reserved, num_slo
 SLOT_ENTRY = struct.Struct("<16sQI4x")  # key, generation, state
 DIR_ENTRY = struct.Struct("<16sI12x")  # key, slot + 1 (0: empty)
 _LOW32 = np.uint64(0xFFFFFFFF)  # a directory entry's slot, a table entry's state: the low half of a uint64 (LE)
-_MIX64 = np.uint64(0x9E3779B97F4A7C15)  # _MIX
+_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio (odd): Fibonacci hashing's multiplier (the directory's homes)
+_MIX64 = np.uint64(_MIX)
 _KEY2 = struct.Struct("<QQ")  # a key as the directory compares it: two little-endian halves
 TABLE_OFFSET = 4096
 DATA_ALIGN = 2 << 20
@@ -175,7 +176,6 @@ def write_entry(buf, geom: PoolGeometry, slot: int, key: bytes, generation: int,
     struct.pack_into("<Q", buf, off + 16, generation)
 
 
-_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio (odd): Fibonacci hashing's multiplier
 _M64 = (1 << 64) - 1
 
 
