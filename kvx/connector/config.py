@@ -48,6 +48,13 @@ class NodeTierConfig(TierConfig):
     retry_s: float = Field(
         default=1.0, gt=0, le=600, description="seconds between attempts to reach a node that is down"
     )
+    pull_wait_ms: int = Field(
+        default=500,
+        ge=0,
+        le=60_000,
+        description="a node in a cluster (kvx node --peers): how long a request whose chunks the node pulls from a "
+        "peer may wait for them (the node cuts a pull its peer's rate cannot move in time); 0: no pulls",
+    )
 
 
 _FIRST_TIERS = {"cpu": CPUTierConfig, "node": NodeTierConfig}  # the first level: slots the workers copy into

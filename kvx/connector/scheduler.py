@@ -219,6 +219,7 @@ class KVXScheduler:
                 node_slot_bytes(config, geom),
                 timeout=node.timeout,
                 retry_s=node.retry_s,
+                pull_wait_ms=node.pull_wait_ms,
             )
         ctx = TierContext(fingerprint, role="scheduler", writes=producer, io_threads=config.io_threads)
         self.tiers = {t.type: tier_class(t.type).open(t, ctx) for t in config.byte_tiers}
@@ -311,6 +312,10 @@ class KVXScheduler:
     def _locate(self, keys: list[str]) -> list[str | None] | None:
         """Per key, the fastest tier holding it ("cpu" or a tier's name; None: none). None: not known yet."""
         cached = self.cpu.contains_many(keys) if self.cpu is not None else [False] * len(keys)
+        first_miss = next((i for i, hit in enumerate(cached) if not hit), len(keys))
+        if self.cpu is not None and first_miss < len(keys) and self.cpu.pulling(keys[first_miss:]):
+            self.stats["lookups_pulling"] += 1
+            return None
         found: list[str | None] = ["cpu" if hit else None for hit in cached]
         rest = [i for i, f in enumerate(found) if f is None]
         if rest and self.stack:

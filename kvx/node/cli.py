@@ -2,6 +2,7 @@
 
     kvx node --socket PATH --size 64GiB [--slot-size auto|SIZE] [--pool PATH] [--socket-mode 660]
              [--metrics-port N] [--allow-uid UID ...] [--allow-gid GID ...] [--quota NS=SIZE ...]
+             [--listen HOST:PORT --secret-file FILE [--peers HOST:PORT,...] [--transport tcp|nixl]]
     kvx node stats  --socket PATH [--json]
     kvx node lookup --socket PATH --namespace NS (--tokens 1,2,3 | --tokens-file F) [--cache-salt S]
                     [--kvx-namespace S]      -> {"namespace", "tokens", "cached_tokens"}
@@ -19,7 +20,9 @@ A prompt's chunk keys are computed here as an engine computes them (:func:`kvx.k
 arguments), ``internal_errors`` (requests the daemon failed on: see its log), ``leases_released`` and
 ``aborted_on_disconnect`` (pins and PENDING slots that connections left behind when they closed); ``namespaces``
 {hex: {model, chunk_size, chunks (READY), pending, bytes, hits, misses, evictions (to make room), pinned (admin
-pins), quota, clients}}.
+pins), quota, clients, pulled (chunks pulled from peers), served (chunks peers read)}}; with --listen, ``cluster``
+{node, listen, transport, peers [{address, node, state, error, bytes_in, chunks_in, bytes_out, pulls, failures,
+rate_gbps}], bytes_out, pulls, pulled, misses, declined_slow, failed, bad_chunks, refused_peers, served}.
 
 Exit codes: 0 done; 1 the daemon is not reachable (or cannot start); 2 bad arguments, or the daemon refused the
 request.
@@ -194,7 +197,51 @@ def _daemon_parser() -> _Parser:
         help="a slot an engine left being written when its connection closed is reused this many seconds later "
         "(default 5: its workers may still be writing it)",
     )
+    cluster = ap.add_argument_group("cluster (nodes on other hosts: a miss here is pulled from a peer that has it)")
+    cluster.add_argument(
+        "--listen", metavar="HOST:PORT", help="where peers reach this node (its address on the hosts' network)"
+    )
+    cluster.add_argument("--peers", metavar="HOST:PORT[,...]", help="the other nodes' --listen addresses")
+    cluster.add_argument(
+        "--secret-file",
+        metavar="FILE",
+        help="the cluster's shared secret (16+ bytes, the same file on every node): only nodes holding it are peers",
+    )
+    cluster.add_argument(
+        "--transport",
+        choices=("tcp", "nixl"),
+        default="tcp",
+        help="how chunk bytes move between nodes: tcp (kvx's own channel, default) or nixl (one NIXL READ over UCX); "
+        "the same on every node",
+    )
+    cluster.add_argument(
+        "--node-id", metavar="ID", help="this node's name among its peers (default: HOST:PORT of --listen)"
+    )
     return ap
+
+
+def _cluster(args: argparse.Namespace):
+    """The daemon's cluster config from its flags (None without --listen); :class:`_UsageError` for bad ones,
+    before anything starts."""
+    from .handshake import read_secret
+    from .peers import ClusterConfig, parse_address
+
+    if args.listen is None:
+        for flag, value in (("--peers", args.peers), ("--secret-file", args.secret_file)):
+            if value is not None:
+                raise _UsageError(f"kvx node: {flag}: expected --listen HOST:PORT with it, got {flag} alone")
+        return None
+    try:
+        listen = parse_address(args.listen, "--listen")
+        peers = tuple(parse_address(p, "--peers") for p in (args.peers or "").split(",") if p.strip())
+        if args.secret_file is None:
+            raise ValueError("--secret-file: expected the cluster's secret file with --listen, got none")
+        secret = read_secret(args.secret_file)
+    except ValueError as e:
+        raise _UsageError(f"kvx node: {e}") from None
+    if listen in peers:
+        raise _UsageError(f"kvx node: --peers: expected the other nodes, got this node's own --listen {args.listen}")
+    return ClusterConfig(args.node_id or f"{listen[0]}:{listen[1]}", listen, peers, secret, args.transport)
 
 
 def _control_parser() -> _Parser:
@@ -237,6 +284,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
         )
     if args.slot_size is None:
         geom = None  # made at the first engine's hello
+    cluster = _cluster(args)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
     server = NodeServer(
@@ -250,6 +298,7 @@ def _run_daemon(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         quarantine_s=args.quarantine_s,
         size=args.size,
+        cluster=cluster,
     )
     previous = {sig: signal.signal(sig, lambda *_: server.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:  # a signal during start: serve() returns at once and cleans up
@@ -355,9 +404,28 @@ def _stats_table(s: dict) -> str:
             (name[:16], n["model"] or "-", n["chunk_size"] or "-", n["chunks"], n["pending"], _mib(n["bytes"]))
             + (n["hits"], n["misses"], n["evictions"], n["pinned"], quota, n["clients"])
         )
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
+    lines += _columns(rows)
+    c = s.get("cluster")
+    if c is not None:
+        lines.append(
+            f"cluster: node {c['node']} on {c['listen']} ({c['transport']}); pulls {c['pulls']}: {c['pulled']} chunks "
+            f"pulled, {c['misses']} found nowhere, {c['declined_slow']} cut as too slow, {c['failed']} failed, "
+            f"{c['bad_chunks']} bad chunks; served {c['served']} chunks ({_mib(c['bytes_out'])}); refused peers "
+            f"{c['refused_peers']}"
+        )
+        rows = [("peer", "node", "state", "in", "chunks in", "out", "pulls", "failures", "GB/s")]
+        for p in c["peers"]:
+            rows.append(
+                (p["address"], p["node"] or "-", p["state"], _mib(p["bytes_in"]), p["chunks_in"])
+                + (_mib(p["bytes_out"]), p["pulls"], p["failures"], p["rate_gbps"] or "-")
+            )
+        lines += _columns(rows)
     return "\n".join(lines)
+
+
+def _columns(rows: list[tuple]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
 
 
 _CONTROL = {"stats": _stats, "lookup": _lookup, "pin": _pin, "unpin": _unpin, "evict": _evict, "quota": _quota_op}

@@ -25,6 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +38,17 @@ from .protocol import PENDING, READY, Directory, PoolGeometry, ProtocolError, sl
 log = get_logger(__name__)
 
 _STATES = {0: None, 1: SlotState.PENDING, 2: SlotState.READY}
+_PULL_KEYS = 256  # keys one pull asks for at most
+_PULL_GRACE_S = 1.0  # past pull_wait_ms, how long an engine waits for its node's answer before it gives up
+_TRIED_S = 10.0  # a key a pull did not bring is not pulled again this long (the peers did not have it)
+
+
+@dataclass
+class _Pull:
+    """A pull in flight: the keys asked for, and when the engine stops waiting for the answer."""
+
+    keys: list[str]
+    deadline: float
 
 
 class NodeIndex(SlotIndex):
@@ -58,8 +70,14 @@ class NodeIndex(SlotIndex):
         slot_bytes: int,
         timeout: float = 2.0,
         retry_s: float = 1.0,
+        pull_wait_ms: int = 500,
     ):
         self.conn = Connection(socket_path, timeout)
+        self.puller = Connection(socket_path, timeout)  # pulls from peers: answered when done, so apart
+        self.pull_wait_s = pull_wait_ms / 1e3
+        self._cluster = False  # the node said it has peers
+        self._pull: _Pull | None = None  # the pull in flight
+        self._tried: dict[str, float] = {}  # key -> until when a pull that did not bring it is not asked again
         self.hello = {
             "version": 1,
             "role": "engine",
@@ -101,6 +119,7 @@ class NodeIndex(SlotIndex):
             self._refusal = None
             self.pool = (reply["pool"], reply["epoch"])
             self._dir = _map_directory(reply)
+            self._cluster = bool(reply.get("cluster")) and self.pull_wait_s > 0
             self.stats["reconnects"] += 1
             log.info("kvx: connected to the node at %s (pool %s)", self.conn.path, reply["pool"])
         try:
@@ -138,7 +157,63 @@ class NodeIndex(SlotIndex):
 
     def close(self) -> None:
         self.conn.close()
+        self.puller.close()
         self.pool = self._dir = None
+
+    # ---------------------------------------------------------------- pulls from peers
+    def pulling(self, missing: Sequence[str]) -> bool:
+        """A node in a cluster: True while the node pulls ``missing`` (a lookup's keys from its first miss on) from a
+        peer, for at most ``pull_wait_ms`` (and a second's grace for the node's answer). The first lookup to miss a
+        key starts the pull; a key a pull did not bring is not pulled again for :data:`_TRIED_S`."""
+        if not self._cluster or self._dir is None or not missing:
+            return False
+        now = time.monotonic()
+        p = self._pull
+        if p is not None:
+            self._poll_pull(now)
+            p = self._pull
+        if p is not None:
+            return p.keys[0] == missing[0]  # another request's pull: this one does not wait for it
+        if self._tried.get(missing[0], 0.0) > now:
+            return False
+        keys = list(missing[:_PULL_KEYS])
+        budget = max(1, int(self.pull_wait_s * 1e3))
+        try:
+            if not self.puller.connected:
+                self.puller.call("hello", **{**self.hello, "role": "puller"})
+            self.puller.post("pull", self._pulled, keys="".join(keys), budget_ms=budget)
+        except (NodeUnavailable, NodeError) as e:
+            log.info("kvx: cannot ask the node to pull (%s)", e)
+            self.puller.close()
+            self._note_tried(keys, now)
+            return False
+        self._pull = _Pull(keys, now + self.pull_wait_s + _PULL_GRACE_S)
+        return True
+
+    def _poll_pull(self, now: float) -> None:
+        try:
+            self.puller.poll()
+        except NodeUnavailable:
+            self._pulled(NodeError("the node closed the connection"))
+        p = self._pull
+        if p is not None and now > p.deadline:  # the node did not answer in time: drop the connection (its pull too)
+            self.puller.close()
+            self._pulled(NodeError("no answer within pull_wait_ms"))
+
+    def _pulled(self, reply) -> None:
+        """The pull in flight is over (its reply, or a :class:`NodeError`): the keys it did not bring are tried."""
+        p, self._pull = self._pull, None
+        if p is None:
+            return
+        n = reply.get("pulled", 0) if isinstance(reply, dict) else 0
+        self.stats["pulled"] = self.stats.get("pulled", 0) + n
+        self._note_tried(p.keys[n:], time.monotonic())
+
+    def _note_tried(self, keys: Sequence[str], now: float) -> None:
+        if len(self._tried) > 4 * _PULL_KEYS:
+            self._tried = {k: t for k, t in self._tried.items() if t > now}
+        for k in keys:
+            self._tried[k] = now + _TRIED_S
 
     def subscribe(self, listener: Listener) -> None:
         """``listener("cpu", STORED | REMOVED, keys)`` for the chunks this engine commits or evicts itself."""

@@ -89,6 +89,12 @@ class SlotIndex(abc.ABC):
     def unpin(self, keys: Iterable[str]) -> None:
         """Undo :meth:`pin` / :meth:`hold` (each key as often as it appears)."""
 
+    def pulling(self, missing: Sequence[str]) -> bool:
+        """Whether the chunks of ``missing`` (a lookup's keys from its first miss on, in order) are on their way into
+        this tier from elsewhere (a peer node's pool): the lookup is put off and asked again at the next step. A
+        tier may start fetching them here. A tier that fetches nothing: False."""
+        return False
+
     def clear(self) -> bool:
         """Drop every unpinned READY chunk (vLLM's ``reset_cache``); False if something stayed. A shared tier's
         chunks are every engine's: it keeps them and answers True."""

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from kvx.node.connection import Connection, NodeUnavailable
 
@@ -47,9 +48,12 @@ class Node:
         log: str | None = None,
         *args: str,
         pool: str | None = None,
+        launch: Callable[[list[str]], list[str]] | None = None,
     ):
-        """``pool``: the pool file (default: beside the socket); ``args``: more ``kvx node`` arguments."""
+        """``pool``: the pool file (default: beside the socket); ``args``: more ``kvx node`` arguments; ``launch``:
+        turns a command line into one that runs it elsewhere (in a network namespace: ``Host.argv``)."""
         self.socket, self.size, self.slot_size, self.args = socket, size, slot_size, list(args)
+        self.launch = launch or (lambda argv: argv)
         self.pool = pool or socket + ".pool"
         self.log_path = log or socket + ".log"
         self.proc: subprocess.Popen | None = None
@@ -58,7 +62,7 @@ class Node:
         cmd = [sys.executable, "-m", "kvx.node.cli", "--socket", self.socket, "--size", self.size]
         cmd += ["--slot-size", self.slot_size, "--pool", self.pool, *self.args]
         with open(self.log_path, "a") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, start_new_session=True)
+            self.proc = subprocess.Popen(self.launch(cmd), cwd=ROOT, stdout=log, stderr=log, start_new_session=True)
         deadline = time.monotonic() + 30
         while not self.up():
             if time.monotonic() > deadline:
@@ -95,10 +99,19 @@ class Node:
 class Engine:
     """A vLLM engine process (this module as a program) with kvx ``config`` (None: without kvx)."""
 
-    def __init__(self, model: str, config: dict | None, log: str, env: dict | None = None, engine: dict | None = None):
+    def __init__(
+        self,
+        model: str,
+        config: dict | None,
+        log: str,
+        env: dict | None = None,
+        engine: dict | None = None,
+        launch: Callable[[list[str]], list[str]] | None = None,
+    ):
         """``engine``: ``tp``, ``kv_cache_bytes``, ``dtype``, ``max_model_len`` (defaults 1, 64 MiB, float32,
-        4608); ``env``: added to this process's environment."""
+        4608); ``env``: added to this process's environment; ``launch``: as :class:`Node`'s."""
         cmd = [sys.executable, "-m", "kvx.testing.node_procs", model, json.dumps(config), json.dumps(engine or {})]
+        cmd = launch(cmd) if launch is not None else cmd
         self.log = open(log, "a")
         self.proc = subprocess.Popen(
             cmd,

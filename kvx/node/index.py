@@ -1,0 +1,773 @@
+"""``kvx node``'s index (:class:`NodeState`): which chunk is in which slot of the pool, per namespace, with
+its leases, admin pins and quotas; and the pool file's slot table and directory, which it alone writes. The
+life cycle and its rules: :mod:`kvx.node.daemon`. Loop thread only (:class:`kvx.node.server.NodeServer`'s).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
+
+from ..log import get_logger
+from .args import MISSING, BadRequest, Refused, arg, counts, is_int, key_arg, keys_arg, show
+from .protocol import (
+    DIR_ENTRY,
+    FREE,
+    NAMESPACE_RE,
+    PENDING,
+    READY,
+    VERSION,
+    PoolGeometry,
+    dir_home,
+    dir_seed,
+    write_entry,
+)
+
+log = get_logger(__name__)
+
+_ZERO_KEY = bytes(16)
+
+
+# ------------------------------------------------------------------------------------------------ the state
+@dataclass(eq=False)
+class _Namespace:
+    """One engine namespace: its chunks, recency, counters and quota. Loop thread only."""
+
+    name: str
+    model: str = ""
+    chunk_size: int | None = None
+    chunk_bytes: int = 0  # bytes of one chunk (the engines' slot_bytes): what a pull moves per chunk
+    quota: int | None = None  # bytes, or None: no quota
+    entries: dict[str, _Entry] = field(default_factory=dict)  # in the index: PENDING and READY
+    lru: OrderedDict[_Entry, None] = field(default_factory=OrderedDict)  # READY, no admin pin; LRU first
+    chunks: int = 0  # READY in the index
+    pending: int = 0  # PENDING in the index
+    admin_pinned: int = 0  # READY with an admin pin
+    clients: int = 0  # engine connections
+    hits: int = 0
+    misses: int = 0
+    pulled: int = 0  # chunks pulled from peers into this pool
+    served: int = 0  # chunks leased to peers that read them
+    evictions: int = 0  # chunks evicted to make room (LRU or quota); an operator's ``evict`` is not counted
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One slot in use. ``doomed``: out of the index (evicted or its writer gone) but leased: freed at the last
+    unpin. Loop thread only."""
+
+    key: str
+    ns: _Namespace
+    slot: int
+    state: int  # PENDING or READY
+    owner: int | None  # the connection that allocated it, while PENDING
+    leases: int = 0
+    admin: int = 0
+    doomed: bool = False
+
+
+@dataclass(eq=False)
+class _Client:
+    """One connection's part of the index: what it allocated and has not committed, and the leases it holds.
+    Loop thread only."""
+
+    cid: int
+    pid: int
+    role: str | None = None  # None until hello; "engine", "puller" (an engine's pulls), "control", or "peer"
+    pulling: bool = False  # a puller's pull is in flight (its reply is deferred)
+    ns: _Namespace | None = None  # engines only
+    pending: dict[str, _Entry] = field(default_factory=dict)
+    leases: dict[str, list[_Entry]] = field(default_factory=dict)  # one element per lease, oldest first
+
+
+DEFERRED = object()  # an op's answer that comes later (a pull's), on the connection it was asked on
+
+
+class NodeState:
+    """The pool's index: slots, namespaces, recency, leases, admin pins, quotas, counters; and the slot table in
+    ``table`` (the pool file's first ``geom.data_offset`` bytes, mapped) that engines read. No sockets: a
+    connection is an id given to :meth:`open`, and :meth:`request` answers one decoded request. Loop thread only.
+
+    Args:
+        geom: the pool's geometry; None: none yet, ``carve(slot_bytes)`` makes the pool at the first engine's hello
+            and returns its ``(geom, table, epoch)`` (its slots as large as that engine's chunks), or raises
+            :class:`Refused`.
+        table: a writable buffer of at least ``geom.data_offset`` bytes (its slot table starts all FREE).
+        pool_path, epoch: what ``hello`` tells engines (the file to map, and its 16 random bytes).
+        quotas: namespaces registered up front, with their quota in bytes.
+        quarantine_s: a slot left PENDING by a connection that closed is reused only this many seconds later: its
+            engine's workers (other processes, such as a TP engine's, which outlive its scheduler's connection for
+            a moment) may still be writing it, and must not write into another engine's chunk.
+    """
+
+    def __init__(
+        self,
+        geom: PoolGeometry | None,
+        table,
+        pool_path: str,
+        epoch: bytes | None,
+        quotas: dict[str, int] | None = None,
+        quarantine_s: float = 0.0,
+        carve: Callable[[int], tuple[PoolGeometry, Any, bytes]] | None = None,
+    ):
+        if geom is None and carve is None:
+            raise ValueError("geom: expected a pool geometry, or carve to make one, got neither")
+        self.geom: PoolGeometry | None = None
+        self.table = self.epoch = None
+        self._free: list[int] = []
+        self._generation: list[int] = []
+        self._carve = carve
+        if geom is not None:
+            self._use_pool(geom, table, epoch)
+        self.pool_path = pool_path
+        self.quarantine_s = quarantine_s
+        self._quarantine: deque[tuple[float, int]] = deque()  # (when it may be reused, slot), oldest first
+        self._lru: OrderedDict[_Entry, None] = OrderedDict()  # READY, no admin pin, every namespace; LRU first
+        self._namespaces: dict[str, _Namespace] = {}
+        self._clients: dict[int, _Client] = {}
+        self._next_internal = 0  # ids of the daemon's own clients (a pull's slots): negative, never a connection's
+        # pull(cid, rid, namespace, keys, chunk_bytes, budget_s) -> whether it took the pull (its reply comes later,
+        # through the server): the cluster's, where the node has peers (kvx.node.peers.Cluster.pull)
+        self.on_pull: Callable[[int, int, str, list[str], int, float], bool] | None = None
+        self.cluster_stats: Callable[[], dict] | None = None  # the cluster's figures for stats (peers, bytes)
+        self.counters = dict.fromkeys(
+            (
+                "refused_clients",
+                "bad_frames",
+                "bad_requests",
+                "internal_errors",
+                "leases_released",
+                "aborted_on_disconnect",
+            ),
+            0,
+        )
+        for name, quota in (quotas or {}).items():
+            self._namespaces[name] = _Namespace(name, quota=quota)
+        self._ops = {
+            "hello": (self._op_hello, None),
+            "lookup": (self._op_lookup, None),
+            "allocate": (self._op_allocate, "engine"),
+            "commit": (self._op_commit, "engine"),
+            "abort": (self._op_abort, "engine"),
+            "pin": (self._op_pin, "engine"),
+            "hold": (self._op_hold, "engine"),
+            "unpin": (self._op_unpin, "engine"),
+            "tally": (self._op_tally, "engine"),
+            "stats": (lambda c, a: self.stats(), None),
+            "pin_prefix": (self._op_pin_prefix, None),
+            "unpin_prefix": (self._op_unpin_prefix, None),
+            "evict": (self._op_evict, None),
+            "quota": (self._op_quota, None),
+            "pull": (self._op_pull, "puller"),
+        }
+
+    def _use_pool(self, geom: PoolGeometry, table, epoch: bytes) -> None:
+        if geom.num_slots < 1:
+            raise ValueError(f"geom: expected at least one slot, got {geom}")
+        self.geom, self.table, self.epoch = geom, table, epoch
+        self._seed = dir_seed(epoch)
+        self._free = list(range(geom.num_slots - 1, -1, -1))  # a stack: slot 0 first
+        self._generation = [0] * geom.num_slots
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of a slot; 0 while the pool is not carved (no chunk yet)."""
+        return self.geom.slot_bytes if self.geom is not None else 0
+
+    # -------------------------------------------------------------------------------------- connections
+    def open(self, cid: int, pid: int = 0) -> None:
+        """A new connection ``cid`` (from process ``pid``): it must say ``hello`` first."""
+        self._clients[cid] = _Client(cid, pid)
+
+    def close(self, cid: int) -> None:
+        """Connection ``cid`` is gone (EOF, error, its process killed): free every slot it allocated and did not
+        commit, release every lease it held."""
+        c = self._clients.pop(cid)
+        for e in list(c.pending.values()):
+            self.counters["aborted_on_disconnect"] += 1
+            self._drop(e, quarantine=True)
+        for held in c.leases.values():
+            for e in held:
+                self.counters["leases_released"] += 1
+                self._unlease(e)
+        if c.ns is not None and c.role == "engine":
+            c.ns.clients -= 1
+
+    # -------------------------------------------------------------------------------------- requests
+    def request(self, cid: int, msg: dict) -> tuple[dict, bool]:
+        """Answer ``msg`` (a decoded frame body) from connection ``cid``: (the reply, whether the connection stays
+        open). Never raises: a bad request, a refusal and a bug in the daemon are all error replies."""
+        rid = msg.get("id")
+        rid = rid if is_int(rid) else None
+        c = self._clients[cid]
+        op = msg.get("op")
+        try:
+            if rid is None:
+                raise BadRequest(f"id: expected an int, got {show(msg.get('id', MISSING))}")
+            if c.role is None and op != "hello":
+                self.counters["bad_requests"] += 1
+                return {"id": rid, "ok": False, "error": f"op: expected 'hello' first, got {show(op)}"}, False
+            if not isinstance(op, str) or op not in self._ops:
+                raise BadRequest(f"op: expected one of {', '.join(self._ops)}, got {show(op)}")
+            fn, role = self._ops[op]
+            if role is not None and c.role != role:
+                raise BadRequest(f"op {op}: expected a connection with role {role!r}, got role {c.role!r}")
+            out = fn(c, msg)
+            if out is DEFERRED:
+                return None, True
+            return {"id": rid, "ok": True, **out}, True
+        except BadRequest as e:
+            self.counters["bad_requests"] += 1
+            return {"id": rid, "ok": False, "error": str(e)}, True
+        except Refused as e:
+            return {"id": rid, "ok": False, "error": str(e)}, True
+        except Exception as e:  # noqa: BLE001 - nothing a client sends may stop the daemon
+            self.counters["internal_errors"] += 1
+            log.exception("kvx node: op %r of connection %d (pid %d) failed", op, cid, c.pid)
+            return {"id": rid, "ok": False, "error": f"internal error in op {op!r}: {type(e).__name__}: {e}"}, True
+
+    def _op_hello(self, c: _Client, args: dict) -> dict:
+        if c.role is not None:
+            raise BadRequest(f"hello: expected once per connection, got a second one (role {c.role!r})")
+        arg(args, "version", lambda v: is_int(v) and v == VERSION, f"protocol version {VERSION}")
+        role = arg(args, "role", lambda v: v in ("engine", "puller", "control"), "'engine', 'puller' or 'control'")
+        pid = args.get("pid", c.pid)
+        if not is_int(pid):
+            raise BadRequest(f"pid: expected an int, got {show(pid)}")
+        if role in ("engine", "puller"):
+            self._hello_engine(c, args, count=role == "engine")
+        c.role, c.pid = role, pid
+        if self.geom is None:  # a control connection before any engine: no pool file yet
+            return {"pool": None, "epoch": None, "num_slots": 0, "slot_bytes": None}
+        return {
+            "cluster": self.on_pull is not None,
+            "pool": self.pool_path,
+            "epoch": self.epoch.hex(),
+            "num_slots": self.geom.num_slots,
+            "slot_bytes": self.geom.slot_bytes,
+            "data_offset": self.geom.data_offset,
+            "table_offset": self.geom.table_offset,
+        }
+
+    def _hello_engine(self, c: _Client, args: dict, count: bool = True) -> None:
+        name = arg(args, "namespace", lambda v: isinstance(v, str) and NAMESPACE_RE.fullmatch(v), "8-128 hex digits")
+        model = arg(args, "model", lambda v: isinstance(v, str), "a model name (str)")
+        chunk_size = arg(args, "chunk_size", lambda v: is_int(v) and v > 0, "a positive int (tokens)")
+        need = arg(args, "slot_bytes", lambda v: is_int(v) and v > 0, "a positive int (bytes of one chunk)")
+        if self.geom is None:
+            self._use_pool(*self._carve(need))
+        if need > self.geom.slot_bytes:
+            raise BadRequest(
+                f"slot_bytes: expected at most the pool's slot size, {self.geom.slot_bytes} bytes, got {need} "
+                "(start kvx node with a --slot-size as large as the largest model's chunks)"
+            )
+        ns = self._namespaces.get(name)
+        if ns is None:
+            ns = self._namespaces[name] = _Namespace(name)
+        if ns.chunk_size is None:  # new, or registered by --quota: the first engine's model and chunk size win
+            ns.model, ns.chunk_size = model, chunk_size
+        elif (ns.model, ns.chunk_size) != (model, chunk_size):
+            log.warning(
+                "kvx node: namespace %s: engine pid %d says model %r, chunk_size %d; keeping %r, %d",
+                name,
+                c.pid,
+                model,
+                chunk_size,
+                ns.model,
+                ns.chunk_size,
+            )
+        c.ns = ns
+        ns.chunk_bytes = max(ns.chunk_bytes, need)
+        ns.clients += count
+
+    def _namespace(self, args: dict) -> _Namespace:
+        name = args.get("namespace", MISSING)
+        ns = self._namespaces.get(name) if isinstance(name, str) else None
+        if ns is None:
+            known = ", ".join(self._namespaces) or "none yet"
+            raise BadRequest(f"namespace: expected a known namespace ({known}), got {show(name)}")
+        return ns
+
+    # -------------------------------------------------------------------------------------- engine ops
+    def _op_lookup(self, c: _Client, args: dict) -> dict:
+        if "namespace" in args:
+            return {"ready": self.ready_prefix(self._namespace(args), keys_arg(args))}
+        if c.role != "engine":
+            raise BadRequest("namespace: expected a namespace (a lookup without one is an engine's), got nothing")
+        return {"states": self.lookup(c, keys_arg(args))}
+
+    def lookup(self, c: _Client, keys: Sequence[str]) -> list[int]:
+        """States of ``keys`` in ``c``'s namespace (FREE for absent); counts hits (leading READY keys) and one
+        miss if the prefix stops. Touches no recency."""
+        ns = c.ns
+        states = [e.state if (e := ns.entries.get(k)) else FREE for k in keys]
+        hits = next((i for i, s in enumerate(states) if s != READY), len(states))
+        ns.hits += hits
+        ns.misses += hits < len(states)
+        return states
+
+    def _op_tally(self, c: _Client, args: dict) -> dict:
+        """An engine's lookups it answered from the directory since its last tally: ``hits`` (leading READY keys)
+        and ``misses`` (lookups whose prefix stopped), added to its namespace's figures."""
+        for name in ("hits", "misses"):
+            n = arg(args, name, lambda v: is_int(v) and v >= 0, "a count (an int >= 0)")
+            setattr(c.ns, name, getattr(c.ns, name) + n)
+        return {}
+
+    def _op_allocate(self, c: _Client, args: dict) -> dict:
+        return self.allocate(c, key_arg(args))
+
+    def allocate(self, c: _Client, key: str) -> dict:
+        """A PENDING slot for ``key`` leased to ``c`` until it commits or aborts: ``{slot, generation, reason}``
+        (reason None, or why there is no slot: "present", "quota", "full")."""
+        ns = c.ns
+        if key in ns.entries:
+            return {"slot": None, "generation": None, "reason": "present"}
+        reason = self._make_room(ns)
+        if reason:
+            return {"slot": None, "generation": None, "reason": reason}
+        slot = self._free.pop()
+        self._generation[slot] += 1
+        e = ns.entries[key] = _Entry(key, ns, slot, PENDING, c.cid)
+        ns.pending += 1
+        c.pending[key] = e
+        write_entry(self.table, self.geom, slot, bytes.fromhex(key), self._generation[slot], PENDING)
+        return {"slot": slot, "generation": self._generation[slot], "reason": None}
+
+    def _make_room(self, ns: _Namespace) -> str | None:
+        """Evict what one more chunk of ``ns`` needs: its own LRU chunks if it would exceed its quota, then the
+        pool's LRU chunk if no slot is free. None if there is room now, else why not."""
+        sb = self.geom.slot_bytes
+        if ns.quota is not None:
+            need = -(-((ns.chunks + ns.pending + 1) * sb - ns.quota) // sb)
+            if need > 0:
+                victims = list(islice(self._evictable(ns.lru), need))
+                if len(victims) < need:
+                    return "quota"
+                for e in victims:
+                    self._evict(e)
+        now = time.monotonic()
+        while self._quarantine and self._quarantine[0][0] <= now:
+            self._free.append(self._quarantine.popleft()[1])
+        if not self._free:
+            victim = next(self._evictable(self._lru), None)
+            if victim is None:
+                return "full"
+            self._evict(victim)
+        return None
+
+    @staticmethod
+    def _evictable(lru: OrderedDict[_Entry, None]) -> Iterator[_Entry]:
+        """READY chunks with no pin, least recently used first (admin-pinned ones are not in an LRU)."""
+        return (e for e in lru if not e.leases)
+
+    def _op_commit(self, c: _Client, args: dict) -> dict:
+        self.commit(c, key_arg(args))
+        return {}
+
+    def commit(self, c: _Client, key: str) -> None:
+        """``c`` wrote every byte of ``key``'s slot: serve it from now on (most recently used)."""
+        e = c.pending.get(key)
+        if e is None:
+            got = self._describe(c.ns, key)
+            raise Refused(f"commit: expected a PENDING key this connection allocated, got {key} ({got})")
+        del c.pending[key]
+        e.state, e.owner = READY, None
+        e.ns.pending -= 1
+        e.ns.chunks += 1
+        self._lru[e] = None
+        e.ns.lru[e] = None
+        write_entry(self.table, self.geom, e.slot, bytes.fromhex(key), self._generation[e.slot], READY)
+        self._dir_insert(bytes.fromhex(key), e.slot)
+
+    @staticmethod
+    def _describe(ns: _Namespace, key: str) -> str:
+        e = ns.entries.get(key)
+        return "absent" if e is None else "READY" if e.state == READY else "PENDING, allocated by another connection"
+
+    def _op_abort(self, c: _Client, args: dict) -> dict:
+        self.abort(c, key_arg(args))
+        return {}
+
+    def abort(self, c: _Client, key: str) -> None:
+        """``c``'s write of ``key`` failed or was dropped: free the slot. A no-op for a key ``c`` does not have
+        PENDING (as :meth:`kvx.store.cpu.CPUIndex.abort`)."""
+        e = c.pending.pop(key, None)
+        if e is not None:
+            self._drop(e)
+
+    def _op_pin(self, c: _Client, args: dict) -> dict:
+        entries = self.pin(c, keys_arg(args))
+        return {"slots": [e.slot for e in entries], "generations": [self._generation[e.slot] for e in entries]}
+
+    def pin(self, c: _Client, keys: Sequence[str]) -> list[_Entry]:
+        """Lease READY chunks to ``c`` for a load (most recently used now). All or nothing."""
+        entries = []
+        for k in keys:
+            e = c.ns.entries.get(k)
+            if e is None or e.state != READY:
+                raise Refused(f"pin: expected READY keys, got {k} ({self._describe(c.ns, k)}); nothing pinned")
+            entries.append(e)
+        for e in entries:
+            self._lease(c, e)
+            self._touch(e)
+        return entries
+
+    def _op_hold(self, c: _Client, args: dict) -> dict:
+        e = self.hold(c, key_arg(args))
+        return {"slot": e.slot, "generation": self._generation[e.slot]}
+
+    def hold(self, c: _Client, key: str) -> _Entry:
+        """Lease a PENDING or READY chunk to ``c`` while its bytes are read for another tier's write."""
+        e = c.ns.entries.get(key)
+        if e is None:
+            raise Refused(f"hold: expected a PENDING or READY key, got {key} (absent)")
+        self._lease(c, e)
+        return e
+
+    def _op_unpin(self, c: _Client, args: dict) -> dict:
+        self.unpin(c, keys_arg(args))
+        return {}
+
+    def unpin(self, c: _Client, keys: Sequence[str]) -> None:
+        """Release ``c``'s leases, one per occurrence of a key. All or nothing."""
+        for k, n in counts(keys).items():
+            if len(c.leases.get(k, ())) < n:
+                raise Refused(
+                    f"unpin: expected keys this connection leased, got {k} {n} time(s), "
+                    f"leased {len(c.leases.get(k, ()))}; nothing unpinned"
+                )
+        for k in keys:
+            held = c.leases[k]
+            e = held.pop(0)  # the oldest: a doomed chunk's lease before that of the key allocated again
+            if not held:
+                del c.leases[k]
+            self._unlease(e)
+
+    def _lease(self, c: _Client, e: _Entry) -> None:
+        e.leases += 1
+        c.leases.setdefault(e.key, []).append(e)
+
+    def _unlease(self, e: _Entry) -> None:
+        e.leases -= 1
+        if e.doomed and not e.leases:
+            self._release(e)
+
+    def _touch(self, e: _Entry) -> None:
+        if e in self._lru:  # not admin-pinned
+            self._lru.move_to_end(e)
+            e.ns.lru.move_to_end(e)
+
+    # -------------------------------------------------------------------------------------- control ops
+    def ready_prefix(self, ns: _Namespace, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` are READY in ``ns`` (no counters, no recency)."""
+        return next((i for i, k in enumerate(keys) if not self._ready(ns, k)), len(keys))
+
+    @staticmethod
+    def _ready(ns: _Namespace, key: str) -> _Entry | None:
+        e = ns.entries.get(key)
+        return e if e is not None and e.state == READY else None
+
+    def _op_pin_prefix(self, c: _Client, args: dict) -> dict:
+        return {"pinned": self.pin_prefix(self._namespace(args), keys_arg(args))}
+
+    def pin_prefix(self, ns: _Namespace, keys: Sequence[str]) -> int:
+        """Admin-pin the leading READY ``keys`` of ``ns`` while its pinned bytes stay within its quota; returns how
+        many. An admin pin outlives the connection; pins of overlapping prefixes count."""
+        sb = self.slot_bytes
+        for n, k in enumerate(keys):
+            e = self._ready(ns, k)
+            if e is None or (not e.admin and ns.quota is not None and (ns.admin_pinned + 1) * sb > ns.quota):
+                return n
+            if not e.admin:
+                ns.admin_pinned += 1
+                del self._lru[e], ns.lru[e]
+            e.admin += 1
+        return len(keys)
+
+    def _op_unpin_prefix(self, c: _Client, args: dict) -> dict:
+        return {"unpinned": self.unpin_prefix(self._namespace(args), keys_arg(args))}
+
+    def unpin_prefix(self, ns: _Namespace, keys: Sequence[str]) -> int:
+        """Drop one admin pin of each of ``keys`` that has one; returns how many. A chunk left with no admin pin
+        becomes the most recently used."""
+        n = 0
+        for k in keys:
+            e = self._ready(ns, k)
+            if e is None or not e.admin:
+                continue
+            n += 1
+            e.admin -= 1
+            if not e.admin:
+                ns.admin_pinned -= 1
+                self._lru[e] = None
+                ns.lru[e] = None
+        return n
+
+    def _op_evict(self, c: _Client, args: dict) -> dict:
+        ns = self._namespace(args)
+        keys = keys_arg(args) if args.get("keys") is not None else None
+        return {"evicted": self.evict(ns, keys)}
+
+    def evict(self, ns: _Namespace, keys: Sequence[str] | None = None) -> int:
+        """Remove READY chunks of ``ns`` (``keys``, or all), admin pins and all; leased ones are doomed. PENDING
+        chunks stay. Returns how many left the index."""
+        if keys is None:
+            keys = list(ns.entries)
+        gone = [e for k in dict.fromkeys(keys) if (e := self._ready(ns, k)) is not None]
+        for e in gone:
+            self._drop(e)
+        return len(gone)
+
+    def _op_quota(self, c: _Client, args: dict) -> dict:
+        ns = self._namespace(args)
+        quota = arg(args, "bytes", lambda v: v is None or (is_int(v) and v >= 0), "a byte count >= 0 or null")
+        self.set_quota(ns, quota)
+        return {}
+
+    def set_quota(self, ns: _Namespace, quota: int | None) -> None:
+        """Set (or clear, None) ``ns``'s quota; if it is now over, evict its LRU unpinned chunks until within or
+        none is left."""
+        ns.quota = quota
+        while quota is not None and (ns.chunks + ns.pending) * self.slot_bytes > quota:
+            victim = next(self._evictable(ns.lru), None)
+            if victim is None:
+                return
+            self._evict(victim)
+
+    # -------------------------------------------------------------------------------------- pulls and peers
+    def _op_pull(self, c: _Client, args: dict) -> dict | object:
+        """An engine missed ``keys`` (its lookup's first miss on): pull what peers hold of them. Answered once the
+        pull is over (``{"pulled": n}``: the leading keys now READY here), or at once with 0 if there is nothing
+        to ask (no peers, the first key present or being written here). One pull at a time per connection."""
+        keys = keys_arg(args)
+        budget = arg(args, "budget_ms", lambda v: is_int(v) and v > 0, "a positive int (ms)") / 1e3
+        if c.pulling:
+            raise BadRequest("pull: expected one pull at a time per connection, got a second while one is in flight")
+        n = next((i for i, k in enumerate(keys) if k in c.ns.entries), len(keys))
+        if n == 0 or self.on_pull is None or self.geom is None:
+            return {"pulled": 0}
+        rid = args["id"]
+        if not self.on_pull(c.cid, rid, c.ns.name, keys[:n], c.ns.chunk_bytes, budget):
+            return {"pulled": 0}
+        c.pulling = True
+        return DEFERRED
+
+    def pull_done(self, cid: int) -> bool:
+        """A pull of connection ``cid`` is over: whether the connection is still there to be answered."""
+        c = self._clients.get(cid)
+        if c is None:
+            return False
+        c.pulling = False
+        return True
+
+    def open_internal(self, role: str = "peer") -> int:
+        """A client of the daemon's own (a peer's connection, a pull's slots): its id, for :meth:`close`."""
+        self._next_internal -= 1
+        self.open(self._next_internal)
+        self._clients[self._next_internal].role = role
+        return self._next_internal
+
+    def peer_have(self, namespace: str, keys: Sequence[str]) -> int:
+        """How many leading ``keys`` this pool holds READY in ``namespace`` (0 for a namespace it does not know)."""
+        ns = self._namespaces.get(namespace)
+        return 0 if ns is None else self.ready_prefix(ns, keys)
+
+    def peer_lease(self, cid: int, namespace: str, keys: Sequence[str], nbytes: int) -> list[tuple[str, int, int]]:
+        """Lease the leading READY ``keys`` of ``namespace`` to peer connection ``cid`` for a read of ``nbytes``
+        each: (key, byte offset in the pool file, generation) per chunk leased."""
+        ns = self._namespaces.get(namespace)
+        if ns is None or self.geom is None:
+            return []
+        if nbytes > self.geom.slot_bytes:
+            raise BadRequest(f"nbytes: expected at most this pool's slot size, {self.geom.slot_bytes}, got {nbytes}")
+        c = self._clients[cid]
+        out = []
+        for k in keys:
+            e = self._ready(ns, k)
+            if e is None:
+                break
+            self._lease(c, e)
+            self._touch(e)
+            out.append((k, self.geom.slot_offset(e.slot), self._generation[e.slot]))
+        ns.served += len(out)
+        return out
+
+    def peer_release(self, cid: int, keys: Sequence[str], generations: Sequence[int]) -> list[bool]:
+        """Release peer ``cid``'s leases of ``keys``: per key, whether its slot kept the generation it was leased
+        with (it does while leased; False also for a key the peer did not lease)."""
+        c = self._clients[cid]
+        out = []
+        for k, gen in zip(keys, generations):
+            held = c.leases.get(k)
+            if not held:
+                out.append(False)
+                continue
+            e = held.pop(0)
+            if not held:
+                del c.leases[k]
+            out.append(self._generation[e.slot] == gen and not e.doomed)
+            self._unlease(e)
+        return out
+
+    def pull_alloc(self, owner: int, namespace: str, keys: Sequence[str]) -> list[tuple[str, int]]:
+        """PENDING slots for the leading ``keys`` there is room for, held by the daemon's client ``owner`` (a
+        pull): (key, byte offset in the pool file) each, in order, stopping at the first without a slot."""
+        ns = self._namespaces.get(namespace)
+        c = self._clients.get(owner)
+        if ns is None or c is None:
+            return []
+        c.ns = ns
+        out = []
+        for k in keys:
+            got = self.allocate(c, k)
+            if got["slot"] is None:
+                break
+            out.append((k, self.geom.slot_offset(got["slot"])))
+        return out
+
+    def pull_end(self, owner: int, good: Sequence[str]) -> int:
+        """A pull is over: commit its ``good`` keys (checked, in order), free its other slots (quarantined: a
+        transfer that timed out may still land in them) and its client. Returns how many were committed."""
+        c = self._clients[owner]
+        n = 0
+        for k in good:
+            if k not in c.pending:
+                break
+            self.commit(c, k)
+            n += 1
+        if c.ns is not None:
+            c.ns.pulled += n
+        for e in list(c.pending.values()):
+            self._drop(e, quarantine=True)
+        c.ns = None  # not an engine: close() counts no client of the namespace
+        self._clients.pop(owner)
+        return n
+
+    # -------------------------------------------------------------------------------------- slots
+    def _evict(self, e: _Entry) -> None:
+        e.ns.evictions += 1
+        self._drop(e)
+
+    def _drop(self, e: _Entry, quarantine: bool = False) -> None:
+        """Take ``e`` out of the index; free its slot now, or at its last unpin if it is leased (``quarantine``: a
+        PENDING slot of a closed connection, reused after :attr:`quarantine_s`)."""
+        ns = e.ns
+        del ns.entries[e.key]
+        if e.state == READY:
+            self._dir_remove(bytes.fromhex(e.key))  # no engine finds it from now on
+            ns.chunks -= 1
+            if e.admin:
+                ns.admin_pinned -= 1
+                e.admin = 0
+            else:
+                del self._lru[e], ns.lru[e]
+        else:
+            ns.pending -= 1
+            if e.owner in self._clients:
+                self._clients[e.owner].pending.pop(e.key, None)
+        if e.leases:
+            e.doomed = True
+        else:
+            self._release(e, quarantine)
+
+    # -------------------------------------------------------------------------------------- the directory
+    def _dir_at(self, i: int) -> tuple[bytes, int]:
+        return DIR_ENTRY.unpack_from(self.table, self.geom.dir_offset + DIR_ENTRY.size * i)
+
+    def _dir_put(self, i: int, key: bytes, slot1: int) -> None:
+        """Entry ``i`` := (``key``, ``slot1``): the key first, the slot last, so a reader that sees the slot sees
+        the key (or, where a slot is being cleared, 0 first)."""
+        off = self.geom.dir_offset + DIR_ENTRY.size * i
+        if slot1 == 0:
+            struct.pack_into("<I", self.table, off + 16, 0)
+            self.table[off : off + 16] = key
+        else:
+            self.table[off : off + 16] = key
+            struct.pack_into("<I", self.table, off + 16, slot1)
+
+    def _dir_insert(self, key: bytes, slot: int) -> None:
+        """Publish a READY chunk in the directory (linear probing: :mod:`.protocol`)."""
+        mask = self.geom.dir_entries - 1
+        i = dir_home(key, self.geom.dir_entries, self._seed)
+        while self._dir_at(i)[1]:
+            i = (i + 1) & mask
+        self._dir_put(i, key, slot + 1)
+
+    def _dir_remove(self, key: bytes) -> None:
+        """Take a chunk out of the directory, shifting the entries after it back (no tombstones: a probe stops at
+        the first empty entry)."""
+        mask = self.geom.dir_entries - 1
+        i = dir_home(key, self.geom.dir_entries, self._seed)
+        while True:
+            k, slot1 = self._dir_at(i)
+            if not slot1:
+                return
+            if k == key:
+                break
+            i = (i + 1) & mask
+        j = i
+        while True:
+            j = (j + 1) & mask
+            k, slot1 = self._dir_at(j)
+            if not slot1:
+                break
+            home = dir_home(k, self.geom.dir_entries, self._seed)
+            if (home - i - 1) & mask < (j - i) & mask:  # its home lies in (i, j]: it stays
+                continue
+            self._dir_put(i, k, slot1)
+            i = j
+        self._dir_put(i, _ZERO_KEY, 0)
+
+    def _release(self, e: _Entry, quarantine: bool = False) -> None:
+        self._generation[e.slot] += 1  # a reader or writer of the old chunk sees it changed
+        write_entry(self.table, self.geom, e.slot, _ZERO_KEY, self._generation[e.slot], FREE)
+        if quarantine and self.quarantine_s > 0:
+            self._quarantine.append((time.monotonic() + self.quarantine_s, e.slot))
+        else:
+            self._free.append(e.slot)
+
+    # -------------------------------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        """Everything ``stats`` answers (see the module docstring of :mod:`kvx.node.cli` for the fields)."""
+        sb = self.slot_bytes
+        num_slots = self.geom.num_slots if self.geom is not None else 0
+        return {
+            "pool": {
+                "path": self.pool_path if self.geom is not None else None,
+                "bytes": num_slots * sb,
+                "num_slots": num_slots,
+                "slot_bytes": sb or None,
+                "used": num_slots - len(self._free),
+                "free": len(self._free),
+                "quarantined": len(self._quarantine),
+                "pending": sum(ns.pending for ns in self._namespaces.values()),
+            },
+            **({"cluster": self.cluster_stats()} if self.cluster_stats is not None else {}),
+            "clients": sum(c.cid > 0 for c in self._clients.values()),
+            "leases": sum(len(held) for c in self._clients.values() for held in c.leases.values()),  # pins now
+            **self.counters,
+            "namespaces": {
+                name: {
+                    "model": ns.model,
+                    "chunk_size": ns.chunk_size,
+                    "chunks": ns.chunks,
+                    "pending": ns.pending,
+                    "bytes": (ns.chunks + ns.pending) * sb,
+                    "hits": ns.hits,
+                    "pulled": ns.pulled,
+                    "served": ns.served,
+                    "misses": ns.misses,
+                    "evictions": ns.evictions,
+                    "pinned": ns.admin_pinned,
+                    "quota": ns.quota,
+                    "clients": ns.clients,
+                }
+                for name, ns in self._namespaces.items()
+            },
+        }

@@ -1,0 +1,471 @@
+"""``kvx node`` across hosts: nodes that pull chunks they miss from their peers' pools.
+
+A node started with ``--listen HOST:PORT --peers HOST:PORT,... --secret-file FILE`` is a member of a cluster. Only
+members talk (:mod:`.handshake`: an HMAC challenge-response both ways before anything else). Engines do not: they
+keep talking to their own node, which pulls for them.
+
+**A pull** (:meth:`Cluster.pull`, on a pull thread): an engine's lookup missed chunks ``keys`` of its namespace and
+asked its node to pull them (the ``pull`` op; the engine puts the request off until the answer).
+
+1. ``have``: every peer that is up is asked, at once, how many leading ``keys`` it holds READY (a fan-out with the
+   pull's deadline; a peer that does not answer in time is marked down and left alone for a while).
+2. The peer with the longest run is chosen; its run is cut to what its measured rate moves within the pull's budget
+   (a pull slower than the engine's budget is declined: the engine recomputes).
+3. PENDING slots here for that run (:meth:`~.index.NodeState.pull_alloc`), then ``lease`` on the peer: it leases the
+   chunks to this connection (no eviction under the read) and answers each one's offset, generation and CRC32C.
+4. The transport reads the chunks' bytes into the slots (:mod:`.transport`: kvx's TCP channel or one NIXL READ).
+5. Each slot's CRC32C is checked, ``release`` on the peer confirms the slots kept their generation, and the chunks
+   that passed, in order, are committed READY here (the rest freed). The engine's next lookup finds them.
+
+Anything that fails (a peer killed, stopped, cut off, answering garbage; a slot evicted under the read; a CRC that
+does not match) frees the slots and answers fewer chunks: the engine recomputes them, never serves them. A peer's
+leases end with its control connection (the peer closed it, or it sat idle past ``lease_s``).
+
+Threads: the loop thread owns the index (every call into it goes through ``call``); the accept thread takes peers'
+connections; each admitted connection is served on its own thread; pulls run on ``kvx-node-pull`` threads and ask
+peers on ``kvx-node-ask`` threads. A :class:`_Link` (this node's view of one peer) is guarded by its lock.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..log import Throttle, get_logger
+from ..store.codec import crc32c_update
+from . import handshake
+from .handshake import Denied
+from .protocol import KEYS_RE, NAMESPACE_RE, PoolGeometry
+from .tcp import TcpTransport
+from .transport import Span, TransferError, Transport
+
+log = get_logger(__name__)
+
+_DOWN_S = (1.0, 30.0)  # a peer that failed is left alone this long, doubling up to the second figure
+_RATE_WEIGHT = 0.3  # weight of a new read in a peer's rate estimate
+
+
+def parse_address(text: str, what: str) -> tuple[str, int]:
+    """``HOST:PORT`` as (host, port); ``ValueError`` naming ``what`` otherwise."""
+    host, sep, port = str(text).strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what}: expected HOST:PORT (a port 1-65535), got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A node's membership: its id, where it listens, its peers, the cluster's secret, its transport."""
+
+    node_id: str
+    listen: tuple[str, int]
+    peers: tuple[tuple[str, int], ...]
+    secret: bytes
+    transport: str = "tcp"
+    timeout: float = 2.0  # seconds to dial a peer, or for a peer to answer a request
+    lease_s: float = 30.0  # a peer's control connection idle this long is closed (its leases released)
+
+
+@dataclass(eq=False)
+class _Link:
+    """One configured peer as this node dials it: its control connection, state and figures. Under ``lock``."""
+
+    address: tuple[str, int]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sock: socket.socket | None = None
+    node: str | None = None  # its id, once it said it
+    state: str = "unknown"  # "up", "down" (unreachable, or failed a request), "refused" (no member)
+    error: str | None = None
+    next_try: float = 0.0
+    down_s: float = _DOWN_S[0]
+    rate: float | None = None  # bytes/s of its reads, smoothed
+    epoch: str | None = None  # of the peer's pool the transport was told of
+    bytes_in: int = 0
+    chunks_in: int = 0
+    pulls: int = 0
+    failures: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.address[0]}:{self.address[1]}"
+
+
+class Cluster:
+    """This node's part of a cluster (module docstring).
+
+    ``call(fn)``: runs ``fn(state)`` on the loop thread (:class:`~.index.NodeState`) and returns its result.
+    ``reply_later(cid, rid, reply)``: answers request ``rid`` of connection ``cid`` (an engine's pull).
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        call: Callable[[Callable[[Any], Any]], Any],
+        reply_later: Callable[[int, int, dict], None],
+    ):
+        if config.transport not in ("tcp", "nixl"):
+            raise ValueError(f"--transport: expected 'tcp' or 'nixl', got {config.transport!r}")
+        self.config = config
+        self._call = call
+        self._reply_later = reply_later
+        self._links = [_Link(a) for a in config.peers]
+        self._lock = threading.Lock()  # guards the figures below and the transport's creation
+        self.transport: Transport | None = None
+        self._pool = None
+        self._geom: PoolGeometry | None = None
+        self._epoch = ""
+        self.counters = dict.fromkeys(
+            ("pulls", "pulled", "misses", "declined_slow", "failed", "bad_chunks", "refused_peers", "served"), 0
+        )
+        self._out: dict[str, int] = {}  # bytes served per peer id
+        self._listener: socket.socket | None = None
+        self._stopping = threading.Event()
+        self._pulls = ThreadPoolExecutor(4, thread_name_prefix="kvx-node-pull")
+        self._ask = ThreadPoolExecutor(max(4, len(self._links)), thread_name_prefix="kvx-node-ask")
+        self._throttle = Throttle(log)
+
+    # ---------------------------------------------------------------- start and stop
+    def start(self) -> None:
+        """Listen on ``config.listen`` (``OSError`` if it cannot) and accept members on a thread."""
+        host, port = self.config.listen
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            sock.listen(128)
+        except OSError:
+            sock.close()
+            raise
+        self._listener = sock
+        threading.Thread(target=self._accept, name="kvx-node-accept", daemon=True).start()
+        log.info(
+            "kvx node: cluster member %s, listening on %s:%d, %d peer(s), transport %s",
+            self.config.node_id,
+            host,
+            port,
+            len(self._links),
+            self.config.transport,
+        )
+
+    def use_pool(self, pool, geom: PoolGeometry, epoch: bytes) -> None:
+        """The pool is made (at start, or at the first engine's hello): ``pool`` maps the whole file."""
+        with self._lock:
+            self._pool, self._geom, self._epoch = pool, geom, epoch.hex()
+            if self.config.transport == "nixl":
+                from .nixl import NixlTransport
+
+                self.transport = NixlTransport(pool, f"{self.config.node_id}/{self._epoch[:8]}")
+            else:
+                self.transport = TcpTransport(pool, self._dial_data, lambda: (geom.data_offset, geom.file_bytes))
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        self._pulls.shutdown(wait=False, cancel_futures=True)  # a pull in flight waits on the loop
+        self._ask.shutdown(wait=False, cancel_futures=True)
+        for link in self._links:
+            with link.lock:
+                self._close_link(link)
+        if self.transport is not None:
+            self.transport.close()
+
+    # ---------------------------------------------------------------- serving peers
+    def _accept(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock, addr), name="kvx-node-peer", daemon=True).start()
+
+    def _welcome(self) -> dict:
+        return {"transport": self.config.transport, "epoch": self._epoch}
+
+    def _serve(self, sock: socket.socket, addr) -> None:
+        """One admitted peer connection, until it closes (its thread)."""
+        try:
+            sock.settimeout(self.config.timeout)
+            peer, role = handshake.admit(sock, self.config.secret, self.config.node_id, self._welcome())
+        except Denied as e:
+            with self._lock:
+                self.counters["refused_peers"] += 1
+            self._throttle.warning(f"denied {addr[0]}", "kvx node: refused a connection from %s: %s", addr[0], e)
+            sock.close()
+            return
+        except (OSError, ValueError):
+            sock.close()
+            return
+        try:
+            if role == "data":
+                if isinstance(self.transport, TcpTransport):
+                    self.transport.serve(sock, peer, lambda n: self._served(peer, n))
+                return
+            self._serve_control(sock, peer)
+        except (OSError, ValueError):
+            pass
+        finally:
+            sock.close()
+
+    def _served(self, peer: str, n: int) -> None:
+        with self._lock:
+            self._out[peer] = self._out.get(peer, 0) + n
+
+    def _serve_control(self, sock: socket.socket, peer: str) -> None:
+        cid = self._call(lambda s: s.open_internal("peer"))
+        try:
+            sock.settimeout(self.config.lease_s)
+            while True:
+                try:
+                    msg = handshake.recv(sock)
+                except (ConnectionError, TimeoutError, OSError):
+                    return
+                try:
+                    reply = {"ok": True, **self._answer(cid, msg)}
+                except ValueError as e:
+                    reply = {"ok": False, "error": str(e)}
+                handshake.send(sock, reply)
+        finally:
+            self._call(lambda s: s.close(cid))
+
+    def _answer(self, cid: int, msg: dict) -> dict:
+        op = msg.get("op")
+        if op == "describe":
+            with self._lock:
+                t = self.transport
+            return {"descriptor": t.descriptor().hex() if t else "", "epoch": self._epoch}
+        if op == "release":
+            keys, gens = msg.get("keys"), msg.get("generations")
+            if not (isinstance(keys, list) and isinstance(gens, list) and len(keys) == len(gens)):
+                raise ValueError("release: expected keys and generations, lists of one length")
+            return {"intact": self._call(lambda s: s.peer_release(cid, keys, gens))}
+        ns, keys = msg.get("namespace"), msg.get("keys")
+        if not (isinstance(ns, str) and NAMESPACE_RE.fullmatch(ns)):
+            raise ValueError(f"namespace: expected 8-128 hex digits, got {str(ns)[:80]!r}")
+        if not (isinstance(keys, str) and KEYS_RE.fullmatch(keys)):
+            raise ValueError("keys: expected keys of 32 lowercase hex digits end to end")
+        keys = [keys[i : i + 32] for i in range(0, len(keys), 32)]
+        if op == "have":
+            return {"ready": self._call(lambda s: s.peer_have(ns, keys))}
+        if op == "lease":
+            nbytes = msg.get("nbytes")
+            if not isinstance(nbytes, int) or nbytes <= 0:
+                raise ValueError(f"nbytes: expected a positive int, got {nbytes!r}")
+            leased = self._call(lambda s: s.peer_lease(cid, ns, keys, nbytes))
+            with memoryview(self._pool) as view:
+                chunks = [[k, off, gen, crc32c_update(view[off : off + nbytes])] for k, off, gen in leased]
+            with self._lock:
+                self.counters["served"] += len(chunks)
+            return {"chunks": chunks, "epoch": self._epoch}
+        raise ValueError(f"op: expected one of have, lease, release, describe, got {str(op)[:40]!r}")
+
+    # ---------------------------------------------------------------- dialing peers
+    def _dial(self, address: tuple[str, int], role: str) -> tuple[socket.socket, dict]:
+        return handshake.dial(address, self.config.secret, self.config.node_id, role, self.config.timeout)
+
+    def _dial_data(self, address: tuple[str, int]) -> socket.socket:
+        return self._dial(address, "data")[0]
+
+    def _request(self, link: _Link, msg: dict, timeout: float) -> dict:
+        """``msg``'s reply from ``link`` (dialing it first if needed), within ``timeout`` seconds; ``OSError`` /
+        ``ValueError`` (the link is then marked down) or :class:`Denied`."""
+        with link.lock:
+            try:
+                if link.sock is None:
+                    if time.monotonic() < link.next_try:
+                        raise ConnectionError(f"down ({link.error})")
+                    link.sock, welcome = self._dial(link.address, "control")
+                    link.node = str(welcome.get("node"))
+                    if welcome.get("transport") != self.config.transport:
+                        raise ValueError(
+                            f"transport: expected a peer on {self.config.transport!r}, got {welcome.get('transport')!r}"
+                        )
+                    self._connect_transport(link, welcome.get("epoch", ""))
+                    link.state, link.error, link.down_s = "up", None, _DOWN_S[0]
+                link.sock.settimeout(max(timeout, 0.001))
+                handshake.send(link.sock, msg)
+                reply = handshake.recv(link.sock)
+                if not reply.get("ok"):
+                    raise ValueError(f"refused {msg.get('op')}: {reply.get('error')}")
+                if reply.get("epoch") not in (None, link.epoch):
+                    self._connect_transport(link, reply["epoch"])
+                return reply
+            except Denied as e:
+                self._down(link, "refused", str(e))
+                raise
+            except (OSError, ValueError) as e:
+                if link.sock is not None or time.monotonic() >= link.next_try:  # not a link left alone meanwhile
+                    self._down(link, "down", f"{type(e).__name__}: {e}")
+                raise
+
+    def _connect_transport(self, link: _Link, epoch: str) -> None:
+        """Tell the transport how to read ``link``'s pool (link.lock held)."""
+        descriptor = b""
+        if self.config.transport != "tcp" and epoch:
+            handshake.send(link.sock, {"op": "describe"})
+            reply = handshake.recv(link.sock)
+            descriptor, epoch = bytes.fromhex(reply.get("descriptor", "")), reply.get("epoch", epoch)
+        link.epoch = epoch
+        if self.transport is not None and (descriptor or self.config.transport == "tcp"):
+            self.transport.connect(link.node, link.address, descriptor)
+
+    def _down(self, link: _Link, state: str, error: str) -> None:
+        """``link`` failed (link.lock held): close it and leave it alone for a while."""
+        if link.state == "up":
+            log.warning("kvx node: peer %s (%s) is %s: %s", link.name, link.node, state, error)
+        self._close_link(link)
+        link.state, link.error = state, error
+        link.next_try = time.monotonic() + link.down_s
+        link.down_s = min(link.down_s * 2, _DOWN_S[1])
+
+    def _close_link(self, link: _Link) -> None:
+        if link.sock is not None:
+            link.sock.close()
+            link.sock = None
+        if link.node is not None and self.transport is not None:
+            self.transport.forget(link.node)
+
+    # ---------------------------------------------------------------- pulling
+    def pull(self, cid: int, rid: int, namespace: str, keys: list[str], nbytes: int, budget_s: float) -> bool:
+        """Start a pull of ``keys`` (loop thread: the ``pull`` op's hook); its answer goes to request ``rid`` of
+        connection ``cid``. False if this node has no peer or no pool to pull into yet."""
+        if not self._links or self.transport is None or nbytes <= 0 or self._stopping.is_set():
+            return False
+        self._pulls.submit(self._pull, cid, rid, namespace, keys, nbytes, budget_s)
+        return True
+
+    def _pull(self, cid: int, rid: int, namespace: str, keys: list[str], nbytes: int, budget_s: float) -> None:
+        result: dict = {"pulled": 0}
+        try:
+            result = self._pull_chunks(namespace, keys, nbytes, time.monotonic() + budget_s)
+        except Exception:  # noqa: BLE001 - a pull that fails is a miss, never the node's end
+            log.exception("kvx node: a pull of %d chunk(s) failed", len(keys))
+            self._count("failed")
+        self._reply_later(cid, rid, result)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def _ask_all(self, namespace: str, keys: list[str], deadline: float) -> tuple[_Link | None, int]:
+        """The peer holding the longest run of ``keys``, and its length (``have`` to every peer at once)."""
+        msg = {"op": "have", "namespace": namespace, "keys": "".join(keys)}
+
+        def ask(link: _Link) -> int:
+            try:
+                return int(self._request(link, msg, deadline - time.monotonic())["ready"])
+            except (OSError, ValueError, TypeError, KeyError):
+                return 0
+
+        live = [lk for lk in self._links if lk.sock is not None or time.monotonic() >= lk.next_try]
+        futures = {self._ask.submit(ask, lk): lk for lk in live}
+        done, _ = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+        best, n = None, 0
+        for f in done:
+            got = min(f.result(), len(keys))
+            lk = futures[f]
+            if got > n or (got == n and got and (lk.rate or 0) > ((best.rate or 0) if best else 0)):
+                best, n = lk, got
+        return best, n
+
+    def _pull_chunks(self, namespace: str, keys: list[str], nbytes: int, deadline: float) -> dict:
+        self._count("pulls")
+        link, n = self._ask_all(namespace, keys, deadline)
+        if link is None or n == 0:
+            self._count("misses")
+            return {"pulled": 0, "reason": "miss"}
+        left = deadline - time.monotonic()
+        if link.rate:
+            fit = int(max(0.0, left) * link.rate / nbytes)
+            if fit < n:
+                self._count("declined_slow")
+                if fit == 0:
+                    return {"pulled": 0, "reason": "slow", "from": link.node}
+                n = fit
+        owner = self._call(lambda s: s.open_internal("pull"))
+        good: list[str] = []
+        try:
+            slots = self._call(lambda s: s.pull_alloc(owner, namespace, keys[:n]))
+            if not slots:
+                return {"pulled": 0, "reason": "full"}
+            good = self._read(link, namespace, slots, nbytes, deadline)
+        except (OSError, ValueError, TypeError, KeyError, TransferError) as e:
+            with link.lock:
+                link.failures += 1
+            self._count("failed")
+            self._throttle.warning(f"pull {link.name}", "kvx node: a pull from %s failed: %s", link.name, e)
+        finally:
+            pulled = self._call(lambda s: s.pull_end(owner, good))
+        self._count("pulled", pulled)
+        return {"pulled": pulled, "from": link.node}
+
+    def _read(self, link: _Link, namespace: str, slots: Sequence[tuple[str, int]], nbytes: int, deadline: float):
+        """Lease ``slots``' chunks on ``link``, read them into their slots, check them, release them: the keys that
+        arrived whole, in order."""
+        keys = [k for k, _ in slots]
+        left = deadline - time.monotonic()
+        msg = {"op": "lease", "namespace": namespace, "keys": "".join(keys), "nbytes": nbytes}
+        leased = self._request(link, msg, left)["chunks"]
+        if [c[0] for c in leased] != keys[: len(leased)]:
+            raise ValueError(f"lease: expected a prefix of the keys asked for, got {[c[0] for c in leased][:4]}...")
+        if not leased:
+            return []
+        spans = [Span(int(c[1]), off, nbytes) for c, (_, off) in zip(leased, slots)]
+        t0 = time.monotonic()
+        self.transport.read(link.node, spans, max(0.001, deadline - t0))
+        seconds = time.monotonic() - t0
+        with memoryview(self._pool) as view:
+            ok = [crc32c_update(view[s.local : s.local + nbytes]) == int(c[3]) for c, s in zip(leased, spans)]
+        good = next((i for i, v in enumerate(ok) if not v), len(ok))
+        if good < len(ok):
+            self._count("bad_chunks", len(ok) - good)
+            log.warning("kvx node: chunk %s from %s failed its CRC32C check; not served", keys[good], link.name)
+        release = {"op": "release", "keys": [c[0] for c in leased], "generations": [int(c[2]) for c in leased]}
+        intact = self._request(link, release, max(0.001, deadline - time.monotonic()))["intact"]
+        good = next((i for i in range(good) if not intact[i]), good)
+        with link.lock:
+            link.pulls += 1
+            link.chunks_in += len(leased)
+            link.bytes_in += len(leased) * nbytes
+            rate = len(leased) * nbytes / max(seconds, 1e-6)
+            link.rate = rate if link.rate is None else (1 - _RATE_WEIGHT) * link.rate + _RATE_WEIGHT * rate
+        return keys[:good]
+
+    # ---------------------------------------------------------------- figures
+    def stats(self) -> dict:
+        """What ``kvx node stats`` shows of the cluster (any thread)."""
+        peers = []
+        for lk in self._links:
+            with lk.lock:
+                peers.append(
+                    {
+                        "address": lk.name,
+                        "node": lk.node,
+                        "state": lk.state,
+                        "error": lk.error,
+                        "bytes_in": lk.bytes_in,
+                        "chunks_in": lk.chunks_in,
+                        "bytes_out": self._out.get(lk.node, 0) if lk.node else 0,
+                        "pulls": lk.pulls,
+                        "failures": lk.failures,
+                        "rate_gbps": round(lk.rate / 1e9, 3) if lk.rate else None,
+                    }
+                )
+        with self._lock:
+            return {
+                "node": self.config.node_id,
+                "listen": f"{self.config.listen[0]}:{self.config.listen[1]}",
+                "transport": self.config.transport,
+                "peers": peers,
+                "bytes_out": sum(self._out.values()),
+                **self.counters,
+            }

@@ -1,0 +1,171 @@
+"""kvx's own byte channel between nodes: a :class:`~.transport.Transport` over plain TCP.
+
+A reader dials the peer's listen port as a cluster member (:mod:`.handshake`, role ``data``), sends one frame
+``{"op": "read", "spans": [[offset, nbytes], ...]}`` and receives one frame ``{"ok": true}`` followed by the spans'
+bytes end to end, straight from the peer's pool file into its own (``recv_into`` the mapped slots): no copy in
+between, no serialisation. The connection stays open for the next read. UCX's TCP lane moved a quarter of what a
+plain socket did between two processes here (``benchmarks/bench_peer_transfer.py``), which is why this exists.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from ..log import get_logger
+from . import handshake
+from .transport import Span, TransferError, Transport
+
+log = get_logger(__name__)
+
+_SOCK_BUF = 4 << 20  # bytes of kernel socket buffer each way (as LMCache's TCP channel)
+_MAX_SPANS = 4096
+
+
+def tune(sock: socket.socket) -> None:
+    """Large kernel buffers and no Nagle delay on a data connection."""
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
+        except OSError:
+            pass
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class TcpTransport(Transport):
+    """Reads spans of peers' pools over TCP, and serves this node's pool to peers that read it.
+
+    ``pool``: the local pool file's mapping (writable). ``dial(address)``: an admitted ``data`` connection to the
+    node at ``address`` (:func:`kvx.node.handshake.dial`). ``bounds()``: the [start, end) of the pool file's bytes a
+    peer may read (the slots' area). The reading side is called by the node's pull threads, one read per peer at a
+    time (a lock per peer); the serving side (:meth:`serve`) runs on the connection's own thread.
+    """
+
+    name = "tcp"
+
+    def __init__(
+        self,
+        pool,
+        dial: Callable[[tuple[str, int]], socket.socket],
+        bounds: Callable[[], tuple[int, int]],
+    ):
+        self.pool = pool
+        self._dial = dial
+        self._bounds = bounds
+        self._lock = threading.Lock()  # guards the dicts below (pull threads)
+        self._addr: dict[str, tuple[str, int]] = {}
+        self._socks: dict[str, socket.socket] = {}
+        self._peer_locks: dict[str, threading.Lock] = {}
+        self.bytes_served = 0  # the serving threads' count (read by stats: an int, written under _lock)
+
+    def descriptor(self) -> bytes:
+        return b""
+
+    def connect(self, peer: str, address: tuple[str, int], descriptor: bytes) -> None:
+        with self._lock:
+            if self._addr.get(peer) != address:
+                self._addr[peer] = address
+                self._drop(peer)
+            self._peer_locks.setdefault(peer, threading.Lock())
+
+    def forget(self, peer: str) -> None:
+        with self._lock:
+            self._addr.pop(peer, None)
+            self._drop(peer)
+
+    def _drop(self, peer: str) -> None:
+        sock = self._socks.pop(peer, None)
+        if sock is not None:
+            sock.close()
+
+    def read(self, peer: str, spans: Sequence[Span], timeout: float) -> None:
+        with self._lock:
+            address, lock = self._addr.get(peer), self._peer_locks.get(peer)
+        if address is None or lock is None:
+            raise TransferError(f"peer: expected a connected peer, got {peer!r}")
+        deadline = time.monotonic() + timeout
+        with lock:
+            sock = self._socks.get(peer)
+            try:
+                if sock is None:
+                    sock = self._dial(address)
+                    tune(sock)
+                    with self._lock:
+                        self._socks[peer] = sock
+                self._read(sock, spans, deadline)
+            except (OSError, ValueError) as e:
+                with self._lock:
+                    if self._socks.get(peer) is sock:
+                        self._drop(peer)
+                raise TransferError(f"tcp read from node {peer} at {address[0]}:{address[1]}: {e}") from None
+
+    def _read(self, sock: socket.socket, spans: Sequence[Span], deadline: float) -> None:
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("timed out")
+            return remaining
+
+        sock.settimeout(left())
+        handshake.send(sock, {"op": "read", "spans": [[s.remote, s.nbytes] for s in spans]})
+        reply = handshake.recv(sock)
+        if not reply.get("ok"):
+            raise ValueError(f"refused: {reply.get('error')}")
+        with memoryview(self.pool) as view:
+            for s in spans:
+                if s.local < 0 or s.local + s.nbytes > len(view):
+                    raise ValueError(f"span: expected a local range inside the pool, got {s}")
+                part = view[s.local : s.local + s.nbytes]
+                got = 0
+                while got < s.nbytes:
+                    sock.settimeout(left())
+                    n = sock.recv_into(part[got:])
+                    if n == 0:
+                        raise ConnectionError("the peer closed the connection mid-read")
+                    got += n
+                part.release()
+
+    # ---------------------------------------------------------------- serving
+    def serve(self, sock: socket.socket, peer: str, on_bytes: Callable[[int], None] | None = None) -> None:
+        """Answer ``peer``'s reads on ``sock`` until it closes (its connection thread). A span outside
+        :attr:`bounds` is refused (an error frame; the connection stays)."""
+        tune(sock)
+        sock.settimeout(None)
+        while True:
+            try:
+                msg = handshake.recv(sock)
+            except (ConnectionError, OSError):
+                return
+            spans = msg.get("spans")
+            error = self._check(msg.get("op"), spans)
+            if error:
+                handshake.send(sock, {"ok": False, "error": error})
+                continue
+            handshake.send(sock, {"ok": True})
+            with memoryview(self.pool) as view:
+                for off, n in spans:
+                    sock.sendall(view[off : off + n])
+            total = sum(n for _, n in spans)
+            with self._lock:
+                self.bytes_served += total
+            if on_bytes is not None:
+                on_bytes(total)
+
+    def _check(self, op, spans) -> str | None:
+        if op != "read":
+            return f"op: expected 'read', got {op!r}"
+        lo, hi = self._bounds()
+        if not isinstance(spans, list) or len(spans) > _MAX_SPANS:
+            return f"spans: expected a list of at most {_MAX_SPANS} [offset, nbytes] pairs"
+        for s in spans:
+            ok = isinstance(s, list) and len(s) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in s)
+            if not ok or s[1] <= 0 or s[0] < lo or s[0] + s[1] > hi:
+                return f"spans: expected [offset, nbytes] inside the pool's slots [{lo}, {hi}), got {s!r}"
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            for peer in list(self._socks):
+                self._drop(peer)

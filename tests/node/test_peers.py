@@ -1,0 +1,142 @@
+"""Nodes as a cluster on one host's loopback (``kvx node --listen --peers --secret-file``): an engine's miss pulled
+from the peer that holds the chunk, bit-exact, checked before it is served; the cluster secret; a peer stopped or
+killed costs a miss, never a hang or a slot left behind. The same across network namespaces, with links cut:
+``tests/node/test_cluster_netns.py``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from kvx.node.client import NodeIndex
+from kvx.testing.node_procs import ROOT
+from tests.helpers import wait_for
+from tests.node.cluster_helpers import NAMESPACE, SLOT_BYTES, Member, free_port, key, secret_file
+
+
+@pytest.fixture
+def tmp():
+    with tempfile.TemporaryDirectory(prefix="kvxp", dir="/tmp") as d:
+        yield d
+
+
+@pytest.fixture
+def pair(tmp):
+    secret = secret_file(tmp)
+    pa, pb = free_port(), free_port()
+    a = Member(tmp, "a", pa, [pb], secret)
+    b = Member(tmp, "b", pb, [pa], secret)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_a_miss_is_pulled_from_the_peer_that_has_it_bit_exact(pair):
+    a, b = pair
+    g = torch.Generator().manual_seed(0)
+    chunks = {key(i): torch.randint(0, 256, (SLOT_BYTES,), dtype=torch.uint8, generator=g) for i in range(5)}
+    for k, data in chunks.items():
+        a.store(k, data)
+    keys = list(chunks)
+    assert b.index.contains_many(keys) == [False] * 5
+    assert b.pull(keys) == [True] * 5
+    for k, data in chunks.items():
+        assert torch.equal(b.read(k), data), k
+    s = b.node.stats()
+    assert s["namespaces"][NAMESPACE.hex()]["pulled"] == 5
+    assert s["cluster"]["pulled"] == 5 and s["cluster"]["bad_chunks"] == 0
+    peer = s["cluster"]["peers"][0]
+    assert peer["state"] == "up" and peer["chunks_in"] == 5 and peer["bytes_in"] == 5 * SLOT_BYTES
+    sa = a.node.stats()
+    assert sa["namespaces"][NAMESPACE.hex()]["served"] == 5 and sa["cluster"]["bytes_out"] == 5 * SLOT_BYTES
+    assert sa["leases"] == 0 and s["pool"]["pending"] == 0  # the peer's leases and the pull's slots are gone
+
+
+def test_a_prefix_is_pulled_up_to_what_the_peer_holds_and_a_miss_is_not_asked_again(pair):
+    a, b = pair
+    data = torch.full((SLOT_BYTES,), 7, dtype=torch.uint8)
+    a.store(key(1), data)
+    a.store(key(3), data)  # after a gap: not part of the prefix
+    keys = [key(1), key(2), key(3)]
+    assert b.pull(keys) == [True, False, False]
+    pulls = b.node.stats()["cluster"]["pulls"]
+    assert not b.index.pulling(keys[1:])  # key 2 was asked for and found nowhere: not again for a while
+    assert b.node.stats()["cluster"]["pulls"] == pulls
+
+
+def test_chunks_of_a_namespace_the_peer_does_not_know_are_a_miss(pair):
+    a, b = pair
+    a.store(key(1), torch.zeros(SLOT_BYTES, dtype=torch.uint8))
+    other = NodeIndex(b.sock, bytes(16), "other", 16, SLOT_BYTES, timeout=10, retry_s=0.05, pull_wait_ms=3000)
+    try:
+        wait_for(lambda: other.contains_many([key(1)]) is not None and other.pool is not None, 10, "hello")
+        wait_for(lambda: not other.pulling([key(1)]), 30, "a pull")
+        assert other.contains_many([key(1)]) == [False]
+    finally:
+        other.close()
+    assert b.node.stats()["cluster"]["misses"] >= 1
+
+
+def test_a_node_without_the_secret_gets_nothing_and_is_not_believed(tmp):
+    good, bad = secret_file(tmp), secret_file(tmp, "other", "another-secret-of-enough-bytes")
+    pa, pc = free_port(), free_port()
+    a = Member(tmp, "a", pa, [pc], good)
+    c = Member(tmp, "c", pc, [pa], bad)
+    try:
+        a.store(key(1), torch.ones(SLOT_BYTES, dtype=torch.uint8))
+        assert c.pull([key(1)]) == [False]
+        wait_for(lambda: a.node.stats()["cluster"]["refused_peers"] >= 1, 10, "a's refusal")
+        peer = c.node.stats()["cluster"]["peers"][0]
+        assert peer["state"] == "refused" and peer["chunks_in"] == 0, peer
+        # and a pull the other way: c does not hold the secret, so a does not believe its answers either
+        c.store(key(2), torch.ones(SLOT_BYTES, dtype=torch.uint8))
+        assert a.pull([key(2)]) == [False]
+        assert a.node.stats()["cluster"]["peers"][0]["state"] == "refused"
+    finally:
+        a.close()
+        c.close()
+
+
+@pytest.mark.parametrize("how", ["sigstop", "sigkill"])
+def test_a_peer_stopped_or_killed_costs_a_miss_within_the_wait_and_leaves_no_slot(pair, how):
+    a, b = pair
+    a.store(key(1), torch.ones(SLOT_BYTES, dtype=torch.uint8))
+    assert b.pull([key(1)]) == [True]  # the link is up
+    a.store(key(2), torch.ones(SLOT_BYTES, dtype=torch.uint8))
+    os.killpg(a.node.proc.pid, signal.SIGSTOP if how == "sigstop" else signal.SIGKILL)
+    try:
+        assert b.pull([key(2)], timeout=20) == [False]
+        s = b.node.stats()
+        assert s["pool"]["pending"] == 0 and s["pool"]["used"] - s["pool"]["quarantined"] >= 0
+        assert s["namespaces"][NAMESPACE.hex()]["chunks"] == 1
+        assert s["cluster"]["peers"][0]["state"] == "down"
+    finally:
+        if how == "sigstop":
+            os.killpg(a.node.proc.pid, signal.SIGCONT)
+
+
+def test_cluster_flags_are_checked_before_the_node_starts(tmp):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "kvx.node.cli", "--socket", os.path.join(tmp, "x.sock"), "--size", "16MiB"]
+        return subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+    short = secret_file(tmp, "short", "tiny")
+    good = secret_file(tmp)
+    cases = [
+        (["--peers", "127.0.0.1:1"], "--peers: expected --listen HOST:PORT with it"),
+        (["--listen", "127.0.0.1:9"], "--secret-file: expected the cluster's secret file with --listen"),
+        (["--listen", "nohost", "--secret-file", good], "--listen: expected HOST:PORT"),
+        (["--listen", "127.0.0.1:9", "--secret-file", short], "--secret-file: expected a secret of at least 16 bytes"),
+        (["--listen", "127.0.0.1:9", "--secret-file", os.path.join(tmp, "none")], "--secret-file: expected a readable"),
+        (["--listen", "127.0.0.1:9", "--secret-file", good, "--peers", "127.0.0.1:0"], "--peers: expected HOST:PORT"),
+        (["--listen", "127.0.0.1:9", "--secret-file", good, "--peers", "127.0.0.1:9"], "this node's own --listen"),
+    ]
+    for args, text in cases:
+        r = run(*args)
+        assert r.returncode == 2 and text in r.stderr, (args, r.returncode, r.stderr)
