@@ -11,6 +11,10 @@ in ``SamplingParams(extra_args={"kv_transfer_params": {...}})``:
   returns them with its response: how many full chunks of the prompt it is storing, and the last one's key.
   A ``kv_consumer`` given them (the proxy forwards the producer's ``kv_transfer_params``) waits up to
   ``pd_wait_ms`` for those chunks to appear in a shared tier before computing without them.
+- ``kvx_push_to`` (str, ``HOST:PORT``): a producer on a ``kvx node`` in a cluster pushes the request's chunks
+  straight into the consumer's node (that node's ``--listen`` address) as they are stored. LMCache's form is
+  taken too: ``"disagg_spec": {"receiver_host": H, "receiver_init_port": P, ...}`` (its other fields are not
+  used: kvx's consumer node allocates the slots itself).
 
 Keys of other connectors (without the ``kvx_`` prefix) are left alone. An unknown ``kvx_*`` key or a value of the
 wrong type is an error naming the key, what was expected and what was given: the request is refused before it
@@ -44,6 +48,7 @@ class RequestControls:
     namespace: str | None = None
     pd_chunks: int | None = None  # consumer: chunks the producer announced
     pd_key: str | None = None  # consumer: the key of the last announced chunk
+    push_to: str | None = None  # producer: the consumer's node (HOST:PORT) its chunks are pushed to
 
     @property
     def pd(self) -> bool:
@@ -70,6 +75,28 @@ def _count(key: str, v: Any) -> int:
     return v
 
 
+def _address(key: str, v: Any) -> str:
+    host, sep, port = v.rpartition(":") if isinstance(v, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RequestParamsError(f"kv_transfer_params.{key}: expected HOST:PORT (a kvx node's --listen), got {v!r}")
+    return v
+
+
+def _disagg_spec(v: Any) -> str:
+    """LMCache's ``disagg_spec``: the consumer's node is ``receiver_host:receiver_init_port``."""
+    if not isinstance(v, dict):
+        raise RequestParamsError(f"kv_transfer_params.disagg_spec: expected a JSON object, got {v!r}")
+    host, port = v.get("receiver_host"), v.get("receiver_init_port")
+    if isinstance(port, list) and port:  # LMCache gives one port per TP rank: the node is one per host
+        port = port[0]
+    if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int):
+        raise RequestParamsError(
+            "kv_transfer_params.disagg_spec: expected receiver_host (str) and receiver_init_port (int), got "
+            f"{host!r} and {port!r}"
+        )
+    return _address("disagg_spec", f"{host}:{port}")
+
+
 def _chunk_key(key: str, v: Any) -> str:
     if not isinstance(v, str) or not _KEY_RE.fullmatch(v):
         raise RequestParamsError(
@@ -84,6 +111,7 @@ _FIELDS = {
     "kvx_namespace": ("namespace", _namespace),
     "kvx_pd_chunks": ("pd_chunks", _count),
     "kvx_pd_key": ("pd_key", _chunk_key),
+    "kvx_push_to": ("push_to", _address),
 }
 KNOWN_KEYS = tuple(_FIELDS)
 NONE = RequestControls()
@@ -97,6 +125,8 @@ def parse_request_params(params: Any) -> RequestControls:
     if not isinstance(params, dict):
         raise RequestParamsError(f"kv_transfer_params: expected a JSON object, got {type(params).__name__}")
     fields = {}
+    if params.get("disagg_spec") is not None and "kvx_push_to" not in params:
+        fields["push_to"] = _disagg_spec(params["disagg_spec"])
     for k, v in params.items():
         if not isinstance(k, str) or not k.startswith(PREFIX):
             continue  # another connector's key

@@ -887,11 +887,12 @@ class KVXScheduler:
         response's ``kv_transfer_params``: a consumer given them waits for those chunks to land."""
         t = self.trackers.pop(request.request_id, None)
         self._freed += [b for ids in block_ids or () for b in ids if b != _NULL_BLOCK]
+        push = t.controls.push_to if t is not None and self.cpu is not None else None
         if (
             t is not None
             and self.producer
             and not self.consumer
-            and self.stack
+            and (self.stack or push)
             and t.saves
             and t.saved_chunks > 0
             and len(t.keys) >= t.saved_chunks
@@ -900,6 +901,10 @@ class KVXScheduler:
             n = min(t.saved_chunks, t.state_chunks) if self.state_groups else t.saved_chunks
             if t.not_admitted is not None:  # announce only the chunks it stores
                 n = min(n, t.not_admitted)
+            if n > 0 and push and not self.cpu.push(t.keys[:n], push):
+                self.stats["pushes_refused"] += 1
+                if not self.stack:  # nowhere the consumer could find them
+                    return False, None
             if n > 0:
                 return False, {"kvx_pd_chunks": n, "kvx_pd_key": t.keys[n - 1]}
         return False, None

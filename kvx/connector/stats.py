@@ -59,6 +59,7 @@ COUNTERS = {
     "lookups": "Prefix lookups by the scheduler",
     "lookups_pending": "Prefix lookups answered 'not known yet' (a tier was still asking; vLLM asks again)",
     "lookups_pulling": "Prefix lookups put off while the node pulled their chunks from a peer node",
+    "pushes_refused": "P/D producer requests whose chunks could not be pushed to the consumer's node (kvx_push_to)",
     "loads": "Requests admitted with a kvx hit",
     "saves": "Chunk saves planned by the scheduler",
     "hit_tokens_cpu": "Prompt tokens served from the CPU tier",

@@ -33,7 +33,8 @@ from ..log import get_logger
 from ..store.slots import SlotIndex, SlotPool, SlotState
 from ..store.tier import STORED, Listener
 from .connection import Connection, NodeError, NodeUnavailable
-from .protocol import PENDING, READY, Directory, PoolGeometry, ProtocolError, slot_entry, unpack_header
+from .directory import Directory
+from .protocol import PENDING, READY, PoolGeometry, ProtocolError, slot_entry, unpack_header
 
 log = get_logger(__name__)
 
@@ -159,6 +160,12 @@ class NodeIndex(SlotIndex):
         self.conn.close()
         self.puller.close()
         self.pool = self._dir = None
+
+    def push(self, keys: Sequence[str], to: str) -> bool:
+        """A P/D producer's chunks: the node sends each to the node at ``to`` once it is READY here (posted)."""
+        if not self._cluster or not keys:
+            return False
+        return self._post("push", None, keys="".join(keys), to=to)
 
     # ---------------------------------------------------------------- pulls from peers
     def pulling(self, missing: Sequence[str]) -> bool:

@@ -5,28 +5,26 @@ life cycle and its rules: :mod:`kvx.node.daemon`. Loop thread only (:class:`kvx.
 
 from __future__ import annotations
 
-import struct
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
 from ..log import get_logger
 from .args import MISSING, BadRequest, Refused, arg, counts, is_int, key_arg, keys_arg, show
+from .directory import DirectoryWriter
 from .protocol import (
-    DIR_ENTRY,
     FREE,
     NAMESPACE_RE,
     PENDING,
     READY,
     VERSION,
     PoolGeometry,
-    dir_home,
     dir_seed,
     write_entry,
 )
+from .records import Client, Entry, Namespace
 
 log = get_logger(__name__)
 
@@ -34,57 +32,6 @@ _ZERO_KEY = bytes(16)
 
 
 # ------------------------------------------------------------------------------------------------ the state
-@dataclass(eq=False)
-class _Namespace:
-    """One engine namespace: its chunks, recency, counters and quota. Loop thread only."""
-
-    name: str
-    model: str = ""
-    chunk_size: int | None = None
-    chunk_bytes: int = 0  # bytes of one chunk (the engines' slot_bytes): what a pull moves per chunk
-    quota: int | None = None  # bytes, or None: no quota
-    entries: dict[str, _Entry] = field(default_factory=dict)  # in the index: PENDING and READY
-    lru: OrderedDict[_Entry, None] = field(default_factory=OrderedDict)  # READY, no admin pin; LRU first
-    chunks: int = 0  # READY in the index
-    pending: int = 0  # PENDING in the index
-    admin_pinned: int = 0  # READY with an admin pin
-    clients: int = 0  # engine connections
-    hits: int = 0
-    misses: int = 0
-    pulled: int = 0  # chunks pulled from peers into this pool
-    served: int = 0  # chunks leased to peers that read them
-    evictions: int = 0  # chunks evicted to make room (LRU or quota); an operator's ``evict`` is not counted
-
-
-@dataclass(eq=False)
-class _Entry:
-    """One slot in use. ``doomed``: out of the index (evicted or its writer gone) but leased: freed at the last
-    unpin. Loop thread only."""
-
-    key: str
-    ns: _Namespace
-    slot: int
-    state: int  # PENDING or READY
-    owner: int | None  # the connection that allocated it, while PENDING
-    leases: int = 0
-    admin: int = 0
-    doomed: bool = False
-
-
-@dataclass(eq=False)
-class _Client:
-    """One connection's part of the index: what it allocated and has not committed, and the leases it holds.
-    Loop thread only."""
-
-    cid: int
-    pid: int
-    role: str | None = None  # None until hello; "engine", "puller" (an engine's pulls), "control", or "peer"
-    pulling: bool = False  # a puller's pull is in flight (its reply is deferred)
-    ns: _Namespace | None = None  # engines only
-    pending: dict[str, _Entry] = field(default_factory=dict)
-    leases: dict[str, list[_Entry]] = field(default_factory=dict)  # one element per lease, oldest first
-
-
 DEFERRED = object()  # an op's answer that comes later (a pull's), on the connection it was asked on
 
 
@@ -127,13 +74,15 @@ class NodeState:
         self.pool_path = pool_path
         self.quarantine_s = quarantine_s
         self._quarantine: deque[tuple[float, int]] = deque()  # (when it may be reused, slot), oldest first
-        self._lru: OrderedDict[_Entry, None] = OrderedDict()  # READY, no admin pin, every namespace; LRU first
-        self._namespaces: dict[str, _Namespace] = {}
-        self._clients: dict[int, _Client] = {}
+        self._lru: OrderedDict[Entry, None] = OrderedDict()  # READY, no admin pin, every namespace; LRU first
+        self._namespaces: dict[str, Namespace] = {}
+        self._clients: dict[int, Client] = {}
         self._next_internal = 0  # ids of the daemon's own clients (a pull's slots): negative, never a connection's
         # pull(cid, rid, namespace, keys, chunk_bytes, budget_s) -> whether it took the pull (its reply comes later,
         # through the server): the cluster's, where the node has peers (kvx.node.peers.Cluster.pull)
         self.on_pull: Callable[[int, int, str, list[str], int, float], bool] | None = None
+        # push(namespace, keys, chunk_bytes, to) -> whether it took them: the cluster's (Cluster.push)
+        self.on_push: Callable[[str, list[str], int, str], bool] | None = None
         self.cluster_stats: Callable[[], dict] | None = None  # the cluster's figures for stats (peers, bytes)
         self.counters = dict.fromkeys(
             (
@@ -147,7 +96,7 @@ class NodeState:
             0,
         )
         for name, quota in (quotas or {}).items():
-            self._namespaces[name] = _Namespace(name, quota=quota)
+            self._namespaces[name] = Namespace(name, quota=quota)
         self._ops = {
             "hello": (self._op_hello, None),
             "lookup": (self._op_lookup, None),
@@ -164,13 +113,14 @@ class NodeState:
             "evict": (self._op_evict, None),
             "quota": (self._op_quota, None),
             "pull": (self._op_pull, "puller"),
+            "push": (self._op_push, "engine"),
         }
 
     def _use_pool(self, geom: PoolGeometry, table, epoch: bytes) -> None:
         if geom.num_slots < 1:
             raise ValueError(f"geom: expected at least one slot, got {geom}")
         self.geom, self.table, self.epoch = geom, table, epoch
-        self._seed = dir_seed(epoch)
+        self._dir = DirectoryWriter(table, geom, dir_seed(epoch))
         self._free = list(range(geom.num_slots - 1, -1, -1))  # a stack: slot 0 first
         self._generation = [0] * geom.num_slots
 
@@ -182,7 +132,7 @@ class NodeState:
     # -------------------------------------------------------------------------------------- connections
     def open(self, cid: int, pid: int = 0) -> None:
         """A new connection ``cid`` (from process ``pid``): it must say ``hello`` first."""
-        self._clients[cid] = _Client(cid, pid)
+        self._clients[cid] = Client(cid, pid)
 
     def close(self, cid: int) -> None:
         """Connection ``cid`` is gone (EOF, error, its process killed): free every slot it allocated and did not
@@ -231,7 +181,7 @@ class NodeState:
             log.exception("kvx node: op %r of connection %d (pid %d) failed", op, cid, c.pid)
             return {"id": rid, "ok": False, "error": f"internal error in op {op!r}: {type(e).__name__}: {e}"}, True
 
-    def _op_hello(self, c: _Client, args: dict) -> dict:
+    def _op_hello(self, c: Client, args: dict) -> dict:
         if c.role is not None:
             raise BadRequest(f"hello: expected once per connection, got a second one (role {c.role!r})")
         arg(args, "version", lambda v: is_int(v) and v == VERSION, f"protocol version {VERSION}")
@@ -254,7 +204,7 @@ class NodeState:
             "table_offset": self.geom.table_offset,
         }
 
-    def _hello_engine(self, c: _Client, args: dict, count: bool = True) -> None:
+    def _hello_engine(self, c: Client, args: dict, count: bool = True) -> None:
         name = arg(args, "namespace", lambda v: isinstance(v, str) and NAMESPACE_RE.fullmatch(v), "8-128 hex digits")
         model = arg(args, "model", lambda v: isinstance(v, str), "a model name (str)")
         chunk_size = arg(args, "chunk_size", lambda v: is_int(v) and v > 0, "a positive int (tokens)")
@@ -268,7 +218,7 @@ class NodeState:
             )
         ns = self._namespaces.get(name)
         if ns is None:
-            ns = self._namespaces[name] = _Namespace(name)
+            ns = self._namespaces[name] = Namespace(name)
         if ns.chunk_size is None:  # new, or registered by --quota: the first engine's model and chunk size win
             ns.model, ns.chunk_size = model, chunk_size
         elif (ns.model, ns.chunk_size) != (model, chunk_size):
@@ -285,7 +235,7 @@ class NodeState:
         ns.chunk_bytes = max(ns.chunk_bytes, need)
         ns.clients += count
 
-    def _namespace(self, args: dict) -> _Namespace:
+    def _namespace(self, args: dict) -> Namespace:
         name = args.get("namespace", MISSING)
         ns = self._namespaces.get(name) if isinstance(name, str) else None
         if ns is None:
@@ -294,14 +244,14 @@ class NodeState:
         return ns
 
     # -------------------------------------------------------------------------------------- engine ops
-    def _op_lookup(self, c: _Client, args: dict) -> dict:
+    def _op_lookup(self, c: Client, args: dict) -> dict:
         if "namespace" in args:
             return {"ready": self.ready_prefix(self._namespace(args), keys_arg(args))}
         if c.role != "engine":
             raise BadRequest("namespace: expected a namespace (a lookup without one is an engine's), got nothing")
         return {"states": self.lookup(c, keys_arg(args))}
 
-    def lookup(self, c: _Client, keys: Sequence[str]) -> list[int]:
+    def lookup(self, c: Client, keys: Sequence[str]) -> list[int]:
         """States of ``keys`` in ``c``'s namespace (FREE for absent); counts hits (leading READY keys) and one
         miss if the prefix stops. Touches no recency."""
         ns = c.ns
@@ -311,7 +261,7 @@ class NodeState:
         ns.misses += hits < len(states)
         return states
 
-    def _op_tally(self, c: _Client, args: dict) -> dict:
+    def _op_tally(self, c: Client, args: dict) -> dict:
         """An engine's lookups it answered from the directory since its last tally: ``hits`` (leading READY keys)
         and ``misses`` (lookups whose prefix stopped), added to its namespace's figures."""
         for name in ("hits", "misses"):
@@ -319,10 +269,10 @@ class NodeState:
             setattr(c.ns, name, getattr(c.ns, name) + n)
         return {}
 
-    def _op_allocate(self, c: _Client, args: dict) -> dict:
+    def _op_allocate(self, c: Client, args: dict) -> dict:
         return self.allocate(c, key_arg(args))
 
-    def allocate(self, c: _Client, key: str) -> dict:
+    def allocate(self, c: Client, key: str) -> dict:
         """A PENDING slot for ``key`` leased to ``c`` until it commits or aborts: ``{slot, generation, reason}``
         (reason None, or why there is no slot: "present", "quota", "full")."""
         ns = c.ns
@@ -333,13 +283,13 @@ class NodeState:
             return {"slot": None, "generation": None, "reason": reason}
         slot = self._free.pop()
         self._generation[slot] += 1
-        e = ns.entries[key] = _Entry(key, ns, slot, PENDING, c.cid)
+        e = ns.entries[key] = Entry(key, ns, slot, PENDING, c.cid)
         ns.pending += 1
         c.pending[key] = e
         write_entry(self.table, self.geom, slot, bytes.fromhex(key), self._generation[slot], PENDING)
         return {"slot": slot, "generation": self._generation[slot], "reason": None}
 
-    def _make_room(self, ns: _Namespace) -> str | None:
+    def _make_room(self, ns: Namespace) -> str | None:
         """Evict what one more chunk of ``ns`` needs: its own LRU chunks if it would exceed its quota, then the
         pool's LRU chunk if no slot is free. None if there is room now, else why not."""
         sb = self.geom.slot_bytes
@@ -362,15 +312,15 @@ class NodeState:
         return None
 
     @staticmethod
-    def _evictable(lru: OrderedDict[_Entry, None]) -> Iterator[_Entry]:
+    def _evictable(lru: OrderedDict[Entry, None]) -> Iterator[Entry]:
         """READY chunks with no pin, least recently used first (admin-pinned ones are not in an LRU)."""
         return (e for e in lru if not e.leases)
 
-    def _op_commit(self, c: _Client, args: dict) -> dict:
+    def _op_commit(self, c: Client, args: dict) -> dict:
         self.commit(c, key_arg(args))
         return {}
 
-    def commit(self, c: _Client, key: str) -> None:
+    def commit(self, c: Client, key: str) -> None:
         """``c`` wrote every byte of ``key``'s slot: serve it from now on (most recently used)."""
         e = c.pending.get(key)
         if e is None:
@@ -383,29 +333,29 @@ class NodeState:
         self._lru[e] = None
         e.ns.lru[e] = None
         write_entry(self.table, self.geom, e.slot, bytes.fromhex(key), self._generation[e.slot], READY)
-        self._dir_insert(bytes.fromhex(key), e.slot)
+        self._dir.insert(bytes.fromhex(key), e.slot)
 
     @staticmethod
-    def _describe(ns: _Namespace, key: str) -> str:
+    def _describe(ns: Namespace, key: str) -> str:
         e = ns.entries.get(key)
         return "absent" if e is None else "READY" if e.state == READY else "PENDING, allocated by another connection"
 
-    def _op_abort(self, c: _Client, args: dict) -> dict:
+    def _op_abort(self, c: Client, args: dict) -> dict:
         self.abort(c, key_arg(args))
         return {}
 
-    def abort(self, c: _Client, key: str) -> None:
+    def abort(self, c: Client, key: str) -> None:
         """``c``'s write of ``key`` failed or was dropped: free the slot. A no-op for a key ``c`` does not have
         PENDING (as :meth:`kvx.store.cpu.CPUIndex.abort`)."""
         e = c.pending.pop(key, None)
         if e is not None:
             self._drop(e)
 
-    def _op_pin(self, c: _Client, args: dict) -> dict:
+    def _op_pin(self, c: Client, args: dict) -> dict:
         entries = self.pin(c, keys_arg(args))
         return {"slots": [e.slot for e in entries], "generations": [self._generation[e.slot] for e in entries]}
 
-    def pin(self, c: _Client, keys: Sequence[str]) -> list[_Entry]:
+    def pin(self, c: Client, keys: Sequence[str]) -> list[Entry]:
         """Lease READY chunks to ``c`` for a load (most recently used now). All or nothing."""
         entries = []
         for k in keys:
@@ -418,11 +368,11 @@ class NodeState:
             self._touch(e)
         return entries
 
-    def _op_hold(self, c: _Client, args: dict) -> dict:
+    def _op_hold(self, c: Client, args: dict) -> dict:
         e = self.hold(c, key_arg(args))
         return {"slot": e.slot, "generation": self._generation[e.slot]}
 
-    def hold(self, c: _Client, key: str) -> _Entry:
+    def hold(self, c: Client, key: str) -> Entry:
         """Lease a PENDING or READY chunk to ``c`` while its bytes are read for another tier's write."""
         e = c.ns.entries.get(key)
         if e is None:
@@ -430,11 +380,11 @@ class NodeState:
         self._lease(c, e)
         return e
 
-    def _op_unpin(self, c: _Client, args: dict) -> dict:
+    def _op_unpin(self, c: Client, args: dict) -> dict:
         self.unpin(c, keys_arg(args))
         return {}
 
-    def unpin(self, c: _Client, keys: Sequence[str]) -> None:
+    def unpin(self, c: Client, keys: Sequence[str]) -> None:
         """Release ``c``'s leases, one per occurrence of a key. All or nothing."""
         for k, n in counts(keys).items():
             if len(c.leases.get(k, ())) < n:
@@ -449,34 +399,34 @@ class NodeState:
                 del c.leases[k]
             self._unlease(e)
 
-    def _lease(self, c: _Client, e: _Entry) -> None:
+    def _lease(self, c: Client, e: Entry) -> None:
         e.leases += 1
         c.leases.setdefault(e.key, []).append(e)
 
-    def _unlease(self, e: _Entry) -> None:
+    def _unlease(self, e: Entry) -> None:
         e.leases -= 1
         if e.doomed and not e.leases:
             self._release(e)
 
-    def _touch(self, e: _Entry) -> None:
+    def _touch(self, e: Entry) -> None:
         if e in self._lru:  # not admin-pinned
             self._lru.move_to_end(e)
             e.ns.lru.move_to_end(e)
 
     # -------------------------------------------------------------------------------------- control ops
-    def ready_prefix(self, ns: _Namespace, keys: Sequence[str]) -> int:
+    def ready_prefix(self, ns: Namespace, keys: Sequence[str]) -> int:
         """How many leading ``keys`` are READY in ``ns`` (no counters, no recency)."""
         return next((i for i, k in enumerate(keys) if not self._ready(ns, k)), len(keys))
 
     @staticmethod
-    def _ready(ns: _Namespace, key: str) -> _Entry | None:
+    def _ready(ns: Namespace, key: str) -> Entry | None:
         e = ns.entries.get(key)
         return e if e is not None and e.state == READY else None
 
-    def _op_pin_prefix(self, c: _Client, args: dict) -> dict:
+    def _op_pin_prefix(self, c: Client, args: dict) -> dict:
         return {"pinned": self.pin_prefix(self._namespace(args), keys_arg(args))}
 
-    def pin_prefix(self, ns: _Namespace, keys: Sequence[str]) -> int:
+    def pin_prefix(self, ns: Namespace, keys: Sequence[str]) -> int:
         """Admin-pin the leading READY ``keys`` of ``ns`` while its pinned bytes stay within its quota; returns how
         many. An admin pin outlives the connection; pins of overlapping prefixes count."""
         sb = self.slot_bytes
@@ -490,10 +440,10 @@ class NodeState:
             e.admin += 1
         return len(keys)
 
-    def _op_unpin_prefix(self, c: _Client, args: dict) -> dict:
+    def _op_unpin_prefix(self, c: Client, args: dict) -> dict:
         return {"unpinned": self.unpin_prefix(self._namespace(args), keys_arg(args))}
 
-    def unpin_prefix(self, ns: _Namespace, keys: Sequence[str]) -> int:
+    def unpin_prefix(self, ns: Namespace, keys: Sequence[str]) -> int:
         """Drop one admin pin of each of ``keys`` that has one; returns how many. A chunk left with no admin pin
         becomes the most recently used."""
         n = 0
@@ -509,12 +459,12 @@ class NodeState:
                 ns.lru[e] = None
         return n
 
-    def _op_evict(self, c: _Client, args: dict) -> dict:
+    def _op_evict(self, c: Client, args: dict) -> dict:
         ns = self._namespace(args)
         keys = keys_arg(args) if args.get("keys") is not None else None
         return {"evicted": self.evict(ns, keys)}
 
-    def evict(self, ns: _Namespace, keys: Sequence[str] | None = None) -> int:
+    def evict(self, ns: Namespace, keys: Sequence[str] | None = None) -> int:
         """Remove READY chunks of ``ns`` (``keys``, or all), admin pins and all; leased ones are doomed. PENDING
         chunks stay. Returns how many left the index."""
         if keys is None:
@@ -524,13 +474,13 @@ class NodeState:
             self._drop(e)
         return len(gone)
 
-    def _op_quota(self, c: _Client, args: dict) -> dict:
+    def _op_quota(self, c: Client, args: dict) -> dict:
         ns = self._namespace(args)
         quota = arg(args, "bytes", lambda v: v is None or (is_int(v) and v >= 0), "a byte count >= 0 or null")
         self.set_quota(ns, quota)
         return {}
 
-    def set_quota(self, ns: _Namespace, quota: int | None) -> None:
+    def set_quota(self, ns: Namespace, quota: int | None) -> None:
         """Set (or clear, None) ``ns``'s quota; if it is now over, evict its LRU unpinned chunks until within or
         none is left."""
         ns.quota = quota
@@ -541,7 +491,7 @@ class NodeState:
             self._evict(victim)
 
     # -------------------------------------------------------------------------------------- pulls and peers
-    def _op_pull(self, c: _Client, args: dict) -> dict | object:
+    def _op_pull(self, c: Client, args: dict) -> dict | object:
         """An engine missed ``keys`` (its lookup's first miss on): pull what peers hold of them. Answered once the
         pull is over (``{"pulled": n}``: the leading keys now READY here), or at once with 0 if there is nothing
         to ask (no peers, the first key present or being written here). One pull at a time per connection."""
@@ -557,6 +507,86 @@ class NodeState:
             return {"pulled": 0}
         c.pulling = True
         return DEFERRED
+
+    def _op_push(self, c: Client, args: dict) -> dict:
+        """A P/D producer's chunks ``keys``: send each to the node at ``to`` once it is READY here."""
+        keys = keys_arg(args)
+        to = arg(args, "to", lambda v: isinstance(v, str) and 0 < len(v) <= 300, "HOST:PORT (str)")
+        if self.on_push is None:
+            raise Refused("push: expected a node in a cluster (kvx node --listen), got one without")
+        return {"pushing": self.on_push(c.ns.name, keys, c.ns.chunk_bytes, to)}
+
+    def push_lease(self, owner: int, namespace: str, keys: Sequence[str]) -> tuple[list[tuple[str, int, int]], str]:
+        """Lease the leading READY ``keys`` to the daemon's client ``owner`` (a push reads them): (key, offset,
+        generation) each, and what stopped the run: "end", "pending" (being written: wait) or "absent"."""
+        ns = self._namespaces.get(namespace)
+        if ns is None or self.geom is None:
+            return [], "absent"
+        c = self._clients[owner]
+        out = []
+        for k in keys:
+            e = ns.entries.get(k)
+            if e is None or e.state != READY:
+                return out, "absent" if e is None else "pending"
+            self._lease(c, e)
+            out.append((k, self.geom.slot_offset(e.slot), self._generation[e.slot]))
+        return out, "end"
+
+    def unlease_all(self, owner: int) -> None:
+        """Release every lease of the daemon's client ``owner``."""
+        c = self._clients[owner]
+        for held in c.leases.values():
+            for e in held:
+                self._unlease(e)
+        c.leases.clear()
+
+    def push_reserve(self, cid: int, peer: str, namespace: str, keys: Sequence[str], nbytes: int) -> list:
+        """A peer pushes ``keys`` of ``namespace`` (``nbytes`` each) here: per key, the byte offset of a PENDING slot
+        it may write (held by its connection ``cid``), or None (present here already, or no room). The namespace is
+        made if no engine of it has come yet (its engines find the chunks when they do)."""
+        if self.geom is None:
+            return [None] * len(keys)
+        if nbytes > self.geom.slot_bytes:
+            raise BadRequest(f"nbytes: expected at most this pool's slot size, {self.geom.slot_bytes}, got {nbytes}")
+        ns = self._namespaces.get(namespace)
+        if ns is None:
+            ns = self._namespaces[namespace] = Namespace(namespace, chunk_bytes=nbytes)
+        c = self._clients[cid]
+        c.ns, c.peer = ns, peer
+        out = []
+        for k in keys:
+            got = self.allocate(c, k)
+            out.append(None if got["slot"] is None else self.geom.slot_offset(got["slot"]))
+        return out
+
+    def pending_offsets(self, cid: int, keys: Sequence[str]) -> list[int | None]:
+        """The byte offsets of connection ``cid``'s PENDING slots of ``keys`` (None: not one of them)."""
+        c = self._clients[cid]
+        return [self.geom.slot_offset(c.pending[k].slot) if k in c.pending else None for k in keys]
+
+    def writable(self, peer: str, spans: Sequence[tuple[int, int]]) -> bool:
+        """Whether every (offset, nbytes) is inside a slot PENDING for a push of node ``peer``."""
+        if self.geom is None:
+            return False
+        mine = {
+            self.geom.slot_offset(e.slot) for c in self._clients.values() if c.peer == peer for e in c.pending.values()
+        }
+        return all(off in mine and n <= self.geom.slot_bytes for off, n in spans)
+
+    def push_commit(self, cid: int, keys: Sequence[str], good: Sequence[bool]) -> int:
+        """The pushed ``keys`` arrived (``good``: whole, their CRC32C checked): commit those, free the others."""
+        c = self._clients[cid]
+        n = 0
+        for k, ok in zip(keys, good):
+            if k not in c.pending:
+                continue
+            if ok:
+                self.commit(c, k)
+                c.ns.pushed += 1
+                n += 1
+            else:
+                self.abort(c, k)
+        return n
 
     def pull_done(self, cid: int) -> bool:
         """A pull of connection ``cid`` is over: whether the connection is still there to be answered."""
@@ -650,17 +680,17 @@ class NodeState:
         return n
 
     # -------------------------------------------------------------------------------------- slots
-    def _evict(self, e: _Entry) -> None:
+    def _evict(self, e: Entry) -> None:
         e.ns.evictions += 1
         self._drop(e)
 
-    def _drop(self, e: _Entry, quarantine: bool = False) -> None:
+    def _drop(self, e: Entry, quarantine: bool = False) -> None:
         """Take ``e`` out of the index; free its slot now, or at its last unpin if it is leased (``quarantine``: a
         PENDING slot of a closed connection, reused after :attr:`quarantine_s`)."""
         ns = e.ns
         del ns.entries[e.key]
         if e.state == READY:
-            self._dir_remove(bytes.fromhex(e.key))  # no engine finds it from now on
+            self._dir.remove(bytes.fromhex(e.key))  # no engine finds it from now on
             ns.chunks -= 1
             if e.admin:
                 ns.admin_pinned -= 1
@@ -676,55 +706,7 @@ class NodeState:
         else:
             self._release(e, quarantine)
 
-    # -------------------------------------------------------------------------------------- the directory
-    def _dir_at(self, i: int) -> tuple[bytes, int]:
-        return DIR_ENTRY.unpack_from(self.table, self.geom.dir_offset + DIR_ENTRY.size * i)
-
-    def _dir_put(self, i: int, key: bytes, slot1: int) -> None:
-        """Entry ``i`` := (``key``, ``slot1``): the key first, the slot last, so a reader that sees the slot sees
-        the key (or, where a slot is being cleared, 0 first)."""
-        off = self.geom.dir_offset + DIR_ENTRY.size * i
-        if slot1 == 0:
-            struct.pack_into("<I", self.table, off + 16, 0)
-            self.table[off : off + 16] = key
-        else:
-            self.table[off : off + 16] = key
-            struct.pack_into("<I", self.table, off + 16, slot1)
-
-    def _dir_insert(self, key: bytes, slot: int) -> None:
-        """Publish a READY chunk in the directory (linear probing: :mod:`.protocol`)."""
-        mask = self.geom.dir_entries - 1
-        i = dir_home(key, self.geom.dir_entries, self._seed)
-        while self._dir_at(i)[1]:
-            i = (i + 1) & mask
-        self._dir_put(i, key, slot + 1)
-
-    def _dir_remove(self, key: bytes) -> None:
-        """Take a chunk out of the directory, shifting the entries after it back (no tombstones: a probe stops at
-        the first empty entry)."""
-        mask = self.geom.dir_entries - 1
-        i = dir_home(key, self.geom.dir_entries, self._seed)
-        while True:
-            k, slot1 = self._dir_at(i)
-            if not slot1:
-                return
-            if k == key:
-                break
-            i = (i + 1) & mask
-        j = i
-        while True:
-            j = (j + 1) & mask
-            k, slot1 = self._dir_at(j)
-            if not slot1:
-                break
-            home = dir_home(k, self.geom.dir_entries, self._seed)
-            if (home - i - 1) & mask < (j - i) & mask:  # its home lies in (i, j]: it stays
-                continue
-            self._dir_put(i, k, slot1)
-            i = j
-        self._dir_put(i, _ZERO_KEY, 0)
-
-    def _release(self, e: _Entry, quarantine: bool = False) -> None:
+    def _release(self, e: Entry, quarantine: bool = False) -> None:
         self._generation[e.slot] += 1  # a reader or writer of the old chunk sees it changed
         write_entry(self.table, self.geom, e.slot, _ZERO_KEY, self._generation[e.slot], FREE)
         if quarantine and self.quarantine_s > 0:
@@ -761,6 +743,7 @@ class NodeState:
                     "bytes": (ns.chunks + ns.pending) * sb,
                     "hits": ns.hits,
                     "pulled": ns.pulled,
+                    "pushed": ns.pushed,
                     "served": ns.served,
                     "misses": ns.misses,
                     "evictions": ns.evictions,

@@ -17,6 +17,12 @@ asked its node to pull them (the ``pull`` op; the engine puts the request off un
 5. Each slot's CRC32C is checked, ``release`` on the peer confirms the slots kept their generation, and the chunks
    that passed, in order, are committed READY here (the rest freed). The engine's next lookup finds them.
 
+**A push** (:meth:`Cluster.push`, P/D): a producer engine names its consumer's node (``kvx_push_to``) and its
+request's chunks; as each becomes READY here, ``reserve`` on the consumer's node allocates PENDING slots for the
+ones it lacks (held by this connection: they go if it does), the transport writes the bytes into them, and
+``commit_pushed`` has the consumer check each slot's CRC32C and commit the good ones. The consumer's request waits
+for them as kvx's P/D waits (``pd_wait_ms``).
+
 Anything that fails (a peer killed, stopped, cut off, answering garbage; a slot evicted under the read; a CRC that
 does not match) frees the slots and answers fewer chunks: the engine recomputes them, never serves them. A peer's
 leases end with its control connection (the peer closed it, or it sat idle past ``lease_s``).
@@ -69,6 +75,7 @@ class ClusterConfig:
     transport: str = "tcp"
     timeout: float = 2.0  # seconds to dial a peer, or for a peer to answer a request
     lease_s: float = 30.0  # a peer's control connection idle this long is closed (its leases released)
+    push_s: float = 60.0  # a push waits at most this long for its chunks to be written here
 
 
 @dataclass(eq=False)
@@ -86,6 +93,7 @@ class _Link:
     rate: float | None = None  # bytes/s of its reads, smoothed
     epoch: str | None = None  # of the peer's pool the transport was told of
     bytes_in: int = 0
+    bytes_out_pushed: int = 0
     chunks_in: int = 0
     pulls: int = 0
     failures: int = 0
@@ -114,13 +122,16 @@ class Cluster:
         self._call = call
         self._reply_later = reply_later
         self._links = [_Link(a) for a in config.peers]
+        self._push_links: dict[tuple[str, int], _Link] = {}  # consumers' nodes named by pushes (under _lock)
         self._lock = threading.Lock()  # guards the figures below and the transport's creation
         self.transport: Transport | None = None
         self._pool = None
         self._geom: PoolGeometry | None = None
         self._epoch = ""
         self.counters = dict.fromkeys(
-            ("pulls", "pulled", "misses", "declined_slow", "failed", "bad_chunks", "refused_peers", "served"), 0
+            ("pulls", "pulled", "misses", "declined_slow", "failed", "bad_chunks", "refused_peers", "served")
+            + ("pushes", "pushed", "push_failed", "received"),
+            0,
         )
         self._out: dict[str, int] = {}  # bytes served per peer id
         self._listener: socket.socket | None = None
@@ -161,7 +172,12 @@ class Cluster:
 
                 self.transport = NixlTransport(pool, f"{self.config.node_id}/{self._epoch[:8]}")
             else:
-                self.transport = TcpTransport(pool, self._dial_data, lambda: (geom.data_offset, geom.file_bytes))
+                self.transport = TcpTransport(
+                    pool,
+                    self._dial_data,
+                    lambda: (geom.data_offset, geom.file_bytes),
+                    lambda peer, spans: self._call(lambda s: s.writable(peer, spans)),
+                )
 
     def stop(self) -> None:
         self._stopping.set()
@@ -173,7 +189,7 @@ class Cluster:
             self._listener.close()
         self._pulls.shutdown(wait=False, cancel_futures=True)  # a pull in flight waits on the loop
         self._ask.shutdown(wait=False, cancel_futures=True)
-        for link in self._links:
+        for link in self._links + list(self._push_links.values()):
             with link.lock:
                 self._close_link(link)
         if self.transport is not None:
@@ -230,14 +246,14 @@ class Cluster:
                 except (ConnectionError, TimeoutError, OSError):
                     return
                 try:
-                    reply = {"ok": True, **self._answer(cid, msg)}
+                    reply = {"ok": True, **self._answer(cid, peer, msg)}
                 except ValueError as e:
                     reply = {"ok": False, "error": str(e)}
                 handshake.send(sock, reply)
         finally:
             self._call(lambda s: s.close(cid))
 
-    def _answer(self, cid: int, msg: dict) -> dict:
+    def _answer(self, cid: int, peer: str, msg: dict) -> dict:
         op = msg.get("op")
         if op == "describe":
             with self._lock:
@@ -256,6 +272,23 @@ class Cluster:
         keys = [keys[i : i + 32] for i in range(0, len(keys), 32)]
         if op == "have":
             return {"ready": self._call(lambda s: s.peer_have(ns, keys))}
+        if op == "reserve":
+            nbytes = msg.get("nbytes")
+            if not isinstance(nbytes, int) or nbytes <= 0:
+                raise ValueError(f"nbytes: expected a positive int, got {nbytes!r}")
+            return {"offsets": self._call(lambda s: s.push_reserve(cid, peer, ns, keys, nbytes))}
+        if op == "commit_pushed":
+            crcs, nbytes = msg.get("crcs"), msg.get("nbytes")
+            if not (isinstance(crcs, list) and len(crcs) == len(keys) and isinstance(nbytes, int) and nbytes > 0):
+                raise ValueError("commit_pushed: expected one crc per key and nbytes")
+            offsets = self._call(lambda s: s.pending_offsets(cid, keys))
+            with memoryview(self._pool) as view:
+                good = [o is not None and crc32c_update(view[o : o + nbytes]) == c for o, c in zip(offsets, crcs)]
+            if not all(good):
+                self._count("bad_chunks", len(good) - sum(good))
+            n = self._call(lambda s: s.push_commit(cid, keys, good))
+            self._count("received", n)
+            return {"committed": n}
         if op == "lease":
             nbytes = msg.get("nbytes")
             if not isinstance(nbytes, int) or nbytes <= 0:
@@ -266,7 +299,7 @@ class Cluster:
             with self._lock:
                 self.counters["served"] += len(chunks)
             return {"chunks": chunks, "epoch": self._epoch}
-        raise ValueError(f"op: expected one of have, lease, release, describe, got {str(op)[:40]!r}")
+        raise ValueError(f"op: expected have, lease, release, reserve, commit_pushed or describe, got {str(op)[:40]!r}")
 
     # ---------------------------------------------------------------- dialing peers
     def _dial(self, address: tuple[str, int], role: str) -> tuple[socket.socket, dict]:
@@ -440,11 +473,80 @@ class Cluster:
             link.rate = rate if link.rate is None else (1 - _RATE_WEIGHT) * link.rate + _RATE_WEIGHT * rate
         return keys[:good]
 
+    # ---------------------------------------------------------------- pushing (P/D)
+    def push(self, namespace: str, keys: list[str], nbytes: int, to: str) -> bool:
+        """Send ``keys`` of ``namespace`` to the node at ``to`` as each is READY here (loop thread: the ``push``
+        op's hook). False if ``to`` is no address or there is no pool yet."""
+        try:
+            address = parse_address(to, "to")
+        except ValueError as e:
+            self._throttle.warning("push to", "kvx node: a push not sent: %s", e)
+            return False
+        if self.transport is None or nbytes <= 0 or self._stopping.is_set():
+            return False
+        with self._lock:
+            link = next((lk for lk in self._links if lk.address == address), None)
+            if link is None:
+                link = self._push_links.setdefault(address, _Link(address))
+        self._pulls.submit(self._push, link, namespace, keys, nbytes)
+        return True
+
+    def _push(self, link: _Link, namespace: str, keys: list[str], nbytes: int) -> None:
+        self._count("pushes")
+        deadline = time.monotonic() + self.config.push_s
+        owner = self._call(lambda s: s.open_internal("push"))
+        pause = 0.001
+        try:
+            while keys and time.monotonic() < deadline:
+                ready, stop = self._call(lambda s: s.push_lease(owner, namespace, keys))
+                if ready:
+                    self._push_chunks(link, namespace, ready, nbytes, deadline)
+                    self._call(lambda s: s.unlease_all(owner))
+                    keys = keys[len(ready) :]
+                    pause = 0.001
+                elif stop == "absent":
+                    break  # a chunk not saved here (dropped, evicted): the consumer computes from there
+                else:
+                    time.sleep(pause)  # the producer's workers are writing it: wait for its commit
+                    pause = min(pause * 2, 0.05)
+        except (OSError, ValueError, TypeError, KeyError, TransferError) as e:
+            failed = e
+        else:
+            failed = None
+        finally:
+            self._call(lambda s: s.close(owner))  # its leases first: a failure counted is a failure cleaned up
+        if failed is not None:
+            self._count("push_failed")
+            with link.lock:
+                link.failures += 1
+            self._throttle.warning(f"push {link.name}", "kvx node: a push to %s failed: %s", link.name, failed)
+
+    def _push_chunks(self, link: _Link, namespace: str, ready, nbytes: int, deadline: float) -> None:
+        """Reserve slots on ``link`` for ``ready`` (key, offset, generation), write the ones it lacks, commit them."""
+        keys = [k for k, _, _ in ready]
+        msg = {"op": "reserve", "namespace": namespace, "keys": "".join(keys), "nbytes": nbytes}
+        offsets = self._request(link, msg, deadline - time.monotonic())["offsets"]
+        todo = [(r, o) for r, o in zip(ready, offsets) if o is not None]
+        if not todo:
+            return
+        spans = [Span(int(o), off, nbytes) for (_, off, _), o in todo]
+        self.transport.write(link.node, spans, max(0.001, deadline - time.monotonic()))
+        with memoryview(self._pool) as view:
+            crcs = [crc32c_update(view[s.local : s.local + nbytes]) for s in spans]
+        sent = [k for (k, _, _), _ in todo]
+        done = {"op": "commit_pushed", "namespace": namespace, "keys": "".join(sent), "crcs": crcs, "nbytes": nbytes}
+        n = int(self._request(link, done, max(0.001, deadline - time.monotonic()))["committed"])
+        self._count("pushed", n)
+        with link.lock:
+            link.bytes_out_pushed += len(sent) * nbytes
+
     # ---------------------------------------------------------------- figures
     def stats(self) -> dict:
         """What ``kvx node stats`` shows of the cluster (any thread)."""
         peers = []
-        for lk in self._links:
+        with self._lock:
+            links = self._links + list(self._push_links.values())
+        for lk in links:
             with lk.lock:
                 peers.append(
                     {
@@ -454,7 +556,7 @@ class Cluster:
                         "error": lk.error,
                         "bytes_in": lk.bytes_in,
                         "chunks_in": lk.chunks_in,
-                        "bytes_out": self._out.get(lk.node, 0) if lk.node else 0,
+                        "bytes_out": (self._out.get(lk.node, 0) if lk.node else 0) + lk.bytes_out_pushed,
                         "pulls": lk.pulls,
                         "failures": lk.failures,
                         "rate_gbps": round(lk.rate / 1e9, 3) if lk.rate else None,

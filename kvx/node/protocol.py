@@ -51,10 +51,10 @@ POOL_VERSION = 2  # 2: a directory entry's home mixes the whole key with the epo
 POOL_HEADER = struct.Struct("<8sIIQQQQ16s")  # magic, version, reserved, num_slots, slot_bytes, table, data, epoch
 SLOT_ENTRY = struct.Struct("<16sQI4x")  # key, generation, state
 DIR_ENTRY = struct.Struct("<16sI12x")  # key, slot + 1 (0: empty)
-_LOW32 = np.uint64(0xFFFFFFFF)  # a directory entry's slot, a table entry's state: the low half of a uint64 (LE)
+LOW32 = np.uint64(0xFFFFFFFF)  # a directory entry's slot, a table entry's state: the low half of a uint64 (LE)
 _MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio (odd): Fibonacci hashing's multiplier (the directory's homes)
-_MIX64 = np.uint64(_MIX)
-_KEY2 = struct.Struct("<QQ")  # a key as the directory compares it: two little-endian halves
+MIX64 = np.uint64(_MIX)
+KEY_HALVES = struct.Struct("<QQ")  # a key as the directory compares it: two little-endian halves
 TABLE_OFFSET = 4096
 DATA_ALIGN = 2 << 20
 SLOT_ALIGN = 4096
@@ -198,75 +198,5 @@ def home_of(a: int, b: int, seed: int, shift: int) -> int:
 
 def dir_home(key: bytes, entries: int, seed: int) -> int:
     """Where a lookup of ``key`` (16 bytes) starts in a directory of ``entries`` (a power of two)."""
-    a, b = _KEY2.unpack(key)
+    a, b = KEY_HALVES.unpack(key)
     return home_of(a, b, seed, dir_shift(entries))
-
-
-class Directory:
-    """The directory and slot table of a mapped pool file, read by an engine (see the module docstring): which of
-    a list of keys are READY, without asking the daemon. Vectorised (numpy): 256 keys in tens of microseconds."""
-
-    _DIR = np.dtype([("a", "<u8"), ("b", "<u8"), ("slot", "<u4"), ("pad", "V12")])
-    _TABLE = np.dtype([("a", "<u8"), ("b", "<u8"), ("gen", "<u8"), ("state", "<u4"), ("pad", "V4")])
-
-    def __init__(self, buf, geom: PoolGeometry, epoch: bytes):
-        self.geom = geom
-        self.mask = geom.dir_entries - 1
-        self.seed, self.shift = dir_seed(epoch), dir_shift(geom.dir_entries)
-        self.dir = np.frombuffer(buf, dtype=self._DIR, count=geom.dir_entries, offset=geom.dir_offset)
-        self.table = np.frombuffer(buf, dtype=self._TABLE, count=geom.num_slots, offset=geom.table_offset)
-        self._dir64 = np.frombuffer(buf, dtype="<u8", count=geom.dir_entries * 4, offset=geom.dir_offset).reshape(-1, 4)
-        self._table64 = np.frombuffer(buf, dtype="<u8", count=geom.num_slots * 4, offset=geom.table_offset)
-        self._table64 = self._table64.reshape(-1, 4)
-        self._mask64 = np.uint64(self.mask)
-        self._seed64, self._shift64 = np.uint64(self.seed), np.uint64(self.shift)
-
-    def ready(self, keys_hex: str) -> list[bool]:
-        """Per key (``keys_hex``: 32-hex keys end to end), whether the pool holds it READY now."""
-        return [s >= 0 for s in self.slots(keys_hex)]
-
-    def state(self, key_hex: str) -> int:
-        """READY, PENDING or FREE: what the directory and the slot table say of one key now, in microseconds (no
-        numpy call on the way to a READY answer). A daemon writing meanwhile may make the answer stale at once;
-        nothing reads a slot on this answer alone (the workers check the slot's entry around their copies)."""
-        a, b = _KEY2.unpack(bytes.fromhex(key_hex))
-        pos = home_of(a, b, self.seed, self.shift)
-        for _ in range(self.mask + 1):
-            e = self.dir[pos]
-            slot = int(e["slot"])
-            if slot == 0:
-                break
-            if int(e["a"]) == a and int(e["b"]) == b:
-                t = self.table[slot - 1]
-                if int(t["state"]) == READY and int(t["a"]) == a and int(t["b"]) == b:
-                    return READY
-                break
-            pos = (pos + 1) & self.mask
-        t = self.table
-        pending = (t["state"] == PENDING) & (t["a"] == np.uint64(a)) & (t["b"] == np.uint64(b))
-        return PENDING if pending.any() else FREE
-
-    def slots(self, keys_hex: str) -> list[int]:
-        """Per key (``keys_hex``: 32-hex keys end to end), its slot if the pool holds it READY now, else -1. On the
-        entries as rows of four uint64 (one gather per probe round), not the structured arrays' fields: a lookup
-        of 256 keys is most of an engine's lookup time (p50 50 us against 66 us this way here)."""
-        want = np.frombuffer(bytes.fromhex(keys_hex), dtype="<u8").reshape(-1, 2)
-        n = len(want)
-        slot_of = np.full(n, -1, dtype=np.int64)
-        todo, wa, wb = np.arange(n), want[:, 0], want[:, 1]
-        pos = (((wa ^ self._seed64) * _MIX64 + wb) * _MIX64) >> self._shift64  # home_of, wrapping in uint64
-        for _ in range(self.mask + 1):
-            e = self._dir64[pos]
-            slot = (e[:, 2] & _LOW32).astype(np.int64)  # slot + 1; 0: an empty entry, where a probe ends
-            found = (e[:, 0] == wa) & (e[:, 1] == wb) & (slot != 0)
-            slot_of[todo[found]] = slot[found] - 1
-            go = ~found & (slot != 0)
-            if not go.any():
-                break
-            todo, wa, wb, pos = todo[go], wa[go], wb[go], (pos[go] + np.uint64(1)) & self._mask64
-        hit = np.flatnonzero(slot_of >= 0)
-        t = self._table64[slot_of[hit]]  # the slot's entry: READY, and still this key
-        ok = ((t[:, 3] & _LOW32) == READY) & (t[:, 0] == want[hit, 0]) & (t[:, 1] == want[hit, 1])
-        out = np.full(n, -1, dtype=np.int64)
-        out[hit[ok]] = slot_of[hit[ok]]
-        return out.tolist()

@@ -343,6 +343,7 @@ class NodeServer:
             host, port = self.cluster_config.listen
             raise StartError(f"--listen: cannot listen on {host}:{port}: {e.strerror}") from None
         self.state.on_pull = self.cluster.pull
+        self.state.on_push = self.cluster.push
         self.state.cluster_stats = self.cluster.stats
 
     def call(self, fn: Callable[[NodeState], Any], timeout: float = 30.0) -> Any:

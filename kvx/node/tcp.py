@@ -3,7 +3,9 @@
 A reader dials the peer's listen port as a cluster member (:mod:`.handshake`, role ``data``), sends one frame
 ``{"op": "read", "spans": [[offset, nbytes], ...]}`` and receives one frame ``{"ok": true}`` followed by the spans'
 bytes end to end, straight from the peer's pool file into its own (``recv_into`` the mapped slots): no copy in
-between, no serialisation. The connection stays open for the next read. UCX's TCP lane moved a quarter of what a
+between, no serialisation. A writer (a P/D push) sends ``{"op": "write", "spans": ...}``, the bytes, and
+receives ``{"ok": true}`` once they are in the peer's slots, which must be slots the peer reserved for this node
+(``writable``). The connection stays open for the next transfer. UCX's TCP lane moved a quarter of what a
 plain socket did between two processes here (``benchmarks/bench_peer_transfer.py``), which is why this exists.
 """
 
@@ -34,6 +36,26 @@ def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def _left(deadline: float) -> Callable[[], float]:
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("timed out")
+        return remaining
+
+    return left
+
+
+def _recv_into(sock: socket.socket, part: memoryview) -> None:
+    got = 0
+    while got < len(part):
+        n = sock.recv_into(part[got:])
+        if n == 0:
+            raise ConnectionError("the peer closed the connection mid-write")
+        got += n
+    part.release()
+
+
 class TcpTransport(Transport):
     """Reads spans of peers' pools over TCP, and serves this node's pool to peers that read it.
 
@@ -50,10 +72,13 @@ class TcpTransport(Transport):
         pool,
         dial: Callable[[tuple[str, int]], socket.socket],
         bounds: Callable[[], tuple[int, int]],
+        writable: Callable[[str, list[tuple[int, int]]], bool] | None = None,
     ):
+        """``writable(peer, spans)``: whether ``peer`` may write those (offset, nbytes) spans here (None: no one)."""
         self.pool = pool
         self._dial = dial
         self._bounds = bounds
+        self._writable = writable
         self._lock = threading.Lock()  # guards the dicts below (pull threads)
         self._addr: dict[str, tuple[str, int]] = {}
         self._socks: dict[str, socket.socket] = {}
@@ -81,6 +106,12 @@ class TcpTransport(Transport):
             sock.close()
 
     def read(self, peer: str, spans: Sequence[Span], timeout: float) -> None:
+        self._transfer(peer, spans, timeout, self._read)
+
+    def write(self, peer: str, spans: Sequence[Span], timeout: float) -> None:
+        self._transfer(peer, spans, timeout, self._write)
+
+    def _transfer(self, peer: str, spans: Sequence[Span], timeout: float, how) -> None:
         with self._lock:
             address, lock = self._addr.get(peer), self._peer_locks.get(peer)
         if address is None or lock is None:
@@ -94,20 +125,17 @@ class TcpTransport(Transport):
                     tune(sock)
                     with self._lock:
                         self._socks[peer] = sock
-                self._read(sock, spans, deadline)
+                how(sock, spans, deadline)
             except (OSError, ValueError) as e:
                 with self._lock:
                     if self._socks.get(peer) is sock:
                         self._drop(peer)
-                raise TransferError(f"tcp read from node {peer} at {address[0]}:{address[1]}: {e}") from None
+                raise TransferError(
+                    f"tcp {how.__name__[1:]} of node {peer} at {address[0]}:{address[1]}: {e}"
+                ) from None
 
     def _read(self, sock: socket.socket, spans: Sequence[Span], deadline: float) -> None:
-        def left() -> float:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("timed out")
-            return remaining
-
+        left = _left(deadline)
         sock.settimeout(left())
         handshake.send(sock, {"op": "read", "spans": [[s.remote, s.nbytes] for s in spans]})
         reply = handshake.recv(sock)
@@ -127,26 +155,57 @@ class TcpTransport(Transport):
                     got += n
                 part.release()
 
+    def _write(self, sock: socket.socket, spans: Sequence[Span], deadline: float) -> None:
+        left = _left(deadline)
+        sock.settimeout(left())
+        handshake.send(sock, {"op": "write", "spans": [[s.remote, s.nbytes] for s in spans]})
+        with memoryview(self.pool) as view:
+            for s in spans:
+                if s.local < 0 or s.local + s.nbytes > len(view):
+                    raise ValueError(f"span: expected a local range inside the pool, got {s}")
+                part = view[s.local : s.local + s.nbytes]
+                sent = 0
+                while sent < s.nbytes:
+                    sock.settimeout(left())
+                    sent += sock.send(part[sent:])
+                part.release()
+        sock.settimeout(left())
+        reply = handshake.recv(sock)
+        if not reply.get("ok"):
+            raise ValueError(f"refused: {reply.get('error')}")
+
     # ---------------------------------------------------------------- serving
-    def serve(self, sock: socket.socket, peer: str, on_bytes: Callable[[int], None] | None = None) -> None:
-        """Answer ``peer``'s reads on ``sock`` until it closes (its connection thread). A span outside
-        :attr:`bounds` is refused (an error frame; the connection stays)."""
+    def serve(
+        self, sock: socket.socket, peer: str, on_bytes: Callable[[int], None] | None = None, idle_s: float = 60.0
+    ) -> None:
+        """Answer ``peer``'s reads and writes on ``sock`` until it closes or is silent ``idle_s`` seconds (its
+        connection thread). A read outside the pool's slots is refused (an error frame; the connection stays); a
+        write anywhere but the slots reserved for ``peer`` closes it."""
         tune(sock)
-        sock.settimeout(None)
+        sock.settimeout(idle_s)
         while True:
             try:
                 msg = handshake.recv(sock)
             except (ConnectionError, OSError):
                 return
-            spans = msg.get("spans")
-            error = self._check(msg.get("op"), spans)
+            spans, op = msg.get("spans"), msg.get("op")
+            error = self._check(op, spans)
+            if op == "write" and not error and not (self._writable and self._writable(peer, [tuple(s) for s in spans])):
+                error = "spans: expected slots this node reserved for the writer's push"
             if error:
                 handshake.send(sock, {"ok": False, "error": error})
+                if op == "write":
+                    return  # the bytes that follow cannot be told from frames: close
                 continue
-            handshake.send(sock, {"ok": True})
             with memoryview(self.pool) as view:
-                for off, n in spans:
-                    sock.sendall(view[off : off + n])
+                if op == "write":
+                    for off, n in spans:
+                        _recv_into(sock, view[off : off + n])
+                    handshake.send(sock, {"ok": True})
+                else:
+                    handshake.send(sock, {"ok": True})
+                    for off, n in spans:
+                        sock.sendall(view[off : off + n])
             total = sum(n for _, n in spans)
             with self._lock:
                 self.bytes_served += total
@@ -154,8 +213,8 @@ class TcpTransport(Transport):
                 on_bytes(total)
 
     def _check(self, op, spans) -> str | None:
-        if op != "read":
-            return f"op: expected 'read', got {op!r}"
+        if op not in ("read", "write"):
+            return f"op: expected 'read' or 'write', got {op!r}"
         lo, hi = self._bounds()
         if not isinstance(spans, list) or len(spans) > _MAX_SPANS:
             return f"spans: expected a list of at most {_MAX_SPANS} [offset, nbytes] pairs"

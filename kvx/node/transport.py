@@ -60,5 +60,10 @@ class Transport(ABC):
         """Copy every span from ``peer``'s pool into the local pool, or raise :class:`TransferError` within about
         ``timeout`` seconds. On return every byte is here; the caller checks them (CRC32C) before serving them."""
 
+    @abstractmethod
+    def write(self, peer: str, spans: Sequence[Span], timeout: float) -> None:
+        """Copy every span from the local pool into ``peer``'s pool (a P/D push: ``remote`` offsets are slots the
+        peer reserved for this node), or raise :class:`TransferError` within about ``timeout`` seconds."""
+
     def close(self) -> None:  # noqa: B027 - not abstract: a transport with nothing to release keeps this one
         """Release everything (idempotent)."""

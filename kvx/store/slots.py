@@ -95,6 +95,11 @@ class SlotIndex(abc.ABC):
         tier may start fetching them here. A tier that fetches nothing: False."""
         return False
 
+    def push(self, keys: Sequence[str], to: str) -> bool:
+        """Send ``keys`` (a P/D producer's chunks, in order) to the node at ``to`` (``HOST:PORT``) as each becomes
+        READY here, without waiting; False where this tier cannot (the consumer then waits for a shared tier)."""
+        return False
+
     def clear(self) -> bool:
         """Drop every unpinned READY chunk (vLLM's ``reset_cache``); False if something stayed. A shared tier's
         chunks are every engine's: it keeps them and answers True."""

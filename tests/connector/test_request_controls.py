@@ -33,6 +33,16 @@ def test_defaults_and_other_connectors_keys():
     assert c.pd and not RequestControls().pd
 
 
+def test_a_push_target_in_kvx_form_or_lmcaches_disagg_spec():
+    assert parse_request_params({"kvx_push_to": "10.0.0.2:7400"}).push_to == "10.0.0.2:7400"
+    spec = {"receiver_host": "10.0.0.3", "receiver_init_port": [7400, 7401], "receiver_alloc_port": [7500]}
+    assert parse_request_params({"disagg_spec": {**spec, "is_last_prefill": True}}).push_to == "10.0.0.3:7400"
+    spec["receiver_init_port"] = 7402
+    assert parse_request_params({"disagg_spec": spec}).push_to == "10.0.0.3:7402"
+    both = {"disagg_spec": spec, "kvx_push_to": "h:1"}  # kvx's own key wins
+    assert parse_request_params(both).push_to == "h:1"
+
+
 @pytest.mark.parametrize(
     "params,where,expected",
     [
@@ -52,6 +62,11 @@ def test_defaults_and_other_connectors_keys():
             "unknown kvx key (known: " + ", ".join(KNOWN_KEYS),
         ),
         ([1, 2], "kv_transfer_params", "expected a JSON object, got list"),
+        ({"kvx_push_to": "host"}, "kv_transfer_params.kvx_push_to", "expected HOST:PORT"),
+        ({"kvx_push_to": "host:0"}, "kv_transfer_params.kvx_push_to", "expected HOST:PORT"),
+        ({"kvx_push_to": 7}, "kv_transfer_params.kvx_push_to", "expected HOST:PORT"),
+        ({"disagg_spec": "h:1"}, "kv_transfer_params.disagg_spec", "expected a JSON object"),
+        ({"disagg_spec": {"receiver_host": "h"}}, "kv_transfer_params.disagg_spec", "receiver_init_port (int)"),
     ],
 )
 def test_bad_params_name_the_key(params, where, expected):

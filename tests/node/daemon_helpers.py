@@ -16,7 +16,8 @@ from pathlib import Path
 
 from kvx.node.connection import Connection, NodeError
 from kvx.node.daemon import NodeState, default_pool_path
-from kvx.node.protocol import FREE, HEADER, PENDING, READY, VERSION, Directory, PoolGeometry, slot_entry
+from kvx.node.directory import Directory
+from kvx.node.protocol import FREE, HEADER, PENDING, READY, VERSION, PoolGeometry, slot_entry
 from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[2]

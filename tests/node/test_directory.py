@@ -9,7 +9,8 @@ import os
 import pytest
 
 from kvx.node.daemon import NodeState
-from kvx.node.protocol import VERSION, Directory, PoolGeometry, dir_home
+from kvx.node.directory import Directory
+from kvx.node.protocol import VERSION, PoolGeometry, dir_home
 
 SLOT = 4096
 N = 256

