@@ -15,6 +15,11 @@ Usage::
 
     kvx pd-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 
+Across hosts without a shared tier: each instance's first tier is its host's ``kvx node`` in a cluster, and
+``--decode-node HOST:PORT`` (one per ``--decode``, in order) names the ``--listen`` address of that decode
+instance's node. The proxy then picks the decode instance first and asks the prefill instance to push the prompt's
+chunks straight into that node (``kvx_push_to``), where the decode instance waits for them.
+
 Several ``--prefill`` / ``--decode`` URLs are used round robin. Built on aiohttp (a vLLM dependency).
 """
 
@@ -37,11 +42,26 @@ _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-en
 
 
 class PDProxy:
-    def __init__(self, prefill: list[str], decode: list[str], prefill_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        prefill_timeout_s: float = 60.0,
+        decode_nodes: list[str] | None = None,
+    ):
         if not prefill or not decode:
             raise ValueError(f"prefill, decode: expected at least one URL each, got {prefill!r} and {decode!r}")
+        if decode_nodes and len(decode_nodes) != len(decode):
+            raise ValueError(
+                f"--decode-node: expected one per --decode ({len(decode)}), got {len(decode_nodes)}: {decode_nodes!r}"
+            )
+        for node in decode_nodes or ():
+            host, sep, port = node.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--decode-node: expected HOST:PORT (a kvx node's --listen), got {node!r}")
         self.prefill, self.decode = [u.rstrip("/") for u in prefill], [u.rstrip("/") for u in decode]
-        self._next_p, self._next_d = itertools.cycle(self.prefill), itertools.cycle(self.decode)
+        nodes = decode_nodes or [None] * len(self.decode)
+        self._next_p, self._next_d = itertools.cycle(self.prefill), itertools.cycle(list(zip(self.decode, nodes)))
         self.prefill_timeout_s = prefill_timeout_s
         self.session: aiohttp.ClientSession | None = None
         self.counts = {"requests": 0, "prefill_ok": 0, "prefill_failed": 0}
@@ -68,7 +88,7 @@ class PDProxy:
         return web.json_response({"status": "ok", **self.counts})
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        async with self.session.get(next(self._next_d) + "/v1/models") as r:
+        async with self.session.get(next(self._next_d)[0] + "/v1/models") as r:
             return web.Response(status=r.status, body=await r.read(), content_type="application/json")
 
     # ------------------------------------------------------------------ one request
@@ -80,16 +100,20 @@ class PDProxy:
         if not isinstance(body, dict):
             return web.json_response({"error": {"message": "request body: expected a JSON object"}}, status=400)
         self.counts["requests"] += 1
-        params = await self._prefill(request.path, body)
+        decode, node = next(self._next_d)
+        params = await self._prefill(request.path, body, node)
         out = dict(body)
         if params:
             out["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}), **params}
-        return await self._forward(request, next(self._next_d) + request.path, out)
+        return await self._forward(request, decode + request.path, out)
 
-    async def _prefill(self, path: str, body: dict) -> dict | None:
-        """Run the prompt on a prefill instance; its ``kv_transfer_params``, or None when it failed."""
+    async def _prefill(self, path: str, body: dict, push_to: str | None = None) -> dict | None:
+        """Run the prompt on a prefill instance (``push_to``: pushing its chunks into that node); its
+        ``kv_transfer_params``, or None when it failed."""
         url = next(self._next_p) + path
         pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        if push_to is not None:
+            pre["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}), "kvx_push_to": push_to}
         pre["max_tokens"] = 1
         if "max_completion_tokens" in pre:
             pre["max_completion_tokens"] = 1
@@ -145,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvx pd-proxy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", action="append", required=True, help="prefill (kv_producer) server URL; repeatable")
     ap.add_argument("--decode", action="append", required=True, help="decode (kv_consumer) server URL; repeatable")
+    ap.add_argument(
+        "--decode-node",
+        action="append",
+        help="the --listen HOST:PORT of the kvx node of each --decode instance, in order: the prefill instance "
+        "pushes the prompt's chunks there (nodes in a cluster, no shared tier needed)",
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument(
@@ -155,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    proxy = PDProxy(args.prefill, args.decode, args.prefill_timeout)
+    try:
+        proxy = PDProxy(args.prefill, args.decode, args.prefill_timeout, args.decode_node)
+    except ValueError as e:
+        ap.error(str(e))
     log.info("pd-proxy on http://%s:%d: prefill %s -> decode %s", args.host, args.port, proxy.prefill, proxy.decode)
     web.run_app(proxy.app(), host=args.host, port=args.port, print=None)
     return 0
