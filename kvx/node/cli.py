@@ -2,7 +2,8 @@
 
     kvx node --socket PATH --size 64GiB [--slot-size auto|SIZE] [--pool PATH] [--socket-mode 660]
              [--metrics-port N] [--allow-uid UID ...] [--allow-gid GID ...] [--quota NS=SIZE ...]
-             [--listen HOST:PORT --secret-file FILE [--peers HOST:PORT,...] [--transport tcp|nixl]]
+             [--listen HOST:PORT --secret-file FILE [--peers HOST:PORT,... | --membership URL]
+              [--transport tcp|nixl]]
     kvx node stats  --socket PATH [--json]
     kvx node lookup --socket PATH --namespace NS (--tokens 1,2,3 | --tokens-file F) [--cache-salt S]
                     [--kvx-namespace S]      -> {"namespace", "tokens", "cached_tokens"}
@@ -203,6 +204,22 @@ def _daemon_parser() -> _Parser:
     )
     cluster.add_argument("--peers", metavar="HOST:PORT[,...]", help="the other nodes' --listen addresses")
     cluster.add_argument(
+        "--membership",
+        metavar="URL",
+        help="in place of --peers: a Redis (redis://, rediss://, unix://, redis+sentinel://) where the nodes "
+        "announce themselves with a heartbeat and leave by expiry",
+    )
+    cluster.add_argument(
+        "--membership-cluster", action="store_true", help="the --membership url names a node of a Redis Cluster"
+    )
+    cluster.add_argument(
+        "--membership-ttl-s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="a member not heard from this long has left (default 10; heartbeats every quarter of it)",
+    )
+    cluster.add_argument(
         "--secret-file",
         metavar="FILE",
         help="the cluster's shared secret (16+ bytes, the same file on every node): only nodes holding it are peers",
@@ -227,7 +244,11 @@ def _cluster(args: argparse.Namespace):
     from .peers import ClusterConfig, parse_address
 
     if args.listen is None:
-        for flag, value in (("--peers", args.peers), ("--secret-file", args.secret_file)):
+        for flag, value in (
+            ("--peers", args.peers),
+            ("--membership", args.membership),
+            ("--secret-file", args.secret_file),
+        ):
             if value is not None:
                 raise _UsageError(f"kvx node: {flag}: expected --listen HOST:PORT with it, got {flag} alone")
         return None
@@ -241,7 +262,27 @@ def _cluster(args: argparse.Namespace):
         raise _UsageError(f"kvx node: {e}") from None
     if listen in peers:
         raise _UsageError(f"kvx node: --peers: expected the other nodes, got this node's own --listen {args.listen}")
-    return ClusterConfig(args.node_id or f"{listen[0]}:{listen[1]}", listen, peers, secret, args.transport)
+    if peers and args.membership:
+        raise _UsageError("kvx node: --membership: expected in place of --peers, got both")
+    if not args.membership_ttl_s > 0:
+        raise _UsageError(f"kvx node: --membership-ttl-s: expected seconds > 0, got {args.membership_ttl_s}")
+    if args.membership and not args.membership_cluster:  # a cluster's client connects as it is made: at start
+        from .membership import redis_client
+
+        try:
+            redis_client(args.membership, args.membership_cluster, 2.0)  # the url's form, before anything starts
+        except ValueError as e:
+            raise _UsageError(f"kvx node: {e}") from None
+    return ClusterConfig(
+        args.node_id or f"{listen[0]}:{listen[1]}",
+        listen,
+        peers,
+        secret,
+        args.transport,
+        membership=args.membership,
+        membership_cluster=args.membership_cluster,
+        membership_ttl_s=args.membership_ttl_s,
+    )
 
 
 def _control_parser() -> _Parser:

@@ -76,6 +76,9 @@ class ClusterConfig:
     timeout: float = 2.0  # seconds to dial a peer, or for a peer to answer a request
     lease_s: float = 30.0  # a peer's control connection idle this long is closed (its leases released)
     push_s: float = 60.0  # a push waits at most this long for its chunks to be written here
+    membership: str | None = None  # a Redis url where members announce themselves (in place of peers)
+    membership_cluster: bool = False  # that url names a Redis Cluster node
+    membership_ttl_s: float = 10.0  # a member not heard from this long has left
 
 
 @dataclass(eq=False)
@@ -135,9 +138,10 @@ class Cluster:
         )
         self._out: dict[str, int] = {}  # bytes served per peer id
         self._listener: socket.socket | None = None
+        self._members = None  # RedisMembership with --membership
         self._stopping = threading.Event()
         self._pulls = ThreadPoolExecutor(4, thread_name_prefix="kvx-node-pull")
-        self._ask = ThreadPoolExecutor(max(4, len(self._links)), thread_name_prefix="kvx-node-ask")
+        self._ask = ThreadPoolExecutor(max(8, len(self._links)), thread_name_prefix="kvx-node-ask")
         self._throttle = Throttle(log)
 
     # ---------------------------------------------------------------- start and stop
@@ -154,6 +158,19 @@ class Cluster:
             raise
         self._listener = sock
         threading.Thread(target=self._accept, name="kvx-node-accept", daemon=True).start()
+        if self.config.membership is not None:
+            from .membership import RedisMembership, redis_client
+
+            client = redis_client(self.config.membership, self.config.membership_cluster, self.config.timeout)
+            self._members = RedisMembership(
+                client,
+                self.config.secret,
+                self.config.node_id,
+                f"{host}:{port}",
+                self.set_peers,
+                ttl_s=self.config.membership_ttl_s,
+            )
+            self._members.start()
         log.info(
             "kvx node: cluster member %s, listening on %s:%d, %d peer(s), transport %s",
             self.config.node_id,
@@ -179,8 +196,32 @@ class Cluster:
                     lambda peer, spans: self._call(lambda s: s.writable(peer, spans)),
                 )
 
+    def set_peers(self, addresses: Sequence[str]) -> None:
+        """The members now (``HOST:PORT`` each; the membership's thread): new ones become peers, gone ones are
+        dropped (their connection closed: the leases they held here are released by their own side)."""
+        want = set()
+        for a in addresses:
+            try:
+                want.add(parse_address(a, "member"))
+            except ValueError as e:
+                self._throttle.warning(f"member {a}", "kvx node: %s", e)
+        want.discard(self.config.listen)
+        with self._lock:
+            have = {lk.address: lk for lk in self._links}
+            gone = [lk for a, lk in have.items() if a not in want]
+            self._links = [lk for lk in self._links if lk.address in want] + [
+                _Link(a) for a in sorted(want) if a not in have
+            ]
+        for lk in gone:
+            with lk.lock:
+                self._close_link(lk)
+        if gone or len(want) != len(have):
+            log.info("kvx node: members now %s", ", ".join(f"{h}:{p}" for h, p in sorted(want)) or "none")
+
     def stop(self) -> None:
         self._stopping.set()
+        if self._members is not None:
+            self._members.stop()
         if self._listener is not None:
             try:
                 self._listener.shutdown(socket.SHUT_RDWR)
@@ -189,7 +230,9 @@ class Cluster:
             self._listener.close()
         self._pulls.shutdown(wait=False, cancel_futures=True)  # a pull in flight waits on the loop
         self._ask.shutdown(wait=False, cancel_futures=True)
-        for link in self._links + list(self._push_links.values()):
+        with self._lock:
+            links = self._links + list(self._push_links.values())
+        for link in links:
             with link.lock:
                 self._close_link(link)
         if self.transport is not None:
@@ -371,7 +414,7 @@ class Cluster:
     def pull(self, cid: int, rid: int, namespace: str, keys: list[str], nbytes: int, budget_s: float) -> bool:
         """Start a pull of ``keys`` (loop thread: the ``pull`` op's hook); its answer goes to request ``rid`` of
         connection ``cid``. False if this node has no peer or no pool to pull into yet."""
-        if not self._links or self.transport is None or nbytes <= 0 or self._stopping.is_set():
+        if not (self._links or self._members) or self.transport is None or nbytes <= 0 or self._stopping.is_set():
             return False
         self._pulls.submit(self._pull, cid, rid, namespace, keys, nbytes, budget_s)
         return True
@@ -399,7 +442,9 @@ class Cluster:
             except (OSError, ValueError, TypeError, KeyError):
                 return 0
 
-        live = [lk for lk in self._links if lk.sock is not None or time.monotonic() >= lk.next_try]
+        with self._lock:
+            links = list(self._links)
+        live = [lk for lk in links if lk.sock is not None or time.monotonic() >= lk.next_try]
         futures = {self._ask.submit(ask, lk): lk for lk in live}
         done, _ = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
         best, n = None, 0

@@ -342,6 +342,8 @@ class NodeServer:
         except OSError as e:
             host, port = self.cluster_config.listen
             raise StartError(f"--listen: cannot listen on {host}:{port}: {e.strerror}") from None
+        except ValueError as e:  # --membership's Redis Cluster unreachable
+            raise StartError(str(e)) from None
         self.state.on_pull = self.cluster.pull
         self.state.on_push = self.cluster.push
         self.state.cluster_stats = self.cluster.stats

@@ -136,6 +136,13 @@ def test_cluster_flags_are_checked_before_the_node_starts(tmp):
         (["--listen", "127.0.0.1:9", "--secret-file", os.path.join(tmp, "none")], "--secret-file: expected a readable"),
         (["--listen", "127.0.0.1:9", "--secret-file", good, "--peers", "127.0.0.1:0"], "--peers: expected HOST:PORT"),
         (["--listen", "127.0.0.1:9", "--secret-file", good, "--peers", "127.0.0.1:9"], "this node's own --listen"),
+        (["--membership", "redis://127.0.0.1:1"], "--membership: expected --listen HOST:PORT with it"),
+        (
+            ["--listen", "127.0.0.1:9", "--secret-file", good, "--peers", "h:1", "--membership", "redis://h:2"],
+            "--membership: expected in place of --peers, got both",
+        ),
+        (["--listen", "127.0.0.1:9", "--secret-file", good, "--membership", "http://h:2"], "--membership: expected"),
+        (["--listen", "127.0.0.1:9", "--secret-file", good, "--membership-ttl-s", "0"], "--membership-ttl-s"),
     ]
     for args, text in cases:
         r = run(*args)

@@ -291,3 +291,7 @@ def _tls_context(p: dict) -> ssl.SSLContext:
         ctx.check_hostname = str(p.get("ssl_check_hostname", "true")).lower() not in ("false", "0", "no")
         ctx.verify_mode = ssl.CERT_OPTIONAL if reqs == "optional" else ssl.CERT_REQUIRED
     return ctx
+
+
+is_sentinel_url = _is_sentinel  # public names: kvx node's membership reads the same urls
+parse_sentinel_url = _sentinel_url
