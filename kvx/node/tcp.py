@@ -5,9 +5,11 @@ A reader dials the peer's listen port as a cluster member (:mod:`.handshake`, ro
 bytes end to end, straight from the peer's pool file into its own (``recv_into`` the mapped slots): no copy in
 between, no serialisation. A writer (a P/D push) sends ``{"op": "write", "spans": ...}``, the bytes, and
 receives ``{"ok": true}`` once they are in the peer's slots, which must be slots the peer reserved for this node
-(``writable``). The connection stays open for the next transfer. Beside NIXL: UCX's TCP lane (a software GET the serving process answers) moved 0.59x of a plain socket stream
-between two processes here where this channel moved 0.83x (``benchmarks/results/peer_transfer_cpu.md``), and it
-needs no UCX port open to whoever can reach it.
+(``writable``). The connection stays open for the next transfer.
+
+Why a channel of its own beside NIXL: UCX's TCP lane (a software GET the serving process answers) moved 0.59x of a
+plain socket stream between two processes here where this channel moved 0.83x
+(``benchmarks/results/peer_transfer_cpu.md``), and it opens no UCX port to whoever can reach the host.
 """
 
 from __future__ import annotations

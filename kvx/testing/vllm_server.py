@@ -21,6 +21,10 @@ server runs in its own session (process group), so :meth:`VllmServer.stop` ends 
 engine core and the workers: SIGINT (vLLM's graceful shutdown), then SIGTERM, then SIGKILL to the group.
 A server left running at interpreter exit is stopped too.
 
+A server on a host of :mod:`kvx.testing.netns` (``VllmServer(..., host=h.addr, netns=h.name)``) runs inside that
+network namespace, and its own HTTP calls (health, /metrics, :meth:`VllmServer.complete`) go from a thread that
+joined it (:func:`join_netns`); other clients there use :func:`netns_executor` / :func:`in_netns`.
+
 Client helpers (greedy by default: ``temperature 0``, ``ignore_eos``): :func:`complete` (blocking,
 ``requests``), :func:`acomplete` (``aiohttp``), :func:`aabort` (a streaming request whose connection is
 closed before its first token: a client that gives up mid-prefill), :func:`complete_many` (concurrent
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import ctypes
 import json
 import os
 import re
@@ -54,7 +59,9 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from kvx.tools.serve import drop_working_directory, kv_transfer_config, vllm_cli
 
@@ -70,7 +77,12 @@ __all__ = [
     "kv_transfer_args",
     "kvx_config",
     "free_port",
+    "join_netns",
+    "netns_executor",
+    "in_netns",
 ]
+
+T = TypeVar("T")
 
 
 class ServerError(RuntimeError):
@@ -82,6 +94,38 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def join_netns(name: str) -> None:
+    """Move the calling thread, and it alone, into network namespace ``name`` (``ip netns``'s: /run/netns/NAME): the
+    sockets it opens from then on are that namespace's (Linux ``setns``; root). A process it starts is there too."""
+    fd = os.open(os.path.join("/run/netns", name), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def netns_executor(name: str | None, workers: int = 1) -> ThreadPoolExecutor:
+    """A thread pool whose threads are in network namespace ``name`` (None: this process's): clients of servers
+    that listen only there. Shut it down (``with``) when done."""
+    if name is None:
+        return ThreadPoolExecutor(workers)
+    return ThreadPoolExecutor(workers, thread_name_prefix=f"netns-{name}", initializer=join_netns, initargs=(name,))
+
+
+def in_netns(name: str | None, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+    """``fn(*args, **kw)`` on a new thread in network namespace ``name`` (None: here, on this thread); its result,
+    or its exception raised here."""
+    if name is None:
+        return fn(*args, **kw)
+    with netns_executor(name) as ex:
+        return ex.submit(fn, *args, **kw).result()
 
 
 def kvx_config(extra: dict | None = None, role: str = "kv_both", module_path: bool = False) -> dict:
@@ -177,7 +221,9 @@ class VllmServer:
     compute a reference while the server imports vLLM). ``timeout_s``: how long to wait for health; past it,
     or if the server exits, :class:`ServerError` is raised with the log's tail and the server is stopped.
     ``launcher``: the command before ``serve MODEL ARGS`` (default ``[python, "-m", "kvx.testing.vllm_server"]``;
-    ``[".../bin/kvx"]`` runs the installed ``kvx serve`` as a user would).
+    ``[".../bin/kvx"]`` runs the installed ``kvx serve`` as a user would). ``netns``: run it inside that network
+    namespace (``ip netns exec``; ``host``: an address there, e.g. :attr:`kvx.testing.netns.Host.addr`), where
+    its health checks, :meth:`metrics` and :meth:`complete` go too.
 
     A context manager; :meth:`stop` is idempotent. Attributes: ``url`` (``http://host:port``), ``port``,
     ``model`` (the served model name: ``--served-model-name`` if given, else ``model``), ``log_path``,
@@ -197,6 +243,7 @@ class VllmServer:
         wait: bool = True,
         python: str | None = None,
         launcher: list[str] | None = None,
+        netns: str | None = None,
     ):
         args = [str(a) for a in args]
         for flag in ("--host", "--port"):
@@ -205,6 +252,7 @@ class VllmServer:
         self.model_path = str(model)
         self.args = args
         self.host = host
+        self.netns = netns
         self.model = self._served_name(args) or self.model_path
         self.timeout_s = timeout_s
         self._fixed_port = port
@@ -236,9 +284,10 @@ class VllmServer:
         return None
 
     def _start(self) -> None:
-        self.port = self._fixed_port or free_port(self.host)
+        self.port = self._fixed_port or in_netns(self.netns, free_port, self.host)
         self.url = f"http://{self.host}:{self.port}"
         cmd = [
+            *(["ip", "netns", "exec", self.netns] if self.netns else []),
             *self._launcher,
             "serve",
             self.model_path,
@@ -269,6 +318,11 @@ class VllmServer:
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         """``GET /health`` answers 200."""
+        if self.netns is not None:
+            return in_netns(self.netns, self._healthy, timeout_s)
+        return self._healthy(timeout_s)
+
+    def _healthy(self, timeout_s: float) -> bool:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=timeout_s) as r:
                 return r.status == 200
@@ -374,12 +428,12 @@ class VllmServer:
     def metrics(self) -> dict[str, float]:
         """``/metrics``: each Prometheus sample name (``vllm:kvx_hit_tokens_cpu_total``, ...) -> its value
         summed over label sets (:func:`scrape_metrics`)."""
-        return scrape_metrics(self.url)
+        return in_netns(self.netns, scrape_metrics, self.url)
 
     def complete(self, ids: list[int], max_tokens: int = 16, **kw) -> dict:
         """:func:`complete` against this server (its served model name)."""
         kw.setdefault("model", self.model)
-        return complete(self.url, ids, max_tokens, **kw)
+        return in_netns(self.netns, complete, self.url, ids, max_tokens, **kw)
 
 
 # ---------------------------------------------------------------------------------------------- metrics
