@@ -22,8 +22,11 @@ from tests.node.cluster_helpers import NAMESPACE, SLOT_BYTES, Member, key, secre
 PORT = 7411
 
 
-@pytest.fixture(scope="module")
-def hosts():
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def hosts(request):
+    """Three hosts and their nodes, on kvx's TCP channel or on NIXL (UCX over TCP: on one machine UCX would
+    otherwise find shared memory or CMA between the namespaces, which share the machine)."""
+    transport = request.param
     reason = netns.available()
     if reason:
         pytest.skip(f"network namespaces: {reason}")
@@ -34,7 +37,11 @@ def hosts():
         try:
             for i, h in enumerate(cluster.hosts):
                 peers = [a for j, a in enumerate(addrs) if j != i]
-                members.append(Member(tmp, f"h{i}", PORT, peers, secret, addr=h.addr, launch=h.argv))
+                launch = (
+                    h.argv if transport == "tcp" else (lambda argv, h=h: h.argv(["env", "UCX_TLS=tcp,self", *argv]))
+                )
+                extra = ("--transport", transport)
+                members.append(Member(tmp, f"h{i}", PORT, peers, secret, *extra, addr=h.addr, launch=launch))
             yield cluster.hosts, members
         finally:
             for m in members:
