@@ -83,7 +83,9 @@ class NodeState:
         self.on_pull: Callable[[int, int, str, list[str], int, float], bool] | None = None
         # push(namespace, keys, chunk_bytes, to) -> whether it took them: the cluster's (Cluster.push)
         self.on_push: Callable[[str, list[str], int, str], bool] | None = None
-        self.cluster_stats: Callable[[], dict] | None = None  # the cluster's figures for stats (peers, bytes)
+        self.cluster_stats: Callable[[], dict] | None = None
+        # committed(offset, generation, nbytes): a chunk is READY (Cluster.committed: its CRC32C made ahead)
+        self.on_commit: Callable[[int, int, int], None] | None = None  # the cluster's figures for stats (peers, bytes)
         self.counters = dict.fromkeys(
             (
                 "refused_clients",
@@ -334,6 +336,8 @@ class NodeState:
         e.ns.lru[e] = None
         write_entry(self.table, self.geom, e.slot, bytes.fromhex(key), self._generation[e.slot], READY)
         self._dir.insert(bytes.fromhex(key), e.slot)
+        if self.on_commit is not None:
+            self.on_commit(self.geom.slot_offset(e.slot), self._generation[e.slot], e.ns.chunk_bytes)
 
     @staticmethod
     def _describe(ns: Namespace, key: str) -> str:

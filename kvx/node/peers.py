@@ -54,6 +54,7 @@ log = get_logger(__name__)
 
 _DOWN_S = (1.0, 30.0)  # a peer that failed is left alone this long, doubling up to the second figure
 _RATE_WEIGHT = 0.3  # weight of a new read in a peer's rate estimate
+_READ_GROUPS = 4  # a pull's transfers where the transport does not check as it streams (checks overlap reads)
 
 
 def parse_address(text: str, what: str) -> tuple[str, int]:
@@ -79,6 +80,19 @@ class ClusterConfig:
     membership: str | None = None  # a Redis url where members announce themselves (in place of peers)
     membership_cluster: bool = False  # that url names a Redis Cluster node
     membership_ttl_s: float = 10.0  # a member not heard from this long has left
+
+
+class _Phases:
+    """Where a pull's time went: milliseconds per phase, in order (``kvx node stats``: ``last_pull``)."""
+
+    def __init__(self):
+        self.ms: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.ms[f"{phase}_ms"] = round((now - self._t) * 1e3, 3)
+        self._t = now
 
 
 @dataclass(eq=False)
@@ -137,6 +151,10 @@ class Cluster:
             0,
         )
         self._out: dict[str, int] = {}  # bytes served per peer id
+        self.last_pull: dict = {}  # the last pull's phases (under _lock)
+        self._crcs: dict[int, tuple[int, int, int]] = {}  # slot offset -> (generation, nbytes, CRC32C) (under _lock)
+        self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="kvx-node-crc")
+        self._checks = ThreadPoolExecutor(2, thread_name_prefix="kvx-node-check")
         self._listener: socket.socket | None = None
         self._members = None  # RedisMembership with --membership
         self._stopping = threading.Event()
@@ -230,6 +248,8 @@ class Cluster:
             self._listener.close()
         self._pulls.shutdown(wait=False, cancel_futures=True)  # a pull in flight waits on the loop
         self._ask.shutdown(wait=False, cancel_futures=True)
+        self._crc_pool.shutdown(wait=False, cancel_futures=True)
+        self._checks.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             links = self._links + list(self._push_links.values())
         for link in links:
@@ -337,12 +357,33 @@ class Cluster:
             if not isinstance(nbytes, int) or nbytes <= 0:
                 raise ValueError(f"nbytes: expected a positive int, got {nbytes!r}")
             leased = self._call(lambda s: s.peer_lease(cid, ns, keys, nbytes))
-            with memoryview(self._pool) as view:
-                chunks = [[k, off, gen, crc32c_update(view[off : off + nbytes])] for k, off, gen in leased]
+            if msg.get("crc", True):  # a transport that checks as it streams (tcp) asks for none
+                chunks = [[k, off, gen, self._crc(off, gen, nbytes)] for k, off, gen in leased]
+            else:
+                chunks = [[k, off, gen, None] for k, off, gen in leased]
             with self._lock:
                 self.counters["served"] += len(chunks)
             return {"chunks": chunks, "epoch": self._epoch}
         raise ValueError(f"op: expected have, lease, release, reserve, commit_pushed or describe, got {str(op)[:40]!r}")
+
+    def committed(self, offset: int, generation: int, nbytes: int) -> None:
+        """A chunk became READY here (loop thread: the index's hook): its CRC32C is computed now, off the loop, so
+        that a peer's lease of it (a NIXL READ needs it up front) finds it made."""
+        if self.config.transport != "tcp" and nbytes > 0 and not self._stopping.is_set():
+            self._crc_pool.submit(self._crc, offset, generation, nbytes)
+
+    def _crc(self, offset: int, generation: int, nbytes: int) -> int:
+        """CRC32C of the chunk of ``nbytes`` at ``offset`` in its slot's ``generation`` (kept per slot: a slot's
+        bytes do not change while it is READY, and a new generation is another chunk)."""
+        with self._lock:
+            hit = self._crcs.get(offset)
+        if hit is not None and hit[:2] == (generation, nbytes):
+            return hit[2]
+        with memoryview(self._pool) as view:
+            crc = crc32c_update(view[offset : offset + nbytes])
+        with self._lock:
+            self._crcs[offset] = (generation, nbytes, crc)
+        return crc
 
     # ---------------------------------------------------------------- dialing peers
     def _dial(self, address: tuple[str, int], role: str) -> tuple[socket.socket, dict]:
@@ -457,7 +498,9 @@ class Cluster:
 
     def _pull_chunks(self, namespace: str, keys: list[str], nbytes: int, deadline: float) -> dict:
         self._count("pulls")
+        phases = _Phases()
         link, n = self._ask_all(namespace, keys, deadline)
+        phases.mark("ask")
         if link is None or n == 0:
             self._count("misses")
             return {"pulled": 0, "reason": "miss"}
@@ -473,9 +516,10 @@ class Cluster:
         good: list[str] = []
         try:
             slots = self._call(lambda s: s.pull_alloc(owner, namespace, keys[:n]))
+            phases.mark("slots")
             if not slots:
                 return {"pulled": 0, "reason": "full"}
-            good = self._read(link, namespace, slots, nbytes, deadline)
+            good = self._read(link, namespace, slots, nbytes, deadline, phases)
         except (OSError, ValueError, TypeError, KeyError, TransferError) as e:
             with link.lock:
                 link.failures += 1
@@ -483,32 +527,68 @@ class Cluster:
             self._throttle.warning(f"pull {link.name}", "kvx node: a pull from %s failed: %s", link.name, e)
         finally:
             pulled = self._call(lambda s: s.pull_end(owner, good))
+            phases.mark("commit")
         self._count("pulled", pulled)
+        with self._lock:
+            self.last_pull = {"chunks": pulled, **phases.ms}
         return {"pulled": pulled, "from": link.node}
 
-    def _read(self, link: _Link, namespace: str, slots: Sequence[tuple[str, int]], nbytes: int, deadline: float):
+    def _read_checked(self, link: _Link, spans: list[Span], crcs: list, deadline: float) -> list[bool]:
+        """Read ``spans`` in a few transfers, each one's chunks checked against ``crcs`` (the lease's) on a thread
+        while the next one moves: the checks cost little time of their own."""
+        size = max(1, -(-len(spans) // _READ_GROUPS))
+        checks = []
+
+        def check(s: Span, crc) -> bool:
+            with memoryview(self._pool) as view:
+                return crc is not None and crc32c_update(view[s.local : s.local + s.nbytes]) == crc
+
+        try:
+            for i in range(0, len(spans), size):
+                self.transport.read(link.node, spans[i : i + size], max(0.001, deadline - time.monotonic()))
+                checks += [self._checks.submit(check, s, c) for s, c in zip(spans[i : i + size], crcs[i : i + size])]
+            return [f.result() for f in checks]
+        finally:
+            for f in checks:  # none still reading a slot the caller frees
+                f.cancel() or f.exception()
+
+    def _read(
+        self,
+        link: _Link,
+        namespace: str,
+        slots: Sequence[tuple[str, int]],
+        nbytes: int,
+        deadline: float,
+        phases: _Phases,
+    ) -> list[str]:
         """Lease ``slots``' chunks on ``link``, read them into their slots, check them, release them: the keys that
         arrived whole, in order."""
         keys = [k for k, _ in slots]
         left = deadline - time.monotonic()
-        msg = {"op": "lease", "namespace": namespace, "keys": "".join(keys), "nbytes": nbytes}
+        streams_crc = isinstance(self.transport, TcpTransport)  # it checks each chunk as it arrives
+        msg = {"op": "lease", "namespace": namespace, "keys": "".join(keys), "nbytes": nbytes, "crc": not streams_crc}
         leased = self._request(link, msg, left)["chunks"]
+        phases.mark("lease")
         if [c[0] for c in leased] != keys[: len(leased)]:
             raise ValueError(f"lease: expected a prefix of the keys asked for, got {[c[0] for c in leased][:4]}...")
         if not leased:
             return []
         spans = [Span(int(c[1]), off, nbytes) for c, (_, off) in zip(leased, slots)]
         t0 = time.monotonic()
-        self.transport.read(link.node, spans, max(0.001, deadline - t0))
+        if isinstance(self.transport, TcpTransport):  # it checks each chunk as it streams
+            ok = self.transport.read(link.node, spans, max(0.001, deadline - t0))
+        else:
+            ok = self._read_checked(link, spans, [c[3] for c in leased], deadline)
         seconds = time.monotonic() - t0
-        with memoryview(self._pool) as view:
-            ok = [crc32c_update(view[s.local : s.local + nbytes]) == int(c[3]) for c, s in zip(leased, spans)]
+        phases.mark("read")
         good = next((i for i, v in enumerate(ok) if not v), len(ok))
+        phases.mark("check")
         if good < len(ok):
             self._count("bad_chunks", len(ok) - good)
             log.warning("kvx node: chunk %s from %s failed its CRC32C check; not served", keys[good], link.name)
         release = {"op": "release", "keys": [c[0] for c in leased], "generations": [int(c[2]) for c in leased]}
         intact = self._request(link, release, max(0.001, deadline - time.monotonic()))["intact"]
+        phases.mark("release")
         good = next((i for i in range(good) if not intact[i]), good)
         with link.lock:
             link.pulls += 1
@@ -614,5 +694,6 @@ class Cluster:
                 "transport": self.config.transport,
                 "peers": peers,
                 "bytes_out": sum(self._out.values()),
+                "last_pull": dict(self.last_pull),
                 **self.counters,
             }

@@ -37,6 +37,25 @@ _RECV_BYTES = 1 << 18
 _MAX_PENDING_REPLIES = 64 << 20  # bytes of unsent replies after which a client that does not read is dropped
 
 
+def _populate(pool: mmap.mmap, geom: PoolGeometry) -> None:
+    """Commit the pool's slot pages in this process (a thread of its own): a page's first touch under a pull
+    would otherwise cost a fault and its zeroing (64 MiB of fresh slots: tens of ms) inside the pull."""
+    try:
+        import numpy as np
+
+        from .._ext import load
+
+        view = np.frombuffer(pool, dtype=np.uint8, count=geom.num_slots * geom.slot_bytes, offset=geom.data_offset)
+        try:
+            err = load().cpu_populate_write(view.ctypes.data, view.size, 1)
+        finally:
+            del view  # the mapping may be closed once this goes
+        if err:
+            log.info("kvx node: the pool's pages are made at first touch (MADV_POPULATE_WRITE: errno %d)", err)
+    except (ImportError, ValueError, BufferError) as e:
+        log.info("kvx node: the pool's pages are made at first touch (%s)", e)
+
+
 def default_pool_path(socket_path: str) -> str:
     """``/dev/shm/kvx-node-<sha256(abs socket path)[:12]>.pool``: one pool per socket, found again on restart."""
     digest = hashlib.sha256(os.path.abspath(socket_path).encode()).hexdigest()[:12]
@@ -252,6 +271,10 @@ class NodeServer:
         epoch = os.urandom(16)
         header = pack_header(self.geom, epoch)
         self._map[: len(header)] = header
+        if self.cluster_config is not None:  # pulls land in the slots: their pages made now, not under a pull
+            threading.Thread(
+                target=_populate, args=(self._map, self.geom), name="kvx-node-populate", daemon=True
+            ).start()
         return self._map, epoch
 
     def _check_room(self, vfs: os.statvfs_result, nbytes: int) -> None:
@@ -346,6 +369,7 @@ class NodeServer:
             raise StartError(str(e)) from None
         self.state.on_pull = self.cluster.pull
         self.state.on_push = self.cluster.push
+        self.state.on_commit = self.cluster.committed
         self.state.cluster_stats = self.cluster.stats
 
     def call(self, fn: Callable[[NodeState], Any], timeout: float = 30.0) -> Any:

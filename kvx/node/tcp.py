@@ -18,13 +18,16 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from ..log import get_logger
+from ..store.codec import crc32c_update
 from . import handshake
 from .transport import Span, TransferError, Transport
 
 log = get_logger(__name__)
 
+_CRC = ThreadPoolExecutor(2, thread_name_prefix="kvx-node-crc")  # CRC32C of spans beside their stream (GIL released)
 _SOCK_BUF = 4 << 20  # bytes of kernel socket buffer each way (as LMCache's TCP channel)
 _MAX_SPANS = 4096
 
@@ -108,13 +111,16 @@ class TcpTransport(Transport):
         if sock is not None:
             sock.close()
 
-    def read(self, peer: str, spans: Sequence[Span], timeout: float) -> None:
-        self._transfer(peer, spans, timeout, self._read)
+    def read(self, peer: str, spans: Sequence[Span], timeout: float) -> list[bool]:
+        """As :meth:`Transport.read`; checked here: the peer computes each span's CRC32C as it sends it and this side
+        as it receives it (on a thread beside the stream: the checks cost no time of their own), and each span's
+        verdict is returned."""
+        return self._transfer(peer, spans, timeout, self._read)
 
     def write(self, peer: str, spans: Sequence[Span], timeout: float) -> None:
         self._transfer(peer, spans, timeout, self._write)
 
-    def _transfer(self, peer: str, spans: Sequence[Span], timeout: float, how) -> None:
+    def _transfer(self, peer: str, spans: Sequence[Span], timeout: float, how):
         with self._lock:
             address, lock = self._addr.get(peer), self._peer_locks.get(peer)
         if address is None or lock is None:
@@ -128,7 +134,7 @@ class TcpTransport(Transport):
                     tune(sock)
                     with self._lock:
                         self._socks[peer] = sock
-                how(sock, spans, deadline)
+                return how(sock, spans, deadline)
             except (OSError, ValueError) as e:
                 with self._lock:
                     if self._socks.get(peer) is sock:
@@ -137,26 +143,37 @@ class TcpTransport(Transport):
                     f"tcp {how.__name__[1:]} of node {peer} at {address[0]}:{address[1]}: {e}"
                 ) from None
 
-    def _read(self, sock: socket.socket, spans: Sequence[Span], deadline: float) -> None:
+    def _read(self, sock: socket.socket, spans: Sequence[Span], deadline: float) -> list[bool]:
         left = _left(deadline)
         sock.settimeout(left())
         handshake.send(sock, {"op": "read", "spans": [[s.remote, s.nbytes] for s in spans]})
         reply = handshake.recv(sock)
         if not reply.get("ok"):
             raise ValueError(f"refused: {reply.get('error')}")
+        crcs = []
         with memoryview(self.pool) as view:
-            for s in spans:
-                if s.local < 0 or s.local + s.nbytes > len(view):
-                    raise ValueError(f"span: expected a local range inside the pool, got {s}")
-                part = view[s.local : s.local + s.nbytes]
-                got = 0
-                while got < s.nbytes:
-                    sock.settimeout(left())
-                    n = sock.recv_into(part[got:])
-                    if n == 0:
-                        raise ConnectionError("the peer closed the connection mid-read")
-                    got += n
-                part.release()
+            try:
+                for s in spans:
+                    if s.local < 0 or s.local + s.nbytes > len(view):
+                        raise ValueError(f"span: expected a local range inside the pool, got {s}")
+                    part = view[s.local : s.local + s.nbytes]
+                    got = 0
+                    while got < s.nbytes:
+                        sock.settimeout(left())
+                        n = sock.recv_into(part[got:])
+                        if n == 0:
+                            raise ConnectionError("the peer closed the connection mid-read")
+                        got += n
+                    crcs.append(_CRC.submit(crc32c_update, part))
+                sock.settimeout(left())
+                sent = handshake.recv(sock).get("crcs")
+                mine = [f.result() for f in crcs]
+            finally:
+                for f in crcs:  # no check still reading the pool once it is given back
+                    f.cancel() or f.exception()
+        if not isinstance(sent, list) or len(sent) != len(spans):
+            raise ValueError(f"crcs: expected one per span after the bytes, got {str(sent)[:80]}")
+        return [a == b for a, b in zip(mine, sent)]
 
     def _write(self, sock: socket.socket, spans: Sequence[Span], deadline: float) -> None:
         left = _left(deadline)
@@ -207,8 +224,16 @@ class TcpTransport(Transport):
                     handshake.send(sock, {"ok": True})
                 else:
                     handshake.send(sock, {"ok": True})
-                    for off, n in spans:
-                        sock.sendall(view[off : off + n])
+                    crcs = []
+                    try:
+                        for off, n in spans:
+                            part = view[off : off + n]
+                            crcs.append(_CRC.submit(crc32c_update, part))  # beside the send, on the same bytes
+                            sock.sendall(part)
+                        handshake.send(sock, {"crcs": [f.result() for f in crcs]})
+                    finally:
+                        for f in crcs:
+                            f.cancel() or f.exception()
             total = sum(n for _, n in spans)
             with self._lock:
                 self.bytes_served += total

@@ -1,0 +1,194 @@
+"""A pull of 64 MiB of chunks from a peer node, against moving the same bytes with nothing around them (issue 45's
+measure), in one run, interleaved round by round:
+
+- **socket**: a plain TCP stream of the bytes between two processes (``bench_peer_transfer``'s baseline);
+- **nixl**: one raw NIXL READ of them (UCX's defaults: CMA between two processes of one host);
+- **pull, tcp** / **pull, nixl**: two ``kvx node`` processes in a cluster (loopback) on that transport; an engine's
+  index on node B misses ``--chunks`` chunks that node A holds and B pulls them: the fan-out, PENDING slots, the
+  lease (the serving node's CRC32C of each chunk), the bytes, the CRC32C check here, the release, the commit. Timed
+  from the engine's ask to the node's answer; new chunks every round.
+
+Targets: a pull over TCP >= 80% of the socket stream; over NIXL (shared memory) >= 90% of the raw NIXL READ.
+
+    python benchmarks/bench_pull.py [--chunks 16] [--chunk-size 4MiB] [--reps 7] [--out DIR]
+
+Writes ``pull_cpu.{md,csv}`` under ``benchmarks/results`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+
+import bench_peer_transfer as T  # noqa: E402
+import torch  # noqa: E402
+
+from kvx.node.client import NodeIndex, NodePool  # noqa: E402
+from kvx.testing.bench import cpu_name  # noqa: E402
+from kvx.testing.node_procs import Node  # noqa: E402
+
+NAMESPACE = bytes(range(16))
+SECRET = b"kvx-bench-pull-secret-0123456789"
+
+
+def _wait(cond, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.005)
+
+
+class PullPair:
+    """Two nodes on ``transport`` and an engine's index on each: A stores chunks, B pulls them."""
+
+    def __init__(self, transport: str, chunks: int, chunk_bytes: int, work: str):
+        self.name, self.chunks, self.chunk_bytes = f"pull-{transport}", chunks, chunk_bytes
+        ports = _free_ports(2)
+        secret = os.path.join(work, f"secret-{transport}")
+        with open(secret, "wb") as f:
+            f.write(SECRET)
+        size = str(3 * chunks * chunk_bytes + (8 << 20))
+        self.nodes = []
+        for i in range(2):
+            args = ["--listen", f"127.0.0.1:{ports[i]}", "--peers", f"127.0.0.1:{ports[1 - i]}"]
+            args += ["--secret-file", secret, "--transport", transport]
+            sock = os.path.join(work, f"{transport}{i}.sock")
+            log = os.path.join(work, f"{transport}{i}.log")
+            self.nodes.append(
+                Node(sock, size, str(chunk_bytes), log, *args, pool=f"/dev/shm/kvxb-{os.getpid()}-{transport}{i}")
+            )
+        for n in self.nodes:
+            n.start()
+        self.a, self.b = (self._index(n) for n in self.nodes)
+        self.pool = NodePool((chunk_bytes,), torch.uint8, None, (chunk_bytes,))
+        self.pool.attach(self.a.pool, background=False)
+        self.round = 0
+        self.phases: list[dict] = []  # node B's account of each pull (kvx node stats: last_pull)
+        self.data = torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+
+    def _index(self, node: Node) -> NodeIndex:
+        index = NodeIndex(node.socket, NAMESPACE, "bench", 16, self.chunk_bytes, timeout=30, pull_wait_ms=60_000)
+        _wait(lambda: index.contains_many(["0" * 32]) is not None and index.pool is not None, "hello")
+        return index
+
+    def transfer(self) -> float:
+        self.round += 1
+        keys = [f"{(self.round << 32) + j:032x}" for j in range(self.chunks)]
+        for k in keys:
+            slot = self.a.allocate(k)
+            self.pool.slot(slot).copy_(self.data)
+            self.a.commit(k)
+        t0 = time.perf_counter()
+        while self.b.pulling(keys):
+            time.sleep(0.0001)
+        took = time.perf_counter() - t0
+        self.phases.append(self.nodes[1].stats()["cluster"]["last_pull"])
+        got = self.b.contains_many(keys)
+        if not all(got):
+            raise RuntimeError(f"{self.name}: pulled {sum(got)} of {len(keys)} chunks: {self.nodes[1].stats()}")
+        return took
+
+    def close(self) -> None:
+        for idx in (self.a, self.b):
+            idx.close()
+        self.pool.close()
+        for n in self.nodes:
+            n.stop()
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--chunk-size", default="4MiB")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--out", default=RESULTS)
+    args = ap.parse_args(argv)
+    chunk_bytes = T.parse_size(args.chunk_size)
+    total = args.chunks * chunk_bytes
+    layout = T.Layout(total=args.chunks * chunk_bytes, chunk=chunk_bytes)
+    loadavg = os.getloadavg()[0]
+    pairs: list = []
+    times: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvxb", dir="/tmp") as work:
+        try:
+            for name in ("socket", "nixl"):
+                p = T.Pair(name, layout)
+                p.transfer()
+                p.check()
+                pairs.append(p)
+            for transport in ("tcp", "nixl"):
+                p = PullPair(transport, args.chunks, chunk_bytes, work)
+                p.transfer()  # warm-up: connections, the pools' first pages
+                pairs.append(p)
+            times = {p.name: [] for p in pairs}
+            for r in range(args.reps):
+                for p in pairs:
+                    times[p.name].append(p.transfer())
+                print(f"round {r + 1}: " + ", ".join(f"{n} {total / t[-1] / 1e9:.2f} GB/s" for n, t in times.items()))
+            for p in pairs[:2]:
+                p.check()
+        finally:
+            for p in pairs:
+                p.close()
+    gbs = {n: statistics.median(total / s / 1e9 for s in t) for n, t in times.items()}
+    rows = [
+        {"variant": n, "median_gbs": round(g, 3), "vs": base, "ratio": round(g / gbs[base], 3)}
+        for n, g, base in (
+            ("socket", gbs["socket"], "socket"),
+            ("nixl", gbs["nixl"], "nixl"),
+            ("pull-tcp", gbs["pull-tcp"], "socket"),
+            ("pull-nixl", gbs["pull-nixl"], "nixl"),
+        )
+    ]
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "pull_cpu.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    shown = " ".join(argv if argv is not None else sys.argv[1:])
+    lines = [
+        "# A pull from a peer node against the same bytes moved bare",
+        "",
+        f"Machine: {cpu_name()}; load average {loadavg:.2f} at start. "
+        f"Command: `python benchmarks/bench_pull.py {shown}`",
+        "",
+        f"{args.chunks} chunks of {chunk_bytes >> 20} MiB ({total >> 20} MiB) per transfer; {args.reps} rounds, the "
+        "variants in turn within each; medians. A pull is timed from the engine's ask to its node's answer (the "
+        "fan-out, slots, the lease with the peer's CRC32C, the bytes, the check, the release, the commit).",
+        "",
+        "| variant | median GB/s | against | ratio |",
+        "|---|---:|---|---:|",
+    ]
+    lines += [f"| {r['variant']} | {r['median_gbs']:.2f} | {r['vs']} | {r['ratio']:.2f}x |" for r in rows]
+    path = os.path.join(args.out, "pull_cpu.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
