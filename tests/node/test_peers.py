@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -204,3 +206,85 @@ def test_a_push_to_a_node_outside_the_cluster_sends_nothing(tmp):
     finally:
         a.close()
         c.close()
+
+
+class GarbagePeer:
+    """A member that holds the secret but answers with garbage: it claims every chunk, leases them at offsets of
+    its own, and streams random bytes with CRC32Cs that do not match them (a broken or hostile node)."""
+
+    def __init__(self, secret: bytes):
+        from kvx.node import handshake
+
+        self.h = handshake
+        self.secret = secret
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+
+    def _serve(self, sock) -> None:
+        try:
+            _, role = self.h.admit(sock, self.secret, "garbage", {"transport": "tcp", "epoch": "00"})
+            while True:
+                msg = self.h.recv(sock)
+                op = msg.get("op")
+                keys = msg.get("keys", "")
+                keys = [keys[i : i + 32] for i in range(0, len(keys), 32)] if isinstance(keys, str) else keys
+                if op == "have":
+                    self.h.send(sock, {"ok": True, "ready": len(keys)})
+                elif op == "lease":
+                    chunks = [[k, (1 << 30) + i * SLOT_BYTES, 1, None] for i, k in enumerate(keys)]
+                    self.h.send(sock, {"ok": True, "chunks": chunks, "epoch": "00"})
+                elif op == "release":
+                    self.h.send(sock, {"ok": True, "intact": [True] * len(msg["keys"])})
+                elif op == "read":
+                    self.h.send(sock, {"ok": True})
+                    for _, n in msg["spans"]:
+                        sock.sendall(os.urandom(n))
+                    self.h.send(sock, {"crcs": [12345] * len(msg["spans"])})
+                else:
+                    self.h.send(sock, {"ok": False, "error": "no"})
+        except (OSError, ValueError):
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_peer_that_answers_garbage_is_never_served(tmp):
+    secret = secret_file(tmp)
+    with open(secret, "rb") as f:
+        garbage = GarbagePeer(f.read().strip())
+    b = Member(tmp, "b", free_port(), [garbage.port], secret)
+    try:
+        assert b.pull([key(80), key(81)]) == [False, False]
+        s = b.node.stats()
+        assert s["cluster"]["bad_chunks"] == 2 and s["cluster"]["pulled"] == 0
+        assert s["pool"]["pending"] == 0 and s["namespaces"][NAMESPACE.hex()]["chunks"] == 0
+    finally:
+        b.close()
+        garbage.close()
+
+
+def test_the_leases_of_a_peer_that_goes_away_are_released(pair, tmp):
+    from kvx.node import handshake
+
+    a, _ = pair
+    a.store(key(90), torch.ones(SLOT_BYTES, dtype=torch.uint8))
+    with open(secret_file(tmp), "rb") as f:
+        secret = f.read().strip()
+    sock, _ = handshake.dial(("127.0.0.1", a.port), secret, "visitor", "control", 10)
+    handshake.send(sock, {"op": "lease", "namespace": NAMESPACE.hex(), "keys": key(90), "nbytes": SLOT_BYTES})
+    assert [c[0] for c in handshake.recv(sock)["chunks"]] == [key(90)]
+    assert a.node.stats()["leases"] == 1
+    sock.close()  # gone without a release: its leases go with its connection
+    wait_for(lambda: a.node.stats()["leases"] == 0, 10, "the leases released")
+    s = a.node.stats()
+    assert s["namespaces"][NAMESPACE.hex()]["chunks"] == 1
