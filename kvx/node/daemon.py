@@ -28,9 +28,14 @@ may be half-written by an engine killed in the middle of a save, so rebuilding t
 per-chunk checksums that kvx does not keep in the pool. Starting empty is always correct; engines that mapped the
 old file keep their mapping until they reconnect, see a new epoch and map the new file.
 
+**Across hosts** (``--listen``, ``--peers`` or ``--membership``, ``--secret-file``): the node is a member of a
+cluster, pulling the chunks its engines miss from peers and pushing a P/D producer's chunks to its consumer's node
+(:mod:`.peers`); the cluster's threads ask the loop for every change of the index (:meth:`NodeServer.call`).
+
 Threads: :class:`NodeState` is owned by the event-loop thread (no locks). :class:`NodeServer` runs that loop;
-the only other thread is the optional Prometheus endpoint, which reads a snapshot of :meth:`NodeState.stats`
-that the loop publishes under a lock.
+the other threads are the optional Prometheus endpoint, which reads a snapshot of :meth:`NodeState.stats` that
+the loop publishes under a lock, and a cluster member's (:mod:`.peers`), which change the index only through
+:meth:`NodeServer.call`.
 """
 
 from .index import BadRequest, NodeState, Refused
