@@ -1,6 +1,7 @@
 """Fixtures of the store tests: real ``redis-server`` processes (kvx.testing.redis_server), stopped at teardown
-whatever the test did to them; the helpers the Redis tests share (chunks, keys, checks of a tier); and the pids of
-a live and a dead process the disk tests name temporary files after."""
+whatever the test did to them; the helpers the Redis tests share (chunks, keys, checks of a tier); the ``store``
+of the disk tests (test_disk_*.py; a module with a ``store`` fixture of its own, as test_seal.py, overrides it);
+and the pids of a live and a dead process the disk tests name temporary files after."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from kvx.store import codec
+from kvx.store.disk import DiskTier
 from kvx.store.errors import ChunkError, StoreUnavailableError
 from kvx.store.redis import RedisTier, RedisTierConfig
 from kvx.store.tier import TierContext
@@ -129,6 +131,15 @@ def assert_fails_at_once(tier: RedisTier, within_s: float) -> None:
     with pytest.raises(StoreUnavailableError):
         tier.put(new_key(), torch.zeros(4))
     assert time.monotonic() - t0 < within_s
+
+
+# ------------------------------------------------------------------------------------------ disk fixtures
+@pytest.fixture
+def store(tmp_path):
+    """A DiskTier at ``tmp_path / "kv"`` (fingerprint "fp-test"), closed at teardown."""
+    s = DiskTier.at(tmp_path / "kv", fingerprint="fp-test")
+    yield s
+    s.close()
 
 
 @pytest.fixture
