@@ -120,7 +120,7 @@ class NodeIndex(SlotIndex):
             self._refusal = None
             self.pool = (reply["pool"], reply["epoch"])
             self._dir = _map_directory(reply)
-            self._cluster = bool(reply.get("cluster")) and self.pull_wait_s > 0
+            self._cluster = bool(reply.get("cluster"))
             self.stats["reconnects"] += 1
             log.info("kvx: connected to the node at %s (pool %s)", self.conn.path, reply["pool"])
         try:
@@ -172,7 +172,7 @@ class NodeIndex(SlotIndex):
         """A node in a cluster: True while the node pulls ``missing`` (a lookup's keys from its first miss on) from a
         peer, for at most ``pull_wait_ms`` (and a second's grace for the node's answer). The first lookup to miss a
         key starts the pull; a key a pull did not bring is not pulled again for :data:`_TRIED_S`."""
-        if not self._cluster or self._dir is None or not missing:
+        if not self._cluster or self.pull_wait_s <= 0 or self._dir is None or not missing:
             return False
         now = time.monotonic()
         p = self._pull

@@ -85,7 +85,7 @@ def test_a_miss_everywhere_is_computed_after_one_pull(make_env, cluster):
 def test_a_producer_pushes_its_chunks_into_the_consumers_node(make_env, cluster):
     (na, nb), ports = cluster
     ids = prompt(1000, seed=33)
-    prod = make_env(node_tier(na), role="kv_producer")
+    prod = make_env(node_tier(na, pull_wait_ms=0), role="kv_producer")  # no pulls; pushes all the same
     prod.request("p", ids, max_tokens=1, kv_transfer_params={"kvx_push_to": f"127.0.0.1:{ports[1]}"})
     prod.run(settle_writes=True)
     params = prod.kv_params["p"]
