@@ -232,6 +232,13 @@ def _daemon_parser() -> _Parser:
         "the same on every node",
     )
     cluster.add_argument(
+        "--lease-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a peer's connection idle this long is closed, and the leases it held released (default 30)",
+    )
+    cluster.add_argument(
         "--node-id", metavar="ID", help="this node's name among its peers (default: HOST:PORT of --listen)"
     )
     return ap
@@ -264,6 +271,8 @@ def _cluster(args: argparse.Namespace):
         raise _UsageError(f"kvx node: --peers: expected the other nodes, got this node's own --listen {args.listen}")
     if peers and args.membership:
         raise _UsageError("kvx node: --membership: expected in place of --peers, got both")
+    if not args.lease_s > 0:
+        raise _UsageError(f"kvx node: --lease-s: expected seconds > 0, got {args.lease_s}")
     if not args.membership_ttl_s > 0:
         raise _UsageError(f"kvx node: --membership-ttl-s: expected seconds > 0, got {args.membership_ttl_s}")
     if args.membership and not args.membership_cluster:  # a cluster's client connects as it is made: at start
@@ -282,6 +291,7 @@ def _cluster(args: argparse.Namespace):
         membership=args.membership,
         membership_cluster=args.membership_cluster,
         membership_ttl_s=args.membership_ttl_s,
+        lease_s=args.lease_s,
     )
 
 

@@ -180,7 +180,9 @@ class NodeIndex(SlotIndex):
             self._poll_pull(now)
             p = self._pull
         if p is not None:
-            return p.keys[0] == missing[0]  # another request's pull: this one does not wait for it
+            # its first miss among the pull's keys: wait for the pull (the node makes its chunks READY one by one, so
+            # a lookup may see some of them already); else another request's pull, which this one does not wait for
+            return missing[0] in p.keys
         if self._tried.get(missing[0], 0.0) > now:
             return False
         keys = list(missing[:_PULL_KEYS])

@@ -109,6 +109,7 @@ class _Link:
     down_s: float = _DOWN_S[0]
     rate: float | None = None  # bytes/s of its reads, smoothed
     epoch: str | None = None  # of the peer's pool the transport was told of
+    used: float = 0.0  # when its connection last carried a request
     bytes_in: int = 0
     bytes_out_pushed: int = 0
     chunks_in: int = 0
@@ -397,25 +398,16 @@ class Cluster:
         ``ValueError`` (the link is then marked down) or :class:`Denied`."""
         with link.lock:
             try:
-                if link.sock is None:
-                    if time.monotonic() < link.next_try:
-                        raise ConnectionError(f"down ({link.error})")
-                    link.sock, welcome = self._dial(link.address, "control")
-                    link.node = str(welcome.get("node"))
-                    if welcome.get("transport") != self.config.transport:
-                        raise ValueError(
-                            f"transport: expected a peer on {self.config.transport!r}, got {welcome.get('transport')!r}"
-                        )
-                    self._connect_transport(link, welcome.get("epoch", ""))
-                    link.state, link.error, link.down_s = "up", None, _DOWN_S[0]
-                link.sock.settimeout(max(timeout, 0.001))
-                handshake.send(link.sock, msg)
-                reply = handshake.recv(link.sock)
-                if not reply.get("ok"):
-                    raise ValueError(f"refused {msg.get('op')}: {reply.get('error')}")
-                if reply.get("epoch") not in (None, link.epoch):
-                    self._connect_transport(link, reply["epoch"])
-                return reply
+                if link.sock is not None and time.monotonic() - link.used > 0.8 * self.config.lease_s:
+                    self._close_link(link)  # the peer is about to close it as idle (lease_s): a fresh one
+                reused = link.sock is not None
+                try:
+                    return self._exchange(link, msg, timeout)
+                except ConnectionError:
+                    if not reused:
+                        raise
+                    self._close_link(link)  # closed by the peer while idle: once more, on a new connection
+                    return self._exchange(link, msg, timeout)
             except Denied as e:
                 self._down(link, "refused", str(e))
                 raise
@@ -423,6 +415,29 @@ class Cluster:
                 if link.sock is not None or time.monotonic() >= link.next_try:  # not a link left alone meanwhile
                     self._down(link, "down", f"{type(e).__name__}: {e}")
                 raise
+
+    def _exchange(self, link: _Link, msg: dict, timeout: float) -> dict:
+        """One request on ``link``'s connection (dialed first if there is none); link.lock held."""
+        if link.sock is None:
+            if time.monotonic() < link.next_try:
+                raise OSError(f"down ({link.error})")
+            link.sock, welcome = self._dial(link.address, "control")
+            link.node = str(welcome.get("node"))
+            if welcome.get("transport") != self.config.transport:
+                raise ValueError(
+                    f"transport: expected a peer on {self.config.transport!r}, got {welcome.get('transport')!r}"
+                )
+            self._connect_transport(link, welcome.get("epoch", ""))
+            link.state, link.error, link.down_s = "up", None, _DOWN_S[0]
+        link.sock.settimeout(max(timeout, 0.001))
+        handshake.send(link.sock, msg)
+        reply = handshake.recv(link.sock)
+        if not reply.get("ok"):
+            raise ValueError(f"refused {msg.get('op')}: {reply.get('error')}")
+        if reply.get("epoch") not in (None, link.epoch):
+            self._connect_transport(link, reply["epoch"])
+        link.used = time.monotonic()
+        return reply
 
     def _connect_transport(self, link: _Link, epoch: str) -> None:
         """Tell the transport how to read ``link``'s pool (link.lock held)."""

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import pytest
 import torch
@@ -288,3 +289,21 @@ def test_the_leases_of_a_peer_that_goes_away_are_released(pair, tmp):
     wait_for(lambda: a.node.stats()["leases"] == 0, 10, "the leases released")
     s = a.node.stats()
     assert s["namespaces"][NAMESPACE.hex()]["chunks"] == 1
+
+
+def test_a_pull_after_the_peer_closed_an_idle_connection_dials_again(tmp):
+    secret = secret_file(tmp)
+    pa, pb = free_port(), free_port()
+    a = Member(tmp, "a", pa, [pb], secret, "--lease-s", "0.5")  # a closes a peer's connection idle 0.5 s
+    b = Member(tmp, "b", pb, [pa], secret)
+    try:
+        for i in (1, 2):
+            a.store(key(100 + i), torch.ones(SLOT_BYTES, dtype=torch.uint8))
+        assert b.pull([key(101)]) == [True]
+        idle_until = time.monotonic() + 1.0
+        wait_for(lambda: time.monotonic() > idle_until, 5, "the connection to sit idle past a's --lease-s")
+        assert b.pull([key(102)]) == [True]  # its connection was closed by a: dialed again, not a miss
+        assert b.node.stats()["cluster"]["peers"][0]["state"] == "up"
+    finally:
+        a.close()
+        b.close()
