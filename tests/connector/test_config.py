@@ -512,7 +512,10 @@ def test_a_node_tier_is_the_first_and_only_first_level(tiers):
     [
         ({"type": "node"}, "tiers.0.node.socket: Field required"),
         ({"type": "node", "socket": "/s", "timeout": 0}, "tiers.0.node.timeout: Input should be greater than 0"),
-        ({"type": "node", "socket": "/s", "port": 1}, "tiers.0.node.port: unknown key (known: retry_s, socket"),
+        (
+            {"type": "node", "socket": "/s", "port": 1},
+            "tiers.0.node.port: unknown key (known: pull_wait_ms, retry_s, socket",
+        ),
     ],
 )
 def test_bad_node_tier_settings_name_the_key(tier, expect):
