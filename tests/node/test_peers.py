@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -18,7 +17,6 @@ import pytest
 import torch
 
 from kvx.node.client import NodeIndex
-from kvx.testing.node_procs import ROOT
 from tests.helpers import wait_for
 from tests.node.cluster_helpers import NAMESPACE, SLOT_BYTES, Member, free_port, key, secret_file
 
@@ -124,10 +122,13 @@ def test_a_peer_stopped_or_killed_costs_a_miss_within_the_wait_and_leaves_no_slo
             os.killpg(a.node.proc.pid, signal.SIGCONT)
 
 
-def test_cluster_flags_are_checked_before_the_node_starts(tmp):
+def test_cluster_flags_are_checked_before_the_node_starts(tmp, capsys):
+    from kvx.node import cli
+
     def run(*args: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "kvx.node.cli", "--socket", os.path.join(tmp, "x.sock"), "--size", "16MiB"]
-        return subprocess.run([*cmd, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        """``kvx node`` in this process (its errors come before anything starts: nothing to stop)."""
+        rc = cli.main(["--socket", os.path.join(tmp, "x.sock"), "--size", "16MiB", *args])
+        return subprocess.CompletedProcess(args, rc, "", capsys.readouterr().err)
 
     short = secret_file(tmp, "short", "tiny")
     good = secret_file(tmp)
