@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -39,22 +38,12 @@ import torch  # noqa: E402
 from kvx.node import handshake  # noqa: E402
 from kvx.node.client import NodeIndex, NodePool  # noqa: E402
 from kvx.testing.bench import cpu_name  # noqa: E402
-from kvx.testing.node_procs import Node  # noqa: E402
+from kvx.testing.node_procs import Node, free_ports  # noqa: E402
 
 SLOT = 1 << 20
 NAMESPACE = bytes(range(16))
 SECRET = b"kvx-bench-cluster-secret-0123456789"
 _TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _cpu_s(pid: int) -> float:
@@ -86,7 +75,7 @@ def _pull(index: NodeIndex, keys: list[str]) -> float:
 
 
 def measure(n: int, reps: int, haves: int, work: str) -> dict:
-    ports = _free_ports(n)
+    ports = free_ports(n)
     secret = os.path.join(work, "secret")
     with open(secret, "wb") as f:
         f.write(SECRET)

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from kvx.node.client import NodeIndex, NodePool  # noqa: E402
 from kvx.testing.bench import cpu_name  # noqa: E402
-from kvx.testing.node_procs import Node  # noqa: E402
+from kvx.testing.node_procs import Node, free_ports  # noqa: E402
 
 NAMESPACE = bytes(range(16))
 SECRET = b"kvx-bench-pull-secret-0123456789"
@@ -54,7 +54,7 @@ class PullPair:
 
     def __init__(self, transport: str, chunks: int, chunk_bytes: int, work: str):
         self.name, self.chunks, self.chunk_bytes = f"pull-{transport}", chunks, chunk_bytes
-        ports = _free_ports(2)
+        ports = free_ports(2)
         secret = os.path.join(work, f"secret-{transport}")
         with open(secret, "wb") as f:
             f.write(SECRET)
@@ -105,18 +105,6 @@ class PullPair:
         self.pool.close()
         for n in self.nodes:
             n.stop()
-
-
-def _free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def main(argv: list[str] | None = None) -> int:

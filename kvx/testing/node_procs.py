@@ -37,6 +37,20 @@ MARK = "KVXDRV "  # prefixes the answers: vLLM logs to stdout too
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` TCP ports free on 127.0.0.1 now, distinct (all bound at once, then released)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 class Node:
     """``kvx node`` on ``socket`` (a subprocess); its log at ``log``."""
 
