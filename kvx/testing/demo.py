@@ -4,16 +4,22 @@ Builds a random-weight Llama locally (nothing is downloaded), runs a long prompt
 KVXConnector (CPU + disk tiers), shuts the engine down, starts a fresh one on the same disk store and
 runs the prompt again. Prints TTFT cold vs warm, the hit size and whether the greedy tokens are
 identical. Exits 1 if the warm run got no hit or different tokens.
+
+What it prints is kvx's: its own lines, kvx's log at WARNING and above, and errors from anyone. vLLM's log
+(about forty warnings of a CPU engine that say nothing about kvx), Python warnings from other packages,
+torch's C++ warnings and the loaders' progress bars are held back unless ``--vllm-log`` is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys
 import tempfile
 import time
+import warnings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,11 +39,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--model-dir", default=None, help="where to build/reuse the model (default ~/.cache/kvx/models/...)"
     )
+    ap.add_argument(
+        "--vllm-log",
+        action="store_true",
+        help="show vLLM's log (at VLLM_LOGGING_LEVEL, default WARNING), other packages' warnings and the "
+        "progress bars too; by default only kvx's lines and errors are printed",
+    )
     args = ap.parse_args(argv)
     if args.tokens < 2 * args.chunk_size:
         ap.error(f"--tokens: expected >= 2 chunks ({2 * args.chunk_size}), got {args.tokens}")
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if not args.vllm_log:
+        quiet_others()
     from . import harness as H
 
     model_dir = args.model_dir or os.path.join(
@@ -68,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 kv_cache_bytes=kv_bytes,
                 max_model_len=max_len,
                 dtype=args.dtype,
+                use_tqdm_on_load=args.vllm_log,
             )
             start = time.perf_counter() - t0
             try:
@@ -97,6 +112,45 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if own_store:
             shutil.rmtree(store, ignore_errors=True)
+
+
+class _UnlessPrintedAbove(logging.Filter):
+    """Pass a record of the ``kvx`` logger's own handler only where no handler of a logger above it (vLLM's,
+    once :func:`kvx.log.attach_to_vllm` ran; the root's) prints it too: every line once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        logger = logging.getLogger("kvx")
+        while logger.propagate and logger.parent is not None:
+            logger = logger.parent
+            if any(record.levelno >= h.level for h in logger.handlers):
+                return False
+        return True
+
+
+def quiet_others() -> None:
+    """Hold back what is not kvx's and not an error: vLLM's log below ERROR (``VLLM_LOGGING_LEVEL``, read
+    when vLLM is first imported: call this before), Python warnings raised outside kvx, transformers' and
+    Hugging Face's progress bars and notices, torch's C++ warnings (``TORCH_CPP_LOG_LEVEL``, read when torch
+    loads: ``scripts/demo.sh`` sets it, as here for any child process). kvx logs under vLLM's logger
+    (:func:`kvx.log.attach_to_vllm`), whose handler then passes errors only, so kvx's warnings get a
+    handler of their own on the ``kvx`` logger (errors still go through vLLM's handler). Explicit settings
+    of these variables win."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # vLLM sets up its logging lazily, at the first engine: what it logs while importing would reach
+    # Python's last-resort handler, at WARNING
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", module=r"kvx(\.|$)")  # inserted first: kvx's own still show
+    kvx = logging.getLogger("kvx")
+    if not any(isinstance(f, _UnlessPrintedAbove) for h in kvx.handlers for f in h.filters):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.addFilter(_UnlessPrintedAbove())
+        kvx.addHandler(handler)
+    kvx.setLevel(logging.WARNING)
 
 
 if __name__ == "__main__":
