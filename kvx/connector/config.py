@@ -128,7 +128,14 @@ class KVXConfig(StrictConfig):
         "the chunks its producer announced (kvx_pd_chunks) to reach a shared tier before it "
         "computes without them",
     )
-    io_threads: int = Field(default=2, ge=1, le=64, description="threads for disk reads, and as many for disk writes")
+    io_threads: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="each worker's threads reading the byte tiers (disk, Redis, any registered type: one pool for "
+        "all, normal priority), and as many writing per byte tier (idle priority, but normal with kv_role "
+        "kv_producer); decline_slow_hits expects this many reads at once",
+    )
     decline_slow_hits: bool = Field(
         default=True,
         description="do not load a hit from a tier whose measured read speed makes it slower than "
