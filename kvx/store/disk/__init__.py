@@ -15,12 +15,11 @@ padded with spaces to a multiple of 8, then the chunk's bytes straight from the 
 per write call) to ``.<key>.<host>.<pid>.<random>.tmp`` next to the final name, and renames it into
 place: a reader never sees a partial file, and two engines writing the same key both produce a
 complete file (the last rename wins; both are identical chunks). Reads go through the safetensors
-library. ``safetensors.torch.save_file`` (0.8) wrote to its own ``.tmpXXXXXX`` name first, which a
-``kill -9`` leaked where kvx could not recognise it. put() time, median of 20, old -> new (2-core VM,
-kernel 6.18): tmpfs 4 MiB 4.2 -> 4.1 ms, 16 MiB 15.7 -> 15.5 ms; ext4 4 MiB 3.8-11 -> 3.0-4.0 ms,
-16 MiB 48-53 -> 11-12 ms while single large writes are slow (see ``tier._WRITE_PIECE`` and
-benchmarks/bench_disk_put.py). Neither copies the chunk (safetensors 0.8 writes from
-the tensor's pointer too: no growth of peak RSS for a 64 MiB put with either).
+library. Why not ``safetensors.torch.save_file`` (0.8): it wrote to its own ``.tmpXXXXXX`` name first, which
+a ``kill -9`` leaked where kvx could not recognise it, and it writes the tensor in one call, which some file
+systems serve slowly for large chunks (``tier._WRITE_PIECE``). Neither copies the chunk (both write from the
+tensor's memory). The two writers side by side: benchmarks/bench_disk_put.py, results in
+benchmarks/results/disk_put_cpu.md.
 
 Temporary files. A crash can leave a temporary file behind. Every scan of the directory (store
 start-up, the periodic re-count, eviction, :meth:`DiskTier.usage`, :meth:`DiskTier.clear`) sorts
@@ -28,13 +27,10 @@ them with :func:`survey` into writes in flight (kept) and leftovers of dead writ
 :mod:`.directory`. Until they are removed, temporary files count against the capacity and show in ``kvx
 store inspect/verify``.
 
-Capacity. A put reserves its file's size before writing: if this engine's count of the directory plus
-the reservation would exceed ``capacity_bytes``, it first deletes the least recently used files (mtime;
-a read touches it) down to ``low_watermark * capacity`` (the new chunk included). So one engine never
-exceeds the capacity, however many writer threads it runs. Other engines on the path are seen when
-the directory is re-counted (at most ``rescan_s`` apart, and at every eviction); see
-:class:`DiskTier` for the bound with several engines. Other engines may delete files at any time: a
-missing file is a miss.
+Capacity. ``capacity_bytes`` bounds what one engine lets the directory hold: a put reserves its file's size
+and evicts the least recently used files first where needed (:mod:`.budget` states the rule; :class:`DiskTier`
+the bound with several engines on one path). Other engines may delete files at any time: a missing file is a
+miss.
 
 Full disk. A write that fails with ENOSPC or EDQUOT evicts the least recently used files (at least 10%
 of the chunk bytes, see ``budget.FULL_EVICT_FRACTION``) and retries once. If that fails too, the put raises

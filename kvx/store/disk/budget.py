@@ -2,11 +2,11 @@
 its puts, LRU eviction, and the eviction that relieves a full disk.
 
 A put reserves its file's size before writing: if this engine's count of the directory plus the reservation
-would exceed the capacity, it first deletes the least recently used chunk files (mtime) down to
-``low_watermark * capacity`` (the new chunk included). So one engine never exceeds the capacity, however
-many writer threads it runs. Other engines on the path are seen when the directory is counted again (at
-most ``rescan_s`` apart, and at every eviction); they may delete files at any time (a file already gone
-counts as freed).
+would exceed the capacity, it first deletes the least recently used chunk files (mtime; a read touches it)
+down to ``low_watermark * capacity`` (the new chunk included). So one engine never exceeds the capacity,
+however many writer threads it runs. Other engines on the path are seen when the directory is counted again
+(at most ``rescan_s`` apart, and at every eviction; :class:`~.tier.DiskTier` gives the bound with several
+engines); they may delete files at any time (a file already gone counts as freed).
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ class Budget:
     - ``_relief``: evictions for a full disk so far (a put that fails after one retries instead).
     - ``_busy``: a thread holds the turn.
 
-    Threads: the tier's writer threads (the connector's ``io_threads`` per tier, idle priority):
-    :meth:`reserve`, :meth:`track` / :meth:`untrack`, :meth:`end`, :meth:`relieve`; any
+    Threads: the tier's writer threads (the connector's ``io_threads`` per tier; idle priority, normal for a
+    ``kv_producer``): :meth:`reserve`, :meth:`track` / :meth:`untrack`, :meth:`end`, :meth:`relieve`; any
     thread deleting a chunk (:meth:`freed`); the thread opening the tier, and callers of :meth:`evict`,
     :meth:`clear`, :meth:`recount` (the CLI, tests).
     """
