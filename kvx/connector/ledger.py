@@ -24,12 +24,18 @@ written to that tier; counted in :attr:`ChunkLedger.dropped`). A stalled tier th
 and a worker never has more buffered saves in flight than its write-buffer pool can hold (see
 :class:`~.saves.SavePipeline`).
 
-The request-level decisions (which chunks, save cursors, P/D waits, validity) stay in
-:class:`~.scheduler.KVXScheduler`; the slot tier's index (:class:`kvx.store.SlotIndex`) is the slots' allocator,
-and :class:`kvx.store.stack.TierStack` answers queries only. Life of one saved chunk::
+The request-level decisions are the scheduler's parts, which open transfers here: the save planner
+(:class:`~.save_plan.SavePlanner`: which chunks a step saves, to which tiers, advancing the tracker's
+:class:`~.tracker.SaveCursor`) calls :meth:`ChunkLedger.plan_save`; the load planner
+(:class:`~.load_plan.LoadPlanner`) calls :meth:`ChunkLedger.plan_load`; the hit filters and P/D waits are
+:mod:`.lookup`'s. :class:`~.scheduler.KVXScheduler` owns the ledger and drives the rest: it settles the workers'
+results, poisons the chunks of failed loads (:mod:`.validity` tells which), rewinds the save cursors of what was
+aborted, and plans the write-throughs each step. The slot tier's index (:class:`kvx.store.SlotIndex`) is the
+slots' allocator, and :class:`kvx.store.stack.TierStack` answers queries only. Life of one saved chunk::
 
-    plan_save ──> ChunkSave(slot_xfer, to_tiers={tier: xfer}) ──> workers ──> results {xfer: [outcome per worker]}
-        ──> settle: slot committed (or aborted: rewind), tier write ended (events, CPU hold released)
+    SavePlanner ──> plan_save ──> ChunkSave(slot_xfer, to_tiers={tier: xfer}) ──> workers
+        ──> results {xfer: [outcome per worker]} ──> KVXScheduler: settle: slot committed (or aborted: the
+        request's cursor rewound), tier write ended (record committed: end_commits; events, CPU hold released)
         ──> plan_write_through (committed chunks planned with ``through`` tiers) ──> ...
 """
 
