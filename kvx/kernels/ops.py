@@ -75,8 +75,8 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` between CPU tensors of one shape and dtype whose last dim is dense, on the calling thread
     alone: one memcpy per row (``kvx._C.copy_runs``), rows that continue each other merged. For I/O threads (a
     tier read into a KV head's strided slice of a chunk): ATen's copy starts a parallel region, which on a busy CPU
-    engine waits for cores the model computes on (measured: 12 ms for a 4 MiB head of a chunk on 2 busy cores,
-    0.17 ms on one thread)."""
+    engine waits for the cores the model computes on, many times longer than the copy itself takes on one
+    thread."""
     if dst.shape != src.shape or dst.dtype != src.dtype or dst.device.type != "cpu" or src.device.type != "cpu":
         raise ValueError(
             f"dst, src: expected CPU tensors of one shape and dtype, got {dst.dtype}{list(dst.shape)} on "

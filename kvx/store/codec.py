@@ -8,11 +8,11 @@ chunk ``key``, the engine ``fingerprint`` (what the bytes mean: layout, dtype, f
 tier is a file the safetensors library (and ``kvx store verify``) reads.
 
 Checksum: CRC32C (format ``kvx-2``; ``kvx-1`` chunks, checksummed with zlib's ``crc32``, are still read).
-On CPUs with AVX-512 VPCLMULQDQ it is kvx's own (``kvx._C.crc32c``: ~50 GB/s in cache, ~27 GB/s from
-memory here); elsewhere the ``crc32c`` package's (SSE4.2: ~27 and ~13 GB/s; zlib's CRC32 took 1.0 ms per
-4 MiB, a third of a 4 MiB Redis GET). Both release the GIL over large buffers, so a writer thread's
-checksum does not stall vLLM's Python threads (google-crc32c, used before, held it). The measurements:
-``benchmarks/bench_crc.py``.
+On CPUs with AVX-512 VPCLMULQDQ it is kvx's own (``kvx._C.crc32c``, about twice the package's rate); elsewhere
+the ``crc32c`` package's (SSE4.2). zlib's CRC32 was replaced because it cost a large share of a Redis GET. Both
+release the GIL over large buffers, so a writer thread's checksum does not stall vLLM's Python threads
+(google-crc32c, used before, held it). The measurements: ``benchmarks/bench_crc.py``, results in
+``benchmarks/results/crc_cpu.md``.
 
 Readers check everything before a byte is served: :func:`decode_header` then :func:`check` (version,
 key, fingerprint, dtype, shape, length), then :func:`check_crc` over the payload once it is in the
@@ -126,7 +126,7 @@ def byte_view(t: torch.Tensor):
     """The bytes of a contiguous CPU tensor as a flat uint8 numpy array sharing its memory (no copy)."""
     if not t.is_contiguous():
         raise ValueError(f"chunk: expected a contiguous tensor, got strides {tuple(t.stride())}")
-    try:  # one torch call fewer than reshape(-1) first: 28 us instead of 53 with cold caches
+    try:  # one torch call fewer than reshape(-1) first: about half the time with cold caches
         return t.detach().view(torch.uint8).numpy().reshape(-1)
     except RuntimeError:  # a 0-d tensor of a dtype wider than a byte
         return t.detach().reshape(-1).view(torch.uint8).numpy()
@@ -203,7 +203,7 @@ def encode(
     """(header, payload): the payload is a view of the chunk's memory, not a copy."""
     check_chunk(chunk)
     chunk = chunk.contiguous()
-    payload = byte_view(chunk)  # one view for the CRC and the sender (each costs ~10 us of torch calls)
+    payload = byte_view(chunk)  # one view for the CRC and the sender (each is several torch calls)
     return _header(chunk, payload, key, fingerprint, extra, created), payload
 
 

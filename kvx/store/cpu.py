@@ -189,9 +189,9 @@ class CPUPool(SlotPool):
         pin: page-lock the pool for DMA/UVA copies to a GPU (registered with ``cudaHostRegister`` so a
             large pool is not rounded up to a power of two by torch's pinned allocator).
         populate: commit every page now (unpinned pools; page-locking commits them anyway), on the kvx
-            thread pool: 0.65 s of CPU per 2 GiB here. Otherwise each page's first write faults: filling
-            a fresh 8 MiB slot took 2048 faults, 3 ms of CPU and up to 25 ms in a busy vLLM process, on
-            the critical path of a disk hit promoted into the slot.
+            thread pool, at start-up. Otherwise each page's first write faults: filling a fresh 8 MiB slot
+            takes 2048 faults, each slower in a busy vLLM process, on the critical path of a disk hit
+            promoted into the slot.
     """
 
     def __init__(

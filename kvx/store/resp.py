@@ -4,20 +4,18 @@ Why not redis-py for the bytes: a GET through redis-py + hiredis builds a ``byte
 that the tier then copies again into the CPU-pool slot, and a SET joins the value into one buffer.
 Here a GET's bulk reply is received with ``recv_into`` straight into the caller's memory (the codec
 header into a small buffer first, so it is checked before the payload lands), and a SET sends the
-header and the tensor's memory with ``sendall`` of memoryviews. On this 2-core VM over loopback TCP
-such a client moved 1 / 4 MiB values at SET 1.5 / 1.4, GET 3.7 / 3.0 GB/s against redis-py + hiredis's
-1.0 / 1.6 (cpu-toolchain-notes.md, "Redis on this machine"); this one, 4 MiB values back to back on an
-otherwise quiet machine: SET 4.4, GET 3.9 GB/s (1.7-1.9 / 2.2-2.6 when other jobs shared the cores).
+header and the tensor's memory with ``sendall`` of memoryviews: a value's bytes are copied once, by the
+kernel. The two clients side by side: ``benchmarks/bench_redis.py``, results in
+``benchmarks/results/redis_cpu.md``.
 
 Every operation runs against a deadline (``time.monotonic()`` seconds): each send and receive waits at
 most the time left (within ``_REARM_S``), so a server that stops answering (SIGSTOP, a dead host) fails
 the operation on time instead of hanging it. Plain sockets block with the kernel's SO_RCVTIMEO /
 SO_SNDTIMEO, set again only when off by more than ``_REARM_S``: a receive is one syscall, where a
 Python socket timeout costs a poll before every receive and an ioctl per change (a 4 MiB GET over TCP
-made ~58 syscalls that way and makes ~21 (strace -c); the client spends 8% less CPU). A connection that
-failed in the middle of a reply (timeout, reset, a protocol error, or the caller's sink refusing the
-value) is closed: it is never reused with unread bytes in flight. Error replies become typed exceptions
-(:func:`reply_error`).
+made nearly three times the syscalls that way, by strace -c). A connection that failed in the middle of a
+reply (timeout, reset, a protocol error, or the caller's sink refusing the value) is closed: it is never
+reused with unread bytes in flight. Error replies become typed exceptions (:func:`reply_error`).
 """
 
 from __future__ import annotations
@@ -584,8 +582,8 @@ class RespConnection:
     ) -> None:
         """``GET`` of ``keys``, one ahead: the GET of key i+1 goes out as soon as reply i's length line is in,
         so the server prepares value i+1 while value i is on the wire. (All at once, redis-server 7.0 builds
-        every reply before it writes the first byte: a 16 MiB chunk in 4 parts took 8.7 ms over TCP, one
-        ahead 4.4 ms; a 64 MiB one 47 ms, one ahead 20 ms.) Each value's bytes are received into the memory ``sink``
+        every reply before it writes the first byte, so the wire idles while it does; one ahead, a chunk of
+        several parts arrives in about half the time.) Each value's bytes are received into the memory ``sink``
         hands out (no intermediate copy for large reads). ``prefix``: small commands sent first
         (``ASKING``), whose replies must be OK. ``ready``: called once the first GET is out, before its reply
         is read, so that the caller's own preparation of the sink overlaps the server's of the value. Error

@@ -32,8 +32,9 @@ name the key it now sits at), for another fingerprint, with another tenant's sec
 header or payload changed fails the tag: :class:`ChunkError`, a miss, recomputed.
 
 Reading decrypts piece by piece from a small per-thread staging buffer into the caller's tensor as the bytes
-arrive (AES-GCM runs at ~14 GB/s here: VAES), so a sealed read moves the bytes once more through the cache and
-never into a second chunk-sized buffer; the tensor holds plaintext that is served only once the tag matched.
+arrive (AES-GCM with VAES outruns the socket and the disk: benchmarks/results/redis_sealed_cpu.md and
+disk_read_sealed_cpu.md), so a sealed read moves the bytes once more through the cache and never into a second
+chunk-sized buffer; the tensor holds plaintext that is served only once the tag matched.
 """
 
 from __future__ import annotations

@@ -32,11 +32,10 @@ log = get_logger("kvx.store.disk")  # one logger for the whole tier, named as be
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 1.0, 60.0
-# Bytes per write call. On ext4 here (kernel 6.18 VM), a 16 MiB file written with one 16 MiB write call
-# took 38-57 ms for seconds at a time, against ~5 ms in 1 MiB calls; safetensors' save_file writes the
-# tensor in one call. The cause is not identified (no writeback or reclaim was seen during the slow
-# spells). benchmarks/bench_disk_put.py measures both writers in one run: kvx/save_file 0.22-0.24 at
-# 16 MiB on ext4 with files kept, 0.95-1.03 elsewhere at 4-16 MiB, 0.85-0.94 at 1 MiB.
+# Bytes per write call. On ext4 a file written with one large write call (as safetensors' save_file writes the
+# tensor) was several times slower than in 1 MiB calls for seconds at a time, with no writeback or reclaim seen
+# (the cause is not identified); smaller calls cost nothing elsewhere. benchmarks/bench_disk_put.py measures both
+# writers in one run: benchmarks/results/disk_put_cpu.md.
 _WRITE_PIECE = 1 << 20
 # DiskTier.at's arguments, by the config field each one sets (its errors name the argument)
 _AT_ARGS = {"path": "path", "size": "capacity_bytes", "fsync": "fsync", "rescan_s": "rescan_s"}
@@ -114,7 +113,7 @@ class DiskTier(Tier):
         # ids, or None for the name in the clear (kvx.store.seal, "Names")
         self._kids: tuple[str | None, ...] = (None,) if self.sealer is None else tuple(self.sealer.kids)
         # how each of those names ends: the lookup formats names itself (file_of and os.path.join per name were a
-        # quarter of a 256-chunk lookup: 0.89 -> 0.67 ms, benchmarks/bench_tenant_lookup.py)
+        # quarter of a lookup's time: benchmarks/bench_tenant_lookup.py, benchmarks/results/tenant_lookup_cpu.md)
         self._ends = tuple(name_end(kid) for kid in self._kids)
         self.path = os.path.abspath(config.path)
         os.makedirs(self.path, exist_ok=True)
