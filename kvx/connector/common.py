@@ -116,7 +116,7 @@ def _cpu_attention_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_c
     return isa
 
 
-_NULL_BLOCK = 0  # vLLM's null block (BlockPool.null_block: the first block id), e.g. outside a window
+NULL_BLOCK = 0  # vLLM's null block (BlockPool.null_block: the first block id), e.g. outside a window
 STATE = "state"  # the kind of a recurrent-state group (MambaSpec in align mode)
 
 

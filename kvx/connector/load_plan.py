@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ..store import SlotIndex
-from .common import _NULL_BLOCK, EngineGeometry
+from .common import NULL_BLOCK, EngineGeometry
 from .config import KVXConfig
 from .events import KVEvents
 from .ledger import ChunkLedger, LoadChunk
@@ -163,8 +163,8 @@ class LoadPlanner:
                 f"request {rid}: vLLM allocated a load of {end - plan.num_computed} tokens from {plan.num_computed}, "
                 f"expected the whole hit up to {plan.hit_tokens} (a chunk end: the stored state is the one there)"
             )
-        ids = [tables[g][p] if p < len(tables[g]) else _NULL_BLOCK for g in self.geom.state_groups]
-        if _NULL_BLOCK in ids:
+        ids = [tables[g][p] if p < len(tables[g]) else NULL_BLOCK for g in self.geom.state_groups]
+        if NULL_BLOCK in ids:
             raise RuntimeError(
                 f"request {rid}: vLLM allocated no block for the recurrent state at token {end} "
                 f"(state groups' blocks at position {p}: {ids})"
@@ -176,12 +176,12 @@ class LoadPlanner:
         """The blocks a load of table positions [lo, hi) writes (a chunk starting at position ``cb0``, ``n``
         blocks per group), and their positions in the chunk (None: one group, no null block: ``lo - cb0 + i``).
         vLLM's null blocks (a sliding-window group's blocks outside the window) are skipped."""
-        if len(tables) == 1 and _NULL_BLOCK not in tables[0][lo:hi]:
+        if len(tables) == 1 and NULL_BLOCK not in tables[0][lo:hi]:
             return tables[0][lo:hi], None
         ids, positions = [], []
         for g, table in enumerate(tables):
             for j in range(lo, hi):
-                if j < len(table) and table[j] != _NULL_BLOCK:
+                if j < len(table) and table[j] != NULL_BLOCK:
                     ids.append(table[j])
                     positions.append(g * n + j - cb0)
         return ids, positions

@@ -24,7 +24,7 @@ from ..keys import state_key
 from ..log import get_logger
 from ..store import SlotIndex
 from .admission import Admission
-from .common import _NULL_BLOCK, EngineGeometry
+from .common import NULL_BLOCK, EngineGeometry
 from .config import KVXConfig
 from .events import KVEvents
 from .ledger import ChunkLedger
@@ -126,7 +126,7 @@ class SavePlanner:
             )
             return None
         block_ids = [b for tb in attn for b in tb[b0:b1]]
-        if _NULL_BLOCK in block_ids:
+        if NULL_BLOCK in block_ids:
             # a sliding-window group released blocks of this chunk (vLLM's null block): it cannot serve every
             # group, so it is not stored (a hit never reaches past it)
             if (self.cpu is not None and self.cpu.state(span.key) is None) or self.ledger.lacking(span.key):
@@ -183,8 +183,8 @@ class SavePlanner:
         vLLM kept it: in align mode the block at position ``b1 - 1`` of each state group's table holds the state
         after exactly ``b1`` blocks' tokens where a step ended there, and is vLLM's null block elsewhere."""
         p = b1 - 1
-        ids = [tables[g][p] if p < len(tables[g]) else _NULL_BLOCK for g in self.geom.state_groups]
-        if _NULL_BLOCK in ids:
+        ids = [tables[g][p] if p < len(tables[g]) else NULL_BLOCK for g in self.geom.state_groups]
+        if NULL_BLOCK in ids:
             return
         skey = state_key(key)
         t.cursor.state_chunks = max(t.cursor.state_chunks, chunk + 1)

@@ -58,7 +58,7 @@ from ..store import CPUIndex, SlotIndex, TierContext, tier_class
 from ..store.stack import TierStack
 from .admission import Admission
 from .common import (
-    _NULL_BLOCK,
+    NULL_BLOCK,
     EngineGeometry,
     chunk_bytes,
     node_slot_bytes,
@@ -75,7 +75,7 @@ from .lookup import Lookup, Partial, WaitForProducer, hit_filters
 from .metadata import KVXMetadata, KVXWorkerMetadata, LoadSpec
 from .parts import record_of
 from .save_plan import SavePlanner
-from .saves import io_thread
+from .threads import io_thread
 from .tracker import LoadPlan, Phase, RequestTracker, state_tables, tables_of, tracker_of
 from .validity import BlockValidity
 
@@ -424,7 +424,7 @@ class KVXScheduler:
             t = self.trackers.get(rid)
             if t is not None:
                 t.phase = Phase.PREEMPTED
-                freed += [b for ids in t.block_ids for b in ids if b != _NULL_BLOCK]  # freed at once
+                freed += [b for ids in t.block_ids for b in ids if b != NULL_BLOCK]  # freed at once
         cached = so.scheduled_cached_reqs
         self._extend_tables(cached)
         entries = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
@@ -465,7 +465,7 @@ class KVXScheduler:
             first, last = (-(-start // bs) if from_first_token else start // bs), -(-end // bs)
             if end > start and first < last:
                 for table in self._request_tables(rid, block_state):
-                    out += [b for b in table[first:last] if b != _NULL_BLOCK]
+                    out += [b for b in table[first:last] if b != NULL_BLOCK]
         return out
 
     def _request_tables(self, rid: str, block_state) -> list[list[int]]:
@@ -529,7 +529,7 @@ class KVXScheduler:
         A ``kv_producer`` returns the chunks it is storing (``kvx_pd_chunks``, ``kvx_pd_key``) as the
         response's ``kv_transfer_params``: a consumer given them waits for those chunks to land."""
         t = self.trackers.pop(request.request_id, None)
-        self._freed += [b for ids in block_ids or () for b in ids if b != _NULL_BLOCK]
+        self._freed += [b for ids in block_ids or () for b in ids if b != NULL_BLOCK]
         push = t.controls.push_to if t is not None and self.cpu is not None else None
         if (
             t is not None

@@ -25,7 +25,7 @@ reported per request (:meth:`take_failed_requests`), not by block ids.
 
 Thread ownership: everything here runs on vLLM's worker thread, except the I/O pools (tier reads and
 writes: they touch only the tensors handed to them, ``stats`` counters, and the pipelines' locked state) and the
-copy queues' threads on CPU. The I/O threads run on every CPU the process may use (:func:`~.saves.io_thread`), not on
+copy queues' threads on CPU. The I/O threads run on every CPU the process may use (:func:`~.threads.io_thread`), not on
 the core vLLM bound the worker's thread to.
 
 Device memory (CUDA): besides vLLM's KV cache, kvx takes ``staging_bytes`` (default 64 MiB) for its staging rings
@@ -57,7 +57,8 @@ from .config import ConfigError, KVXConfig
 from .loads import LoadPipeline
 from .metadata import KVXMetadata, KVXWorkerMetadata
 from .parts import PartIO, Share
-from .saves import SavePipeline, _WriteBuffers, io_thread
+from .saves import SavePipeline, WriteBuffers
+from .threads import io_thread
 
 log = get_logger(__name__)
 
@@ -165,7 +166,7 @@ class KVXWorker:
         self._group_ends: dict[str, int] = {}  # name of the last layer of each layer group -> the group
         self.results = WorkerResults()  # outcomes, counters, samples: the pipelines report here
         self.loads = LoadPipeline(self.results, self.tiers, None, fence_loads_at_start, geom.num_groups)
-        self.saves = SavePipeline(self.results, self.tiers, None, _WriteBuffers([]))
+        self.saves = SavePipeline(self.results, self.tiers, None, WriteBuffers([]))
         self._polled_for_stats = False  # take_stats polled the saves since build_worker_meta last ran
         self.totals = Counter()  # every counter since start (take_stats adds to it)
         self._removed: list[tuple[str, str]] = []  # (tier, chunk key) removed from a byte tier here (any thread)
@@ -249,9 +250,7 @@ class KVXWorker:
 
             per_tier = write_backlog(self.config, self.geom) // chunk_bytes(self.config, self.geom)
             cap = len(self.tiers) * per_tier
-            buffers = _WriteBuffers(
-                [new_buffer() for _ in range(min(2 * self.config.io_threads, cap))], new_buffer, cap
-            )
+            buffers = WriteBuffers([new_buffer() for _ in range(min(2 * self.config.io_threads, cap))], new_buffer, cap)
             self.loads = LoadPipeline(
                 self.results,
                 self.tiers,
