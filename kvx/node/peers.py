@@ -358,7 +358,7 @@ class Cluster:
             if not isinstance(nbytes, int) or nbytes <= 0:
                 raise ValueError(f"nbytes: expected a positive int, got {nbytes!r}")
             leased = self._call(lambda s: s.peer_lease(cid, ns, keys, nbytes))
-            if msg.get("crc", True):  # a transport that checks as it streams (tcp) asks for none
+            if msg.get("crc", True):  # every puller asks for them; False: a puller that checks nothing
                 chunks = [[k, off, gen, self._crc(off, gen, nbytes)] for k, off, gen in leased]
             else:
                 chunks = [[k, off, gen, None] for k, off, gen in leased]
@@ -369,8 +369,9 @@ class Cluster:
 
     def committed(self, offset: int, generation: int, nbytes: int) -> None:
         """A chunk became READY here (loop thread: the index's hook): its CRC32C is computed now, off the loop, so
-        that a peer's lease of it (a NIXL READ needs it up front) finds it made."""
-        if self.config.transport != "tcp" and nbytes > 0 and not self._stopping.is_set():
+        that a peer's lease of it finds it made: the puller checks the bytes it reads against it (as they stream,
+        over tcp; after each NIXL READ), and this node spends no time of the pull hashing what it sends."""
+        if nbytes > 0 and not self._stopping.is_set():
             self._crc_pool.submit(self._crc, offset, generation, nbytes)
 
     def _crc(self, offset: int, generation: int, nbytes: int) -> int:
@@ -580,8 +581,7 @@ class Cluster:
         arrived whole, in order."""
         keys = [k for k, _ in slots]
         left = deadline - time.monotonic()
-        streams_crc = isinstance(self.transport, TcpTransport)  # it checks each chunk as it arrives
-        msg = {"op": "lease", "namespace": namespace, "keys": "".join(keys), "nbytes": nbytes, "crc": not streams_crc}
+        msg = {"op": "lease", "namespace": namespace, "keys": "".join(keys), "nbytes": nbytes}
         leased = self._request(link, msg, left)["chunks"]
         phases.mark("lease")
         if [c[0] for c in leased] != keys[: len(leased)]:
@@ -590,8 +590,8 @@ class Cluster:
             return []
         spans = [Span(int(c[1]), off, nbytes) for c, (_, off) in zip(leased, slots)]
         t0 = time.monotonic()
-        if isinstance(self.transport, TcpTransport):  # it checks each chunk as it streams
-            ok = self.transport.read(link.node, spans, max(0.001, deadline - t0))
+        if isinstance(self.transport, TcpTransport):  # it checks each chunk against the lease's as it streams
+            ok = self.transport.read(link.node, spans, max(0.001, deadline - t0), [c[3] for c in leased])
         else:
             ok = self._read_checked(link, spans, [c[3] for c in leased], deadline)
         seconds = time.monotonic() - t0

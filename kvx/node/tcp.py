@@ -1,15 +1,16 @@
 """kvx's own byte channel between nodes: a :class:`~.transport.Transport` over plain TCP.
 
-A reader dials the peer's listen port as a cluster member (:mod:`.handshake`, role ``data``), sends one frame
-``{"op": "read", "spans": [[offset, nbytes], ...]}`` and receives one frame ``{"ok": true}`` followed by the spans'
-bytes end to end, straight from the peer's pool file into its own (``recv_into`` the mapped slots): no copy in
-between, no serialisation. A writer (a P/D push) sends ``{"op": "write", "spans": ...}``, the bytes, and
-receives ``{"ok": true}`` once they are in the peer's slots, which must be slots the peer reserved for this node
-(``writable``). The connection stays open for the next transfer.
+A reader dials the peer's listen port as a cluster member (:mod:`.handshake`, role ``data``), sends one frame ``{"op":
+"read", "spans": [[offset, nbytes], ...]}`` and receives one frame ``{"ok": true}`` followed by the spans' bytes end to
+end, straight from the peer's pool file into its own (``recv_into`` the mapped slots): no copy in between, no
+serialisation; then a frame of the CRC32Cs the peer computed as it sent them, unless the read said ``"crc": false`` (a
+pull holds its lease's CRC32Cs, computed when each chunk was committed, and checks against those). A writer (a P/D push)
+sends ``{"op": "write", "spans": ...}``, the bytes, and receives ``{"ok": true}`` once they are in the peer's slots,
+which must be slots the peer reserved for this node (``writable``). The connection stays open for the next transfer.
 
-Why a channel of its own beside NIXL: UCX's TCP lane (a software GET the serving process answers) moved 0.59x of a
-plain socket stream between two processes here where this channel moved 0.83x
-(``benchmarks/results/peer_transfer_cpu.md``), and it opens no UCX port to whoever can reach the host.
+Why a channel of its own beside NIXL: UCX's TCP lane (a software GET the serving process answers) moved 0.59x of a plain
+socket stream between two processes here where this channel moved 0.83x (``benchmarks/results/peer_transfer_cpu.md``),
+and it opens no UCX port to whoever can reach the host.
 """
 
 from __future__ import annotations
@@ -111,11 +112,14 @@ class TcpTransport(Transport):
         if sock is not None:
             sock.close()
 
-    def read(self, peer: str, spans: Sequence[Span], timeout: float) -> list[bool]:
-        """As :meth:`Transport.read`; checked here: the peer computes each span's CRC32C as it sends it and this side
-        as it receives it (on a thread beside the stream: the checks cost no time of their own), and each span's
+    def read(self, peer: str, spans: Sequence[Span], timeout: float, crcs: Sequence[int] | None = None) -> list[bool]:
+        """As :meth:`Transport.read`; checked here: this side computes each span's CRC32C as it receives it (on a
+        thread beside the stream: the checks cost no time of their own) and compares it with ``crcs`` (the lease's,
+        computed when each chunk was committed), or without them with the peer's, computed as it sends; each span's
         verdict is returned."""
-        return self._transfer(peer, spans, timeout, self._read)
+        if crcs is not None and len(crcs) != len(spans):
+            raise ValueError(f"crcs: expected one per span ({len(spans)}), got {len(crcs)}")
+        return self._transfer(peer, spans, timeout, lambda sock, sp, deadline: self._read(sock, sp, deadline, crcs))
 
     def write(self, peer: str, spans: Sequence[Span], timeout: float) -> None:
         self._transfer(peer, spans, timeout, self._write)
@@ -143,10 +147,15 @@ class TcpTransport(Transport):
                     f"tcp {how.__name__[1:]} of node {peer} at {address[0]}:{address[1]}: {e}"
                 ) from None
 
-    def _read(self, sock: socket.socket, spans: Sequence[Span], deadline: float) -> list[bool]:
+    def _read(
+        self, sock: socket.socket, spans: Sequence[Span], deadline: float, expected: Sequence[int] | None
+    ) -> list[bool]:
         left = _left(deadline)
         sock.settimeout(left())
-        handshake.send(sock, {"op": "read", "spans": [[s.remote, s.nbytes] for s in spans]})
+        frame = {"op": "read", "spans": [[s.remote, s.nbytes] for s in spans]}
+        if expected is not None:
+            frame["crc"] = False  # the lease's CRC32Cs are here: the peer need not compute them as it sends
+        handshake.send(sock, frame)
         reply = handshake.recv(sock)
         if not reply.get("ok"):
             raise ValueError(f"refused: {reply.get('error')}")
@@ -165,8 +174,11 @@ class TcpTransport(Transport):
                             raise ConnectionError("the peer closed the connection mid-read")
                         got += n
                     crcs.append(_CRC.submit(crc32c_update, part))
-                sock.settimeout(left())
-                sent = handshake.recv(sock).get("crcs")
+                if expected is None:
+                    sock.settimeout(left())
+                    sent = handshake.recv(sock).get("crcs")
+                else:
+                    sent = list(expected)
                 mine = [f.result() for f in crcs]
             finally:
                 for f in crcs:  # no check still reading the pool once it is given back
@@ -222,6 +234,10 @@ class TcpTransport(Transport):
                     for off, n in spans:
                         _recv_into(sock, view[off : off + n])
                     handshake.send(sock, {"ok": True})
+                elif msg.get("crc", True) is False:  # the reader checks against its lease's CRC32Cs
+                    handshake.send(sock, {"ok": True})
+                    for off, n in spans:
+                        sock.sendall(view[off : off + n])
                 else:
                     handshake.send(sock, {"ok": True})
                     crcs = []

@@ -56,11 +56,13 @@ class Transport(ABC):
         """Drop what :meth:`connect` set up for ``peer`` (it is gone); a no-op for an unknown peer."""
 
     @abstractmethod
-    def read(self, peer: str, spans: Sequence[Span], timeout: float) -> list[bool] | None:
+    def read(
+        self, peer: str, spans: Sequence[Span], timeout: float, crcs: Sequence[int] | None = None
+    ) -> list[bool] | None:
         """Copy every span from ``peer``'s pool into the local pool, or raise :class:`TransferError` within about
-        ``timeout`` seconds. On return every byte is here, and per span whether its CRC32C matched the peer's, where
-        the transport checks them as they stream (tcp); None where it does not (the caller checks them against the
-        CRC32Cs of the peer's lease before serving them)."""
+        ``timeout`` seconds. On return every byte is here, and per span whether its CRC32C matched (``crcs``, the
+        peer's lease's, or else the peer's as it sends), where the transport checks them as they stream (tcp); None
+        where it does not (the caller checks them against the CRC32Cs of the peer's lease before serving them)."""
 
     @abstractmethod
     def write(self, peer: str, spans: Sequence[Span], timeout: float) -> None:
