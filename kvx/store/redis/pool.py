@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..errors import StoreUnavailableError
 from ..resp import RespConnection
+from .config import RedisTierConfig, _SentinelSpec, _Target
 
-if TYPE_CHECKING:
-    from .tier import RedisTier
+
+class _PoolOwner(Protocol):
+    """What a node reads of the tier that owns it (:class:`kvx.store.redis.RedisTier`): how to open a data
+    connection and how many. Named here so that this module does not import the tier's (which imports it)."""
+
+    config: RedisTierConfig
+    target: _Target
+    send_buffer: int | None
+    sentinel_spec: _SentinelSpec | None
 
 
 class _PoolBusy(StoreUnavailableError):
@@ -31,7 +39,7 @@ class _Node:
     """One server: a pool of up to ``connections`` raw connections (a semaphore counts those in use, a
     LIFO list keeps the idle ones) and its up/down state. Used from any thread."""
 
-    def __init__(self, tier: RedisTier, host: str | None, port: int | None, unix_path: str | None = None):
+    def __init__(self, tier: _PoolOwner, host: str | None, port: int | None, unix_path: str | None = None):
         self.tier = tier
         self.host, self.port, self.unix_path = host, port, unix_path
         self.name = unix_path or f"{host}:{port}"
