@@ -54,26 +54,28 @@ def test_round_trip_is_bit_exact(transport, dtype, size, request, open_tier):
 
 
 def test_value_layout_single_and_parts(redis_server, open_tier):
-    """A chunk of max_value_size bytes is one key (its header rides along); one byte more is split into
-    parts under a manifest."""
+    """A chunk whose encoding fits a size class of Redis's allocator is one key (its header rides along); one of
+    max_value_size bytes, whose header would take the value past its class (64 KiB + ~300 B: an 80 KiB
+    allocation), is a manifest and parts: 64 KiB - 12 bytes (a full 64 KiB class), then the rest (issue 46)."""
     tier = open_tier(redis_server.url)
     c = redis_server.client()
     k1, k2 = new_key(), new_key()
-    assert tier.put(k1, random_chunk((MVS,), torch.uint8, 1))
-    assert MVS < c.strlen(f"kvx:1:{{{k1}}}") < MVS + 1024 and part_keys(c, k1) == []
-    assert tier.put(k2, random_chunk((MVS + 1,), torch.uint8, 2))
+    assert tier.put(k1, random_chunk((MVS - 1024,), torch.uint8, 1))
+    assert MVS - 1024 < c.strlen(f"kvx:1:{{{k1}}}") <= MVS - 12 and part_keys(c, k1) == []
+    assert tier.put(k2, random_chunk((MVS,), torch.uint8, 2))
     manifest = c.get(f"kvx:1:{{{k2}}}")
     assert manifest.startswith(b"kvxparts:1:") and len(manifest) < 128
-    parts = part_keys(c, k2)
-    sizes = sorted(c.strlen(p) for p in parts)
-    assert len(sizes) == 2 and sizes[1] - sizes[0] <= 1 and sum(sizes) > MVS + 1  # equal parts, header included
-    assert all(c.pttl(p) == -1 for p in parts)  # published: persistent, like the chunk
+    nonce = manifest.split(b":")[2].decode()
+    sizes = [c.strlen(f"kvx:1:{{{k2}}}:{nonce}:{i}") for i in range(len(part_keys(c, k2)))]
+    assert len(sizes) == 2 and sizes[0] == MVS - 12 and 0 < sizes[1] < 1024  # the second: the header's bytes
+    assert all(c.pttl(p) == -1 for p in part_keys(c, k2))  # published: persistent, like the chunk
     with pytest.raises(ChunkError, match="kvx header"):
         codec.header_length(manifest)  # a manifest never reads as a codec header
 
 
 def test_large_chunk_default_part_size(redis_server, open_tier):
-    """A 9 MiB chunk with the default 4 MiB parts (3 parts) over the unix socket."""
+    """A 9 MiB chunk with the default 4 MiB parts over the unix socket: 3 MiB - 12 bytes each (a full 3 MiB class;
+    3 of 4 MiB - 12 would leave 1 MiB + ~300 B for a 1.25 MiB allocation), the last one 1 MiB + the header."""
     tier = open_tier(redis_server.unix_url, max_value_size="4MiB")
     x = random_chunk((9 << 20,), torch.uint8, 3)
     key = new_key()
@@ -81,7 +83,9 @@ def test_large_chunk_default_part_size(redis_server, open_tier):
     out = poisoned(x)
     tier.get_into(key, out)
     assert_same_bytes(out, x)
-    assert len(part_keys(redis_server.client(), key)) == 3
+    c = redis_server.client()
+    assert len(part_keys(c, key)) == 4
+    assert sorted(c.strlen(k) for k in part_keys(c, key))[1:] == [(3 << 20) - 12] * 3
 
 
 @pytest.mark.parametrize("size", ["odd", "multi"])

@@ -5,10 +5,19 @@ Layout. Chunk ``<key>`` lives at ``kvx:1:{<key>}`` (the hash tag puts a chunk's 
 one Lua script can publish them on a cluster); a sealed one at ``kvx:1:{<key>}-<kid>`` (the key id of the
 secret that sealed it, :mod:`kvx.store.seal`: a sealed tier looks up only the names of the secrets it holds,
 during a rotation with one ``EXISTS`` of all of them per chunk, which share the chunk's slot). Its value
-is the codec's encoding (:mod:`kvx.store.codec`: header + payload). A value larger than ``max_value_size``
-is split into parts ``<chunk's name>:<nonce>:<i>`` of equal size (at most ``max_value_size``), and the chunk key holds a
-manifest instead (``kvxparts:1:<nonce>:<parts>:<total bytes>:<part size>``; its first 8 bytes read as
-a header length of ~8e18, which no codec header has, so the two cannot be confused).
+is the codec's encoding (:mod:`kvx.store.codec`: header + payload). An encoding larger than ``max_value_size``,
+or one whose single value would waste memory in Redis's allocator, is split into parts
+``<chunk's name>:<nonce>:<i>`` of one size (the last holds the rest), and the chunk key holds a manifest instead
+(``kvxparts:1:<nonce>:<parts>:<total bytes>:<part size>``; its first 8 bytes read as a header length of ~8e18,
+which no codec header has, so the two cannot be confused).
+
+Value sizes (issue 46). Redis's allocator (jemalloc) holds a value in the smallest of its size classes that fits
+(four per doubling: 4, 5, 6, 7, 8 MiB ...): a KV head's part of 4 MiB + a header as one value takes 5 MiB. So
+:func:`.layout._value_split` picks the split Redis holds in the least memory (within 1%, the fewest values):
+parts of a class size less 12 bytes (what Redis adds to a value), the rest in the last one; a head's part is
+4 MiB - 12 bytes and ~320 B. ``used_memory`` per chunk of ``bench_tp_share.py``'s shape: 1.25x the chunk's
+bytes before, 1.0000x now (``benchmarks/bench_redis_memory.py``, ``results/redis_memory_cpu.md``). The manifest is
+the same version (1): chunks in either layout are read by readers of both.
 
 Atomic puts. A single value is written with ``SET NX [PX ttl]``: an existing chunk is never
 overwritten. Parts are written first, each expiring in 60 s (a writer that dies mid-put leaves

@@ -129,8 +129,8 @@ class RedisTierConfig(TierConfig):
     connections: int = Field(default=4, description="data connections per server node")
     max_value_size: int = Field(
         default=4 << 20,
-        description="chunk bytes per Redis value (the codec header "
-        "rides along); larger chunks are split into parts (1-4 MiB values moved fastest here)",
+        description="most bytes of a Redis value (codec header included); larger chunks are split into "
+        "parts, sized to the allocator's classes (1-4 MiB values moved fastest here)",
     )
     lookup_wait_ms: float = Field(
         default=2.0, description="how long a lookup may block the caller before answering 'not known yet'"

@@ -76,3 +76,68 @@ def _chunk_key(key: str, kid: str | None = None) -> str:
 
 def _part_key(chunk_key: str, nonce: str, i: int) -> str:
     return f"{chunk_key}:{nonce}:{i}"
+
+
+# ------------------------------------------------------------------------------------------ value sizes
+# Redis's allocator (jemalloc) hands out memory in size classes, four per doubling above 64 bytes (5, 6, 7 and
+# 8 MiB after 4 MiB): a value one byte over a class takes the next one, up to 25% more memory than its bytes. A
+# value of L bytes costs Redis an allocation of L + _VALUE_OVERHEAD (its sds header and terminator, and the \r\n
+# a large argument is received with in place): on Redis 7.0.15 / jemalloc 5.3.0 a value of 4 MiB - 12 bytes
+# grows used_memory by 4 MiB + 104 (key and entry), one of 4 MiB - 8 by over 5 MiB.
+_VALUE_OVERHEAD = 12
+_KEY_COST = 128  # bytes of a key of its own beyond its value (name, dict entry, object): a part's price
+_FEWER_VALUES_SLACK = 0.01  # fewer values (round trips, keys) are worth up to 1% more memory
+_MIN_CLASS = 4 << 10  # smallest value size the split considers (besides the last, shorter value)
+# smaller encodings stay one value (records, small chunks: a few KiB saved is not worth a key and a round trip;
+# Redis also copies arguments under 32 KiB, with less overhead than _VALUE_OVERHEAD)
+_MIN_SPLIT = 64 << 10
+_MAX_PARTS = 4096
+
+
+def _alloc_size(n: int) -> int:
+    """The jemalloc size class an allocation of ``n`` bytes takes (8, 16 .. 128 by 16, then four per doubling)."""
+    if n <= 8:
+        return 8
+    if n <= 128:
+        return -(-n // 16) * 16
+    step = 1 << ((n - 1).bit_length() - 3)  # a quarter of the power of two below n
+    return -(-n // step) * step
+
+
+def _class_sizes(limit: int) -> list[int]:
+    """Value sizes that fill a size class exactly (class - overhead), largest first, at most ``limit``."""
+    out = []
+    k = _MIN_CLASS.bit_length() - 1
+    while (1 << k) - _VALUE_OVERHEAD <= limit:
+        for i in range(4, 0, -1):
+            c = (1 << k) + i * (1 << (k - 2))
+            if c - _VALUE_OVERHEAD <= limit:
+                out.append(c - _VALUE_OVERHEAD)
+        k += 1
+    out.append(_MIN_CLASS - _VALUE_OVERHEAD)
+    return sorted(set(out), reverse=True)
+
+
+def _value_split(total: int, limit: int) -> tuple[int, int]:
+    """(values, bytes per value but the last) for a chunk whose encoding is ``total`` bytes, in values of at most
+        ``limit`` bytes: the split Redis stores in the least memory (every value but the last fills a size class; the
+        last takes what is left), the one with fewest values among those within 1% of it. One value: ``(1, total)``,
+    always under 64 KiB."""
+    if total < _MIN_SPLIT and total <= limit:
+        return 1, total
+    options = []  # (memory, values, size)
+    if total <= limit:
+        options.append((_alloc_size(total + _VALUE_OVERHEAD), 1, total))
+    for size in _class_sizes(limit):
+        n = -(-total // size)
+        if n > _MAX_PARTS or n < 2:
+            continue
+        last = total - (n - 1) * size
+        cost = (n - 1) * (size + _VALUE_OVERHEAD) + _alloc_size(last + _VALUE_OVERHEAD) + n * _KEY_COST
+        options.append((cost, n, size))
+    if not options:  # more than _MAX_PARTS values of the largest size: plain equal parts
+        n = -(-total // limit)
+        return n, -(-total // n)
+    best = min(o[0] for o in options)
+    n, _, size = min((o[1], o[0], o[2]) for o in options if o[0] <= best * (1 + _FEWER_VALUES_SLACK))
+    return n, size

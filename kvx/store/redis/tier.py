@@ -28,7 +28,7 @@ from ..resp import ConnectionLost, RedirectError, RespConnection, ValueTooLarge
 from ..seal import Sealer, check_encryption
 from ..tier import REMOVED, STORED, Tier, TierConfig, TierContext, check_key, register_tier
 from .config import RedisTierConfig, _is_sentinel, _sentinel_url, _target, redact
-from .layout import _MAGIC, _chunk_key, _kid_suffix, _part_key
+from .layout import _MAGIC, _chunk_key, _kid_suffix, _part_key, _value_split
 from .pool import _Node
 from .sink import _ChunkSink
 from .topology import _Topology
@@ -449,9 +449,9 @@ class RedisTier(_Topology, Tier):
 
     def _write(self, conn, asking, names, encode, deadline) -> bool:
         """Store the chunk at ``names[0]`` unless present under any of ``names``: one ``SET NX`` of its
-        encoding, or parts when its payload is larger than ``max_value_size`` (the header rides along: a 4 MiB
-        chunk is one 4 MiB value, not two of 2 MiB) or the encoding larger than the servers take
-        (``_value_cap``)."""
+        encoding, or parts when that takes less of Redis's memory (:func:`~.layout._value_split`: a value of
+        4 MiB + a header takes a 5 MiB allocation, one of 4 MiB - 12 bytes and one of the rest 4 MiB + 320 B) or
+        the encoding is larger than ``max_value_size`` or than the servers take (``_value_cap``)."""
         ck = names[0]
         ask = [("ASKING",)] if asking else []
         encoded = self._lacks(conn, ask, names, encode, deadline)
@@ -459,24 +459,31 @@ class RedisTier(_Topology, Tier):
             return False
         header, payload = encoded
         hv, pv = memoryview(header), memoryview(payload)
-        total = len(hv) + len(pv)
-        n = -(-len(pv) // self.config.max_value_size)
+        limit = self.config.max_value_size
         cap = self._value_cap
         if cap is not None:
-            n = max(n, -(-total // cap))
+            limit = min(limit, cap)
+        n, psize = _value_split(len(hv) + len(pv), limit)
         if n == 1:
             opts = ["NX"] + (["PX", self._ttl_ms] if self._ttl_ms else [])
             return conn.set_value(ck, [header, payload], opts, deadline, prefix=ask) == "OK"
-        return self._put_parts(conn, asking, ask, ck, hv, pv, n, deadline)
+        return self._put_parts(conn, asking, ask, ck, hv, pv, n, psize, deadline)
 
     def _put_parts(
-        self, conn, asking: bool, ask: list, ck: str, hv: memoryview, pv: memoryview, n: int, deadline: float
+        self,
+        conn,
+        asking: bool,
+        ask: list,
+        ck: str,
+        hv: memoryview,
+        pv: memoryview,
+        n: int,
+        psize: int,
+        deadline: float,
     ) -> bool:
-        """The chunk's encoding (``hv`` + ``pv``) as ``n`` or so parts, published by one script."""
+        """The chunk's encoding (``hv`` + ``pv``) as ``n`` parts of ``psize`` bytes (the last holds the rest),
+        published by one script."""
         total = len(hv) + len(pv)
-        # equal parts: a 32 MiB chunk (+ its header) is 9 parts of 3.6 MiB, not 8 of 4 MiB and one of 300 B
-        psize = -(-total // n)
-        n = -(-total // psize)  # every part non-empty, whatever the rounding
         nonce = os.urandom(6).hex()
         parts = []
         for i in range(n):
