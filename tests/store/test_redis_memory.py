@@ -114,3 +114,24 @@ def test_unknown_manifest_version_is_a_miss(redis_server, open_tier):
     with pytest.raises(ChunkError, match="manifest"):
         tier.get_into(key, out)
     assert tier.stats()["gets"] == 0
+
+
+def test_bench_redis_memory_quick_run(monkeypatch, tmp_path):
+    """benchmarks/bench_redis_memory.py --quick: every case of both layouts, table and CSV agree; the layout before
+    holds 1.25x a chunk's bytes (a head's part of 512 KiB + a header in a 640 KiB class), this one within 3%."""
+    import csv
+
+    from tests.helpers import load_benchmark, need_redis
+
+    need_redis()
+    bench = load_benchmark(monkeypatch, "bench_redis_memory")
+    assert bench.main(["--quick", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "redis_memory_cpu.csv")))
+    assert [(r["layout"], r["max_value_size"], r["case"]) for r in rows] == [
+        (layout, size, case) for layout in bench.LAYOUTS for size in bench.PART_SIZES for case in bench.CASES
+    ]
+    md = (tmp_path / "redis_memory_cpu.md").read_text()
+    for r in rows:
+        ratio = float(r["ratio"])
+        assert (ratio > 1.2) if r["layout"] == "before" else (0.97 < ratio <= 1.0 + bench.TARGET), r
+        assert f"| {r['case']} | " in md and f" | {ratio:.4f} | " in md
