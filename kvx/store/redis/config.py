@@ -121,7 +121,10 @@ class RedisTierConfig(TierConfig):
     cluster: bool = Field(default=False, description="the url names one node of a Redis Cluster")
     timeout_ms: int = Field(
         default=1000,
-        description="deadline of one whole get / put / lookup (a 64 MiB chunk moves in ~50 ms over loopback)",
+        description=(
+            "deadline of one whole get / put / lookup (a 64 MiB chunk over loopback takes a small part of it: "
+            "benchmarks/results/redis_cpu.md)"
+        ),
     )
     ttl_s: float | None = Field(
         default=None, description="expiry of stored chunks (None: none; eviction by the server's maxmemory-policy)"
@@ -130,7 +133,7 @@ class RedisTierConfig(TierConfig):
     max_value_size: int = Field(
         default=4 << 20,
         description="most bytes of a Redis value (codec header included); larger chunks are split into "
-        "parts, sized to the allocator's classes (1-4 MiB values moved fastest here)",
+        "parts, sized to the allocator's classes (values of 1-4 MiB moved fastest: benchmarks/results/redis_cpu.md)",
     )
     lookup_wait_ms: float = Field(
         default=2.0, description="how long a lookup may block the caller before answering 'not known yet'"

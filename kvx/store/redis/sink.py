@@ -48,9 +48,9 @@ class _ChunkSink:
         self.torn = False
 
     def prepare(self) -> None:
-        """View ``out``'s bytes (several torch calls: ~50 us with cold caches). Called once the GET is out
-        (``RespConnection.get_into``'s ``ready``), while the server prepares the value: a 4 MiB value's first
-        byte comes ~0.3 ms after the GET (bench_redis.py)."""
+        """View ``out``'s bytes (several torch calls). Called once the GET is out (``RespConnection.get_into``'s
+        ``ready``), while the server prepares the value, so the view costs no wait: a value's first byte comes after a
+        round trip (``benchmarks/bench_redis.py``, ``results/redis_cpu.md``)."""
         if self.payload is None:
             self.payload = memoryview(codec.byte_view(self.out))
 
@@ -88,8 +88,8 @@ class _ChunkSink:
         self.pos += n
         self.received += n
         if self.phase == self._PAYLOAD:
-            # each piece is checksummed as it lands, while the next one is on the wire (CRC32C runs at
-            # ~25 GB/s: hidden behind the socket); a sealed one is decrypted into out likewise
+            # each piece is checksummed as it lands, while the next one is on the wire (CRC32C runs faster than
+            # the socket delivers: hidden behind it); a sealed one is decrypted into out likewise
             if self.opening is not None:
                 self.opening.advance(n)
             else:
