@@ -64,7 +64,7 @@ Writes benchmarks/results/pipeline_cuda.{md,csv} (``--quick``: one shape, 1 and 
 ``--device cpu`` (the tiny shape, 1 and 2 chunks of 32 tokens, 2 repeats, ``--quick`` or not) runs the same
 code path on a CPU cache with the ``thread`` copy queue (``KVX_COPY_QUEUE=thread``) and a small torch matmul as
 the compute, into a temporary directory (or ``--out``), labelled a smoke run: it proves that the script runs
-(``tests/test_bench_pipeline.py``); CPU numbers say nothing about the targets.
+(``tests/bench/test_bench_pipeline.py``); CPU numbers say nothing about the targets.
 """
 
 from __future__ import annotations

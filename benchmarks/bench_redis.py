@@ -68,7 +68,7 @@ CRC32C of a 4 MiB chunk.
     python benchmarks/bench_redis.py [--quick] [--out DIR] [--runs 5] [--repeats N] [--sizes 1,4,16]
 
 Writes ``redis_cpu.md`` and ``redis_cpu.csv`` into ``--out`` (default benchmarks/results). ``--quick``:
-1 MiB chunks, a 2 MiB sweep, 1 run of a few repeats (a smoke run, ``tests/test_bench_redis.py``, ~10 s).
+1 MiB chunks, a 2 MiB sweep, 1 run of a few repeats (a smoke run, ``tests/bench/test_bench_redis.py``, ~10 s).
 Under pytest-benchmark: ``pytest benchmarks/bench_redis.py --benchmark-only`` (the ``test_*`` functions at
 the end: kvx and redis-py at 4 MiB, and the lookup).
 """

@@ -35,7 +35,7 @@ overshoot (time - ``timeout_ms``), judged against ``timeout_ms`` + 100 ms on p90
     python benchmarks/bench_redis_faults.py [--trials 20] [--timeouts 300,1000] [--sizes 64,4] [--out DIR]
 
 Writes ``redis_faults_cpu.md`` and ``redis_faults_cpu.csv`` into ``--out`` (default benchmarks/results);
-``tests/test_bench_redis_faults.py`` runs a small one. Fewer than 10 trials is a smoke run: the targets
+``tests/bench/test_bench_redis_faults.py`` runs a small one. Fewer than 10 trials is a smoke run: the targets
 are named, not judged.
 """
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_peer_transfer.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_peer_transfer.py"
 
 
 def test_tiny_run_writes_the_table(tmp_path):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_disk_put.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_disk_put.py"
 
 
 def test_quick_run_writes_results(tmp_path):
