@@ -38,6 +38,7 @@ import torch  # noqa: E402
 from kvx.node import handshake  # noqa: E402
 from kvx.node.client import NodeIndex, NodePool  # noqa: E402
 from kvx.testing.bench import cpu_name  # noqa: E402
+from kvx.testing.bench_timing import percentile  # noqa: E402
 from kvx.testing.node_procs import Node, free_ports  # noqa: E402
 
 SLOT = 1 << 20
@@ -50,11 +51,6 @@ def _cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def _index(node: Node) -> NodeIndex:
@@ -116,7 +112,7 @@ def measure(n: int, reps: int, haves: int, work: str) -> dict:
         return {
             "nodes": n,
             "miss_p50_ms": statistics.median(misses) * 1e3,
-            "miss_p90_ms": _pct(misses, 0.9) * 1e3,
+            "miss_p90_ms": percentile(misses, 90, "rank") * 1e3,
             "pull_1mib_p50_ms": statistics.median(pulls) * 1e3,
             "have_cpu_us": cpu / haves * 1e6,
             "have_rtt_us": wall / haves * 1e6,

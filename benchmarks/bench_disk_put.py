@@ -58,6 +58,7 @@ from safetensors.torch import save_file
 from kvx.store import codec
 from kvx.store.disk import DiskTier
 from kvx.store.disk import tier as kvx_disk
+from kvx.testing.bench_timing import percentile, time_interleaved
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FINGERPRINT = "0123456789abcdef"
@@ -287,41 +288,34 @@ def _meminfo_mib(field: str) -> float:
     return float("nan")
 
 
-def time_interleaved(
+def time_puts(
     tg: Target, t: torch.Tensor, extra: dict[str, str], repeats: int, warmup: int, keep: bool
 ) -> tuple[dict[str, list[float]], float, float]:
-    """Milliseconds of every put of every method; repeat r runs the methods rotated by r. Every put
-    writes a new file (a new key); ``keep``: the files stay until the end of the case, else each is
-    deleted right after its put. Also returns the most Dirty and Writeback MiB (/proc/meminfo) seen
-    after a put (untimed): whether the kernel was writing back during the case."""
-    times: dict[str, list[float]] = {m: [] for m in METHODS}
-    dirty = writeback = 0.0
+    """Milliseconds of every put of every method (:func:`kvx.testing.bench_timing.time_interleaved`, repeat r
+    running the methods rotated by r). Every put writes a new file (a new key, drawn before the timing);
+    ``keep``: the files stay until the end of the case, else each is deleted right after its put. Also returns
+    the most Dirty and Writeback MiB (/proc/meminfo) seen after a timed put (untimed): whether the kernel was
+    writing back during the case."""
+    keys = [_new_key() for _ in range((warmup + repeats) * len(METHODS))]
+    seen = {"Dirty": 0.0, "Writeback": 0.0}
     written = []
+
+    def after(m: str, i: int) -> None:
+        if keep:
+            written.append((m, keys[i]))
+        else:
+            _remove(tg, m, keys[i])
+        if i >= warmup * len(METHODS):
+            for k in seen:
+                seen[k] = max(seen[k], _meminfo_mib(k))
+
+    fns = {m: (lambda i, m=m: PUTS[m](tg, keys[i], t, extra)) for m in METHODS}
     try:
-        for r in range(-warmup, repeats):
-            order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
-            for m in order:
-                key = _new_key()
-                t0 = time.perf_counter()
-                PUTS[m](tg, key, t, extra)
-                dt = time.perf_counter() - t0
-                if keep:
-                    written.append((m, key))
-                else:
-                    _remove(tg, m, key)
-                if r >= 0:
-                    times[m].append(dt * 1e3)
-                    dirty = max(dirty, _meminfo_mib("Dirty"))
-                    writeback = max(writeback, _meminfo_mib("Writeback"))
+        times = time_interleaved(fns, repeats, warmup, after, order="rotate")
     finally:
         for m, key in written:
             _remove(tg, m, key)
-    return times, dirty, writeback
-
-
-def _pct(xs: list[float], p: int) -> float:
-    """The p-th percentile (inclusive method) of ``xs``."""
-    return statistics.quantiles(xs, n=100, method="inclusive")[p - 1] if len(xs) > 1 else xs[0]
+    return times, seen["Dirty"], seen["Writeback"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,9 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             for tg in targets:
                 for mode in modes:
                     for mib in sizes:
-                        times, dirty, wb = time_interleaved(
-                            tg, chunks[mib], extras[mib], repeats, args.warmup, mode == "kept"
-                        )
+                        times, dirty, wb = time_puts(tg, chunks[mib], extras[mib], repeats, args.warmup, mode == "kept")
                         case = (labels[tg.root], mode, mib)
                         pressure.setdefault(case, []).append((dirty, wb))
                         base = statistics.median(times[BASELINE])
@@ -429,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                             print(
                                 f"run {run + 1}/{runs} {case[0]:5s} files {mode:7s} {mib:2d} MiB {m:22s} "
                                 f"median {ms:6.2f} ms {nbytes[mib] / (ms * 1e-3) / 1e9:5.2f} GB/s {ms / base:5.2f} x "
-                                f"save_file; p90 {_pct(ts, 90):6.2f} mean {statistics.fmean(ts):6.2f} ms"
+                                f"save_file; p90 {percentile(ts, 90):6.2f} mean {statistics.fmean(ts):6.2f} ms"
                             )
     finally:
         for r in roots:
@@ -496,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         fs, mode, mib = case
         for m in METHODS:
-            ms, p90 = med(per_run(case, m, med)), med(per_run(case, m, lambda ts: _pct(ts, 90)))
+            ms, p90 = med(per_run(case, m, med)), med(per_run(case, m, lambda ts: percentile(ts, 90)))
             lines.append(
                 f"| {fs} | {mode} | {mib} MiB | {m} | {ms:.2f} | {p90:.2f} | "
                 f"{med(per_run(case, m, mean)):.2f} | {nbytes[mib] / (ms * 1e-3) / 1e9:.2f} | "
@@ -516,9 +508,9 @@ def main(argv: list[str] | None = None) -> int:
                         run + 1,
                         len(ts),
                         f"{med(ts):.4f}",
-                        f"{_pct(ts, 25):.4f}",
-                        f"{_pct(ts, 75):.4f}",
-                        f"{_pct(ts, 90):.4f}",
+                        f"{percentile(ts, 25):.4f}",
+                        f"{percentile(ts, 75):.4f}",
+                        f"{percentile(ts, 90):.4f}",
                         f"{min(ts):.4f}",
                         f"{max(ts):.4f}",
                         f"{mean(ts):.4f}",

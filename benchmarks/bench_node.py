@@ -44,12 +44,8 @@ CHUNK = 256
 
 from kvx.testing import harness as H  # noqa: E402
 from kvx.testing.bench import cpu_name  # noqa: E402
+from kvx.testing.bench_timing import percentile  # noqa: E402
 from kvx.testing.node_procs import Engine, Node  # noqa: E402
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def row(measure: str, value, baseline: str = "", ratio: float | str = "") -> dict:
@@ -153,9 +149,9 @@ def bench_lookup(work: str, sock: str, args) -> list[dict]:
     finally:
         node.stop()
     rows = []
-    for q in (0.5, 0.99):
-        n, c = _pct(samples["node"], q), _pct(samples["cpu"], q)
-        name = f"lookup_256_chunks_p{int(q * 100)}_us"
+    for q in (50, 99):
+        n, c = percentile(samples["node"], q, "rank"), percentile(samples["cpu"], q, "rank")
+        name = f"lookup_256_chunks_p{q}_us"
         rows.append(row(f"{name}_cpu_index", c * 1e6))
         rows.append(row(f"{name}_node", n * 1e6, f"{name}_cpu_index", n / c))
     return rows

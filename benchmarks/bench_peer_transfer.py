@@ -49,6 +49,7 @@ sys.path.insert(0, REPO)
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 
 from kvx.node.transport import Span  # noqa: E402
+from kvx.testing.bench_timing import percentile  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 TIMEOUT_S = 120.0  # a transfer's (and a child's answer's) bound: a hang guard
@@ -372,9 +373,8 @@ class Result:
         return statistics.median(self.gbs)
 
     def pct(self, p: int) -> float:
-        """The p-th percentile (inclusive method) of the rounds' GB/s."""
-        xs = self.gbs
-        return statistics.quantiles(xs, n=100, method="inclusive")[p - 1] if len(xs) > 1 else xs[0]
+        """The p-th percentile (:func:`kvx.testing.bench_timing.percentile`, linear) of the rounds' GB/s."""
+        return percentile(self.gbs, p)
 
 
 def run(layout: Layout, reps: int, names: list[str], log: Callable[[str], None] = print) -> tuple[list[Result], dict]:

@@ -73,7 +73,6 @@ import argparse
 import contextlib
 import csv
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -83,6 +82,7 @@ import torch
 
 from kvx.kernels import ops
 from kvx.testing.bench import Clock, cpu_name
+from kvx.testing.bench_timing import median
 from kvx.testing.pipeline_bench import MAX_PAD_MS, NO_KVX, Bench, Compute, _copy_queue  # noqa: F401 - its names
 
 LOAD_TARGET = 0.80  # hidden fraction of the load copy time, layerwise, compute of equal length
@@ -122,11 +122,6 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
-def _median(xs) -> float:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else float("nan")
-
-
 def bench_loads(b: Bench, n: int, kind: str) -> list[dict]:
     args = b.args
     copy_ms = b.layer_copy_ms(n, "h2d")
@@ -145,8 +140,8 @@ def bench_loads(b: Bench, n: int, kind: str) -> list[dict]:
         args.repeats,
     )
     b.check_loaded(n)
-    med = {name: _median(r["step"] for r in rs) for name, rs in runs.items()}
-    host0 = _median(r["host"] for r in runs[NO_KVX])
+    med = {name: median(r["step"] for r in rs) for name, rs in runs.items()}
+    host0 = median(r["host"] for r in runs[NO_KVX])
     rows = []
     for name, rs in runs.items():
         hidden = None
@@ -192,11 +187,11 @@ def bench_saves(b: Bench, n: int, kind: str) -> list[dict]:
             args.repeats,
         )
         b.check_saved(n)
-        fwd0 = _median(r["fwd"] for r in runs["no saves"])
-        host0 = _median(r["host"] for r in runs[NO_KVX])
+        fwd0 = median(r["fwd"] for r in runs["no saves"])
+        host0 = median(r["host"] for r in runs[NO_KVX])
         for name, rs in runs.items():
-            fwd = _median(r["fwd"] for r in rs)
-            saved = _median(r["saved"] for r in rs) if name not in ("no saves", NO_KVX) else None
+            fwd = median(r["fwd"] for r in rs)
+            saved = median(r["saved"] for r in rs) if name not in ("no saves", NO_KVX) else None
             rows.append(
                 _row(
                     b,
@@ -206,7 +201,7 @@ def bench_saves(b: Bench, n: int, kind: str) -> list[dict]:
                     factor,
                     name,
                     copy_layer_ms=copy_ms,
-                    step_ms=_median(r["step"] for r in rs),
+                    step_ms=median(r["step"] for r in rs),
                     fwd_ms=fwd,
                     fwd_nosave_ms=fwd0,
                     slowdown=fwd / fwd0 - 1.0,
@@ -283,7 +278,7 @@ def _row(
     steps=1,
 ) -> dict:
     s, a = b.shape, b.args
-    host = _median(r["host"] for r in runs)
+    host = median(r["host"] for r in runs)
     return {
         "section": section,
         "shape": s.name,

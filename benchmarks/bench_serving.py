@@ -57,6 +57,8 @@ import sys
 import tempfile
 import time
 
+from kvx.testing.bench_timing import percentile
+
 CONFIGS = ("vllm", "kvx-cpu", "kvx-disk", "example", "kvx-cpu-admit")
 DEFAULT_CONFIGS = CONFIGS[:4]
 STAGE1 = ("vllm", "kvx-cpu", "kvx-cpu-admit")  # up together; the no-reuse runs alternate among them
@@ -244,16 +246,6 @@ def build_no_reuse(spec: Spec, seed: int, rate: float) -> list[Request]:
 
 
 # ------------------------------------------------------------------------------------------------ stats
-def percentile(xs: list[float], q: float) -> float:
-    """Linear-interpolated percentile (``q`` in 0..100), NaN for no data."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 @dataclasses.dataclass
 class Phase:
     """What one phase of one configuration measured."""

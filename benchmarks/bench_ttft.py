@@ -40,7 +40,6 @@ import argparse
 import csv
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -49,10 +48,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from kvx.testing import harness as H  # noqa: E402
 from kvx.testing.bench import cpu_name  # noqa: E402
-
-
-def _median(xs):
-    return statistics.median(xs) if xs else float("nan")
+from kvx.testing.bench_timing import median  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -222,7 +218,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    med = {k: _median(v) for k, v in rows.items()}
+    med = {k: median(v) for k, v in rows.items()}
     ratios = [
         ("kvx warm cpu / vllm prefix hit", med["kvx warm cpu"] / med["vllm prefix hit"], "<= 1.15"),
         ("kvx cold / vllm cold", med["kvx cold"] / med["vllm cold"], "<= 1.05"),
@@ -296,7 +292,7 @@ def main(argv=None) -> int:
     ]
     for k, v in rows.items():
         lines.append(
-            f"| {k} | {med[k]:.3f} | {min(v):.3f} | {int(_median(cached[k]))} | "
+            f"| {k} | {med[k]:.3f} | {min(v):.3f} | {int(median(cached[k]))} | "
             f"{agree(k, 'vllm cold')} | {agree(k, 'vllm prefix hit')} |"
         )
     lines += ["", "| ratio (medians) | value | target |", "|---|---:|---|"]
@@ -313,9 +309,9 @@ def main(argv=None) -> int:
             "",
             f"kvx's own time on the critical path ({mode} copy queue), median per prompt: saving "
             f"(gather of {args.tokens // args.chunk_size} chunks into the CPU tier, inside the cold prefill "
-            f"step) {_median(save_ms[mode]):.1f} ms = "
-            f"{100 * _median(save_ms[mode]) / 1e3 / med['vllm cold']:.2f}% of vLLM's cold TTFT; loading from "
-            f"the CPU tier {_median(load_ms[mode]):.1f} ms.",
+            f"step) {median(save_ms[mode]):.1f} ms = "
+            f"{100 * median(save_ms[mode]) / 1e3 / med['vllm cold']:.2f}% of vLLM's cold TTFT; loading from "
+            f"the CPU tier {median(load_ms[mode]):.1f} ms.",
         ]
     lines += ["", "Disk writes run after the step on background threads that only get idle CPU (SCHED_IDLE)."]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -1,5 +1,7 @@
-"""Timing for the copy benchmarks (:mod:`kvx.testing.bench`): clocks (CUDA events or the wall clock), a GEMM load
-beside the copies, interleaved and queued timing loops, and this machine's name.
+"""Timing for the benchmarks: the one percentile and median every benchmark reports (:func:`percentile`,
+:func:`median`), the wall-clock interleaved loop of the host benchmarks (:func:`time_interleaved`), a markdown
+table (:func:`md_table`); for the copy benchmarks (:mod:`kvx.testing.bench`) clocks (CUDA events or the wall
+clock), a GEMM load beside the copies, interleaved and queued device timing loops; and this machine's name.
 """
 
 from __future__ import annotations
@@ -9,14 +11,100 @@ import dataclasses
 import math
 import os
 import platform
+import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 KiB, MiB = 1 << 10, 1 << 20
 HOST = "cuda<->pinned"  # the ``where`` of a table row whose contiguous side is pinned host memory
+
+
+# ---------------------------------------------------------------------------------------- statistics
+def percentile(xs: Iterable[float], p: float, method: str = "linear") -> float:
+    """The ``p``-th percentile (``p`` in 0..100) of ``xs``; NaN for no samples.
+
+    ``method="linear"`` (the benchmarks' default): interpolated linearly between the two samples around position
+    ``(n - 1) * p / 100`` of the sorted samples: numpy's default, and for a whole ``p`` in 1..99 exactly
+    ``statistics.quantiles(xs, n=100, method="inclusive")[p - 1]`` (same arithmetic, same floats). One sample: itself.
+
+    ``method="rank"``: no interpolation: the sorted sample at index ``floor(n * p / 100)`` (the last one past it),
+    i.e. the first sample with more than ``p`` % of the samples at or below it (``p=50`` of an even count: the upper
+    of the middle two). The node benchmarks' lookups' p50/p90/p99 (``bench_node``, ``bench_cluster_scale``).
+    """
+    s = sorted(xs)
+    n = len(s)
+    if not n:
+        return math.nan
+    if method == "rank":
+        return s[min(n - 1, int(p * n // 100))]
+    if method != "linear":
+        raise ValueError(f"percentile: method is 'linear' or 'rank', got {method!r}")
+    m = n - 1
+    j = int(p * m // 100)
+    if p <= 0 or j >= m:
+        return s[0] if p <= 0 else s[m]
+    delta = p * m - j * 100
+    return (s[j] * (100 - delta) + s[j + 1] * delta) / 100
+
+
+def median(xs: Iterable[float | None], default: float | None = math.nan) -> float | None:
+    """``statistics.median`` of the samples that are not None; ``default`` when there are none."""
+    kept = [x for x in xs if x is not None]
+    return statistics.median(kept) if kept else default
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[int], None]],
+    repeats: int,
+    warmup: int = 0,
+    after: Callable[[str, int], None] | None = None,
+    order: str = "shuffle",
+    seed: int = 0,
+) -> dict[str, list[float]]:
+    """Wall-clock milliseconds of every timed call of every method: ``warmup`` untimed repeats, then ``repeats``
+    timed ones; each repeat calls every method once, so drift of the machine (other load, frequency, page cache)
+    hits every method alike. ``order``: ``"shuffle"``: each repeat in an order drawn by ``random.Random(seed)``
+    (the same sequence of orders in every run; each method follows each other about equally often);
+    ``"rotate"``: repeat ``r`` (the warm-up ones counted from ``-warmup``) runs the methods of ``fns`` rotated left
+    by ``r``. Every call gets its own index ``i``, its place in the whole sequence (``fns[m](i)``; a repeat's calls
+    take consecutive ones, the warm-up the first ``warmup * len(fns)``), so a method can pick a fresh chunk or key
+    per call. ``after(method, i)`` runs untimed after each call (e.g. a delete)."""
+    names = list(fns)
+    if order == "shuffle":
+        rng = random.Random(seed)
+        rounds = [rng.sample(names, len(names)) for _ in range(-warmup, repeats)]
+    elif order == "rotate":
+        rounds = [names[r % len(names) :] + names[: r % len(names)] for r in range(-warmup, repeats)]
+    else:
+        raise ValueError(f"time_interleaved: order is 'shuffle' or 'rotate', got {order!r}")
+    return timed_calls(fns, [(m, k >= warmup) for k, ms in enumerate(rounds) for m in ms], after)
+
+
+def timed_calls(
+    fns: dict[str, Callable[[int], None]], schedule: list[tuple[str, bool]], after: Callable[[str, int], None] | None
+) -> dict[str, list[float]]:
+    """Call ``fns[method](i)`` for each (method, timed) of ``schedule`` in order, ``i`` = its place; the
+    wall-clock milliseconds of the timed calls per method (``after(method, i)`` untimed after each call)."""
+    times: dict[str, list[float]] = {m: [] for m in fns}
+    for i, (m, timed) in enumerate(schedule):
+        t0 = time.perf_counter()
+        fns[m](i)
+        dt = time.perf_counter() - t0
+        if after is not None:
+            after(m, i)
+        if timed:
+            times[m].append(dt * 1e3)
+    return times
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence[object]], align: str = "") -> list[str]:
+    """A markdown table's lines: ``header``, the rule, one line per row (cells by ``str``). ``align``: one letter
+    per column, ``l`` (``---``) or ``r`` (``---:``); columns past it are ``l``."""
+    rule = "|" + "".join("---:|" if a == "r" else "---|" for a in align.ljust(len(header), "l"))
+    return ["| " + " | ".join(header) + " |", rule] + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
 
 
 # ---------------------------------------------------------------------------------------- clocks and load

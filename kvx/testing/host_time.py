@@ -23,10 +23,11 @@ first); one op (``ops.gather_blocks`` of one chunk, staged and auto, checked, pl
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 
 import torch
+
+from .bench_timing import median
 
 HOST_STEP_1_MS = 0.3  # a step loading or saving 1 chunk over 32 layers, over the step without kvx
 HOST_STEP_8_MS = 1.0  # ... 8 chunks
@@ -75,7 +76,7 @@ def python_speed_us(repeats: int = 200) -> float:
 
 
 def _median_us(samples: list[float]) -> float:
-    return statistics.median(samples) * 1e6
+    return median(samples) * 1e6
 
 
 def geometry(layers: int, kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype):
