@@ -59,11 +59,9 @@ import torch
 from kvx.store.errors import ChunkError, StoreError
 from kvx.store.redis import _ChunkSink
 from kvx.testing.bench import cpu_name
+from kvx.testing.bench_timing import median, percentile
+from kvx.testing.redis_bench import chunk_shape, fmt6, new_key, open_tier, server_version, verdict
 from kvx.testing.redis_server import RedisServer
-
-if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # the benchmarks' shared modules
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from redis_common import chunk_shape, fmt6, new_key, open_tier, pct, server_version, verdict  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -306,7 +304,7 @@ class Case:
         xs = self.times
         if not xs:
             return None
-        return {"p50": statistics.median(xs), "p90": pct(xs, 90), "max": max(xs)}
+        return {"p50": statistics.median(xs), "p90": percentile(xs, 90), "max": max(xs)}
 
     def verdicts(self, smoke: bool) -> tuple[str, str]:
         s = self.stats()
@@ -326,11 +324,6 @@ def _after_fault(c: Case) -> list[float]:
 
 def _opt(x: float | None, fmt: str, unit: str = "") -> str:
     return "-" if x is None else f"{x:{fmt}}{unit}"
-
-
-def _median(xs) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
 
 
 def run_case(
@@ -382,11 +375,11 @@ def write_csv(path: str, cases: list[Case], smoke: bool) -> None:
                     c.target_ms,
                     vp,
                     vm,
-                    opt(_median(t.fault_ms for t in c.trials)),
-                    opt(_median(t.fault_bytes for t in c.trials)),
-                    opt(_median(t.fault_call_ms for t in c.trials)),
-                    opt(_median(_after_fault(c))),
-                    opt(_median(t.back_ms for t in c.trials)),
+                    opt(median((t.fault_ms for t in c.trials), None)),
+                    opt(median((t.fault_bytes for t in c.trials), None)),
+                    opt(median((t.fault_call_ms for t in c.trials), None)),
+                    opt(median(_after_fault(c), None)),
+                    opt(median((t.back_ms for t in c.trials), None)),
                     " ".join(fmt6(t) for t in c.times),
                 ]
             )
@@ -470,9 +463,9 @@ def write_md(path: str, cases: list[Case], info: dict, cmd: str, trials: int, sm
     ]
     for c in cases:
         n = len(c.trials)
-        fm, fb = _median(t.fault_ms for t in c.trials), _median(t.fault_bytes for t in c.trials)
-        fc, ba = _median(t.fault_call_ms for t in c.trials), _median(t.back_ms for t in c.trials)
-        af = _median(_after_fault(c))
+        fm, fb = median((t.fault_ms for t in c.trials), None), median((t.fault_bytes for t in c.trials), None)
+        fc, ba = median((t.fault_call_ms for t in c.trials), None), median((t.back_ms for t in c.trials), None)
+        af = median(_after_fault(c), None)
         lines.append(
             f"| {c.scenario} | {c.chunk_bytes // MiB} MiB | {c.timeout_ms} | {len(c.times)}/{n} | "
             f"{c.completed}/{n} | {sum(t.says_timeout for t in c.trials)}/{n} | "
