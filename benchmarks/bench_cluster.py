@@ -53,24 +53,22 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 PORT = 7413
 KINDS = ("pulled", "local", "recompute")
 DOWN_S = 1.5  # a peer that failed is left alone 1 s (kvx.node.peers): a warm-up pull that missed is tried past it
 
-import bench_node as BN  # noqa: E402
-from bench_node import CHUNK, row  # noqa: E402
 
 from kvx.testing import harness as H  # noqa: E402
 from kvx.testing import netns  # noqa: E402
+from kvx.testing import node_bench as NB  # noqa: E402
 from kvx.testing.bench import cpu_name  # noqa: E402
+from kvx.testing.node_bench import CHUNK, row, shm  # noqa: E402
 from kvx.testing.node_procs import Engine, Node  # noqa: E402
 
 
 def node_tier(sock: str, pull_wait_ms: int) -> dict:
-    cfg = BN.node_tier(sock)
+    cfg = NB.node_tier(sock)
     cfg["tiers"][0]["pull_wait_ms"] = pull_wait_ms
     return cfg
 
@@ -101,7 +99,7 @@ def bench(model: str, work: str, args) -> tuple[list[dict], list[dict]]:
     short_a = [H.prompt_ids(short, seed=600 + i, vocab=8192) for i in range(1 + 2 * args.readers)]
     triples: list[dict] = []
     started: list = []
-    pools = [BN.shm(f"{work}-{name}") for name in "ab"]
+    pools = [shm(f"{work}-{name}") for name in "ab"]
     with netns.Cluster(2) as c:
         ha, hb = c.hosts
         secret = os.path.join(work, "secret")

@@ -30,7 +30,6 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 
 import torch  # noqa: E402

@@ -38,31 +38,13 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 RESULTS = os.path.join(REPO, "benchmarks", "results")
-CHUNK = 256
 
 from kvx.testing import harness as H  # noqa: E402
 from kvx.testing.bench import cpu_name  # noqa: E402
 from kvx.testing.bench_timing import percentile  # noqa: E402
+from kvx.testing.node_bench import CHUNK, cpu_tier, node_tier, row, shm  # noqa: E402
 from kvx.testing.node_procs import Engine, Node  # noqa: E402
-
-
-def row(measure: str, value, baseline: str = "", ratio: float | str = "") -> dict:
-    return {"measure": measure, "value": value, "baseline": baseline, "ratio": ratio}
-
-
-def shm(work: str) -> str:
-    """The pool file: on /dev/shm, as kvx node's default (a tmpfs: no writeback)."""
-    return f"/dev/shm/{os.path.basename(work)}.pool"
-
-
-def node_tier(sock: str) -> dict:
-    return {"chunk_size": CHUNK, "tiers": [{"type": "node", "socket": sock, "retry_s": 0.2}]}
-
-
-def cpu_tier(size: str) -> dict:
-    return {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": size}]}
 
 
 # ------------------------------------------------------------------------------------------------ 1. TTFT

@@ -52,7 +52,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 
 from kvx.testing import harness as H  # noqa: E402

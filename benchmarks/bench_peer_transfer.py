@@ -45,7 +45,6 @@ from collections.abc import Callable
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 
 from kvx.node.transport import Span  # noqa: E402

@@ -26,7 +26,7 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+# it times the pull over bench_peer_transfer.py's own Layout and process Pair (that script's subject), so imports it
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 

@@ -30,14 +30,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import threading
 import time
 import zlib
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvx.kernels import ops  # noqa: E402
 from kvx.kernels.layout import KVLayout  # noqa: E402

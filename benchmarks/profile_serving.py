@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 
+# it profiles bench_serving.py's own servers and workload (server_args, _send_all), so imports that script
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_serving as S  # noqa: E402
 
