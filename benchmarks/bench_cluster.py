@@ -63,7 +63,7 @@ from kvx.testing import harness as H  # noqa: E402
 from kvx.testing import netns  # noqa: E402
 from kvx.testing import node_bench as NB  # noqa: E402
 from kvx.testing.bench import cpu_name  # noqa: E402
-from kvx.testing.node_bench import CHUNK, row, shm  # noqa: E402
+from kvx.testing.node_bench import CHUNK, row, rows_md, shm  # noqa: E402
 from kvx.testing.node_procs import Engine, Node  # noqa: E402
 
 
@@ -265,13 +265,7 @@ def write(rows: list[dict], triples: list[dict], args, argv: list[str]) -> None:
         f"(bf16); two hosts in network namespaces, a node on each; the readers' pull_wait_ms {args.pull_wait_ms}. "
         f"Load average at start: {args.load:.2f}.",
         "",
-        "| measure | value | against | ratio |",
-        "|---|---:|---|---:|",
-    ]
-    for r in rows:
-        value = f"{r['value']:.1f}" if isinstance(r["value"], float) else str(r["value"])
-        ratio = f"{r['ratio']:.2f}x" if r["ratio"] != "" else ""
-        lines.append(f"| {r['measure']} | {value} | {r['baseline']} | {ratio} |")
+    ] + rows_md(rows)
     lines += [
         "",
         "Per triple (in the order run; TTFT in ms; cached: the tokens the fresh engine found for the pulled prompt):",

@@ -39,6 +39,7 @@ import torch
 from kvx.keys import chunk_keys
 from kvx.store.disk import DiskTier
 from kvx.testing.bench import machine
+from kvx.testing.bench_timing import md_table
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 FINGERPRINT = "bench-disk-read"
@@ -212,12 +213,20 @@ def write(rows, args, total, how, ok, names) -> None:
         f"{total / 2**20:.1f} MiB; page cache emptied before every read ({', '.join(how)}); "
         f"{args.runs} runs, rotating order. Data check after the runs: {'ok' if ok else 'FAILED'}.",
         "",
-        "| method | median GB/s | x dd direct | runs (GB/s) |",
-        "|---|---:|---:|---|",
     ]
-    for n in names:
-        runs = ", ".join(f"{r['gb_s']:.2f}" for r in rows if r["method"] == n)
-        lines.append(f"| {n} | {med[n]:.2f} | {med[n] / base:.2f} | {runs} |")
+    lines += md_table(
+        ["method", "median GB/s", "x dd direct", "runs (GB/s)"],
+        [
+            (
+                n,
+                f"{med[n]:.2f}",
+                f"{med[n] / base:.2f}",
+                ", ".join(f"{r['gb_s']:.2f}" for r in rows if r["method"] == n),
+            )
+            for n in names
+        ],
+        "lrrl",
+    )
     kvx = [n for n in names if n.startswith("kvx get_into")]
     best = max(kvx, key=lambda n: med[n])
     # the faster sequential read

@@ -43,7 +43,7 @@ RESULTS = os.path.join(REPO, "benchmarks", "results")
 from kvx.testing import harness as H  # noqa: E402
 from kvx.testing.bench import cpu_name  # noqa: E402
 from kvx.testing.bench_timing import percentile  # noqa: E402
-from kvx.testing.node_bench import CHUNK, cpu_tier, node_tier, row, shm  # noqa: E402
+from kvx.testing.node_bench import CHUNK, cpu_tier, node_tier, row, rows_md, shm  # noqa: E402
 from kvx.testing.node_procs import Engine, Node  # noqa: E402
 
 
@@ -283,13 +283,7 @@ def write(rows: list[dict], args, argv: list[str]) -> None:
         "",
         f"`python benchmarks/bench_node.py {' '.join(argv)}`".replace(" `", "`"),
         "",
-        "| measure | value | against | ratio |",
-        "|---|---:|---|---:|",
-    ]
-    for r in rows:
-        value = f"{r['value']:.1f}" if isinstance(r["value"], float) else str(r["value"])
-        ratio = f"{r['ratio']:.2f}x" if r["ratio"] != "" else ""
-        lines.append(f"| {r['measure']} | {value} | {r['baseline']} | {ratio} |")
+    ] + rows_md(rows)
     with open(os.path.join(args.out, "node_cpu.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

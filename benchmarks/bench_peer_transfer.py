@@ -48,7 +48,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 
 from kvx.node.transport import Span  # noqa: E402
-from kvx.testing.bench_timing import percentile  # noqa: E402
+from kvx.testing.bench_timing import md_table, percentile  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 TIMEOUT_S = 120.0  # a transfer's (and a child's answer's) bound: a hang guard
@@ -448,12 +448,21 @@ def write(
         "reader's time for the whole transfer. `x socket` = median over the socket stream's median, measured in the "
         "same run. Bytes checked (CRC32) after the warm-up and after the last round.",
         "",
-        "| variant | median GB/s | p10 | p90 | x socket |",
-        "|---|---:|---:|---:|---:|",
     ]
-    for r in results:
-        ratio = f"{r.median / base:.2f}x" if base else ""
-        lines.append(f"| {r.label} | {r.median:.2f} | {r.pct(10):.2f} | {r.pct(90):.2f} | {ratio} |")
+    lines += md_table(
+        ["variant", "median GB/s", "p10", "p90", "x socket"],
+        [
+            (
+                r.label,
+                f"{r.median:.2f}",
+                f"{r.pct(10):.2f}",
+                f"{r.pct(90):.2f}",
+                f"{r.median / base:.2f}x" if base else "",
+            )
+            for r in results
+        ],
+        "lrrrr",
+    )
     lines += ["", "Variants:", ""] + [f"- {VARIANTS[r.name].label}: {NOTES[r.name]}" for r in results]
     if skipped:
         lines += ["", "Left out:"] + [f"- {n}: {why}" for n, why in skipped.items()]

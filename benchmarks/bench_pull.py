@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from kvx.node.client import NodeIndex, NodePool  # noqa: E402
 from kvx.testing.bench import cpu_name  # noqa: E402
+from kvx.testing.bench_timing import md_table  # noqa: E402
 from kvx.testing.node_procs import Node, free_ports  # noqa: E402
 
 NAMESPACE = bytes(range(16))
@@ -167,10 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         "variants in turn within each; medians. A pull is timed from the engine's ask to its node's answer (the "
         "fan-out, slots, the lease with the peer's CRC32C, the bytes, the check, the release, the commit).",
         "",
-        "| variant | median GB/s | against | ratio |",
-        "|---|---:|---|---:|",
     ]
-    lines += [f"| {r['variant']} | {r['median_gbs']:.2f} | {r['vs']} | {r['ratio']:.2f}x |" for r in rows]
+    lines += md_table(
+        ["variant", "median GB/s", "against", "ratio"],
+        [(r["variant"], f"{r['median_gbs']:.2f}", r["vs"], f"{r['ratio']:.2f}x") for r in rows],
+        "lrlr",
+    )
     path = os.path.join(args.out, "pull_cpu.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -30,6 +30,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from kvx.testing import harness as H  # noqa: E402
 from kvx.testing.bench import cpu_name  # noqa: E402
+from kvx.testing.bench_timing import md_table  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -99,11 +100,12 @@ def main(argv=None) -> int:
         f"Reproduce: `python benchmarks/bench_slow_tier.py --prompts {args.prompts} --tokens {args.tokens} "
         f"--hidden {args.hidden} --layers {args.layers} --dtype {args.dtype} --mib-per-s {args.mib_per_s:g}`",
         "",
-        "| case | median TTFT (s) | prompts | cached tokens (median) |",
-        "|---|---:|---:|---:|",
     ]
-    for k, v in rows.items():
-        lines.append(f"| {k} | {med[k]:.3f} | {len(v)} | {int(statistics.median(c for _, c in v))} |")
+    lines += md_table(
+        ["case", "median TTFT (s)", "prompts", "cached tokens (median)"],
+        [(k, f"{med[k]:.3f}", len(v), int(statistics.median(c for _, c in v))) for k, v in rows.items()],
+        "lrrr",
+    )
     lines += [
         "",
         "| ratio (medians) | value | target |",

@@ -1,10 +1,12 @@
 """What the ``kvx node`` benchmarks share (``benchmarks/bench_node.py``, ``benchmarks/bench_cluster.py``): the
-chunk size, an engine's node-tier and CPU-tier configs, the pool file's path, and a row of their result tables.
+chunk size, an engine's node-tier and CPU-tier configs, the pool file's path, and their result table's rows.
 """
 
 from __future__ import annotations
 
 import os
+
+from .bench_timing import md_table
 
 CHUNK = 256
 
@@ -24,3 +26,13 @@ def node_tier(sock: str) -> dict:
 
 def cpu_tier(size: str) -> dict:
     return {"chunk_size": CHUNK, "tiers": [{"type": "cpu", "size": size}]}
+
+
+def rows_md(rows: list[dict]) -> list[str]:
+    """The markdown table of :func:`row` rows: measure, value (floats to 0.1), against, ratio (``1.23x``)."""
+
+    def cells(r: dict) -> tuple:
+        value = f"{r['value']:.1f}" if isinstance(r["value"], float) else str(r["value"])
+        return r["measure"], value, r["baseline"], f"{r['ratio']:.2f}x" if r["ratio"] != "" else ""
+
+    return md_table(["measure", "value", "against", "ratio"], [cells(r) for r in rows], "lrlr")
