@@ -81,16 +81,13 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 
 from kvx.store import codec
-from kvx.store.redis import _SNDBUF_UNIX  # noqa: F401 - read by tests/bench/test_bench_redis.py
 from kvx.testing.bench_timing import percentile, time_interleaved
-from kvx.testing.redis_bench import (  # noqa: F401 - read by tests/bench/test_bench_redis.py
+from kvx.testing.redis_bench import (
     B2B_CALLS,
-    CSV_FIELDS,
     FINGERPRINT,
     GET_BASE,
     GET_KVX,
@@ -105,7 +102,6 @@ from kvx.testing.redis_bench import (  # noqa: F401 - read by tests/bench/test_b
     PUT_BASE,
     PUT_KVX,
     PUT_METHODS,
-    ROOF_OF,
     SEALED_METHODS,
     SEALED_TARGET,
     SEND_BUFFERS,
@@ -115,6 +111,7 @@ from kvx.testing.redis_bench import (  # noqa: F401 - read by tests/bench/test_b
     Result,
     Values,
     _fmt,
+    _log_case,
     _piece_name,
     _sndbuf_name,
     check_get,
@@ -123,6 +120,7 @@ from kvx.testing.redis_bench import (  # noqa: F401 - read by tests/bench/test_b
     default_part,
     deleter,
     get_fns,
+    knob_runs,
     make_pool,
     n_rotate,
     new_key,
@@ -210,15 +208,6 @@ def bench_get_put(
     return results, info
 
 
-def _log_case(log, run, runs, rs: list[Result]) -> None:
-    base = {r.section: r for r in rs if r.baseline is None}
-    for r in rs:
-        log(
-            f"run {run}/{runs} {r.transport:4s} {r.chunk_bytes // MiB:2d} MiB {r.section:7s} {r.method:33s} "
-            f"median {r.median:7.3f} ms {r.gbs:6.2f} GB/s {base[r.section].median / r.median:5.2f}x baseline"
-        )
-
-
 # ------------------------------------------------------------------------------------------ part-size sweep
 def bench_sweep(
     urls: dict[str, str],
@@ -287,37 +276,6 @@ def bench_sweep(
             for tier in tiers.values():
                 tier.close()
     return results
-
-
-# ------------------------------------------------------------------------------------------ GET piece sweep
-def knob_runs(
-    section: str,
-    transport: str,
-    nb: int,
-    op: str,
-    values,
-    name: Callable,
-    dflt: str,
-    call: Callable[[int, object], None],
-    runs: int,
-    repeats: int,
-    warmup: int,
-    log,
-    after: Callable[[str, int], None] | None = None,
-) -> list[Result]:
-    """``runs`` interleaved measurements of ``call(i, value)`` for each of a knob's ``values`` (method
-    ``name(value)``; compared with ``dflt``, the tier's own choice)."""
-    out = []
-    for run in range(1, runs + 1):
-        times = time_interleaved({name(v): (lambda i, v=v: call(i, v)) for v in values}, repeats, warmup, after)
-        for v in values:
-            m = name(v)
-            out.append(Result(section, transport, "standalone", nb, v, m, dflt if m != dflt else None, run, times[m]))
-            log(
-                f"run {run}/{runs} {transport:4s} {nb // MiB:2d} MiB {op} {m:16s}: "
-                f"{statistics.median(times[m]):7.3f} ms"
-            )
-    return out
 
 
 def bench_pieces(

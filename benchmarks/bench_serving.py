@@ -53,21 +53,19 @@ import sys
 import tempfile
 import time
 
-from kvx.testing.bench_timing import percentile  # noqa: F401 - read by tests/bench/test_bench_serving.py
 from kvx.testing.serving_bench import (
     CONFIGS,
     QUICK,
     Phase,
     Request,
     Spec,
-    _kv_bytes_per_token,  # noqa: F401 - read by tests/bench/test_bench_serving.py
     build_no_reuse,
     build_workload,
     merge_runs,
     tiny_model,
     working_set_tokens,
 )
-from kvx.testing.serving_bench_report import CSV_FIELDS, targets, write_results  # noqa: F401 - CSV_FIELDS: the tests'
+from kvx.testing.serving_bench_report import targets, write_results
 
 DEFAULT_CONFIGS = CONFIGS[:4]
 STAGE1 = ("vllm", "kvx-cpu", "kvx-cpu-admit")  # up together; the no-reuse runs alternate among them

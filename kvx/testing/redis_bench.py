@@ -24,7 +24,7 @@ import torch
 from kvx.store import CPUPool, codec
 from kvx.store.redis import _SNDBUF_UNIX, RedisTier, RedisTierConfig, _chunk_key
 from kvx.store.tier import TierContext
-from kvx.testing.bench_timing import timed_calls
+from kvx.testing.bench_timing import time_interleaved, timed_calls
 
 FINGERPRINT = "bench-redis-0123456789abcdef"
 TOKEN_BYTES = 8 * 2 * 8 * 128 * 2  # one token of the chunk: 8 layers x K/V x 8 heads x 128 x bf16
@@ -257,6 +257,45 @@ class Result:
 def _attach(results: list[Result]) -> dict[tuple, Result]:
     """Index results by (case, method, run)."""
     return {(r.case(), r.method, r.run): r for r in results}
+
+
+def _log_case(log, run, runs, rs: list[Result]) -> None:
+    base = {r.section: r for r in rs if r.baseline is None}
+    for r in rs:
+        log(
+            f"run {run}/{runs} {r.transport:4s} {r.chunk_bytes // MiB:2d} MiB {r.section:7s} {r.method:33s} "
+            f"median {r.median:7.3f} ms {r.gbs:6.2f} GB/s {base[r.section].median / r.median:5.2f}x baseline"
+        )
+
+
+def knob_runs(
+    section: str,
+    transport: str,
+    nb: int,
+    op: str,
+    values,
+    name: Callable,
+    dflt: str,
+    call: Callable[[int, object], None],
+    runs: int,
+    repeats: int,
+    warmup: int,
+    log,
+    after: Callable[[str, int], None] | None = None,
+) -> list[Result]:
+    """``runs`` interleaved measurements of ``call(i, value)`` for each of a knob's ``values`` (method
+    ``name(value)``; compared with ``dflt``, the tier's own choice)."""
+    out = []
+    for run in range(1, runs + 1):
+        times = time_interleaved({name(v): (lambda i, v=v: call(i, v)) for v in values}, repeats, warmup, after)
+        for v in values:
+            m = name(v)
+            out.append(Result(section, transport, "standalone", nb, v, m, dflt if m != dflt else None, run, times[m]))
+            log(
+                f"run {run}/{runs} {transport:4s} {nb // MiB:2d} MiB {op} {m:16s}: "
+                f"{statistics.median(times[m]):7.3f} ms"
+            )
+    return out
 
 
 # ------------------------------------------------------------------------------------------ GET and PUT

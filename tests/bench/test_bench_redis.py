@@ -8,6 +8,8 @@ import math
 
 import pytest
 
+from kvx.store.redis import _SNDBUF_UNIX
+from kvx.testing.redis_bench import CSV_FIELDS, ROOF_OF
 from tests.helpers import load_benchmark, need_redis, redis_server_pids
 
 
@@ -43,7 +45,7 @@ def test_quick_run_writes_consistent_results(bench, tmp_path):
 
     with open(tmp_path / "redis_cpu.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert rows and list(rows[0]) == bench.CSV_FIELDS
+    assert rows and list(rows[0]) == CSV_FIELDS
     sections = {r["section"] for r in rows}
     gp = ("get", "put", "get-b2b", "put-b2b")
     assert {*gp, "sweep-get", "sweep-put", "pieces-get", "sndbuf-put", "lookup"} <= sections
@@ -66,7 +68,7 @@ def test_quick_run_writes_consistent_results(bench, tmp_path):
     }
     assert {(r["transport"], r["method"]) for r in sb if not r["baseline"]} == {
         ("tcp", "kernel default"),
-        ("unix", f"SO_SNDBUF {bench._fmt(bench._SNDBUF_UNIX)}"),
+        ("unix", f"SO_SNDBUF {bench._fmt(_SNDBUF_UNIX)}"),
     }
     assert "## PUT: socket send buffer" in md
 
@@ -93,7 +95,7 @@ def test_quick_run_writes_consistent_results(bench, tmp_path):
                 assert r["baseline_median_ms"] == "" and r["x_baseline"] == ""
             if r["section"] in gp:
                 # so is the share of the roof (a plain socket moving the same value), measured in the same run
-                roof = methods[bench.ROOF_OF[r["section"]]]
+                roof = methods[ROOF_OF[r["section"]]]
                 assert _num(r, "roof_median_ms") == pytest.approx(_num(roof, "median_ms"), rel=1e-5)
                 assert _num(r, "pct_roof") == pytest.approx(100 * _num(roof, "median_ms") / ms, rel=1e-4)
             else:

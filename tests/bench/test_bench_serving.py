@@ -11,6 +11,9 @@ import random
 
 import pytest
 
+from kvx.testing.bench_timing import percentile
+from kvx.testing.serving_bench import _kv_bytes_per_token
+from kvx.testing.serving_bench_report import CSV_FIELDS
 from tests.helpers import load_benchmark
 
 
@@ -63,7 +66,7 @@ def test_workload_is_deterministic_and_reuses_prefixes(bench):
     gaps = [b - a for a, b in zip([r.arrival_s for r in warm], [r.arrival_s for r in warm][1:])]
     assert 0.5 < sum(gaps) / len(gaps) < 2.0
     # the working set is larger than vLLM's KV cache (the regime the benchmark is about)
-    kv_tokens = spec.kv_cache_bytes // bench._kv_bytes_per_token(spec)
+    kv_tokens = spec.kv_cache_bytes // _kv_bytes_per_token(spec)
     assert bench.working_set_tokens(a) > 2 * kv_tokens
 
 
@@ -89,10 +92,10 @@ def test_no_reuse_prompts_share_nothing(bench):
 def test_percentile(bench):
     xs = [float(i) for i in range(1, 101)]
     random.Random(0).shuffle(xs)
-    assert bench.percentile(xs, 50) == pytest.approx(50.5)
-    assert bench.percentile(xs, 90) == pytest.approx(90.1)
-    assert bench.percentile(xs, 0) == 1.0 and bench.percentile(xs, 100) == 100.0
-    assert bench.percentile([3.0], 99) == 3.0
+    assert percentile(xs, 50) == pytest.approx(50.5)
+    assert percentile(xs, 90) == pytest.approx(90.1)
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 100.0
+    assert percentile([3.0], 99) == 3.0
 
 
 def _phase(bench, workload, config, phase, ttfts, duration, cached_frac=0.5, metrics=None):
@@ -155,7 +158,7 @@ def test_report_from_synthetic_numbers(bench, tmp_path):
 
     with open(tmp_path / "serving_cpu.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == bench.CSV_FIELDS and len(rows) == len(phases)
+    assert list(rows[0]) == CSV_FIELDS and len(rows) == len(phases)
     warm = next(r for r in rows if r["config"] == "kvx-cpu" and r["phase"] == "warm")
     assert float(warm["throughput_rps"]) == pytest.approx(1.0)
     assert float(warm["ttft_p50_s"]) == pytest.approx(0.65)
