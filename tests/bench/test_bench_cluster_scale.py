@@ -3,18 +3,11 @@ measured by running it, ``benchmarks/results/cluster_scale_cpu.md``)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
-from kvx.testing.node_procs import ROOT
+from tests.helpers import load_benchmark
 
 
-def test_the_cluster_scale_benchmark_writes_its_table(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "bench_cluster_scale", os.path.join(ROOT, "benchmarks", "bench_cluster_scale.py")
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_the_cluster_scale_benchmark_writes_its_table(monkeypatch, tmp_path):
+    bench = load_benchmark(monkeypatch, "bench_cluster_scale")
     assert bench.main(["--nodes", "2,3", "--reps", "2", "--haves", "20", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "cluster_scale_cpu.md").read_text()
     assert "| 2 |" in text and "| 3 |" in text and "| 1024 | 10 |" in text
