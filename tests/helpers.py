@@ -239,15 +239,26 @@ def need_redis() -> None:
         pytest.skip(str(e))
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state; comm may hold spaces
+
+
 def redis_server_pids() -> set[int]:
-    """Pids of the redis-server processes of this user."""
-    pids = set()
+    """Pids of the redis-server processes this process started (its descendants): what another test process runs
+    at the same time (a second pytest worker, another checkout's tests) is not this test's to count."""
+    me, pids = os.getpid(), set()
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/comm") as f:
-                    if f.read().strip() == "redis-server" and os.stat(f"/proc/{d}").st_uid == os.getuid():
-                        pids.add(int(d))
-            except OSError:
+                    if f.read().strip() != "redis-server":
+                        continue
+                pid = int(d)
+                while pid > 1 and pid != me:
+                    pid = _parent(pid)
+                if pid == me:
+                    pids.add(int(d))
+            except (OSError, ValueError, IndexError):
                 pass
     return pids
