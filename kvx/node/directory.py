@@ -12,7 +12,6 @@ from .protocol import (
     FREE,
     KEY_HALVES,
     LOW32,
-    MIX64,
     PENDING,
     READY,
     PoolGeometry,
@@ -20,6 +19,7 @@ from .protocol import (
     dir_seed,
     dir_shift,
     home_of,
+    homes_of,
 )
 
 _ZERO_KEY = bytes(16)
@@ -30,7 +30,7 @@ class DirectoryWriter:
     insert a READY chunk, remove one. Linear probing from the key's home; removal shifts later entries back (no
     tombstones). The daemon's loop thread only."""
 
-    def __init__(self, table, geom: PoolGeometry, seed: int):
+    def __init__(self, table, geom: PoolGeometry, seed: tuple[int, int]):
         self.table, self.geom, self.seed = table, geom, seed
 
     def _at(self, i: int) -> tuple[bytes, int]:
@@ -98,7 +98,6 @@ class Directory:
         self._table64 = np.frombuffer(buf, dtype="<u8", count=geom.num_slots * 4, offset=geom.table_offset)
         self._table64 = self._table64.reshape(-1, 4)
         self._mask64 = np.uint64(self.mask)
-        self._seed64, self._shift64 = np.uint64(self.seed), np.uint64(self.shift)
 
     def ready(self, keys_hex: str) -> list[bool]:
         """Per key (``keys_hex``: 32-hex keys end to end), whether the pool holds it READY now."""
@@ -133,7 +132,7 @@ class Directory:
         n = len(want)
         slot_of = np.full(n, -1, dtype=np.int64)
         todo, wa, wb = np.arange(n), want[:, 0], want[:, 1]
-        pos = (((wa ^ self._seed64) * MIX64 + wb) * MIX64) >> self._shift64  # home_of, wrapping in uint64
+        pos = homes_of(wa, wb, self.seed, self.shift)
         for _ in range(self.mask + 1):
             e = self._dir64[pos]
             slot = (e[:, 2] & LOW32).astype(np.int64)  # slot + 1; 0: an empty entry, where a probe ends

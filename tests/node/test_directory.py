@@ -1,16 +1,20 @@
 """The pool file's directory (:class:`kvx.node.protocol.Directory`): where a key's probe starts. Keys that share
 their first 8 bytes (a crafted client, or keys like ``f"{i:032x}"``) once all started at one home, so a lookup or a
-change walked past every one of them; the home now mixes the whole key with the pool's random epoch."""
+change walked past every one of them; then a multiply-add of the halves still put a crafted set (second halves
+``k * MIX^-1``) at one home for every epoch; the home is now a keyed fmix64 of each half."""
 
 from __future__ import annotations
 
 import os
+import struct
+import subprocess
+import sys
 
 import pytest
 
 from kvx.node.daemon import NodeState
 from kvx.node.directory import Directory
-from kvx.node.protocol import VERSION, PoolGeometry, dir_home
+from kvx.node.protocol import VERSION, PoolGeometry, dir_home, dir_seed
 
 SLOT = 4096
 N = 256
@@ -51,12 +55,30 @@ def test_keys_sharing_their_first_8_bytes_probe_as_few_entries_as_random_keys(se
     counting = [f"{i:032x}" for i in range(N)]  # the first 8 bytes zero, the last byte counting
     prefix = os.urandom(8).hex()
     crafted = [prefix + os.urandom(8).hex() for _ in range(N)]  # one shared first half
+    inv = pow(0x9E3779B97F4A7C15, -1, 1 << 64)  # pool version 2's multiplier: these all shared its one home
+    mixinv = [prefix + struct.pack("<Q", k * inv % (1 << 64)).hex() for k in range(N)]
     base = sum(probes(stored(rand, epoch), rand))
-    for keys in (counting, crafted):
+    for keys in (counting, crafted, mixinv):
         assert sum(probes(stored(keys, epoch), keys)) <= 2 * base, (base, keys[:2])
 
 
 def test_the_home_depends_on_the_pool_epoch():
     k = bytes(range(16))
-    homes = {dir_home(k, 1 << 16, int.from_bytes(os.urandom(8), "little")) for _ in range(16)}
+    homes = {dir_home(k, 1 << 16, dir_seed(os.urandom(16))) for _ in range(16)}
     assert len(homes) > 8  # a crafted collision in one pool is none in the next
+
+
+def test_bench_node_directory_quick(tmp_path):
+    """The benchmark's smoke run: crafted key sets look up within 2x of random keys."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, os.path.join(repo, "benchmarks", "bench_node_directory.py"), "--quick", "--slots", "512"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": repo},
+    )
+    assert out.returncode == 0, out.stderr
+    ratios = {line.split()[0]: float(line.split("x")[-1]) for line in out.stdout.splitlines() if "probes/key" in line}
+    assert set(ratios) == {"random", "shared8", "counting", "mixinv"}, out.stdout
+    assert all(r < 2 for r in ratios.values()), out.stdout
