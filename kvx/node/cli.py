@@ -1,6 +1,6 @@
 """``kvx node``: run the host's KV pool daemon (:mod:`.daemon`), or ask a running one.
 
-    kvx node --socket PATH --size 64GiB [--slot-size auto|SIZE] [--pool PATH] [--socket-mode 660]
+    kvx node --socket PATH --size 64GiB [--slot-size SIZE|auto] [--pool PATH] [--socket-mode 660]
              [--metrics-port N] [--allow-uid UID ...] [--allow-gid GID ...] [--quota NS=SIZE ...]
              [--listen HOST:PORT --secret-file FILE [--peers HOST:PORT,... | --membership URL]
               [--transport tcp|nixl]]
@@ -145,9 +145,10 @@ def _daemon_parser() -> _Parser:
         "--slot-size",
         type=_slot_size,
         metavar="SIZE",
-        default="auto",
-        help="bytes of one slot, or auto (the default): as large as the first engine's chunks (every rank's KV "
-        "heads of one chunk); give the largest model's for a host serving several",
+        default="64KiB",
+        help="bytes of one slot, the pool's allocation unit (default 64KiB): a chunk takes the fewest consecutive "
+        "slots that hold it, so the chunks of every model on the host share the pool; or auto: slots as large as "
+        "the first engine's chunks (the pool made at its hello)",
     )
     ap.add_argument(
         "--pool",

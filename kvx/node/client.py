@@ -444,10 +444,8 @@ class NodePool(SlotPool):
             geom, file_epoch = unpack_header(m)
             if file_epoch.hex() != epoch:
                 raise ProtocolError(f"pool file {path}: expected epoch {epoch}, got {file_epoch.hex()}")
-            if geom.slot_bytes < self.slot_bytes or geom.file_bytes > size:
-                raise ProtocolError(
-                    f"pool file {path}: expected slots of at least {self.slot_bytes} bytes, got {geom.slot_bytes}"
-                )
+            if geom.file_bytes > size:
+                raise ProtocolError(f"pool file {path}: expected at least {geom.file_bytes} bytes, got {size}")
         except (OSError, ValueError) as e:
             log.error("kvx: cannot map the node's pool (%s); its chunks are recomputed on this worker until it can", e)
             self.epoch = self.geom = self._map = self.data = None
@@ -461,7 +459,7 @@ class NodePool(SlotPool):
                 self.epoch = self.geom = self._map = self.data = None
                 return
             self.pinned = True
-        self.data = data.view(geom.num_slots, geom.slot_bytes)
+        self.data = data  # a chunk's slot: the first of its run (kvx.node.runs), its bytes from there on
         self._map, self.geom, self.epoch = m, geom, epoch
         if not background:
             _populate(data, lambda: True, _POPULATE_ALL)
@@ -474,9 +472,10 @@ class NodePool(SlotPool):
 
     def slot(self, i: int) -> torch.Tensor:
         """This worker's part of slot ``i`` (:attr:`view_shape`)."""
-        if self.data is None or not 0 <= i < self.geom.num_slots:
+        start = i * self.geom.slot_bytes if self.data is not None else 0
+        if self.data is None or not 0 <= i or start + self.slot_bytes > self.data.numel():
             raise ValueError(f"slot: expected a slot of the mapped node pool ({self.num_slots} slots), got {i}")
-        whole = self.data[i, : self.slot_bytes].view(self.dtype).view(self.storage_shape)
+        whole = self.data[start : start + self.slot_bytes].view(self.dtype).view(self.storage_shape)
         if self.heads is not None:
             whole = whole.narrow(0, self.heads[0], self.heads[1] - self.heads[0])
         return whole.view(self.view_shape) if whole.is_contiguous() else whole

@@ -25,6 +25,7 @@ from .protocol import (
     write_entry,
 )
 from .records import Client, Entry, Namespace
+from .runs import Runs
 
 log = get_logger(__name__)
 
@@ -66,14 +67,15 @@ class NodeState:
             raise ValueError("geom: expected a pool geometry, or carve to make one, got neither")
         self.geom: PoolGeometry | None = None
         self.table = self.epoch = None
-        self._free: list[int] = []
+        self._runs = Runs(0)
+        self._at: dict[int, Entry] = {}  # a held run's first slot -> its chunk (READY, PENDING or doomed)
         self._generation: list[int] = []
         self._carve = carve
         if geom is not None:
             self._use_pool(geom, table, epoch)
         self.pool_path = pool_path
         self.quarantine_s = quarantine_s
-        self._quarantine: deque[tuple[float, int]] = deque()  # (when it may be reused, slot), oldest first
+        self._quarantine: deque[tuple[float, int, int]] = deque()  # (when it may be reused, slot, units), oldest first
         self._lru: OrderedDict[Entry, None] = OrderedDict()  # READY, no admin pin, every namespace; LRU first
         self._namespaces: dict[str, Namespace] = {}
         self._clients: dict[int, Client] = {}
@@ -123,13 +125,21 @@ class NodeState:
             raise ValueError(f"geom: expected at least one slot, got {geom}")
         self.geom, self.table, self.epoch = geom, table, epoch
         self._dir = DirectoryWriter(table, geom, dir_seed(epoch))
-        self._free = list(range(geom.num_slots - 1, -1, -1))  # a stack: slot 0 first
+        self._runs = Runs(geom.num_slots)  # a chunk: a run of slots (runs.py), chunks of any size in one pool
         self._generation = [0] * geom.num_slots
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes of a slot; 0 while the pool is not carved (no chunk yet)."""
+        """Bytes of a slot (the pool's allocation unit); 0 while the pool is not carved (no chunk yet)."""
         return self.geom.slot_bytes if self.geom is not None else 0
+
+    def _units(self, nbytes: int) -> int:
+        """Slots in the run of a chunk of ``nbytes``."""
+        return max(1, -(-nbytes // self.geom.slot_bytes))
+
+    def run_bytes(self, ns: Namespace) -> int:
+        """Bytes of the pool one chunk of ``ns`` takes (its run of slots)."""
+        return self._units(ns.chunk_bytes) * self.geom.slot_bytes if self.geom is not None else 0
 
     # -------------------------------------------------------------------------------------- connections
     def open(self, cid: int, pid: int = 0) -> None:
@@ -213,10 +223,11 @@ class NodeState:
         need = arg(args, "slot_bytes", lambda v: is_int(v) and v > 0, "a positive int (bytes of one chunk)")
         if self.geom is None:
             self._use_pool(*self._carve(need))
-        if need > self.geom.slot_bytes:
+        if self._units(need) > self._runs.max_units:
             raise BadRequest(
-                f"slot_bytes: expected at most the pool's slot size, {self.geom.slot_bytes} bytes, got {need} "
-                "(start kvx node with a --slot-size as large as the largest model's chunks)"
+                f"slot_bytes: expected chunks that a run of at most {self._runs.max_units} slots of "
+                f"{self.geom.slot_bytes} bytes holds ({self._runs.max_units * self.geom.slot_bytes} bytes), got {need} "
+                "(start kvx node with a larger --size)"
             )
         ns = self._namespaces.get(name)
         if ns is None:
@@ -280,21 +291,23 @@ class NodeState:
         ns = c.ns
         if key in ns.entries:
             return {"slot": None, "generation": None, "reason": "present"}
-        reason = self._make_room(ns)
+        units = self._units(ns.chunk_bytes)
+        reason = self._make_room(ns, units)
         if reason:
             return {"slot": None, "generation": None, "reason": reason}
-        slot = self._free.pop()
+        slot = self._runs.take(units)
         self._generation[slot] += 1
-        e = ns.entries[key] = Entry(key, ns, slot, PENDING, c.cid)
+        e = ns.entries[key] = self._at[slot] = Entry(key, ns, slot, PENDING, c.cid, units=units)
         ns.pending += 1
         c.pending[key] = e
         write_entry(self.table, self.geom, slot, bytes.fromhex(key), self._generation[slot], PENDING)
         return {"slot": slot, "generation": self._generation[slot], "reason": None}
 
-    def _make_room(self, ns: Namespace) -> str | None:
-        """Evict what one more chunk of ``ns`` needs: its own LRU chunks if it would exceed its quota, then the
-        pool's LRU chunk if no slot is free. None if there is room now, else why not."""
-        sb = self.geom.slot_bytes
+    def _make_room(self, ns: Namespace, units: int) -> str | None:
+        """Evict what one more chunk of ``ns`` (a run of ``units`` slots) needs: its own LRU chunks if it would
+        exceed its quota, then the pool's LRU chunks until such a run is free. None if there is room now, else why
+        not."""
+        sb = self.run_bytes(ns)
         if ns.quota is not None:
             need = -(-((ns.chunks + ns.pending + 1) * sb - ns.quota) // sb)
             if need > 0:
@@ -305,13 +318,30 @@ class NodeState:
                     self._evict(e)
         now = time.monotonic()
         while self._quarantine and self._quarantine[0][0] <= now:
-            self._free.append(self._quarantine.popleft()[1])
-        if not self._free:
+            _, slot, n = self._quarantine.popleft()
+            self._runs.give(slot, n)
+        while not self._runs.can(units):
             victim = next(self._evictable(self._lru), None)
             if victim is None:
                 return "full"
-            self._evict(victim)
+            self._evict_block(victim, units)
         return None
+
+    def _evict_block(self, victim: Entry, units: int) -> None:
+        """Evict ``victim`` (the LRU chunk) to make a run of ``units`` slots free, and with it the other chunks in
+        its aligned block of that run's size if they are all evictable: that block is then whole, where evicting
+        LRU chunks one by one may take many before two buddies meet."""
+        size = 1 << (units - 1).bit_length()
+        if victim.units >= size:
+            self._evict(victim)
+            return
+        first = victim.slot & ~(size - 1)
+        block = [e for s in range(first, first + size) if (e := self._at.get(s)) is not None]
+        if all(e in self._lru and not e.leases for e in block):
+            for e in block:
+                self._evict(e)
+        else:
+            self._evict(victim)
 
     @staticmethod
     def _evictable(lru: OrderedDict[Entry, None]) -> Iterator[Entry]:
@@ -433,7 +463,7 @@ class NodeState:
     def pin_prefix(self, ns: Namespace, keys: Sequence[str]) -> int:
         """Admin-pin the leading READY ``keys`` of ``ns`` while its pinned bytes stay within its quota; returns how
         many. An admin pin outlives the connection; pins of overlapping prefixes count."""
-        sb = self.slot_bytes
+        sb = self.run_bytes(ns)
         for n, k in enumerate(keys):
             e = self._ready(ns, k)
             if e is None or (not e.admin and ns.quota is not None and (ns.admin_pinned + 1) * sb > ns.quota):
@@ -488,7 +518,7 @@ class NodeState:
         """Set (or clear, None) ``ns``'s quota; if it is now over, evict its LRU unpinned chunks until within or
         none is left."""
         ns.quota = quota
-        while quota is not None and (ns.chunks + ns.pending) * self.slot_bytes > quota:
+        while quota is not None and (ns.chunks + ns.pending) * self.run_bytes(ns) > quota:
             victim = next(self._evictable(ns.lru), None)
             if victim is None:
                 return
@@ -550,11 +580,12 @@ class NodeState:
         made if no engine of it has come yet (its engines find the chunks when they do)."""
         if self.geom is None:
             return [None] * len(keys)
-        if nbytes > self.geom.slot_bytes:
-            raise BadRequest(f"nbytes: expected at most this pool's slot size, {self.geom.slot_bytes}, got {nbytes}")
+        if self._units(nbytes) > self._runs.max_units:
+            raise BadRequest(f"nbytes: expected at most this pool's largest run, {self._max_bytes()}, got {nbytes}")
         ns = self._namespaces.get(namespace)
         if ns is None:
             ns = self._namespaces[namespace] = Namespace(namespace, chunk_bytes=nbytes)
+        ns.chunk_bytes = max(ns.chunk_bytes, nbytes)  # its runs hold what the peer writes
         c = self._clients[cid]
         c.ns, c.peer = ns, peer
         out = []
@@ -573,9 +604,12 @@ class NodeState:
         if self.geom is None:
             return False
         mine = {
-            self.geom.slot_offset(e.slot) for c in self._clients.values() if c.peer == peer for e in c.pending.values()
+            self.geom.slot_offset(e.slot): e.units * self.geom.slot_bytes
+            for c in self._clients.values()
+            if c.peer == peer
+            for e in c.pending.values()
         }
-        return all(off in mine and n <= self.geom.slot_bytes for off, n in spans)
+        return all(off in mine and n <= mine[off] for off, n in spans)
 
     def push_commit(self, cid: int, keys: Sequence[str], good: Sequence[bool]) -> int:
         """The pushed ``keys`` arrived (``good``: whole, their CRC32C checked): commit those, free the others."""
@@ -618,13 +652,13 @@ class NodeState:
         ns = self._namespaces.get(namespace)
         if ns is None or self.geom is None:
             return []
-        if nbytes > self.geom.slot_bytes:
-            raise BadRequest(f"nbytes: expected at most this pool's slot size, {self.geom.slot_bytes}, got {nbytes}")
+        if self._units(nbytes) > self._runs.max_units:
+            raise BadRequest(f"nbytes: expected at most this pool's largest run, {self._max_bytes()}, got {nbytes}")
         c = self._clients[cid]
         out = []
         for k in keys:
             e = self._ready(ns, k)
-            if e is None:
+            if e is None or nbytes > e.units * self.geom.slot_bytes:
                 break
             self._lease(c, e)
             self._touch(e)
@@ -711,12 +745,16 @@ class NodeState:
             self._release(e, quarantine)
 
     def _release(self, e: Entry, quarantine: bool = False) -> None:
+        del self._at[e.slot]
         self._generation[e.slot] += 1  # a reader or writer of the old chunk sees it changed
         write_entry(self.table, self.geom, e.slot, _ZERO_KEY, self._generation[e.slot], FREE)
         if quarantine and self.quarantine_s > 0:
-            self._quarantine.append((time.monotonic() + self.quarantine_s, e.slot))
+            self._quarantine.append((time.monotonic() + self.quarantine_s, e.slot, e.units))
         else:
-            self._free.append(e.slot)
+            self._runs.give(e.slot, e.units)
+
+    def _max_bytes(self) -> int:
+        return self._runs.max_units * self.geom.slot_bytes
 
     # -------------------------------------------------------------------------------------- stats
     def stats(self) -> dict:
@@ -729,8 +767,9 @@ class NodeState:
                 "bytes": num_slots * sb,
                 "num_slots": num_slots,
                 "slot_bytes": sb or None,
-                "used": num_slots - len(self._free),
-                "free": len(self._free),
+                "used": num_slots - self._runs.free_units,
+                "free": self._runs.free_units,
+                "largest_free": self._runs.largest(),  # slots: the largest run free now
                 "quarantined": len(self._quarantine),
                 "pending": sum(ns.pending for ns in self._namespaces.values()),
             },
@@ -744,7 +783,7 @@ class NodeState:
                     "chunk_size": ns.chunk_size,
                     "chunks": ns.chunks,
                     "pending": ns.pending,
-                    "bytes": (ns.chunks + ns.pending) * sb,
+                    "bytes": (ns.chunks + ns.pending) * self.run_bytes(ns),
                     "hits": ns.hits,
                     "pulled": ns.pulled,
                     "pushed": ns.pushed,

@@ -19,6 +19,8 @@ workers (read and write), laid out as::
                                DIR_ENTRY (key 16 bytes, slot + 1 u32: 0 empty), linear probing from the key's
                                home, :func:`dir_home`: a keyed hash of the whole key (the epoch the key)
     [data_offset, +slot_bytes * n)  the slots' bytes (data_offset a multiple of 2 MiB; slot_bytes of 4 KiB)
+                               a chunk: a run of consecutive slots (:mod:`.runs`), named by its first: its
+                               table and directory entries are that slot's, its bytes start there
 
 Only the daemon writes the header, the table and the directory. A slot's entry changes as ``allocate`` (state
 PENDING, then the key, then the generation bumped), ``commit`` (state READY), ``free`` (state FREE, generation

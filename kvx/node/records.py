@@ -37,12 +37,13 @@ class Entry:
 
     key: str
     ns: Namespace
-    slot: int
+    slot: int  # the first slot of its run
     state: int  # PENDING or READY
     owner: int | None  # the connection that allocated it, while PENDING
     leases: int = 0
     admin: int = 0
     doomed: bool = False
+    units: int = 1  # slots in its run (:mod:`.runs`)
 
 
 @dataclass(eq=False)

@@ -58,7 +58,7 @@ class Node:
         self,
         socket: str,
         size: str = "64MiB",
-        slot_size: str = "1MiB",
+        slot_size: str | None = "1MiB",
         log: str | None = None,
         *args: str,
         pool: str | None = None,
@@ -74,7 +74,7 @@ class Node:
 
     def start(self) -> Node:
         cmd = [sys.executable, "-m", "kvx.node.cli", "--socket", self.socket, "--size", self.size]
-        cmd += ["--slot-size", self.slot_size, "--pool", self.pool, *self.args]
+        cmd += [*(["--slot-size", self.slot_size] if self.slot_size else []), "--pool", self.pool, *self.args]
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(self.launch(cmd), cwd=ROOT, stdout=log, stderr=log, start_new_session=True)
         deadline = time.monotonic() + 30

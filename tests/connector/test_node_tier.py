@@ -25,8 +25,8 @@ def node(tmp_path):
     sock = f"{tempfile.mkdtemp(prefix='kvxn', dir='/tmp')}/node.sock"
     made = []
 
-    def make(start: bool = True, slot_size: str = "1MiB") -> Node:
-        n = Node(sock, "32MiB", slot_size, str(tmp_path / "node.log"))
+    def make(start: bool = True, slot_size: str = "1MiB", size: str = "32MiB") -> Node:
+        n = Node(sock, size, slot_size, str(tmp_path / "node.log"))
         made.append(n)
         return n.start() if start else n
 
@@ -196,7 +196,8 @@ def test_a_quota_and_an_admin_pin_hold_while_two_engines_save_in_turns(make_env,
 
 
 def test_an_engine_whose_chunks_exceed_the_nodes_slots_is_refused_once_and_serves(make_env, node, caplog):
-    n = node(slot_size="64KiB")  # a chunk of the test model (every head, every layer) takes more
+    # a chunk of the test model (every head, every layer: 256 KiB) takes a run of 64 slots; the pool's largest is 32
+    n = node(slot_size="4KiB", size="2200KiB")
     env = make_env(node_tiers(n.socket))
     index = env.conn._scheduler.cpu
     sent = []
@@ -211,8 +212,8 @@ def test_an_engine_whose_chunks_exceed_the_nodes_slots_is_refused_once_and_serve
         wait_for(lambda times=times: refused(times), 10, lambda: f"refusal {times}: {index.stats}")
     refusals = [r.getMessage() for r in caplog.records if "refused this engine" in r.getMessage()]
     assert len(refusals) == 1, refusals
-    assert "slot_bytes: expected at most the pool's slot size, 65536 bytes" in refusals[0]
-    assert "(start kvx node with a --slot-size as large as the largest model's chunks)" in refusals[0]
+    assert "slot_bytes: expected chunks that a run of at most 32 slots of 4096 bytes holds" in refusals[0]
+    assert "(start kvx node with a larger --size)" in refusals[0]
     assert saves(env) == [] and not any(env.load_errors) and node_chunks(n) == 0
     assert n.stats()["namespaces"] == {}
     env.assert_clean()

@@ -108,8 +108,13 @@ def check_invariants(state: NodeState) -> None:
             assert e.slot not in holders
             holders[e.slot] = e
     assert all(e.leases == leases[e] for e in holders.values())
-    assert sorted([*holders, *state._free]) == list(range(state.geom.num_slots))
-    for slot in state._free:
+    # the runs held, the free blocks and the quarantined runs cover the pool's slots once each (kvx.node.runs)
+    held = [u for first, e in holders.items() for u in range(first, first + e.units)]
+    free = [u for first, k in state._runs._order.items() for u in range(first, first + (1 << k))]
+    assert len(free) == state._runs.free_units
+    quarantined = [u for _, first, n in state._quarantine for u in range(first, first + n)]
+    assert sorted([*held, *free, *quarantined]) == list(range(state.geom.num_slots))
+    for slot in set(range(state.geom.num_slots)) - set(holders):
         assert entry(state, slot) == (bytes(16), state._generation[slot], FREE)
     # the directory holds exactly the READY chunks, each found where a lookup probes for it (a key is one
     # namespace's in practice: keys are hash chains rooted in the namespace; the tests reuse keys across them)

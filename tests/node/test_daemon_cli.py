@@ -80,7 +80,7 @@ def test_cli_without_a_daemon_or_with_bad_sizes(short_dir, capsys):
     sock = str(short_dir / "x")
     assert cli.main(["--socket", sock, "--size", "1MiB"]) == 2
     err = capsys.readouterr().err
-    assert "--size: expected room for the table and at least one slot of --slot-size auto" in err
+    assert "--size: expected room for the table and at least one slot of --slot-size 65536 (" in err
     assert cli.main(["--socket", sock, "--size", "40MiB", "--slot-size", "64MiB"]) == 2
     err = capsys.readouterr().err
     assert "--size: expected room for the table and at least one slot of --slot-size 67108864 (" in err

@@ -15,6 +15,7 @@ from kvx.node.protocol import FREE, PENDING, READY, PoolGeometry
 from tests.node.daemon_helpers import (
     NS_A,
     NS_B,
+    NS_C,
     SLOT,
     Peer,
     check_invariants,
@@ -59,11 +60,15 @@ def test_auto_slots_are_carved_at_the_first_engines_hello_as_large_as_its_chunks
     assert first["slot_bytes"] == 8192 and first["pool"] == "/dev/shm/test.pool"
     assert [g.slot_bytes for g in carved] == [8192] and state.geom == carved[0]
     Peer(state, 11, slot_bytes=100)  # smaller chunks fit
-    with pytest.raises(NodeError, match="expected at most the pool's slot size, 8192 bytes, got 9000"):
-        Peer(state, 12, slot_bytes=9000)
+    big = Peer(state, 12, ns=NS_C, slot_bytes=9000)  # larger ones take a run of slots (kvx.node.runs)
+    with pytest.raises(NodeError, match="slot_bytes: expected chunks that a run of at most 512 slots of 8192 bytes"):
+        Peer(state, 14, slot_bytes=513 * 8192)
     assert len(carved) == 1
-    assert Peer(state, 13).call("allocate", key=key(1))["slot"] == 0
-    check_invariants(state)
+    assert Peer(state, 13).call("allocate", key=key(1))["slot"] is not None
+    assert big.call("allocate", key=key(2))["slot"] is not None  # a run of 2 slots
+    assert Peer(state, 15).call("allocate", key=key(3))["slot"] is not None
+    assert state.stats()["pool"]["used"] == 4
+    check_invariants(state)  # the runs overlap nothing
 
 
 def test_allocate_commit_abort_write_the_table():
@@ -161,7 +166,8 @@ def test_closing_a_connection_frees_its_pending_slots_and_releases_its_leases():
     assert state.stats()["leases_released"] == 4
     assert state.stats()["namespaces"][NS_A]["chunks"] == 1  # READY chunks outlive their writer, unpinned
     c = Peer(state, 3)
-    assert c.call("allocate", key=key(9))["slot"] in (pending, mine)
+    got = {c.call("allocate", key=key(9 + i))["slot"] for i in range(3)}  # the 3 slots not READY
+    assert got == {0, 1, 2, 3} - {ready} and {pending, mine} <= got
     check_invariants(state)
 
 

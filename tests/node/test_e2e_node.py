@@ -168,3 +168,41 @@ def test_the_ranks_of_a_tp2_engine_share_the_node_with_a_tp1_engine(model, refer
     hit = tp1.generate(PROMPTS)
     check(hit, reference[:2])
     assert [r["cached"] for r in hit] == [len(p) // CHUNK * CHUNK for p in PROMPTS]
+
+
+def test_models_of_three_chunk_sizes_share_a_node_started_with_defaults(tmp_path_factory, procs):
+    """A host serving several models: a node started with no --slot-size holds the chunks of two models of
+    different chunk sizes, and of a third started after them; each model's fresh engine hits its own prompts."""
+    root = tmp_path_factory.mktemp("models")
+    models = [  # fp32, 256 tokens a chunk: 512 KiB, 768 KiB (3 layers), 1 MiB (4 KV heads)
+        H.make_tiny_llama(str(root / "l2"), dtype="float32"),
+        H.make_tiny_llama(str(root / "l3"), layers=3, dtype="float32", seed=1),
+        H.make_tiny_llama(str(root / "kv4"), kv_heads=4, dtype="float32", seed=2),
+    ]
+    prompts = [[H.prompt_ids(600, seed=960 + 10 * m + i) for i in range(2)] for m in range(3)]  # 2 chunks each
+    refs = []
+    for m, model in enumerate(models):
+        eng = Engine(model, None, str(tmp_path_factory.mktemp("ref") / f"ref{m}.log"))
+        try:
+            refs.append([r["tokens"] for r in eng.generate(prompts[m])])
+        finally:
+            eng.stop()
+    node = procs.node(slot_size=None)  # kvx node's defaults
+    first = [procs.engine(models[m], f"m{m}") for m in range(2)]  # two models at once
+    for m, e in enumerate(first):
+        out = e.generate(prompts[m])
+        check(out, refs[m])
+        assert [r["cached"] for r in out] == [0, 0]
+    third = procs.engine(models[2], "m2")  # a third model after them
+    check(third.generate(prompts[2]), refs[2])
+    spaces = lambda: node.stats()["namespaces"]  # noqa: E731
+    wait_for(lambda: [s["chunks"] for s in spaces().values()] == [4, 4, 4], 30, lambda: str(node.stats()))
+    assert sorted(s["bytes"] for s in spaces().values()) == [4 * 512 << 10, 4 * 768 << 10, 4 << 20]
+    for e in [*first, third]:
+        e.stop()
+    for m, model in enumerate(models):  # fresh engines: each hits its own model's prompts
+        out = procs.engine(model, f"m{m}-again").generate(prompts[m])
+        check(out, refs[m])
+        assert [r["cached"] for r in out] == [512, 512]
+    pool = node.stats()["pool"]
+    assert pool["slot_bytes"] == 64 << 10 and pool["used"] == 4 * (8 + 12 + 16) and pool["pending"] == 0
