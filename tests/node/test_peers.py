@@ -308,3 +308,35 @@ def test_a_pull_after_the_peer_closed_an_idle_connection_dials_again(tmp):
     finally:
         a.close()
         b.close()
+
+
+def test_chunks_that_take_a_run_of_slots_are_pulled_bit_exact(tmp):
+    """Slots smaller than the chunks (a host serving several models): each chunk a run of slots, pulled whole."""
+    secret = secret_file(tmp)
+    pa, pb = free_port(), free_port()
+    small = ("--slot-size", "4KiB")  # after the Member's own --slot-size: the last one counts
+    a = Member(tmp, "a", pa, [pb], secret, *small)
+    b = Member(tmp, "b", pb, [pa], secret, *small)
+    try:
+        units = -(-SLOT_BYTES // 4096)
+        assert units > 1 and a.node.stats()["pool"]["slot_bytes"] == 4096
+        g = torch.Generator().manual_seed(1)
+        chunks = {key(i): torch.randint(0, 256, (SLOT_BYTES,), dtype=torch.uint8, generator=g) for i in range(5)}
+        for k, data in chunks.items():
+            a.store(k, data)
+        assert b.pull(list(chunks)) == [True] * 5
+        for k, data in chunks.items():
+            assert torch.equal(b.read(k), data), k
+        s = b.node.stats()
+        assert s["cluster"]["bad_chunks"] == 0 and s["pool"]["used"] == 5 * units and s["pool"]["pending"] == 0
+        assert a.node.stats()["cluster"]["bytes_out"] == 5 * SLOT_BYTES
+        pushed = {key(60 + i): torch.randint(0, 256, (SLOT_BYTES,), dtype=torch.uint8, generator=g) for i in range(3)}
+        for k, data in pushed.items():
+            a.store(k, data)
+        assert a.index.push(list(pushed), f"127.0.0.1:{b.port}")  # P/D: pushed whole into runs of b's slots
+        wait_for(lambda: b.index.contains_many(list(pushed)) == [True] * 3, 30, lambda: f"pushes: {b.node.stats()}")
+        for k, data in pushed.items():
+            assert torch.equal(b.read(k), data), k
+    finally:
+        a.close()
+        b.close()
