@@ -262,8 +262,8 @@ class NodeIndex(SlotIndex):
     def state(self, key: str) -> SlotState | None:
         """READY or PENDING as the pool's directory and slot table say now, else None (also while the node is
         down): no round trip, as ``contains_many``. The save planning asks this of every chunk of a request (16
-        on a 4096-token prompt; asking the daemon cost a round trip, 0.3-0.6 ms here while vLLM's threads hold
-        the cores, per chunk it did not find READY). A stale answer costs at most a save: READY or PENDING skips
+        on a 4096-token prompt; asking the daemon costs a round trip per chunk not found READY, slower while
+        vLLM's threads hold the cores). A stale answer costs at most a save: READY or PENDING skips
         it (another engine has it), None tries ``allocate``, which the daemon answers."""
         return None if self._dir is None else _STATES[self._dir.state(key)]
 
@@ -291,8 +291,8 @@ class NodeIndex(SlotIndex):
         """Lease pins on READY chunks for a load: their slots as the directory gives them now, -1 for a chunk it
         does not hold READY or if the node is down (the workers then fail those chunks' loads: recomputed).
 
-        The pin is posted, not waited for: its round trip (0.3-0.5 ms while vLLM's threads hold both cores here)
-        left a request's first step for every hit. The lease is a guard, not what makes a read safe: the workers
+        The pin is posted, not waited for: its round trip, slow while vLLM's threads hold the cores, delayed a
+        request's first step for every hit. The lease is a guard, not what makes a read safe: the workers
         check each slot's key, generation and state before and after their copies, so a chunk evicted before the
         daemon saw the pin fails its load and is recomputed, never served torn."""
         keys = list(keys)
@@ -341,16 +341,16 @@ class NodeIndex(SlotIndex):
             self._post("unpin", keys="".join(mine))
 
 
-_POPULATE_STEP = 4 << 20  # bytes per call in the background: the copy pool waits at most one call (~1 ms here)
+_POPULATE_STEP = 4 << 20  # bytes per call in the background: the copy pool waits at most one call
 _POPULATE_ALL = 1 << 62  # one call, on every core of the copy pool (at registration)
 
 
 def _populate(data: torch.Tensor, current, step: int = _POPULATE_STEP) -> None:
     """Map every page of a node pool into this process ahead of its copies, ``step`` bytes a call, while
     ``current()`` (the pool is still the one mapped). Each page's first touch is otherwise a fault on the
-    critical path: a fresh engine's first load of a 4096-token prefix (64 MiB) took 16 ms more than from a CPU
-    tier, whose pool is committed at start-up (:class:`kvx.store.CPUPool`), and 40 ms more while a background
-    commit of the pool still ran (``benchmarks/bench_node.py``)."""
+    critical path: a fresh engine's first load is slower than from a CPU tier, whose pool is committed at start-up
+    (:class:`kvx.store.CPUPool`), and slower still while a background commit runs (``benchmarks/bench_node.py``,
+    ``results/node_cpu.md``)."""
     try:
         from .._ext import load
 

@@ -127,7 +127,7 @@ class Directory:
     def slots(self, keys_hex: str) -> list[int]:
         """Per key (``keys_hex``: 32-hex keys end to end), its slot if the pool holds it READY now, else -1. On the
         entries as rows of four uint64 (one gather per probe round), not the structured arrays' fields: a lookup
-        of 256 keys is most of an engine's lookup time (p50 50 us against 66 us this way here)."""
+        of 256 keys is most of an engine's lookup time, and this way is faster (``benchmarks/bench_node.py``)."""
         want = np.frombuffer(bytes.fromhex(keys_hex), dtype="<u8").reshape(-1, 2)
         n = len(want)
         slot_of = np.full(n, -1, dtype=np.int64)
