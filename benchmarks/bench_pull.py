@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             for p in pairs:
                 p.close()
     gbs = {n: statistics.median(total / s / 1e9 for s in t) for n, t in times.items()}
+    phases = {p.name: p.phases[1:] for p in pairs if isinstance(p, PullPair)}  # the warm-up's left out
     rows = [
         {"variant": n, "median_gbs": round(g, 3), "vs": base, "ratio": round(g / gbs[base], 3)}
         for n, g, base in (
@@ -173,6 +174,25 @@ def main(argv: list[str] | None = None) -> int:
         ["variant", "median GB/s", "against", "ratio"],
         [(r["variant"], f"{r['median_gbs']:.2f}", r["vs"], f"{r['ratio']:.2f}x") for r in rows],
         "lrlr",
+    )
+    names = [k for k in next(iter(phases.values()))[0] if k.endswith("_ms")]
+    lines += [
+        "",
+        "Where a pull's time goes: the pulling node's phases (`kvx node stats`: `last_pull`), medians in ms; the rest "
+        "of a pull's time is the engine's ask and answer.",
+        "",
+    ]
+    lines += md_table(
+        ["variant", *(k[: -len("_ms")] for k in names), "whole pull"],
+        [
+            (
+                n,
+                *(f"{statistics.median(ph[k] for ph in got):.2f}" for k in names),
+                f"{statistics.median(times[n]) * 1e3:.2f}",
+            )
+            for n, got in phases.items()
+        ],
+        "l" + "r" * (len(names) + 1),
     )
     path = os.path.join(args.out, "pull_cpu.md")
     with open(path, "w") as f:
