@@ -33,9 +33,9 @@ import time
 
 import numpy as np
 
-from kvx.node.daemon import NodeState
 from kvx.node.directory import Directory
-from kvx.node.protocol import VERSION, PoolGeometry, dir_home, homes_of
+from kvx.node.protocol import dir_home, homes_of
+from kvx.testing.node_bench import directory_holding
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(REPO, "benchmarks", "results", "node_directory_cpu.md")
@@ -57,15 +57,7 @@ def key_sets(n: int = N) -> dict[str, list[str]]:
 
 def stored(keys: list[str], slots: int) -> Directory:
     """A pool of ``slots`` slots (a fresh epoch) holding ``keys`` READY, and its directory as an engine maps it."""
-    geom, epoch = PoolGeometry(slots, SLOT), os.urandom(16)
-    state = NodeState(geom, bytearray(geom.data_offset), "/dev/shm/bench.pool", epoch)
-    state.open(1, pid=1)
-    hello = {"version": VERSION, "role": "engine", "namespace": "a1" * 8, "model": "m", "chunk_size": 16}
-    assert state.request(1, {"op": "hello", "id": 0, "pid": 1, "slot_bytes": SLOT, **hello})[0]["ok"]
-    for i, k in enumerate(keys):
-        for op in ("allocate", "commit"):
-            assert state.request(1, {"op": op, "id": 2 * i + 1 + (op == "commit"), "key": k})[0]["ok"]
-    return Directory(state.table, geom, epoch)
+    return directory_holding(keys, slots, SLOT, os.urandom(16))
 
 
 def probes(d: Directory, keys: list[str]) -> float:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 
+from ..node.daemon import NodeState
+from ..node.directory import Directory
+from ..node.protocol import VERSION, PoolGeometry
 from .bench_timing import md_table
 
 CHUNK = 256
@@ -36,3 +39,19 @@ def rows_md(rows: list[dict]) -> list[str]:
         return r["measure"], value, r["baseline"], f"{r['ratio']:.2f}x" if r["ratio"] != "" else ""
 
     return md_table(["measure", "value", "against", "ratio"], [cells(r) for r in rows], "lrlr")
+
+
+def directory_holding(keys: list[str], slots: int, slot_bytes: int, epoch: bytes) -> Directory:
+    """A node's index in this process (no daemon), a pool of ``slots`` slots of ``slot_bytes`` with ``epoch``,
+    holding ``keys`` READY, and its directory as an engine maps it (the directory benchmark's and tests' pool)."""
+    geom = PoolGeometry(slots, slot_bytes)
+    state = NodeState(geom, bytearray(geom.data_offset), "/dev/shm/directory.pool", epoch)
+    state.open(1, pid=1)
+    hello = {"version": VERSION, "role": "engine", "namespace": "a1" * 8, "model": "m", "chunk_size": 16}
+    reply = state.request(1, {"op": "hello", "id": 0, "pid": 1, "slot_bytes": slot_bytes, **hello})[0]
+    assert reply["ok"], reply
+    for i, k in enumerate(keys):
+        for op in ("allocate", "commit"):
+            reply = state.request(1, {"op": op, "id": 2 * i + 1 + (op == "commit"), "key": k})[0]
+            assert reply["ok"], reply
+    return Directory(state.table, geom, epoch)

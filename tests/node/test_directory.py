@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from kvx.node.daemon import NodeState
 from kvx.node.directory import Directory
-from kvx.node.protocol import VERSION, PoolGeometry, dir_home, dir_seed
+from kvx.node.protocol import dir_home, dir_seed
+from kvx.testing.node_bench import directory_holding
 
 SLOT = 4096
 N = 256
@@ -34,16 +34,7 @@ def probes(d: Directory, keys: list[str]) -> list[int]:
 
 
 def stored(keys: list[str], epoch: bytes) -> Directory:
-    geom = PoolGeometry(len(keys), SLOT)
-    state = NodeState(geom, bytearray(geom.data_offset), "/dev/shm/test.pool", epoch)
-    state.open(1, pid=1)
-    hello = {"version": VERSION, "role": "engine", "namespace": "a1" * 8, "model": "m", "chunk_size": 16}
-    assert state.request(1, {"op": "hello", "id": 0, "pid": 1, "slot_bytes": SLOT, **hello})[0]["ok"]
-    for i, k in enumerate(keys):
-        for op in ("allocate", "commit"):
-            reply = state.request(1, {"op": op, "id": 2 * i + 1 + (op == "commit"), "key": k})[0]
-            assert reply["ok"], reply
-    d = Directory(state.table, geom, epoch)
+    d = directory_holding(keys, len(keys), SLOT, epoch)
     assert d.ready("".join(keys)) == [True] * len(keys)
     return d
 
