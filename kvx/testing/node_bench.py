@@ -12,6 +12,7 @@ from ..node.protocol import VERSION, PoolGeometry
 from .bench_timing import md_table
 
 CHUNK = 256
+OPS = ("allocate", "commit")  # a chunk stored READY
 
 
 def row(measure: str, value, baseline: str = "", ratio: float | str = "") -> dict:
@@ -48,10 +49,10 @@ def directory_holding(keys: list[str], slots: int, slot_bytes: int, epoch: bytes
     state = NodeState(geom, bytearray(geom.data_offset), "/dev/shm/directory.pool", epoch)
     state.open(1, pid=1)
     hello = {"version": VERSION, "role": "engine", "namespace": "a1" * 8, "model": "m", "chunk_size": 16}
-    reply = state.request(1, {"op": "hello", "id": 0, "pid": 1, "slot_bytes": slot_bytes, **hello})[0]
-    assert reply["ok"], reply
-    for i, k in enumerate(keys):
-        for op in ("allocate", "commit"):
-            reply = state.request(1, {"op": op, "id": 2 * i + 1 + (op == "commit"), "key": k})[0]
-            assert reply["ok"], reply
+    msgs = [{"op": "hello", "id": 0, "pid": 1, "slot_bytes": slot_bytes, **hello}]
+    msgs += [{"op": op, "id": 2 * i + 1 + (op == "commit"), "key": k} for i, k in enumerate(keys) for op in OPS]
+    for msg in msgs:
+        reply = state.request(1, msg)[0]
+        if not reply["ok"]:
+            raise RuntimeError(f"the node's index refused {msg['op']}: {reply}")
     return Directory(state.table, geom, epoch)
