@@ -120,11 +120,11 @@ def _class_sizes(limit: int) -> tuple[int, ...]:
     return tuple(sorted(set(out), reverse=True))
 
 
-@lru_cache(maxsize=1024)  # a deployment's chunks come in a few sizes: computed once each (~100 us), then ~0.1 us
+@lru_cache(maxsize=1024)  # a deployment's chunks come in a few sizes: each split is computed once
 def _value_split(total: int, limit: int) -> tuple[int, int]:
     """(values, bytes per value but the last) for a chunk whose encoding is ``total`` bytes, in values of at most
-        ``limit`` bytes: the split Redis stores in the least memory (every value but the last fills a size class; the
-        last takes what is left), the one with fewest values among those within 1% of it. One value: ``(1, total)``,
+    ``limit`` bytes: the split Redis stores in the least memory (every value but the last fills a size class; the
+    last takes what is left), the one with fewest values among those within 1% of it. One value: ``(1, total)``,
     always under 64 KiB."""
     if total < _MIN_SPLIT and total <= limit:
         return 1, total
