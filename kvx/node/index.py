@@ -321,27 +321,26 @@ class NodeState:
             _, slot, n = self._quarantine.popleft()
             self._runs.give(slot, n)
         while not self._runs.can(units):
-            victim = next(self._evictable(self._lru), None)
-            if victim is None:
+            block = next(filter(None, (self._freeable(e, units) for e in self._evictable(self._lru))), None)
+            if block is None:
                 return "full"
-            self._evict_block(victim, units)
-        return None
-
-    def _evict_block(self, victim: Entry, units: int) -> None:
-        """Evict ``victim`` (the LRU chunk) to make a run of ``units`` slots free, and with it the other chunks in
-        its aligned block of that run's size if they are all evictable: that block is then whole, where evicting
-        LRU chunks one by one may take many before two buddies meet."""
-        size = 1 << (units - 1).bit_length()
-        if victim.units >= size:
-            self._evict(victim)
-            return
-        first = victim.slot & ~(size - 1)
-        block = [e for s in range(first, first + size) if (e := self._at.get(s)) is not None]
-        if all(e in self._lru and not e.leases for e in block):
             for e in block:
                 self._evict(e)
-        else:
-            self._evict(victim)
+        return None
+
+    def _freeable(self, victim: Entry, units: int) -> list[Entry] | None:
+        """The chunks to evict, ``victim`` (an evictable chunk) first, so that a run of ``units`` slots is free: the
+        chunks in the victim's aligned block of that run's size (the block a buddy allocator can hand out), if
+        every slot of it is free or held by an evictable chunk; else None (evicting the victim would not free such
+        a run: a slot there is pinned, pending or quarantined, and the next LRU chunk is tried)."""
+        size = 1 << (units - 1).bit_length()
+        if victim.units >= size:
+            return [victim]  # its run, freed, is an aligned block of at least ``size`` slots
+        block = self._runs.holders(victim.slot & ~(size - 1), size, self._at)
+        if block is None or not all(e in self._lru and not e.leases for e in block):
+            return None
+        block.remove(victim)
+        return [victim, *block]
 
     @staticmethod
     def _evictable(lru: OrderedDict[Entry, None]) -> Iterator[Entry]:

@@ -11,6 +11,15 @@ waste is the rounding of a chunk up to whole units, plus free blocks too small f
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Protocol
+
+
+class Held(Protocol):
+    """A held run, as :meth:`Runs.holders` reads it."""
+
+    units: int
+
 
 def _blocks(start: int, end: int):
     """[start, end) as aligned power-of-two blocks: (offset, order) each, in order."""
@@ -67,6 +76,27 @@ class Runs:
                 off, k = min(off, buddy), k + 1
             self._free[k].add(off)
             self._order[off] = k
+
+    def holders(self, first: int, size: int, at: Mapping[int, Held]) -> list[Held] | None:
+        """What holds the aligned block of ``size`` slots from ``first``, by ``at`` (a held run's first slot -> its
+        holder): the runs in it, a run from before it into it included; None if a slot there is neither free nor
+        held (a run not yet given back, as a quarantined one)."""
+        held, s = [], first
+        for k in range(size.bit_length(), self.n.bit_length() + 1):  # a run starts aligned to its own size
+            start = first & ~((1 << k) - 1)
+            if start < first and (h := at.get(start)) is not None and start + h.units > first:
+                held.append(h)
+                s = start + h.units
+                break
+        while s < first + size:
+            if (h := at.get(s)) is not None:
+                held.append(h)
+                s += h.units
+            elif (k := self._order.get(s)) is not None:
+                s += 1 << k
+            else:
+                return None
+        return held
 
     def largest(self) -> int:
         """Slots in the largest free block (the largest run :meth:`take` can give now)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvx.node.protocol import FREE, PENDING, READY
-from tests.node.daemon_helpers import NS_A, NS_B, SLOT, Peer, check_invariants, entry, key, make_state, ns_stats
+from tests.node.daemon_helpers import NS_A, NS_B, NS_C, SLOT, Peer, check_invariants, entry, key, make_state, ns_stats
 
 
 @pytest.mark.parametrize(("refresh", "victim"), [("nothing", 1), ("pin+unpin", 2), ("lookup", 1), ("hold+unpin", 1)])
@@ -133,4 +133,36 @@ def test_evict_a_whole_namespace_leaves_pending_chunks():
     assert a.call("lookup", keys=[key(1), key(2), key(3)])["states"] == [FREE, FREE, PENDING]
     assert ns_stats(state)["pinned"] == 0 and ns_stats(state, NS_B)["chunks"] == 1
     a.call("commit", key=key(3))
+    check_invariants(state)
+
+
+def test_a_larger_run_evicts_only_a_block_it_can_free():
+    """A run of 2 slots needs an aligned pair free: the LRU chunk whose pair holds a leased chunk is kept (evicting
+    it would free nothing usable), and the next pair whose chunks are all evictable goes."""
+    state = make_state(4)
+    a, big = Peer(state, 1), Peer(state, 2, ns=NS_B, slot_bytes=2 * SLOT)
+    assert a.store(key(0), key(1), key(2), key(3)) == [0, 1, 2, 3]
+    a.call("pin", keys=[key(1)])  # key 0's buddy is leased
+    assert big.call("allocate", key=key(10))["slot"] == 2
+    assert a.call("lookup", keys=[key(0)])["states"] == [READY]  # the LRU chunk, kept: its pair is not freeable
+    assert [a.call("lookup", keys=[key(i)])["states"][0] for i in (2, 3)] == [FREE, FREE]
+    assert ns_stats(state)["evictions"] == 2
+    check_invariants(state)
+
+
+def test_a_leased_run_reaching_into_the_victims_block_keeps_the_victim():
+    """A chunk of 3 slots (0-2) reaches into the pair (2, 3). While it is leased, the LRU chunk at slot 3 is kept
+    (evicting it frees no pair) and a 2-slot run takes the next pair whose chunks are all evictable."""
+    state = make_state(8)
+    three, one = Peer(state, 1, ns=NS_A, slot_bytes=3 * SLOT), Peer(state, 2, ns=NS_B)
+    two = Peer(state, 3, ns=NS_C, slot_bytes=2 * SLOT)
+    assert three.store(key(0)) == [0]
+    assert one.store(*(key(i) for i in range(1, 6))) == [3, 4, 5, 6, 7]
+    three.call("pin", keys=[key(0)])
+    assert two.call("allocate", key=key(9))["slot"] == 4
+    assert [one.call("lookup", keys=[key(i)])["states"][0] for i in (1, 2, 3)] == [READY, FREE, FREE]
+    three.call("unpin", keys=[key(0)])  # now the chunk reaching in goes with its neighbour, and the pair is free
+    assert two.call("allocate", key=key(10))["slot"] == 0  # slots 0-3 free: the lowest pair
+    assert three.call("lookup", keys=[key(0)])["states"] == [FREE]
+    assert one.call("lookup", keys=[key(1)])["states"] == [FREE]
     check_invariants(state)
