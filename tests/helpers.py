@@ -205,8 +205,8 @@ def stored_chunk_keys(llm, ids: list[int], chunk_size: int) -> list[tuple[str, l
 
     from kvx.keys import chunk_keys, part_key, request_root
 
-    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
-    names = get_kv_transfer_group()._worker.share.part_names()
+    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+    names = get_kv_transfer_group().worker_side.share.part_names()
     return [(k, [part_key(k, n) for n in names]) for k in chunk_keys(request_root(sched.namespace), ids, chunk_size)]
 
 

@@ -202,6 +202,20 @@ class KVXConnector(KVConnectorBase_V1, SupportsHMA):
         return config
 
     @property
+    def scheduler_side(self) -> KVXScheduler:
+        """This connector's scheduler half (the scheduler process's connector; tests and tools read it)."""
+        if self._scheduler is None:
+            raise AttributeError(f"scheduler_side: this connector has role {self.role.name} and no scheduler half")
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> KVXWorker:
+        """This connector's worker half (a worker process's connector; tests and tools read it)."""
+        if self._worker is None:
+            raise AttributeError(f"worker_side: this connector has role {self.role.name} and no worker half")
+        return self._worker
+
+    @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss, never wrong output
 

@@ -223,7 +223,7 @@ class Env:
 
         self.conn.take_events = keep_events
         if tp > 1:  # one level below real TP: the scheduler counts tp workers, each holds HEADS of HEADS * tp heads
-            sched = self.conn._scheduler
+            sched = self.conn.scheduler_side
             sched.num_workers = sched.ledger.num_workers = tp
             sched.geom = dataclasses.replace(sched.geom, total_kv_heads=HEADS * tp)
         self.workers: list[KVXConnector] = []
@@ -237,9 +237,9 @@ class Env:
         for rank in range(tp):
             w = KVXConnector(self.vc, KVConnectorRole.WORKER, self.kcc)
             if tp > 1:
-                w._worker.write_records = False  # the scheduler writes them, once every rank stored its parts
+                w.worker_side.write_records = False  # the scheduler writes them, once every rank stored its parts
                 heads = (rank * HEADS, (rank + 1) * HEADS)
-                w._worker.share_of = lambda names, heads=heads: Share(heads, HEADS * tp, (0, len(LAYERS)))
+                w.worker_side.share_of = lambda names, heads=heads: Share(heads, HEADS * tp, (0, len(LAYERS)))
             caches = self._new_caches()
             try:
                 w.register_kv_caches(dict(zip(LAYERS, caches)))
@@ -305,7 +305,7 @@ class Env:
                 errs = w.get_block_ids_with_load_errors()
                 stats = w.get_kv_connector_stats()
                 if settle_writes:
-                    w._worker.saves.poll(block=True)
+                    w.worker_side.saves.poll(block=True)
                 return s_, r_, errs, stats, w.build_connector_worker_meta()
 
             # the drafter's forward writes only its own layers, which this engine does not have: what kvx sees
@@ -365,7 +365,9 @@ class Env:
                 )
             )
         if self.virtual_forward:
-            self.worker._worker.engine.compute(lambda: self._forward_layer(plan, layer), name=f"forward layer {layer}")
+            self.worker.worker_side.engine.compute(
+                lambda: self._forward_layer(plan, layer), name=f"forward layer {layer}"
+            )
         else:
             self._forward_layer(plan, layer)
 
@@ -412,7 +414,7 @@ class Env:
     def flush(self):
         """Run every queued copy and virtual forward (before reading the caches or the tiers)."""
         for w in self.workers:
-            w._worker.engine.flush()
+            w.worker_side.engine.flush()
 
     def _forward_layer(self, plan, layer):
         for tokens, start, end, table in plan:
@@ -447,7 +449,7 @@ class Env:
         """Remember which tokens every planned chunk holds (for :meth:`assert_store_sound`)."""
         if not isinstance(meta, KVXMetadata):
             return
-        s = self.conn._scheduler
+        s = self.conn.scheduler_side
         for sv in meta.saves:
             t = s.trackers.get(sv.req_id)
             if t is None:
@@ -470,14 +472,14 @@ class Env:
         """Every chunk in every tier (CPU slots on each rank, disk files of each rank) is exactly the cold
         computation of its tokens. Returns how many chunks were checked."""
         self.flush()
-        s = self.conn._scheduler
+        s = self.conn.scheduler_side
         checked = 0
         if s.cpu is not None:
             for key, slot in self.first_level_chunks():
                 assert key in self.chunks, f"CPU tier holds chunk {key} that no save planned"
                 want = self.expected_chunk_pages(key)
                 for rank, w in enumerate(self.workers):
-                    view = w._worker.slot_view(slot, len(want) // len(LAYERS) * BLOCK)
+                    view = w.worker_side.slot_view(slot, len(want) // len(LAYERS) * BLOCK)
                     for (layer, i), page in want.items():
                         assert_same_bytes(
                             view[layer, :, i].reshape(-1),
@@ -486,7 +488,7 @@ class Env:
                         )
                 checked += 1
         for rank, w in enumerate(self.workers):
-            disk = w._worker.tiers.get("disk")
+            disk = w.worker_side.tiers.get("disk")
             if disk is None:
                 continue
             on_disk = {c.key for c in disk.scan()}
@@ -495,8 +497,8 @@ class Env:
                     continue  # no record: not stored whole
                 want = self.expected_chunk_pages(key)
                 blocks = len(want) // len(LAYERS)
-                data = torch.empty(w._worker.chunk_shape(blocks * BLOCK), dtype=w._worker.chunk_dtype)
-                w._worker.cache.parts.read(disk, key, data)  # the record, then this rank's parts
+                data = torch.empty(w.worker_side.chunk_shape(blocks * BLOCK), dtype=w.worker_side.chunk_dtype)
+                w.worker_side.cache.parts.read(disk, key, data)  # the record, then this rank's parts
                 for (layer, i), page in want.items():
                     assert_same_bytes(
                         data[layer, :, i].reshape(-1),
@@ -508,10 +510,10 @@ class Env:
 
     def first_level_chunks(self) -> list[tuple[str, int]]:
         """(key, slot) of every chunk the CPU tier or the node holds READY (a node: from its pool file's table)."""
-        s = self.conn._scheduler
+        s = self.conn.scheduler_side
         if isinstance(s.cpu, CPUIndex):
             return [(k, e.slot) for k, e in s.cpu._entries.items() if e.state is SlotState.READY]
-        pool = self.worker._worker.pool
+        pool = self.worker.worker_side.pool
         entries = [pool.entry(i) for i in range(pool.num_slots)]
         return [(key, i) for i, (key, _, state) in enumerate(entries) if state == READY]
 
@@ -519,12 +521,12 @@ class Env:
         """The file of KV head ``head``'s part of chunk ``key`` (:mod:`kvx.connector.parts`) in a disk ``tier``."""
         from kvx.keys import part_key
 
-        return self.conn._scheduler.tiers[tier].file_of(part_key(key, f"h{head}/l0-{len(LAYERS)}"))
+        return self.conn.scheduler_side.tiers[tier].file_of(part_key(key, f"h{head}/l0-{len(LAYERS)}"))
 
     def stored_chunks(self, tier: str = "disk") -> set[str]:
         """The planned chunks stored whole in ``tier`` (their records: :mod:`kvx.connector.parts`)."""
         keys = list(self.chunks)
-        held = self.conn._scheduler.tiers[tier].contains_many(keys) if keys else []
+        held = self.conn.scheduler_side.tiers[tier].contains_many(keys) if keys else []
         return {k for k, h in zip(keys, held) if h}
 
     def run(self, timeout_s=60.0, settle_writes=False):
@@ -542,11 +544,11 @@ class Env:
     # -------------------------------------------------------------- invariants
     def assert_clean(self):
         """No requests, no leaked vLLM blocks, no leaked kvx pins or in-flight bookkeeping."""
-        s = self.conn._scheduler
+        s = self.conn.scheduler_side
         assert not self.sched.requests
         assert s.ledger.idle(), f"transfers in flight: {s.ledger.open_transfers()}"
         assert not s.validity.num_guards()
-        assert all(w._worker.idle() for w in self.workers)
+        assert all(w.worker_side.idle() for w in self.workers)
         if isinstance(s.cpu, CPUIndex):
             assert s.cpu.pinned() == 0
             assert not any(e.state is not SlotState.READY for e in s.cpu._entries.values())

@@ -149,7 +149,7 @@ class HmaEnv:
         def results():
             res = w.get_transfer_results(so.finished_req_ids)
             assert not w.get_block_ids_with_load_errors(), "several groups: failures go by request"
-            w._worker.saves.poll(block=True)
+            w.worker_side.saves.poll(block=True)
             return res, w.build_connector_worker_meta()
 
         res, wm = end_step(self.order, results=results, wait_for_save=w.wait_for_save, clear=w.clear_connector_metadata)

@@ -16,7 +16,7 @@ def admit(store_dir, n, **kw):
 
 def test_a_chunk_is_stored_on_its_second_sighting(make_env, store_dir):
     env = make_env(admit(store_dir, 2))
-    s = env.conn._scheduler
+    s = env.conn.scheduler_side
     ids = prompt(600, seed=11)  # two full chunks
     env.request("a", ids)
     env.run()
@@ -38,7 +38,7 @@ def test_a_chunk_is_stored_on_its_second_sighting(make_env, store_dir):
 
 def test_one_request_is_one_sighting_however_often_it_is_looked_up(make_env, store_dir):
     env = make_env(admit(store_dir, 2))
-    s = env.conn._scheduler
+    s = env.conn.scheduler_side
     r = env.request("a", prompt(600, seed=12))
     for _ in range(3):
         assert s.get_num_new_matched_tokens(r, 0) == (0, False)
@@ -49,7 +49,7 @@ def test_one_request_is_one_sighting_however_often_it_is_looked_up(make_env, sto
 
 def test_a_shared_prefix_is_admitted_before_the_prompts_own_chunks(make_env, store_dir):
     env = make_env(admit(store_dir, 2))
-    s = env.conn._scheduler
+    s = env.conn.scheduler_side
     system = prompt(2 * CHUNK, seed=13)
     env.request("a", system + prompt(300, seed=14))
     env.run()
@@ -66,7 +66,7 @@ def test_default_stores_on_first_sight_and_keeps_no_tracker(make_env, store_dir)
     env = make_env(tiers(store_dir))
     env.request("a", prompt(600, seed=16))
     env.run()
-    assert env.conn._scheduler.admission is None and len(saves(env)) == 2
+    assert env.conn.scheduler_side.admission is None and len(saves(env)) == 2
     assert "saves_skipped_admission" not in env.sched_stats
     env.assert_clean()
 

@@ -30,7 +30,7 @@ def soak(env, tier, first_seed, n=SOAK, batch=4):
     """``n`` requests of fresh 600-token prompts (two full chunks), ``batch`` at a time; after every step, the
     bytes queued for ``tier`` are within the bound and the write-buffer pool within its cap. Returns the slowest
     step's seconds."""
-    s, saves = env.conn._scheduler, env.worker._worker.saves
+    s, saves = env.conn.scheduler_side, env.worker.worker_side.saves
     worst = 0.0
     for i in range(0, n, batch):
         for j in range(i, min(i + batch, n)):
@@ -55,7 +55,7 @@ def one_by_one(env, tier, first_seed, n):
 
 def drain(env, timeout_s=30.0):
     """Step until every transfer in flight ended (the engine keeps stepping while kvx has work to report)."""
-    s = env.conn._scheduler
+    s = env.conn.scheduler_side
 
     def idle():
         env.step()
@@ -79,7 +79,7 @@ def test_a_stopped_redis_drops_writes_past_the_backlog_and_recovers(make_env, cp
         redis = {"type": "redis", "url": srv.url, "timeout_ms": 300_000}
         extra = {"chunk_size": CHUNK, "tiers": cpu_tier + [redis], "max_write_backlog": BOUND}
         env = make_env(extra, role="kv_producer")
-        s = env.conn._scheduler
+        s = env.conn.scheduler_side
         assert s._chunk_bytes == CHUNK_BYTES
         one_by_one(env, "redis", 0, 4)
         written = env.stats.get("redis_writes", 0)
@@ -92,10 +92,11 @@ def test_a_stopped_redis_drops_writes_past_the_backlog_and_recovers(make_env, cp
             worst = soak(env, "redis", 200)
             grew = rss() - rss0
             dropped = env.sched_stats.get("redis_dropped_backpressure", 0)
+            buffers = len(env.worker.worker_side.saves.buffers.buffers)
             print(
                 f"\nSIGSTOP soak ({cpu or 'no'} CPU tier): {SOAK} requests, slowest step {worst * 1e3:.0f} ms, "
                 f"{dropped} writes dropped, {s.ledger.pending_bytes('redis')} bytes queued (bound {BOUND}), "
-                f"write buffers {len(env.worker._worker.saves.buffers.buffers)} buffers, RSS {grew / 2**20:+.1f} MiB"
+                f"write buffers {buffers} buffers, RSS {grew / 2**20:+.1f} MiB"
             )
             assert worst < STEP_LIMIT_S
             assert s.ledger.pending_bytes("redis") == BOUND  # full: four chunks stuck in the stopped server
@@ -130,7 +131,7 @@ def test_a_full_disk_fails_writes_at_once_stays_bounded_and_recovers(make_env, t
             pass
     extra = {"chunk_size": CHUNK, "tiers": [{"type": "disk", "path": str(store)}], "max_write_backlog": BOUND}
     env = make_env(extra, role="kv_producer")
-    s = env.conn._scheduler
+    s = env.conn.scheduler_side
     assert s._chunk_bytes == CHUNK_BYTES
     soak(env, "disk", 0, n=8)
     drain(env)
@@ -151,7 +152,7 @@ def test_a_full_disk_fails_writes_at_once_stays_bounded_and_recovers(make_env, t
     assert s.ledger.pending_bytes("disk") == 0 and grew < 32 * 2**20
     os.remove(filler)
     # the disk tier backs off puts after a full disk (1 s, doubling while it stays full; kvx/store/disk/tier.py)
-    tier = env.worker._worker.tiers["disk"]
+    tier = env.worker.worker_side.tiers["disk"]
     backoff = tier._full_until - tier._clock()
     assert backoff <= 60
     time.sleep(max(backoff, 0) + 0.05)

@@ -95,7 +95,7 @@ def test_a_slow_redis_is_declined_and_read_again_once_fast(make_env, monkeypatch
         env.request("b", ids)  # the first hit from the tier: read (slowly) and measured
         env.run()
         assert env.sched_stats["hit_tokens_redis"] == 3 * CHUNK
-        costs_ = env.conn._scheduler.costs
+        costs_ = env.conn.scheduler_side.costs
         assert costs_.throughput and costs_.rate["redis"]
         env.sched.reset_prefix_cache()
         env.request("c", ids)
@@ -103,7 +103,7 @@ def test_a_slow_redis_is_declined_and_read_again_once_fast(make_env, monkeypatch
         assert env.sched_stats["hits_declined_slow"] >= 1
         assert env.sched_stats["hit_tokens_redis"] == 3 * CHUNK  # nothing more read from it: computed
         proxy.bytes_per_s = None  # the link recovers: each probe (one hit per PROBE_S) measures it anew
-        sched = env.conn._scheduler
+        sched = env.conn.scheduler_side
         for i in range(40):
             costs_.sampled["redis"] -= costs.PROBE_S
             env.sched.reset_prefix_cache()

@@ -186,7 +186,7 @@ def test_no_events_without_kv_events_config(make_env, store_dir):
     env.request("a", prompt(600, seed=47))
     env.run()
     assert env.kv_events == [] and env.sched_stats["cpu_stored"] == 2  # counted all the same
-    assert env.conn._scheduler.events._payloads == {}  # and nothing kept for them
+    assert env.conn.scheduler_side.events._payloads == {}  # and nothing kept for them
 
 
 def test_metrics_hit_miss_bytes_latency_pending(make_env, store_dir):
@@ -270,7 +270,7 @@ def test_a_hybrid_engine_announces_its_full_attention_group_only(tiny_model, sto
     extra = {"chunk_size": HBLOCK, "tiers": [{"type": "cpu", "size": "64MiB"}, {"type": "disk", "path": store_dir}]}
     env = HmaEnv(tiny_model, extra, state=state)
     try:
-        events = env.conn._scheduler.events
+        events = env.conn.scheduler_side.events
         assert [(g.idx, g.kind, g.sliding_window) for g in events.groups] == [(0, "full_attention", None)]
         events.enabled = True  # as with --kv-events-config (HmaEnv's config has none)
         got = []

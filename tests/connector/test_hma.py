@@ -111,7 +111,7 @@ def test_failed_load_is_reported_per_request_and_recomputed(make_hma, store_dir)
     env.request("a", ids)
     env.run()
     for key in {s.key for s in all_saves(env)}:
-        path = env.conn._scheduler.tiers["disk"].file_of(key)
+        path = env.conn.scheduler_side.tiers["disk"].file_of(key)
         os.truncate(path, os.path.getsize(path) // 2)
     env2 = make_hma(tiers(store_dir, cpu=None))
     env2.request("b", ids)

@@ -79,7 +79,7 @@ def test_a_fresh_engine_restores_the_state_from_disk(make, store_dir):
     env = make(hybrid(store_dir, cpu=None))
     env.request("a", ids)
     env.run()
-    assert os.path.exists(env.conn._scheduler.tiers["disk"].file_of(saves(env, state=True)[0].key))
+    assert os.path.exists(env.conn.scheduler_side.tiers["disk"].file_of(saves(env, state=True)[0].key))
     env2 = make(hybrid(store_dir, cpu=None))
     env2.request("b", ids)
     env2.step()
@@ -124,7 +124,7 @@ def test_a_damaged_state_is_a_failed_load_recomputed_and_stored_again(make, stor
     env.request("a", ids)
     env.run()
     (st,) = saves(env, state=True)
-    path = env.conn._scheduler.tiers["disk"].file_of(st.key)
+    path = env.conn.scheduler_side.tiers["disk"].file_of(st.key)
     flip_byte(path)  # in the state's payload
     env2 = make(hybrid(store_dir, cpu=None))
     env2.request("b", ids)

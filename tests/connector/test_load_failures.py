@@ -21,7 +21,7 @@ DAMAGES = ["flip", "truncate", "swap", "missing", "vanish"]
 
 
 def chunk_file(env, key):
-    return env.conn._scheduler.tiers["disk"].file_of(key)
+    return env.conn.scheduler_side.tiers["disk"].file_of(key)
 
 
 def damage(env, keys, how, monkeypatch):
@@ -52,7 +52,7 @@ def test_failed_load_never_poisons_chunks_computed_in_the_same_step(make_env, st
     b = a[: 2 * CHUNK] + prompt(3 * CHUNK + 20, seed=41)  # A's two chunks, then three of its own
     env2 = make_env(tiers(store_dir))
     if vanish:
-        disk = env2.worker._worker.tiers["disk"]
+        disk = env2.worker.worker_side.tiers["disk"]
         get_into = disk.get_into
 
         gone = []
@@ -136,7 +136,7 @@ def test_tensor_parallel_a_failure_on_one_rank_keeps_every_rank_from_storing(mak
     keys = [s.key for s in saves(env)]
     assert env.stored_chunks() == set(keys)
     env2 = make_env(tiers(store_dir), tp=2)
-    rank0 = env2.workers[0]._worker.tiers["disk"]
+    rank0 = env2.workers[0].worker_side.tiers["disk"]
     get = rank0.get_into
     bad = part_key(keys[1], "h0/l0-2")  # rank 0's first KV head
 
@@ -162,7 +162,7 @@ def test_tensor_parallel_a_failure_on_one_rank_keeps_every_rank_from_storing(mak
     # save was planned again (while its poisoned slot was still being written on the rank that could not know) and
     # that slot's end was heard before B finished (a staged save reports a step later than a direct one: then B is
     # gone and they stay on disk alone); 2 x 5 on disk
-    cpu = sum(e.state is SlotState.READY for e in env2.conn._scheduler.cpu._entries.values())
+    cpu = sum(e.state is SlotState.READY for e in env2.conn.scheduler_side.cpu._entries.values())
     assert cpu >= 2 and env2.assert_store_sound() == cpu + 2 * 5
     env3 = make_env(tiers(store_dir, cpu=None), tp=2)
     r3 = env3.request("c", b)

@@ -136,7 +136,7 @@ def test_a_chunk_evicted_between_lookup_and_load_is_recomputed(make_env, node):
     env.request("a", ids)
     env.run()
     assert node_chunks(n) == 2
-    s = env.conn._scheduler
+    s = env.conn.scheduler_side
     namespace = s.namespace.hex()
     pin = s.cpu.pin
 
@@ -167,10 +167,10 @@ def test_a_quota_and_an_admin_pin_hold_while_two_engines_save_in_turns(make_env,
     kept = prompt(600, seed=20)
     a.request("kept", kept)
     a.run()
-    ns = a.conn._scheduler.namespace.hex()
+    ns = a.conn.scheduler_side.namespace.hex()
     ctl = Connection(n.socket)
     ctl.call("hello", version=1, role="control", pid=0)
-    keys = chunk_keys(request_root(a.conn._scheduler.namespace), kept, CHUNK)
+    keys = chunk_keys(request_root(a.conn.scheduler_side.namespace), kept, CHUNK)
     quota = 4 * n.stats()["pool"]["slot_bytes"]
     ctl.call("quota", namespace=ns, bytes=quota)
     assert ctl.call("pin_prefix", namespace=ns, keys=keys)["pinned"] == 2
@@ -199,7 +199,7 @@ def test_an_engine_whose_chunks_exceed_the_nodes_slots_is_refused_once_and_serve
     # a chunk of the test model (every head, every layer: 256 KiB) takes a run of 64 slots; the pool's largest is 32
     n = node(slot_size="4KiB", size="2200KiB")
     env = make_env(node_tiers(n.socket))
-    index = env.conn._scheduler.cpu
+    index = env.conn.scheduler_side.cpu
     sent = []
 
     def refused(times: int) -> bool:  # asked again at a lookup retry_s after a refusal; refused, logged once

@@ -64,7 +64,7 @@ def test_a_step_saving_more_disk_chunks_than_write_buffers(make_env, store_dir, 
     env.request("a", prompt(5 * CHUNK, seed=64), max_tokens=1)
     env.step()
     assert len(saves(env)) == 5
-    assert len(env.worker._worker.saves.buffers.buffers) == 5  # none waited for
+    assert len(env.worker.worker_side.saves.buffers.buffers) == 5  # none waited for
     env.run(settle_writes=True)
     assert env.assert_store_sound() == 5
     env.assert_clean()

@@ -308,12 +308,12 @@ def test_pd_tier_io_runs_on_every_cpu_not_the_core_vllm_bound_the_worker_to(make
     os.sched_setaffinity(0, {PINNED[0]})  # this thread runs the workers' hooks: bound as vLLM binds its worker
     try:
         prod = make_env(tiers(store_dir, cpu=None), role="kv_producer")
-        record(prod.worker._worker.tiers["disk"], "put")
+        record(prod.worker.worker_side.tiers["disk"], "put")
         prod.request("p", ids, max_tokens=1)
         prod.run(settle_writes=True)
         params = prod.kv_params["p"]
         cons = make_env({**tiers(store_dir, cpu=None), "pd_wait_ms": 60_000}, role="kv_consumer")
-        record(cons.worker._worker.tiers["disk"], "get_into")
+        record(cons.worker.worker_side.tiers["disk"], "get_into")
         cons.request("c", ids, kv_transfer_params=params)
         cons.run()
     finally:

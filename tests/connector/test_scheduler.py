@@ -21,7 +21,7 @@ def test_cold_request_saves_full_prompt_chunks_only(make_env, store_dir):
     sv = saves(env)
     assert [s.tokens for s in sv] == [CHUNK, CHUNK]  # 600 tokens: 2 full chunks, no partial
     assert all(s.slot is not None and s.to_tiers for s in sv)
-    s = env.conn._scheduler
+    s = env.conn.scheduler_side
     assert all(x.key in s.cpu for x in sv)  # committed after the workers reported
     assert len(env.stored_chunks()) == 2
     env.assert_clean()
@@ -53,7 +53,7 @@ def test_lookup_is_idempotent_and_side_effect_free(make_env, store_dir):
     env.run()
     env.sched.reset_prefix_cache()
     r = env.request("b", ids)
-    s = env.conn._scheduler
+    s = env.conn.scheduler_side
     first = s.get_num_new_matched_tokens(r, 0)
     second = s.get_num_new_matched_tokens(r, 0)
     assert first == second == (2 * CHUNK, False)
@@ -69,7 +69,7 @@ def test_full_prompt_hit_leaves_only_the_last_token_to_compute(make_env, store_d
     env.request("a", ids)
     env.run()
     env.sched.reset_prefix_cache()
-    cache = env.worker._worker.loads.cache
+    cache = env.worker.worker_side.loads.cache
     build = cache.plan
 
     def slow(copies, name=""):  # slow loads: a load that is not fenced before the forward lands after its write
@@ -148,7 +148,7 @@ def test_disk_tier_serves_a_fresh_scheduler(make_env, store_dir):
     assert all(c.slot is not None for c in spec.chunks)  # promoted into the CPU tier
     assert_pages_match(env2, r, so.scheduled_new_reqs[0].block_ids[0][:4], 0)
     env2.run()
-    assert all(c.key in env2.conn._scheduler.cpu for c in spec.chunks)
+    assert all(c.key in env2.conn.scheduler_side.cpu for c in spec.chunks)
     env2.assert_clean()
 
 
@@ -199,7 +199,7 @@ def test_abort_mid_prefill_leaves_nothing_behind(make_env, store_dir):
     env.step()
     env.sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     env.run()
-    assert "a" not in env.conn._scheduler.trackers
+    assert "a" not in env.conn.scheduler_side.trackers
     env.assert_clean()
 
 
@@ -237,7 +237,7 @@ def test_async_loads(make_env, store_dir):
 def test_cpu_tier_eviction_under_pressure(make_env, store_dir):
     chunk_bytes = 2 * 2 * 64 * 1024  # 2 layers x 2 blocks x 64 KiB pages
     env = make_env(tiers(store_dir, cpu=str(2 * chunk_bytes), disk=False))  # exactly 2 chunk slots
-    s = env.conn._scheduler
+    s = env.conn.scheduler_side
     assert s.cpu.num_slots == 2
     for i in range(3):
         env.request(f"r{i}", prompt(600, seed=20 + i))
@@ -358,7 +358,7 @@ def test_a_producers_writes_keep_normal_priority(make_env, store_dir, monkeypatc
 
     monkeypatch.setattr(DiskTier, "put", spy)
     env = make_env(tiers(store_dir, cpu=None), role="kv_producer")
-    assert not env.worker._worker.background_writes
+    assert not env.worker.worker_side.background_writes
     env.request("a", prompt(2 * CHUNK + 10, seed=32))
     env.run(settle_writes=True)
     assert policy == {os.SCHED_OTHER}

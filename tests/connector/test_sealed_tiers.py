@@ -40,7 +40,7 @@ def test_sealed_disk_tier_serves_a_fresh_engine(make_env, store_dir, secrets):
     env = make_env(sealed(store_dir, secrets["mine"]))
     env.request("a", ids)
     env.run()
-    files = [c.path for c in env.conn._scheduler.tiers["disk"].scan()]
+    files = [c.path for c in env.conn.scheduler_side.tiers["disk"].scan()]
     assert len(files) == 2 * (HEADS + 1)  # per chunk: a part per KV head, and its record
     for f in files:
         with open(f, "rb") as fh:
@@ -139,8 +139,8 @@ def test_rotation_keeps_hitting_the_older_secrets_chunks(make_env, store_dir, se
     env2.request("b", new_ids)
     env2.run(settle_writes=True)
     assert env2.stats.get("disk_writes") == 2
-    new_kid = env2.conn._scheduler.tiers["disk"].sealer.write_kid
-    kids = {c.key: c.kid for c in env2.conn._scheduler.tiers["disk"].scan()}
+    new_kid = env2.conn.scheduler_side.tiers["disk"].sealer.write_kid
+    kids = {c.key: c.kid for c in env2.conn.scheduler_side.tiers["disk"].scan()}
     # the new prompt's chunks (their parts and records): sealed with the newest secret
     assert sorted(kids.values()).count(new_kid) == 2 * (HEADS + 1)
     retired = make_env(config(secrets["mine"]))
@@ -160,7 +160,7 @@ def test_chunks_sealed_before_names_carried_the_key_id_are_misses(make_env, stor
     env = make_env(cfg)
     env.request("a", ids)
     env.run(settle_writes=True)
-    for c in env.conn._scheduler.tiers["disk"].scan():  # renamed as the older kvx named them
+    for c in env.conn.scheduler_side.tiers["disk"].scan():  # renamed as the older kvx named them
         os.replace(c.path, os.path.join(os.path.dirname(c.path), f"{c.key}.safetensors"))
     env2 = make_env(cfg)
     env2.request("b", ids)

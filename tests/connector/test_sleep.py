@@ -28,7 +28,7 @@ def test_chunks_saved_before_a_sleep_load_bit_exact_after_it(make_env, store_dir
         env.step()
     old = env.sleep_and_wake(move)  # the old caches are overwritten once unregistered: a late gather shows
     for w, caches in zip(env.workers, env.rank_caches):
-        lay = w._worker.layout
+        lay = w.worker_side.layout
         assert [t.data_ptr() for t in lay.layers] == [t.data_ptr() for t in caches]
         if move:
             assert not {t.data_ptr() for t in caches} & {t.data_ptr() for t in old[env.workers.index(w)]}
@@ -82,4 +82,4 @@ def test_restored_caches_of_another_geometry_are_refused(make_env, store_dir):
         w.restore_kv_caches(dict(zip(LAYERS, wrong)))
     w.restore_kv_caches()
     w.restore_kv_caches()  # idempotent
-    assert [t.data_ptr() for t in w._worker.layout.layers] == [t.data_ptr() for t in env.caches]
+    assert [t.data_ptr() for t in w.worker_side.layout.layers] == [t.data_ptr() for t in env.caches]

@@ -98,7 +98,7 @@ def test_a_chunk_whose_load_from_a_remote_tier_failed_is_stored_again(make_env, 
     env.request("a", a)
     env.run()
     keys = [s.key for s in saves(env)]
-    flip_byte(env.conn._scheduler.tiers["slow-lookup-disk"].file_of(keys[1]))
+    flip_byte(env.conn.scheduler_side.tiers["slow-lookup-disk"].file_of(keys[1]))
     env2 = make_env({**slow_tiers(store_dir, pending=0), "load_async": load_async})
     env2.request("b", a)
     env2.run()

@@ -56,12 +56,12 @@ def _scheduler(llm):
 def _worker():
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group()._worker
+    return get_kv_transfer_group().worker_side
 
 
 def _state_files(llm) -> list[tuple[str, str]]:
     """The disk tier's files of IDS's state objects stored whole: (its record, its part) each."""
-    conn = _scheduler(llm).connector._scheduler
+    conn = _scheduler(llm).connector.scheduler_side
     keys = chunk_keys(request_root(conn.namespace), IDS, BLOCK)
     disk = conn.tiers["disk"]
     (name,) = _worker().share.part_names()  # one process: one part, "tp0of1/l<first>-<end>"

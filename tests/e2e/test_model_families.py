@@ -57,7 +57,7 @@ def generate_counted(llm, ids, max_tokens):
 def kvx_worker():
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group()._worker
+    return get_kv_transfer_group().worker_side
 
 
 # ------------------------------------------------------------------------------------ MLA

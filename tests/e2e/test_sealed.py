@@ -23,7 +23,7 @@ KV_HEADS = 2  # the tiny Llama's: a chunk on disk is a part per KV head and a re
 def _worker():
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group()._worker
+    return get_kv_transfer_group().worker_side
 
 
 def test_sealed_disk_tier_serves_each_tenant_its_own_chunks(tmp_path):

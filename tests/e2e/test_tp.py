@@ -46,7 +46,7 @@ def chunk_files(store):
 
 
 def scheduler(llm):
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
 
 
 @pytest.mark.skipif(len(CORES) < 2, reason=f"TP=2 needs 2 CPU cores, this process may use {len(CORES)}")

@@ -62,7 +62,7 @@ def reference(model):
 def _worker():
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return get_kv_transfer_group()._worker
+    return get_kv_transfer_group().worker_side
 
 
 def extra(store, cpu="64MiB", **kw):
@@ -111,7 +111,7 @@ def test_cpu_tier_eviction_keeps_outputs_right(model, reference, tmp_path):
                 llm.reset_prefix_cache()
                 r = H.generate(llm, PROMPTS[name], MAX_TOKENS)
                 assert r.tokens == reference[name][0], (round_, name)
-        stats = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler.cpu.stats
+        stats = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side.cpu.stats
         assert stats["evicted"] > 0
     finally:
         H.shutdown(llm)

@@ -104,8 +104,8 @@ def connector_sides(llm):
     """(scheduler side, worker side) of kvx in a single-process engine."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
-    return sched, get_kv_transfer_group()._worker
+    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+    return sched, get_kv_transfer_group().worker_side
 
 
 SETTLE_TIMEOUT_S = 120.0  # kvx's writers and the scheduler's record writer run on idle cores: a busy box delays them
