@@ -79,7 +79,7 @@ py::dict launch_dict(const Launch& l) {
   d["num_layers"] = l.params.num_layers;
   d["group"] = l.group;
   d["copy"] = l.copy;
-  d["heads_outer"] = static_cast<bool>(l.heads_outer);
+  d["head_major"] = static_cast<bool>(l.head_major);
   d["ids_at"] = l.ids_at;
   d["num_ids"] = l.params.num_ids;
   d["contig"] = l.contig;
@@ -187,7 +187,7 @@ void bind_plan(py::module_& m) {
           "add",
           [](CopyPlan& plan, const PagedDesc& paged, int64_t layer_stride, int64_t plane_stride, int64_t token_stride,
              int64_t head_stride, int64_t row_bytes, int32_t mode, int32_t direction, int64_t ids, int64_t num_ids,
-             int64_t contig, int64_t span_lo, int64_t span_hi, int32_t unit, int32_t group, bool heads_outer,
+             int64_t contig, int64_t span_lo, int64_t span_hi, int32_t unit, int32_t group, bool head_major,
              bool on_host) {
             if (mode != kBlocks && mode != kSlots) throw std::invalid_argument("mode: expected 0 or 1");
             CopySpec s{};
@@ -196,7 +196,7 @@ void bind_plan(py::module_& m) {
             s.direction = direction;
             s.unit = unit;
             s.group = group;
-            s.heads_outer = heads_outer;
+            s.head_major = head_major;
             s.on_host = on_host;
             s.contig = contig;
             s.span_lo = span_lo;
@@ -206,7 +206,7 @@ void bind_plan(py::module_& m) {
           py::arg("paged"), py::arg("layer_stride"), py::arg("plane_stride"), py::arg("token_stride"),
           py::arg("head_stride"), py::arg("row_bytes"), py::arg("mode"), py::arg("direction"), py::arg("ids"),
           py::arg("num_ids"), py::arg("contig"), py::arg("span_lo"), py::arg("span_hi"), py::arg("unit"),
-          py::arg("group"), py::arg("heads_outer"), py::arg("on_host"),
+          py::arg("group"), py::arg("head_major"), py::arg("on_host"),
           "Add a copy: the paged side's descriptor, the buffer's byte strides over [layers, planes, tokens, heads] "
           "(rows dense), ids (address of num_ids int64, copied), the buffer's address and extent. Returns its index.")
       .def("direct_fits", &CopyPlan::direct_fits, py::arg("copy"), py::arg("min_run"))

@@ -315,7 +315,7 @@ void CopyPlan::plan_staged(const std::vector<Piece>& pieces, int32_t start, int3
         grp.pieces.push_back(pc);
         grp.entries += (pc.hi - pc.lo) * c.unit;
         grp.bytes += (pc.hi - pc.lo) * id_bytes(c);
-        grp.outer = grp.outer && c.heads_outer;
+        grp.outer = grp.outer && c.head_major;
       }
     if (grp.pieces.empty()) continue;
     grp.offset = part.layer_bytes;
@@ -349,7 +349,7 @@ void CopyPlan::plan_staged(const std::vector<Piece>& pieces, int32_t start, int3
     l.first_layer = start;
     l.group = grp.group;
     l.copy = -1;
-    l.heads_outer = grp.outer;
+    l.head_major = grp.outer;
     l.ids_at = ids_at;
     l.contig = grp.offset;
     l.entries = grp.entries;

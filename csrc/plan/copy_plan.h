@@ -49,7 +49,7 @@ struct CopySpec {
   int32_t direction;    // kGather or kScatter (every copy of a plan has the same)
   int32_t unit;         // contiguous-side entries (dim 2) per id: block_size for blocks, 1 for slots and pages
   int32_t group;        // its op group (staged: one region and one launch per group and part)
-  int32_t heads_outer;  // its buffer holds each head's rows together ([H, L, P, T, row]): staged head-major
+  int32_t head_major;  // its buffer holds each head's rows together ([H, L, P, T, row]): staged head-major
   int32_t on_host;      // its buffer is host memory (a CUDA cache: pinned; the DMA's location hint)
   int64_t contig;       // address of its contiguous side (layer 0)
   int64_t span_lo;      // the byte extent of its buffer (cuda_sim's bounds)
@@ -68,7 +68,7 @@ struct Launch {
   int32_t first_layer;  // the part's first layer: its layer table starts there
   int32_t group;
   int32_t copy;         // kernel path: the copy; staged: -1
-  int32_t heads_outer;  // staged: the region is [H, P, entries, row]
+  int32_t head_major;  // staged: the region is [H, P, entries, row]
   int64_t ids_at;       // the launch's ids in the plan's id table (params.num_ids of them)
   int64_t contig;       // staged: offset of the region in the staging buffer; kernel: the buffer's address
   int64_t entries;      // staged: the region's extent along the entries (tokens, slots, pages)

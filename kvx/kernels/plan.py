@@ -234,8 +234,8 @@ class Copies:
             head = st[3] * item if split else row
         else:
             row, head = lay.row_bytes, st[3] * item
-        heads_outer = split or not op.pages
-        heads_outer = heads_outer and buf.dim() == 5 and lay.num_heads > 1 and st[2] == buf.shape[4] and st[4] == 1
+        head_major = split or not op.pages
+        head_major = head_major and buf.dim() == 5 and lay.num_heads > 1 and st[2] == buf.shape[4] and st[4] == 1
         lo, hi = byte_span(buf) if self.impl == "cuda_sim" else (0, 0)
         return [
             lay.c_paged(op, split),
@@ -253,7 +253,7 @@ class Copies:
             hi,
             1 if (op.slots or op.pages) else lay.block_size,
             _group(op),
-            heads_outer,
+            head_major,
             host,
         ]
 

@@ -206,7 +206,7 @@ def test_head_major_buffers_stage_head_major(impl, name, dtype):
 
     for cap in (1 << 20, lay.num_planes * bs * lay.num_heads * lay.row_bytes):
         plan = _check_gathers(lay, ref, copies(), "staged", impl, _ranges(lay.num_layers), cap)
-        assert all(launch["heads_outer"] for k in range(plan.num_parts) for launch in plan.launches(k))
+        assert all(launch["head_major"] for k in range(plan.num_parts) for launch in plan.launches(k))
         _check_scatters(lay, ref, copies(), "staged", impl, _ranges(lay.num_layers), cap)
 
 
@@ -237,7 +237,7 @@ def test_raw_pages_split_by_head_on_every_path(impl, name, head_major, path):
         if plan.path_name == "staged":
             launches = [launch for k in range(plan.num_parts) for launch in plan.launches(k)]
             assert all(launch["row_bytes"] == lay.page_head_bytes for launch in launches)  # split by head
-            assert all(launch["heads_outer"] == head_major for launch in launches)
+            assert all(launch["head_major"] == head_major for launch in launches)
         _check_scatters(lay, ref, copies(), path, impl, _ranges(lay.num_layers), cap)
 
 
@@ -260,7 +260,7 @@ def test_a_head_major_chunk_layer_is_one_run_per_head():
         ("blocks", [7], random_fill_(torch.empty(lay.canonical_shape(16), dtype=lay.dtype), g)),
     ]
     plan = _check_scatters(lay, ref, mixed, "staged", "cpu", [(0, lay.num_layers)], 1 << 20)
-    assert not any(launch["heads_outer"] for launch in plan.launches(0))
+    assert not any(launch["head_major"] for launch in plan.launches(0))
 
 
 def test_auto_takes_dma_for_large_pieces_and_staged_for_rows(monkeypatch):
