@@ -1,7 +1,7 @@
 """Every chunk transfer in flight, from the scheduler's plan to the workers' results: the one owner of the save
 and load paths' bookkeeping on the scheduler side. Scheduler thread only (no locking).
 
-A transfer is one :class:`Transfer` record, keyed by an id that rides in the step's metadata
+A transfer is one :class:`InFlight` record, keyed by an id that rides in the step's metadata
 (:class:`~.metadata.ChunkSave`, :class:`~.metadata.ChunkLoad`, :class:`~.metadata.LoadSpec`) and comes back in
 each worker's results (:attr:`~.metadata.KVXWorkerMetadata.results`: one outcome per worker and transfer). It
 ends when every worker reported it (:meth:`ChunkLedger.settle`). Three kinds:
@@ -83,8 +83,9 @@ class WriteThrough:
 
 
 @dataclass
-class Transfer:
-    """One transfer in flight. Owned by :class:`ChunkLedger` (scheduler thread)."""
+class InFlight:
+    """One transfer in flight (a load, a slot write or a tier write). Owned by :class:`ChunkLedger` (scheduler
+    thread)."""
 
     id: int
     kind: Kind
@@ -137,7 +138,7 @@ class ChunkLedger:
         self.num_workers = num_workers
         self.events = events
         self._next_id = 0
-        self._open: dict[int, Transfer] = {}
+        self._open: dict[int, InFlight] = {}
         self._slot_writes: dict[str, int] = {}  # chunk key -> its SLOT transfer
         self._tier_writes: dict[tuple[str, str], int] = {}  # (tier, chunk key) -> its TIER transfer
         self._through: list[tuple[str, WriteThrough]] = []  # committed slots' writes: (chunk key, its writes)
@@ -151,7 +152,7 @@ class ChunkLedger:
         self.slots_busy = 0
         # writes a chunk's record once every worker stored its parts (None from it, or no commit: nothing to write)
         self.commit = commit
-        self._commits: list[tuple[Transfer, Future]] = []
+        self._commits: list[tuple[InFlight, Future]] = []
         self.commit_errors = 0
 
     # ---------------------------------------------------------------- queries
@@ -167,7 +168,7 @@ class ChunkLedger:
         """Bytes the writes to ``tier`` in flight queue on a worker (at most ``backlog``)."""
         return self._pending[tier]
 
-    def open_transfers(self) -> list[Transfer]:
+    def open_transfers(self) -> list[InFlight]:
         return list(self._open.values())
 
     def lacking(self, key: str, among: Sequence[str] | None = None) -> list[str]:
@@ -177,8 +178,8 @@ class ChunkLedger:
         return self.stack.lacking(key, idle) if idle else []  # a local tier is asked only if not being written
 
     # ---------------------------------------------------------------- plans
-    def _open_transfer(self, kind: Kind, key: str, **kw) -> Transfer:
-        tr = Transfer(self._next_id, kind, key, **kw)
+    def _open_transfer(self, kind: Kind, key: str, **kw) -> InFlight:
+        tr = InFlight(self._next_id, kind, key, **kw)
         self._next_id += 1
         self._open[tr.id] = tr
         if kind is Kind.SLOT:
@@ -339,7 +340,7 @@ class ChunkLedger:
                 out.loads_done.append(tr.key)
         return out
 
-    def _end_tier(self, tr: Transfer, stored: bool) -> None:
+    def _end_tier(self, tr: InFlight, stored: bool) -> None:
         del self._tier_writes[(tr.tier, tr.key)]
         if stored:
             self.events.stored(tr.tier, tr.key)  # new bytes, every part in
@@ -361,7 +362,7 @@ class ChunkLedger:
             self._end_tier(tr, False)
         self._commits = keep
 
-    def _end_slot(self, tr: Transfer, out: Settled) -> None:
+    def _end_slot(self, tr: InFlight, out: Settled) -> None:
         del self._slot_writes[tr.key]
         if self.cpu.state(tr.key) is not SlotState.PENDING:  # cleared meanwhile (reset_cache)
             return

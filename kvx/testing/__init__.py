@@ -140,7 +140,7 @@ def end_step(
     return out
 
 
-class TransferTally:
+class ResultTally:
     """For metadata built by hand (worker pipelines driven without a scheduler): gives each transfer an id
     (:meth:`id`) and tallies the workers' results by what the transfer is (:meth:`collect`), as counters keyed
     by chunk key (``stored`` / ``unstored``: a CPU slot written or not; ``tier_done`` / ``tier_written`` /
@@ -163,9 +163,9 @@ class TransferTally:
         self._what[xid] = (kind, f"{tier}/{name}" if kind == "tier" else name)
         return xid
 
-    def fresh(self) -> TransferTally:
+    def fresh(self) -> ResultTally:
         """A tally of the same transfer ids, with no results counted yet."""
-        out = TransferTally()
+        out = ResultTally()
         out._what = self._what
         return out
 

@@ -108,7 +108,7 @@ class Worker:
         from ..connector.config import KVXConfig
         from ..connector.worker import KVXWorker
         from ..engine import NullEngine
-        from . import TransferTally, make_kv_caches
+        from . import ResultTally, make_kv_caches
 
         self.shape, self.n_max = shape, n_max
         self.bpc = shape.chunk // shape.block_size
@@ -140,7 +140,7 @@ class Worker:
         self.worker.engine = NullEngine(torch.device("cpu"))
         self.worker.register_kv_caches(dict(zip(self.names, caches)), layout, self.num_blocks)
         self.engine = self.worker.engine
-        self.tally = TransferTally()
+        self.tally = ResultTally()
 
     def blocks(self, first: int, i: int) -> list[int]:
         start = first + i * self.bpc

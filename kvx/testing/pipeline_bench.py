@@ -17,7 +17,7 @@ from ..connector.config import KVXConfig
 from ..connector.metadata import FAILED, ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from ..connector.worker import KVXWorker
 from ..kernels import ops
-from . import TransferTally, make_kv_caches
+from . import ResultTally, make_kv_caches
 from .bench_timing import Clock
 from .host_time import geometry
 
@@ -136,7 +136,7 @@ class Bench:
         self.side = torch.cuda.Stream(device) if clock.cuda else None
         self.expected_loads = 0
         self.expected_saves = 0
-        self.tally = TransferTally()  # transfer ids of the hand-built metadata
+        self.tally = ResultTally()  # transfer ids of the hand-built metadata
 
     def set_mode(self, layerwise: bool = True, save_layerwise: bool = True) -> None:
         """What KVXConnector does with the config: the worker reads ``save_layerwise`` per step from its

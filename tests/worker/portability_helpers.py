@@ -20,10 +20,10 @@ from kvx.connector.parts import PartIO, Share, record_of
 from kvx.connector.worker import KVXWorker
 from kvx.keys import chunk_keys, request_root
 from kvx.store import DiskTier
-from kvx.testing import TransferTally, end_step, make_kv_caches, random_fill_
+from kvx.testing import ResultTally, end_step, make_kv_caches, random_fill_
 from tests.helpers import wait_for
 
-TALLY = TransferTally()  # the transfer ids of the hand-built metadata (no scheduler here)
+TALLY = ResultTally()  # the transfer ids of the hand-built metadata (no scheduler here)
 
 NUM_LAYERS = 4
 CHUNK = 64

@@ -88,7 +88,7 @@ from kvx.connector.config import ConfigError, KVXConfig
 from kvx.connector.metadata import ChunkLoad, ChunkSave, KVXMetadata, LoadSpec
 from kvx.connector.worker import KVXWorker
 from kvx.kernels import ops
-from kvx.testing import RUNNER_ORDERS, TransferTally, end_step, make_kv_caches
+from kvx.testing import RUNNER_ORDERS, ResultTally, end_step, make_kv_caches
 from tests.helpers import same_bytes, wait_for
 
 NUM_LAYERS = 4
@@ -170,7 +170,7 @@ class Step:
         )
 
 
-TALLY = TransferTally()  # the transfer ids of the scenario's metadata (built by hand, no scheduler)
+TALLY = ResultTally()  # the transfer ids of the scenario's metadata (built by hand, no scheduler)
 
 
 def save(r: Req, key: str, blocks, slot: int) -> ChunkSave:
