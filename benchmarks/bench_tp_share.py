@@ -5,7 +5,7 @@ Chunks are stored as one part per KV head and a record (:mod:`kvx.connector.part
 engine of that TP size writes it (every rank its heads' parts, then the record); a fresh tier instance (a fresh
 engine's) then reads every chunk as a TP=1 worker does (:meth:`kvx.connector.parts.PartIO.read`: the record, then
 every head's part into the worker's chunk buffer). The buffer is a CPU worker's, head-major (``[H, L, P, T, D]``
-seen as ``[L, P, T, H, D]``, :attr:`kvx.connector.cache.WorkerCache.head_major`: each part lands straight in its
+seen as ``[L, P, T, H, D]``, :attr:`kvx.connector.cache.RegisteredKV.head_major`: each part lands straight in its
 contiguous head slice), and again a CUDA worker's, token-major (``[L, P, T, H, D]``: its DMA moves a token's heads
 as one run; each part goes through a scratch buffer, as its head's slice is strided). The last row reads the same
 bytes as one object per chunk (``one object``: how kvx stored a TP=1 engine's chunk before parts). The last two

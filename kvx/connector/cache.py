@@ -1,14 +1,14 @@
 """What a worker's copy pipelines use: the registered KV cache and how copies reach it, and where results go.
 
-:class:`WorkerCache` is the KV cache a worker registered, as the load and save pipelines see it: the layout and
+:class:`RegisteredKV` is the KV cache a worker registered, as the load and save pipelines see it: the layout and
 its layer groups, the chunk format and the shapes of stored objects, the CPU tier's slots, and the copies'
 machinery (the :class:`kvx.engine.TransferEngine`, its :class:`kvx.engine.BlockOrder`, the host path and its
-staging rings). :meth:`WorkerCache.queue_loads` / :meth:`WorkerCache.queue_saves` issue a compiled
+staging rings). :meth:`RegisteredKV.queue_loads` / :meth:`RegisteredKV.queue_saves` issue a compiled
 :class:`kvx.kernels.plan.Plan` on the engine's queues (one or two jobs per part: a staged part is a DMA and a reshape,
-ordered by rule 5), and :meth:`WorkerCache.fence` fences a layer group's parts: each one compiled call.
+ordered by rule 5), and :meth:`RegisteredKV.fence` fences a layer group's parts: each one compiled call.
 :class:`WorkerResults` collects what the pipelines report to vLLM and the scheduler.
 
-Owned by :class:`~.worker.KVXWorker`, which builds a new :class:`WorkerCache` whenever it describes the caches
+Owned by :class:`~.worker.KVXWorker`, which builds a new :class:`RegisteredKV` whenever it describes the caches
 (registration, a wake-up after sleep: the tensors' addresses change) and hands it to both pipelines; worker
 thread only. :class:`WorkerResults`: the worker thread, except ``stats`` counters (I/O threads add to them) and
 :meth:`WorkerResults.note_read` (reader threads, under its lock).
@@ -38,7 +38,7 @@ log = get_logger(__name__)
 _MAX_READS = 256  # read records per step report (the latest: enough for a moving estimate)
 
 
-class WorkerCache:
+class RegisteredKV:
     """The registered KV cache and the copies' machinery (see the module docstring)."""
 
     def __init__(

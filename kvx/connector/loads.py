@@ -2,7 +2,7 @@
 
 The copies of chunks in the CPU tier are queued at once: one compiled :class:`kvx.kernels.plan.Plan` of every chunk
 at hand (checked and planned once, not once per layer), cut into parts by *layer group* and issued in compiled code
-(staged across PCIe: a DMA job and a reshape job per part, :meth:`~.cache.WorkerCache.queue_loads`); chunks in the other
+(staged: a DMA job and a reshape job per part, :meth:`~.cache.RegisteredKV.queue_loads`); chunks in the other
 tiers (disk, Redis, ...: :class:`kvx.store.Tier`) are read and verified on I/O threads straight into a CPU slot
 when the scheduler allotted one (promotion), and their copies are queued as soon as the read is in, at the latest
 in :meth:`LoadPipeline.wait_for_layer` of the first layer, the only place that waits for a read. That fences the
@@ -12,7 +12,7 @@ are reported to vLLM (:meth:`LoadPipeline.take_errors`, or per request with seve
 scheduler with the step's results (:mod:`.validity`), and recorded in :attr:`LoadPipeline.outcomes`, the verdict
 the save pipeline takes as an argument.
 
-Owned by :class:`~.worker.KVXWorker`, which hands it the registered cache (:class:`~.cache.WorkerCache`, ``cache``)
+Owned by :class:`~.worker.KVXWorker`, which hands it the registered cache (:class:`~.cache.RegisteredKV`, ``cache``)
 and the step's loads; it reports into a :class:`~.cache.WorkerResults`. Worker thread only, except the reads on the
 reader pool (they touch only the tensors handed to them, a load's ``failed`` / ``keep`` under its lock, and the
 results' counters).
@@ -33,7 +33,7 @@ import torch
 from ..kernels.plan import Copies, Plan
 from ..log import get_logger
 from ..store import ChunkError, Tier
-from .cache import WorkerCache, WorkerResults, plan_done, plan_error, wait_plan
+from .cache import RegisteredKV, WorkerResults, plan_done, plan_error, wait_plan
 from .metadata import FAILED, OK, ChunkLoad, LoadSpec
 from .validity import LoadOutcomes
 
@@ -88,7 +88,7 @@ class LoadPipeline:
         fence_at_start: bool,
         groups: int = 1,
     ):
-        self.cache: WorkerCache | None = None
+        self.cache: RegisteredKV | None = None
         self.several_groups = groups > 1  # KV cache groups: a failed load is reported per request
         self.results, self.tiers = results, tiers
         self.reader = reader  # tier reads: on the critical path, normal priority
@@ -194,7 +194,7 @@ class LoadPipeline:
             load.plans.append(plan)
 
     def _submit(self, load: _Load, chunks: list[tuple[ChunkLoad, torch.Tensor]], what: str = "") -> Plan | None:
-        """One compiled plan of ``chunks`` (checked and planned once), issued whole (:meth:`~.cache.WorkerCache.
+        """One compiled plan of ``chunks`` (checked and planned once), issued whole (:meth:`~.cache.RegisteredKV.
         queue_loads`). A plan that cannot be built (a check failing) or issued fails its chunks: recomputed. One that
         failed while being issued is returned still: the parts it issued are fenced like any (they write blocks)."""
         if not chunks:

@@ -2,7 +2,7 @@
 
 :meth:`SavePipeline.submit_group` issues a layer group's gathers (that group's parts of one compiled
 :class:`kvx.kernels.plan.Plan` of the step's saves, planned when the first group is: staged across PCIe, a gather
-into a staging buffer and a DMA to host memory per part, :meth:`~.cache.WorkerCache.queue_saves`, one compiled call
+into a staging buffer and a DMA to host memory per part, :meth:`~.cache.RegisteredKV.queue_saves`, one compiled call
 that also takes the marker) as soon as the forward wrote its last layer, so the copies overlap the
 rest of the forward (``save_layerwise``; otherwise, and for groups no layer reported, :meth:`SavePipeline.finish_step`
 queues them). A save whose KV depends on a block whose load failed on this worker (the load pipeline's verdict,
@@ -17,7 +17,7 @@ per-step path (CPU threads excepted: there the copies use the cores the next for
 ``finish_step``); the worker's ``handle_preemptions`` fences the ones whose blocks the next forward writes. Each
 save's transfers (its CPU slot, each tier write) are reported once, by id, when they end (:meth:`SavePipeline.poll`).
 
-Owned by :class:`~.worker.KVXWorker`, which hands it the registered cache (:class:`~.cache.WorkerCache`, ``cache``)
+Owned by :class:`~.worker.KVXWorker`, which hands it the registered cache (:class:`~.cache.RegisteredKV`, ``cache``)
 and each step's metadata; it reports into a :class:`~.cache.WorkerResults`. Worker thread only, except the writer
 pool's threads (a tier write touches the tensor handed to it, the write-buffer pool under its condition, the
 rank-key map under its lock, and the results' counters).
@@ -37,7 +37,7 @@ import torch
 from ..kernels.plan import Plan
 from ..log import get_logger
 from ..store import ChunkError, StoreFullError, Tier
-from .cache import WorkerCache, WorkerResults, plan_done, plan_error, wait_plan
+from .cache import RegisteredKV, WorkerResults, plan_done, plan_error, wait_plan
 from .loads import failure_cause, wait_quietly
 from .metadata import FAILED, HELD, NOOP, OK, ChunkSave, KVXMetadata
 from .parts import PartIO
@@ -113,7 +113,7 @@ class SavePipeline:
         writer: ThreadPoolExecutor | None,
         buffers: WriteBuffers,
     ):
-        self.cache: WorkerCache | None = None
+        self.cache: RegisteredKV | None = None
         self.results, self.tiers = results, tiers
         self.writer = writer  # tier writes: background unless a P/D producer's
         self.buffers = buffers

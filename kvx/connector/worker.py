@@ -5,7 +5,7 @@ host memory and the cache, planned once into a compiled plan: staged through dev
 kernel), issued on the :class:`kvx.engine.TransferEngine` copy queues by compiled code, one call per layer; in what
 order against the forwards is :class:`kvx.engine.BlockOrder` (every copy goes through it). The work is two pipelines,
 one per direction: :class:`~.loads.LoadPipeline` (tiers -> paged KV cache) and :class:`~.saves.SavePipeline` (paged KV
-cache -> tiers); this module describes the registered KV cache (:class:`~.cache.WorkerCache`: layout, layer groups,
+cache -> tiers); this module describes the registered KV cache (:class:`~.cache.RegisteredKV`: layout, layer groups,
 the CPU pool's slots, the copies' machinery) and hands it to both, owns the tiers and the transfer engine, hands each
 step's metadata to the pipelines, and hands the step's load verdict to the save pipeline as an argument (a save
 computed against a load that failed here is dropped: :mod:`.validity`). Results (one outcome per transfer id,
@@ -51,7 +51,7 @@ from ..kernels.layout import KVLayout
 from ..log import get_logger
 from ..node.client import NodePool
 from ..store import REMOVED, CPUPool, SlotPool, Tier, TierContext, tier_class
-from .cache import WorkerCache, WorkerResults
+from .cache import RegisteredKV, WorkerResults
 from .common import EngineGeometry, chunk_bytes, head_parts, num_cpu_slots, object_rows, write_backlog
 from .config import ConfigError, KVXConfig
 from .loads import LoadPipeline
@@ -77,7 +77,7 @@ IDLE_STEP_WAIT_S = 0.005
 PD_IDLE_PAUSE_S = 0.01
 
 
-def node_pool(cache: WorkerCache, page_heads: bool, pin: bool = False) -> NodePool:
+def node_pool(cache: RegisteredKV, page_heads: bool, pin: bool = False) -> NodePool:
     """This worker's view of a node's slots: a slot holds a chunk with every rank's KV heads, head-major (each
     head's bytes one run), and a rank of any TP size copies its heads' runs; a chunk that cannot be cut by head
     (MLA, where every rank holds the same bytes; a single worker) is the whole slot. ``page_heads``: raw pages
@@ -152,7 +152,7 @@ class KVXWorker:
         self.write_records = True
         self.fingerprint = fingerprint
         self.background_writes = background_writes
-        self.cache: WorkerCache | None = None  # the registered KV cache (None before registration, during a sleep)
+        self.cache: RegisteredKV | None = None  # the registered KV cache (None before registration, during a sleep)
         self.group_of: dict[str, int] = {}
         self.layer_of: dict[str, int] = {}  # layer name -> layer index in the layout
         self.pool: SlotPool | None = None
@@ -318,7 +318,7 @@ class KVXWorker:
                 self.share = _whole_share(self.geom, head_parts(self.geom, self.fmt, layout_name), lay.num_layers)
             else:
                 self.share = self.share_of(_physical_names(views, lay))
-        self.cache = WorkerCache(
+        self.cache = RegisteredKV(
             self.config,
             self.geom,
             self.fmt,
@@ -413,7 +413,7 @@ class KVXWorker:
             self.layout,
         )
 
-    # the stored objects' shapes (:class:`~.cache.WorkerCache`), for callers that knew them as the worker's
+    # the stored objects' shapes (:class:`~.cache.RegisteredKV`), for callers that knew them as the worker's
     @property
     def chunk_dtype(self) -> torch.dtype:
         return self.cache.chunk_dtype

@@ -77,9 +77,9 @@ def worker_layer(layout: KVLayout, op: str, copies) -> tuple[Callable[[], None],
     """One layer of a step's copies as the connector's worker issues them: a compiled plan
     (:class:`kvx.kernels.plan.Copies`) of ``copies`` (``(block ids, host buffer)``) by the config's default
     ``copy_path``, planned per layer with the default ``staging_bytes`` budget's buffers
-    (:class:`kvx.connector.cache.WorkerCache`); returns a call running layer 0's parts on the current stream (the worker
-    puts a part's DMA and reshape on two queues), and the copies' count. The engine's job bookkeeping is not in it:
-    ``bench_pipeline.py`` times the hooks whole."""
+    (:class:`kvx.connector.cache.RegisteredKV`); returns a call running layer 0's parts on the current stream (the
+    worker puts a part's DMA and reshape on two queues), and the copies' count. The engine's job bookkeeping is not in
+    it: ``bench_pipeline.py`` times the hooks whole."""
     from ..connector.config import KVXConfig
     from ..kernels.plan import Copies
 
@@ -170,7 +170,7 @@ def run_layer(
     )
     model = _model_cache(shape, device)
     # the batch rows' chunks: every layer of max(batch_chunks) chunks, as CPU-tier slots hold them (head-major
-    # when there are several KV heads: a worker's slots then are, kvx.connector.cache.WorkerCache.head_major)
+    # when there are several KV heads: a worker's slots then are, kvx.connector.cache.RegisteredKV.head_major)
     nb = max(batch_chunks, default=0)
     L, P, T, H, D = model.canonical_shape(shape.chunk)
     slots = [

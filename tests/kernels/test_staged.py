@@ -179,7 +179,7 @@ def test_a_whole_chunk_layer_is_one_run():
 
 def _head_major(shape, dtype, g):
     """A canonical buffer of ``shape`` laid out head-major: ``[H, L, P, T, D]`` in memory (a connector worker's
-    buffers when it holds several KV heads, :attr:`kvx.connector.cache.WorkerCache.head_major`)."""
+    buffers when it holds several KV heads, :attr:`kvx.connector.cache.RegisteredKV.head_major`)."""
     L, P, T, H, D = shape
     return random_fill_(torch.empty((H, L, P, T, D), dtype=dtype), g).movedim(0, 3)
 
