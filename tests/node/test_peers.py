@@ -340,3 +340,47 @@ def test_chunks_that_take_a_run_of_slots_are_pulled_bit_exact(tmp):
     finally:
         a.close()
         b.close()
+
+
+def test_a_chunk_evicted_on_the_peer_mid_read_keeps_its_bytes_until_released_and_is_not_served(pair, tmp):
+    """An operator evicts a chunk a peer has leased, and the pool churns past its size, while the read is between
+    its lease and its release: the slot is not reused (the bytes read are the chunk's, CRC32C as leased), the
+    release says the chunk is not intact (a puller then serves nothing of it), and the slot is free afterwards."""
+    from kvx.node import handshake
+    from kvx.node.connection import Connection
+    from kvx.node.protocol import VERSION
+    from kvx.node.tcp import TcpTransport
+    from kvx.node.transport import Span
+
+    a, _ = pair
+    data = torch.randint(0, 256, (SLOT_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    a.store(key(90), data)
+    with open(secret_file(tmp), "rb") as f:
+        secret = f.read().strip()
+    sock, _ = handshake.dial(("127.0.0.1", a.port), secret, "visitor", "control", 10)
+    handshake.send(sock, {"op": "lease", "namespace": NAMESPACE.hex(), "keys": key(90), "nbytes": SLOT_BYTES})
+    [(k, offset, generation, crc)] = handshake.recv(sock)["chunks"]
+    ctl = Connection(a.sock, timeout=10)
+    try:
+        ctl.call("hello", version=VERSION, role="control", pid=os.getpid())
+        assert ctl.call("evict", namespace=NAMESPACE.hex(), keys=[key(90)])["evicted"] == 1
+        pool_slots = a.node.stats()["pool"]["bytes"] // SLOT_BYTES  # chunks the pool holds
+        for i in range(2 * pool_slots):  # the pool churns twice over: every other slot is reused
+            a.store(key(200 + i), torch.full((SLOT_BYTES,), i % 251, dtype=torch.uint8))
+        assert a.index.contains_many([key(90)]) == [False]  # evicted: no engine or peer finds it
+        local = bytearray(SLOT_BYTES)
+        reader = TcpTransport(
+            local, lambda addr: handshake.dial(addr, secret, "visitor", "data", 10)[0], lambda: (0, SLOT_BYTES)
+        )
+        reader.connect("a", ("127.0.0.1", a.port), b"")
+        assert reader.read("a", [Span(offset, 0, SLOT_BYTES)], 10, [crc]) == [True]
+        assert torch.equal(torch.frombuffer(local, dtype=torch.uint8), data)
+        reader.forget("a")
+        handshake.send(sock, {"op": "release", "keys": [k], "generations": [generation]})
+        assert handshake.recv(sock)["intact"] == [False]  # doomed while leased: a puller would not serve it
+        wait_for(lambda: a.node.stats()["leases"] == 0, 10, "the lease released")
+        a.store(key(91), data)  # the doomed slot is free again: the pool holds as many chunks as before
+        assert a.node.stats()["namespaces"][NAMESPACE.hex()]["chunks"] == pool_slots
+    finally:
+        ctl.close()
+        sock.close()
