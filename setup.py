@@ -133,8 +133,7 @@ ext = Extension(
 )
 
 setup(
-    packages=find_packages(include=["kvx", "kvx.*"]) + ["kvx.triton_kernels"],
-    package_dir={"kvx.triton_kernels": "triton_kernels"},
+    packages=find_packages(include=["kvx", "kvx.*"]),
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExt},
 )

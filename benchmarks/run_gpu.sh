@@ -5,7 +5,7 @@
 #
 #   setup     cp312 wheels from .whl/ into /tmp/site (benchmarks/fetch_gpu_wheels.sh fetched them), the extension
 #             built in place for this device's arch (KVX_CUDA_ARCHS from nvidia-smi's compute_cap: 90 H100/H200,
-#             100 B200), kvx.triton_kernels copied in.
+#             100 B200).
 #   phase 1   correctness, concurrently, each under its own timeout: tests/kernels -m gpu (xdist -n 8),
 #             tests/worker -m gpu, compute-sanitizer memcheck on the copy kernels and on the worker pipeline.
 #   phase 2   timings, the GPU to itself, each under a timeout derived from the time left, most targets first:
@@ -86,7 +86,6 @@ else
 fi
 export PYTHONPATH=$PWD:/tmp/site
 run_step build 200 330 env KVX_CUDA=1 KVX_CUDA_ARCHS="$ARCH" "$PY" setup.py -q build_ext --inplace
-mkdir -p kvx/triton_kernels && cp triton_kernels/*.py kvx/triton_kernels/  # the installed name, without pip
 "$PY" -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"
 "$PY" -c "
 import kvx; from kvx._ext import require; C = require(); from kvx.kernels import ops

@@ -89,8 +89,8 @@ def drop_working_directory() -> None:
     """Take off ``sys.path`` the working directory ``python -m`` put first, before vLLM is imported (the engine's
     spawned processes inherit the path). Nothing the server imports comes from there, and vLLM probes for an
     optional package by finding it (``has_triton_kernels``: ``importlib.util.find_spec("triton_kernels")``),
-    which any folder of that name in the working directory answers, this repository's ``triton_kernels/``
-    included when the server starts from the checkout: the probe then fails to import it and logs a traceback."""
+    which any folder of that name in the working directory answers: the probe then fails to import it and logs a
+    traceback."""
     if sys.path and sys.path[0] in ("", os.getcwd()):
         del sys.path[0]
 
