@@ -11,7 +11,7 @@ exception it raises)::
 
   sigstop-before   SIGSTOP (``server.pause()``) before the GET is sent, the process seen stopped
                    (``/proc/<pid>/stat`` state T): the server hangs, its kernel still accepts bytes
-  sigstop-mid      SIGSTOP after the first payload bytes landed in ``out``: ``_ChunkSink.advance`` (the
+  sigstop-mid      SIGSTOP after the first payload bytes landed in ``out``: ``ChunkSink.advance`` (the
                    class attribute the tier's GET calls after every receive) is wrapped for the timed call
                    so that its first call in the PAYLOAD phase calls ``server.pause()`` once
   sigkill-mid      the same trigger, ``server.kill()`` (SIGKILL, reaped): the server dies mid-transfer
@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvx.store.errors import ChunkError, StoreError
-from kvx.store.redis import _ChunkSink
+from kvx.store.redis import ChunkSink
 from kvx.testing.bench import cpu_name
 from kvx.testing.bench_timing import median, percentile
 from kvx.testing.redis_bench import chunk_shape, fmt6, new_key, open_tier, server_version, verdict
@@ -126,7 +126,7 @@ class Trial:
 
 
 class FaultOnPayload:
-    """Within the ``with`` block, the first ``_ChunkSink.advance`` call that brings payload bytes (the
+    """Within the ``with`` block, the first ``ChunkSink.advance`` call that brings payload bytes (the
     sink already in its PAYLOAD phase: the header was verified, bytes landed in ``out``) runs ``fault``
     once, then advances as usual. The original method is back on leaving the block."""
 
@@ -137,7 +137,7 @@ class FaultOnPayload:
         self.payload_bytes: int | None = None
 
     def __enter__(self) -> FaultOnPayload:
-        orig = self._orig = _ChunkSink.advance
+        orig = self._orig = ChunkSink.advance
 
         def advance(sink, n):
             if self.fired_at is None and sink.phase == sink._PAYLOAD:
@@ -147,11 +147,11 @@ class FaultOnPayload:
                 self.call_s = time.perf_counter() - self.fired_at
             return orig(sink, n)
 
-        _ChunkSink.advance = advance
+        ChunkSink.advance = advance
         return self
 
     def __exit__(self, *exc) -> None:
-        _ChunkSink.advance = self._orig
+        ChunkSink.advance = self._orig
 
 
 def wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
@@ -407,7 +407,7 @@ def write_md(path: str, cases: list[Case], info: dict, cmd: str, trials: int, sm
         "",
         "Fault injection: `sigstop-before` sends SIGSTOP (`RedisServer.pause()`) and waits until "
         "`/proc/<pid>/stat` shows the process stopped, then starts the clock. The `-mid` scenarios wrap "
-        "`kvx.store.redis._ChunkSink.advance` (called by the tier's GET after every receive) for the timed "
+        "`kvx.store.redis.ChunkSink.advance` (called by the tier's GET after every receive) for the timed "
         "call only: its first call in the PAYLOAD phase (header verified, payload bytes in `out`) calls "
         "`pause()` (SIGSTOP) or `kill()` (SIGKILL, then reaped) once; that call is inside the timed window "
         "(`fault call`). Chunks: bf16 KV chunks; 64 MiB is stored as 16 values of 4 MiB + a manifest, "

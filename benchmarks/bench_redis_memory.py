@@ -4,11 +4,11 @@ value layout kvx uses now and the one before (values sized for Redis's allocator
 
 Redis's allocator (jemalloc) gives a value the smallest of its size classes that holds it (four per doubling:
 4, 5, 6, 7, 8 MiB ...). A KV head's part is 4 MiB of payload plus a codec header: stored as one value it takes a
-5 MiB allocation. Now a value is split where that takes less memory (:func:`kvx.store.redis.layout._value_split`):
+5 MiB allocation. Now a value is split where that takes less memory (:func:`kvx.store.redis.layout.value_split`):
 4 MiB - 12 bytes (a full 4 MiB class) and one value of what is left, published under one manifest as before.
 
 Layouts: ``after``: kvx as it is; ``before``: the split kvx made before (one value while the payload fits
-``max_value_size``, the header riding along; else equal parts), put back in place of ``_value_split`` for the run
+``max_value_size``, the header riding along; else equal parts), put back in place of ``value_split`` for the run
 (headers are under 1 KiB, so the payload's size is the value's less 1 KiB for that rule). Each case: a fresh
 ``FLUSHALL``, one chunk written first (connections and buffers warm), then ``used_memory`` (``INFO memory``) before
 and after writing ``--chunks`` chunks; the ratio is the growth per chunk over the chunk's payload bytes. Load ms:
@@ -54,13 +54,13 @@ def legacy_split(total: int, limit: int) -> tuple[int, int]:
 def layout(name: str):
     import kvx.store.redis.tier as tier_module
 
-    saved = tier_module._value_split
+    saved = tier_module.value_split
     if name == "before":
-        tier_module._value_split = legacy_split
+        tier_module.value_split = legacy_split
     try:
         yield
     finally:
-        tier_module._value_split = saved
+        tier_module.value_split = saved
 
 
 def run_case(server, part_size: str, case: str, chunks, shape, args) -> dict:

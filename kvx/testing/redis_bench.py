@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvx.store import CPUPool, codec
-from kvx.store.redis import _SNDBUF_UNIX, RedisTier, RedisTierConfig, _chunk_key
+from kvx.store.redis import SNDBUF_UNIX, RedisTier, RedisTierConfig, redis_chunk_key
 from kvx.store.tier import TierContext
 from kvx.testing.bench_timing import time_interleaved, timed_calls
 
@@ -335,7 +335,7 @@ class RawSocket:
         u = urlsplit(url)
         if u.scheme == "unix":
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SNDBUF_UNIX)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF_UNIX)
             self.sock.connect(u.path)
         else:
             self.sock = socket.create_connection((u.hostname, u.port))
@@ -481,14 +481,14 @@ def check_put(tier, r, pool: CPUPool) -> None:
     finally:
         tier.delete(k)
     k = new_key()  # a redis-py SET where the tier keeps chunk k (one value)
-    r.set(_chunk_key(k), b"".join(codec.encode(slot, k, FINGERPRINT)))
+    r.set(redis_chunk_key(k), b"".join(codec.encode(slot, k, FINGERPRINT)))
     try:
         out.fill_(float("nan"))
         tier.get_into(k, out)
         if not torch.equal(out.view(torch.uint8), slot.view(torch.uint8)):
             raise AssertionError("redis-py SET then kvx get_into: the chunk differs")
     finally:
-        r.delete(_chunk_key(k))
+        r.delete(redis_chunk_key(k))
 
 
 # ------------------------------------------------------------------------------------------ sealed chunks

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from kvx.store.redis import _SNDBUF_UNIX
+from kvx.store.redis import SNDBUF_UNIX
 from kvx.testing.redis_bench import CSV_FIELDS, ROOF_OF
 from tests.helpers import load_benchmark, need_redis, redis_server_pids
 
@@ -68,7 +68,7 @@ def test_quick_run_writes_consistent_results(bench, tmp_path):
     }
     assert {(r["transport"], r["method"]) for r in sb if not r["baseline"]} == {
         ("tcp", "kernel default"),
-        ("unix", f"SO_SNDBUF {bench._fmt(_SNDBUF_UNIX)}"),
+        ("unix", f"SO_SNDBUF {bench._fmt(SNDBUF_UNIX)}"),
     }
     assert "## PUT: socket send buffer" in md
 

@@ -23,14 +23,14 @@ def bench(monkeypatch):
 
 
 def test_small_run_every_load_fails_with_a_chunk_error(bench, tmp_path):
-    from kvx.store.redis import _ChunkSink
+    from kvx.store.redis import ChunkSink
 
-    advance = _ChunkSink.advance
+    advance = ChunkSink.advance
     before = redis_server_pids()
     # 64 MiB: 16 values of 4 MiB, far more than the socket buffers hold when the mid-transfer fault fires
     assert bench.main(["--trials", "2", "--timeouts", "300", "--sizes", "64", "--out", str(tmp_path)]) == 0
     assert redis_server_pids() <= before, "the benchmark left redis-server processes behind"
-    assert _ChunkSink.advance is advance, "the fault trigger was left in place"
+    assert ChunkSink.advance is advance, "the fault trigger was left in place"
 
     md = (tmp_path / "redis_faults_cpu.md").read_text()
     assert md.startswith("# SMOKE RUN, not a measurement (2 trials)")

@@ -484,7 +484,7 @@ def assert_worker_bounded(llm, loose_before: int = 0) -> dict[str, int]:
     }
     assert state["worker_busy"] == state["staging_out"] == 0, state
     assert state["inflight"] == 0 and state["trackers"] == 0, state
-    assert state["lookups"] <= redis_mod._LOOKUP_KEEP, state
+    assert state["lookups"] <= redis_mod.LOOKUP_KEEP, state
     assert state["idle_conns"] <= tiers[1].config.connections, state
     assert state["loose_chunks"] <= LOOSE_CHUNKS_MAX, (state, holders(loose))
     return state

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvx.store.redis.layout import _value_split
+from kvx.store.redis.layout import value_split
 from kvx.testing.redis_server import RedisServer
 from tests.helpers import need_redis
 from tests.store.conftest import MVS, encoded_size
@@ -20,8 +20,8 @@ def start_server(**kwargs) -> RedisServer:
 
 def n_parts(x: torch.Tensor, key: str) -> int:
     """Redis values of a chunk stored with max_value_size=MVS (1: a single value): the tier's split, values sized to
-    the allocator's classes (``layout._value_split``)."""
-    return _value_split(encoded_size(x.numel(), x.dtype, key), MVS)[0]
+    the allocator's classes (``layout.value_split``)."""
+    return value_split(encoded_size(x.numel(), x.dtype, key), MVS)[0]
 
 
 def part_keys(client, key: str) -> list[bytes]:

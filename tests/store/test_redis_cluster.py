@@ -143,8 +143,8 @@ def test_cluster_slots_are_the_ones_redis_computes():
     """kvx's shortcut for a key's cluster slot agrees with redis-py's (and so with the servers)."""
     from redis.crc import key_slot
 
-    from kvx.store.redis import _chunk_key, _part_key, _slot
+    from kvx.store.redis import cluster_slot, redis_chunk_key, redis_part_key
 
     for i in range(500):
-        ck = _chunk_key(f"{i:08x}{'ab' * 8}")
-        assert _slot(ck) == key_slot(ck.encode()) == key_slot(_part_key(ck, "0a1b2c", i).encode())
+        ck = redis_chunk_key(f"{i:08x}{'ab' * 8}")
+        assert cluster_slot(ck) == key_slot(ck.encode()) == key_slot(redis_part_key(ck, "0a1b2c", i).encode())

@@ -13,7 +13,7 @@ import torch
 
 from kvx.store import resp
 from kvx.store.errors import ChunkError, StoreUnavailableError
-from kvx.store.redis import _ChunkSink, redact
+from kvx.store.redis import ChunkSink, redact
 from kvx.store.resp import ConnectionLost, RespConnection
 from tests.helpers import assert_same_bytes, wait_for
 from tests.store.conftest import (
@@ -170,16 +170,16 @@ def test_server_stops_or_dies_in_the_middle_of_a_transfer(fault, redis_server, o
     key = new_key()
     x = random_chunk((64 << 20,), torch.uint8, 21)
     assert tier.put(key, x)
-    advance = _ChunkSink.advance
+    advance = ChunkSink.advance
     struck: list[int] = []  # payload bytes received when the fault struck
 
     def advance_then_fault(self, n):
         advance(self, n)
-        if self.phase in (_ChunkSink._PAYLOAD, _ChunkSink._DONE) and not struck:
+        if self.phase in (ChunkSink._PAYLOAD, ChunkSink._DONE) and not struck:
             struck.append(self.pos)
             redis_server.pause() if fault == "sigstop" else redis_server.kill()
 
-    monkeypatch.setattr(_ChunkSink, "advance", advance_then_fault)
+    monkeypatch.setattr(ChunkSink, "advance", advance_then_fault)
     try:
         t0 = time.monotonic()
         with pytest.raises(ChunkError) as e:

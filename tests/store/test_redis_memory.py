@@ -12,7 +12,7 @@ import torch
 
 from kvx.store import codec
 from kvx.store.errors import ChunkError
-from kvx.store.redis.layout import _VALUE_OVERHEAD, _alloc_size, _value_split
+from kvx.store.redis.layout import VALUE_OVERHEAD, alloc_size, value_split
 from tests.helpers import assert_same_bytes
 from tests.store.conftest import FP, MVS, new_key, poisoned, random_chunk
 
@@ -20,15 +20,15 @@ MiB = 1 << 20
 
 
 def test_alloc_size_is_jemallocs_size_class():
-    assert [_alloc_size(n) for n in (1, 9, 128, 129, 4096, 4097)] == [8, 16, 128, 160, 4096, 5120]
-    assert _alloc_size(4 * MiB) == 4 * MiB and _alloc_size(4 * MiB + 1) == 5 * MiB
-    assert _alloc_size(33 * MiB) == 40 * MiB
+    assert [alloc_size(n) for n in (1, 9, 128, 129, 4096, 4097)] == [8, 16, 128, 160, 4096, 5120]
+    assert alloc_size(4 * MiB) == 4 * MiB and alloc_size(4 * MiB + 1) == 5 * MiB
+    assert alloc_size(33 * MiB) == 40 * MiB
 
 
 def test_small_encodings_stay_one_value():
     """Records and small chunks: one value (a split would save a few KiB for a key and a round trip)."""
     for total in (1, 300, 4300, 40_000, (64 << 10) - 1):
-        assert _value_split(total, 64 << 10) == (1, total)
+        assert value_split(total, 64 << 10) == (1, total)
 
 
 @pytest.mark.parametrize("limit", [64 << 10, 1 * MiB, 4 * MiB, 64 * MiB])
@@ -36,16 +36,16 @@ def test_split_fills_size_classes(limit):
     """Every value at most ``limit`` bytes, all but the last a full size class, the whole within 2% of the
     chunk's bytes (a sweep of sizes from 64 KiB to 70 MiB, headers of any length)."""
     for total in range(64 << 10, 70 * MiB, 1_000_003):
-        n, size = _value_split(total, limit)
+        n, size = value_split(total, limit)
         last = total - (n - 1) * size
         assert 0 < last <= size <= limit and (n == 1 or size <= total)
         if n > 1:
-            assert _alloc_size(size + _VALUE_OVERHEAD) == size + _VALUE_OVERHEAD
-        held = (n - 1) * (size + _VALUE_OVERHEAD) + _alloc_size(last + _VALUE_OVERHEAD)
+            assert alloc_size(size + VALUE_OVERHEAD) == size + VALUE_OVERHEAD
+        held = (n - 1) * (size + VALUE_OVERHEAD) + alloc_size(last + VALUE_OVERHEAD)
         assert held <= 1.02 * total, (total, limit, n, size)
     # a KV head's part (4 MiB + a header): 4 MiB - 12 bytes and the rest, whatever the value limit above 4 MiB
     if limit >= 4 * MiB:
-        assert _value_split(4 * MiB + 300, limit) == (2, 4 * MiB - 12)
+        assert value_split(4 * MiB + 300, limit) == (2, 4 * MiB - 12)
 
 
 @pytest.mark.parametrize("part_size", ["4MiB", "64MiB"])

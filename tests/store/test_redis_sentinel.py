@@ -15,7 +15,7 @@ import torch
 from pydantic import ValidationError
 
 from kvx.store.errors import ChunkError, StoreUnavailableError
-from kvx.store.redis import RedisTier, RedisTierConfig, _sentinel_url
+from kvx.store.redis import RedisTier, RedisTierConfig, sentinel_url
 from kvx.store.tier import TierContext
 from kvx.testing.redis_server import RedisSentinelServers, RedisServer
 from tests.helpers import assert_same_bytes, need_redis, wait_for
@@ -225,10 +225,10 @@ def test_master_demoted_under_open_connections_gets_no_write(open_tier):
 
 # ------------------------------------------------------------------------------------------ config
 def test_sentinel_url_parsed():
-    spec = _sentinel_url("redis+sentinel://user:p%40ss@h1:26380,h2,[::1]:5000/my%20svc/3")
+    spec = sentinel_url("redis+sentinel://user:p%40ss@h1:26380,h2,[::1]:5000/my%20svc/3")
     assert spec.sentinels == (("h1", 26380), ("h2", 26379), ("::1", 5000))
     assert (spec.service, spec.db, spec.username, spec.password) == ("my svc", 3, "user", "p@ss")
-    spec = _sentinel_url("redis+sentinel://h1/mymaster")
+    spec = sentinel_url("redis+sentinel://h1/mymaster")
     assert (spec.sentinels, spec.db, spec.password) == ((("h1", 26379),), 0, None)
     cfg = RedisTierConfig(type="redis", url="redis+sentinel://:pw@h1:26379/mymaster/0", sentinel_password="spw")
     assert cfg.sentinel_password == "spw" and not cfg.cluster

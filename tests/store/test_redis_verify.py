@@ -12,7 +12,7 @@ import torch
 
 from kvx.store import codec
 from kvx.store.errors import ChunkError
-from kvx.store.redis import _SNDBUF_UNIX
+from kvx.store.redis import SNDBUF_UNIX
 from kvx.store.resp import RespConnection
 from tests.helpers import assert_same_bytes
 from tests.store.conftest import new_key, poisoned, random_chunk, shape_for
@@ -180,7 +180,7 @@ def test_data_connections_get_the_transports_send_buffer(transport, redis_server
     net.core.wmem_max); TCP ones keep the kernel's autotuned one. Chunks put through either read back."""
     unix = transport == "unix"
     tier = open_tier(redis_server.unix_url if unix else redis_server.url)
-    assert tier.send_buffer == (_SNDBUF_UNIX if unix else None)
+    assert tier.send_buffer == (SNDBUF_UNIX if unix else None)
     x = random_chunk(shape_for("multi", torch.bfloat16, "k"), torch.bfloat16, 3)
     key = new_key()
     assert tier.put(key, x)
@@ -192,7 +192,7 @@ def test_data_connections_get_the_transports_send_buffer(transport, redis_server
     if unix:
         with open("/proc/sys/net/core/wmem_max") as f:
             cap = int(f.read())
-        assert got == 2 * min(_SNDBUF_UNIX, cap), got
+        assert got == 2 * min(SNDBUF_UNIX, cap), got
     else:
         fresh = socket.socket()
         try:

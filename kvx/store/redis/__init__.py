@@ -13,7 +13,7 @@ which no codec header has, so the two cannot be confused).
 
 Value sizes (issue 46). Redis's allocator (jemalloc) holds a value in the smallest of its size classes that fits
 (four per doubling: 4, 5, 6, 7, 8 MiB ...): a KV head's part of 4 MiB + a header as one value takes 5 MiB. So
-:func:`.layout._value_split` picks the split Redis holds in the least memory (within 1%, the fewest values):
+:func:`.layout.value_split` picks the split Redis holds in the least memory (within 1%, the fewest values):
 parts of a class size less 12 bytes (what Redis adds to a value), the rest in the last one; a head's part is
 4 MiB - 12 bytes and ~320 B. ``used_memory`` per chunk of ``bench_tp_share.py``'s shape: 1.25x the chunk's
 bytes before, 1.0000x now (``benchmarks/bench_redis_memory.py``, ``results/redis_memory_cpu.md``). The manifest is
@@ -68,24 +68,24 @@ Modules (what each owns; threads: see each module's docstring):
 - :mod:`.config`: :class:`RedisTierConfig` and url parsing (``redact``, Sentinel urls, the data connections'
   credentials and TLS context);
 - :mod:`.layout`: key names, cluster slots, the parts manifest and the Lua scripts;
-- :mod:`.pool`: one server's pool of data connections and its up/down state (``_Node``);
-- :mod:`.sink`: receiving a GET's value (or parts) into the caller's tensor, verified (``_ChunkSink``);
+- :mod:`.pool`: one server's pool of data connections and its up/down state (``RedisNode``);
+- :mod:`.sink`: receiving a GET's value (or parts) into the caller's tensor, verified (``ChunkSink``);
 - :mod:`.topology`: the redis-py client, cluster slot map, Sentinel failover, the maintenance thread and
   running a command on the right node;
 - :mod:`.tier`: :class:`RedisTier`: open, lookups, gets, puts, deletes, capacity, stats.
 """
 
-# private names tests and benchmarks reach for as kvx.store.redis.<name>
+# names tests and benchmarks use as kvx.store.redis.<name>
 from .config import (
     RedisTierConfig,
-    _sentinel_url,  # noqa: E402,F401
     redact,
+    sentinel_url,  # noqa: E402,F401
 )
-from .layout import _chunk_key, _part_key, _slot  # noqa: E402,F401
-from .sink import _ChunkSink  # noqa: E402,F401
+from .layout import cluster_slot, redis_chunk_key, redis_part_key  # noqa: E402,F401
+from .sink import ChunkSink  # noqa: E402,F401
 from .tier import (  # noqa: E402,F401
-    _LOOKUP_KEEP,
-    _SNDBUF_UNIX,
+    LOOKUP_KEEP,
+    SNDBUF_UNIX,
     RedisTier,  # registers "redis"
 )
 

@@ -1,6 +1,6 @@
 """The Redis tier's config (:class:`RedisTierConfig`, ``{"type": "redis", ...}``) and its url: parsing and
 checking ``redis://``, ``rediss://``, ``unix://`` and ``redis+sentinel://`` urls, redacting their passwords
-for logs and errors, and what a data connection is opened with (:class:`_Target`: credentials, db, TLS).
+for logs and errors, and what a data connection is opened with (:class:`RedisTarget`: credentials, db, TLS).
 
 Pure functions and immutable values: the config is validated once (any thread); the tier reads the url's
 parts when it is constructed.
@@ -44,7 +44,7 @@ def _no_bool(name: str, v: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class _SentinelSpec:
+class SentinelSpec:
     """A ``redis+sentinel://`` url, parsed: where the sentinels are and what to open on the master."""
 
     sentinels: tuple[tuple[str, int], ...]
@@ -54,11 +54,11 @@ class _SentinelSpec:
     password: str | None
 
 
-def _is_sentinel(url: Any) -> bool:
+def is_sentinel(url: Any) -> bool:
     return isinstance(url, str) and url.lower().startswith(_SENTINEL_SCHEME + "://")
 
 
-def _sentinel_url(url: str) -> _SentinelSpec:
+def sentinel_url(url: str) -> SentinelSpec:
     """Parse ``redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service_name[/db]`` (the
     password is the data servers', as in a redis:// url; a port left out is 26379). ValueError naming
     ``url`` if it is not one."""
@@ -100,7 +100,7 @@ def _sentinel_url(url: str) -> _SentinelSpec:
     db = db.rstrip("/")
     if db and not db.isdigit():
         raise ValueError(f"url: expected a db number after the service name, got {db!r} in {shown!r}")
-    return _SentinelSpec(tuple(sentinels), unquote(service), int(db or 0), username, password)
+    return SentinelSpec(tuple(sentinels), unquote(service), int(db or 0), username, password)
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -153,8 +153,8 @@ class RedisTierConfig(TierConfig):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if _is_sentinel(v):
-            _sentinel_url(v)
+        if is_sentinel(v):
+            sentinel_url(v)
             return v
         scheme = urlsplit(v).scheme if isinstance(v, str) else None
         if scheme not in ("redis", "rediss", "unix"):
@@ -232,7 +232,7 @@ class RedisTierConfig(TierConfig):
 
     @model_validator(mode="after")
     def _cluster_url(self):
-        if _is_sentinel(self.url):
+        if is_sentinel(self.url):
             if self.cluster:
                 raise ValueError(
                     f"cluster: a Sentinel deployment has one master, not a Redis Cluster's slots, "
@@ -256,7 +256,7 @@ class RedisTierConfig(TierConfig):
 
 # ------------------------------------------------------------------------------------------ data connections
 @dataclass(frozen=True)
-class _Target:
+class RedisTarget:
     """How to open a data connection (from the url): everything but the address."""
 
     username: str | None
@@ -265,13 +265,13 @@ class _Target:
     ssl_context: ssl.SSLContext | None
 
 
-def _target(url: str) -> tuple[_Target, dict]:
+def parse_target(url: str) -> tuple[RedisTarget, dict]:
     """(how to open a data connection, redis-py's parse of the url; {} for a Sentinel url)."""
     from redis.connection import parse_url
 
-    if _is_sentinel(url):
-        spec = _sentinel_url(url)
-        return _Target(spec.username, spec.password, spec.db, None), {}
+    if is_sentinel(url):
+        spec = sentinel_url(url)
+        return RedisTarget(spec.username, spec.password, spec.db, None), {}
     p = parse_url(url)
     ctx = None
     if urlsplit(url).scheme == "rediss":
@@ -279,7 +279,7 @@ def _target(url: str) -> tuple[_Target, dict]:
             ctx = _tls_context(p)
         except (OSError, ssl.SSLError) as e:
             raise ValueError(f"url: cannot load the TLS files of {redact(url)} ({e})") from None
-    return _Target(p.get("username"), p.get("password"), int(p.get("db", 0) or 0), ctx), p
+    return RedisTarget(p.get("username"), p.get("password"), int(p.get("db", 0) or 0), ctx), p
 
 
 def _tls_context(p: dict) -> ssl.SSLContext:
@@ -296,5 +296,5 @@ def _tls_context(p: dict) -> ssl.SSLContext:
     return ctx
 
 
-is_sentinel_url = _is_sentinel  # public names: kvx node's membership reads the same urls
-parse_sentinel_url = _sentinel_url
+is_sentinel_url = is_sentinel  # public names: kvx node's membership reads the same urls
+parse_sentinel_url = sentinel_url

@@ -11,9 +11,9 @@ from functools import lru_cache
 from hashlib import sha1
 
 _PREFIX = "kvx:1:"
-_MAGIC = b"kvxparts"  # first 8 bytes of a manifest (a codec header starts with a length < 2**20)
-_MANIFEST_MAX = 128  # bytes: a manifest is ~50
-_SLOTS = 16384
+PARTS_MAGIC = b"kvxparts"  # first 8 bytes of a manifest (a codec header starts with a length < 2**20)
+MANIFEST_MAX = 128  # bytes: a manifest is ~50
+CLUSTER_SLOTS = 16384
 
 # KEYS[1]: chunk key, KEYS[2..]: this writer's parts. ARGV[1]: manifest, ARGV[2]: ttl in ms (0: none).
 # Returns 1 published, 0 the chunk exists (parts deleted), -1 a part is gone (parts deleted).
@@ -52,10 +52,10 @@ if nonce then
 end
 return 1
 """
-_SCRIPTS = {name: (src, sha1(src.encode()).hexdigest()) for name, src in (("publish", _PUBLISH), ("drop", _DROP))}
+SCRIPTS = {name: (src, sha1(src.encode()).hexdigest()) for name, src in (("publish", _PUBLISH), ("drop", _DROP))}
 
 
-def _slot(chunk_key: str) -> int:
+def cluster_slot(chunk_key: str) -> int:
     """Cluster slot of a kvx key: CRC16 of its hash tag (the chunk key between the braces), as Redis
     computes it (redis.crc.key_slot, without its general-case parsing: a lookup computes it for every key)."""
     lo = chunk_key.find("{")
@@ -64,38 +64,38 @@ def _slot(chunk_key: str) -> int:
     return crc_hqx(chunk_key[lo + 1 : chunk_key.index("}", lo)].encode(), 0) & 16383
 
 
-def _kid_suffix(kid: str | None) -> str:
+def kid_suffix(kid: str | None) -> str:
     """What a sealed chunk's name adds to the name in the clear: ``-<kid>`` (one name per tenant; outside the
     hash tag, so every tenant's copy and its parts stay in the chunk's slot)."""
     return f"-{kid}" if kid else ""
 
 
-def _chunk_key(key: str, kid: str | None = None) -> str:
+def redis_chunk_key(key: str, kid: str | None = None) -> str:
     """The Redis key of chunk ``key``: in the clear, or sealed with the secret of key id ``kid``."""
     return f"{_PREFIX}{{{key}}}-{kid}" if kid else f"{_PREFIX}{{{key}}}"
 
 
-def _part_key(chunk_key: str, nonce: str, i: int) -> str:
+def redis_part_key(chunk_key: str, nonce: str, i: int) -> str:
     return f"{chunk_key}:{nonce}:{i}"
 
 
 # ------------------------------------------------------------------------------------------ value sizes
 # Redis's allocator (jemalloc) hands out memory in size classes, four per doubling above 64 bytes (5, 6, 7 and
 # 8 MiB after 4 MiB): a value one byte over a class takes the next one, up to 25% more memory than its bytes. A
-# value of L bytes costs Redis an allocation of L + _VALUE_OVERHEAD (its sds header and terminator, and the \r\n
+# value of L bytes costs Redis an allocation of L + VALUE_OVERHEAD (its sds header and terminator, and the \r\n
 # a large argument is received with in place): on Redis 7.0.15 / jemalloc 5.3.0 a value of 4 MiB - 12 bytes
 # grows used_memory by 4 MiB + 104 (key and entry), one of 4 MiB - 8 by over 5 MiB.
-_VALUE_OVERHEAD = 12
+VALUE_OVERHEAD = 12
 _KEY_COST = 128  # bytes of a key of its own beyond its value (name, dict entry, object): a part's price
 _FEWER_VALUES_SLACK = 0.01  # fewer values (round trips, keys) are worth up to 1% more memory
 _MIN_CLASS = 4 << 10  # smallest value size the split considers (besides the last, shorter value)
 # smaller encodings stay one value (records, small chunks: a few KiB saved is not worth a key and a round trip;
-# Redis also copies arguments under 32 KiB, with less overhead than _VALUE_OVERHEAD)
+# Redis also copies arguments under 32 KiB, with less overhead than VALUE_OVERHEAD)
 _MIN_SPLIT = 64 << 10
 _MAX_PARTS = 4096
 
 
-def _alloc_size(n: int) -> int:
+def alloc_size(n: int) -> int:
     """The jemalloc size class an allocation of ``n`` bytes takes (8, 16 .. 128 by 16, then four per doubling)."""
     if n <= 8:
         return 8
@@ -110,18 +110,18 @@ def _class_sizes(limit: int) -> tuple[int, ...]:
     """Value sizes that fill a size class exactly (class - overhead), largest first, at most ``limit``."""
     out = []
     k = _MIN_CLASS.bit_length() - 1
-    while (1 << k) - _VALUE_OVERHEAD <= limit:
+    while (1 << k) - VALUE_OVERHEAD <= limit:
         for i in range(4, 0, -1):
             c = (1 << k) + i * (1 << (k - 2))
-            if c - _VALUE_OVERHEAD <= limit:
-                out.append(c - _VALUE_OVERHEAD)
+            if c - VALUE_OVERHEAD <= limit:
+                out.append(c - VALUE_OVERHEAD)
         k += 1
-    out.append(_MIN_CLASS - _VALUE_OVERHEAD)
+    out.append(_MIN_CLASS - VALUE_OVERHEAD)
     return tuple(sorted(set(out), reverse=True))
 
 
 @lru_cache(maxsize=1024)  # a deployment's chunks come in a few sizes: each split is computed once
-def _value_split(total: int, limit: int) -> tuple[int, int]:
+def value_split(total: int, limit: int) -> tuple[int, int]:
     """(values, bytes per value but the last) for a chunk whose encoding is ``total`` bytes, in values of at most
     ``limit`` bytes: the split Redis stores in the least memory (every value but the last fills a size class; the
     last takes what is left), the one with fewest values among those within 1% of it. One value: ``(1, total)``,
@@ -130,13 +130,13 @@ def _value_split(total: int, limit: int) -> tuple[int, int]:
         return 1, total
     options = []  # (memory, values, size)
     if total <= limit:
-        options.append((_alloc_size(total + _VALUE_OVERHEAD), 1, total))
+        options.append((alloc_size(total + VALUE_OVERHEAD), 1, total))
     for size in _class_sizes(limit):
         n = -(-total // size)
         if n > _MAX_PARTS or n < 2:
             continue
         last = total - (n - 1) * size
-        cost = (n - 1) * (size + _VALUE_OVERHEAD) + _alloc_size(last + _VALUE_OVERHEAD) + n * _KEY_COST
+        cost = (n - 1) * (size + VALUE_OVERHEAD) + alloc_size(last + VALUE_OVERHEAD) + n * _KEY_COST
         options.append((cost, n, size))
     if not options:  # more than _MAX_PARTS values of the largest size: plain equal parts
         n = -(-total // limit)

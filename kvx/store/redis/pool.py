@@ -1,4 +1,4 @@
-"""The data connections of one Redis server (:class:`_Node`): a pool of raw RESP connections
+"""The data connections of one Redis server (:class:`RedisNode`): a pool of raw RESP connections
 (:mod:`kvx.store.resp`), opened on demand, and the node's up/down state.
 
 Any thread: the callers of the tier's operations, its lookup threads and its maintenance thread take and
@@ -14,7 +14,7 @@ from typing import Protocol
 
 from ..errors import StoreUnavailableError
 from ..resp import RespConnection
-from .config import RedisTierConfig, _SentinelSpec, _Target
+from .config import RedisTarget, RedisTierConfig, SentinelSpec
 
 
 class _PoolOwner(Protocol):
@@ -22,20 +22,20 @@ class _PoolOwner(Protocol):
     connection and how many. Named here so that this module does not import the tier's (which imports it)."""
 
     config: RedisTierConfig
-    target: _Target
+    target: RedisTarget
     send_buffer: int | None
-    sentinel_spec: _SentinelSpec | None
+    sentinel_spec: SentinelSpec | None
 
 
-class _PoolBusy(StoreUnavailableError):
+class PoolBusy(StoreUnavailableError):
     """Every connection to a node stayed busy until the deadline (not a sign that the node is down)."""
 
 
-class _NotMaster(StoreUnavailableError):
+class NotMaster(StoreUnavailableError):
     """Sentinel: the server kvx knew as the master answers ROLE as a replica (demoted by a failover)."""
 
 
-class _Node:
+class RedisNode:
     """One server: a pool of up to ``connections`` raw connections (a semaphore counts those in use, a
     LIFO list keeps the idle ones) and its up/down state. Used from any thread."""
 
@@ -74,7 +74,7 @@ class _Node:
                 raise
             if not isinstance(role, list) or not role or role[0] != b"master":
                 conn.close()
-                raise _NotMaster(
+                raise NotMaster(
                     f"redis {self.name}: not the master of {self.tier.sentinel_spec.service!r} (ROLE "
                     f"answered {role[0] if isinstance(role, list) and role else role!r})"
                 )
@@ -83,7 +83,7 @@ class _Node:
     def acquire(self, deadline: float) -> tuple[RespConnection, bool]:
         """(a connection, whether it was pooled: used before)."""
         if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise _PoolBusy(
+            raise PoolBusy(
                 f"redis {self.name}: all {self.tier.config.connections} connections stayed busy "
                 f"for {self.tier.config.timeout_ms} ms"
             )

@@ -1,4 +1,4 @@
-"""The receive side of a GET (:class:`_ChunkSink`): a chunk's value, or its manifest and then its parts,
+"""The receive side of a GET (:class:`ChunkSink`): a chunk's value, or its manifest and then its parts,
 received straight into the caller's tensor and verified on the way (header before the payload, the
 checksum as each piece lands).
 
@@ -13,10 +13,10 @@ import torch
 from .. import codec
 from ..errors import ChunkError
 from ..seal import Opening, Sealer
-from .layout import _MAGIC, _MANIFEST_MAX
+from .layout import MANIFEST_MAX, PARTS_MAGIC
 
 
-class _ChunkSink:
+class ChunkSink:
     """Receives a chunk's encoded bytes (one value, or its parts in order) into ``out``: the header into
     a small buffer (verified before the payload arrives), the payload straight into ``out``'s memory."""
 
@@ -99,8 +99,8 @@ class _ChunkSink:
             return
         if self.phase == self._PREFIX and self.pos == len(self.buf):
             prefix = bytes(self.buf)
-            if prefix == _MAGIC and self.parts is None:
-                if self.value_len > _MANIFEST_MAX:
+            if prefix == PARTS_MAGIC and self.parts is None:
+                if self.value_len > MANIFEST_MAX:
                     raise self._error(f"manifest of {self.value_len} bytes is not a kvx manifest", torn=True)
                 self.phase, self.buf = self._MANIFEST, bytearray(self.value_len)
                 self.buf[: len(prefix)] = prefix
@@ -149,13 +149,13 @@ class _ChunkSink:
             n, total, psize = int(n), int(total), int(psize)
             int(nonce, 16)
             if (
-                magic != _MAGIC.decode()
+                magic != PARTS_MAGIC.decode()
                 or version != "1"
                 or not (n >= 1 and psize >= 1 and (n - 1) * psize < total <= n * psize)
             ):
                 raise ValueError("inconsistent fields")
         except (UnicodeDecodeError, ValueError) as e:
-            raise self._error(f"unreadable manifest {self.manifest[:_MANIFEST_MAX]!r} ({e})", torn=True) from None
+            raise self._error(f"unreadable manifest {self.manifest[:MANIFEST_MAX]!r} ({e})", torn=True) from None
         self.parts = [min(psize, total - i * psize) for i in range(n)]
         self.value_len = total
         self.phase, self.pos, self.received, self.buf = self._PREFIX, 0, 0, bytearray(codec.PREFIX_BYTES)

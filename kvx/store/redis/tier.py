@@ -27,11 +27,11 @@ from ..errors import ChunkError, StoreClosedError, StoreError, StoreFullError, S
 from ..resp import ConnectionLost, RedirectError, RespConnection, ValueTooLarge
 from ..seal import Sealer, check_encryption
 from ..tier import REMOVED, STORED, Tier, TierConfig, TierContext, check_key, register_tier
-from .config import RedisTierConfig, _is_sentinel, _sentinel_url, _target, redact
-from .layout import _MAGIC, _chunk_key, _kid_suffix, _part_key, _value_split
-from .pool import _Node
-from .sink import _ChunkSink
-from .topology import _Topology
+from .config import RedisTierConfig, is_sentinel, parse_target, redact, sentinel_url
+from .layout import PARTS_MAGIC, kid_suffix, redis_chunk_key, redis_part_key, value_split
+from .pool import RedisNode
+from .sink import ChunkSink
+from .topology import RedisTopology
 
 log = get_logger("kvx.store.redis")  # one logger for the whole tier, named as before the split
 
@@ -43,11 +43,11 @@ _PIECE_UNIX = None
 # usual 208 KiB) against the 208 KiB default: a 4 MiB put 1.30-1.56x faster here (at the default the value
 # fills the buffer ~20 times over); 512 KiB - 4 MiB gained less (1.27-1.43x). TCP keeps the kernel's
 # autotuning (a fixed 1-4 MiB buffer: 0.93-0.95x). bench_redis.py, "PUT: socket send buffer"
-_SNDBUF_UNIX = 256 << 10
+SNDBUF_UNIX = 256 << 10
 _PENDING_MS = 60_000  # expiry of parts not yet published: a put takes milliseconds
 _MIN_BULK = 1 << 20  # the smallest proto-max-bulk-len a server can be set to: always accepted
 _LOOKUP_BATCH = 1024  # EXISTS per pipeline write
-_LOOKUP_KEEP = 256  # unanswered lookups kept for the caller's next ask
+LOOKUP_KEEP = 256  # unanswered lookups kept for the caller's next ask
 _LOOKUP_MAX_AGE_S = 1.0  # a finished lookup older than this is not served (recomputed)
 
 
@@ -59,7 +59,7 @@ class _Lookup:
 
 # ------------------------------------------------------------------------------------------ the tier
 @register_tier
-class RedisTier(_Topology, Tier):
+class RedisTier(RedisTopology, Tier):
     """Chunks in Redis (see :mod:`kvx.store.redis`). Open with :meth:`open`; every operation may be called
     from several threads at once."""
 
@@ -72,19 +72,19 @@ class RedisTier(_Topology, Tier):
         self.config = config
         self.ctx = ctx
         self.url = redact(config.url)
-        self.target, self._params = _target(config.url)
-        self.sentinel_spec = _sentinel_url(config.url) if _is_sentinel(config.url) else None
+        self.target, self._params = parse_target(config.url)
+        self.sentinel_spec = sentinel_url(config.url) if is_sentinel(config.url) else None
         # None: chunks in the clear; else every put seals and every get reads only sealed chunks it can open
         self.sealer = Sealer.of(config.encryption, ctx.fingerprint)
         # the names this tier reads a chunk under, newest secret first (it writes the first): its secrets' key
         # ids, or None for the name in the clear (kvx.store.seal, "Names")
         self._kids: tuple[str | None, ...] = (None,) if self.sealer is None else tuple(self.sealer.kids)
-        self._suffixes = tuple(_kid_suffix(kid) for kid in self._kids)  # each name: the clear one + its suffix
+        self._suffixes = tuple(kid_suffix(kid) for kid in self._kids)  # each name: the clear one + its suffix
         self._timeout = config.timeout_ms / 1000.0
         # GET: most bytes one receive takes before they are checksummed (measured per transport)
         self.piece: int | None = _PIECE_UNIX if self._params.get("path") else _PIECE
         # PUT: SO_SNDBUF of new data connections (None: the kernel's default; measured per transport)
-        self.send_buffer: int | None = _SNDBUF_UNIX if self._params.get("path") else None
+        self.send_buffer: int | None = SNDBUF_UNIX if self._params.get("path") else None
         self._ttl_ms = max(1, round(config.ttl_s * 1000)) if config.ttl_s is not None else 0
         # the largest value a server took: None until one refused a value (proto-max-bulk-len below
         # max_value_size + header), then puts split chunks into parts of at most this many bytes
@@ -110,13 +110,13 @@ class RedisTier(_Topology, Tier):
             0,
         )
         self._closed = False
-        self._nodes: dict[str, _Node] = {}
+        self._nodes: dict[str, RedisNode] = {}
         self._rc = None  # redis-py client: slot map, INFO
         self._rc_lock = threading.Lock()
-        self._rc_node: _Node | None = None  # Sentinel: the master self._rc talks to
+        self._rc_node: RedisNode | None = None  # Sentinel: the master self._rc talks to
         self._sentinels = None  # Sentinel: redis-py's Sentinel (asked by the maintenance thread)
         self._ask_at = 0.0  # Sentinel: when to ask the sentinels next
-        self._slots: list[_Node | None] = []  # cluster: slot -> primary node
+        self._slots: list[RedisNode | None] = []  # cluster: slot -> primary node
         self._topology_ok = False
         self._refresh = threading.Event()  # cluster: a MOVED asks for a new slot map
         self._memory: dict[str, tuple[int, int]] = {}  # node -> (used_memory, maxmemory), last known
@@ -126,14 +126,14 @@ class RedisTier(_Topology, Tier):
         # a cluster lookup's per-node pipelines (separate from the lookups, which wait for them)
         self._fanout = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvx-redis-fanout")
         self._wake = threading.Event()
-        self._suspects: set[_Node] = set()  # nodes an operation timed out on: the maintenance thread checks
-        self._node: _Node | None = None  # Sentinel: the master (None until a sentinel named one)
+        self._suspects: set[RedisNode] = set()  # nodes an operation timed out on: the maintenance thread checks
+        self._node: RedisNode | None = None  # Sentinel: the master (None until a sentinel named one)
         if not config.cluster and self.sentinel_spec is None:
             p = self._params
             node = (
-                _Node(self, None, None, p["path"])
+                RedisNode(self, None, None, p["path"])
                 if p.get("path")
-                else _Node(self, p.get("host", "localhost"), int(p.get("port", 6379)))
+                else RedisNode(self, p.get("host", "localhost"), int(p.get("port", 6379)))
             )
             self._node = self._nodes[node.name] = node
         self._maint = threading.Thread(target=self._maintain, name="kvx-redis-reconnect", daemon=True)
@@ -200,13 +200,13 @@ class RedisTier(_Topology, Tier):
 
     def value_key(self, key: str) -> str:
         """The Redis key this tier writes chunk ``key`` at (sealed: named by its newest secret's key id)."""
-        return _chunk_key(check_key(key), self._kids[0])
+        return redis_chunk_key(check_key(key), self._kids[0])
 
     def value_keys(self, key: str) -> list[str]:
         """Every Redis key this tier reads chunk ``key`` at, newest secret first (one per secret of a rotation;
         all in the chunk's cluster slot)."""
         key = check_key(key)
-        return [_chunk_key(key, kid) for kid in self._kids]
+        return [redis_chunk_key(key, kid) for kid in self._kids]
 
     # ---------------------------------------------------------------- lookups
     def contains_many(self, keys: Sequence[str]) -> list[bool] | None:
@@ -233,7 +233,7 @@ class RedisTier(_Topology, Tier):
                 entry = _Lookup(self._executor.submit(self._lookup, keys))
                 entry.future.add_done_callback(lambda f, e=entry: setattr(e, "done_at", time.monotonic()))
                 self._lookups[t] = entry
-                while len(self._lookups) > _LOOKUP_KEEP:
+                while len(self._lookups) > LOOKUP_KEEP:
                     self._lookups.popitem(last=False)
         fut = entry.future
         if not fut.done() and self.config.lookup_wait_ms > 0:
@@ -251,15 +251,15 @@ class RedisTier(_Topology, Tier):
     def _lookup(self, keys: list[str]) -> list[bool]:
         """On a lookup thread: EXISTS for every key, grouped by node (errors: False)."""
         found = [False] * len(keys)
-        cks = [_chunk_key(k) for k in keys]  # + each suffix: the names asked for (routed by the chunk's slot)
+        cks = [redis_chunk_key(k) for k in keys]  # + each suffix: the names asked for (routed by the chunk's slot)
         sfx = self._suffixes
-        groups: dict[str, tuple[_Node, list[int]]] = {}
+        groups: dict[str, tuple[RedisNode, list[int]]] = {}
         for i, ck in enumerate(cks):
             node = self._route(ck)
             if node is not None and node.up:
                 groups.setdefault(node.name, (node, []))[1].append(i)
 
-        def ask_node(node: _Node, idx: list[int]) -> list[tuple[int, Any]]:
+        def ask_node(node: RedisNode, idx: list[int]) -> list[tuple[int, Any]]:
             out = []
             for lo in range(0, len(idx), _LOOKUP_BATCH):
                 batch = idx[lo : lo + _LOOKUP_BATCH]
@@ -321,7 +321,7 @@ class RedisTier(_Topology, Tier):
         names = list(zip(self.value_keys(key), self._kids))  # newest secret first: one name, or one per secret
         ck = names[0][0]  # the name being read (every name is in the chunk's cluster slot: routed by the first)
         deadline = time.monotonic() + self._timeout
-        sink = _ChunkSink(key, self.ctx.fingerprint, out, f"redis value {ck}", self.piece, self.sealer, names[0][1])
+        sink = ChunkSink(key, self.ctx.fingerprint, out, f"redis value {ck}", self.piece, self.sealer, names[0][1])
         manifest: list[bytes | None] = [None]
 
         def read(conn: RespConnection, asking: bool) -> None:
@@ -329,7 +329,7 @@ class RedisTier(_Topology, Tier):
             ask = [("ASKING",)] if asking else []
             for ck, kid in names:  # a rotation: the next secret's name if this one is missing (a round trip)
                 if sink.used:  # a second try (redirected, a dead pooled connection) or another name starts over
-                    sink = _ChunkSink(key, self.ctx.fingerprint, out, f"redis value {ck}", self.piece, self.sealer, kid)
+                    sink = ChunkSink(key, self.ctx.fingerprint, out, f"redis value {ck}", self.piece, self.sealer, kid)
                 sink.used = True
                 conn.get_into([ck], sink, deadline, prefix=ask, ready=sink.prepare)
                 if not sink.missing:
@@ -341,7 +341,7 @@ class RedisTier(_Topology, Tier):
                 nonce, n = sink.expect_parts()
                 if asking:  # ASKING covers one command; parts of a slot in migration: a miss this time
                     raise StoreUnavailableError(f"{ck} is being migrated between cluster nodes")
-                conn.get_into([_part_key(ck, nonce, i) for i in range(n)], sink, deadline)
+                conn.get_into([redis_part_key(ck, nonce, i) for i in range(n)], sink, deadline)
 
         try:
             self._op(ck, read, deadline)
@@ -449,7 +449,7 @@ class RedisTier(_Topology, Tier):
 
     def _write(self, conn, asking, names, encode, deadline) -> bool:
         """Store the chunk at ``names[0]`` unless present under any of ``names``: one ``SET NX`` of its
-        encoding, or parts when that takes less of Redis's memory (:func:`~.layout._value_split`: a value of
+        encoding, or parts when that takes less of Redis's memory (:func:`~.layout.value_split`: a value of
         4 MiB + a header takes a 5 MiB allocation, one of 4 MiB - 12 bytes and one of the rest 4 MiB + 320 B) or
         the encoding is larger than ``max_value_size`` or than the servers take (``_value_cap``)."""
         ck = names[0]
@@ -463,7 +463,7 @@ class RedisTier(_Topology, Tier):
         cap = self._value_cap
         if cap is not None:
             limit = min(limit, cap)
-        n, psize = _value_split(len(hv) + len(pv), limit)
+        n, psize = value_split(len(hv) + len(pv), limit)
         if n == 1:
             opts = ["NX"] + (["PX", self._ttl_ms] if self._ttl_ms else [])
             return conn.set_value(ck, [header, payload], opts, deadline, prefix=ask) == "OK"
@@ -493,7 +493,7 @@ class RedisTier(_Topology, Tier):
                 bufs.append(hv[lo : min(hi, len(hv))])
             if hi > len(hv):
                 bufs.append(pv[max(lo, len(hv)) - len(hv) : hi - len(hv)])
-            parts.append((_part_key(ck, nonce, i), bufs))
+            parts.append((redis_part_key(ck, nonce, i), bufs))
         keys = [k for k, _ in parts]
         try:
             if asking:  # ASKING holds for one command: one SET at a time
@@ -503,7 +503,7 @@ class RedisTier(_Topology, Tier):
             for r in replies:
                 if isinstance(r, Exception):
                     raise r
-            manifest = b"%s:1:%s:%d:%d:%d" % (_MAGIC, nonce.encode(), n, total, psize)
+            manifest = b"%s:1:%s:%d:%d:%d" % (PARTS_MAGIC, nonce.encode(), n, total, psize)
             r = self._script(conn, "publish", [ck, *keys], [manifest, self._ttl_ms], deadline, asking)
         except (StoreError, OSError):
             if not conn.closed:  # OOM or an error reply: take this writer's parts back now

@@ -2,7 +2,7 @@
 INFO), the Sentinel master, probing and marking nodes up and down, the maintenance thread, and running
 one command on the right node (following MOVED / ASK, retrying a dead pooled connection once).
 
-:class:`_Topology` is the half of :class:`kvx.store.redis.RedisTier` that does this (a mixin: its state is
+:class:`RedisTopology` is the half of :class:`kvx.store.redis.RedisTier` that does this (a mixin: its state is
 set up in ``RedisTier.__init__``). Threads: ``_maintain`` runs on the tier's maintenance thread
 (``kvx-redis-reconnect``), the only one that brings a node back up, reloads the slot map after open, or
 follows a failover (``_follow_master``; also :meth:`RedisTier.open`); ``_op``, ``_script``, ``_route``,
@@ -19,15 +19,15 @@ from typing import Any
 from ...log import get_logger
 from ..errors import StoreClosedError, StoreError, StoreUnavailableError
 from ..resp import AuthError, ConnectionLost, NoScriptError, RedirectError, RespConnection, RespError
-from .layout import _SCRIPTS, _SLOTS, _slot
-from .pool import _Node, _NotMaster, _PoolBusy
+from .layout import CLUSTER_SLOTS, SCRIPTS, cluster_slot
+from .pool import NotMaster, PoolBusy, RedisNode
 
 log = get_logger("kvx.store.redis")  # one logger for the whole tier, named as before the split
 
 _SENTINEL_CHECK_S = 5.0  # sentinels asked this often while the master is up (a missed failover)
 
 
-class _Topology:
+class RedisTopology:
     """Topology, health and command routing of a :class:`RedisTier` (see the module docstring)."""
 
     # ---------------------------------------------------------------- topology and health
@@ -109,7 +109,7 @@ class _Topology:
             ) from None
         if node is not None and (node.host, node.port) == (host, port):
             return
-        new = _Node(self, host, port)
+        new = RedisNode(self, host, port)
         with self._lock:
             self._node, self._nodes = new, {new.name: new}
         self._wake.set()
@@ -142,30 +142,30 @@ class _Topology:
             cache = rc.nodes_manager.slots_cache
         except redis.RedisError as e:
             raise StoreUnavailableError(f"redis tier {self.url}: cluster slot map: {_redis_error(e)}") from None
-        slots: list[_Node | None] = [None] * _SLOTS
+        slots: list[RedisNode | None] = [None] * CLUSTER_SLOTS
         for slot, nodes in list(cache.items()):
             if nodes:
                 slots[slot] = self._node_at(nodes[0].host, nodes[0].port)
         self._slots = slots
         self._topology_ok = True
 
-    def _node_at(self, host: str, port: int) -> _Node:
+    def _node_at(self, host: str, port: int) -> RedisNode:
         """The node of ``host:port`` (created on first sight: down until probed)."""
         name = f"{host}:{port}"
         with self._lock:
             node = self._nodes.get(name)
             if node is None:
-                node = self._nodes[name] = _Node(self, host, int(port))
+                node = self._nodes[name] = RedisNode(self, host, int(port))
                 self._wake.set()
         return node
 
-    def _probe(self, node: _Node) -> None:
+    def _probe(self, node: RedisNode) -> None:
         """Connect, PING and load the scripts; on success the node is up (raises StoreError if not)."""
         deadline = time.monotonic() + self._timeout
         try:
             conn = node.connect(deadline)
             try:
-                conn.pipeline([("PING",)] + [("SCRIPT", "LOAD", src) for src, _ in _SCRIPTS.values()], deadline)
+                conn.pipeline([("PING",)] + [("SCRIPT", "LOAD", src) for src, _ in SCRIPTS.values()], deadline)
             except BaseException:
                 conn.close()
                 raise
@@ -187,7 +187,7 @@ class _Topology:
                 self._stats["reconnects"] += 1
             log.info("kvx: redis tier %s: node %s is back", self.url, node.name)
 
-    def _node_failed(self, node: _Node, err: BaseException) -> None:
+    def _node_failed(self, node: RedisNode, err: BaseException) -> None:
         """Mark ``node`` down (operations on it fail at once) until the maintenance thread reaches it."""
         with node._lock:
             was_up = node.up
@@ -208,7 +208,7 @@ class _Topology:
             self._ask_at = 0.0  # a demoted master: the sentinels already name the new one
         self._wake.set()
 
-    def _suspect(self, node: _Node) -> None:
+    def _suspect(self, node: RedisNode) -> None:
         with self._lock:
             self._suspects.add(node)
         self._wake.set()
@@ -272,16 +272,16 @@ class _Topology:
                 waits.append(self._ask_at - time.monotonic())
             self._wake.wait(max(0.01, min(waits)) if waits else None)
 
-    def _route(self, chunk_key: str) -> _Node | None:
+    def _route(self, chunk_key: str) -> RedisNode | None:
         if not self.config.cluster:
             return self._node
         if not self._topology_ok:
             return None
-        return self._slots[_slot(chunk_key)]
+        return self._slots[cluster_slot(chunk_key)]
 
     # ---------------------------------------------------------------- running commands
     def _op(
-        self, chunk_key: str, fn: Callable[[RespConnection, bool], Any], deadline: float, node: _Node | None = None
+        self, chunk_key: str, fn: Callable[[RespConnection, bool], Any], deadline: float, node: RedisNode | None = None
     ) -> Any:
         """Run ``fn(conn, asking)`` on the node of ``chunk_key``, following one MOVED / ASK. Raises
         StoreUnavailableError at once if that node is down; a lost connection marks it down.
@@ -304,7 +304,7 @@ class _Topology:
                 raise StoreUnavailableError(f"redis tier {self.url}: node {node.name} is down ({node.error})")
             try:
                 conn, reused = node.acquire(deadline)
-            except _PoolBusy:
+            except PoolBusy:
                 raise  # busy, not down
             except StoreError as e:  # refused, timed out, or AUTH refused: down until the probe succeeds
                 self._node_failed(node, e)
@@ -348,14 +348,14 @@ class _Topology:
                 # the master was demoted to a replica under an open connection: down until the sentinels
                 # name the new one (the maintenance thread asks them now)
                 self._node_failed(node, e)
-                raise _NotMaster(f"redis tier {self.url}: node {node.name} is a replica now ({e})") from None
+                raise NotMaster(f"redis tier {self.url}: node {node.name} is a replica now ({e})") from None
             finally:
                 used.release(conn)
 
     def _script(
         self, conn: RespConnection, name: str, keys: Sequence[str], args: Sequence, deadline: float, asking: bool
     ):
-        src, digest = _SCRIPTS[name]
+        src, digest = SCRIPTS[name]
         ask = [("ASKING",)] if asking else []
         try:
             return conn.pipeline(ask + [("EVALSHA", digest, len(keys), *keys, *args)], deadline)[-1]
