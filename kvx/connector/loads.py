@@ -84,14 +84,13 @@ class LoadPipeline:
         self,
         results: WorkerResults,
         tiers: dict[str, Tier],
-        reader: ThreadPoolExecutor | None,
         fence_at_start: bool,
         groups: int = 1,
     ):
-        self.cache: RegisteredKV | None = None
+        self.cache: RegisteredKV | None = None  # the registered KV cache (:meth:`attach`)
         self.several_groups = groups > 1  # KV cache groups: a failed load is reported per request
         self.results, self.tiers = results, tiers
-        self.reader = reader  # tier reads: on the critical path, normal priority
+        self.reader: ThreadPoolExecutor | None = None  # tier reads (:meth:`use_reader`)
         self.fence_at_start = fence_at_start  # fence every load in start (no per-layer fences)
         self.outcomes = LoadOutcomes()  # the verdict handed to the save pipeline
         self._sync: list[_Load] = []
@@ -100,6 +99,15 @@ class LoadPipeline:
         self._errors: set[int] = set()  # blocks that failed to load, for vLLM
         self._fenced: set[int] = set()  # layer groups wait_for_layer fenced this step
         self._failed_reqs: set[str] = set()  # several groups: async loads that failed, for failed_recving
+
+    def attach(self, cache: RegisteredKV | None) -> None:
+        """The registered KV cache the copies go to (None: unregistered, during a sleep)."""
+        self.cache = cache
+
+    def use_reader(self, reader: ThreadPoolExecutor) -> None:
+        """The threads that read the byte tiers (registration, once there are tiers): on the critical path,
+        normal priority."""
+        self.reader = reader
 
     def idle(self) -> bool:
         return not (self._sync or self._async or self._retiring)

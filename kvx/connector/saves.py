@@ -110,13 +110,11 @@ class SavePipeline:
         self,
         results: WorkerResults,
         tiers: dict[str, Tier],
-        writer: ThreadPoolExecutor | None,
-        buffers: WriteBuffers,
     ):
-        self.cache: RegisteredKV | None = None
+        self.cache: RegisteredKV | None = None  # the registered KV cache (:meth:`attach`)
         self.results, self.tiers = results, tiers
-        self.writer = writer  # tier writes: background unless a P/D producer's
-        self.buffers = buffers
+        self.writer: ThreadPoolExecutor | None = None  # tier writes (:meth:`use_writer`)
+        self.buffers = WriteBuffers([])
         self._saves: list[_Save] = []  # handed to the writers, not all reported yet
         self._meta: KVXMetadata | None = None
         self._step: list[_Save] | None = None  # this step's saves, once begun
@@ -137,6 +135,15 @@ class SavePipeline:
             return self._part_keys.pop(part_key, None)
 
     # ---------------------------------------------------------------- one step
+    def attach(self, cache: RegisteredKV | None) -> None:
+        """The registered KV cache the copies come from (None: unregistered, during a sleep)."""
+        self.cache = cache
+
+    def use_writer(self, writer: ThreadPoolExecutor, buffers: WriteBuffers) -> None:
+        """The threads that write the byte tiers and the host buffers they write from (registration, once there
+        are tiers): background priority unless a P/D producer's."""
+        self.writer, self.buffers = writer, buffers
+
     def bind(self, meta: KVXMetadata | None) -> None:
         self._meta = meta
         self._step = None

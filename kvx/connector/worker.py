@@ -165,8 +165,8 @@ class KVXWorker:
         self._save_layers = False  # this step queues its saves layer by layer (save_kv_layer)
         self._group_ends: dict[str, int] = {}  # name of the last layer of each layer group -> the group
         self.results = WorkerResults()  # outcomes, counters, samples: the pipelines report here
-        self.loads = LoadPipeline(self.results, self.tiers, None, fence_loads_at_start, geom.num_groups)
-        self.saves = SavePipeline(self.results, self.tiers, None, WriteBuffers([]))
+        self.loads = LoadPipeline(self.results, self.tiers, fence_loads_at_start, geom.num_groups)
+        self.saves = SavePipeline(self.results, self.tiers)
         self._polled_for_stats = False  # take_stats polled the saves since build_worker_meta last ran
         self.totals = Counter()  # every counter since start (take_stats adds to it)
         self._removed: list[tuple[str, str]] = []  # (tier, chunk key) removed from a byte tier here (any thread)
@@ -251,15 +251,8 @@ class KVXWorker:
             per_tier = write_backlog(self.config, self.geom) // chunk_bytes(self.config, self.geom)
             cap = len(self.tiers) * per_tier
             buffers = WriteBuffers([new_buffer() for _ in range(min(2 * self.config.io_threads, cap))], new_buffer, cap)
-            self.loads = LoadPipeline(
-                self.results,
-                self.tiers,
-                reader,
-                self.loads.fence_at_start,
-                self.geom.num_groups,
-            )
-            self.saves = SavePipeline(self.results, self.tiers, writer, buffers)
-            self.loads.cache = self.saves.cache = self.cache
+            self.loads.use_reader(reader)
+            self.saves.use_writer(writer, buffers)
         log.info(
             "kvx: worker (heads %s of %d, layers %s) registered %s, format %s, %d CPU slots, tiers %s, copies %s%s",
             self.share.heads,
@@ -328,7 +321,8 @@ class KVXWorker:
             self.pool,
             PartIO(self.share, self.fmt, records=self.write_records),
         )
-        self.loads.cache = self.saves.cache = self.cache
+        self.loads.attach(self.cache)
+        self.saves.attach(self.cache)
         if self.engine.staged:
             self._configure_staging(lay)
         if lay.device.type == "cuda":
@@ -387,7 +381,8 @@ class KVXWorker:
         self.engine.drop_staging()  # device memory a sleeping engine should not hold
         # no job refers to the old blocks any more: a new cache (and BlockOrder) is described on wake-up
         self.cache, self.layer_of, self.group_of, self._group_ends = None, {}, {}, {}
-        self.loads.cache = self.saves.cache = None
+        self.loads.attach(None)
+        self.saves.attach(None)
         self.saves.bind(None)
         log.info(
             "kvx: worker (heads %s, layers %s) unregistered its KV caches (sleep); %s chunks stay in the tiers",
