@@ -12,14 +12,12 @@ from itertools import islice
 from typing import Any
 
 from ..log import get_logger
-from .args import MISSING, BadRequest, Refused, arg, counts, is_int, key_arg, keys_arg, show
+from .args import BadRequest, Refused, counts
 from .directory import DirectoryWriter
 from .protocol import (
     FREE,
-    NAMESPACE_RE,
     PENDING,
     READY,
-    VERSION,
     PoolGeometry,
     dir_seed,
     write_entry,
@@ -33,13 +31,11 @@ _ZERO_KEY = bytes(16)
 
 
 # ------------------------------------------------------------------------------------------------ the state
-DEFERRED = object()  # an op's answer that comes later (a pull's), on the connection it was asked on
-
-
 class NodeState:
     """The pool's index: slots, namespaces, recency, leases, admin pins, quotas, counters; and the slot table in
     ``table`` (the pool file's first ``geom.data_offset`` bytes, mapped) that engines read. No sockets: a
-    connection is an id given to :meth:`open`, and :meth:`request` answers one decoded request. Loop thread only.
+    connection is an id given to :meth:`open`; :class:`kvx.node.requests.Requests` turns its decoded requests into
+    calls of the typed methods here. Loop thread only.
 
     Args:
         geom: the pool's geometry; None: none yet, ``carve(slot_bytes)`` makes the pool at the first engine's hello
@@ -101,24 +97,6 @@ class NodeState:
         )
         for name, quota in (quotas or {}).items():
             self._namespaces[name] = Namespace(name, quota=quota)
-        self._ops = {
-            "hello": (self._op_hello, None),
-            "lookup": (self._op_lookup, None),
-            "allocate": (self._op_allocate, "engine"),
-            "commit": (self._op_commit, "engine"),
-            "abort": (self._op_abort, "engine"),
-            "pin": (self._op_pin, "engine"),
-            "hold": (self._op_hold, "engine"),
-            "unpin": (self._op_unpin, "engine"),
-            "tally": (self._op_tally, "engine"),
-            "stats": (lambda c, a: self.stats(), None),
-            "pin_prefix": (self._op_pin_prefix, None),
-            "unpin_prefix": (self._op_unpin_prefix, None),
-            "evict": (self._op_evict, None),
-            "quota": (self._op_quota, None),
-            "pull": (self._op_pull, "puller"),
-            "push": (self._op_push, "engine"),
-        }
 
     def _use_pool(self, geom: PoolGeometry, table, epoch: bytes) -> None:
         if geom.num_slots < 1:
@@ -160,50 +138,23 @@ class NodeState:
         if c.ns is not None and c.role == "engine":
             c.ns.clients -= 1
 
-    # -------------------------------------------------------------------------------------- requests
-    def request(self, cid: int, msg: dict) -> tuple[dict, bool]:
-        """Answer ``msg`` (a decoded frame body) from connection ``cid``: (the reply, whether the connection stays
-        open). Never raises: a bad request, a refusal and a bug in the daemon are all error replies."""
-        rid = msg.get("id")
-        rid = rid if is_int(rid) else None
-        c = self._clients[cid]
-        op = msg.get("op")
-        try:
-            if rid is None:
-                raise BadRequest(f"id: expected an int, got {show(msg.get('id', MISSING))}")
-            if c.role is None and op != "hello":
-                self.counters["bad_requests"] += 1
-                return {"id": rid, "ok": False, "error": f"op: expected 'hello' first, got {show(op)}"}, False
-            if not isinstance(op, str) or op not in self._ops:
-                raise BadRequest(f"op: expected one of {', '.join(self._ops)}, got {show(op)}")
-            fn, role = self._ops[op]
-            if role is not None and c.role != role:
-                raise BadRequest(f"op {op}: expected a connection with role {role!r}, got role {c.role!r}")
-            out = fn(c, msg)
-            if out is DEFERRED:
-                return None, True
-            return {"id": rid, "ok": True, **out}, True
-        except BadRequest as e:
-            self.counters["bad_requests"] += 1
-            return {"id": rid, "ok": False, "error": str(e)}, True
-        except Refused as e:
-            return {"id": rid, "ok": False, "error": str(e)}, True
-        except Exception as e:  # noqa: BLE001 - nothing a client sends may stop the daemon
-            self.counters["internal_errors"] += 1
-            log.exception("kvx node: op %r of connection %d (pid %d) failed", op, cid, c.pid)
-            return {"id": rid, "ok": False, "error": f"internal error in op {op!r}: {type(e).__name__}: {e}"}, True
+    def client(self, cid: int) -> Client:
+        """Connection ``cid``'s record (it must be open)."""
+        return self._clients[cid]
 
-    def _op_hello(self, c: Client, args: dict) -> dict:
-        if c.role is not None:
-            raise BadRequest(f"hello: expected once per connection, got a second one (role {c.role!r})")
-        arg(args, "version", lambda v: is_int(v) and v == VERSION, f"protocol version {VERSION}")
-        role = arg(args, "role", lambda v: v in ("engine", "puller", "control"), "'engine', 'puller' or 'control'")
-        pid = args.get("pid", c.pid)
-        if not is_int(pid):
-            raise BadRequest(f"pid: expected an int, got {show(pid)}")
-        if role in ("engine", "puller"):
-            self._hello_engine(c, args, count=role == "engine")
-        c.role, c.pid = role, pid
+    def generation(self, slot: int) -> int:
+        """How many times ``slot`` changed hands (a reader or writer compares it to see its chunk unchanged)."""
+        return self._generation[slot]
+
+    def namespace(self, name: object) -> Namespace | None:
+        """The namespace ``name``, if known."""
+        return self._namespaces.get(name) if isinstance(name, str) else None
+
+    def namespace_names(self) -> list[str]:
+        return list(self._namespaces)
+
+    def pool_info(self) -> dict:
+        """What ``hello`` tells a connection about the pool (no pool yet: its fields None)."""
         if self.geom is None:  # a control connection before any engine: no pool file yet
             return {"pool": None, "epoch": None, "num_slots": 0, "slot_bytes": None}
         return {
@@ -216,11 +167,10 @@ class NodeState:
             "table_offset": self.geom.table_offset,
         }
 
-    def _hello_engine(self, c: Client, args: dict, count: bool = True) -> None:
-        name = arg(args, "namespace", lambda v: isinstance(v, str) and NAMESPACE_RE.fullmatch(v), "8-128 hex digits")
-        model = arg(args, "model", lambda v: isinstance(v, str), "a model name (str)")
-        chunk_size = arg(args, "chunk_size", lambda v: is_int(v) and v > 0, "a positive int (tokens)")
-        need = arg(args, "slot_bytes", lambda v: is_int(v) and v > 0, "a positive int (bytes of one chunk)")
+    def join(self, c: Client, name: str, model: str, chunk_size: int, need: int, count: bool = True) -> None:
+        """``c`` (an engine, or a puller: ``count`` False) serves namespace ``name`` (``model``, ``chunk_size``
+        tokens a chunk, chunks of ``need`` bytes): the pool is carved now if it is not yet; the namespace is made
+        if new. Raises :class:`BadRequest` for chunks larger than the largest run."""
         if self.geom is None:
             self._use_pool(*self._carve(need))
         if self._units(need) > self._runs.max_units:
@@ -248,22 +198,7 @@ class NodeState:
         ns.chunk_bytes = max(ns.chunk_bytes, need)
         ns.clients += count
 
-    def _namespace(self, args: dict) -> Namespace:
-        name = args.get("namespace", MISSING)
-        ns = self._namespaces.get(name) if isinstance(name, str) else None
-        if ns is None:
-            known = ", ".join(self._namespaces) or "none yet"
-            raise BadRequest(f"namespace: expected a known namespace ({known}), got {show(name)}")
-        return ns
-
     # -------------------------------------------------------------------------------------- engine ops
-    def _op_lookup(self, c: Client, args: dict) -> dict:
-        if "namespace" in args:
-            return {"ready": self.ready_prefix(self._namespace(args), keys_arg(args))}
-        if c.role != "engine":
-            raise BadRequest("namespace: expected a namespace (a lookup without one is an engine's), got nothing")
-        return {"states": self.lookup(c, keys_arg(args))}
-
     def lookup(self, c: Client, keys: Sequence[str]) -> list[int]:
         """States of ``keys`` in ``c``'s namespace (FREE for absent); counts hits (leading READY keys) and one
         miss if the prefix stops. Touches no recency."""
@@ -274,16 +209,11 @@ class NodeState:
         ns.misses += hits < len(states)
         return states
 
-    def _op_tally(self, c: Client, args: dict) -> dict:
+    def tally(self, ns: Namespace, hits: int, misses: int) -> None:
         """An engine's lookups it answered from the directory since its last tally: ``hits`` (leading READY keys)
         and ``misses`` (lookups whose prefix stopped), added to its namespace's figures."""
-        for name in ("hits", "misses"):
-            n = arg(args, name, lambda v: is_int(v) and v >= 0, "a count (an int >= 0)")
-            setattr(c.ns, name, getattr(c.ns, name) + n)
-        return {}
-
-    def _op_allocate(self, c: Client, args: dict) -> dict:
-        return self.allocate(c, key_arg(args))
+        ns.hits += hits
+        ns.misses += misses
 
     def allocate(self, c: Client, key: str) -> dict:
         """A PENDING slot for ``key`` leased to ``c`` until it commits or aborts: ``{slot, generation, reason}``
@@ -347,10 +277,6 @@ class NodeState:
         """READY chunks with no pin, least recently used first (admin-pinned ones are not in an LRU)."""
         return (e for e in lru if not e.leases)
 
-    def _op_commit(self, c: Client, args: dict) -> dict:
-        self.commit(c, key_arg(args))
-        return {}
-
     def commit(self, c: Client, key: str) -> None:
         """``c`` wrote every byte of ``key``'s slot: serve it from now on (most recently used)."""
         e = c.pending.get(key)
@@ -373,20 +299,12 @@ class NodeState:
         e = ns.entries.get(key)
         return "absent" if e is None else "READY" if e.state == READY else "PENDING, allocated by another connection"
 
-    def _op_abort(self, c: Client, args: dict) -> dict:
-        self.abort(c, key_arg(args))
-        return {}
-
     def abort(self, c: Client, key: str) -> None:
         """``c``'s write of ``key`` failed or was dropped: free the slot. A no-op for a key ``c`` does not have
         PENDING (as :meth:`kvx.store.cpu.CPUIndex.abort`)."""
         e = c.pending.pop(key, None)
         if e is not None:
             self._drop(e)
-
-    def _op_pin(self, c: Client, args: dict) -> dict:
-        entries = self.pin(c, keys_arg(args))
-        return {"slots": [e.slot for e in entries], "generations": [self._generation[e.slot] for e in entries]}
 
     def pin(self, c: Client, keys: Sequence[str]) -> list[Entry]:
         """Lease READY chunks to ``c`` for a load (most recently used now). All or nothing."""
@@ -401,10 +319,6 @@ class NodeState:
             self._touch(e)
         return entries
 
-    def _op_hold(self, c: Client, args: dict) -> dict:
-        e = self.hold(c, key_arg(args))
-        return {"slot": e.slot, "generation": self._generation[e.slot]}
-
     def hold(self, c: Client, key: str) -> Entry:
         """Lease a PENDING or READY chunk to ``c`` while its bytes are read for another tier's write."""
         e = c.ns.entries.get(key)
@@ -412,10 +326,6 @@ class NodeState:
             raise Refused(f"hold: expected a PENDING or READY key, got {key} (absent)")
         self._lease(c, e)
         return e
-
-    def _op_unpin(self, c: Client, args: dict) -> dict:
-        self.unpin(c, keys_arg(args))
-        return {}
 
     def unpin(self, c: Client, keys: Sequence[str]) -> None:
         """Release ``c``'s leases, one per occurrence of a key. All or nothing."""
@@ -456,9 +366,6 @@ class NodeState:
         e = ns.entries.get(key)
         return e if e is not None and e.state == READY else None
 
-    def _op_pin_prefix(self, c: Client, args: dict) -> dict:
-        return {"pinned": self.pin_prefix(self._namespace(args), keys_arg(args))}
-
     def pin_prefix(self, ns: Namespace, keys: Sequence[str]) -> int:
         """Admin-pin the leading READY ``keys`` of ``ns`` while its pinned bytes stay within its quota; returns how
         many. An admin pin outlives the connection; pins of overlapping prefixes count."""
@@ -472,9 +379,6 @@ class NodeState:
                 del self._lru[e], ns.lru[e]
             e.admin += 1
         return len(keys)
-
-    def _op_unpin_prefix(self, c: Client, args: dict) -> dict:
-        return {"unpinned": self.unpin_prefix(self._namespace(args), keys_arg(args))}
 
     def unpin_prefix(self, ns: Namespace, keys: Sequence[str]) -> int:
         """Drop one admin pin of each of ``keys`` that has one; returns how many. A chunk left with no admin pin
@@ -492,11 +396,6 @@ class NodeState:
                 ns.lru[e] = None
         return n
 
-    def _op_evict(self, c: Client, args: dict) -> dict:
-        ns = self._namespace(args)
-        keys = keys_arg(args) if args.get("keys") is not None else None
-        return {"evicted": self.evict(ns, keys)}
-
     def evict(self, ns: Namespace, keys: Sequence[str] | None = None) -> int:
         """Remove READY chunks of ``ns`` (``keys``, or all), admin pins and all; leased ones are doomed. PENDING
         chunks stay. Returns how many left the index."""
@@ -506,12 +405,6 @@ class NodeState:
         for e in gone:
             self._drop(e)
         return len(gone)
-
-    def _op_quota(self, c: Client, args: dict) -> dict:
-        ns = self._namespace(args)
-        quota = arg(args, "bytes", lambda v: v is None or (is_int(v) and v >= 0), "a byte count >= 0 or null")
-        self.set_quota(ns, quota)
-        return {}
 
     def set_quota(self, ns: Namespace, quota: int | None) -> None:
         """Set (or clear, None) ``ns``'s quota; if it is now over, evict its LRU unpinned chunks until within or
@@ -524,30 +417,26 @@ class NodeState:
             self._evict(victim)
 
     # -------------------------------------------------------------------------------------- pulls and peers
-    def _op_pull(self, c: Client, args: dict) -> dict | object:
-        """An engine missed ``keys`` (its lookup's first miss on): pull what peers hold of them. Answered once the
-        pull is over (``{"pulled": n}``: the leading keys now READY here), or at once with 0 if there is nothing
-        to ask (no peers, the first key present or being written here). One pull at a time per connection."""
-        keys = keys_arg(args)
-        budget = arg(args, "budget_ms", lambda v: is_int(v) and v > 0, "a positive int (ms)") / 1e3
+    def pull(self, c: Client, rid: int, keys: Sequence[str], budget_s: float) -> int | None:
+        """Engine ``c`` missed ``keys`` (its lookup's first miss on): pull what peers hold of them. None if the
+        pull was taken (its answer, the leading keys now READY here, comes later on ``c`` for request ``rid``);
+        else 0 at once: nothing to ask (no peers, the first key present or being written here). One pull at a
+        time per connection."""
         if c.pulling:
             raise BadRequest("pull: expected one pull at a time per connection, got a second while one is in flight")
         n = next((i for i, k in enumerate(keys) if k in c.ns.entries), len(keys))
         if n == 0 or self.on_pull is None or self.geom is None:
-            return {"pulled": 0}
-        rid = args["id"]
-        if not self.on_pull(c.cid, rid, c.ns.name, keys[:n], c.ns.chunk_bytes, budget):
-            return {"pulled": 0}
+            return 0
+        if not self.on_pull(c.cid, rid, c.ns.name, list(keys[:n]), c.ns.chunk_bytes, budget_s):
+            return 0
         c.pulling = True
-        return DEFERRED
+        return None
 
-    def _op_push(self, c: Client, args: dict) -> dict:
+    def push(self, c: Client, keys: Sequence[str], to: str) -> bool:
         """A P/D producer's chunks ``keys``: send each to the node at ``to`` once it is READY here."""
-        keys = keys_arg(args)
-        to = arg(args, "to", lambda v: isinstance(v, str) and 0 < len(v) <= 300, "HOST:PORT (str)")
         if self.on_push is None:
             raise Refused("push: expected a node in a cluster (kvx node --listen), got one without")
-        return {"pushing": self.on_push(c.ns.name, keys, c.ns.chunk_bytes, to)}
+        return self.on_push(c.ns.name, list(keys), c.ns.chunk_bytes, to)
 
     def push_lease(self, owner: int, namespace: str, keys: Sequence[str]) -> tuple[list[tuple[str, int, int]], str]:
         """Lease the leading READY ``keys`` to the daemon's client ``owner`` (a push reads them): (key, offset,

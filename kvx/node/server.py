@@ -30,6 +30,7 @@ from .protocol import (
     encode,
     pack_header,
 )
+from .requests import Requests
 
 log = get_logger(__name__)
 
@@ -132,6 +133,7 @@ class NodeServer:
         self.metrics_port = metrics_port
         self.quarantine_s = quarantine_s
         self.state: NodeState | None = None
+        self.requests: Requests | None = None  # the state's requests, as frames bring them
         self._sel = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -160,6 +162,7 @@ class NodeServer:
             if self.geom is not None:
                 table, epoch = self._make_pool()
                 self.state = NodeState(self.geom, table, self.pool_path, epoch, self._quotas, self.quarantine_s)
+                self.requests = Requests(self.state)
                 self._start_cluster()
                 if self.cluster is not None:
                     self.cluster.use_pool(self._map, self.geom, epoch)
@@ -168,6 +171,7 @@ class NodeServer:
                 self.state = NodeState(
                     None, None, self.pool_path, None, self._quotas, self.quarantine_s, carve=self._carve
                 )
+                self.requests = Requests(self.state)
                 self._start_cluster()
             if self.metrics_port:
                 self._start_metrics()
@@ -475,7 +479,7 @@ class NodeServer:
                 self._bad_frame(conn, str(e))
                 return
             del conn.rbuf[: HEADER.size + n]
-            reply, keep = self.state.request(conn.cid, msg)
+            reply, keep = self.requests.request(conn.cid, msg)
             if reply is None:  # answered later (reply_later)
                 continue
             try:

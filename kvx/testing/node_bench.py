@@ -9,6 +9,7 @@ import os
 from ..node.daemon import NodeState
 from ..node.directory import Directory
 from ..node.protocol import VERSION, PoolGeometry
+from ..node.requests import Requests
 from .bench_timing import md_table
 
 CHUNK = 256
@@ -48,11 +49,12 @@ def directory_holding(keys: list[str], slots: int, slot_bytes: int, epoch: bytes
     geom = PoolGeometry(slots, slot_bytes)
     state = NodeState(geom, bytearray(geom.data_offset), "/dev/shm/directory.pool", epoch)
     state.open(1, pid=1)
+    requests = Requests(state)
     hello = {"version": VERSION, "role": "engine", "namespace": "a1" * 8, "model": "m", "chunk_size": 16}
     msgs = [{"op": "hello", "id": 0, "pid": 1, "slot_bytes": slot_bytes, **hello}]
     msgs += [{"op": op, "id": 2 * i + 1 + (op == "commit"), "key": k} for i, k in enumerate(keys) for op in OPS]
     for msg in msgs:
-        reply = state.request(1, msg)[0]
+        reply = requests.request(1, msg)[0]
         if not reply["ok"]:
             raise RuntimeError(f"the node's index refused {msg['op']}: {reply}")
     return Directory(state.table, geom, epoch)

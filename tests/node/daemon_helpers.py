@@ -18,6 +18,7 @@ from kvx.node.connection import Connection, NodeError
 from kvx.node.daemon import NodeState, default_pool_path
 from kvx.node.directory import Directory
 from kvx.node.protocol import FREE, HEADER, PENDING, READY, VERSION, PoolGeometry, slot_entry
+from kvx.node.requests import Requests
 from tests.helpers import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,10 +33,12 @@ def key(i: int) -> str:
 
 # ------------------------------------------------------------------------------------------------ NodeState
 class Peer:
-    """One connection to a :class:`NodeState`, through :meth:`NodeState.request` (the path every frame takes)."""
+    """One connection to a :class:`NodeState`, through :class:`~kvx.node.requests.Requests` (the path every frame
+    takes)."""
 
     def __init__(self, state: NodeState, cid: int, role: str = "engine", ns: str = NS_A, slot_bytes: int = SLOT):
         self.state, self.cid, self._id = state, cid, 0
+        self.requests = Requests(state)
         state.open(cid, pid=1000 + cid)
         extra = (
             {"namespace": ns, "model": f"m-{ns[:2]}", "chunk_size": 16, "slot_bytes": slot_bytes}
@@ -46,7 +49,7 @@ class Peer:
 
     def reply(self, op: str, **args) -> tuple[dict, bool]:
         self._id += 1
-        reply, keep = self.state.request(self.cid, {"op": op, "id": self._id, **args})
+        reply, keep = self.requests.request(self.cid, {"op": op, "id": self._id, **args})
         assert reply["id"] == self._id
         return reply, keep
 

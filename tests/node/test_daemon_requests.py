@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvx.node import requests
+from kvx.node.requests import Requests
 from tests.node.daemon_helpers import NS_A, Peer, key, make_state
 
 BAD_REQUESTS = [  # (op, args, role, what the error names)
@@ -51,20 +53,20 @@ BAD_HELLOS = [  # (hello arguments, what the error names)
 def test_bad_hellos_are_refused_and_the_connection_may_try_again(args, error):
     state = make_state()
     state.open(1)
-    reply, keep = state.request(1, {"op": "hello", "id": 1, **args})
+    reply, keep = Requests(state).request(1, {"op": "hello", "id": 1, **args})
     assert not reply["ok"] and error in reply["error"] and keep
-    reply, keep = state.request(1, {"op": "hello", "id": 2, "version": 1, "role": "control"})
+    reply, keep = Requests(state).request(1, {"op": "hello", "id": 2, "version": 1, "role": "control"})
     assert reply["ok"] and keep
 
 
 def test_ops_before_hello_close_the_connection_and_bad_ids_are_answered():
     state = make_state()
     state.open(1)
-    assert state.request(1, {"op": "lookup", "keys": [key(1)]}) == (
+    assert Requests(state).request(1, {"op": "lookup", "keys": [key(1)]}) == (
         {"id": None, "ok": False, "error": "id: expected an int, got nothing"},
         True,
     )
-    reply, keep = state.request(1, {"op": "stats", "id": 4})
+    reply, keep = Requests(state).request(1, {"op": "stats", "id": 4})
     assert reply == {"id": 4, "ok": False, "error": "op: expected 'hello' first, got 'stats'"} and not keep
     assert state.counters["bad_requests"] == 2
 
@@ -72,11 +74,11 @@ def test_ops_before_hello_close_the_connection_and_bad_ids_are_answered():
 def test_an_op_that_is_not_a_string_is_a_bad_request():
     state = make_state()
     Peer(state, 1)
-    reply, keep = state.request(1, {"op": ["allocate"], "id": 9})
+    reply, keep = Requests(state).request(1, {"op": ["allocate"], "id": 9})
     assert reply == {
         "id": 9,
         "ok": False,
-        "error": "op: expected one of " + ", ".join(state._ops) + ", got ['allocate']",
+        "error": "op: expected one of " + ", ".join(requests.OPS) + ", got ['allocate']",
     }
     assert keep and state.counters["bad_requests"] == 1
 
@@ -84,7 +86,7 @@ def test_an_op_that_is_not_a_string_is_a_bad_request():
 def test_an_op_that_fails_inside_the_daemon_is_answered_logged_and_counted(monkeypatch, caplog):
     state = make_state()
     a = Peer(state, 1)
-    monkeypatch.setattr(state, "_ops", {**state._ops, "lookup": (lambda c, args: 1 / 0, None)})
+    monkeypatch.setitem(requests.OPS, "lookup", (lambda state, c, args: 1 / 0, None))
     reply, keep = a.reply("lookup", keys=[])
     assert not reply["ok"] and "internal error in op 'lookup': ZeroDivisionError" in reply["error"] and keep
     assert state.counters["internal_errors"] == 1

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from kvx.node.requests import Requests
 from kvx.node.runs import Runs
 from tests.node.daemon_helpers import NS_A, NS_B, NS_C, SLOT, Peer, check_invariants, key, make_state
 
@@ -80,7 +81,7 @@ def occupancy(pool_bytes: int, sizes: list[int], steps: int, unit: int = 64 << 1
     for i, b in enumerate(sizes):
         state.open(i + 1, pid=1)
         hello = {"version": VERSION, "role": "engine", "namespace": f"{i + 1:02x}" * 8, "model": "m", "chunk_size": 1}
-        assert state.request(i + 1, {"op": "hello", "id": 0, "slot_bytes": b, **hello})[0]["ok"]
+        assert Requests(state).request(i + 1, {"op": "hello", "id": 0, "slot_bytes": b, **hello})[0]["ok"]
     rng, held = random.Random(seed), []
     for t in range(steps):
         c = state._clients[rng.randrange(len(sizes)) + 1]
