@@ -60,4 +60,11 @@ fi
 echo "setup: building kvx (compiled extension)"
 $UV pip install --quiet -p .venv/bin/python "${FIND_LINKS[@]}" --excludes "$EXCLUDES" -e .
 rm -f "$EXCLUDES"
+# Bytecode for every installed module, written now: where PYTHONDONTWRITEBYTECODE is set (as on these machines)
+# no import writes it, and every process that imports vLLM compiled ~1,500 files from source again: +10 s per
+# `import vllm`, +18 s per engine built (vLLM imports the rest lazily), in each of the tests' engine processes.
+# Once here: ~1 min cold, seconds when up to date.
+start=$SECONDS
+.venv/bin/python -m compileall -q -j 0 .venv/lib/python3*/site-packages >/dev/null 2>&1 || true
+echo "setup: bytecode compiled in $((SECONDS - start)) s"
 .venv/bin/python -c "from kvx._ext import require; C = require(); print('setup: kvx ready (CUDA kernels compiled: %s)' % C.has_cuda)"

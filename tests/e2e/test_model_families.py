@@ -135,6 +135,7 @@ def test_mla_cold_warm_and_fresh_engine(mla_model, mla_reference, tmp_path):
 CORES = sorted(os.sched_getaffinity(0))
 
 
+@pytest.mark.once  # the deferred queue's MLA copies: test_mla_cold_warm_and_fresh_engine
 @pytest.mark.skipif(len(CORES) < 2, reason=f"TP=2 needs 2 CPU cores, this process may use {len(CORES)}")
 def test_mla_tp2_all_ranks_load_one_shard(mla_model, mla_reference, tmp_path, monkeypatch):
     """TP=2 (two worker processes): MLA's latent cache is the same on both ranks, so kvx keeps one part per chunk

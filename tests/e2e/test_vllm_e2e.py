@@ -219,6 +219,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.once  # processes, not copies: the deferred queue's copies are test_cold_warm_and_fresh_engine's
 def test_default_multiprocess_engine_and_restart(model, reference, tmp_path):
     """vLLM's default 3-process engine; a second process (a restart) gets the first one's chunks."""
     store = str(tmp_path / "store")
