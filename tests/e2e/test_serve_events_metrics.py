@@ -122,7 +122,7 @@ def test_kv_events_and_metrics_of_a_serving_engine(tmp_path):
             for ids in PROMPTS:
                 srv.complete(ids, 4)
             again = srv.complete(PROMPTS[3], 4)
-            assert again["cached_tokens"] >= 2 * CHUNK, again  # from kvx's disk tier
+            assert again["cached_tokens"] >= 2 * CHUNK, again  # from kvx's tiers
 
             def settled():  # writes drain on idle steps; then the counts settle
                 m = srv.metrics()
@@ -194,20 +194,22 @@ def test_kv_events_and_metrics_of_a_serving_engine(tmp_path):
                 tuple(e.block_hashes) in held for e in kvx_ev if isinstance(e, BlockRemoved) and e.ownership == tier
             )
 
-        # metrics
-        assert m["vllm:kvx_hit_tokens_disk_total"] >= 2 * CHUNK
+        # metrics: the repeat's 2 chunks come from the disk, or from the CPU tier when the saves after them found
+        # its slots busy and left them there (timing, as above); either way kvx served them, and a disk hit was read
+        hits_disk = m.get("vllm:kvx_hit_tokens_disk_total", 0)
+        assert m.get("vllm:kvx_hit_tokens_cpu_total", 0) + hits_disk >= 2 * CHUNK, m
         assert m["vllm:kvx_miss_tokens_total"] >= 7 * 700 - 2 * CHUNK
         assert m["vllm:kvx_disk_write_bytes_total"] == 14 * CHUNK_BYTES
         # each planned save either wrote a CPU slot or found every slot busy and went to the disk alone: one count
         # each (promotions from disk count as stored, not as saves). The 14 chunks computed are saves; the repeat's
-        # 2 chunks (loaded from disk) are saves too when no promotion took a slot for them and a slot was free when
+        # 2 chunks (loaded from a tier) are saves too when no promotion took a slot for them and a slot was free when
         # their save was planned, which depends on timing
         saves = m["vllm:kvx_saves_total"]
         assert 14 <= saves <= 16, m
         cpu_saves, rest = divmod(m["vllm:kvx_cpu_write_bytes_total"], CHUNK_BYTES)
         assert rest == 0 and 1 <= cpu_saves <= m["vllm:kvx_cpu_stored_total"], m
         assert cpu_saves + m.get("vllm:kvx_cpu_slots_busy_total", 0) == saves, m
-        assert m["vllm:kvx_disk_read_bytes_total"] >= 2 * CHUNK_BYTES
+        assert m.get("vllm:kvx_disk_read_bytes_total", 0) >= hits_disk // CHUNK * CHUNK_BYTES, m
         assert m["vllm:kvx_load_seconds_count"] >= 1 and m["vllm:kvx_load_seconds_sum"] > 0
         assert m["vllm:kvx_save_seconds_count"] >= 14
         assert m["vllm:kvx_pending_writes"] == 0
