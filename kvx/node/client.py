@@ -459,7 +459,7 @@ class NodePool(SlotPool):
                 self.epoch = self.geom = self._map = self.data = None
                 return
             self.pinned = True
-        self.data = data  # a chunk's slot: the first of its run (kvx.node.runs), its bytes from there on
+        self.data = data  # a chunk's slot: the first of its run (kvx.store.runs), its bytes from there on
         self._map, self.geom, self.epoch = m, geom, epoch
         if not background:
             _populate(data, lambda: True, _POPULATE_ALL)

@@ -4,10 +4,11 @@ Every vLLM engine on the host connects to the unix socket (:mod:`.protocol`'s fr
 (``allocate`` / ``commit`` / ``pin`` ...) and copies chunk bytes into or out of the mapped pool file itself:
 no chunk byte crosses the socket. The daemon writes only the pool's header and slot table. The pool file is made
 at start, its slots ``--slot-size`` (64 KiB by default) the allocation unit: a chunk takes a run of the fewest
-slots that hold it (:mod:`.runs`), so the chunks of every model on the host share one pool; with ``--slot-size
+slots that hold it (:mod:`kvx.store.runs`), so the chunks of every model on the host share one pool; with ``--slot-size
 auto``, at the first engine's hello, its slots as large as that engine's chunks. Below, a "slot" is a chunk's run.
 
-Slot life cycle (as :class:`kvx.store.cpu.CPUIndex`, per namespace, leases held by connections)::
+Slot life cycle (the slot tiers' one allocator, :class:`kvx.store.alloc.Allocator`, as for
+:class:`kvx.store.cpu.CPUIndex`; per namespace, its pins leases held by connections)::
 
     FREE --allocate(key)--> PENDING --commit(key)--> READY --evict (LRU, no pins)--> FREE
                                \\--abort(key) or the allocating connection closes--> FREE

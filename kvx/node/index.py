@@ -5,13 +5,12 @@ life cycle and its rules: :mod:`kvx.node.daemon`. Loop thread only (:class:`kvx.
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import Any
 
 from ..log import get_logger
+from ..store.alloc import Allocator
 from .args import BadRequest, Refused, counts
 from .directory import DirectoryWriter
 from .protocol import (
@@ -23,7 +22,6 @@ from .protocol import (
     write_entry,
 )
 from .records import Client, Entry, Namespace
-from .runs import Runs
 
 log = get_logger(__name__)
 
@@ -63,16 +61,13 @@ class NodeState:
             raise ValueError("geom: expected a pool geometry, or carve to make one, got neither")
         self.geom: PoolGeometry | None = None
         self.table = self.epoch = None
-        self._runs = Runs(0)
-        self._at: dict[int, Entry] = {}  # a held run's first slot -> its chunk (READY, PENDING or doomed)
-        self._generation: list[int] = []
+        self.quarantine_s = quarantine_s
+        # the slots, their runs, recency, pins and generations (kvx.store.alloc); its chunks are this index's Entries
+        self.slots = Allocator(0, self._evicted, self._freed, quarantine_s)
         self._carve = carve
         if geom is not None:
             self._use_pool(geom, table, epoch)
         self.pool_path = pool_path
-        self.quarantine_s = quarantine_s
-        self._quarantine: deque[tuple[float, int, int]] = deque()  # (when it may be reused, slot, units), oldest first
-        self._lru: OrderedDict[Entry, None] = OrderedDict()  # READY, no admin pin, every namespace; LRU first
         self._namespaces: dict[str, Namespace] = {}
         self._clients: dict[int, Client] = {}
         self._next_internal = 0  # ids of the daemon's own clients (a pull's slots): negative, never a connection's
@@ -103,8 +98,8 @@ class NodeState:
             raise ValueError(f"geom: expected at least one slot, got {geom}")
         self.geom, self.table, self.epoch = geom, table, epoch
         self._dir = DirectoryWriter(table, geom, dir_seed(epoch))
-        self._runs = Runs(geom.num_slots)  # a chunk: a run of slots (runs.py), chunks of any size in one pool
-        self._generation = [0] * geom.num_slots
+        # a chunk: a run of slots (kvx.store.runs), chunks of any size in one pool
+        self.slots = Allocator(geom.num_slots, self._evicted, self._freed, self.quarantine_s)
 
     @property
     def slot_bytes(self) -> int:
@@ -144,7 +139,7 @@ class NodeState:
 
     def generation(self, slot: int) -> int:
         """How many times ``slot`` changed hands (a reader or writer compares it to see its chunk unchanged)."""
-        return self._generation[slot]
+        return self.slots.generation[slot]
 
     def namespace(self, name: object) -> Namespace | None:
         """The namespace ``name``, if known."""
@@ -173,10 +168,10 @@ class NodeState:
         if new. Raises :class:`BadRequest` for chunks larger than the largest run."""
         if self.geom is None:
             self._use_pool(*self._carve(need))
-        if self._units(need) > self._runs.max_units:
+        if self._units(need) > self.slots.max_units:
             raise BadRequest(
-                f"slot_bytes: expected chunks that a run of at most {self._runs.max_units} slots of "
-                f"{self.geom.slot_bytes} bytes holds ({self._runs.max_units * self.geom.slot_bytes} bytes), got {need} "
+                f"slot_bytes: expected chunks that a run of at most {self.slots.max_units} slots of "
+                f"{self.geom.slot_bytes} bytes holds ({self.slots.max_units * self.geom.slot_bytes} bytes), got {need} "
                 "(start kvx node with a larger --size)"
             )
         ns = self._namespaces.get(name)
@@ -221,61 +216,28 @@ class NodeState:
         ns = c.ns
         if key in ns.entries:
             return {"slot": None, "generation": None, "reason": "present"}
-        units = self._units(ns.chunk_bytes)
-        reason = self._make_room(ns, units)
-        if reason:
-            return {"slot": None, "generation": None, "reason": reason}
-        slot = self._runs.take(units)
-        self._generation[slot] += 1
-        e = ns.entries[key] = self._at[slot] = Entry(key, ns, slot, PENDING, c.cid, units=units)
+        if not self._within_quota(ns):
+            return {"slot": None, "generation": None, "reason": "quota"}
+        e = Entry(key, ns=ns, state=PENDING, owner=c.cid)
+        if not self.slots.reserve(e, self._units(ns.chunk_bytes)):  # evicts the pool's LRU chunks if it must
+            return {"slot": None, "generation": None, "reason": "full"}
+        ns.entries[key] = c.pending[key] = e
         ns.pending += 1
-        c.pending[key] = e
-        write_entry(self.table, self.geom, slot, bytes.fromhex(key), self._generation[slot], PENDING)
-        return {"slot": slot, "generation": self._generation[slot], "reason": None}
+        gen = self.slots.generation[e.slot]
+        write_entry(self.table, self.geom, e.slot, bytes.fromhex(key), gen, PENDING)
+        return {"slot": e.slot, "generation": gen, "reason": None}
 
-    def _make_room(self, ns: Namespace, units: int) -> str | None:
-        """Evict what one more chunk of ``ns`` (a run of ``units`` slots) needs: its own LRU chunks if it would
-        exceed its quota, then the pool's LRU chunks until such a run is free. None if there is room now, else why
-        not."""
+    def _within_quota(self, ns: Namespace) -> bool:
+        """Evict the LRU chunks of ``ns`` one more chunk of it needs to stay within its quota; False if too few
+        are evictable (nothing is evicted then)."""
         sb = self.run_bytes(ns)
-        if ns.quota is not None:
-            need = -(-((ns.chunks + ns.pending + 1) * sb - ns.quota) // sb)
-            if need > 0:
-                victims = list(islice(self._evictable(ns.lru), need))
-                if len(victims) < need:
-                    return "quota"
-                for e in victims:
-                    self._evict(e)
-        now = time.monotonic()
-        while self._quarantine and self._quarantine[0][0] <= now:
-            _, slot, n = self._quarantine.popleft()
-            self._runs.give(slot, n)
-        while not self._runs.can(units):
-            block = next(filter(None, (self._freeable(e, units) for e in self._evictable(self._lru))), None)
-            if block is None:
-                return "full"
-            for e in block:
-                self._evict(e)
-        return None
-
-    def _freeable(self, victim: Entry, units: int) -> list[Entry] | None:
-        """The chunks to evict, ``victim`` (an evictable chunk) first, so that a run of ``units`` slots is free: the
-        chunks in the victim's aligned block of that run's size (the block a buddy allocator can hand out), if
-        every slot of it is free or held by an evictable chunk; else None (evicting the victim would not free such
-        a run: a slot there is pinned, pending or quarantined, and the next LRU chunk is tried)."""
-        size = 1 << (units - 1).bit_length()
-        if victim.units >= size:
-            return [victim]  # its run, freed, is an aligned block of at least ``size`` slots
-        block = self._runs.holders(victim.slot & ~(size - 1), size, self._at)
-        if block is None or not all(e in self._lru and not e.leases for e in block):
-            return None
-        block.remove(victim)
-        return [victim, *block]
-
-    @staticmethod
-    def _evictable(lru: OrderedDict[Entry, None]) -> Iterator[Entry]:
-        """READY chunks with no pin, least recently used first (admin-pinned ones are not in an LRU)."""
-        return (e for e in lru if not e.leases)
+        need = -(-((ns.chunks + ns.pending + 1) * sb - ns.quota) // sb) if ns.quota is not None else 0
+        victims = list(islice(self.slots.evictable(ns.lru), need)) if need > 0 else []
+        if len(victims) < need:
+            return False
+        for e in victims:
+            self.slots.evict(e)
+        return True
 
     def commit(self, c: Client, key: str) -> None:
         """``c`` wrote every byte of ``key``'s slot: serve it from now on (most recently used)."""
@@ -287,12 +249,13 @@ class NodeState:
         e.state, e.owner = READY, None
         e.ns.pending -= 1
         e.ns.chunks += 1
-        self._lru[e] = None
+        self.slots.ready(e)
         e.ns.lru[e] = None
-        write_entry(self.table, self.geom, e.slot, bytes.fromhex(key), self._generation[e.slot], READY)
+        gen = self.slots.generation[e.slot]
+        write_entry(self.table, self.geom, e.slot, bytes.fromhex(key), gen, READY)
         self._dir.insert(bytes.fromhex(key), e.slot)
         if self.on_commit is not None:
-            self.on_commit(self.geom.slot_offset(e.slot), self._generation[e.slot], e.ns.chunk_bytes)
+            self.on_commit(self.geom.slot_offset(e.slot), gen, e.ns.chunk_bytes)
 
     @staticmethod
     def _describe(ns: Namespace, key: str) -> str:
@@ -343,17 +306,15 @@ class NodeState:
             self._unlease(e)
 
     def _lease(self, c: Client, e: Entry) -> None:
-        e.leases += 1
+        self.slots.pin(e)
         c.leases.setdefault(e.key, []).append(e)
 
     def _unlease(self, e: Entry) -> None:
-        e.leases -= 1
-        if e.doomed and not e.leases:
-            self._release(e)
+        self.slots.unpin(e)  # frees a doomed chunk's run at its last lease
 
     def _touch(self, e: Entry) -> None:
-        if e in self._lru:  # not admin-pinned
-            self._lru.move_to_end(e)
+        if e in e.ns.lru:  # not admin-pinned
+            self.slots.touch(e)
             e.ns.lru.move_to_end(e)
 
     # -------------------------------------------------------------------------------------- control ops
@@ -376,7 +337,8 @@ class NodeState:
                 return n
             if not e.admin:
                 ns.admin_pinned += 1
-                del self._lru[e], ns.lru[e]
+                self.slots.exempt(e)
+                del ns.lru[e]
             e.admin += 1
         return len(keys)
 
@@ -392,7 +354,7 @@ class NodeState:
             e.admin -= 1
             if not e.admin:
                 ns.admin_pinned -= 1
-                self._lru[e] = None
+                self.slots.exempt(e, False)
                 ns.lru[e] = None
         return n
 
@@ -411,10 +373,10 @@ class NodeState:
         none is left."""
         ns.quota = quota
         while quota is not None and (ns.chunks + ns.pending) * self.run_bytes(ns) > quota:
-            victim = next(self._evictable(ns.lru), None)
+            victim = next(self.slots.evictable(ns.lru), None)
             if victim is None:
                 return
-            self._evict(victim)
+            self.slots.evict(victim)
 
     # -------------------------------------------------------------------------------------- pulls and peers
     def pull(self, c: Client, rid: int, keys: Sequence[str], budget_s: float) -> int | None:
@@ -451,7 +413,7 @@ class NodeState:
             if e is None or e.state != READY:
                 return out, "absent" if e is None else "pending"
             self._lease(c, e)
-            out.append((k, self.geom.slot_offset(e.slot), self._generation[e.slot]))
+            out.append((k, self.geom.slot_offset(e.slot), self.slots.generation[e.slot]))
         return out, "end"
 
     def unlease_all(self, owner: int) -> None:
@@ -468,7 +430,7 @@ class NodeState:
         made if no engine of it has come yet (its engines find the chunks when they do)."""
         if self.geom is None:
             return [None] * len(keys)
-        if self._units(nbytes) > self._runs.max_units:
+        if self._units(nbytes) > self.slots.max_units:
             raise BadRequest(f"nbytes: expected at most this pool's largest run, {self._max_bytes()}, got {nbytes}")
         ns = self._namespaces.get(namespace)
         if ns is None:
@@ -540,7 +502,7 @@ class NodeState:
         ns = self._namespaces.get(namespace)
         if ns is None or self.geom is None:
             return []
-        if self._units(nbytes) > self._runs.max_units:
+        if self._units(nbytes) > self.slots.max_units:
             raise BadRequest(f"nbytes: expected at most this pool's largest run, {self._max_bytes()}, got {nbytes}")
         c = self._clients[cid]
         out = []
@@ -550,7 +512,7 @@ class NodeState:
                 break
             self._lease(c, e)
             self._touch(e)
-            out.append((k, self.geom.slot_offset(e.slot), self._generation[e.slot]))
+            out.append((k, self.geom.slot_offset(e.slot), self.slots.generation[e.slot]))
         ns.served += len(out)
         return out
 
@@ -567,7 +529,7 @@ class NodeState:
             e = held.pop(0)
             if not held:
                 del c.leases[k]
-            out.append(self._generation[e.slot] == gen and not e.doomed)
+            out.append(self.slots.generation[e.slot] == gen and not e.doomed)
             self._unlease(e)
         return out
 
@@ -606,13 +568,19 @@ class NodeState:
         return n
 
     # -------------------------------------------------------------------------------------- slots
-    def _evict(self, e: Entry) -> None:
+    def _evicted(self, e: Entry) -> None:
+        """The allocator evicts ``e`` to make room (LRU, or over its namespace's quota)."""
         e.ns.evictions += 1
-        self._drop(e)
+        self._unindex(e)
 
     def _drop(self, e: Entry, quarantine: bool = False) -> None:
         """Take ``e`` out of the index; free its slot now, or at its last unpin if it is leased (``quarantine``: a
         PENDING slot of a closed connection, reused after :attr:`quarantine_s`)."""
+        self._unindex(e)
+        self.slots.drop(e, quarantine)
+
+    def _unindex(self, e: Entry) -> None:
+        """Take ``e`` out of its namespace, the directory, its writer's pending and the counters."""
         ns = e.ns
         del ns.entries[e.key]
         if e.state == READY:
@@ -622,27 +590,18 @@ class NodeState:
                 ns.admin_pinned -= 1
                 e.admin = 0
             else:
-                del self._lru[e], ns.lru[e]
+                del ns.lru[e]
         else:
             ns.pending -= 1
             if e.owner in self._clients:
                 self._clients[e.owner].pending.pop(e.key, None)
-        if e.leases:
-            e.doomed = True
-        else:
-            self._release(e, quarantine)
 
-    def _release(self, e: Entry, quarantine: bool = False) -> None:
-        del self._at[e.slot]
-        self._generation[e.slot] += 1  # a reader or writer of the old chunk sees it changed
-        write_entry(self.table, self.geom, e.slot, _ZERO_KEY, self._generation[e.slot], FREE)
-        if quarantine and self.quarantine_s > 0:
-            self._quarantine.append((time.monotonic() + self.quarantine_s, e.slot, e.units))
-        else:
-            self._runs.give(e.slot, e.units)
+    def _freed(self, e: Entry) -> None:
+        """``e``'s run is free (its generation bumped): engines reading the table see the slot FREE."""
+        write_entry(self.table, self.geom, e.slot, _ZERO_KEY, self.slots.generation[e.slot], FREE)
 
     def _max_bytes(self) -> int:
-        return self._runs.max_units * self.geom.slot_bytes
+        return self.slots.max_units * self.geom.slot_bytes
 
     # -------------------------------------------------------------------------------------- stats
     def stats(self) -> dict:
@@ -655,10 +614,10 @@ class NodeState:
                 "bytes": num_slots * sb,
                 "num_slots": num_slots,
                 "slot_bytes": sb or None,
-                "used": num_slots - self._runs.free_units,
-                "free": self._runs.free_units,
-                "largest_free": self._runs.largest(),  # slots: the largest run free now
-                "quarantined": len(self._quarantine),
+                "used": num_slots - self.slots.free_units,
+                "free": self.slots.free_units,
+                "largest_free": self.slots.largest(),  # slots: the largest run free now
+                "quarantined": len(self.slots.quarantine),
                 "pending": sum(ns.pending for ns in self._namespaces.values()),
             },
             **({"cluster": self.cluster_stats()} if self.cluster_stats is not None else {}),

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ..store.alloc import Chunk
+
 
 @dataclass(eq=False)
 class Namespace:
@@ -30,20 +32,15 @@ class Namespace:
     evictions: int = 0  # chunks evicted to make room (LRU or quota); an operator's ``evict`` is not counted
 
 
-@dataclass(eq=False)
-class Entry:
-    """One slot in use. ``doomed``: out of the index (evicted or its writer gone) but leased: freed at the last
-    unpin. Loop thread only."""
+@dataclass(eq=False, kw_only=True)
+class Entry(Chunk):
+    """A chunk of a namespace in the pool (its run of slots, pins and doom: :class:`kvx.store.alloc.Chunk`; a pin is
+    a connection's lease). Loop thread only."""
 
-    key: str
     ns: Namespace
-    slot: int  # the first slot of its run
     state: int  # PENDING or READY
     owner: int | None  # the connection that allocated it, while PENDING
-    leases: int = 0
-    admin: int = 0
-    doomed: bool = False
-    units: int = 1  # slots in its run (:mod:`.runs`)
+    admin: int = 0  # admin pins (``pin_prefix``): out of the LRU while any
 
 
 @dataclass(eq=False)

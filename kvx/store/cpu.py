@@ -4,7 +4,7 @@ As in vLLM's OffloadingConnector, the scheduler process owns the index (which ke
 recency, pins) and every worker owns the bytes of its own shard: the metadata of each step tells all
 workers which slot to write or read, so tensor-parallel ranks stay consistent without talking.
 
-Slot life cycle (scheduler side)::
+Slot life cycle (scheduler side), kept by the slot tiers' one allocator (:mod:`.alloc`), a chunk one slot::
 
     free --allocate(key)--> PENDING --commit(key)--> READY --evict (LRU, pins == 0)--> free
                                \\--abort(key)--> free
@@ -19,25 +19,25 @@ from __future__ import annotations
 import math
 import mmap
 import operator
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..log import get_logger
+from .alloc import Allocator, Chunk
 from .slots import SlotIndex, SlotPool, SlotState
 from .tier import REMOVED, STORED, Listener
 
 log = get_logger(__name__)
 
 
-@dataclass
-class _Entry:
-    slot: int
+@dataclass(eq=False, kw_only=True)
+class _Entry(Chunk):
+    """A chunk in the CPU tier (its slot, pins and doom: :class:`~.alloc.Chunk`). An aborted chunk still pinned stays
+    in the index, doomed, until its last unpin frees it. Scheduler thread only."""
+
     state: SlotState
-    pins: int = 0
-    doomed: bool = False  # aborted while pinned: freed by the last unpin
 
 
 class CPUIndex(SlotIndex):
@@ -48,8 +48,8 @@ class CPUIndex(SlotIndex):
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots: expected a positive int, got {num_slots!r}")
         self.num_slots = num_slots
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._entries: dict[str, _Entry] = {}
+        self._slots = Allocator(num_slots, self._evicted)  # slots, recency and pins; its chunks are _Entries
         self.stats = {"allocated": 0, "evicted": 0, "committed": 0, "aborted": 0}
         self._listeners: list[Listener] = []
 
@@ -81,17 +81,18 @@ class CPUIndex(SlotIndex):
         if the pool is full. Returns None if ``key`` is already present or every slot is busy."""
         if key in self._entries:
             return None
-        if not self._free:
-            victim = next((k for k, e in self._entries.items() if e.state is SlotState.READY and e.pins == 0), None)
-            if victim is None:
-                return None
-            self._free.append(self._entries.pop(victim).slot)
-            self.stats["evicted"] += 1
-            self._emit(REMOVED, [victim])
-        slot = self._free.pop()
-        self._entries[key] = _Entry(slot, SlotState.PENDING)
+        e = _Entry(key, state=SlotState.PENDING)
+        if not self._slots.reserve(e):
+            return None
+        self._entries[key] = e
         self.stats["allocated"] += 1
-        return slot
+        return e.slot
+
+    def _evicted(self, e: _Entry) -> None:
+        """The allocator evicts ``e`` (LRU, READY, unpinned) to make room."""
+        del self._entries[e.key]
+        self.stats["evicted"] += 1
+        self._emit(REMOVED, [e.key])
 
     def commit(self, key: str) -> None:
         """The slot's bytes are written on every worker: serve it from now on."""
@@ -102,7 +103,7 @@ class CPUIndex(SlotIndex):
                 f"{('aborted' if e.doomed else e.state) if e else 'no entry'}"
             )
         e.state = SlotState.READY
-        self._entries.move_to_end(key)
+        self._slots.ready(e)
         self.stats["committed"] += 1
         self._emit(STORED, [key])
 
@@ -114,12 +115,10 @@ class CPUIndex(SlotIndex):
         self.stats["aborted"] += 1
         if e.state is SlotState.READY:
             self._emit(REMOVED, [key])
-        if e.pins:
-            e.doomed = True  # still read by a load or a write elsewhere: free on the last unpin
-            e.state = SlotState.PENDING
-            return
-        del self._entries[key]
-        self._free.append(e.slot)
+        e.state = SlotState.PENDING
+        if not e.pins:
+            del self._entries[key]
+        self._slots.drop(e)  # still read by a load or a write elsewhere: doomed, freed by the last unpin
 
     def pin(self, keys: Sequence[str]) -> list[int]:
         """Hold READY slots for a load; returns their slot numbers."""
@@ -131,8 +130,8 @@ class CPUIndex(SlotIndex):
         slots = []
         for k in keys:
             e = self._entries[k]
-            e.pins += 1
-            self._entries.move_to_end(k)
+            self._slots.pin(e)
+            self._slots.touch(e)
             slots.append(e.slot)
         return slots
 
@@ -142,7 +141,7 @@ class CPUIndex(SlotIndex):
         e = self._entries.get(key)
         if e is None:
             raise RuntimeError(f"hold({key}): no such entry")
-        e.pins += 1
+        self._slots.pin(e)
         return e.slot
 
     def unpin(self, keys: Iterable[str]) -> None:
@@ -156,11 +155,8 @@ class CPUIndex(SlotIndex):
             if e is None or e.pins < count[k]:
                 raise RuntimeError(f"unpin({k}): the slot is not pinned")
         for k in keys:
-            e = self._entries[k]
-            e.pins -= 1
-            if e.doomed and e.pins == 0:
+            if self._slots.unpin(self._entries[k]):  # the last pin of an aborted chunk: its slot is free
                 del self._entries[k]
-                self._free.append(e.slot)
 
     def pending(self) -> int:
         """Slots being written (PENDING, not aborted): their workers have not all reported yet."""
@@ -171,11 +167,12 @@ class CPUIndex(SlotIndex):
 
     def clear(self) -> bool:
         """Drop every unpinned, READY entry (reset_cache). Returns False if something stayed."""
-        gone = [k for k, e in self._entries.items() if e.state is SlotState.READY and e.pins == 0]
-        for k in gone:
-            self._free.append(self._entries.pop(k).slot)
+        gone = [e for e in self._entries.values() if e.state is SlotState.READY and e.pins == 0]
+        for e in gone:
+            del self._entries[e.key]
+            self._slots.drop(e)
         if gone:
-            self._emit(REMOVED, gone)
+            self._emit(REMOVED, [e.key for e in gone])
         return not self._entries
 
 

@@ -93,12 +93,12 @@ def check_invariants(state: NodeState) -> None:
         assert ns.chunks == sum(e.state == READY for e in ns.entries.values())
         assert ns.pending == sum(e.state == PENDING for e in ns.entries.values())
         assert ns.admin_pinned == sum(e.admin > 0 for e in ns.entries.values())
-        assert list(ns.lru) == [e for e in state._lru if e.ns is ns]
+        assert list(ns.lru) == [e for e in state.slots.lru if e.ns is ns]
         assert set(ns.lru) == {e for e in ns.entries.values() if e.state == READY and not e.admin}
         for k, e in ns.entries.items():
             assert e.key == k and not e.doomed and e.slot not in holders
             holders[e.slot] = e
-            assert entry(state, e.slot) == (bytes.fromhex(k), state._generation[e.slot], e.state)
+            assert entry(state, e.slot) == (bytes.fromhex(k), state.slots.generation[e.slot], e.state)
     leases: Counter = Counter()
     for c in state._clients.values():
         for k, held in c.leases.items():
@@ -106,19 +106,19 @@ def check_invariants(state: NodeState) -> None:
             leases.update(held)
         assert all(e.state == PENDING and e.owner == c.cid and e.ns.entries.get(k) is e for k, e in c.pending.items())
     for e, n in leases.items():
-        assert e.leases == n
+        assert e.pins == n
         if e.doomed:
             assert e.slot not in holders
             holders[e.slot] = e
-    assert all(e.leases == leases[e] for e in holders.values())
-    # the runs held, the free blocks and the quarantined runs cover the pool's slots once each (kvx.node.runs)
+    assert all(e.pins == leases[e] for e in holders.values())
+    # the runs held, the free blocks and the quarantined runs cover the pool's slots once each (kvx.store.runs)
     held = [u for first, e in holders.items() for u in range(first, first + e.units)]
-    free = [u for first, k in state._runs._order.items() for u in range(first, first + (1 << k))]
-    assert len(free) == state._runs.free_units
-    quarantined = [u for _, first, n in state._quarantine for u in range(first, first + n)]
+    free = [u for first, k in state.slots.runs._order.items() for u in range(first, first + (1 << k))]
+    assert len(free) == state.slots.free_units
+    quarantined = [u for _, first, n in state.slots.quarantine for u in range(first, first + n)]
     assert sorted([*held, *free, *quarantined]) == list(range(state.geom.num_slots))
     for slot in set(range(state.geom.num_slots)) - set(holders):
-        assert entry(state, slot) == (bytes(16), state._generation[slot], FREE)
+        assert entry(state, slot) == (bytes(16), state.slots.generation[slot], FREE)
     # the directory holds exactly the READY chunks, each found where a lookup probes for it (a key is one
     # namespace's in practice: keys are hash chains rooted in the namespace; the tests reuse keys across them)
     ready = [k for ns in state._namespaces.values() for k, e in ns.entries.items() if e.state == READY]

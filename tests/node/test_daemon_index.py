@@ -60,7 +60,7 @@ def test_auto_slots_are_carved_at_the_first_engines_hello_as_large_as_its_chunks
     assert first["slot_bytes"] == 8192 and first["pool"] == "/dev/shm/test.pool"
     assert [g.slot_bytes for g in carved] == [8192] and state.geom == carved[0]
     Peer(state, 11, slot_bytes=100)  # smaller chunks fit
-    big = Peer(state, 12, ns=NS_C, slot_bytes=9000)  # larger ones take a run of slots (kvx.node.runs)
+    big = Peer(state, 12, ns=NS_C, slot_bytes=9000)  # larger ones take a run of slots (kvx.store.runs)
     with pytest.raises(NodeError, match="slot_bytes: expected chunks that a run of at most 512 slots of 8192 bytes"):
         Peer(state, 14, slot_bytes=513 * 8192)
     assert len(carved) == 1
@@ -108,7 +108,7 @@ def test_pin_hold_unpin_are_all_or_nothing_per_connection():
         a.call("pin", keys=[key(1), key(3)])
     with pytest.raises(NodeError, match=f"got {key(4)} .absent"):
         a.call("pin", keys=[key(1), key(4)])
-    assert sum(e.leases for e in state._namespaces[NS_A].entries.values()) == 0  # nothing pinned
+    assert sum(e.pins for e in state._namespaces[NS_A].entries.values()) == 0  # nothing pinned
     assert a.call("pin", keys=[key(1), key(2), key(1)]) == {
         "id": a._id,
         "ok": True,
@@ -122,11 +122,11 @@ def test_pin_hold_unpin_are_all_or_nothing_per_connection():
         a.call("unpin", keys=[key(2), key(1), key(1), key(1)])
     with pytest.raises(NodeError, match="leased 0"):
         a2.call("unpin", keys=[key(1)])  # a's lease, not a2's
-    assert state._namespaces[NS_A].entries[key(2)].leases == 1  # the failed unpin released nothing
+    assert state._namespaces[NS_A].entries[key(2)].pins == 1  # the failed unpin released nothing
     a.call("unpin", keys=[key(1), key(1), key(2)])
     a2.call("unpin", keys=[key(3)])
     check_invariants(state)
-    assert all(e.leases == 0 for e in state._namespaces[NS_A].entries.values())
+    assert all(e.pins == 0 for e in state._namespaces[NS_A].entries.values())
 
 
 def test_namespaces_do_not_see_each_others_keys():
@@ -175,7 +175,7 @@ def test_a_slot_abandoned_pending_is_reused_only_after_the_quarantine(monkeypatc
     geom = PoolGeometry(1, 4096)
     state = NodeState(geom, bytearray(geom.data_offset), "/dev/shm/test.pool", bytes(16), quarantine_s=5.0)
     now = [100.0]
-    monkeypatch.setattr("kvx.node.index.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("kvx.store.alloc.time.monotonic", lambda: now[0])
     a = Peer(state, 1)
     slot = a.call("allocate", key=key(0))["slot"]
     a.close()  # its workers may still be writing the slot

@@ -1,4 +1,4 @@
-"""Chunks of any size in one node pool (:mod:`kvx.node.runs`): a chunk takes a run of slots from a buddy allocator
+"""Chunks of any size in one node pool (:mod:`kvx.store.runs`): a chunk takes a run of slots from a buddy allocator
 that gives exactly the run asked for; models of different chunk sizes share the pool, evicting each other LRU."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kvx.node.requests import Requests
-from kvx.node.runs import Runs
+from kvx.store.runs import Runs
 from tests.node.daemon_helpers import NS_A, NS_B, NS_C, SLOT, Peer, check_invariants, key, make_state
 
 

@@ -427,7 +427,8 @@ def check_invariants(idx: CPUIndex, ref: RefIndex, keys):
     slots = list(live.values())
     assert len(slots) == len(set(slots)), "a slot is used twice"
     assert all(0 <= s < idx.num_slots for s in slots)
-    free = idx._free
+    runs = idx._slots.runs  # the allocator's free blocks (kvx.store.runs), as slots
+    free = [u for first, k in runs._order.items() for u in range(first, first + (1 << k))]
     assert len(free) == len(set(free)) and not set(free) & set(slots), "a slot is free and used"
     assert len(free) + len(live) == idx.num_slots, "free + used != num_slots"
     assert set(free) | set(slots) == set(range(idx.num_slots))
@@ -436,7 +437,8 @@ def check_invariants(idx: CPUIndex, ref: RefIndex, keys):
         assert idx.state(k) is want, k
         assert (k in idx) == (st == "ready"), k
     assert idx.pinned() == sum(1 for p in ref.pins.values() if p)
-    assert list(idx._entries) == ref.order, "LRU order differs from the model"
+    lru = [k for k in ref.order if ref.state[k] == "ready"]
+    assert [e.key for e in idx._slots.lru] == lru, "LRU order differs from the model"
 
 
 @pytest.mark.parametrize("n", NUM_SLOTS)

@@ -1,12 +1,13 @@
-"""The node pool's allocator (:class:`Runs`): runs of whole slots for chunks of any size, in one pool.
+"""Free slots as runs (:class:`Runs`): runs of whole slots for chunks of any size, in one pool. The slot tiers'
+allocator (:mod:`.alloc`) takes and gives its runs here; a CPU tier chunk is a run of one slot.
 
-The pool's ``n`` slots are its allocation unit (``--slot-size``, 64 KiB by default); a chunk of ``b`` bytes takes
-a run of ``ceil(b / unit)`` consecutive slots, addressed by its first (its table entry, its directory entry, its
-byte offset ``data_offset + unit * first``). Runs come from a binary buddy allocator that hands out exactly the
-run asked for: a run of ``u`` slots is cut from a free aligned block of ``2^k >= u`` slots and the block's tail
-goes back as the aligned power-of-two blocks it is made of; a run freed goes back as its own aligned blocks, each
-merged with its free buddy. So chunks of every model on the host share one pool with no size fixed up front; the
-waste is the rounding of a chunk up to whole units, plus free blocks too small for a run (fragmentation).
+In ``kvx node``'s pool the ``n`` slots are its allocation unit (``--slot-size``, 64 KiB by default); a chunk of
+``b`` bytes takes a run of ``ceil(b / unit)`` consecutive slots, addressed by its first (its table entry, its
+directory entry, its byte offset ``data_offset + unit * first``). Runs come from a binary buddy allocator that hands
+out exactly the run asked for: a run of ``u`` slots is cut from a free aligned block of ``2^k >= u`` slots and the
+block's tail goes back as the aligned power-of-two blocks it is made of; a run freed goes back as its own aligned
+blocks, each merged with its free buddy. So chunks of every model on the host share one pool with no size fixed up
+front; the waste is the rounding of a chunk up to whole units, plus free blocks too small for a run (fragmentation).
 """
 
 from __future__ import annotations
@@ -32,29 +33,33 @@ def _blocks(start: int, end: int):
 
 
 class Runs:
-    """Free runs of ``n`` slots (see the module docstring). Loop thread only."""
+    """Free runs of ``n`` slots (see the module docstring). Its :class:`~.alloc.Allocator`'s thread only."""
 
     def __init__(self, n: int):
         self.n = n
         self._free: list[set[int]] = [set() for _ in range(max(1, n.bit_length()))]  # per order: free offsets
         self._order: dict[int, int] = {}  # a free block's offset -> its order
+        self._mask = 0  # bit j set: a free block of order j exists
         self.free_units = 0
         self.max_units = 1 << (n.bit_length() - 1) if n else 0  # the largest run a pool of n slots can give
         self._give(0, n)
 
     def can(self, units: int) -> bool:
         """Whether a run of ``units`` slots is free now."""
-        k = (units - 1).bit_length()
-        return any(self._free[j] for j in range(k, len(self._free)))
+        return self._mask >> (units - 1).bit_length() != 0
 
     def take(self, units: int) -> int | None:
         """The first slot of a free run of ``units`` slots now taken; None if none is free."""
         k = (units - 1).bit_length()
-        j = next((j for j in range(k, len(self._free)) if self._free[j]), None)
-        if j is None:
+        m = self._mask >> k
+        if not m:
             return None
-        off = min(self._free[j]) if len(self._free[j]) < 64 else self._free[j].pop()  # low offsets first, cheaply
-        self._free[j].discard(off)
+        j = k + (m & -m).bit_length() - 1  # the smallest order with a free block that holds the run
+        free = self._free[j]
+        off = min(free) if len(free) < 64 else free.pop()  # low offsets first, cheaply
+        free.discard(off)
+        if not free:
+            self._mask &= ~(1 << j)
         del self._order[off]
         self.free_units -= 1 << j
         self._give(off + units, off + (1 << j))  # the block's tail
@@ -65,16 +70,20 @@ class Runs:
         self._give(first, first + units)
 
     def _give(self, start: int, end: int) -> None:
-        for off, k in _blocks(start, end):
+        for off, k in _blocks(start, end) if end - start > 1 else ((start, 0),) if end > start else ():
             self.free_units += 1 << k
             while k + 1 < len(self._free):  # merge with the free buddy, as far as it goes
                 buddy = off ^ (1 << k)
                 if self._order.get(buddy) != k:
                     break
-                self._free[k].discard(buddy)
+                free = self._free[k]
+                free.discard(buddy)
+                if not free:
+                    self._mask &= ~(1 << k)
                 del self._order[buddy]
                 off, k = min(off, buddy), k + 1
             self._free[k].add(off)
+            self._mask |= 1 << k
             self._order[off] = k
 
     def holders(self, first: int, size: int, at: Mapping[int, Held]) -> list[Held] | None:
@@ -100,4 +109,4 @@ class Runs:
 
     def largest(self) -> int:
         """Slots in the largest free block (the largest run :meth:`take` can give now)."""
-        return next((1 << j for j in range(len(self._free) - 1, -1, -1) if self._free[j]), 0)
+        return 1 << (self._mask.bit_length() - 1) if self._mask else 0
