@@ -104,6 +104,7 @@ def _first_level(config: KVXConfig, geom: EngineGeometry, namespace: bytes, mode
             timeout=node.timeout,
             retry_s=node.retry_s,
             pull_wait_ms=node.pull_wait_ms,
+            sealed=any(getattr(t, "encryption", None) is not None for t in config.byte_tiers),
         )
     return cpu
 

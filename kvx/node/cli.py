@@ -21,7 +21,8 @@ A prompt's chunk keys are computed here as an engine computes them (:func:`kvx.k
 arguments), ``internal_errors`` (requests the daemon failed on: see its log), ``leases_released`` and
 ``aborted_on_disconnect`` (pins and PENDING slots that connections left behind when they closed); ``namespaces``
 {hex: {model, chunk_size, chunks (READY), pending, bytes, hits, misses, evictions (to make room), pinned (admin
-pins), quota, clients, pulled (chunks pulled from peers), served (chunks peers read)}}; with --listen, ``cluster``
+pins), quota, sealed (an engine of it seals its byte tiers: its chunks stay on this host), clients, pulled (chunks
+pulled from peers), served (chunks peers read)}}; with --listen, ``cluster``
 {node, listen, transport, peers [{address, node, state, error, bytes_in, chunks_in, bytes_out, pulls, failures,
 rate_gbps}], bytes_out, pulls, pulled, misses, declined_slow, failed, bad_chunks, refused_peers, served}.
 

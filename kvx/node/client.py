@@ -57,7 +57,9 @@ class NodeIndex(SlotIndex):
     only: it owns the connection, and with it the engine's leases.
 
     ``namespace``: the engine's key namespace (its digest: :func:`kvx.connector.common.namespace`); ``model``: a
-    name for ``kvx node stats``; ``slot_bytes``: the bytes one of its chunks takes in a slot (every rank's heads).
+    name for ``kvx node stats``; ``slot_bytes``: the bytes one of its chunks takes in a slot (every rank's heads);
+    ``sealed``: the engine seals its byte tiers (their ``encryption``), so the node keeps the namespace's chunks on
+    this host (they lie in its pool in the clear).
     """
 
     shared = True  # several engines store into it: a chunk present is written to the byte tiers by its writer only
@@ -72,10 +74,12 @@ class NodeIndex(SlotIndex):
         timeout: float = 2.0,
         retry_s: float = 1.0,
         pull_wait_ms: int = 500,
+        sealed: bool = False,
     ):
         self.conn = Connection(socket_path, timeout)
         self.puller = Connection(socket_path, timeout)  # pulls from peers: answered when done, so apart
         self.pull_wait_s = pull_wait_ms / 1e3
+        self.sealed = sealed
         self._cluster = False  # the node said it has peers
         self._pull: _Pull | None = None  # the pull in flight
         self._tried: dict[str, float] = {}  # key -> until when a pull that did not bring it is not asked again
@@ -87,6 +91,7 @@ class NodeIndex(SlotIndex):
             "chunk_size": chunk_size,
             "slot_bytes": slot_bytes,
             "pid": os.getpid(),
+            **({"sealed": True} if sealed else {}),  # a node of a kvx before sealed namespaces takes the hello
         }
         self.retry_s = retry_s
         self.pool: tuple[str, str] | None = None  # (pool file, epoch) of the live connection
@@ -163,7 +168,7 @@ class NodeIndex(SlotIndex):
 
     def push(self, keys: Sequence[str], to: str) -> bool:
         """A P/D producer's chunks: the node sends each to the node at ``to`` once it is READY here (posted)."""
-        if not self._cluster or not keys:
+        if not self._cluster or not keys or self.sealed:  # a sealed namespace's chunks stay on the host
             return False
         return self._post("push", None, keys="".join(keys), to=to)
 
@@ -172,7 +177,7 @@ class NodeIndex(SlotIndex):
         """A node in a cluster: True while the node pulls ``missing`` (a lookup's keys from its first miss on) from a
         peer, for at most ``pull_wait_ms`` (and a second's grace for the node's answer). The first lookup to miss a
         key starts the pull; a key a pull did not bring is not pulled again for :data:`_TRIED_S`."""
-        if not self._cluster or self.pull_wait_s <= 0 or self._dir is None or not missing:
+        if not self._cluster or self.pull_wait_s <= 0 or self._dir is None or not missing or self.sealed:
             return False
         now = time.monotonic()
         p = self._pull

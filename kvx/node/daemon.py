@@ -32,7 +32,9 @@ old file keep their mapping until they reconnect, see a new epoch and map the ne
 
 **Across hosts** (``--listen``, ``--peers`` or ``--membership``, ``--secret-file``): the node is a member of a
 cluster, pulling the chunks its engines miss from peers and pushing a P/D producer's chunks to its consumer's node
-(:mod:`.peers`); the cluster's threads ask the loop for every change of the index (:meth:`NodeServer.call`).
+(:mod:`.peers`); the cluster's threads ask the loop for every change of the index (:meth:`NodeServer.call`). A
+namespace an engine says is sealed (its byte tiers seal their chunks) never leaves the host: no pull, push or peer
+read moves its chunks (:meth:`NodeState.pull`).
 
 Threads: :class:`NodeState` is owned by the event-loop thread (no locks). :class:`NodeServer` runs that loop;
 the other threads are the optional Prometheus endpoint, which reads a snapshot of :meth:`NodeState.stats` that

@@ -162,10 +162,14 @@ class NodeState:
             "table_offset": self.geom.table_offset,
         }
 
-    def join(self, c: Client, name: str, model: str, chunk_size: int, need: int, count: bool = True) -> None:
+    def join(
+        self, c: Client, name: str, model: str, chunk_size: int, need: int, count: bool = True, sealed: bool = False
+    ) -> None:
         """``c`` (an engine, or a puller: ``count`` False) serves namespace ``name`` (``model``, ``chunk_size``
         tokens a chunk, chunks of ``need`` bytes): the pool is carved now if it is not yet; the namespace is made
-        if new. Raises :class:`BadRequest` for chunks larger than the largest run."""
+        if new. ``sealed``: the engine seals its byte tiers, so the namespace's chunks stay on this host from now
+        on (no pull, push or peer read moves them: see :meth:`pull`). Raises :class:`BadRequest` for chunks larger
+        than the largest run."""
         if self.geom is None:
             self._use_pool(*self._carve(need))
         if self._units(need) > self.slots.max_units:
@@ -192,6 +196,9 @@ class NodeState:
         c.ns = ns
         ns.chunk_bytes = max(ns.chunk_bytes, need)
         ns.clients += count
+        if sealed and not ns.sealed:
+            ns.sealed = True
+            log.info("kvx node: namespace %s is sealed (engine pid %d): its chunks stay on this host", name, c.pid)
 
     # -------------------------------------------------------------------------------------- engine ops
     def lookup(self, c: Client, keys: Sequence[str]) -> list[int]:
@@ -383,11 +390,12 @@ class NodeState:
         """Engine ``c`` missed ``keys`` (its lookup's first miss on): pull what peers hold of them. None if the
         pull was taken (its answer, the leading keys now READY here, comes later on ``c`` for request ``rid``);
         else 0 at once: nothing to ask (no peers, the first key present or being written here). One pull at a
-        time per connection."""
+        time per connection. A sealed namespace pulls nothing: its chunks cross no host boundary, either way (the
+        pool holds them in the clear, and the cluster's channels carry them so)."""
         if c.pulling:
             raise BadRequest("pull: expected one pull at a time per connection, got a second while one is in flight")
         n = next((i for i, k in enumerate(keys) if k in c.ns.entries), len(keys))
-        if n == 0 or self.on_pull is None or self.geom is None:
+        if n == 0 or self.on_pull is None or self.geom is None or c.ns.sealed:
             return 0
         if not self.on_pull(c.cid, rid, c.ns.name, list(keys[:n]), c.ns.chunk_bytes, budget_s):
             return 0
@@ -398,13 +406,16 @@ class NodeState:
         """A P/D producer's chunks ``keys``: send each to the node at ``to`` once it is READY here."""
         if self.on_push is None:
             raise Refused("push: expected a node in a cluster (kvx node --listen), got one without")
+        if c.ns.sealed:  # stays on this host: the consumer waits for a shared byte tier, or recomputes
+            return False
         return self.on_push(c.ns.name, list(keys), c.ns.chunk_bytes, to)
 
     def push_lease(self, owner: int, namespace: str, keys: Sequence[str]) -> tuple[list[tuple[str, int, int]], str]:
         """Lease the leading READY ``keys`` to the daemon's client ``owner`` (a push reads them): (key, offset,
-        generation) each, and what stopped the run: "end", "pending" (being written: wait) or "absent"."""
+        generation) each, and what stopped the run: "end", "pending" (being written: wait) or "absent" (a sealed
+        namespace's too: it became sealed after the push began)."""
         ns = self._namespaces.get(namespace)
-        if ns is None or self.geom is None:
+        if ns is None or self.geom is None or ns.sealed:
             return [], "absent"
         c = self._clients[owner]
         out = []
@@ -427,8 +438,9 @@ class NodeState:
     def push_reserve(self, cid: int, peer: str, namespace: str, keys: Sequence[str], nbytes: int) -> list:
         """A peer pushes ``keys`` of ``namespace`` (``nbytes`` each) here: per key, the byte offset of a PENDING slot
         it may write (held by its connection ``cid``), or None (present here already, or no room). The namespace is
-        made if no engine of it has come yet (its engines find the chunks when they do)."""
-        if self.geom is None:
+        made if no engine of it has come yet (its engines find the chunks when they do). A sealed namespace takes
+        none (its chunks cross no host boundary)."""
+        if self.geom is None or ((known := self._namespaces.get(namespace)) is not None and known.sealed):
             return [None] * len(keys)
         if self._units(nbytes) > self.slots.max_units:
             raise BadRequest(f"nbytes: expected at most this pool's largest run, {self._max_bytes()}, got {nbytes}")
@@ -492,15 +504,16 @@ class NodeState:
         return self._next_internal
 
     def peer_have(self, namespace: str, keys: Sequence[str]) -> int:
-        """How many leading ``keys`` this pool holds READY in ``namespace`` (0 for a namespace it does not know)."""
+        """How many leading ``keys`` this pool holds READY in ``namespace`` (0 for a namespace it does not know, or a
+        sealed one: it serves no peer)."""
         ns = self._namespaces.get(namespace)
-        return 0 if ns is None else self.ready_prefix(ns, keys)
+        return 0 if ns is None or ns.sealed else self.ready_prefix(ns, keys)
 
     def peer_lease(self, cid: int, namespace: str, keys: Sequence[str], nbytes: int) -> list[tuple[str, int, int]]:
         """Lease the leading READY ``keys`` of ``namespace`` to peer connection ``cid`` for a read of ``nbytes``
-        each: (key, byte offset in the pool file, generation) per chunk leased."""
+        each: (key, byte offset in the pool file, generation) per chunk leased (none of a sealed namespace)."""
         ns = self._namespaces.get(namespace)
-        if ns is None or self.geom is None:
+        if ns is None or self.geom is None or ns.sealed:
             return []
         if self._units(nbytes) > self.slots.max_units:
             raise BadRequest(f"nbytes: expected at most this pool's largest run, {self._max_bytes()}, got {nbytes}")
@@ -639,6 +652,7 @@ class NodeState:
                     "evictions": ns.evictions,
                     "pinned": ns.admin_pinned,
                     "quota": ns.quota,
+                    "sealed": ns.sealed,
                     "clients": ns.clients,
                 }
                 for name, ns in self._namespaces.items()

@@ -85,7 +85,10 @@ def _hello(state: NodeState, c: Client, args: dict) -> dict:
         model = arg(args, "model", lambda v: isinstance(v, str), "a model name (str)")
         chunk_size = arg(args, "chunk_size", lambda v: is_int(v) and v > 0, "a positive int (tokens)")
         need = arg(args, "slot_bytes", lambda v: is_int(v) and v > 0, "a positive int (bytes of one chunk)")
-        state.join(c, name, model, chunk_size, need, count=role == "engine")
+        sealed = args.get("sealed", False)  # absent: an engine of a kvx before sealed namespaces
+        if not isinstance(sealed, bool):
+            raise BadRequest(f"sealed: expected a bool (the engine seals its byte tiers), got {show(sealed)}")
+        state.join(c, name, model, chunk_size, need, count=role == "engine", sealed=sealed)
     c.role, c.pid = role, pid
     return state.pool_info()
 

@@ -36,12 +36,15 @@ class Peer:
     """One connection to a :class:`NodeState`, through :class:`~kvx.node.requests.Requests` (the path every frame
     takes)."""
 
-    def __init__(self, state: NodeState, cid: int, role: str = "engine", ns: str = NS_A, slot_bytes: int = SLOT):
+    def __init__(
+        self, state: NodeState, cid: int, role: str = "engine", ns: str = NS_A, slot_bytes: int = SLOT, **hello
+    ):
+        """``hello``: more fields of the engine's hello (``sealed``)."""
         self.state, self.cid, self._id = state, cid, 0
         self.requests = Requests(state)
         state.open(cid, pid=1000 + cid)
         extra = (
-            {"namespace": ns, "model": f"m-{ns[:2]}", "chunk_size": 16, "slot_bytes": slot_bytes}
+            {"namespace": ns, "model": f"m-{ns[:2]}", "chunk_size": 16, "slot_bytes": slot_bytes, **hello}
             if role == "engine"
             else {}
         )
