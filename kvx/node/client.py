@@ -34,7 +34,7 @@ from ..store.slots import SlotIndex, SlotPool, SlotState
 from ..store.tier import STORED, Listener
 from .connection import Connection, NodeError, NodeUnavailable
 from .directory import Directory
-from .protocol import PENDING, READY, PoolGeometry, ProtocolError, slot_entry, unpack_header
+from .protocol import MAX_PULLS, PENDING, READY, PoolGeometry, ProtocolError, slot_entry, unpack_header
 
 log = get_logger(__name__)
 
@@ -44,12 +44,15 @@ _PULL_GRACE_S = 1.0  # past pull_wait_ms, how long an engine waits for its node'
 _TRIED_S = 10.0  # a key a pull did not bring is not pulled again this long (the peers did not have it)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Pull:
     """A pull in flight: the keys asked for, and when the engine stops waiting for the answer."""
 
     keys: list[str]
     deadline: float
+
+    def __post_init__(self):
+        self.asked = frozenset(self.keys)
 
 
 class NodeIndex(SlotIndex):
@@ -81,7 +84,7 @@ class NodeIndex(SlotIndex):
         self.pull_wait_s = pull_wait_ms / 1e3
         self.sealed = sealed
         self._cluster = False  # the node said it has peers
-        self._pull: _Pull | None = None  # the pull in flight
+        self._pulls: list[_Pull] = []  # the pulls in flight (at most MAX_PULLS), oldest first
         self._tried: dict[str, float] = {}  # key -> until when a pull that did not bring it is not asked again
         self.hello = {
             "version": 1,
@@ -176,49 +179,52 @@ class NodeIndex(SlotIndex):
     def pulling(self, missing: Sequence[str]) -> bool:
         """A node in a cluster: True while the node pulls ``missing`` (a lookup's keys from its first miss on) from a
         peer, for at most ``pull_wait_ms`` (and a second's grace for the node's answer). The first lookup to miss a
-        key starts the pull; a key a pull did not bring is not pulled again for :data:`_TRIED_S`."""
+        key starts a pull of it and the keys after it, up to :data:`~.protocol.MAX_PULLS` pulls in flight (other
+        requests' lookups); a key a pull did not bring is not pulled again for :data:`_TRIED_S`."""
         if not self._cluster or self.pull_wait_s <= 0 or self._dir is None or not missing or self.sealed:
             return False
         now = time.monotonic()
-        p = self._pull
-        if p is not None:
-            self._poll_pull(now)
-            p = self._pull
-        if p is not None:
-            # its first miss among the pull's keys: wait for the pull (the node makes its chunks READY one by one, so
-            # a lookup may see some of them already); else another request's pull, which this one does not wait for
-            return missing[0] in p.keys
-        if self._tried.get(missing[0], 0.0) > now:
+        if self._pulls:
+            self._poll_pulls(now)
+        if any(missing[0] in p.asked for p in self._pulls):
+            return True  # being pulled: wait (the node makes its chunks READY one by one, a lookup may see some)
+        if len(self._pulls) >= MAX_PULLS or self._tried.get(missing[0], 0.0) > now:
             return False
-        keys = list(missing[:_PULL_KEYS])
+        p = _Pull(list(missing[:_PULL_KEYS]), now + self.pull_wait_s + _PULL_GRACE_S)
         budget = max(1, int(self.pull_wait_s * 1e3))
         try:
             if not self.puller.connected:
                 self.puller.call("hello", **{**self.hello, "role": "puller"})
-            self.puller.post("pull", self._pulled, keys="".join(keys), budget_ms=budget)
+            self.puller.post("pull", lambda reply: self._pulled(p, reply), keys="".join(p.keys), budget_ms=budget)
         except (NodeUnavailable, NodeError) as e:
             log.info("kvx: cannot ask the node to pull (%s)", e)
             self.puller.close()
-            self._note_tried(keys, now)
+            self._end_pulls("the connection closed")
+            self._note_tried(p.keys, now)
             return False
-        self._pull = _Pull(keys, now + self.pull_wait_s + _PULL_GRACE_S)
+        self._pulls.append(p)
         return True
 
-    def _poll_pull(self, now: float) -> None:
+    def _poll_pulls(self, now: float) -> None:
         try:
             self.puller.poll()
         except NodeUnavailable:
-            self._pulled(NodeError("the node closed the connection"))
-        p = self._pull
-        if p is not None and now > p.deadline:  # the node did not answer in time: drop the connection (its pull too)
-            self.puller.close()
-            self._pulled(NodeError("no answer within pull_wait_ms"))
+            pass
+        if not self.puller.connected:
+            self._end_pulls("the node closed the connection")
+        elif any(now > p.deadline for p in self._pulls):  # the node did not answer in time: drop the connection
+            self.puller.close()  # and with it every pull of it (the node ends them)
+            self._end_pulls("no answer within pull_wait_ms")
 
-    def _pulled(self, reply) -> None:
-        """The pull in flight is over (its reply, or a :class:`NodeError`): the keys it did not bring are tried."""
-        p, self._pull = self._pull, None
-        if p is None:
+    def _end_pulls(self, why: str) -> None:
+        for p in list(self._pulls):
+            self._pulled(p, NodeError(why))
+
+    def _pulled(self, p: _Pull, reply) -> None:
+        """Pull ``p`` is over (its reply, or a :class:`NodeError`): the keys it did not bring are tried."""
+        if p not in self._pulls:
             return
+        self._pulls.remove(p)
         n = reply.get("pulled", 0) if isinstance(reply, dict) else 0
         self.stats["pulled"] = self.stats.get("pulled", 0) + n
         self._note_tried(p.keys[n:], time.monotonic())

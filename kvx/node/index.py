@@ -15,6 +15,7 @@ from .args import BadRequest, Refused, counts
 from .directory import DirectoryWriter
 from .protocol import (
     FREE,
+    MAX_PULLS,
     PENDING,
     READY,
     PoolGeometry,
@@ -389,17 +390,18 @@ class NodeState:
     def pull(self, c: Client, rid: int, keys: Sequence[str], budget_s: float) -> int | None:
         """Engine ``c`` missed ``keys`` (its lookup's first miss on): pull what peers hold of them. None if the
         pull was taken (its answer, the leading keys now READY here, comes later on ``c`` for request ``rid``);
-        else 0 at once: nothing to ask (no peers, the first key present or being written here). One pull at a
-        time per connection. A sealed namespace pulls nothing: its chunks cross no host boundary, either way (the
-        pool holds them in the clear, and the cluster's channels carry them so)."""
-        if c.pulling:
-            raise BadRequest("pull: expected one pull at a time per connection, got a second while one is in flight")
+        else 0 at once: nothing to ask (no peers, the first key present or being written here). At most
+        :data:`~.protocol.MAX_PULLS` in flight per connection (several requests' lookups missing at once). A sealed
+        namespace pulls nothing: its chunks cross no host boundary, either way (the pool holds them in the clear,
+        and the cluster's channels carry them so)."""
+        if c.pulling >= MAX_PULLS:
+            raise BadRequest(f"pull: expected at most {MAX_PULLS} pulls in flight per connection, got one more")
         n = next((i for i, k in enumerate(keys) if k in c.ns.entries), len(keys))
         if n == 0 or self.on_pull is None or self.geom is None or c.ns.sealed:
             return 0
         if not self.on_pull(c.cid, rid, c.ns.name, list(keys[:n]), c.ns.chunk_bytes, budget_s):
             return 0
-        c.pulling = True
+        c.pulling += 1
         return None
 
     def push(self, c: Client, keys: Sequence[str], to: str) -> bool:
@@ -493,7 +495,7 @@ class NodeState:
         c = self._clients.get(cid)
         if c is None:
             return False
-        c.pulling = False
+        c.pulling = max(0, c.pulling - 1)
         return True
 
     def open_internal(self, role: str = "peer") -> int:

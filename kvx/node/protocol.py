@@ -47,6 +47,7 @@ MAGIC = b"KVXN"
 VERSION = 1
 HEADER = struct.Struct("<4sHHI")  # magic, version, reserved, body length
 MAX_BODY = 4 << 20  # bytes: a lookup of 4096 keys is ~150 KiB
+MAX_PULLS = 4  # pulls one engine's puller connection may have in flight (each a request's lookup that missed)
 
 POOL_MAGIC = b"KVXPOOL\0"
 POOL_VERSION = 3  # 3: a home is a keyed fmix64 of each half (2: a multiply-add a crafted key set collides in)

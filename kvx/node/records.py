@@ -52,7 +52,7 @@ class Client:
     cid: int
     pid: int
     role: str | None = None  # None until hello; "engine", "puller" (an engine's pulls), "control", or "peer"
-    pulling: bool = False  # a puller's pull is in flight (its reply is deferred)
+    pulling: int = 0  # a puller's pulls in flight (their replies are deferred), at most protocol.MAX_PULLS
     peer: str | None = None  # a peer's connection: the peer node's id (what its data connection may write)
     ns: Namespace | None = None  # engines only
     pending: dict[str, Entry] = field(default_factory=dict)

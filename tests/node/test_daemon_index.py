@@ -9,9 +9,10 @@ import random
 
 import pytest
 
+from kvx.node.args import BadRequest
 from kvx.node.connection import NodeError
 from kvx.node.daemon import NodeState, Refused
-from kvx.node.protocol import FREE, PENDING, READY, PoolGeometry
+from kvx.node.protocol import FREE, MAX_PULLS, PENDING, READY, PoolGeometry
 from tests.node.daemon_helpers import (
     NS_A,
     NS_B,
@@ -227,3 +228,19 @@ def test_a_pool_of_exactly_the_file_size_of_n_slots_holds_n_slots(num_slots, slo
     size = PoolGeometry(num_slots, slot_bytes).file_bytes
     assert PoolGeometry.fit(size, slot_bytes).num_slots == num_slots
     assert PoolGeometry.fit(size - 1, slot_bytes).num_slots == num_slots - 1
+
+
+def test_an_engine_has_at_most_max_pulls_in_flight():
+    state = make_state(8)
+    taken = []
+    state.on_pull = lambda cid, rid, ns, keys, nbytes, budget: taken.append(keys) or True
+    c = Peer(state, 1)
+    for i in range(MAX_PULLS):
+        assert state.pull(state.client(1), i, [key(10 * i)], 1.0) is None
+    with pytest.raises(BadRequest, match=f"pull: expected at most {MAX_PULLS} pulls in flight"):
+        state.pull(state.client(1), 99, [key(99)], 1.0)
+    assert state.pull_done(1)  # one answered: room for another
+    assert state.pull(state.client(1), 100, [key(100)], 1.0) is None
+    assert len(taken) == MAX_PULLS + 1
+    c.close()
+    assert not state.pull_done(1)  # the connection is gone: nobody to answer

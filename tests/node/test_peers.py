@@ -384,3 +384,20 @@ def test_a_chunk_evicted_on_the_peer_mid_read_keeps_its_bytes_until_released_and
     finally:
         ctl.close()
         sock.close()
+
+
+def test_the_misses_of_several_requests_are_pulled_at_once(pair):
+    a, b = pair
+    g = torch.Generator().manual_seed(3)
+    prompts = [[key(100 + 10 * r + i) for i in range(3)] for r in range(3)]
+    chunks = {k: torch.randint(0, 256, (SLOT_BYTES,), dtype=torch.uint8, generator=g) for ks in prompts for k in ks}
+    for k, data in chunks.items():
+        a.store(k, data)
+    # three requests miss at once: each waits for a pull of its own (before: the second and third computed theirs)
+    assert [b.index.pulling(keys) for keys in prompts] == [True] * 3
+    for keys in prompts:
+        assert b.pull(keys) == [True] * 3
+    for k, data in chunks.items():
+        assert torch.equal(b.read(k), data), k
+    s = b.node.stats()
+    assert s["cluster"]["pulls"] == 3 and s["cluster"]["pulled"] == 9 and s["pool"]["pending"] == 0
