@@ -145,7 +145,7 @@ def test_layerwise_load(benchmark, ext, layerwise_setup, row):
                 batch.add("scatter_blocks", blocks, pool[c])
             plan = batch.plan([(i, i + 1) for i in range(lay.num_layers)])
             for i in range(lay.num_layers):
-                plan.run(None, None, *plan.range_parts(i))
+                plan.run(None, None, *plan.range_legs(i))
 
     if row != "memcpy":  # every row lands the same bytes
         fn()

@@ -228,11 +228,11 @@ def test_make_engine_modes_and_their_properties():
 
 
 # ---------------------------------------------------------------- staging buffers (rule 5)
-LAYERS = 6  # a part per layer through a ring of two buffers: each buffer is reused twice
+LAYERS = 6  # a leg per layer through a ring of two buffers: each buffer is reused twice
 
 
 def _plan(lay, op, buf):
-    """A staged plan of one copy of block 1, a part per layer (the compiled path, as a worker's step plans it)."""
+    """A staged plan of one copy of block 1, a leg per layer (the compiled path, as a worker's step plans it)."""
     copies = Copies(lay, path="staged")
     copies.add(op, [1], buf)
     return copies.plan([(layer, layer + 1) for layer in range(lay.num_layers)], 1 << 10)
@@ -240,7 +240,7 @@ def _plan(lay, op, buf):
 
 def _staged_engine(rule5: bool):
     eng = deferred()
-    eng.configure_staging(4 << 10)  # rings of two 1 KiB buffers; a layer's part is 128 bytes
+    eng.configure_staging(4 << 10)  # rings of two 1 KiB buffers; a layer's leg is 128 bytes
     for direction in ("load", "save"):
         eng.ring(direction).c.rule5 = rule5
     return eng, BlockOrder(eng)
@@ -248,8 +248,8 @@ def _staged_engine(rule5: bool):
 
 @pytest.mark.parametrize("rule5", [True, False], ids=["rule5", "no-rule5"])
 def test_staged_loads_reuse_a_buffer_only_after_its_reshape(rule5):
-    """The deferred queue runs a ready DMA before a ready reshape (both legal on a GPU), so without rule 5 part 2's
-    DMA lands in buffer 0 before part 0's reshape read it: layer 0 gets layer 2's bytes."""
+    """The deferred queue runs a ready DMA before a ready reshape (both legal on a GPU), so without rule 5 leg 2's
+    DMA lands in buffer 0 before leg 0's reshape read it: layer 0 gets layer 2's bytes."""
     lay = make_layout(
         "LBNHC", num_layers=LAYERS, num_blocks=4, block_size=4, num_heads=1, head_size=8, dtype=torch.bfloat16
     )
@@ -267,7 +267,7 @@ def test_staged_loads_reuse_a_buffer_only_after_its_reshape(rule5):
 
 @pytest.mark.parametrize("rule5", [True, False], ids=["rule5", "no-rule5"])
 def test_staged_saves_and_rule_5(rule5):
-    """Saves run late, gathers before DMAs: without rule 5, part 2's gather fills buffer 0 before part 0's DMA
+    """Saves run late, gathers before DMAs: without rule 5, leg 2's gather fills buffer 0 before leg 0's DMA
     emptied it."""
     lay = make_layout(
         "LBNHC", num_layers=LAYERS, num_blocks=4, block_size=4, num_heads=1, head_size=8, dtype=torch.bfloat16
@@ -281,7 +281,7 @@ def test_staged_saves_and_rule_5(rule5):
     for _ in range(3):  # two more steps' forwards: the saves run, as late as allowed
         eng.step_begin()
         eng.forward_done()
-    assert plan.done(plan.num_parts - 1).query()
+    assert plan.done(plan.num_legs - 1).query()
     expected = ops.gather_blocks(lay, [1], impl="reference")
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16)) == rule5
     eng.close()

@@ -23,7 +23,7 @@ int copy(const CopyParams& p, const int64_t* layer_ptrs_host, const int64_t* lay
          LaunchConfig* used = nullptr);
 
 // Launch the copy kernel as `c` (kernel_launch_config(), decided when a plan was built) on `stream`. Nothing is
-// computed here: the launch a plan's part issues per layer. Returns a cudaError_t; never syncs.
+// computed here: the launch a plan's leg issues per layer. Returns a cudaError_t; never syncs.
 //   layer_ptrs_dev: [c.params.num_layers] layer base addresses in device-accessible memory
 //   ids_dev:        [c.params.num_ids] int64 ids in device-accessible memory
 //   contig:         device-accessible address of the contiguous side

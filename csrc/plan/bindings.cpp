@@ -53,11 +53,11 @@ class PyQueues : public Queues {
   void wait(int32_t queue, const EventPtr& event) override {
     PYBIND11_OVERRIDE_PURE(void, Queues, wait, queue, event);
   }
-  void dma(int32_t queue, const PlanPtr& plan, int32_t part, int64_t staging) override {
-    PYBIND11_OVERRIDE_PURE(void, Queues, dma, queue, plan, part, staging);
+  void dma(int32_t queue, const PlanPtr& plan, int32_t leg, int64_t staging) override {
+    PYBIND11_OVERRIDE_PURE(void, Queues, dma, queue, plan, leg, staging);
   }
-  void reshape(int32_t queue, const PlanPtr& plan, int32_t part, int64_t staging) override {
-    PYBIND11_OVERRIDE_PURE(void, Queues, reshape, queue, plan, part, staging);
+  void reshape(int32_t queue, const PlanPtr& plan, int32_t leg, int64_t staging) override {
+    PYBIND11_OVERRIDE_PURE(void, Queues, reshape, queue, plan, leg, staging);
   }
 };
 
@@ -66,11 +66,11 @@ py::array_t<int64_t> slice(const std::vector<T>& v, int64_t lo, int64_t hi) {
   return py::array_t<int64_t>(static_cast<py::ssize_t>(hi - lo), v.data() + lo);
 }
 
-const Part& part_of(const CopyPlan& plan, int32_t k) {
-  if (k < 0 || k >= static_cast<int32_t>(plan.parts().size()))
-    throw std::out_of_range("part: expected 0 <= part < " + std::to_string(plan.parts().size()) + ", got " +
+const Leg& leg_of(const CopyPlan& plan, int32_t k) {
+  if (k < 0 || k >= static_cast<int32_t>(plan.legs().size()))
+    throw std::out_of_range("leg: expected 0 <= leg < " + std::to_string(plan.legs().size()) + ", got " +
                             std::to_string(k));
-  return plan.parts()[k];
+  return plan.legs()[k];
 }
 
 py::dict launch_dict(const Launch& l) {
@@ -119,7 +119,7 @@ void bind_plan(py::module_& m) {
   py::class_<Queues, PyQueues, std::shared_ptr<Queues>>(
       m, "Queues",
       "An engine's copy queues as the compiled issue path sees them (queues.h): record(queue) -> Event, "
-      "wait(queue, event), dma(queue, plan, part, staging), reshape(queue, plan, part, staging). Queues 0 load, 1 "
+      "wait(queue, event), dma(queue, plan, leg, staging), reshape(queue, plan, leg, staging). Queues 0 load, 1 "
       "save, 2 h2d, 3 d2h, 4 compute. Subclass it in Python for an engine of Python jobs.")
       .def(py::init<>())
       .def("record", &Queues::record, py::arg("queue"))
@@ -169,7 +169,7 @@ void bind_plan(py::module_& m) {
 
   py::class_<CopyPlan, std::shared_ptr<CopyPlan>>(
       m, "CopyPlan",
-      "A set of copies between the paged layers and contiguous buffers, planned into parts (copy_plan.h). Built "
+      "A set of copies between the paged layers and contiguous buffers, planned into legs (copy_plan.h). Built "
       "by kvx.kernels.plan, which checks the copies first.")
       .def(py::init([](int64_t layer_ptrs, int32_t num_layers, int64_t layer_ptrs_dev, int64_t layer_bounds,
                        int32_t impl) {
@@ -221,7 +221,7 @@ void bind_plan(py::module_& m) {
       .def_property_readonly("path", &CopyPlan::path)
       .def_property_readonly("gather", &CopyPlan::gather)
       .def_property_readonly("impl", &CopyPlan::impl)
-      .def_property_readonly("num_parts", [](const CopyPlan& p) { return static_cast<int32_t>(p.parts().size()); })
+      .def_property_readonly("num_legs", [](const CopyPlan& p) { return static_cast<int32_t>(p.legs().size()); })
       .def_property_readonly("num_ranges", &CopyPlan::num_ranges)
       .def_property_readonly("nbytes", &CopyPlan::nbytes)
       .def_property_readonly("min_staging_bytes", &CopyPlan::min_staging_bytes)
@@ -231,31 +231,31 @@ void bind_plan(py::module_& m) {
            "The id table on the device (num_ids int64, uploaded by the caller on a stream the plan's reshapes follow); "
            "kept alive by the caller. The executor then uploads nothing.")
       .def(
-          "part",
+          "leg",
           [](const CopyPlan& plan, int32_t k) {
-            const Part& p = part_of(plan, k);
+            const Leg& p = leg_of(plan, k);
             return py::make_tuple(p.start, p.end, p.range, p.nbytes, p.layer_bytes);
           },
-          py::arg("part"), "(start, end, range, nbytes, layer_bytes) of part `part`.")
-      .def("range_parts", &CopyPlan::range_parts, py::arg("range"))
+          py::arg("leg"), "(start, end, range, nbytes, layer_bytes) of leg `leg`.")
+      .def("range_legs", &CopyPlan::range_legs, py::arg("range"))
       .def(
           "runs",
           [](const CopyPlan& plan, int32_t k) {
-            const Part& p = part_of(plan, k);
+            const Leg& p = leg_of(plan, k);
             return py::make_tuple(slice(plan.run_dst(), p.run_lo, p.run_hi), slice(plan.run_src(), p.run_lo, p.run_hi),
                                   slice(plan.run_bytes(), p.run_lo, p.run_hi));
           },
-          py::arg("part"),
-          "The part's DMA runs (dst, src, bytes) as int64 arrays; the staging side as offsets from the buffer.")
+          py::arg("leg"),
+          "The leg's DMA runs (dst, src, bytes) as int64 arrays; the staging side as offsets from the buffer.")
       .def(
           "launches",
           [](const CopyPlan& plan, int32_t k) {
-            const Part& p = part_of(plan, k);
+            const Leg& p = leg_of(plan, k);
             py::list out;
             for (int32_t i = p.launch_lo; i < p.launch_hi; ++i) out.append(launch_dict(plan.launches()[i]));
             return out;
           },
-          py::arg("part"), "The part's launches, each as a dict of its geometry.")
+          py::arg("leg"), "The leg's launches, each as a dict of its geometry.")
       .def(
           "ids",
           [](const CopyPlan& plan, int64_t at, int64_t n) {
@@ -265,38 +265,38 @@ void bind_plan(py::module_& m) {
           },
           py::arg("at"), py::arg("n"))
       .def(
-          "touched", [](const CopyPlan& plan, int32_t k) { return plan.touched.at(k); }, py::arg("part"),
-          "The job that wrote (a load) or read (a save) part `part`'s blocks, once issued (None before).")
+          "touched", [](const CopyPlan& plan, int32_t k) { return plan.touched.at(k); }, py::arg("leg"),
+          "The job that wrote (a load) or read (a save) leg `leg`'s blocks, once issued (None before).")
       .def(
-          "done", [](const CopyPlan& plan, int32_t k) { return plan.done.at(k); }, py::arg("part"),
-          "Part `part`'s last job, once issued (None before).")
-      .def("dma_host", &CopyPlan::dma_host, py::arg("part"), py::arg("staging"), py::arg("num_threads") = 0,
-           py::call_guard<py::gil_scoped_release>(), "The part's runs by memcpy (GIL released).")
-      .def("reshape_host", &CopyPlan::reshape_host, py::arg("part"), py::arg("staging"), py::arg("num_threads") = 0,
+          "done", [](const CopyPlan& plan, int32_t k) { return plan.done.at(k); }, py::arg("leg"),
+          "Leg `leg`'s last job, once issued (None before).")
+      .def("dma_host", &CopyPlan::dma_host, py::arg("leg"), py::arg("staging"), py::arg("num_threads") = 0,
+           py::call_guard<py::gil_scoped_release>(), "The leg's runs by memcpy (GIL released).")
+      .def("reshape_host", &CopyPlan::reshape_host, py::arg("leg"), py::arg("staging"), py::arg("num_threads") = 0,
            py::arg("sim_sm_count") = 132, py::arg("sim_max_ctas") = 0, py::call_guard<py::gil_scoped_release>(),
-           "The part's launches by the CPU kernel or the CUDA kernel's emulation (GIL released).")
+           "The leg's launches by the CPU kernel or the CUDA kernel's emulation (GIL released).")
       .def(
           "dma_cuda",
           [](const CopyPlan& plan, int32_t k, int64_t staging, int64_t stream) {
-            part_of(plan, k);
+            leg_of(plan, k);
             const int err = plan.dma_cuda(k, staging, stream);
             if (err != 0) throw std::runtime_error("kvx CUDA DMA runs failed (cudaError " + std::to_string(err) + ")");
           },
-          py::arg("part"), py::arg("staging"), py::arg("stream"))
+          py::arg("leg"), py::arg("staging"), py::arg("stream"))
       .def(
           "reshape_cuda",
           [](CopyPlan& plan, int32_t k, int64_t staging, int64_t stream) {
-            part_of(plan, k);
+            leg_of(plan, k);
             const int err = plan.reshape_cuda(k, staging, stream);
             if (err != 0) throw std::runtime_error("kvx CUDA copy launch failed (cudaError " + std::to_string(err) + ")");
           },
-          py::arg("part"), py::arg("staging"), py::arg("stream"));
+          py::arg("leg"), py::arg("staging"), py::arg("stream"));
 
   m.def(
       "run_host",
       [](const PlanPtr& plan, int64_t staging, int32_t lo, int32_t hi, int num_threads, int sim_sm_count,
          int sim_max_ctas) {
-        const int32_t n = static_cast<int32_t>(plan->parts().size());
+        const int32_t n = static_cast<int32_t>(plan->legs().size());
         if (hi < 0) hi = n;
         if (!(0 <= lo && lo <= hi && hi <= n))
           throw std::out_of_range("lo, hi: expected 0 <= lo <= hi <= " + std::to_string(n));
@@ -310,45 +310,45 @@ void bind_plan(py::module_& m) {
       },
       py::arg("plan"), py::arg("staging"), py::arg("lo") = 0, py::arg("hi") = -1, py::arg("num_threads") = 0,
       py::arg("sim_sm_count") = 132, py::arg("sim_max_ctas") = 0,
-      "Run parts [lo, hi) (hi < 0: to the end) of a host-executable plan now, in order (GIL released): a one-off "
+      "Run legs [lo, hi) (hi < 0: to the end) of a host-executable plan now, in order (GIL released): a one-off "
       "copy on the CPU.");
   m.def(
       "issue_in_order",
       [](Queues& q, const PlanPtr& plan, int64_t staging, int32_t lo, int32_t hi) {
-        issue_in_order(q, plan, staging, lo, hi < 0 ? static_cast<int32_t>(plan->parts().size()) : hi);
+        issue_in_order(q, plan, staging, lo, hi < 0 ? static_cast<int32_t>(plan->legs().size()) : hi);
       },
       py::arg("queues"), py::arg("plan"), py::arg("staging"), py::arg("lo") = 0, py::arg("hi") = -1,
-      "Parts [lo, hi) on one queue in the direction's order: a one-off copy (StreamQueues: the caller's stream).");
+      "Legs [lo, hi) on one queue in the direction's order: a one-off copy (StreamQueues: the caller's stream).");
   m.def(
       "issue_load",
       [](Queues& q, const PlanPtr& plan, StagingRing* ring, int32_t lo, int32_t hi, const std::vector<EventPtr>& after) {
         issue_load(q, plan, ring, lo, hi, after);
       },
       py::arg("queues"), py::arg("plan"), py::arg("ring"), py::arg("lo"), py::arg("hi"), py::arg("after"),
-      "Issue parts [lo, hi) of a load plan; the first follows `after` (queues.h).");
+      "Issue legs [lo, hi) of a load plan; the first follows `after` (queues.h).");
   m.def(
       "issue_save",
       [](Queues& q, const PlanPtr& plan, StagingRing* ring, int32_t lo, int32_t hi, const std::vector<EventPtr>& after,
          bool marker) { issue_save(q, plan, ring, lo, hi, after, marker); },
       py::arg("queues"), py::arg("plan"), py::arg("ring"), py::arg("lo"), py::arg("hi"), py::arg("after"),
-      py::arg("marker"), "Issue parts [lo, hi) of a save plan; the first follows `after` and, with `marker`, now.");
+      py::arg("marker"), "Issue legs [lo, hi) of a save plan; the first follows `after` and, with `marker`, now.");
   m.def(
       "issue_save_range",
       [](Queues& q, const PlanPtr& plan, StagingRing* ring, int32_t r, const std::vector<EventPtr>& after,
          bool marker) {
-        const auto parts = plan->range_parts(r);
-        issue_save(q, plan, ring, parts.first, parts.second, after, marker);
+        const auto legs = plan->range_legs(r);
+        issue_save(q, plan, ring, legs.first, legs.second, after, marker);
       },
       py::arg("queues"), py::arg("plan"), py::arg("ring"), py::arg("range"), py::arg("after"), py::arg("marker"),
-      "issue_save of the parts of layer range `range`: a layer's saves, one call.");
+      "issue_save of the legs of layer range `range`: a layer's saves, one call.");
   m.def(
       "fence_range",
       [](Queues& q, const CopyPlan& plan, int32_t r) {
-        const auto parts = plan.range_parts(r);
-        fence(q, plan, parts.first, parts.second);
+        const auto legs = plan.range_legs(r);
+        fence(q, plan, legs.first, legs.second);
       },
       py::arg("queues"), py::arg("plan"), py::arg("range"),
-      "The compute stream waits for the parts of layer range `range` (rule 4): a layer's fence, one call.");
+      "The compute stream waits for the legs of layer range `range` (rule 4): a layer's fence, one call.");
   m.def(
       "fence", [](Queues& q, const CopyPlan& plan, int32_t lo, int32_t hi) { fence(q, plan, lo, hi); },
       py::arg("queues"), py::arg("plan"), py::arg("lo"), py::arg("hi"));

@@ -1,4 +1,4 @@
-// copy_plan.cpp - planning a set of copies into parts (copy_plan.h), and the host executors.
+// copy_plan.cpp - planning a set of copies into legs (copy_plan.h), and the host executors.
 #include "copy_plan.h"
 
 #include <algorithm>
@@ -105,10 +105,10 @@ int64_t CopyPlan::min_staging_bytes() const {
   return n;
 }
 
-std::pair<int32_t, int32_t> CopyPlan::range_parts(int32_t r) const {
+std::pair<int32_t, int32_t> CopyPlan::range_legs(int32_t r) const {
   if (r < 0 || r >= num_ranges())
     throw std::out_of_range("range: expected 0 <= range < " + str(num_ranges()) + ", got " + str(r));
-  return range_parts_[r];
+  return range_legs_[r];
 }
 
 bool CopyPlan::direct_fits(int32_t i, int64_t min_run) const {
@@ -123,7 +123,7 @@ void CopyPlan::emit(int64_t dst, int64_t src, int64_t bytes) {
   if (bytes <= 0) return;
   if (!run_bytes_.empty()) {
     const size_t k = run_bytes_.size() - 1;
-    if (static_cast<int64_t>(run_bytes_.size()) > parts_.back().run_lo && run_dst_[k] + run_bytes_[k] == dst &&
+    if (static_cast<int64_t>(run_bytes_.size()) > legs_.back().run_lo && run_dst_[k] + run_bytes_[k] == dst &&
         run_src_[k] + run_bytes_[k] == src) {
       run_bytes_[k] += bytes;
       return;
@@ -154,7 +154,7 @@ void CopyPlan::build(int32_t path, const std::vector<std::pair<int32_t, int32_t>
   path_ = path;
   built_ = true;
   if (copies_.empty()) {
-    range_parts_.assign(ranges.size(), {0, 0});
+    range_legs_.assign(ranges.size(), {0, 0});
     return;
   }
   // the kernel path's ids: every copy's, as added
@@ -179,7 +179,7 @@ void CopyPlan::build(int32_t path, const std::vector<std::pair<int32_t, int32_t>
   }
   for (int32_t r = 0; r < static_cast<int32_t>(ranges.size()); ++r) {
     const int32_t a = ranges[r].first, b = ranges[r].second;
-    const int32_t first = static_cast<int32_t>(parts_.size());
+    const int32_t first = static_cast<int32_t>(legs_.size());
     if (path_ == kPathKernel) {
       plan_kernel(a, b, r);
     } else if (path_ == kPathDma) {
@@ -214,14 +214,14 @@ void CopyPlan::build(int32_t path, const std::vector<std::pair<int32_t, int32_t>
             for (int32_t l = a; l < b; ++l) plan_staged(share, l, l + 1, r, &specs);
       }
     }
-    range_parts_.emplace_back(first, static_cast<int32_t>(parts_.size()));
+    range_legs_.emplace_back(first, static_cast<int32_t>(legs_.size()));
   }
-  touched.assign(parts_.size(), nullptr);
-  done.assign(parts_.size(), nullptr);
+  touched.assign(legs_.size(), nullptr);
+  done.assign(legs_.size(), nullptr);
 }
 
 void CopyPlan::plan_kernel(int32_t start, int32_t end, int32_t range) {
-  Part part{start, end, range, 0, 0, 0, 0, static_cast<int32_t>(launches_.size()), 0};
+  Leg leg{start, end, range, 0, 0, 0, 0, static_cast<int32_t>(launches_.size()), 0};
   for (size_t i = 0; i < copies_.size(); ++i) {
     const CopySpec& c = copies_[i];
     Launch l{};
@@ -238,17 +238,17 @@ void CopyPlan::plan_kernel(int32_t start, int32_t end, int32_t range) {
     if (sm_count_ > 0)
       l.config = cuda::kernel_launch_config(l.params, layer_ptrs_.data() + start, l.contig, sm_count_, max_ctas_);
     launches_.push_back(l);
-    part.nbytes += id_bytes(c) * c.params.num_ids * (end - start);
+    leg.nbytes += id_bytes(c) * c.params.num_ids * (end - start);
   }
-  part.launch_hi = static_cast<int32_t>(launches_.size());
-  part.run_lo = part.run_hi = static_cast<int64_t>(run_bytes_.size());
-  parts_.push_back(part);
+  leg.launch_hi = static_cast<int32_t>(launches_.size());
+  leg.run_lo = leg.run_hi = static_cast<int64_t>(run_bytes_.size());
+  legs_.push_back(leg);
 }
 
 void CopyPlan::plan_direct(int32_t start, int32_t end, int32_t range) {
-  Part part{start, end, range, 0, 0, static_cast<int64_t>(run_bytes_.size()), 0,
-            static_cast<int32_t>(launches_.size()), static_cast<int32_t>(launches_.size())};
-  parts_.push_back(part);
+  Leg leg{start, end, range, 0, 0, static_cast<int64_t>(run_bytes_.size()), 0,
+          static_cast<int32_t>(launches_.size()), static_cast<int32_t>(launches_.size())};
+  legs_.push_back(leg);
   const bool gather = direction_ == kGather;
   // one layer's runs per copy (kv_layout.h plan_runs, what a DMA executor issues), then every layer's: the block
   // side moves with the layer's base, the buffer side by its layer stride
@@ -276,13 +276,13 @@ void CopyPlan::plan_direct(int32_t start, int32_t end, int32_t range) {
       }
     }
   }
-  parts_.back().nbytes = moved;
-  parts_.back().run_hi = static_cast<int64_t>(run_bytes_.size());
+  legs_.back().nbytes = moved;
+  legs_.back().run_hi = static_cast<int64_t>(run_bytes_.size());
 }
 
 void CopyPlan::plan_staged(const std::vector<Piece>& pieces, int32_t start, int32_t end, int32_t range,
                            std::vector<std::pair<std::vector<Piece>, int64_t>>* specs) {
-  // the share's groups: their ids once per share (every layer's part of it launches with the same ids)
+  // the share's groups: their ids once per share (every layer's leg of it launches with the same ids)
   size_t spec = 0;
   while (spec < specs->size()) {
     const auto& s = (*specs)[spec].first;
@@ -297,8 +297,8 @@ void CopyPlan::plan_staged(const std::vector<Piece>& pieces, int32_t start, int3
   if (fresh) specs->emplace_back(pieces, static_cast<int64_t>(ids_.size()));
   int64_t ids_at = (*specs)[spec].second;
 
-  Part part{start, end, range, 0, 0, static_cast<int64_t>(run_bytes_.size()), 0,
-            static_cast<int32_t>(launches_.size()), 0};
+  Leg leg{start, end, range, 0, 0, static_cast<int64_t>(run_bytes_.size()), 0,
+          static_cast<int32_t>(launches_.size()), 0};
   struct Group {
     int32_t group = -1;
     std::vector<Piece> pieces;
@@ -318,17 +318,17 @@ void CopyPlan::plan_staged(const std::vector<Piece>& pieces, int32_t start, int3
         grp.outer = grp.outer && c.head_major;
       }
     if (grp.pieces.empty()) continue;
-    grp.offset = part.layer_bytes;
-    part.layer_bytes += grp.bytes;
+    grp.offset = leg.layer_bytes;
+    leg.layer_bytes += grp.bytes;
     groups.push_back(std::move(grp));
   }
-  part.nbytes = part.layer_bytes * (end - start);
-  parts_.push_back(part);
+  leg.nbytes = leg.layer_bytes * (end - start);
+  legs_.push_back(leg);
   for (const Group& grp : groups) {
     const CopySpec& c0 = copies_[grp.pieces[0].copy];
     const int64_t P = c0.params.paged.num_planes, H = c0.params.paged.num_heads, R = c0.params.row_bytes;
     ContigDesc region{};
-    region.layer_stride = part.layer_bytes;
+    region.layer_stride = leg.layer_bytes;
     if (grp.outer) {
       region.head_stride = P * grp.entries * R;
       region.plane_stride = grp.entries * R;
@@ -355,17 +355,17 @@ void CopyPlan::plan_staged(const std::vector<Piece>& pieces, int32_t start, int3
     l.entries = grp.entries;
     l.region_bytes = grp.bytes;
     l.span_lo = grp.offset;
-    l.span_hi = (end - start - 1) * part.layer_bytes + grp.offset + grp.bytes;
+    l.span_hi = (end - start - 1) * leg.layer_bytes + grp.offset + grp.bytes;
     if (sm_count_ > 0)
       l.config = cuda::kernel_launch_config(l.params, layer_ptrs_.data() + start, l.contig, sm_count_, 0);
     launches_.push_back(l);
     ids_at += n;
   }
-  parts_.back().launch_hi = static_cast<int32_t>(launches_.size());
+  legs_.back().launch_hi = static_cast<int32_t>(launches_.size());
   // the runs between each piece's rows in its buffer and its place in the group's region, layer by layer
   const bool gather = direction_ == kGather;
   for (int32_t layer = start; layer < end; ++layer) {
-    const int64_t stage_layer = static_cast<int64_t>(layer - start) * part.layer_bytes;
+    const int64_t stage_layer = static_cast<int64_t>(layer - start) * leg.layer_bytes;
     for (const Group& grp : groups) {
       int64_t at = 0;  // entries of the group before this piece
       for (const Piece& pc : grp.pieces) {
@@ -408,19 +408,19 @@ void CopyPlan::plan_staged(const std::vector<Piece>& pieces, int32_t start, int3
       }
     }
   }
-  parts_.back().run_hi = static_cast<int64_t>(run_bytes_.size());
+  legs_.back().run_hi = static_cast<int64_t>(run_bytes_.size());
 }
 
-void CopyPlan::dma_host(int32_t part, int64_t staging, int num_threads) const {
-  const Part& p = parts_.at(part);
+void CopyPlan::dma_host(int32_t leg, int64_t staging, int num_threads) const {
+  const Leg& p = legs_.at(leg);
   const int64_t n = p.run_hi - p.run_lo;
   if (n <= 0) return;
   cpu::copy_runs(run_dst_.data() + p.run_lo, run_src_.data() + p.run_lo, run_bytes_.data() + p.run_lo, n,
                  dst_staged() ? staging : 0, src_staged() ? staging : 0, num_threads);
 }
 
-void CopyPlan::reshape_host(int32_t part, int64_t staging, int num_threads, int sim_sm_count, int sim_max_ctas) const {
-  const Part& p = parts_.at(part);
+void CopyPlan::reshape_host(int32_t leg, int64_t staging, int num_threads, int sim_sm_count, int sim_max_ctas) const {
+  const Leg& p = legs_.at(leg);
   const int64_t base = path_ == kPathStaged ? staging : 0;
   const int64_t whole = nbytes();
   for (int32_t i = p.launch_lo; i < p.launch_hi;) {

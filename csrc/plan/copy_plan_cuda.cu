@@ -1,4 +1,4 @@
-// copy_plan_cuda.cu - the CUDA executors of a copy plan (copy_plan.h): a part's DMA runs and kernel launches as
+// copy_plan_cuda.cu - the CUDA executors of a copy plan (copy_plan.h): a leg's DMA runs and kernel launches as
 // planned, on a stream. Nothing is computed here but the staging base added to the runs.
 #include <cuda_runtime.h>
 
@@ -7,8 +7,8 @@
 
 namespace kvx {
 
-int CopyPlan::dma_cuda(int32_t part, int64_t staging, int64_t stream) const {
-  const Part& p = parts_.at(part);
+int CopyPlan::dma_cuda(int32_t leg, int64_t staging, int64_t stream) const {
+  const Leg& p = legs_.at(leg);
   const int64_t n = p.run_hi - p.run_lo;
   if (n <= 0) return cudaSuccess;
   const bool host = !copies_.empty() && copies_[0].on_host;
@@ -18,8 +18,8 @@ int CopyPlan::dma_cuda(int32_t part, int64_t staging, int64_t stream) const {
                          /*dst_host=*/g && host, stream);
 }
 
-int CopyPlan::reshape_cuda(int32_t part, int64_t staging, int64_t stream) {
-  const Part& p = parts_.at(part);
+int CopyPlan::reshape_cuda(int32_t leg, int64_t staging, int64_t stream) {
+  const Leg& p = legs_.at(leg);
   if (p.launch_lo == p.launch_hi) return cudaSuccess;
   if (path_ == kPathStaged && staging % 16) return cudaErrorMisalignedAddress;  // the launches assume 16
   auto s = reinterpret_cast<cudaStream_t>(stream);

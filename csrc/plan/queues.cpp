@@ -16,14 +16,14 @@ void NullQueues::wait(int32_t, const EventPtr& event) {
   if (event) ++waits;
 }
 
-void NullQueues::dma(int32_t, const PlanPtr& plan, int32_t part, int64_t) {
-  const Part& p = plan->parts().at(part);
+void NullQueues::dma(int32_t, const PlanPtr& plan, int32_t leg, int64_t) {
+  const Leg& p = plan->legs().at(leg);
   const int64_t n = p.run_hi - p.run_lo;
   if (n > 0) dma_calls += (n + 4095) / 4096;  // cudaMemcpyBatchAsync takes 4096 runs a call (copy_cuda.cu)
 }
 
-void NullQueues::reshape(int32_t, const PlanPtr& plan, int32_t part, int64_t) {
-  const Part& p = plan->parts().at(part);
+void NullQueues::reshape(int32_t, const PlanPtr& plan, int32_t leg, int64_t) {
+  const Leg& p = plan->legs().at(leg);
   if (p.launch_lo == p.launch_hi) return;
   // a CUDA executor uploads the id table at the plan's first reshape: cudaMallocAsync + cudaMemcpyAsync
   if (!plan->ids().empty() && plan->take_upload()) uploads += 2;
@@ -55,20 +55,20 @@ void StagingRing::note(int32_t index, const EventPtr& user) {
 // ---------------------------------------------------------------- issue
 namespace {
 
-void check_parts(const CopyPlan& plan, int32_t lo, int32_t hi) {
-  const int32_t n = static_cast<int32_t>(plan.parts().size());
+void check_legs(const CopyPlan& plan, int32_t lo, int32_t hi) {
+  const int32_t n = static_cast<int32_t>(plan.legs().size());
   if (!(0 <= lo && lo <= hi && hi <= n))
-    throw std::out_of_range("parts: expected 0 <= lo <= hi <= " + std::to_string(n) + ", got " + std::to_string(lo) +
+    throw std::out_of_range("legs: expected 0 <= lo <= hi <= " + std::to_string(n) + ", got " + std::to_string(lo) +
                             ", " + std::to_string(hi));
 }
 
 void check_ring(const CopyPlan& plan, int32_t lo, int32_t hi, StagingRing* ring) {
-  check_parts(plan, lo, hi);
+  check_legs(plan, lo, hi);
   if (plan.path() != kPathStaged || lo == hi) return;
   if (ring == nullptr) throw std::invalid_argument("ring: path staged needs a staging ring, got none");
   for (int32_t k = lo; k < hi; ++k)
-    if (plan.parts()[k].nbytes > ring->capacity())
-      throw std::invalid_argument("ring: a part of " + std::to_string(plan.parts()[k].nbytes) +
+    if (plan.legs()[k].nbytes > ring->capacity())
+      throw std::invalid_argument("ring: a leg of " + std::to_string(plan.legs()[k].nbytes) +
                                   " bytes exceeds the ring's buffers of " + std::to_string(ring->capacity()));
 }
 
@@ -141,13 +141,13 @@ void issue_save(Queues& q, const PlanPtr& plan, StagingRing* ring, int32_t lo, i
 }
 
 void fence(Queues& q, const CopyPlan& plan, int32_t lo, int32_t hi) {
-  check_parts(plan, lo, hi);
+  check_legs(plan, lo, hi);
   for (int32_t k = lo; k < hi; ++k)
     if (plan.touched[k]) q.wait(kQueueCompute, plan.touched[k]);
 }
 
 void issue_in_order(Queues& q, const PlanPtr& plan, int64_t staging, int32_t lo, int32_t hi) {
-  check_parts(*plan, lo, hi);
+  check_legs(*plan, lo, hi);
   for (int32_t k = lo; k < hi; ++k) {
     const int32_t queue = plan->gather() ? kQueueSave : kQueueLoad;
     if (plan->path() == kPathDma) {

@@ -1,16 +1,16 @@
-// queues.h - where a plan's parts run, and the order between them: the compiled issue path.
+// queues.h - where a plan's legs run, and the order between them: the compiled issue path.
 //
 // A transfer engine (kvx/engine.py) has four copy queues beside the compute stream: `load` (copies that write
 // blocks), `save` (copies that read blocks), `h2d` and `d2h` (the DMAs of staged copies). The issue functions
-// below put a plan's parts on them with the ordering rules of kvx.engine.BlockOrder that concern one plan:
+// below put a plan's legs on them with the ordering rules of kvx.engine.BlockOrder that concern one plan:
 //
-//   rule 1 / 2: a plan's first part follows `after` (the compute stream's marker and the queued copies of the
+//   rule 1 / 2: a plan's first leg follows `after` (the compute stream's marker and the queued copies of the
 //               same blocks, which the caller, BlockOrder, finds per step); a save may take the marker itself;
-//   rule 4:     fence() makes the compute stream wait for the parts of a layer group;
+//   rule 4:     fence() makes the compute stream wait for the legs of a layer group;
 //   rule 5:     a staging buffer of the ring is written only after the job of the other queue that last used it
 //               (a load's reshape, a save's DMA): StagingRing::acquire returns it.
 //
-// A staged load part is a DMA on h2d into a ring buffer, then its reshape on load; a staged save part a gather on
+// A staged load leg is a DMA on h2d into a ring buffer, then its reshape on load; a staged save leg a gather on
 // save into a ring buffer, then its DMA on d2h. Every call here is one engine operation: a CUDA engine makes one
 // CUDA API call of each (queues_cuda.cu), NullQueues counts them (the host-only benchmark), and the CPU engines
 // implement Queues in Python (kvx/engine.py), so the deferred copy queue checks this very code's ordering on CPU.
@@ -43,8 +43,8 @@ class Queues {
   virtual ~Queues() = default;
   virtual EventPtr record(int32_t queue) = 0;                  // a point after everything issued on `queue`
   virtual void wait(int32_t queue, const EventPtr& event) = 0;  // later work on `queue` follows `event`
-  virtual void dma(int32_t queue, const PlanPtr& plan, int32_t part, int64_t staging) = 0;
-  virtual void reshape(int32_t queue, const PlanPtr& plan, int32_t part, int64_t staging) = 0;
+  virtual void dma(int32_t queue, const PlanPtr& plan, int32_t leg, int64_t staging) = 0;
+  virtual void reshape(int32_t queue, const PlanPtr& plan, int32_t leg, int64_t staging) = 0;
 };
 
 // What a CUDA engine would call, counted, and nothing run: the host-only benchmark's engine.
@@ -52,8 +52,8 @@ class NullQueues : public Queues {
  public:
   EventPtr record(int32_t queue) override;
   void wait(int32_t queue, const EventPtr& event) override;
-  void dma(int32_t queue, const PlanPtr& plan, int32_t part, int64_t staging) override;
-  void reshape(int32_t queue, const PlanPtr& plan, int32_t part, int64_t staging) override;
+  void dma(int32_t queue, const PlanPtr& plan, int32_t leg, int64_t staging) override;
+  void reshape(int32_t queue, const PlanPtr& plan, int32_t leg, int64_t staging) override;
   // CUDA API calls a CUDA engine would make: event records, stream waits, batched DMA calls, kernel launches, and
   // the id table's upload (an allocation and a copy, once per plan)
   int64_t records = 0, waits = 0, dma_calls = 0, launches = 0, uploads = 0;
@@ -82,16 +82,16 @@ class StagingRing {
   int32_t next_ = 0;
 };
 
-// Issue parts [lo, hi) of a load plan (it writes blocks); the first follows `after` (rule 1).
+// Issue legs [lo, hi) of a load plan (it writes blocks); the first follows `after` (rule 1).
 void issue_load(Queues& q, const PlanPtr& plan, StagingRing* ring, int32_t lo, int32_t hi,
                 const std::vector<EventPtr>& after);
-// Issue parts [lo, hi) of a save plan (it reads blocks); the first follows `after` and, with `marker`, a point
+// Issue legs [lo, hi) of a save plan (it reads blocks); the first follows `after` and, with `marker`, a point
 // recorded on the compute stream now (rule 2: right after the forward wrote the blocks).
 void issue_save(Queues& q, const PlanPtr& plan, StagingRing* ring, int32_t lo, int32_t hi,
                 const std::vector<EventPtr>& after, bool marker);
-// The compute stream waits for parts [lo, hi) (rule 4).
+// The compute stream waits for legs [lo, hi) (rule 4).
 void fence(Queues& q, const CopyPlan& plan, int32_t lo, int32_t hi);
-// Parts [lo, hi) on one queue in the direction's order (a one-off copy: a stream orders the staging buffer's reuse).
+// Legs [lo, hi) on one queue in the direction's order (a one-off copy: a stream orders the staging buffer's reuse).
 void issue_in_order(Queues& q, const PlanPtr& plan, int64_t staging, int32_t lo, int32_t hi);
 
 }  // namespace kvx

@@ -93,21 +93,21 @@ void CudaQueues::wait(int32_t queue, const EventPtr& event) {
   check(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream(queue)), e->event, 0), "cudaStreamWaitEvent");
 }
 
-void CudaQueues::dma(int32_t queue, const PlanPtr& plan, int32_t part, int64_t staging) {
-  check(static_cast<cudaError_t>(plan->dma_cuda(part, staging, stream(queue))), "DMA runs");
+void CudaQueues::dma(int32_t queue, const PlanPtr& plan, int32_t leg, int64_t staging) {
+  check(static_cast<cudaError_t>(plan->dma_cuda(leg, staging, stream(queue))), "DMA runs");
 }
 
-void CudaQueues::reshape(int32_t queue, const PlanPtr& plan, int32_t part, int64_t staging) {
+void CudaQueues::reshape(int32_t queue, const PlanPtr& plan, int32_t leg, int64_t staging) {
   if (plan->impl() != kImplCuda) throw std::invalid_argument("reshape: a CUDA engine runs plans of impl cuda only");
-  check(static_cast<cudaError_t>(plan->reshape_cuda(part, staging, stream(queue))), "copy launch");
+  check(static_cast<cudaError_t>(plan->reshape_cuda(leg, staging, stream(queue))), "copy launch");
 }
 
-void StreamQueues::dma(int32_t, const PlanPtr& plan, int32_t part, int64_t staging) {
-  check(static_cast<cudaError_t>(plan->dma_cuda(part, staging, stream_)), "DMA runs");
+void StreamQueues::dma(int32_t, const PlanPtr& plan, int32_t leg, int64_t staging) {
+  check(static_cast<cudaError_t>(plan->dma_cuda(leg, staging, stream_)), "DMA runs");
 }
 
-void StreamQueues::reshape(int32_t, const PlanPtr& plan, int32_t part, int64_t staging) {
-  check(static_cast<cudaError_t>(plan->reshape_cuda(part, staging, stream_)), "copy launch");
+void StreamQueues::reshape(int32_t, const PlanPtr& plan, int32_t leg, int64_t staging) {
+  check(static_cast<cudaError_t>(plan->reshape_cuda(leg, staging, stream_)), "copy launch");
 }
 
 }  // namespace kvx::cuda

@@ -14,7 +14,7 @@ class EventPool;
 
 // The four copy queues are four streams (handles); the compute stream is the one the forward runs on, set by the
 // engine at each step (set_compute). Every operation is one CUDA API call of its own (record: cudaEventRecord,
-// wait: cudaStreamWaitEvent, dma: the batched copies of copy_runs, reshape: the part's kernel launches), on the
+// wait: cudaStreamWaitEvent, dma: the batched copies of copy_runs, reshape: the leg's kernel launches), on the
 // current device; a failing call throws std::runtime_error naming it. Events come from a pool and go back to it
 // when the last reference goes (a recorded event is reused only once no one can wait on it any more).
 class CudaQueues : public Queues {
@@ -26,8 +26,8 @@ class CudaQueues : public Queues {
   int64_t stream(int32_t queue) const;
   EventPtr record(int32_t queue) override;
   void wait(int32_t queue, const EventPtr& event) override;
-  void dma(int32_t queue, const PlanPtr& plan, int32_t part, int64_t staging) override;
-  void reshape(int32_t queue, const PlanPtr& plan, int32_t part, int64_t staging) override;
+  void dma(int32_t queue, const PlanPtr& plan, int32_t leg, int64_t staging) override;
+  void reshape(int32_t queue, const PlanPtr& plan, int32_t leg, int64_t staging) override;
 
  private:
   std::array<int64_t, 4> streams_;
@@ -36,14 +36,14 @@ class CudaQueues : public Queues {
 };
 
 // One stream for every queue (a one-off copy on the caller's stream): records and waits are nothing (the stream
-// orders everything), a part's DMA and launches go to the stream.
+// orders everything), a leg's DMA and launches go to the stream.
 class StreamQueues : public Queues {
  public:
   explicit StreamQueues(int64_t stream) : stream_(stream) {}
   EventPtr record(int32_t) override { return passed_; }
   void wait(int32_t, const EventPtr&) override {}
-  void dma(int32_t queue, const PlanPtr& plan, int32_t part, int64_t staging) override;
-  void reshape(int32_t queue, const PlanPtr& plan, int32_t part, int64_t staging) override;
+  void dma(int32_t queue, const PlanPtr& plan, int32_t leg, int64_t staging) override;
+  void reshape(int32_t queue, const PlanPtr& plan, int32_t leg, int64_t staging) override;
 
  private:
   int64_t stream_;

@@ -4,8 +4,8 @@
 its layer groups, the chunk format and the shapes of stored objects, the CPU tier's slots, and the copies'
 machinery (the :class:`kvx.engine.TransferEngine`, its :class:`kvx.engine.BlockOrder`, the host path and its
 staging rings). :meth:`RegisteredKV.queue_loads` / :meth:`RegisteredKV.queue_saves` issue a compiled
-:class:`kvx.kernels.plan.Plan` on the engine's queues (one or two jobs per part: a staged part is a DMA and a reshape,
-ordered by rule 5), and :meth:`RegisteredKV.fence` fences a layer group's parts: each one compiled call.
+:class:`kvx.kernels.plan.Plan` on the engine's queues (one or two jobs per leg: a staged leg is a DMA and a reshape,
+ordered by rule 5), and :meth:`RegisteredKV.fence` fences a layer group's legs: each one compiled call.
 :class:`WorkerResults` collects what the pipelines report to vLLM and the scheduler.
 
 Owned by :class:`~.worker.KVXWorker`, which builds a new :class:`RegisteredKV` whenever it describes the caches
@@ -161,7 +161,7 @@ class RegisteredKV:
         return Copies(self.layout, path=self.path, max_ctas=self.config.max_ctas, sm_count=self.engine.sm_count)
 
     def plan(self, copies: Copies, name: str = "") -> Plan:
-        """``copies`` planned by layer group (staged: each part fits one buffer of the engine's ring)."""
+        """``copies`` planned by layer group (staged: each leg fits one buffer of the engine's ring)."""
         ring = None
         if self.engine.staged:
             ring = self.engine.ring("save" if copies.gather else "load")
@@ -170,24 +170,24 @@ class RegisteredKV:
         return plan
 
     def queue_loads(self, plan: Plan, blocks: Sequence[int]) -> Job | None:
-        """Issue every part of a load plan in compiled code (rules 1 and 5: :meth:`kvx.engine.BlockOrder.load_plan`);
+        """Issue every leg of a load plan in compiled code (rules 1 and 5: :meth:`kvx.engine.BlockOrder.load_plan`);
         the job recorded against the blocks (None: nothing to copy)."""
         return self.order.load_plan(blocks, plan)
 
     def fence(self, plan: Plan, group: int) -> None:
-        """Rule 4: the compute stream waits for ``plan``'s parts of layer group ``group`` (one compiled call)."""
+        """Rule 4: the compute stream waits for ``plan``'s legs of layer group ``group`` (one compiled call)."""
         _C.fence_range(self.engine.queues, plan, group)
 
     def queue_saves(self, plan: Plan, group: int, blocks: Sequence[int], first: bool, last: bool) -> None:
-        """Issue ``plan``'s parts of layer group ``group`` in compiled code, right after the forward wrote them (rules
+        """Issue ``plan``'s legs of layer group ``group`` in compiled code, right after the forward wrote them (rules
         2 and 5: :meth:`kvx.engine.BlockOrder.save_plan`). ``first`` / ``last``: the plan's first / last call."""
         self.order.save_plan(blocks, plan, group, first, last)
 
 
 def plan_done(plan: Plan) -> bool:
-    """Every issued part of a plan ran: the last issued part's last job did (a plan's parts end in order on one
-    queue). Call once it is issued (a part never issued, after an error, is not waited for)."""
-    for k in range(plan.num_parts - 1, -1, -1):
+    """Every issued leg of a plan ran: the last issued leg's last job did (a plan's legs end in order on one
+    queue). Call once it is issued (a leg never issued, after an error, is not waited for)."""
+    for k in range(plan.num_legs - 1, -1, -1):
         ev = plan.done(k)
         if ev is not None:
             return ev.query()
@@ -196,7 +196,7 @@ def plan_done(plan: Plan) -> bool:
 
 def plan_error(plan: Plan) -> BaseException | None:
     """The first error a Python engine's job of ``plan`` kept (a CUDA engine's errors raise when issued)."""
-    n = plan.num_parts
+    n = plan.num_legs
     last = plan.done(n - 1) if n else None
     if last is None or last.payload is None:  # not issued, or not a Python engine's jobs: nothing kept
         return None
@@ -209,8 +209,8 @@ def plan_error(plan: Plan) -> BaseException | None:
 
 
 def wait_plan(plan: Plan) -> None:
-    """Block until every issued part of ``plan`` ran (off the per-step path, or on CPU threads)."""
-    for k in range(plan.num_parts):
+    """Block until every issued leg of ``plan`` ran (off the per-step path, or on CPU threads)."""
+    for k in range(plan.num_legs):
         ev = plan.done(k)
         if ev is not None:
             ev.synchronize()

@@ -1,8 +1,8 @@
 """The worker's load pipeline: chunk bytes from the tiers into the paged KV cache.
 
 The copies of chunks in the CPU tier are queued at once: one compiled :class:`kvx.kernels.plan.Plan` of every chunk
-at hand (checked and planned once, not once per layer), cut into parts by *layer group* and issued in compiled code
-(staged: a DMA job and a reshape job per part, :meth:`~.cache.RegisteredKV.queue_loads`); chunks in the other
+at hand (checked and planned once, not once per layer), cut into legs by *layer group* and issued in compiled code
+(staged: a DMA job and a reshape job per leg, :meth:`~.cache.RegisteredKV.queue_loads`); chunks in the other
 tiers (disk, Redis, ...: :class:`kvx.store.Tier`) are read and verified on I/O threads straight into a CPU slot
 when the scheduler allotted one (promotion), and their copies are queued as soon as the read is in, at the latest
 in :meth:`LoadPipeline.wait_for_layer` of the first layer, the only place that waits for a read. That fences the
@@ -195,7 +195,7 @@ class LoadPipeline:
             self._queue_chunks(load, self._take_ready(load))
 
     def _queue_chunks(self, load: _Load, chunks: list[tuple[ChunkLoad, torch.Tensor]]) -> None:
-        """Queue the copies of ``chunks``: one plan of them all, its parts by layer group (group order: the forward
+        """Queue the copies of ``chunks``: one plan of them all, its legs by layer group (group order: the forward
         reads group 0 first)."""
         plan = self._submit(load, chunks)
         if plan is not None:
@@ -204,7 +204,7 @@ class LoadPipeline:
     def _submit(self, load: _Load, chunks: list[tuple[ChunkLoad, torch.Tensor]], what: str = "") -> Plan | None:
         """One compiled plan of ``chunks`` (checked and planned once), issued whole (:meth:`~.cache.RegisteredKV.
         queue_loads`). A plan that cannot be built (a check failing) or issued fails its chunks: recomputed. One that
-        failed while being issued is returned still: the parts it issued are fenced like any (they write blocks)."""
+        failed while being issued is returned still: the legs it issued are fenced like any (they write blocks)."""
         if not chunks:
             return None
         try:
@@ -404,9 +404,9 @@ class LoadPipeline:
             if deadline is not None and not load.pending:
                 for plan in load.all_plans():
                     left = deadline - time.perf_counter()
-                    if left <= 0 or not plan.num_parts:
+                    if left <= 0 or not plan.num_legs:
                         break
-                    job = plan.done(plan.num_parts - 1).payload  # a Python engine's: a host wait with a timeout
+                    job = plan.done(plan.num_legs - 1).payload  # a Python engine's: a host wait with a timeout
                     try:
                         if job is not None:
                             job.wait(left)

@@ -1,8 +1,8 @@
 """The worker's save pipeline: chunk bytes from the paged KV cache into the CPU tier and the byte tiers.
 
-:meth:`SavePipeline.submit_group` issues a layer group's gathers (that group's parts of one compiled
+:meth:`SavePipeline.submit_group` issues a layer group's gathers (that group's legs of one compiled
 :class:`kvx.kernels.plan.Plan` of the step's saves, planned when the first group is: staged across PCIe, a gather
-into a staging buffer and a DMA to host memory per part, :meth:`~.cache.RegisteredKV.queue_saves`, one compiled call
+into a staging buffer and a DMA to host memory per leg, :meth:`~.cache.RegisteredKV.queue_saves`, one compiled call
 that also takes the marker) as soon as the forward wrote its last layer, so the copies overlap the
 rest of the forward (``save_layerwise``; otherwise, and for groups no layer reported, :meth:`SavePipeline.finish_step`
 queues them). A save whose KV depends on a block whose load failed on this worker (the load pipeline's verdict,
@@ -196,7 +196,7 @@ class SavePipeline:
             rec.dest = self.cache.blocks_view(self.buffers.buffers[idx], 0, rows)
 
     def submit_group(self, g: int, verdict: Callable[[], LoadOutcomes]) -> None:
-        """Issue the gathers of layer group ``g`` of this step's saves, right after the forward wrote it: its parts of
+        """Issue the gathers of layer group ``g`` of this step's saves, right after the forward wrote it: its legs of
         one compiled plan of every save (built once, at the first group), in one compiled call."""
         if g in self._submitted:
             return

@@ -347,7 +347,7 @@ class KVXWorker:
 
     def _configure_staging(self, lay: KVLayout) -> None:
         """The engine's staging rings (``staging_bytes``), once the caches exist: a buffer must hold one block of
-        one layer (the smallest part), and on CUDA the device must have the budget free (vLLM's KV cache took its
+        one layer (the smallest leg), and on CUDA the device must have the budget free (vLLM's KV cache took its
         share of the device already)."""
         budget = self.config.staging_bytes
         buffer = budget // 4

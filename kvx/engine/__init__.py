@@ -11,9 +11,9 @@
 
 The connector's copies are compiled plans (:mod:`kvx.kernels.plan`), issued by compiled code
 (``csrc/plan/queues.h``: ``kvx._C.issue_load``, ``issue_save``, ``fence_range``), one call per layer: each engine
-offers its queues to that code as :attr:`TransferEngine.queues` (``kvx._C.Queues``). A staged load part is two jobs,
-``h2d`` then ``load``; a staged save part two, ``save`` then ``d2h``: with two streams per direction the DMA of one
-part overlaps the reshape of the previous one.
+offers its queues to that code as :attr:`TransferEngine.queues` (``kvx._C.Queues``). A staged load leg is two jobs,
+``h2d`` then ``load``; a staged save leg two, ``save`` then ``d2h``: with two streams per direction the DMA of one
+leg overlaps the reshape of the previous one.
 
 A job is ``fn(stream)``: ``stream`` is its queue's CUDA stream handle (an int, ``cudaStream_t``) on CUDA, None
 elsewhere; the CUDA engine does not change torch's current stream (use :func:`on_stream` for torch ops in a job).
@@ -70,7 +70,7 @@ their properties (:attr:`TransferEngine.layerwise`, :attr:`~TransferEngine.stage
    :meth:`BlockOrder.save_plan`). The ring is a fixed set of buffers taken in turn: a step larger than the budget
    waits on the device for a buffer, never on the host, and allocates nothing.
 
-Rules 1, 2 and 5 for the parts of one plan, and rule 4, are kept by the compiled issue path; what crosses plans
+Rules 1, 2 and 5 for the legs of one plan, and rule 4, are kept by the compiled issue path; what crosses plans
 and steps (the queued copies of each block, rule 3) is :class:`BlockOrder`'s, per step.
 
 ``Job.done()`` polls without blocking (a CUDA event query); ``Job.wait()`` blocks (off the per-step path);

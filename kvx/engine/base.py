@@ -18,7 +18,7 @@ QUEUES = ("load", "save", "h2d", "d2h")  # in the compiled path's numbering (que
 COMPUTE = 4
 MODES = ("cuda", "thread", "deferred")
 ENV = "KVX_COPY_QUEUE"
-STAGING_BUFFERS = 2  # per direction: the DMA of one part overlaps the reshape of the previous one
+STAGING_BUFFERS = 2  # per direction: the DMA of one leg overlaps the reshape of the previous one
 _FAKE_RINGS = itertools.count()
 
 
@@ -237,7 +237,7 @@ class TransferEngine:
 
 class EngineQueues(_C.Queues if _C is not None else object):
     """A Python engine's queues as the compiled issue path sees them (``kvx._C.Queues``, ``csrc/plan/queues.h``):
-    each operation the compiled code issues becomes a job of the engine (a DMA or reshape of a plan's part), a
+    each operation the compiled code issues becomes a job of the engine (a DMA or reshape of a plan's leg), a
     recorded point the queue's last job, a wait an edge of the queue's next job (the compute stream's: a fence). So the
     deferred copy queue runs the compiled path's own order, and the thread queue its copies. Owned by its engine
     (the worker thread)."""
@@ -260,13 +260,13 @@ class EngineQueues(_C.Queues if _C is not None else object):
         else:
             self._after[queue].append(job)
 
-    def dma(self, queue: int, plan, part: int, staging: int) -> None:
+    def dma(self, queue: int, plan, leg: int, staging: int) -> None:
         buf = self.engine.staging_buffer(staging)
-        self._submit(queue, lambda s: plan.dma(part, buf, s), f"{getattr(plan, 'name', 'plan')} part {part} dma")
+        self._submit(queue, lambda s: plan.dma(leg, buf, s), f"{getattr(plan, 'name', 'plan')} leg {leg} dma")
 
-    def reshape(self, queue: int, plan, part: int, staging: int) -> None:
+    def reshape(self, queue: int, plan, leg: int, staging: int) -> None:
         buf = self.engine.staging_buffer(staging)
-        self._submit(queue, lambda s: plan.reshape(part, buf, s), f"{getattr(plan, 'name', 'plan')} part {part}")
+        self._submit(queue, lambda s: plan.reshape(leg, buf, s), f"{getattr(plan, 'name', 'plan')} leg {leg}")
 
     def _submit(self, queue: int, fn: Callable, name: str) -> None:
         after, self._after[queue] = self._after[queue], []

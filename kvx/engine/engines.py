@@ -29,7 +29,7 @@ def make_engine(device: torch.device | str = "cpu", name: str = "kvx-copy", mode
 
 
 class CudaEngine(TransferEngine):
-    """Four side streams on a CUDA device, driven by the compiled queues (``kvx._C.CudaQueues``): a plan's parts are
+    """Four side streams on a CUDA device, driven by the compiled queues (``kvx._C.CudaQueues``): a plan's legs are
     issued in compiled code, one call per layer, each operation one CUDA API call. The SM work of a copy is only a
     reshape inside HBM, microseconds per layer, so ``load`` and ``save`` run at the highest priority: a load's reshape
     lands before the layer that reads it, a save's gather right after the layer that wrote it, and neither holds SMs

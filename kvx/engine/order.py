@@ -46,11 +46,11 @@ class BlockOrder:
         return job
 
     def load_plan(self, blocks: Sequence[int], plan, marker=None) -> Job | None:
-        """Issue every part of a load plan that writes ``blocks`` (:mod:`kvx.kernels.plan`), in compiled code: rule 1
-        once for them all (one marker, the queued saves reading any of the blocks), rule 5 per staged part (the
-        engine's load ring). Only the last part's job is recorded against the blocks: the load queue runs the parts
-        in order, so fencing it (rule 3) fences them all. Returns that job (None: the plan has no part)."""
-        n = plan.num_parts
+        """Issue every leg of a load plan that writes ``blocks`` (:mod:`kvx.kernels.plan`), in compiled code: rule 1
+        once for them all (one marker, the queued saves reading any of the blocks), rule 5 per staged leg (the
+        engine's load ring). Only the last leg's job is recorded against the blocks: the load queue runs the legs
+        in order, so fencing it (rule 3) fences them all. Returns that job (None: the plan has no leg)."""
+        n = plan.num_legs
         if not n:
             return None
         eng = self.engine
@@ -61,13 +61,13 @@ class BlockOrder:
         return job
 
     def save_plan(self, blocks: Sequence[int], plan, r: int, first: bool = True, last: bool = True) -> Job | None:
-        """Issue the parts of layer range ``r`` of a save plan that reads ``blocks``, in compiled code, right after the
+        """Issue the legs of layer range ``r`` of a save plan that reads ``blocks``, in compiled code, right after the
         forward wrote them: rule 2 (a marker the compiled code takes now and, with ``first``, the queued loads into
-        any of the blocks), rule 5 per staged part (the save ring). A plan issued range by range (a step's saves,
+        any of the blocks), rule 5 per staged leg (the save ring). A plan issued range by range (a step's saves,
         layer by layer): ``first`` for its first call, which decides its edges once (the save queue runs the later
         calls after it), ``last`` for the one whose reading job is recorded against the blocks (rule 3 fences it, and
-        the parts before it are ahead of it on the save queue). Returns the range's last reading job (None: not
-        ``last``, or no part)."""
+        the legs before it are ahead of it on the save queue). Returns the range's last reading job (None: not
+        ``last``, or no leg)."""
         eng = self.engine
         if first:
             eng.sync_compute()  # the marker's stream: the one the plan's id table was uploaded on (CUDA)
@@ -80,7 +80,7 @@ class BlockOrder:
         _C.issue_save_range(eng.queues, plan, plan.ring, r, after, plan.marker)
         if not last:
             return None
-        lo, hi = plan.range_parts(r)
+        lo, hi = plan.range_legs(r)
         job = eng.job_of(plan.touched(hi - 1), getattr(plan, "name", ""), "save") if hi > lo else None
         if job is not None:
             self._note(self._readers, blocks, job)

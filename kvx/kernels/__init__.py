@@ -4,7 +4,7 @@
   geometry (:func:`.layout.copy_geometry`) as the compiled kernels take it.
 - :mod:`.check`: the checks of a copy's arguments (ids, buffers, implementation, staging).
 - :mod:`.plan`: the door. :class:`.plan.Copies` checks copies; :meth:`.plan.Copies.plan` makes the compiled
-  :class:`.plan.Plan` (``kvx._C.CopyPlan``: parts, DMA runs, kernel launches decided once); a plan runs now (a one-off
+  :class:`.plan.Plan` (``kvx._C.CopyPlan``: legs, DMA runs, kernel launches decided once); a plan runs now (a one-off
   copy) or is issued by an engine's compiled issue path, one call per layer (:mod:`kvx.engine`).
 - :mod:`.ops`: the one-off ops (gather/scatter of blocks, slots and raw pages, all layers in one call): a plan of one
   copy. Implementations: pure torch, ``kvx._C``'s CPU and CUDA kernels (and the CUDA kernel emulated on the CPU), the

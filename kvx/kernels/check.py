@@ -228,7 +228,7 @@ def check_staging(staging, device: torch.device, nbytes: int = 0) -> None:
             f"{staging.device}{'' if staging.is_contiguous() else ' (not contiguous)'}"
         )
     if staging.numel() < nbytes:
-        raise ValueError(f"staging: expected at least {nbytes} bytes for this part, got {staging.numel()}")
+        raise ValueError(f"staging: expected at least {nbytes} bytes for this leg, got {staging.numel()}")
     if staging.data_ptr() % 16:
         raise ValueError(f"staging: expected a 16-byte aligned buffer, got address {staging.data_ptr():#x}")
 

@@ -372,7 +372,7 @@ class KVLayout:
     @functools.cached_property
     def most_id_bytes(self) -> int:
         """The most bytes one id of any op moves in one layer (a block, or a raw page): the smallest staging buffer
-        that fits any copy's part."""
+        that fits any copy's leg."""
         return max(self.page_bytes, self.page.page_bytes if self.page is not None else 0)
 
     def layer_range(self, start: int, end: int) -> KVLayout:

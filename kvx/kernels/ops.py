@@ -201,7 +201,7 @@ def _one(op: Op, layout: KVLayout, ids, buf, impl, max_ctas, path, staging):
 
 
 def staging_bytes(layout: KVLayout, op: str | Op, num_ids: int) -> int:
-    """Bytes of the staging buffer that holds a whole ``op`` of ``num_ids`` ids on path ``"staged"`` in one part
+    """Bytes of the staging buffer that holds a whole ``op`` of ``num_ids`` ids on path ``"staged"`` in one leg
     (a smaller one, of at least one id of one layer, splits the copy)."""
     op = Op(op)
     if op.pages:

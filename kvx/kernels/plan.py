@@ -6,10 +6,12 @@ Every copy kvx makes between a paged KV cache and contiguous buffers goes throug
 1. **Check** (:class:`Copies`): each copy is checked as it is added (:mod:`kvx.kernels.check`: ids, buffer, device,
    implementation; a scatter's blocks distinct across the set), all in one direction.
 2. **Plan** (:meth:`Copies.plan`): the compiled :class:`Plan` (``kvx._C.CopyPlan``, ``csrc/plan/copy_plan.h``) cuts
-   the copies into *parts* by layer range and staging capacity and computes, once, everything running a part needs:
+   the copies into *legs* by layer range and staging capacity and computes, once, everything running a leg needs:
    its DMA runs (the staging side as offsets from whichever buffer the ring hands out) and its kernel launches (the
-   CUDA launch decided). The ids are uploaded to the device once, by the first launch.
-3. **Execute**: a part's steps are single calls into compiled code. A one-off copy runs every part in order
+   CUDA launch decided). The ids are uploaded to the device once, by the first launch. A leg is the unit an executor
+   runs and the issue path orders: its DMA and its launches ("part" in kvx means something else: a worker's share
+   of a chunk in the stores, :mod:`kvx.connector.parts`).
+3. **Execute**: a leg's steps are single calls into compiled code. A one-off copy runs every leg in order
    (:meth:`Plan.run`: now on the CPU, on the caller's stream on CUDA); an engine issues them on its queues with the
    ordering rules (``kvx._C.issue_load`` / ``issue_save`` / ``fence_range``, :mod:`kvx.engine`), one call per layer.
 
@@ -68,7 +70,7 @@ class Copy:
     args: list  # kvx._C.CopyPlan.add's arguments, computed when it was checked
 
 
-class PartInfo(NamedTuple):
+class LegInfo(NamedTuple):
     start: int  # layers [start, end)
     end: int
     range: int  # the layer range it belongs to
@@ -158,7 +160,7 @@ class Copies:
         return sum(c.buf.numel() * c.buf.element_size() for c in self.copies)
 
     def min_staging_bytes(self) -> int:
-        """The smallest staging buffer a part can use: one id of one layer."""
+        """The smallest staging buffer a leg can use: one id of one layer."""
         lay = self.layout
         out = 0
         for c in self.copies:
@@ -281,7 +283,7 @@ class Copies:
         return "auto" if cuda_host else "kernel"
 
     def plan(self, ranges=None, capacity: int | None = None) -> Plan:
-        """The compiled plan: for each layer range of ``ranges`` (default: all layers at once), as many parts as
+        """The compiled plan: for each layer range of ``ranges`` (default: all layers at once), as many legs as
         ``capacity`` (bytes of one staging buffer; path staged) requires: whole ranges when a range's copies fit,
         else fewer layers, else the copies of one layer split by ids (never less than one id of one layer: ValueError
         naming ``capacity``)."""
@@ -321,8 +323,8 @@ class Copies:
         p.build(_PATH_CODE[path], ranges, capacity or 0, dma_min, sm, max_ctas)
         if self._cuda and self.impl == "cuda" and p.num_ids:
             # the id table, once, from pinned memory (a copy from pageable memory may wait on the host), by torch on the
-            # current stream, which records both buffers' use: the plan's first part follows this stream (a one-off
-            # op runs on it; an engine's first part waits for a marker taken on it after this), and the plan holds the
+            # current stream, which records both buffers' use: the plan's first leg follows this stream (a one-off
+            # op runs on it; an engine's first leg waits for a marker taken on it after this), and the plan holds the
             # device table until it is dropped, once its jobs have run
             with torch.cuda.device(lay.device):
                 p.dev_ids = torch.from_numpy(p.ids(0, p.num_ids)).pin_memory().to(lay.device, non_blocking=True)
@@ -332,7 +334,7 @@ class Copies:
     def run(self, staging: torch.Tensor | None = None, queues=None) -> None:
         """Plan the set as one layer range and run it now (a one-off copy: :meth:`Plan.run`). ``staging``: path
         staged's buffer on the cache's device; without one, a staged copy takes at most
-        :data:`ONE_OFF_STAGING_BYTES` of device memory for the call (the parts are cut to fit). ``queues``: issue it
+        :data:`ONE_OFF_STAGING_BYTES` of device memory for the call (the legs are cut to fit). ``queues``: issue it
         on these (``kvx._C.Queues``: one queue, in order) instead (the host-time benchmark's null queues)."""
         if not self.copies:
             return
@@ -389,26 +391,26 @@ class Plan(_C.CopyPlan if _C is not None else object):
 
     @property
     def staged(self) -> bool:
-        """Its parts need a staging buffer."""
+        """Its legs need a staging buffer."""
         return self.path == 2
 
-    def parts(self) -> list[PartInfo]:
-        return [PartInfo(*self.part(k)) for k in range(self.num_parts)]
+    def legs(self) -> list[LegInfo]:
+        return [LegInfo(*self.leg(k)) for k in range(self.num_legs)]
 
     # ------------------------------------------------------------------ running
     def run(
         self, staging: torch.Tensor | None = None, stream: int | None = None, lo: int = 0, hi: int | None = None
     ) -> None:
-        """Parts ``[lo, hi)`` (default: all) in order, each DMA and reshape in the direction's order (a load: DMA then
+        """Legs ``[lo, hi)`` (default: all) in order, each DMA and reshape in the direction's order (a load: DMA then
         reshape; a save: the reverse): on the CPU now, on CUDA on ``stream`` (a handle; default the current stream),
         where the stream orders the staging buffer's reuse. (A CUDA plan's id table was uploaded on the stream current
         when it was planned: another ``stream`` must be ordered after that one by the caller.)"""
-        hi = self.num_parts if hi is None else hi
+        hi = self.num_legs if hi is None else hi
         if lo >= hi:
             return
         lay = self.layout
         if self.staged:
-            check.check_staging(staging, lay.device, max(self.part(k)[3] for k in range(lo, hi)))
+            check.check_staging(staging, lay.device, max(self.leg(k)[3] for k in range(lo, hi)))
         addr = staging.data_ptr() if staging is not None else 0
         if self.impl_name in ("cpu", "cuda_sim"):
             _C.run_host(self, addr, lo, hi, 0, CUDA_SIM_SM_COUNT, self.max_ctas)
@@ -426,47 +428,47 @@ class Plan(_C.CopyPlan if _C is not None else object):
                     self.dma(k, staging, stream)
                     self.reshape(k, staging, stream)
 
-    def dma(self, part: int, staging: torch.Tensor | None = None, stream: int | None = None) -> None:
-        """Part ``part``'s DMA: between the buffers and ``staging`` (path staged) or the blocks (dma). Nothing on path
+    def dma(self, leg: int, staging: torch.Tensor | None = None, stream: int | None = None) -> None:
+        """Leg ``leg``'s DMA: between the buffers and ``staging`` (path staged) or the blocks (dma). Nothing on path
         kernel. CUDA: issued on ``stream`` (a handle; default the current stream)."""
         if self.path == 0:
             return
-        self._check_staging(part, staging)
+        self._check_staging(leg, staging)
         addr = staging.data_ptr() if staging is not None else 0
         if self.layout.device.type == "cuda":
             if stream is None:
                 stream = torch.cuda.current_stream(self.layout.device).cuda_stream
-            self.dma_cuda(part, addr, stream)
+            self.dma_cuda(leg, addr, stream)
         else:
-            self.dma_host(part, addr)
+            self.dma_host(leg, addr)
 
-    def reshape(self, part: int, staging: torch.Tensor | None = None, stream: int | None = None) -> None:
-        """Part ``part``'s launches: between ``staging`` and the blocks (path staged), or the buffers and the blocks
+    def reshape(self, leg: int, staging: torch.Tensor | None = None, stream: int | None = None) -> None:
+        """Leg ``leg``'s launches: between ``staging`` and the blocks (path staged), or the buffers and the blocks
         (kernel). Nothing on path dma."""
         if self.path == 1:
             return
-        self._check_staging(part, staging)
+        self._check_staging(leg, staging)
         addr = staging.data_ptr() if staging is not None else 0
         if self.impl_name in ("cpu", "cuda_sim"):
-            self.reshape_host(part, addr, 0, CUDA_SIM_SM_COUNT, self.max_ctas)
+            self.reshape_host(leg, addr, 0, CUDA_SIM_SM_COUNT, self.max_ctas)
         elif self.impl_name == "cuda":
             if stream is None:
                 stream = torch.cuda.current_stream(self.layout.device).cuda_stream
-            self.reshape_cuda(part, addr, stream)
+            self.reshape_cuda(leg, addr, stream)
         else:
-            self._reshape_python(part, staging, stream)
+            self._reshape_python(leg, staging, stream)
 
-    def _check_staging(self, part: int, staging: torch.Tensor | None) -> None:
+    def _check_staging(self, leg: int, staging: torch.Tensor | None) -> None:
         if self.staged:
-            check.check_staging(staging, self.layout.device, self.part(part)[3])
+            check.check_staging(staging, self.layout.device, self.leg(leg)[3])
 
-    def _reshape_python(self, part: int, staging: torch.Tensor | None, stream: int | None) -> None:
+    def _reshape_python(self, leg: int, staging: torch.Tensor | None, stream: int | None) -> None:
         """The reference or Triton implementation, from each launch's geometry."""
         from . import reference
 
         lay = self.layout
         cuda = lay.device.type == "cuda"
-        for launch in self.launches(part):
+        for launch in self.launches(leg):
             a = launch["first_layer"]
             b = a + launch["num_layers"]
             sub = lay.layer_range(a, b)

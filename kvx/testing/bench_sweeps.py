@@ -77,8 +77,8 @@ def worker_layer(layout: KVLayout, op: str, copies) -> tuple[Callable[[], None],
     """One layer of a step's copies as the connector's worker issues them: a compiled plan
     (:class:`kvx.kernels.plan.Copies`) of ``copies`` (``(block ids, host buffer)``) by the config's default
     ``copy_path``, planned per layer with the default ``staging_bytes`` budget's buffers
-    (:class:`kvx.connector.cache.RegisteredKV`); returns a call running layer 0's parts on the current stream (the
-    worker puts a part's DMA and reshape on two queues), and the copies' count. The engine's job bookkeeping is not in
+    (:class:`kvx.connector.cache.RegisteredKV`); returns a call running layer 0's legs on the current stream (the
+    worker puts a leg's DMA and reshape on two queues), and the copies' count. The engine's job bookkeeping is not in
     it: ``bench_pipeline.py`` times the hooks whole."""
     from ..connector.config import KVXConfig
     from ..kernels.plan import Copies
@@ -89,7 +89,7 @@ def worker_layer(layout: KVLayout, op: str, copies) -> tuple[Callable[[], None],
         batch.add(op, ids, buf)
     capacity = cfg.staging_bytes // 4
     plan = batch.plan([(i, i + 1) for i in range(layout.num_layers)], capacity)
-    lo, hi = plan.range_parts(0)
+    lo, hi = plan.range_legs(0)
     staging = torch.empty(capacity, dtype=torch.uint8, device=layout.device) if plan.staged else None
 
     def run() -> None:

@@ -190,7 +190,7 @@ class Bench:
 
     # -------------------------------------------------------------- one layer's copy (calibration)
     def layer_copy_ms(self, n: int, direction: str) -> float:
-        """One layer's copy of n chunks as the worker issues it (layer 0's parts of one batch of them all, planned
+        """One layer's copy of n chunks as the worker issues it (layer 0's legs of one batch of them all, planned
         by the worker's cache: its copy path and staging buffers), both steps on a side stream."""
         cache = self.worker.cache
         batch = cache.copies()
@@ -198,7 +198,7 @@ class Bench:
             op = "scatter_blocks" if direction == "h2d" else "gather_blocks"
             batch.add(op, self.chunk_blocks(1, i), cache.slot(i))
         plan = cache.plan(batch)
-        lo, hi = plan.range_parts(0)
+        lo, hi = plan.range_legs(0)
         staging = self.engine.ring("save" if batch.gather else "load").buffers[0] if plan.staged else None
 
         def copy():

@@ -153,5 +153,5 @@ def test_host_only_writes_every_target_with_the_cuda_calls_counted(monkeypatch, 
     with open(tmp_path / "host_cpu.csv", newline="") as f:
         rows = {(r["variant"], r["chunks"]): r for r in csv.DictReader(f)}
     load = rows[("load", "2")]
-    assert float(load["dma_calls"]) >= 16 and float(load["launches"]) >= 16, load  # one part per layer (16 layers)
+    assert float(load["dma_calls"]) >= 16 and float(load["launches"]) >= 16, load  # one leg per layer (16 layers)
     assert float(rows[("nothing", "0")]["launches"]) == 0

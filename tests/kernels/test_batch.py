@@ -66,7 +66,7 @@ def _run_by_ranges(batch, ranges):
     """Plan ``batch`` by ``ranges`` and run them one after another, as a layer-wise pipeline issues them."""
     plan = batch.plan(ranges)
     for r in range(len(ranges)):
-        lo, hi = plan.range_parts(r)
+        lo, hi = plan.range_legs(r)
         plan.run(None, None, lo, hi)
 
 

@@ -1,4 +1,4 @@
-"""The compiled plan and its issue path (``csrc/plan``): what a part issues, in what order, on which queue; the
+"""The compiled plan and its issue path (``csrc/plan``): what a leg issues, in what order, on which queue; the
 calls a CUDA engine would make, counted; the plan's run lists against the kernels' own; its errors."""
 
 import pytest
@@ -45,20 +45,20 @@ class Recorder(_C.Queues):
     def wait(self, queue, event):
         self.log.append(("wait", queue, event.payload))
 
-    def dma(self, queue, plan, part, staging):
-        self.log.append(("dma", queue, part, staging))
+    def dma(self, queue, plan, leg, staging):
+        self.log.append(("dma", queue, leg, staging))
 
-    def reshape(self, queue, plan, part, staging):
-        self.log.append(("reshape", queue, part, staging))
+    def reshape(self, queue, plan, leg, staging):
+        self.log.append(("reshape", queue, leg, staging))
 
 
-def test_a_staged_load_part_is_a_dma_then_its_reshape_ordered_by_the_ring():
-    """Part k: the DMA into the ring's next buffer on h2d, after the reshape that last read that buffer (rule 5);
-    the reshape on load after the DMA and, for the first part only, after the plan's edges (rule 1)."""
+def test_a_staged_load_leg_is_a_dma_then_its_reshape_ordered_by_the_ring():
+    """Leg k: the DMA into the ring's next buffer on h2d, after the reshape that last read that buffer (rule 5);
+    the reshape on load after the DMA and, for the first leg only, after the plan's edges (rule 1)."""
     plan = _plan(_lay(3))
     ring = _C.StagingRing([1 << 20, 2 << 20], 1 << 20)
     q = Recorder()
-    _C.issue_load(q, plan, ring, 0, plan.num_parts, [_C.Event.of("marker")])
+    _C.issue_load(q, plan, ring, 0, plan.num_legs, [_C.Event.of("marker")])
     assert q.log == [
         ("dma", H2D, 0, 1 << 20),
         ("record", H2D, "e1"),
@@ -71,7 +71,7 @@ def test_a_staged_load_part_is_a_dma_then_its_reshape_ordered_by_the_ring():
         ("wait", LOAD, "e3"),
         ("reshape", LOAD, 1, 2 << 20),
         ("record", LOAD, "e4"),
-        ("wait", H2D, "e2"),  # buffer 1 again: after part 0's reshape read it
+        ("wait", H2D, "e2"),  # buffer 1 again: after leg 0's reshape read it
         ("dma", H2D, 2, 1 << 20),
         ("record", H2D, "e5"),
         ("wait", LOAD, "e5"),
@@ -80,7 +80,7 @@ def test_a_staged_load_part_is_a_dma_then_its_reshape_ordered_by_the_ring():
     ]
     assert [plan.touched(k).payload for k in range(3)] == ["e2", "e4", "e6"]
     q.log.clear()
-    _C.fence_range(q, plan, 1)  # rule 4: the compute stream waits for layer 1's part
+    _C.fence_range(q, plan, 1)  # rule 4: the compute stream waits for layer 1's leg
     assert q.log == [("wait", COMPUTE, "e4")]
 
 
@@ -95,9 +95,9 @@ def test_a_staged_save_takes_its_marker_and_a_layer_at_a_time():
     gathers = [e for e in q.log if e[0] == "reshape"]
     assert [e[1] for e in gathers] == [SAVE] * 3 and [e[0] for e in q.log[:3]] == ["record", "wait", "wait"]
     assert q.log[:3] == [("record", COMPUTE, "e1"), ("wait", SAVE, "e1"), ("wait", SAVE, "load")]
-    part2 = q.log[q.log.index(("record", COMPUTE, "e7")) :]
-    assert part2[:3] == [("record", COMPUTE, "e7"), ("wait", SAVE, "e7"), ("wait", SAVE, "e3")]  # buffer 1's DMA
-    assert ("wait", D2H, "e8") in part2 and ("dma", D2H, 2, 1 << 20) in part2
+    leg2 = q.log[q.log.index(("record", COMPUTE, "e7")) :]
+    assert leg2[:3] == [("record", COMPUTE, "e7"), ("wait", SAVE, "e7"), ("wait", SAVE, "e3")]  # buffer 1's DMA
+    assert ("wait", D2H, "e8") in leg2 and ("dma", D2H, 2, 1 << 20) in leg2
     assert plan.touched(2).payload == "e8" and plan.done(2).payload == "e9"
 
 
@@ -107,10 +107,10 @@ def test_null_queues_count_what_a_cuda_engine_calls():
     plan = _plan(lay, n_chunks=2)
     q = _C.NullQueues()
     ring = _C.StagingRing([1 << 20, 2 << 20], 1 << 20)
-    _C.issue_load(q, plan, ring, 0, plan.num_parts, [_C.Event()])
+    _C.issue_load(q, plan, ring, 0, plan.num_legs, [_C.Event()])
     assert (q.dma_calls, q.launches, q.records, q.uploads) == (4, 4, 8, 2)
-    assert q.waits == 1 + 4 + 2  # the edge, each reshape after its DMA, parts 2 and 3 after their buffer's reshape
-    assert all(launch["ctas"] > 0 for k in range(plan.num_parts) for launch in plan.launches(k))
+    assert q.waits == 1 + 4 + 2  # the edge, each reshape after its DMA, legs 2 and 3 after their buffer's reshape
+    assert all(launch["ctas"] > 0 for k in range(plan.num_legs) for launch in plan.launches(k))
     q.reset()
     for r in range(plan.num_ranges):
         _C.fence_range(q, plan, r)
@@ -118,7 +118,7 @@ def test_null_queues_count_what_a_cuda_engine_calls():
 
 
 def test_the_dma_path_runs_are_the_kernels_run_lists_layer_by_layer():
-    """Path dma: a part's runs are kv_layout.h's plan_runs of each copy (the function the CUDA DMA path issues),
+    """Path dma: a leg's runs are kv_layout.h's plan_runs of each copy (the function the CUDA DMA path issues),
     layer by layer, merged where they continue each other."""
     lay = _lay(2)
     buf = torch.empty(lay.page_shape(3), dtype=torch.uint8)
@@ -154,9 +154,9 @@ def test_issue_and_plan_errors_name_what_is_wrong():
     q = _C.NullQueues()
     with pytest.raises(ValueError, match="ring: path staged needs a staging ring, got none"):
         _C.issue_load(q, plan, None, 0, 1, [])
-    with pytest.raises(ValueError, match="ring: a part of 2048 bytes exceeds the ring's buffers of 1024"):
+    with pytest.raises(ValueError, match="ring: a leg of 2048 bytes exceeds the ring's buffers of 1024"):
         _C.issue_load(q, plan, _C.StagingRing([1 << 20], 1024), 0, 1, [])
-    with pytest.raises(IndexError, match=r"parts: expected 0 <= lo <= hi <= 2, got 1, 3"):
+    with pytest.raises(IndexError, match=r"legs: expected 0 <= lo <= hi <= 2, got 1, 3"):
         _C.issue_load(q, plan, _C.StagingRing([1 << 20], 1 << 20), 1, 3, [])
     with pytest.raises(IndexError, match=r"range: expected 0 <= range < 2, got 2"):
         _C.fence_range(q, plan, 2)
@@ -168,11 +168,11 @@ def test_issue_and_plan_errors_name_what_is_wrong():
         copies.plan(capacity=1024).build(2, [(0, 2)], 1024, 0, 0, 0)
 
 
-def test_an_empty_set_plans_no_part_and_runs_nothing():
+def test_an_empty_set_plans_no_leg_and_runs_nothing():
     lay = _lay(2)
     copies = Copies(lay, path="staged")
     plan = copies.plan([(0, 1), (1, 2)], 1 << 20)
-    assert plan.num_parts == 0 and plan.range_parts(1) == (0, 0)
+    assert plan.num_legs == 0 and plan.range_legs(1) == (0, 0)
     q = _C.NullQueues()
     _C.issue_load(q, plan, None, 0, 0, [])
     _C.fence_range(q, plan, 0)

@@ -1,11 +1,11 @@
-"""``kvx.kernels.plan``: the host <-> device data path, planned into parts (the compiled plan), bit-exact against the
+"""``kvx.kernels.plan``: the host <-> device data path, planned into legs (the compiled plan), bit-exact against the
 reference running each op alone over every layer.
 
 On CPU every path runs its CPU twin (the DMA plan run by memcpy, the reshape by a CPU impl, ``cuda_sim`` included:
 the CUDA kernel's own source over the staging views), so these tests execute the very run lists and staging views
 a GPU gets. Cases: every layout and dtype kvx copies (fp8 included), odd head sizes, a strided chunk cut from a
 pool, padding slots, raw pages, a capacity that splits a layer's copies between ids and one that takes several
-layers per part; the run lists themselves (a whole chunk's layer is one run); the errors. GPU twins at the end.
+layers per leg; the run lists themselves (a whole chunk's layer is one run); the errors. GPU twins at the end.
 """
 
 import pytest
@@ -62,7 +62,7 @@ def _pages(lay, g, pinned=False):
 
 
 def _run(plan, staging):
-    """Every part's steps in the direction's order on one stream, as the engine orders them."""
+    """Every leg's steps in the direction's order on one stream, as the engine orders them."""
     plan.run(staging if plan.staged else None)
 
 
@@ -119,23 +119,23 @@ def test_batch_matches_each_op_alone(impl, name, dtype, path):
 @pytest.mark.parametrize("name", ["LBNHC", "flash", "mla"])
 @pytest.mark.parametrize("impl", ["cpu", "cuda_sim"])
 def test_a_small_capacity_splits_a_layer_between_ids(impl, name):
-    """A staging buffer of one block of one layer: every block of every layer is a part of its own (a slot
-    copy's entries pack several to a part)."""
+    """A staging buffer of one block of one layer: every block of every layer is a leg of its own (a slot
+    copy's entries pack several to a leg)."""
     impl_or_skip(impl)
     seed = case_seed("split", impl, name)
     g = torch.Generator().manual_seed(seed)
     lay, ref = _caches(name, torch.bfloat16, seed)
     block = lay.num_planes * lay.block_size * lay.num_heads * lay.row_bytes
     copies = _copies(lay, g)
-    parts = _check_gathers(lay, ref, copies, "staged", impl, None, block).parts()
-    assert all(p.nbytes <= block and p.end - p.start == 1 for p in parts)
+    legs = _check_gathers(lay, ref, copies, "staged", impl, None, block).legs()
+    assert all(p.nbytes <= block and p.end - p.start == 1 for p in legs)
     n_blocks = sum(len(ids) for kind, ids, _ in copies if kind == "blocks")
-    assert len(parts) >= lay.num_layers * n_blocks
-    parts = _check_scatters(lay, ref, _copies(lay, g), "staged", impl, None, block + 7).parts()
-    assert all(p.nbytes <= block + 7 for p in parts)
+    assert len(legs) >= lay.num_layers * n_blocks
+    legs = _check_scatters(lay, ref, _copies(lay, g), "staged", impl, None, block + 7).legs()
+    assert all(p.nbytes <= block + 7 for p in legs)
 
 
-def test_a_large_capacity_takes_several_layers_per_part():
+def test_a_large_capacity_takes_several_layers_per_leg():
     g = torch.Generator().manual_seed(5)
     lay, ref = _caches("LBNHC", torch.float16, 5, layers=5)
     copies = _copies(lay, g)
@@ -143,8 +143,8 @@ def test_a_large_capacity_takes_several_layers_per_part():
     for kind, ids, buf in copies:
         per_layer.add(f"gather_{kind}", ids, buf)
     layer_bytes = per_layer.nbytes // lay.num_layers
-    parts = _check_gathers(lay, ref, copies, "staged", "cpu", [(0, 5)], 2 * layer_bytes).parts()
-    assert [(p.start, p.end) for p in parts] == [(0, 2), (2, 4), (4, 5)]
+    legs = _check_gathers(lay, ref, copies, "staged", "cpu", [(0, 5)], 2 * layer_bytes).legs()
+    assert [(p.start, p.end) for p in legs] == [(0, 2), (2, 4), (4, 5)]
 
 
 def test_a_whole_chunk_layer_is_one_run():
@@ -156,8 +156,8 @@ def test_a_whole_chunk_layer_is_one_run():
     one = Copies(lay, path="staged")
     one.add("scatter_blocks", [3, 4], chunk)
     plan = one.plan([(i, i + 1) for i in range(lay.num_layers)], 1 << 20)
-    assert plan.num_parts == lay.num_layers
-    for layer in range(plan.num_parts):
+    assert plan.num_legs == lay.num_layers
+    for layer in range(plan.num_legs):
         dsts, srcs, sizes = plan.runs(layer)
         assert sizes.tolist() == [chunk[0].nbytes] and dsts.tolist() == [0]
         assert srcs.tolist() == [chunk[layer].data_ptr()]
@@ -166,7 +166,7 @@ def test_a_whole_chunk_layer_is_one_run():
     two.add("scatter_blocks", [3, 4], chunk)
     two.add("scatter_blocks", [7], other)
     plan = two.plan([(0, 1)], 1 << 20)
-    assert plan.num_parts == 1
+    assert plan.num_legs == 1
     sizes = plan.runs(0)[2].tolist()
     assert sizes == [chunk[0, 0].nbytes, chunk[0, 1].nbytes, other[0, 0].nbytes, other[0, 1].nbytes]
     slots = Copies(lay, path="staged")
@@ -206,7 +206,7 @@ def test_head_major_buffers_stage_head_major(impl, name, dtype):
 
     for cap in (1 << 20, lay.num_planes * bs * lay.num_heads * lay.row_bytes):
         plan = _check_gathers(lay, ref, copies(), "staged", impl, _ranges(lay.num_layers), cap)
-        assert all(launch["head_major"] for k in range(plan.num_parts) for launch in plan.launches(k))
+        assert all(launch["head_major"] for k in range(plan.num_legs) for launch in plan.launches(k))
         _check_scatters(lay, ref, copies(), "staged", impl, _ranges(lay.num_layers), cap)
 
 
@@ -235,7 +235,7 @@ def test_raw_pages_split_by_head_on_every_path(impl, name, head_major, path):
     for cap in (1 << 20, lay.page.page_bytes):
         plan = _check_gathers(lay, ref, copies(), path, impl, _ranges(lay.num_layers), cap)
         if plan.path_name == "staged":
-            launches = [launch for k in range(plan.num_parts) for launch in plan.launches(k)]
+            launches = [launch for k in range(plan.num_legs) for launch in plan.launches(k)]
             assert all(launch["row_bytes"] == lay.page_head_bytes for launch in launches)  # split by head
             assert all(launch["head_major"] == head_major for launch in launches)
         _check_scatters(lay, ref, copies(), path, impl, _ranges(lay.num_layers), cap)
@@ -250,7 +250,7 @@ def test_a_head_major_chunk_layer_is_one_run_per_head():
     batch = Copies(lay, path="staged")
     batch.add("scatter_blocks", [3, 4], chunk)
     plan = batch.plan([(i, i + 1) for i in range(lay.num_layers)], 1 << 20)
-    for layer in range(plan.num_parts):
+    for layer in range(plan.num_legs):
         dsts, srcs, sizes = plan.runs(layer)
         head = chunk[layer, :, :, 0].nbytes  # [P, T, D]
         assert sizes.tolist() == [head] * lay.num_heads and dsts.tolist() == [h * head for h in range(lay.num_heads)]
@@ -298,8 +298,8 @@ def test_bad_batches_are_refused():
     with pytest.raises(ValueError, match=r"ranges: expected \(start, end\) with 0 <= start < end <= 3, got \(2, 5\)"):
         batch.plan([(2, 5)], 1 << 20)
     plan = batch.plan(capacity=1 << 20)
-    (part,) = plan.parts()
-    with pytest.raises(ValueError, match=f"staging: expected at least {part.nbytes} bytes for this part, got 64"):
+    (leg,) = plan.legs()
+    with pytest.raises(ValueError, match=f"staging: expected at least {leg.nbytes} bytes for this leg, got 64"):
         plan.dma(0, torch.empty(64, dtype=torch.uint8))
     scatter = Copies(lay)
     scatter.add("scatter_blocks", [1, 2], torch.empty(lay.canonical_shape(32), dtype=lay.dtype))

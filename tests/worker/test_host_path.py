@@ -59,7 +59,7 @@ def test_a_load_is_planned_once_and_each_layer_fenced_by_one_compiled_call(worke
     worker.step(worker.load_meta(2))
     assert plans == ["load hit"]  # one plan of both chunks, at start_load_kv
     assert [args[2] for args in fences] == list(range(SHAPE.layers))  # one call per layer, in order
-    assert (q.dma_calls, q.launches) == (SHAPE.layers, SHAPE.layers)  # a part per layer: one DMA batch, one launch
+    assert (q.dma_calls, q.launches) == (SHAPE.layers, SHAPE.layers)  # a leg per layer: one DMA batch, one launch
     assert q.uploads == 2  # the id table, once
     # per layer: the reshape after its DMA, its buffer after the reshape that last read it, the forward after it
     assert q.waits == 1 + 3 * SHAPE.layers - 2

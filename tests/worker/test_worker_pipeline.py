@@ -36,7 +36,7 @@ the same KV there, so every byte in a CPU slot, in an output and in the cache ha
 scenario then fails its bit-exact checks where the missing edge lets a copy race a forward: on CPU
 rules 1, 3, 4 and 5 (rule 2 cannot show on a queue that runs saves late), on CUDA all five. Rule 5 (a staging
 buffer reused before the copies using it ran) is the staged path's: on CUDA and on the deferred queue every host
-<-> device copy of this scenario is staged (``copy_path`` "auto", canonical chunks), each layer a part, four
+<-> device copy of this scenario is staged (``copy_path`` "auto", canonical chunks), each layer a leg, four
 layers through a ring of two buffers per direction.
 
 The scenario (``STEPS``; chunks of 32 tokens = 2 blocks of 16; block 0 is vLLM's null block):
@@ -647,7 +647,7 @@ def test_worker_pipeline_is_bit_exact(device, slow, layout, dtype, order, copy_q
     run_scenario(device, layout, dtype, slow, order)
 
 
-# four staging buffers of one block of one layer each: every block of every layer is a part of its own, so a
+# four staging buffers of one block of one layer each: every block of every layer is a leg of its own, so a
 # layer's copies are split and the two buffers of each direction are reused within a layer
 ONE_BLOCK_STAGING = 4 * 2 * BLOCK * HEADS * HEAD_SIZE * 2
 
