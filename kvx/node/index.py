@@ -62,7 +62,6 @@ class NodeState:
             raise ValueError("geom: expected a pool geometry, or carve to make one, got neither")
         self.geom: PoolGeometry | None = None
         self.table = self.epoch = None
-        self.quarantine_s = quarantine_s
         # the slots, their runs, recency, pins and generations (kvx.store.alloc); its chunks are this index's Entries
         self.slots = Allocator(0, self._evicted, self._freed, quarantine_s)
         self._carve = carve
@@ -100,7 +99,7 @@ class NodeState:
         self.geom, self.table, self.epoch = geom, table, epoch
         self._dir = DirectoryWriter(table, geom, dir_seed(epoch))
         # a chunk: a run of slots (kvx.store.runs), chunks of any size in one pool
-        self.slots = Allocator(geom.num_slots, self._evicted, self._freed, self.quarantine_s)
+        self.slots = Allocator(geom.num_slots, self._evicted, self._freed, self.slots.quarantine_s)
 
     @property
     def slot_bytes(self) -> int:
@@ -590,7 +589,7 @@ class NodeState:
 
     def _drop(self, e: Entry, quarantine: bool = False) -> None:
         """Take ``e`` out of the index; free its slot now, or at its last unpin if it is leased (``quarantine``: a
-        PENDING slot of a closed connection, reused after :attr:`quarantine_s`)."""
+        PENDING slot of a closed connection, reused after the allocator's ``quarantine_s``)."""
         self._unindex(e)
         self.slots.drop(e, quarantine)
 
