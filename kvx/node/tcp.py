@@ -19,7 +19,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from ..log import get_logger
 from ..store.codec import crc32c_update
@@ -28,7 +27,7 @@ from .transport import Span, TransferError, Transport
 
 log = get_logger(__name__)
 
-_CRC = ThreadPoolExecutor(2, thread_name_prefix="kvx-node-crc")  # CRC32C of spans beside their stream (GIL released)
+_CRC_PIECE = 256 << 10  # bytes summed at a time as they stream: small enough to be in cache still
 _SOCK_BUF = 4 << 20  # bytes of kernel socket buffer each way (as LMCache's TCP channel)
 _MAX_SPANS = 4096
 
@@ -61,6 +60,23 @@ def _recv_into(sock: socket.socket, part: memoryview) -> None:
             raise ConnectionError("the peer closed the connection mid-write")
         got += n
     part.release()
+
+
+def _recv_checked(sock: socket.socket, part: memoryview, left: Callable[[], float]) -> int:
+    """Receive ``part`` whole and return its CRC32C, summed piece by piece as the bytes land (each piece still in
+    this core's cache: the check costs next to nothing, where a pass over the whole span afterwards cost ~20% of the
+    stream's rate, ``benchmarks/results/peer_transfer_cpu.md``)."""
+    got = checked = crc = 0
+    while got < len(part):
+        sock.settimeout(left())
+        n = sock.recv_into(part[got:])
+        if n == 0:
+            raise ConnectionError("the peer closed the connection mid-read")
+        got += n
+        if got - checked >= _CRC_PIECE or got == len(part):
+            crc = crc32c_update(part[checked:got], crc)
+            checked = got
+    return crc
 
 
 class TcpTransport(Transport):
@@ -113,8 +129,8 @@ class TcpTransport(Transport):
             sock.close()
 
     def read(self, peer: str, spans: Sequence[Span], timeout: float, crcs: Sequence[int] | None = None) -> list[bool]:
-        """As :meth:`Transport.read`; checked here: this side computes each span's CRC32C as it receives it (on a
-        thread beside the stream: the checks cost no time of their own) and compares it with ``crcs`` (the lease's,
+        """As :meth:`Transport.read`; checked here: this side computes each span's CRC32C as it receives it (piece by
+        piece, while each is in cache: :func:`_recv_checked`) and compares it with ``crcs`` (the lease's,
         computed when each chunk was committed), or without them with the peer's, computed as it sends; each span's
         verdict is returned."""
         if crcs is not None and len(crcs) != len(spans):
@@ -159,30 +175,18 @@ class TcpTransport(Transport):
         reply = handshake.recv(sock)
         if not reply.get("ok"):
             raise ValueError(f"refused: {reply.get('error')}")
-        crcs = []
+        mine = []
         with memoryview(self.pool) as view:
-            try:
-                for s in spans:
-                    if s.local < 0 or s.local + s.nbytes > len(view):
-                        raise ValueError(f"span: expected a local range inside the pool, got {s}")
-                    part = view[s.local : s.local + s.nbytes]
-                    got = 0
-                    while got < s.nbytes:
-                        sock.settimeout(left())
-                        n = sock.recv_into(part[got:])
-                        if n == 0:
-                            raise ConnectionError("the peer closed the connection mid-read")
-                        got += n
-                    crcs.append(_CRC.submit(crc32c_update, part))
-                if expected is None:
-                    sock.settimeout(left())
-                    sent = handshake.recv(sock).get("crcs")
-                else:
-                    sent = list(expected)
-                mine = [f.result() for f in crcs]
-            finally:
-                for f in crcs:  # no check still reading the pool once it is given back
-                    f.cancel() or f.exception()
+            for s in spans:
+                if s.local < 0 or s.local + s.nbytes > len(view):
+                    raise ValueError(f"span: expected a local range inside the pool, got {s}")
+                with view[s.local : s.local + s.nbytes] as part:
+                    mine.append(_recv_checked(sock, part, left))
+        if expected is None:
+            sock.settimeout(left())
+            sent = handshake.recv(sock).get("crcs")
+        else:
+            sent = list(expected)
         if not isinstance(sent, list) or len(sent) != len(spans):
             raise ValueError(f"crcs: expected one per span after the bytes, got {str(sent)[:80]}")
         return [a == b for a, b in zip(mine, sent)]
@@ -241,15 +245,14 @@ class TcpTransport(Transport):
                 else:
                     handshake.send(sock, {"ok": True})
                     crcs = []
-                    try:
-                        for off, n in spans:
-                            part = view[off : off + n]
-                            crcs.append(_CRC.submit(crc32c_update, part))  # beside the send, on the same bytes
-                            sock.sendall(part)
-                        handshake.send(sock, {"crcs": [f.result() for f in crcs]})
-                    finally:
-                        for f in crcs:
-                            f.cancel() or f.exception()
+                    for off, n in spans:
+                        crc = 0
+                        for at in range(off, off + n, _CRC_PIECE):  # each piece summed while in cache, then sent
+                            with view[at : min(at + _CRC_PIECE, off + n)] as piece:
+                                crc = crc32c_update(piece, crc)
+                                sock.sendall(piece)
+                        crcs.append(crc)
+                    handshake.send(sock, {"crcs": crcs})
             total = sum(n for _, n in spans)
             with self._lock:
                 self.bytes_served += total
