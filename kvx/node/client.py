@@ -34,7 +34,7 @@ from ..store.slots import SlotIndex, SlotPool, SlotState
 from ..store.tier import STORED, Listener
 from .connection import Connection, NodeError, NodeUnavailable
 from .directory import Directory
-from .protocol import MAX_PULLS, PENDING, READY, PoolGeometry, ProtocolError, slot_entry, unpack_header
+from .protocol import MAX_PULLS, PENDING, READY, VERSION, PoolGeometry, ProtocolError, slot_entry, unpack_header
 
 log = get_logger(__name__)
 
@@ -87,7 +87,7 @@ class NodeIndex(SlotIndex):
         self._pulls: list[_Pull] = []  # the pulls in flight (at most MAX_PULLS), oldest first
         self._tried: dict[str, float] = {}  # key -> until when a pull that did not bring it is not asked again
         self.hello = {
-            "version": 1,
+            "version": VERSION,
             "role": "engine",
             "namespace": namespace.hex(),
             "model": model,
@@ -428,7 +428,7 @@ class NodePool(SlotPool):
         core, as the CPU tier's pool is committed at start-up (a node that is down: mapped when a step names it)."""
         conn = Connection(socket_path, timeout)
         try:
-            hello = conn.call("hello", version=1, role="control", pid=os.getpid())
+            hello = conn.call("hello", version=VERSION, role="control", pid=os.getpid())
         except (NodeUnavailable, NodeError) as e:
             log.info("kvx: the node is not up yet (%s); its pool is mapped once it is", e)
             return

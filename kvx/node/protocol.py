@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"KVXN"
-VERSION = 1
+VERSION = 2  # 2: chunks of runs of slots, sealed namespaces (a node of v1 would mistake both)
 HEADER = struct.Struct("<4sHHI")  # magic, version, reserved, body length
 MAX_BODY = 4 << 20  # bytes: a lookup of 4096 keys is ~150 KiB
 MAX_PULLS = 4  # pulls one engine's puller connection may have in flight (each a request's lookup that missed)

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 
 from kvx.node.connection import Connection, NodeUnavailable
+from kvx.node.protocol import VERSION
 
 MARK = "KVXDRV "  # prefixes the answers: vLLM logs to stdout too
 
@@ -96,7 +97,7 @@ class Node:
     def stats(self) -> dict:
         c = Connection(self.socket, timeout=5)
         try:
-            c.call("hello", version=1, role="control", pid=os.getpid())
+            c.call("hello", version=VERSION, role="control", pid=os.getpid())
             return c.call("stats")
         finally:
             c.close()

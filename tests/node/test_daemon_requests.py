@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvx.node import requests
+from kvx.node.protocol import VERSION
 from kvx.node.requests import Requests
 from tests.node.daemon_helpers import NS_A, Peer, key, make_state
 
@@ -22,7 +23,7 @@ BAD_REQUESTS = [  # (op, args, role, what the error names)
     ("evict", {"namespace": "ff" * 8}, "control", f"namespace: expected a known namespace ({NS_A}), got 'ffff"),
     ("quota", {"namespace": NS_A, "bytes": -1}, "control", "bytes: expected a byte count >= 0 or null, got -1"),
     ("quota", {"namespace": NS_A, "bytes": True}, "control", "bytes: expected a byte count >= 0 or null, got True"),
-    ("hello", {"version": 1, "role": "control"}, "control", "hello: expected once per connection"),
+    ("hello", {"version": VERSION, "role": "control"}, "control", "hello: expected once per connection"),
 ]
 
 
@@ -37,15 +38,25 @@ def test_bad_requests_are_answered_and_counted(op, args, role, error):
 
 
 BAD_HELLOS = [  # (hello arguments, what the error names)
-    ({"version": 2, "role": "engine"}, "version: expected protocol version 1, got 2"),
-    ({"version": 1, "role": "admin"}, "role: expected 'engine', 'puller' or 'control', got 'admin'"),
-    ({"version": 1, "role": "engine", "namespace": "XY"}, "namespace: expected 8-128 hex digits, got 'XY'"),
-    ({"version": 1, "role": "engine", "namespace": NS_A, "model": "m", "chunk_size": 0}, "chunk_size: expected a po"),
+    ({"version": 1, "role": "engine"}, f"version: expected protocol version {VERSION}, got 1"),
+    ({"version": VERSION, "role": "admin"}, "role: expected 'engine', 'puller' or 'control', got 'admin'"),
+    ({"version": VERSION, "role": "engine", "namespace": "XY"}, "namespace: expected 8-128 hex digits, got 'XY'"),
     (
-        {"version": 1, "role": "engine", "namespace": NS_A, "model": "m", "chunk_size": 16, "slot_bytes": 1 << 40},
+        {"version": VERSION, "role": "engine", "namespace": NS_A, "model": "m", "chunk_size": 0},
+        "chunk_size: expected a po",
+    ),
+    (
+        {
+            "version": VERSION,
+            "role": "engine",
+            "namespace": NS_A,
+            "model": "m",
+            "chunk_size": 16,
+            "slot_bytes": 1 << 40,
+        },
         "slot_bytes: expected chunks that a run of at most",
     ),
-    ({"version": 1, "role": "control", "pid": "me"}, "pid: expected an int, got 'me'"),
+    ({"version": VERSION, "role": "control", "pid": "me"}, "pid: expected an int, got 'me'"),
 ]
 
 
@@ -55,7 +66,7 @@ def test_bad_hellos_are_refused_and_the_connection_may_try_again(args, error):
     state.open(1)
     reply, keep = Requests(state).request(1, {"op": "hello", "id": 1, **args})
     assert not reply["ok"] and error in reply["error"] and keep
-    reply, keep = Requests(state).request(1, {"op": "hello", "id": 2, "version": 1, "role": "control"})
+    reply, keep = Requests(state).request(1, {"op": "hello", "id": 2, "version": VERSION, "role": "control"})
     assert reply["ok"] and keep
 
 

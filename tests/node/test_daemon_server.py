@@ -116,9 +116,10 @@ KILLED_CLIENT = textwrap.dedent(
     """
     import sys
     from kvx.node.connection import Connection
+    from kvx.node.protocol import VERSION
 
     c = Connection(sys.argv[1])
-    c.call("hello", version=1, role="engine", namespace=sys.argv[2], model="tiny", chunk_size=16, slot_bytes=1)
+    c.call("hello", version=VERSION, role="engine", namespace=sys.argv[2], model="tiny", chunk_size=16, slot_bytes=1)
     pending = c.call("allocate", key="%032x" % 1)["slot"]
     ready = c.call("allocate", key="%032x" % 2)["slot"]
     c.call("commit", key="%032x" % 2)
@@ -173,7 +174,7 @@ def frame(magic: bytes = MAGIC, version: int = VERSION, body: bytes = b"{}", len
 BAD_FRAMES = [  # (what, bytes sent, what the error reply names)
     ("random bytes", random.Random(7).randbytes(64), "frame: expected magic"),
     ("wrong magic", frame(magic=b"HTTP"), "frame: expected magic b'KVXN', got b'HTTP'"),
-    ("wrong version", frame(version=2), "frame: expected protocol version 1, got 2"),
+    ("wrong version", frame(version=1), f"frame: expected protocol version {VERSION}, got 1"),
     ("oversize", frame(length=MAX_BODY + 1, body=b""), f"frame: expected a body of at most {MAX_BODY} bytes"),
     ("not JSON", frame(body=b"\xff{not json"), "body: expected a JSON object, got undecodable bytes"),
     ("a JSON list", frame(body=b"[1, 2]"), "body: expected a JSON object, got list"),
@@ -194,7 +195,7 @@ def test_garbage_frames_get_an_error_and_a_closed_connection(node):
         assert "expected 'hello' first" in read_reply(s)["error"]
         assert read_reply(s) is None
     with raw(node) as s:  # bad requests on a good connection: answered, the connection stays open
-        hello = encode({"op": "hello", "id": 1, "version": 1, "role": "engine", "namespace": NS_C, "model": "t"})
+        hello = encode({"op": "hello", "id": 1, "version": VERSION, "role": "engine", "namespace": NS_C, "model": "t"})
         hello = encode({**json.loads(hello[HEADER.size :]), "chunk_size": 16, "slot_bytes": 1})
         for byte in hello:  # a frame that arrives one byte at a time
             s.send(bytes([byte]))
@@ -269,7 +270,7 @@ def hello_as_nobody(path: str) -> str:
             with socket.socket(socket.AF_UNIX) as s:
                 s.settimeout(10)
                 s.connect(path)
-                s.sendall(encode({"op": "hello", "id": 1, "version": 1, "role": "control"}))
+                s.sendall(encode({"op": "hello", "id": 1, "version": VERSION, "role": "control"}))
                 reply = read_reply(s)
             what = "closed" if reply is None else "ok" if reply["ok"] else f"refused: {reply['error']}"
         except BrokenPipeError:
