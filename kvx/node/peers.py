@@ -54,6 +54,7 @@ log = get_logger(__name__)
 
 _DOWN_S = (1.0, 30.0)  # a peer that failed is left alone this long, doubling up to the second figure
 _RATE_WEIGHT = 0.3  # weight of a new read in a peer's rate estimate
+_RELEASE_AFTER_FAILURE_S = 0.25  # a failed read's lease is released within this, or left to the connection's end
 _READ_GROUPS = 4  # a pull's transfers where the transport does not check as it streams (checks overlap reads)
 
 
@@ -489,8 +490,15 @@ class Cluster:
         with self._lock:
             self.counters[name] += n
 
-    def _ask_all(self, namespace: str, keys: list[str], deadline: float) -> tuple[_Link | None, int]:
-        """The peer holding the longest run of ``keys``, and its length (``have`` to every peer at once)."""
+    def _live(self) -> list[_Link]:
+        """The peers worth asking now: connected, or past the time a failure left them alone."""
+        with self._lock:
+            links = list(self._links)
+        now = time.monotonic()
+        return [lk for lk in links if lk.sock is not None or now >= lk.next_try]
+
+    def _ask_all(self, namespace: str, keys: list[str], deadline: float, live: list[_Link]) -> tuple[_Link | None, int]:
+        """The peer of ``live`` holding the longest run of ``keys``, and its length (``have`` to each at once)."""
         msg = {"op": "have", "namespace": namespace, "keys": "".join(keys)}
 
         def ask(link: _Link) -> int:
@@ -499,9 +507,6 @@ class Cluster:
             except (OSError, ValueError, TypeError, KeyError):
                 return 0
 
-        with self._lock:
-            links = list(self._links)
-        live = [lk for lk in links if lk.sock is not None or time.monotonic() >= lk.next_try]
         futures = {self._ask.submit(ask, lk): lk for lk in live}
         done, _ = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
         best, n = None, 0
@@ -512,41 +517,80 @@ class Cluster:
                 best, n = lk, got
         return best, n
 
+    def _fit(self, link: _Link, n: int, nbytes: int, deadline: float) -> int:
+        """How many of ``n`` chunks ``link`` can bring before ``deadline`` at its measured rate (all: no rate yet)."""
+        if not link.rate:
+            return n
+        return min(n, int(max(0.0, deadline - time.monotonic()) * link.rate / nbytes))
+
+    def _lease(self, link: _Link, namespace: str, keys: list[str], nbytes: int, deadline: float) -> list:
+        """Lease the leading READY ``keys`` on ``link``: [key, offset, generation, CRC32C] per chunk, a prefix."""
+        msg = {"op": "lease", "namespace": namespace, "keys": "".join(keys), "nbytes": nbytes}
+        leased = self._request(link, msg, deadline - time.monotonic())["chunks"]
+        if [c[0] for c in leased] != keys[: len(leased)]:
+            raise ValueError(f"lease: expected a prefix of the keys asked for, got {[c[0] for c in leased][:4]}...")
+        return leased
+
     def _pull_chunks(self, namespace: str, keys: list[str], nbytes: int, deadline: float) -> dict:
+        """Pull the leading ``keys`` some peer holds. One peer to ask, fast enough for them all: its lease is its
+        answer (a round trip fewer); else ``have`` to every peer, then the lease on the one holding the most (beside
+        this node's slots for them)."""
         self._count("pulls")
         phases = _Phases()
-        link, n = self._ask_all(namespace, keys, deadline)
+        live = self._live()
+        link, leased = None, None
+        if len(live) == 1 and self._fit(live[0], len(keys), nbytes, deadline) == len(keys):
+            link = live[0]
+            try:
+                leased = self._lease(link, namespace, keys, nbytes, deadline)
+            except (OSError, ValueError, TypeError, KeyError):
+                leased = []
+            n = len(leased)
+        elif live:
+            link, n = self._ask_all(namespace, keys, deadline, live)
         phases.mark("ask")
         if link is None or n == 0:
             self._count("misses")
             return {"pulled": 0, "reason": "miss"}
-        left = deadline - time.monotonic()
-        if link.rate:
-            fit = int(max(0.0, left) * link.rate / nbytes)
-            if fit < n:
-                self._count("declined_slow")
-                if fit == 0:
-                    return {"pulled": 0, "reason": "slow", "from": link.node}
-                n = fit
+        fit = self._fit(link, n, nbytes, deadline)
+        if fit < n:
+            self._count("declined_slow")
+            if fit == 0:
+                return {"pulled": 0, "reason": "slow", "from": link.node}
+            n = fit
         owner = self._call(lambda s: s.open_internal("pull"))
         good: list[str] = []
+        slots: list = []
+        lease = None
         try:
+            if leased is None:  # the lease on the chosen peer, beside this node's slots
+                lease = self._ask.submit(self._lease, link, namespace, keys[:n], nbytes, deadline)
             slots = self._call(lambda s: s.pull_alloc(owner, namespace, keys[:n]))
             phases.mark("slots")
-            if not slots:
-                return {"pulled": 0, "reason": "full"}
-            good = self._read(link, namespace, slots, nbytes, deadline, phases)
+            if lease is not None:
+                leased, lease = lease.result(), None
+                phases.mark("lease")
+            if slots:
+                good = self._read(link, slots, leased, nbytes, deadline, phases)
+            elif leased:
+                self._release(link, leased, deadline)  # no room here: the peer's chunks are free again
         except (OSError, ValueError, TypeError, KeyError, TransferError) as e:
             with link.lock:
                 link.failures += 1
             self._count("failed")
             self._throttle.warning(f"pull {link.name}", "kvx node: a pull from %s failed: %s", link.name, e)
+            if isinstance(e, TransferError) and leased:  # the bytes failed, the control link may not have
+                self._release_quietly(link, leased, min(deadline, time.monotonic() + _RELEASE_AFTER_FAILURE_S))
         finally:
+            if lease is not None:  # this node's slots failed while the lease was asked: end it
+                lease.cancel() or self._release_quietly(link, lease, min(deadline, time.monotonic() + 1.0))
             pulled = self._call(lambda s: s.pull_end(owner, good))
             phases.mark("commit")
         self._count("pulled", pulled)
         with self._lock:
             self.last_pull = {"chunks": pulled, **phases.ms}
+        if not slots:
+            return {"pulled": 0, "reason": "full"}
         return {"pulled": pulled, "from": link.node}
 
     def _read_checked(self, link: _Link, spans: list[Span], crcs: list, deadline: float) -> list[bool]:
@@ -569,29 +613,15 @@ class Cluster:
                 f.cancel() or f.exception()
 
     def _read(
-        self,
-        link: _Link,
-        namespace: str,
-        slots: Sequence[tuple[str, int]],
-        nbytes: int,
-        deadline: float,
-        phases: _Phases,
+        self, link: _Link, slots: Sequence[tuple[str, int]], leased: list, nbytes: int, deadline: float, phases: _Phases
     ) -> list[str]:
-        """Lease ``slots``' chunks on ``link``, read them into their slots, check them, release them: the keys that
-        arrived whole, in order."""
+        """Read ``leased`` chunks of ``link`` into ``slots`` (as many as both have), check them, release the lease:
+        the keys that arrived whole, in order."""
         keys = [k for k, _ in slots]
-        left = deadline - time.monotonic()
-        msg = {"op": "lease", "namespace": namespace, "keys": "".join(keys), "nbytes": nbytes}
-        leased = self._request(link, msg, left)["chunks"]
-        phases.mark("lease")
-        if [c[0] for c in leased] != keys[: len(leased)]:
-            raise ValueError(f"lease: expected a prefix of the keys asked for, got {[c[0] for c in leased][:4]}...")
-        if not leased:
-            return []
         spans = [Span(int(c[1]), off, nbytes) for c, (_, off) in zip(leased, slots)]
         t0 = time.monotonic()
         if isinstance(self.transport, TcpTransport):  # it checks each chunk against the lease's as it streams
-            ok = self.transport.read(link.node, spans, max(0.001, deadline - t0), [c[3] for c in leased])
+            ok = self.transport.read(link.node, spans, max(0.001, deadline - t0), [c[3] for c in leased[: len(spans)]])
         else:
             ok = self._read_checked(link, spans, [c[3] for c in leased], deadline)
         seconds = time.monotonic() - t0
@@ -601,17 +631,31 @@ class Cluster:
         if good < len(ok):
             self._count("bad_chunks", len(ok) - good)
             log.warning("kvx node: chunk %s from %s failed its CRC32C check; not served", keys[good], link.name)
-        release = {"op": "release", "keys": [c[0] for c in leased], "generations": [int(c[2]) for c in leased]}
-        intact = self._request(link, release, max(0.001, deadline - time.monotonic()))["intact"]
+        intact = self._release(link, leased, deadline)
         phases.mark("release")
         good = next((i for i in range(good) if not intact[i]), good)
         with link.lock:
             link.pulls += 1
-            link.chunks_in += len(leased)
-            link.bytes_in += len(leased) * nbytes
-            rate = len(leased) * nbytes / max(seconds, 1e-6)
+            link.chunks_in += len(spans)
+            link.bytes_in += len(spans) * nbytes
+            rate = len(spans) * nbytes / max(seconds, 1e-6)
             link.rate = rate if link.rate is None else (1 - _RATE_WEIGHT) * link.rate + _RATE_WEIGHT * rate
         return keys[:good]
+
+    def _release_quietly(self, link: _Link, leased, deadline: float) -> None:
+        """End a lease after a failed pull (``leased``: the chunks, or the future of the lease), if the peer answers
+        before ``deadline``; else its leases end with its control connection."""
+        try:
+            chunks = leased.result(max(0.0, deadline - time.monotonic())) if hasattr(leased, "result") else leased
+            if chunks:
+                self._release(link, chunks, deadline)
+        except Exception:  # noqa: BLE001 - the pull failed already; the link is marked down where it failed
+            pass
+
+    def _release(self, link: _Link, leased: list, deadline: float) -> list[bool]:
+        """End the lease of ``leased`` on ``link``: per chunk, whether it stayed intact (not evicted) under it."""
+        release = {"op": "release", "keys": [c[0] for c in leased], "generations": [int(c[2]) for c in leased]}
+        return self._request(link, release, max(0.001, deadline - time.monotonic()))["intact"]
 
     # ---------------------------------------------------------------- pushing (P/D)
     def push(self, namespace: str, keys: list[str], nbytes: int, to: str) -> bool:
