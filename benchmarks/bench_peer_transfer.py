@@ -12,6 +12,9 @@ holding the spans at scattered slots, so no two spans are adjacent on either sid
   between hosts without RDMA).
 - ``kvx-tcp``: :class:`kvx.node.tcp.TcpTransport` (kvx's own channel; the reader dials a plain connection, the
   server answers it with ``serve``), where that module exists.
+- ``kvx-tcp-sealed``: the same, the read sealed (a sealed namespace's chunks: AES-256-GCM pieces under the
+  connection's keys, decrypted into the reader's slots, :mod:`kvx.node.wire_seal`); the connection admitted by the
+  cluster handshake, which gives both ends its keys.
 
 Each variant moves ``--total`` bytes as spans of ``--chunk`` (default 64 MiB as 16 x 4 MiB) per transfer; one
 untimed warm-up each, whose bytes are checked (CRC32 of the spans on both sides), then ``--reps`` rounds, the
@@ -206,13 +209,26 @@ def _nixl_missing() -> str | None:
     return None
 
 
-def _kvx_tcp_serve(pool, layout: Layout):
+_SECRET = b"kvx-bench-cluster-secret-0123456789"
+
+
+def _kvx_tcp_serve(pool, layout: Layout, sealed: bool = False):
     import threading
 
+    from kvx.node import handshake
     from kvx.node.tcp import TcpTransport
+    from kvx.node.wire_seal import WireSession
 
     t = TcpTransport(pool, dial=None, bounds=lambda: (0, len(pool)))
     listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve(conn) -> None:
+        session = None
+        if sealed:
+            conn.settimeout(TIMEOUT_S)
+            _, _, keying = handshake.admit_keyed(conn, _SECRET, "server")
+            session = WireSession(_SECRET, keying)
+        t.serve(conn, "reader", session=session)
 
     def loop() -> None:
         while True:
@@ -220,7 +236,7 @@ def _kvx_tcp_serve(pool, layout: Layout):
                 conn, _ = listener.accept()
             except OSError:
                 return
-            threading.Thread(target=t.serve, args=(conn, "reader"), daemon=True).start()
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
 
     threading.Thread(target=loop, daemon=True).start()
 
@@ -241,6 +257,25 @@ def _kvx_tcp_reader(pool, layout: Layout, address):
     return (lambda: t.read("server", spans, TIMEOUT_S)), t.close
 
 
+def _kvx_tcp_sealed_serve(pool, layout: Layout):
+    return _kvx_tcp_serve(pool, layout, sealed=True)
+
+
+def _kvx_tcp_sealed_reader(pool, layout: Layout, address):
+    from kvx.node import handshake
+    from kvx.node.tcp import TcpTransport
+    from kvx.node.wire_seal import WireSession
+
+    def dial(a):  # the cluster handshake: once per connection, and its keys
+        sock, _, keying = handshake.dial_keyed(a, _SECRET, "reader", "data", TIMEOUT_S)
+        return sock, WireSession(_SECRET, keying)
+
+    t = TcpTransport(pool, dial=dial, bounds=lambda: (0, len(pool)))
+    t.connect("server", tuple(address), b"")
+    spans = layout.spans()
+    return (lambda: t.read("server", spans, TIMEOUT_S, sealed=True)), t.close
+
+
 def _kvx_tcp_missing() -> str | None:
     try:
         from kvx.node.tcp import TcpTransport  # noqa: F401
@@ -254,6 +289,9 @@ VARIANTS: dict[str, Variant] = {
     "nixl": Variant("nixl, UCX defaults", _nixl_serve, _nixl_reader, available=_nixl_missing),
     "nixl-tcp": Variant("nixl, UCX_TLS=tcp,self", _nixl_serve, _nixl_reader, {"UCX_TLS": "tcp,self"}, _nixl_missing),
     "kvx-tcp": Variant("kvx TcpTransport", _kvx_tcp_serve, _kvx_tcp_reader, available=_kvx_tcp_missing),
+    "kvx-tcp-sealed": Variant(
+        "kvx TcpTransport, sealed", _kvx_tcp_sealed_serve, _kvx_tcp_sealed_reader, available=_kvx_tcp_missing
+    ),
 }
 BASELINE = "socket"
 NOTES = {  # the table's notes on each variant
@@ -265,6 +303,9 @@ NOTES = {  # the table's notes on each variant
     "answers. That thread sleeps between UCX events (`kvx.node.nixl`); NIXL's own Python API makes every agent's "
     "spin a core, which on a small machine slows every row, the socket's too (here those measured so fell ~4x).",
     "kvx-tcp": "`kvx.node.tcp.TcpTransport` over a plain connection (no cluster handshake: once per connection).",
+    "kvx-tcp-sealed": "`kvx.node.tcp.TcpTransport`, a sealed read: AES-256-GCM pieces of 256 KiB under the "
+    "connection's keys (from the cluster handshake, once per connection), encrypted by the server from its pool, "
+    "decrypted by the reader in its slots, CRC32C of the plaintext summed as it lands.",
 }
 
 

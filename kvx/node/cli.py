@@ -21,10 +21,12 @@ A prompt's chunk keys are computed here as an engine computes them (:func:`kvx.k
 arguments), ``internal_errors`` (requests the daemon failed on: see its log), ``leases_released`` and
 ``aborted_on_disconnect`` (pins and PENDING slots that connections left behind when they closed); ``namespaces``
 {hex: {model, chunk_size, chunks (READY), pending, bytes, hits, misses, evictions (to make room), pinned (admin
-pins), quota, sealed (an engine of it seals its byte tiers: its chunks stay on this host), clients, pulled (chunks
-pulled from peers), served (chunks peers read)}}; with --listen, ``cluster``
-{node, listen, transport, peers [{address, node, state, error, bytes_in, chunks_in, bytes_out, pulls, failures,
-rate_gbps}], bytes_out, pulls, pulled, misses, declined_slow, failed, bad_chunks, refused_peers, served}.
+pins), quota, sealed (an engine of it seals its byte tiers: its chunks cross between nodes only encrypted, over
+the tcp transport, and stay on this host over nixl), clients, pulled (chunks pulled from peers), served (chunks peers
+read)}}; with --listen, ``cluster`` {node, listen, transport, peers [{address, node, state, error, bytes_in,
+chunks_in, bytes_out, bytes_sealed_in (sealed bytes pulled from it or pushed here by it), bytes_sealed_out (sealed
+bytes it read from here or this node pushed to it), pulls, failures, rate_gbps}], bytes_out, bytes_sealed_out,
+bytes_sealed_in, pulls, pulled, misses, declined_slow, failed, bad_chunks, refused_peers, served}.
 
 Exit codes: 0 done; 1 the daemon is not reachable (or cannot start); 2 bad arguments, or the daemon refused the
 request.
@@ -466,11 +468,13 @@ def _stats_table(s: dict) -> str:
             f"{c['bad_chunks']} bad chunks; served {c['served']} chunks ({_mib(c['bytes_out'])}); refused peers "
             f"{c['refused_peers']}"
         )
-        rows = [("peer", "node", "state", "in", "chunks in", "out", "pulls", "failures", "GB/s")]
+        rows = [("peer", "node", "state", "in", "chunks in", "out", "sealed in", "sealed out", "pulls", "failures")]
+        rows[0] += ("GB/s",)
         for p in c["peers"]:
+            sealed = (_mib(p.get("bytes_sealed_in", 0)), _mib(p.get("bytes_sealed_out", 0)))
             rows.append(
                 (p["address"], p["node"] or "-", p["state"], _mib(p["bytes_in"]), p["chunks_in"])
-                + (_mib(p["bytes_out"]), p["pulls"], p["failures"], p["rate_gbps"] or "-")
+                + (_mib(p["bytes_out"]), *sealed, p["pulls"], p["failures"], p["rate_gbps"] or "-")
             )
         lines += _columns(rows)
     return "\n".join(lines)

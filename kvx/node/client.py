@@ -61,8 +61,10 @@ class NodeIndex(SlotIndex):
 
     ``namespace``: the engine's key namespace (its digest: :func:`kvx.connector.common.namespace`); ``model``: a
     name for ``kvx node stats``; ``slot_bytes``: the bytes one of its chunks takes in a slot (every rank's heads);
-    ``sealed``: the engine seals its byte tiers (their ``encryption``), so the node keeps the namespace's chunks on
-    this host (they lie in its pool in the clear).
+    ``sealed``: the engine seals its byte tiers (their ``encryption``): its chunks lie in the node's pool in the
+    clear, so they cross to other nodes only where the node says they cross encrypted (its hello's ``seal_transit``:
+    kvx's tcp channel, :mod:`kvx.node.wire_seal`); with a node that does not say so (NIXL, or a kvx before sealed
+    transfers) this engine asks for no pull or push, and its chunks stay on this host.
     """
 
     shared = True  # several engines store into it: a chunk present is written to the byte tiers by its writer only
@@ -84,6 +86,7 @@ class NodeIndex(SlotIndex):
         self.pull_wait_s = pull_wait_ms / 1e3
         self.sealed = sealed
         self._cluster = False  # the node said it has peers
+        self._seal_transit = False  # the node said sealed chunks cross between nodes encrypted
         self._pulls: list[_Pull] = []  # the pulls in flight (at most MAX_PULLS), oldest first
         self._tried: dict[str, float] = {}  # key -> until when a pull that did not bring it is not asked again
         self.hello = {
@@ -129,6 +132,7 @@ class NodeIndex(SlotIndex):
             self.pool = (reply["pool"], reply["epoch"])
             self._dir = _map_directory(reply)
             self._cluster = bool(reply.get("cluster"))
+            self._seal_transit = reply.get("seal_transit") is True
             self.stats["reconnects"] += 1
             log.info("kvx: connected to the node at %s (pool %s)", self.conn.path, reply["pool"])
         try:
@@ -169,9 +173,14 @@ class NodeIndex(SlotIndex):
         self.puller.close()
         self.pool = self._dir = None
 
+    def _may_move(self) -> bool:
+        """Whether this engine's chunks may cross to other nodes: unsealed, or the node encrypts them on the wire (a
+        sealed namespace's chunks otherwise stay on this host)."""
+        return not self.sealed or self._seal_transit
+
     def push(self, keys: Sequence[str], to: str) -> bool:
         """A P/D producer's chunks: the node sends each to the node at ``to`` once it is READY here (posted)."""
-        if not self._cluster or not keys or self.sealed:  # a sealed namespace's chunks stay on the host
+        if not self._cluster or not keys or not self._may_move():
             return False
         return self._post("push", None, keys="".join(keys), to=to)
 
@@ -181,7 +190,7 @@ class NodeIndex(SlotIndex):
         peer, for at most ``pull_wait_ms`` (and a second's grace for the node's answer). The first lookup to miss a
         key starts a pull of it and the keys after it, up to :data:`~.protocol.MAX_PULLS` pulls in flight (other
         requests' lookups); a key a pull did not bring is not pulled again for :data:`_TRIED_S`."""
-        if not self._cluster or self.pull_wait_s <= 0 or self._dir is None or not missing or self.sealed:
+        if not self._cluster or self.pull_wait_s <= 0 or self._dir is None or not missing or not self._may_move():
             return False
         now = time.monotonic()
         if self._pulls:

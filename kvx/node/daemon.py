@@ -33,8 +33,10 @@ old file keep their mapping until they reconnect, see a new epoch and map the ne
 **Across hosts** (``--listen``, ``--peers`` or ``--membership``, ``--secret-file``): the node is a member of a
 cluster, pulling the chunks its engines miss from peers and pushing a P/D producer's chunks to its consumer's node
 (:mod:`.peers`); the cluster's threads ask the loop for every change of the index (:meth:`NodeServer.call`). A
-namespace an engine says is sealed (its byte tiers seal their chunks) never leaves the host: no pull, push or peer
-read moves its chunks (:meth:`NodeState.pull`).
+namespace an engine says is sealed (its byte tiers seal their chunks) crosses between nodes only encrypted: over kvx's
+TCP channel its chunks move as AES-256-GCM ciphertext under per-connection keys derived from the cluster secret and
+the handshake's nonces (no key crosses: :mod:`.wire_seal`); over NIXL they stay on the host: no pull, push or peer
+read moves them (:attr:`NodeState.seal_transit`, :meth:`NodeState.pull`).
 
 Threads: :class:`NodeState` is owned by the event-loop thread (no locks). :class:`NodeServer` runs that loop;
 the other threads are the optional Prometheus endpoint, which reads a snapshot of :meth:`NodeState.stats` that

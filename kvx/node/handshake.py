@@ -9,6 +9,10 @@ checks in turn, then whatever the acceptor tells members (its transport and the 
 without the secret learns nothing but the acceptor's nonce and one refusal; a node that answers without it is not
 believed. The nonces make a recorded exchange useless to replay.
 
+Both ends come out of it with a :class:`Keying` (:func:`dial_keyed`, :func:`admit_keyed`): the two nonces and the two
+ids, from which each derives the connection's keys with the secret it holds (:mod:`.wire_seal`: a sealed namespace's
+chunks cross encrypted; no key ever crosses).
+
 Frames are :mod:`.protocol`'s (JSON bodies), on blocking sockets with a timeout.
 """
 
@@ -18,12 +22,25 @@ import hashlib
 import hmac
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 from .protocol import HEADER, body_length, decode, encode
 
 ROLES = ("control", "data")
 _MIN_SECRET = 16  # bytes: a shorter secret is guessable
+
+
+@dataclass(frozen=True)
+class Keying:
+    """What a connection's two ends share after the handshake, to derive its keys with the secret
+    (:func:`kvx.node.wire_seal.derive_keys`): the nonces and ids of both, and which end this is."""
+
+    acceptor_nonce: bytes
+    dialer_nonce: bytes
+    acceptor: str  # the acceptor's node id
+    dialer: str  # the dialer's node id
+    side: str  # "dialer" or "acceptor": this end
 
 
 class Denied(ConnectionError):
@@ -79,6 +96,14 @@ def dial(
     """Connect to the node at ``address`` as member ``node_id`` for ``role``: the socket (blocking, ``timeout``
     per operation) and the acceptor's welcome (``node``: its id, and what it tells members). :class:`Denied` if it
     refused us or is no member; ``OSError`` if it cannot be reached."""
+    sock, welcome, _ = dial_keyed(address, secret, node_id, role, timeout)
+    return sock, welcome
+
+
+def dial_keyed(
+    address: tuple[str, int], secret: bytes, node_id: str, role: str, timeout: float
+) -> tuple[socket.socket, dict, Keying]:
+    """As :func:`dial`, and the connection's :class:`Keying` (this end the dialer)."""
     sock = socket.create_connection(address, timeout=timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -94,7 +119,7 @@ def dial(
         want = _mac(secret, b"kvx-admit", ours, theirs, peer.encode())
         if not hmac.compare_digest(want, str(welcome.get("mac", ""))):
             raise Denied(f"the node at {address[0]}:{address[1]} does not hold this cluster's secret")
-        return sock, welcome
+        return sock, welcome, Keying(theirs, ours, peer, node_id, "dialer")
     except BaseException:
         sock.close()
         raise
@@ -103,6 +128,14 @@ def dial(
 def admit(sock: socket.socket, secret: bytes, node_id: str, welcome: dict | None = None) -> tuple[str, str]:
     """Accept a dialer on ``sock`` if it proves the secret: its (node id, role), after ``welcome`` (what members are
     told) was sent with this node's proof. :class:`Denied` (after telling it so) otherwise."""
+    peer, role, _ = admit_keyed(sock, secret, node_id, welcome)
+    return peer, role
+
+
+def admit_keyed(
+    sock: socket.socket, secret: bytes, node_id: str, welcome: dict | None = None
+) -> tuple[str, str, Keying]:
+    """As :func:`admit`, and the connection's :class:`Keying` (this end the acceptor)."""
     ours = os.urandom(16)
     send(sock, {"nonce": ours.hex()})
     msg = recv(sock)
@@ -120,4 +153,4 @@ def admit(sock: socket.socket, secret: bytes, node_id: str, welcome: dict | None
         raise Denied(f"node {peer!r}: role {role!r}")
     mac = _mac(secret, b"kvx-admit", theirs, ours, node_id.encode())
     send(sock, {"ok": True, "node": node_id, "mac": mac, **(welcome or {})})
-    return peer, role
+    return peer, role, Keying(ours, theirs, node_id, peer, "acceptor")

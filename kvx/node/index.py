@@ -1,6 +1,10 @@
 """``kvx node``'s index (:class:`NodeState`): which chunk is in which slot of the pool, per namespace, with
 its leases, admin pins and quotas; and the pool file's slot table and directory, which it alone writes. The
 life cycle and its rules: :mod:`kvx.node.daemon`. Loop thread only (:class:`kvx.node.server.NodeServer`'s).
+
+A sealed namespace (an engine of it seals its byte tiers) moves between nodes only where the node's transport
+encrypts it on the wire (:attr:`NodeState.seal_transit`: kvx's tcp channel, :mod:`kvx.node.wire_seal`); elsewhere
+(NIXL, or no cluster) its chunks stay on this host: no pull, push, peer ``have`` or lease for it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ class NodeState:
         quarantine_s: a slot left PENDING by a connection that closed is reused only this many seconds later: its
             engine's workers (other processes, such as a TP engine's, which outlive its scheduler's connection for
             a moment) may still be writing it, and must not write into another engine's chunk.
+
+    :attr:`seal_transit` (set by the node at start, before any engine: True when its cluster's transport is tcp):
+    sealed namespaces' chunks may cross to and from peers, encrypted on the wire; False: they stay on this host.
     """
 
     def __init__(
@@ -71,6 +78,7 @@ class NodeState:
         self._namespaces: dict[str, Namespace] = {}
         self._clients: dict[int, Client] = {}
         self._next_internal = 0  # ids of the daemon's own clients (a pull's slots): negative, never a connection's
+        self.seal_transit = False  # sealed namespaces move between nodes (encrypted on the wire: tcp only)
         # pull(cid, rid, namespace, keys, chunk_bytes, budget_s) -> whether it took the pull (its reply comes later,
         # through the server): the cluster's, where the node has peers (kvx.node.peers.Cluster.pull)
         self.on_pull: Callable[[int, int, str, list[str], int, float], bool] | None = None
@@ -154,6 +162,7 @@ class NodeState:
             return {"pool": None, "epoch": None, "num_slots": 0, "slot_bytes": None}
         return {
             "cluster": self.on_pull is not None,
+            "seal_transit": self.on_pull is not None and self.seal_transit,
             "pool": self.pool_path,
             "epoch": self.epoch.hex(),
             "num_slots": self.geom.num_slots,
@@ -167,9 +176,9 @@ class NodeState:
     ) -> None:
         """``c`` (an engine, or a puller: ``count`` False) serves namespace ``name`` (``model``, ``chunk_size``
         tokens a chunk, chunks of ``need`` bytes): the pool is carved now if it is not yet; the namespace is made
-        if new. ``sealed``: the engine seals its byte tiers, so the namespace's chunks stay on this host from now
-        on (no pull, push or peer read moves them: see :meth:`pull`). Raises :class:`BadRequest` for chunks larger
-        than the largest run."""
+        if new. ``sealed``: the engine seals its byte tiers, so from now on the namespace's chunks cross between
+        nodes only encrypted (:attr:`seal_transit`), or else stay on this host (see :meth:`pull`). Raises
+        :class:`BadRequest` for chunks larger than the largest run."""
         if self.geom is None:
             self._use_pool(*self._carve(need))
         if self._units(need) > self.slots.max_units:
@@ -196,9 +205,49 @@ class NodeState:
         c.ns = ns
         ns.chunk_bytes = max(ns.chunk_bytes, need)
         ns.clients += count
-        if sealed and not ns.sealed:
-            ns.sealed = True
-            log.info("kvx node: namespace %s is sealed (engine pid %d): its chunks stay on this host", name, c.pid)
+        if sealed:
+            self.seal(name, f"engine pid {c.pid}")
+
+    def seal(self, name: str, why: str) -> None:
+        """Namespace ``name`` is sealed from now on (for good: its chunks are still the tenant's), for ``why``."""
+        ns = self._namespaces.get(name)
+        if ns is None or ns.sealed:
+            return
+        ns.sealed = True
+        where = "cross between nodes only encrypted" if self.seal_transit else "stay on this host"
+        log.info("kvx node: namespace %s is sealed (%s): its chunks %s", name, why, where)
+
+    def is_sealed(self, name: str) -> bool:
+        """Whether namespace ``name`` is known and sealed."""
+        ns = self._namespaces.get(name)
+        return ns is not None and ns.sealed
+
+    def _stays(self, ns: Namespace | None) -> bool:
+        """Whether ``ns``'s chunks stay on this host: sealed, where the transport does not encrypt them."""
+        return ns is not None and ns.sealed and not self.seal_transit
+
+    def sealed_spans(self, spans: Sequence[tuple[int, int]]) -> bool:
+        """Whether any (offset, nbytes) span of the pool file touches a run of slots held by a chunk (PENDING, READY
+        or doomed) of a sealed namespace: such bytes cross between nodes only encrypted."""
+        if self.geom is None or not any(ns.sealed for ns in self._namespaces.values()):
+            return False
+        sb, base, at = self.geom.slot_bytes, self.geom.data_offset, self.slots.at
+        for off, n in spans:
+            first, end = max(0, (off - base) // sb), min(self.geom.num_slots, -(-(off + n - base) // sb))
+            s = first
+            for k in range(self.geom.num_slots.bit_length() + 1):  # a run from before the span, into it
+                start = first & ~((1 << k) - 1)
+                if (h := at.get(start)) is not None and start + h.units > first:
+                    if h.ns.sealed:
+                        return True
+                    s = start + h.units
+                    break
+            while s < end:
+                h = at.get(s)
+                if h is not None and h.ns.sealed:
+                    return True
+                s += h.units if h is not None else 1
+        return False
 
     # -------------------------------------------------------------------------------------- engine ops
     def lookup(self, c: Client, keys: Sequence[str]) -> list[int]:
@@ -391,12 +440,12 @@ class NodeState:
         pull was taken (its answer, the leading keys now READY here, comes later on ``c`` for request ``rid``);
         else 0 at once: nothing to ask (no peers, the first key present or being written here). At most
         :data:`~.protocol.MAX_PULLS` in flight per connection (several requests' lookups missing at once). A sealed
-        namespace pulls nothing: its chunks cross no host boundary, either way (the pool holds them in the clear,
-        and the cluster's channels carry them so)."""
+        namespace pulls only where the transport encrypts it on the wire (:attr:`seal_transit`); elsewhere nothing:
+        its chunks cross no host boundary, either way (the pool holds them in the clear, NIXL would carry them so)."""
         if c.pulling >= MAX_PULLS:
             raise BadRequest(f"pull: expected at most {MAX_PULLS} pulls in flight per connection, got one more")
         n = next((i for i, k in enumerate(keys) if k in c.ns.entries), len(keys))
-        if n == 0 or self.on_pull is None or self.geom is None or c.ns.sealed:
+        if n == 0 or self.on_pull is None or self.geom is None or self._stays(c.ns):
             return 0
         if not self.on_pull(c.cid, rid, c.ns.name, list(keys[:n]), c.ns.chunk_bytes, budget_s):
             return 0
@@ -407,16 +456,16 @@ class NodeState:
         """A P/D producer's chunks ``keys``: send each to the node at ``to`` once it is READY here."""
         if self.on_push is None:
             raise Refused("push: expected a node in a cluster (kvx node --listen), got one without")
-        if c.ns.sealed:  # stays on this host: the consumer waits for a shared byte tier, or recomputes
+        if self._stays(c.ns):  # stays on this host: the consumer waits for a shared byte tier, or recomputes
             return False
         return self.on_push(c.ns.name, list(keys), c.ns.chunk_bytes, to)
 
     def push_lease(self, owner: int, namespace: str, keys: Sequence[str]) -> tuple[list[tuple[str, int, int]], str]:
         """Lease the leading READY ``keys`` to the daemon's client ``owner`` (a push reads them): (key, offset,
         generation) each, and what stopped the run: "end", "pending" (being written: wait) or "absent" (a sealed
-        namespace's too: it became sealed after the push began)."""
+        namespace's too where it stays on this host: it became sealed after the push began)."""
         ns = self._namespaces.get(namespace)
-        if ns is None or self.geom is None or ns.sealed:
+        if ns is None or self.geom is None or self._stays(ns):
             return [], "absent"
         c = self._clients[owner]
         out = []
@@ -436,12 +485,16 @@ class NodeState:
                 self._unlease(e)
         c.leases.clear()
 
-    def push_reserve(self, cid: int, peer: str, namespace: str, keys: Sequence[str], nbytes: int) -> list:
+    def push_reserve(
+        self, cid: int, peer: str, namespace: str, keys: Sequence[str], nbytes: int, sealed: bool = False
+    ) -> list:
         """A peer pushes ``keys`` of ``namespace`` (``nbytes`` each) here: per key, the byte offset of a PENDING slot
         it may write (held by its connection ``cid``), or None (present here already, or no room). The namespace is
-        made if no engine of it has come yet (its engines find the chunks when they do). A sealed namespace takes
+        made if no engine of it has come yet (its engines find the chunks when they do). ``sealed``: the pusher's
+        namespace is sealed, so it is here too from now on. A sealed namespace takes pushes only where the transport
+        encrypts them (:attr:`seal_transit`: then its slots take only sealed writes, :meth:`sealed_spans`); elsewhere
         none (its chunks cross no host boundary)."""
-        if self.geom is None or ((known := self._namespaces.get(namespace)) is not None and known.sealed):
+        if self.geom is None or self._stays(self._namespaces.get(namespace)) or (sealed and not self.seal_transit):
             return [None] * len(keys)
         if self._units(nbytes) > self.slots.max_units:
             raise BadRequest(f"nbytes: expected at most this pool's largest run, {self._max_bytes()}, got {nbytes}")
@@ -449,6 +502,8 @@ class NodeState:
         if ns is None:
             ns = self._namespaces[namespace] = Namespace(namespace, chunk_bytes=nbytes)
         ns.chunk_bytes = max(ns.chunk_bytes, nbytes)  # its runs hold what the peer writes
+        if sealed:
+            self.seal(namespace, f"pushed sealed by node {peer}")
         c = self._clients[cid]
         c.ns, c.peer = ns, peer
         out = []
@@ -506,15 +561,16 @@ class NodeState:
 
     def peer_have(self, namespace: str, keys: Sequence[str]) -> int:
         """How many leading ``keys`` this pool holds READY in ``namespace`` (0 for a namespace it does not know, or a
-        sealed one: it serves no peer)."""
+        sealed one that stays on this host: it serves no peer)."""
         ns = self._namespaces.get(namespace)
-        return 0 if ns is None or ns.sealed else self.ready_prefix(ns, keys)
+        return 0 if ns is None or self._stays(ns) else self.ready_prefix(ns, keys)
 
     def peer_lease(self, cid: int, namespace: str, keys: Sequence[str], nbytes: int) -> list[tuple[str, int, int]]:
         """Lease the leading READY ``keys`` of ``namespace`` to peer connection ``cid`` for a read of ``nbytes``
-        each: (key, byte offset in the pool file, generation) per chunk leased (none of a sealed namespace)."""
+        each: (key, byte offset in the pool file, generation) per chunk leased (none of a sealed namespace that stays
+        on this host; a sealed one's otherwise, which the peer then reads sealed: :meth:`sealed_spans`)."""
         ns = self._namespaces.get(namespace)
-        if ns is None or self.geom is None or ns.sealed:
+        if ns is None or self.geom is None or self._stays(ns):
             return []
         if self._units(nbytes) > self.slots.max_units:
             raise BadRequest(f"nbytes: expected at most this pool's largest run, {self._max_bytes()}, got {nbytes}")

@@ -148,6 +148,14 @@ class Descriptor:
         return cls(name.decode(errors="replace"), base, length, metadata)
 
 
+def _not_sealed(verb: str, sealed: bool) -> None:
+    if sealed:
+        raise TransferError(
+            f"{verb}: sealed: expected plain spans over NIXL (its one-sided transfers cannot encrypt: a sealed "
+            "namespace's chunks cross only over kvx's tcp transport), got sealed=True"
+        )
+
+
 class NixlTransport(Transport):
     """Reads spans of peers' pools with NIXL (module docstring: the two agents and why).
 
@@ -242,7 +250,14 @@ class NixlTransport(Transport):
             self._remove_remote(old.agent)
 
     @_locked
-    def read(self, peer: str, spans: Sequence[Span], timeout: float) -> None:
+    def read(
+        self,
+        peer: str,
+        spans: Sequence[Span],
+        timeout: float,
+        crcs: Sequence[int] | None = None,
+        sealed: bool = False,
+    ) -> None:
         """Copy ``spans`` of ``peer``'s pool into this node's pool: one NIXL READ of all of them, polled until it is
         done (spinning first, then sleeping 50 us, doubling up to 1 ms). Called by the peer thread.
 
@@ -259,11 +274,15 @@ class NixlTransport(Transport):
         deregistered from it too) and makes a new one, with every connected peer loaded again, before it raises.
         So the caller may free the slots whenever ``read`` raises, which is within about ``timeout + settle_s``
         plus the remaking (a few ms). The cost over TCP: the stalled peer aborts if it gets to answer the
-        abandoned READ (module docstring)."""
+        abandoned READ (module docstring).
+
+        ``crcs``: not checked here (the caller checks the slots after the READ). ``sealed``: TransferError, nothing
+        moved: a one-sided READ cannot encrypt, so a sealed namespace's chunks never cross over NIXL."""
+        _not_sealed("read", sealed)
         self._transfer("READ", peer, spans, timeout)
 
     @_locked
-    def write(self, peer: str, spans: Sequence[Span], timeout: float) -> None:
+    def write(self, peer: str, spans: Sequence[Span], timeout: float, sealed: bool = False) -> None:
         """Copy ``spans`` of this node's pool into ``peer``'s pool (a P/D push): one NIXL WRITE, as :meth:`read`
         (its errors, its timeout, its abandonment). Called by the peer thread.
 
@@ -272,7 +291,9 @@ class NixlTransport(Transport):
         transport does). Here they are checked against the peer's pool's bounds only. An abandoned WRITE: the
         remade agent sends nothing more, but bytes already on their way (TCP: in the kernels' socket buffers, a few
         MiB at most; they land when the peer's UCX worker reads them) may still reach the peer's slots after
-        ``write`` raised, so the peer should not hand those slots to anything else on the writer's word alone."""
+        ``write`` raised, so the peer should not hand those slots to anything else on the writer's word alone.
+        ``sealed``: TransferError, as for :meth:`read`."""
+        _not_sealed("write", sealed)
         self._transfer("WRITE", peer, spans, timeout)
 
     def _transfer(self, op: str, peer: str, spans: Sequence[Span], timeout: float) -> None:

@@ -23,6 +23,13 @@ ones it lacks (held by this connection: they go if it does), the transport write
 ``commit_pushed`` has the consumer check each slot's CRC32C and commit the good ones. The consumer's request waits
 for them as kvx's P/D waits (``pd_wait_ms``).
 
+**Sealed namespaces** (an engine of it seals its byte tiers): over the tcp transport their chunks are pulled and
+pushed as any others', but cross only encrypted (:mod:`.wire_seal`: AES-256-GCM under keys each end derives from the
+cluster secret and the handshake's nonces; no key crosses): a pull reads sealed if its namespace is sealed here or
+the lease says it is there, a push writes sealed if it is sealed here or the reservation says it is there, and a
+node serves none of a sealed namespace's slots in the clear, nor takes a plain write into one. Over NIXL (one-sided:
+it cannot encrypt) they stay on their host (:attr:`~.index.NodeState.seal_transit`).
+
 Anything that fails (a peer killed, stopped, cut off, answering garbage; a slot evicted under the read; a CRC that
 does not match) frees the slots and answers fewer chunks: the engine recomputes them, never serves them. A peer's
 leases end with its control connection (the peer closed it, or it sat idle past ``lease_s``).
@@ -49,6 +56,7 @@ from .handshake import Denied
 from .protocol import KEYS_RE, NAMESPACE_RE, PoolGeometry
 from .tcp import TcpTransport
 from .transport import Span, TransferError, Transport
+from .wire_seal import WireSession
 
 log = get_logger(__name__)
 
@@ -113,6 +121,8 @@ class _Link:
     used: float = 0.0  # when its connection last carried a request
     bytes_in: int = 0
     bytes_out_pushed: int = 0
+    bytes_sealed_in: int = 0  # bytes pulled from it sealed
+    bytes_sealed_out_pushed: int = 0  # of bytes_out_pushed, those that crossed sealed
     chunks_in: int = 0
     pulls: int = 0
     failures: int = 0
@@ -152,7 +162,9 @@ class Cluster:
             + ("pushes", "pushed", "push_failed", "received"),
             0,
         )
-        self._out: dict[str, int] = {}  # bytes served per peer id
+        self._out: dict[str, int] = {}  # bytes served per peer id (reads, and writes taken)
+        self._sealed_out: dict[str, int] = {}  # of those, bytes peers read sealed, per peer id
+        self._sealed_in: dict[str, int] = {}  # bytes peers wrote here sealed (pushes), per peer id
         self.last_pull: dict = {}  # the last pull's phases (under _lock)
         self._crcs: dict[int, tuple[int, int, int]] = {}  # slot offset -> (generation, nbytes, CRC32C) (under _lock)
         self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="kvx-node-crc")
@@ -214,6 +226,7 @@ class Cluster:
                     self._dial_data,
                     lambda: (geom.data_offset, geom.file_bytes),
                     lambda peer, spans: self._call(lambda s: s.writable(peer, spans)),
+                    lambda spans: self._call(lambda s: s.sealed_spans(spans)),
                 )
 
     def set_peers(self, addresses: Sequence[str]) -> None:
@@ -276,7 +289,7 @@ class Cluster:
         """One admitted peer connection, until it closes (its thread)."""
         try:
             sock.settimeout(self.config.timeout)
-            peer, role = handshake.admit(sock, self.config.secret, self.config.node_id, self._welcome())
+            peer, role, keying = handshake.admit_keyed(sock, self.config.secret, self.config.node_id, self._welcome())
         except Denied as e:
             with self._lock:
                 self.counters["refused_peers"] += 1
@@ -289,7 +302,10 @@ class Cluster:
         try:
             if role == "data":
                 if isinstance(self.transport, TcpTransport):
-                    self.transport.serve(sock, peer, lambda n: self._served(peer, n))
+                    session = WireSession(self.config.secret, keying)
+                    self.transport.serve(
+                        sock, peer, lambda op, n, sealed: self._served(peer, op, n, sealed), session=session
+                    )
                 return
             self._serve_control(sock, peer)
         except (OSError, ValueError):
@@ -297,9 +313,12 @@ class Cluster:
         finally:
             sock.close()
 
-    def _served(self, peer: str, n: int) -> None:
+    def _served(self, peer: str, op: str, n: int, sealed: bool) -> None:
         with self._lock:
             self._out[peer] = self._out.get(peer, 0) + n
+            if sealed:
+                figures = self._sealed_out if op == "read" else self._sealed_in
+                figures[peer] = figures.get(peer, 0) + n
 
     def _serve_control(self, sock: socket.socket, peer: str) -> None:
         cid = self._call(lambda s: s.open_internal("peer"))
@@ -341,7 +360,11 @@ class Cluster:
             nbytes = msg.get("nbytes")
             if not isinstance(nbytes, int) or nbytes <= 0:
                 raise ValueError(f"nbytes: expected a positive int, got {nbytes!r}")
-            return {"offsets": self._call(lambda s: s.push_reserve(cid, peer, ns, keys, nbytes))}
+            sealed = msg.get("seal", False) is True  # the pusher's namespace is sealed: it writes sealed
+            offsets, sealed = self._call(
+                lambda s: (s.push_reserve(cid, peer, ns, keys, nbytes, sealed), s.is_sealed(ns) and s.seal_transit)
+            )
+            return {"offsets": offsets, **({"sealed": True} if sealed else {})}
         if op == "commit_pushed":
             crcs, nbytes = msg.get("crcs"), msg.get("nbytes")
             if not (isinstance(crcs, list) and len(crcs) == len(keys) and isinstance(nbytes, int) and nbytes > 0):
@@ -358,14 +381,15 @@ class Cluster:
             nbytes = msg.get("nbytes")
             if not isinstance(nbytes, int) or nbytes <= 0:
                 raise ValueError(f"nbytes: expected a positive int, got {nbytes!r}")
-            leased = self._call(lambda s: s.peer_lease(cid, ns, keys, nbytes))
+            leased, sealed = self._call(lambda s: (s.peer_lease(cid, ns, keys, nbytes), s.is_sealed(ns)))
             if msg.get("crc", True):  # every puller asks for them; False: a puller that checks nothing
                 chunks = [[k, off, gen, self._crc(off, gen, nbytes)] for k, off, gen in leased]
             else:
                 chunks = [[k, off, gen, None] for k, off, gen in leased]
             with self._lock:
                 self.counters["served"] += len(chunks)
-            return {"chunks": chunks, "epoch": self._epoch}
+            # sealed: the chunks are a sealed namespace's, which this node serves only to a sealed read
+            return {"chunks": chunks, "epoch": self._epoch, **({"sealed": True} if sealed else {})}
         raise ValueError(f"op: expected have, lease, release, reserve, commit_pushed or describe, got {str(op)[:40]!r}")
 
     def committed(self, offset: int, generation: int, nbytes: int) -> None:
@@ -392,8 +416,12 @@ class Cluster:
     def _dial(self, address: tuple[str, int], role: str) -> tuple[socket.socket, dict]:
         return handshake.dial(address, self.config.secret, self.config.node_id, role, self.config.timeout)
 
-    def _dial_data(self, address: tuple[str, int]) -> socket.socket:
-        return self._dial(address, "data")[0]
+    def _dial_data(self, address: tuple[str, int]) -> tuple[socket.socket, WireSession]:
+        """A data connection to the node at ``address``, and its keys (:mod:`.wire_seal`)."""
+        sock, _, keying = handshake.dial_keyed(
+            address, self.config.secret, self.config.node_id, "data", self.config.timeout
+        )
+        return sock, WireSession(self.config.secret, keying)
 
     def _request(self, link: _Link, msg: dict, timeout: float) -> dict:
         """``msg``'s reply from ``link`` (dialing it first if needed), within ``timeout`` seconds; ``OSError`` /
@@ -523,13 +551,15 @@ class Cluster:
             return n
         return min(n, int(max(0.0, deadline - time.monotonic()) * link.rate / nbytes))
 
-    def _lease(self, link: _Link, namespace: str, keys: list[str], nbytes: int, deadline: float) -> list:
-        """Lease the leading READY ``keys`` on ``link``: [key, offset, generation, CRC32C] per chunk, a prefix."""
+    def _lease(self, link: _Link, namespace: str, keys: list[str], nbytes: int, deadline: float) -> tuple[list, bool]:
+        """Lease the leading READY ``keys`` on ``link``: [key, offset, generation, CRC32C] per chunk (a prefix), and
+        whether the namespace is sealed there (the peer serves its chunks only to a sealed read)."""
         msg = {"op": "lease", "namespace": namespace, "keys": "".join(keys), "nbytes": nbytes}
-        leased = self._request(link, msg, deadline - time.monotonic())["chunks"]
+        reply = self._request(link, msg, deadline - time.monotonic())
+        leased = reply["chunks"]
         if [c[0] for c in leased] != keys[: len(leased)]:
             raise ValueError(f"lease: expected a prefix of the keys asked for, got {[c[0] for c in leased][:4]}...")
-        return leased
+        return leased, reply.get("sealed") is True
 
     def _pull_chunks(self, namespace: str, keys: list[str], nbytes: int, deadline: float) -> dict:
         """Pull the leading ``keys`` some peer holds. One peer to ask, fast enough for them all: its lease is its
@@ -538,11 +568,11 @@ class Cluster:
         self._count("pulls")
         phases = _Phases()
         live = self._live()
-        link, leased = None, None
+        link, leased, sealed_there = None, None, False
         if len(live) == 1 and self._fit(live[0], len(keys), nbytes, deadline) == len(keys):
             link = live[0]
             try:
-                leased = self._lease(link, namespace, keys, nbytes, deadline)
+                leased, sealed_there = self._lease(link, namespace, keys, nbytes, deadline)
             except (OSError, ValueError, TypeError, KeyError):
                 leased = []
             n = len(leased)
@@ -565,13 +595,16 @@ class Cluster:
         try:
             if leased is None:  # the lease on the chosen peer, beside this node's slots
                 lease = self._ask.submit(self._lease, link, namespace, keys[:n], nbytes, deadline)
-            slots = self._call(lambda s: s.pull_alloc(owner, namespace, keys[:n]))
+            slots, sealed = self._call(lambda s: (s.pull_alloc(owner, namespace, keys[:n]), s.is_sealed(namespace)))
             phases.mark("slots")
             if lease is not None:
-                leased, lease = lease.result(), None
+                (leased, sealed_there), lease = lease.result(), None
                 phases.mark("lease")
+            if sealed_there and not sealed and leased:  # sealed there: read sealed, and sealed here from now on
+                sealed = True
+                self._call(lambda s: s.seal(namespace, f"pulled sealed from node {link.node}"))
             if slots:
-                good = self._read(link, slots, leased, nbytes, deadline, phases)
+                good = self._read(link, slots, leased, nbytes, deadline, phases, sealed)
             elif leased:
                 self._release(link, leased, deadline)  # no room here: the peer's chunks are free again
         except (OSError, ValueError, TypeError, KeyError, TransferError) as e:
@@ -593,7 +626,7 @@ class Cluster:
             return {"pulled": 0, "reason": "full"}
         return {"pulled": pulled, "from": link.node}
 
-    def _read_checked(self, link: _Link, spans: list[Span], crcs: list, deadline: float) -> list[bool]:
+    def _read_checked(self, link: _Link, spans: list[Span], crcs: list, deadline: float, sealed: bool) -> list[bool]:
         """Read ``spans`` in a few transfers, each one's chunks checked against ``crcs`` (the lease's) on a thread
         while the next one moves: the checks cost little time of their own."""
         size = max(1, -(-len(spans) // _READ_GROUPS))
@@ -605,7 +638,8 @@ class Cluster:
 
         try:
             for i in range(0, len(spans), size):
-                self.transport.read(link.node, spans[i : i + size], max(0.001, deadline - time.monotonic()))
+                left = max(0.001, deadline - time.monotonic())
+                self.transport.read(link.node, spans[i : i + size], left, sealed=sealed)
                 checks += [self._checks.submit(check, s, c) for s, c in zip(spans[i : i + size], crcs[i : i + size])]
             return [f.result() for f in checks]
         finally:
@@ -613,17 +647,25 @@ class Cluster:
                 f.cancel() or f.exception()
 
     def _read(
-        self, link: _Link, slots: Sequence[tuple[str, int]], leased: list, nbytes: int, deadline: float, phases: _Phases
+        self,
+        link: _Link,
+        slots: Sequence[tuple[str, int]],
+        leased: list,
+        nbytes: int,
+        deadline: float,
+        phases: _Phases,
+        sealed: bool = False,
     ) -> list[str]:
         """Read ``leased`` chunks of ``link`` into ``slots`` (as many as both have), check them, release the lease:
-        the keys that arrived whole, in order."""
+        the keys that arrived whole, in order. ``sealed``: the read is sealed (its namespace is sealed here)."""
         keys = [k for k, _ in slots]
         spans = [Span(int(c[1]), off, nbytes) for c, (_, off) in zip(leased, slots)]
         t0 = time.monotonic()
         if isinstance(self.transport, TcpTransport):  # it checks each chunk against the lease's as it streams
-            ok = self.transport.read(link.node, spans, max(0.001, deadline - t0), [c[3] for c in leased[: len(spans)]])
+            crcs = [c[3] for c in leased[: len(spans)]]
+            ok = self.transport.read(link.node, spans, max(0.001, deadline - t0), crcs, sealed)
         else:
-            ok = self._read_checked(link, spans, [c[3] for c in leased], deadline)
+            ok = self._read_checked(link, spans, [c[3] for c in leased], deadline, sealed)
         seconds = time.monotonic() - t0
         phases.mark("read")
         good = next((i for i, v in enumerate(ok) if not v), len(ok))
@@ -638,6 +680,7 @@ class Cluster:
             link.pulls += 1
             link.chunks_in += len(spans)
             link.bytes_in += len(spans) * nbytes
+            link.bytes_sealed_in += len(spans) * nbytes if sealed else 0
             rate = len(spans) * nbytes / max(seconds, 1e-6)
             link.rate = rate if link.rate is None else (1 - _RATE_WEIGHT) * link.rate + _RATE_WEIGHT * rate
         return keys[:good]
@@ -646,7 +689,7 @@ class Cluster:
         """End a lease after a failed pull (``leased``: the chunks, or the future of the lease), if the peer answers
         before ``deadline``; else its leases end with its control connection."""
         try:
-            chunks = leased.result(max(0.0, deadline - time.monotonic())) if hasattr(leased, "result") else leased
+            chunks = leased.result(max(0.0, deadline - time.monotonic()))[0] if hasattr(leased, "result") else leased
             if chunks:
                 self._release(link, chunks, deadline)
         except Exception:  # noqa: BLE001 - the pull failed already; the link is marked down where it failed
@@ -682,9 +725,11 @@ class Cluster:
         pause = 0.001
         try:
             while keys and time.monotonic() < deadline:
-                ready, stop = self._call(lambda s: s.push_lease(owner, namespace, keys))
+                ready, stop, sealed = self._call(
+                    lambda s: (*s.push_lease(owner, namespace, keys), s.is_sealed(namespace))
+                )
                 if ready:
-                    self._push_chunks(link, namespace, ready, nbytes, deadline)
+                    self._push_chunks(link, namespace, ready, nbytes, deadline, sealed)
                     self._call(lambda s: s.unlease_all(owner))
                     keys = keys[len(ready) :]
                     pause = 0.001
@@ -705,16 +750,20 @@ class Cluster:
                 link.failures += 1
             self._throttle.warning(f"push {link.name}", "kvx node: a push to %s failed: %s", link.name, failed)
 
-    def _push_chunks(self, link: _Link, namespace: str, ready, nbytes: int, deadline: float) -> None:
-        """Reserve slots on ``link`` for ``ready`` (key, offset, generation), write the ones it lacks, commit them."""
+    def _push_chunks(self, link: _Link, namespace: str, ready, nbytes: int, deadline: float, sealed: bool) -> None:
+        """Reserve slots on ``link`` for ``ready`` (key, offset, generation), write the ones it lacks, commit them.
+        ``sealed``: the namespace is sealed here; the write is sealed then, or if the reservation says it is there."""
         keys = [k for k, _, _ in ready]
         msg = {"op": "reserve", "namespace": namespace, "keys": "".join(keys), "nbytes": nbytes}
-        offsets = self._request(link, msg, deadline - time.monotonic())["offsets"]
+        if sealed:
+            msg["seal"] = True
+        reply = self._request(link, msg, deadline - time.monotonic())
+        offsets, sealed = reply["offsets"], sealed or reply.get("sealed") is True
         todo = [(r, o) for r, o in zip(ready, offsets) if o is not None]
         if not todo:
             return
         spans = [Span(int(o), off, nbytes) for (_, off, _), o in todo]
-        self.transport.write(link.node, spans, max(0.001, deadline - time.monotonic()))
+        self.transport.write(link.node, spans, max(0.001, deadline - time.monotonic()), sealed)
         with memoryview(self._pool) as view:
             crcs = [crc32c_update(view[s.local : s.local + nbytes]) for s in spans]
         sent = [k for (k, _, _), _ in todo]
@@ -723,6 +772,7 @@ class Cluster:
         self._count("pushed", n)
         with link.lock:
             link.bytes_out_pushed += len(sent) * nbytes
+            link.bytes_sealed_out_pushed += len(sent) * nbytes if sealed else 0
 
     # ---------------------------------------------------------------- figures
     def stats(self) -> dict:
@@ -741,6 +791,11 @@ class Cluster:
                         "bytes_in": lk.bytes_in,
                         "chunks_in": lk.chunks_in,
                         "bytes_out": (self._out.get(lk.node, 0) if lk.node else 0) + lk.bytes_out_pushed,
+                        # sealed: of those, what crossed encrypted (pulled here or pushed here by it; read from
+                        # here or pushed to it)
+                        "bytes_sealed_in": lk.bytes_sealed_in + (self._sealed_in.get(lk.node, 0) if lk.node else 0),
+                        "bytes_sealed_out": (self._sealed_out.get(lk.node, 0) if lk.node else 0)
+                        + lk.bytes_sealed_out_pushed,
                         "pulls": lk.pulls,
                         "failures": lk.failures,
                         "rate_gbps": round(lk.rate / 1e9, 3) if lk.rate else None,
@@ -753,6 +808,8 @@ class Cluster:
                 "transport": self.config.transport,
                 "peers": peers,
                 "bytes_out": sum(self._out.values()),
+                "bytes_sealed_out": sum(self._sealed_out.values()),  # read from here by peers, sealed
+                "bytes_sealed_in": sum(self._sealed_in.values()),  # pushed here by peers, sealed
                 "last_pull": dict(self.last_pull),
                 **self.counters,
             }

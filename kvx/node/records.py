@@ -18,7 +18,9 @@ class Namespace:
     chunk_size: int | None = None
     chunk_bytes: int = 0  # bytes of one chunk (the engines' slot_bytes): what a pull moves per chunk
     quota: int | None = None  # bytes, or None: no quota
-    sealed: bool = False  # an engine of it seals its byte tiers: its chunks never leave the host (set for good)
+    # an engine of it seals its byte tiers (or a peer said so): its chunks cross between nodes only encrypted (tcp),
+    # or not at all (NIXL); set for good
+    sealed: bool = False
     entries: dict[str, Entry] = field(default_factory=dict)  # in the index: PENDING and READY
     lru: OrderedDict[Entry, None] = field(default_factory=OrderedDict)  # READY, no admin pin; LRU first
     chunks: int = 0  # READY in the index

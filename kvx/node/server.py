@@ -371,6 +371,8 @@ class NodeServer:
             raise StartError(f"--listen: cannot listen on {host}:{port}: {e.strerror}") from None
         except ValueError as e:  # --membership's Redis Cluster unreachable
             raise StartError(str(e)) from None
+        # a sealed namespace's chunks cross only encrypted: over kvx's tcp channel; over NIXL they stay here
+        self.state.seal_transit = self.cluster_config.transport == "tcp"
         self.state.on_pull = self.cluster.pull
         self.state.on_push = self.cluster.push
         self.state.on_commit = self.cluster.committed

@@ -8,6 +8,14 @@ pull holds its lease's CRC32Cs, computed when each chunk was committed, and chec
 sends ``{"op": "write", "spans": ...}``, the bytes, and receives ``{"ok": true}`` once they are in the peer's slots,
 which must be slots the peer reserved for this node (``writable``). The connection stays open for the next transfer.
 
+**Sealed** (a sealed namespace's chunks: :mod:`.wire_seal`): a read or write that says ``"seal": true`` moves each
+span as AES-256-GCM pieces under the connection's own keys (derived by both ends from the cluster secret and the
+handshake's nonces: no key crosses), decrypted straight into the receiving slots. The serving side refuses a plain
+read of any span in a sealed namespace's slot (an error frame naming why) and a plain write into one (and closes),
+so such a chunk never crosses in the clear, whichever side asked. A sealed read accepts bytes only after a reply
+that says ``"seal": true`` (a node of a kvx before sealed transfers ignores the field and would send plaintext), and
+a sealed write is done only when the reply says so too.
+
 Why a channel of its own beside NIXL: UCX's TCP lane (a software GET the serving process answers) moved 0.59x of a plain
 socket stream between two processes here where this channel moved 0.83x (``benchmarks/results/peer_transfer_cpu.md``),
 and it opens no UCX port to whoever can reach the host.
@@ -24,6 +32,7 @@ from ..log import get_logger
 from ..store.codec import crc32c_update
 from . import handshake
 from .transport import Span, TransferError, Transport
+from .wire_seal import SealError, WireSession
 
 log = get_logger(__name__)
 
@@ -83,9 +92,10 @@ class TcpTransport(Transport):
     """Reads spans of peers' pools over TCP, and serves this node's pool to peers that read it.
 
     ``pool``: the local pool file's mapping (writable). ``dial(address)``: an admitted ``data`` connection to the
-    node at ``address`` (:func:`kvx.node.handshake.dial`). ``bounds()``: the [start, end) of the pool file's bytes a
-    peer may read (the slots' area). The reading side is called by the node's pull threads, one read per peer at a
-    time (a lock per peer); the serving side (:meth:`serve`) runs on the connection's own thread.
+    node at ``address``, either a socket (:func:`kvx.node.handshake.dial`: plain transfers only) or a (socket,
+    :class:`~.wire_seal.WireSession`) pair (its keys: sealed transfers too). ``bounds()``: the [start, end) of the pool
+    file's bytes a peer may read (the slots' area). The reading side is called by the node's pull threads, one read
+    per peer at a time (a lock per peer); the serving side (:meth:`serve`) runs on the connection's own thread.
     """
 
     name = "tcp"
@@ -96,15 +106,20 @@ class TcpTransport(Transport):
         dial: Callable[[tuple[str, int]], socket.socket],
         bounds: Callable[[], tuple[int, int]],
         writable: Callable[[str, list[tuple[int, int]]], bool] | None = None,
+        sealed: Callable[[list[tuple[int, int]]], bool] | None = None,
     ):
-        """``writable(peer, spans)``: whether ``peer`` may write those (offset, nbytes) spans here (None: no one)."""
+        """``writable(peer, spans)``: whether ``peer`` may write those (offset, nbytes) spans here (None: no one).
+        ``sealed(spans)``: whether any of those spans lies in a slot of a sealed namespace (None: none does), which
+        then crosses only sealed."""
         self.pool = pool
         self._dial = dial
         self._bounds = bounds
         self._writable = writable
+        self._sealed = sealed
         self._lock = threading.Lock()  # guards the dicts below (pull threads)
         self._addr: dict[str, tuple[str, int]] = {}
         self._socks: dict[str, socket.socket] = {}
+        self._sessions: dict[str, WireSession | None] = {}  # per peer: its connection's keys (None: a plain one)
         self._peer_locks: dict[str, threading.Lock] = {}
         self.bytes_served = 0  # the serving threads' count (read by stats: an int, written under _lock)
 
@@ -124,21 +139,39 @@ class TcpTransport(Transport):
             self._drop(peer)
 
     def _drop(self, peer: str) -> None:
+        self._sessions.pop(peer, None)
         sock = self._socks.pop(peer, None)
         if sock is not None:
             sock.close()
 
-    def read(self, peer: str, spans: Sequence[Span], timeout: float, crcs: Sequence[int] | None = None) -> list[bool]:
+    def read(
+        self,
+        peer: str,
+        spans: Sequence[Span],
+        timeout: float,
+        crcs: Sequence[int] | None = None,
+        sealed: bool = False,
+    ) -> list[bool]:
         """As :meth:`Transport.read`; checked here: this side computes each span's CRC32C as it receives it (piece by
         piece, while each is in cache: :func:`_recv_checked`) and compares it with ``crcs`` (the lease's,
         computed when each chunk was committed), or without them with the peer's, computed as it sends; each span's
-        verdict is returned."""
+        verdict is returned. ``sealed``: the bytes cross encrypted (module docstring; every GCM tag checked, a bad
+        one fails the read), and without ``crcs`` a span that arrived is a good one (the tags authenticated it)."""
         if crcs is not None and len(crcs) != len(spans):
             raise ValueError(f"crcs: expected one per span ({len(spans)}), got {len(crcs)}")
-        return self._transfer(peer, spans, timeout, lambda sock, sp, deadline: self._read(sock, sp, deadline, crcs))
 
-    def write(self, peer: str, spans: Sequence[Span], timeout: float) -> None:
-        self._transfer(peer, spans, timeout, self._write)
+        def _read(sock, session, sp, deadline):
+            return self._read(sock, session if sealed else None, sealed, sp, deadline, crcs)
+
+        return self._transfer(peer, spans, timeout, _read)
+
+    def write(self, peer: str, spans: Sequence[Span], timeout: float, sealed: bool = False) -> None:
+        """As :meth:`Transport.write`; ``sealed``: the bytes cross encrypted (module docstring)."""
+
+        def _write(sock, session, sp, deadline):
+            return self._write(sock, session if sealed else None, sealed, sp, deadline)
+
+        self._transfer(peer, spans, timeout, _write)
 
     def _transfer(self, peer: str, spans: Sequence[Span], timeout: float, how):
         with self._lock:
@@ -147,14 +180,15 @@ class TcpTransport(Transport):
             raise TransferError(f"peer: expected a connected peer, got {peer!r}")
         deadline = time.monotonic() + timeout
         with lock:
-            sock = self._socks.get(peer)
+            sock, session = self._socks.get(peer), self._sessions.get(peer)
             try:
                 if sock is None:
-                    sock = self._dial(address)
+                    got = self._dial(address)
+                    sock, session = got if isinstance(got, tuple) else (got, None)
                     tune(sock)
                     with self._lock:
-                        self._socks[peer] = sock
-                return how(sock, spans, deadline)
+                        self._socks[peer], self._sessions[peer] = sock, session
+                return how(sock, session, spans, deadline)
             except (OSError, ValueError) as e:
                 with self._lock:
                     if self._socks.get(peer) is sock:
@@ -164,24 +198,42 @@ class TcpTransport(Transport):
                 ) from None
 
     def _read(
-        self, sock: socket.socket, spans: Sequence[Span], deadline: float, expected: Sequence[int] | None
+        self,
+        sock: socket.socket,
+        session: WireSession | None,
+        sealed: bool,
+        spans: Sequence[Span],
+        deadline: float,
+        expected: Sequence[int] | None,
     ) -> list[bool]:
         left = _left(deadline)
+        if sealed and session is None:
+            raise ValueError("seal: expected a data connection with keys for a sealed read, got a plain one")
         sock.settimeout(left())
         frame = {"op": "read", "spans": [[s.remote, s.nbytes] for s in spans]}
-        if expected is not None:
+        if expected is not None or sealed:
             frame["crc"] = False  # the lease's CRC32Cs are here: the peer need not compute them as it sends
+        if sealed:
+            frame["seal"] = True
         handshake.send(sock, frame)
         reply = handshake.recv(sock)
         if not reply.get("ok"):
             raise ValueError(f"refused: {reply.get('error')}")
+        if sealed and reply.get("seal") is not True:  # a node that ignored "seal" sends plaintext: take none of it
+            raise ValueError("seal: expected the peer to acknowledge a sealed read, got a reply without (an older kvx)")
+        for s in spans:
+            if s.local < 0 or s.local + s.nbytes > len(self.pool):
+                raise ValueError(f"span: expected a local range inside the pool, got {s}")
         mine = []
         with memoryview(self.pool) as view:
             for s in spans:
-                if s.local < 0 or s.local + s.nbytes > len(view):
-                    raise ValueError(f"span: expected a local range inside the pool, got {s}")
                 with view[s.local : s.local + s.nbytes] as part:
-                    mine.append(_recv_checked(sock, part, left))
+                    if session is not None:
+                        mine.append(session.recv_span(sock, part, s.remote, left))
+                    else:
+                        mine.append(_recv_checked(sock, part, left))
+        if sealed and expected is None:
+            return [True] * len(spans)  # every piece's tag matched
         if expected is None:
             sock.settimeout(left())
             sent = handshake.recv(sock).get("crcs")
@@ -191,32 +243,53 @@ class TcpTransport(Transport):
             raise ValueError(f"crcs: expected one per span after the bytes, got {str(sent)[:80]}")
         return [a == b for a, b in zip(mine, sent)]
 
-    def _write(self, sock: socket.socket, spans: Sequence[Span], deadline: float) -> None:
+    def _write(
+        self, sock: socket.socket, session: WireSession | None, sealed: bool, spans: Sequence[Span], deadline: float
+    ) -> None:
         left = _left(deadline)
+        if sealed and session is None:
+            raise ValueError("seal: expected a data connection with keys for a sealed write, got a plain one")
+        for s in spans:
+            if s.local < 0 or s.local + s.nbytes > len(self.pool):
+                raise ValueError(f"span: expected a local range inside the pool, got {s}")
         sock.settimeout(left())
-        handshake.send(sock, {"op": "write", "spans": [[s.remote, s.nbytes] for s in spans]})
+        frame = {"op": "write", "spans": [[s.remote, s.nbytes] for s in spans]}
+        if sealed:
+            frame["seal"] = True
+        handshake.send(sock, frame)
         with memoryview(self.pool) as view:
             for s in spans:
-                if s.local < 0 or s.local + s.nbytes > len(view):
-                    raise ValueError(f"span: expected a local range inside the pool, got {s}")
-                part = view[s.local : s.local + s.nbytes]
-                sent = 0
-                while sent < s.nbytes:
-                    sock.settimeout(left())
-                    sent += sock.send(part[sent:])
-                part.release()
+                with view[s.local : s.local + s.nbytes] as part:
+                    if session is not None:
+                        session.send_span(sock, part, s.remote, left)
+                        continue
+                    sent = 0
+                    while sent < s.nbytes:
+                        sock.settimeout(left())
+                        sent += sock.send(part[sent:])
         sock.settimeout(left())
         reply = handshake.recv(sock)
         if not reply.get("ok"):
             raise ValueError(f"refused: {reply.get('error')}")
+        if sealed and reply.get("seal") is not True:
+            raise ValueError(
+                "seal: expected the peer to acknowledge a sealed write, got a reply without (an older kvx)"
+            )
 
     # ---------------------------------------------------------------- serving
     def serve(
-        self, sock: socket.socket, peer: str, on_bytes: Callable[[int], None] | None = None, idle_s: float = 60.0
+        self,
+        sock: socket.socket,
+        peer: str,
+        on_bytes: Callable[[str, int, bool], None] | None = None,
+        idle_s: float = 60.0,
+        session: WireSession | None = None,
     ) -> None:
         """Answer ``peer``'s reads and writes on ``sock`` until it closes or is silent ``idle_s`` seconds (its
-        connection thread). A read outside the pool's slots is refused (an error frame; the connection stays); a
-        write anywhere but the slots reserved for ``peer`` closes it."""
+        connection thread); ``session``: the connection's keys (None: it moves nothing sealed). A read outside the
+        pool's slots, or a plain read of a sealed namespace's slot, is refused (an error frame; the connection
+        stays); a write anywhere but the slots reserved for ``peer``, a plain one into a sealed namespace's slot, or
+        a sealed piece that fails its tag closes it. ``on_bytes(op, nbytes, sealed)`` after each transfer."""
         tune(sock)
         sock.settimeout(idle_s)
         while True:
@@ -224,26 +297,49 @@ class TcpTransport(Transport):
                 msg = handshake.recv(sock)
             except (ConnectionError, OSError):
                 return
-            spans, op = msg.get("spans"), msg.get("op")
+            spans, op, sealed = msg.get("spans"), msg.get("op"), msg.get("seal", False) is True
             error = self._check(op, spans)
             if op == "write" and not error and not (self._writable and self._writable(peer, [tuple(s) for s in spans])):
                 error = "spans: expected slots this node reserved for the writer's push"
+            if not error and sealed and session is None:
+                error = "seal: expected a data connection with keys (admitted by the cluster handshake), got none"
+            if not error and not sealed and self._sealed is not None and self._sealed([tuple(s) for s in spans]):
+                error = (
+                    f'seal: expected a sealed {op} ("seal": true) of spans in a sealed namespace\'s slots, got a '
+                    "plain one: its chunks cross only encrypted"
+                )
             if error:
                 handshake.send(sock, {"ok": False, "error": error})
                 if op == "write":
                     return  # the bytes that follow cannot be told from frames: close
                 continue
+            ack = {"ok": True, "seal": True} if sealed else {"ok": True}
+            left = _left(time.monotonic() + idle_s)
             with memoryview(self.pool) as view:
-                if op == "write":
+                if op == "write" and sealed:
+                    try:
+                        for off, n in spans:
+                            with view[off : off + n] as part:
+                                session.recv_span(sock, part, off, left)
+                    except SealError as e:
+                        handshake.send(sock, {"ok": False, "error": str(e)})
+                        return  # the stream is out of step: close
+                    handshake.send(sock, ack)
+                elif op == "write":
                     for off, n in spans:
                         _recv_into(sock, view[off : off + n])
-                    handshake.send(sock, {"ok": True})
+                    handshake.send(sock, ack)
+                elif sealed:  # the reader checks against its lease's CRC32Cs, or trusts the tags
+                    handshake.send(sock, ack)
+                    for off, n in spans:
+                        with view[off : off + n] as part:
+                            session.send_span(sock, part, off, left)
                 elif msg.get("crc", True) is False:  # the reader checks against its lease's CRC32Cs
-                    handshake.send(sock, {"ok": True})
+                    handshake.send(sock, ack)
                     for off, n in spans:
                         sock.sendall(view[off : off + n])
                 else:
-                    handshake.send(sock, {"ok": True})
+                    handshake.send(sock, ack)
                     crcs = []
                     for off, n in spans:
                         crc = 0
@@ -253,11 +349,12 @@ class TcpTransport(Transport):
                                 sock.sendall(piece)
                         crcs.append(crc)
                     handshake.send(sock, {"crcs": crcs})
+            sock.settimeout(idle_s)  # a sealed transfer set a deadline per piece
             total = sum(n for _, n in spans)
             with self._lock:
                 self.bytes_served += total
             if on_bytes is not None:
-                on_bytes(total)
+                on_bytes(op, total, sealed)
 
     def _check(self, op, spans) -> str | None:
         if op not in ("read", "write"):

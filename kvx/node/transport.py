@@ -6,6 +6,7 @@ control channel's (:mod:`.peers`); a transport only moves bytes, and says when i
 :class:`kvx.node.tcp.TcpTransport` (kvx's own channel: a stream of the bytes over the peer's listen port) and
 :class:`kvx.node.nixl.NixlTransport` (one NIXL READ per pull, over UCX: shared memory, TCP, RDMA, whatever UCX
 finds between the hosts). Which one a node uses is its ``--transport``; both ends of a pull must run the same.
+A sealed namespace's chunks cross only over tcp, encrypted (:mod:`.wire_seal`); over NIXL they stay on their host.
 
 A transport's thread: the node's peer thread calls :meth:`Transport.read` (one pull at a time per peer); the
 serving side of a transport (where it has one) runs on threads of its own and reads only the pool's bytes.
@@ -57,17 +58,26 @@ class Transport(ABC):
 
     @abstractmethod
     def read(
-        self, peer: str, spans: Sequence[Span], timeout: float, crcs: Sequence[int] | None = None
+        self,
+        peer: str,
+        spans: Sequence[Span],
+        timeout: float,
+        crcs: Sequence[int] | None = None,
+        sealed: bool = False,
     ) -> list[bool] | None:
         """Copy every span from ``peer``'s pool into the local pool, or raise :class:`TransferError` within about
         ``timeout`` seconds. On return every byte is here, and per span whether its CRC32C matched (``crcs``, the
         peer's lease's, or else the peer's as it sends), where the transport checks them as they stream (tcp); None
-        where it does not (the caller checks them against the CRC32Cs of the peer's lease before serving them)."""
+        where it does not (the caller checks them against the CRC32Cs of the peer's lease before serving them).
+        ``sealed``: the spans hold a sealed namespace's chunks, which cross only encrypted (tcp:
+        :mod:`kvx.node.wire_seal`); a transport that cannot encrypt (NIXL's one-sided READ) raises
+        :class:`TransferError` and moves nothing."""
 
     @abstractmethod
-    def write(self, peer: str, spans: Sequence[Span], timeout: float) -> None:
+    def write(self, peer: str, spans: Sequence[Span], timeout: float, sealed: bool = False) -> None:
         """Copy every span from the local pool into ``peer``'s pool (a P/D push: ``remote`` offsets are slots the
-        peer reserved for this node), or raise :class:`TransferError` within about ``timeout`` seconds."""
+        peer reserved for this node), or raise :class:`TransferError` within about ``timeout`` seconds.
+        ``sealed``: as for :meth:`read`."""
 
     def close(self) -> None:  # noqa: B027 - not abstract: a transport with nothing to release keeps this one
         """Release everything (idempotent)."""

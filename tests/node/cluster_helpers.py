@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from collections.abc import Callable
 
 import torch
@@ -43,16 +44,19 @@ class Member:
         *extra: str,
         addr: str = "127.0.0.1",
         launch: Callable[[list[str]], list[str]] | None = None,
+        sealed: bool = False,
     ):
         """``peers``: ports on 127.0.0.1, or HOST:PORT addresses; ``addr``, ``launch``: where the node listens and
-        runs (a network namespace's address and ``Host.argv``)."""
+        runs (a network namespace's address and ``Host.argv``); ``sealed``: the engine seals its byte tiers."""
         self.port, self.tmp, self.name, self.launch = port, tmp, name, launch
         self.sock = os.path.join(tmp, f"{name}.sock")
         self.args = ["--listen", f"{addr}:{port}", "--secret-file", secret, *extra]
         if peers:
             self.args += ["--peers", ",".join(p if isinstance(p, str) else f"127.0.0.1:{p}" for p in peers)]
         self.node = self._start()
-        self.index = NodeIndex(self.sock, NAMESPACE, "m", 16, SLOT_BYTES, timeout=10, retry_s=0.05, pull_wait_ms=3000)
+        self.index = NodeIndex(
+            self.sock, NAMESPACE, "m", 16, SLOT_BYTES, timeout=10, retry_s=0.05, pull_wait_ms=3000, sealed=sealed
+        )
         self.pool = NodePool((SLOT_BYTES,), torch.uint8, None, (SLOT_BYTES,))
         wait_for(lambda: self.index.contains_many(["0" * 32]) is not None and self.index.pool is not None, 10, "hello")
         self.pool.attach(self.index.pool, background=False)
@@ -98,3 +102,58 @@ def next_miss(found: list[bool]) -> int:
 
 def key(i: int) -> str:
     return f"{i:032x}"
+
+
+class Relay:
+    """A TCP relay in front of a node's listen port that records what crosses it: ``down`` the bytes from the node
+    (what a reader receives), ``up`` the bytes to it (what a writer sends); :meth:`flip` arms it to change one byte
+    of ``down`` or ``up`` in transit. Its threads: one accepting, two pumping per connection."""
+
+    def __init__(self, port: int):
+        self.target = ("127.0.0.1", port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.lock = threading.Lock()  # guards the buffers and the armed flips
+        self.down, self.up = bytearray(), bytearray()
+        self._flip: dict[str, int] = {}  # direction -> the stream offset of the byte to change
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def flip(self, direction: str, after: int) -> None:
+        """Change the byte ``after`` bytes past what ``direction`` ("down" or "up") has carried so far."""
+        with self.lock:
+            self._flip[direction] = len(getattr(self, direction)) + after
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(server, client, "down"), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, server, "up"), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
+        buf = getattr(self, direction)
+        try:
+            while data := src.recv(1 << 16):
+                data = bytearray(data)
+                with self.lock:
+                    at = self._flip.get(direction)
+                    if at is not None and len(buf) <= at < len(buf) + len(data):
+                        data[at - len(buf)] ^= 0x5A
+                        del self._flip[direction]
+                    buf += data
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def close(self) -> None:
+        self.listener.close()
