@@ -52,8 +52,9 @@ from typing import Any
 from ..log import Throttle, get_logger
 from ..store.codec import crc32c_update
 from . import handshake
+from .answers import PeerAnswers
 from .handshake import Denied
-from .protocol import KEYS_RE, NAMESPACE_RE, PoolGeometry
+from .protocol import PoolGeometry
 from .tcp import TcpTransport
 from .transport import Span, TransferError, Transport
 from .wire_seal import WireSession
@@ -166,8 +167,7 @@ class Cluster:
         self._sealed_out: dict[str, int] = {}  # of those, bytes peers read sealed, per peer id
         self._sealed_in: dict[str, int] = {}  # bytes peers wrote here sealed (pushes), per peer id
         self.last_pull: dict = {}  # the last pull's phases (under _lock)
-        self._crcs: dict[int, tuple[int, int, int]] = {}  # slot offset -> (generation, nbytes, CRC32C) (under _lock)
-        self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="kvx-node-crc")
+        self._answers = PeerAnswers(call, self._count)
         self._checks = ThreadPoolExecutor(2, thread_name_prefix="kvx-node-check")
         self._listener: socket.socket | None = None
         self._members = None  # RedisMembership with --membership
@@ -228,6 +228,7 @@ class Cluster:
                     lambda peer, spans: self._call(lambda s: s.writable(peer, spans)),
                     lambda spans: self._call(lambda s: s.sealed_spans(spans)),
                 )
+            self._answers.use_pool(pool, self._epoch, self.transport)
 
     def set_peers(self, addresses: Sequence[str]) -> None:
         """The members now (``HOST:PORT`` each; the membership's thread): new ones become peers, gone ones are
@@ -263,7 +264,7 @@ class Cluster:
             self._listener.close()
         self._pulls.shutdown(wait=False, cancel_futures=True)  # a pull in flight waits on the loop
         self._ask.shutdown(wait=False, cancel_futures=True)
-        self._crc_pool.shutdown(wait=False, cancel_futures=True)
+        self._answers.close()
         self._checks.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             links = self._links + list(self._push_links.values())
@@ -330,87 +331,17 @@ class Cluster:
                 except (ConnectionError, TimeoutError, OSError):
                     return
                 try:
-                    reply = {"ok": True, **self._answer(cid, peer, msg)}
+                    reply = {"ok": True, **self._answers.answer(cid, peer, msg)}
                 except ValueError as e:
                     reply = {"ok": False, "error": str(e)}
                 handshake.send(sock, reply)
         finally:
             self._call(lambda s: s.close(cid))
 
-    def _answer(self, cid: int, peer: str, msg: dict) -> dict:
-        op = msg.get("op")
-        if op == "describe":
-            with self._lock:
-                t = self.transport
-            return {"descriptor": t.descriptor().hex() if t else "", "epoch": self._epoch}
-        if op == "release":
-            keys, gens = msg.get("keys"), msg.get("generations")
-            if not (isinstance(keys, list) and isinstance(gens, list) and len(keys) == len(gens)):
-                raise ValueError("release: expected keys and generations, lists of one length")
-            return {"intact": self._call(lambda s: s.peer_release(cid, keys, gens))}
-        ns, keys = msg.get("namespace"), msg.get("keys")
-        if not (isinstance(ns, str) and NAMESPACE_RE.fullmatch(ns)):
-            raise ValueError(f"namespace: expected 8-128 hex digits, got {str(ns)[:80]!r}")
-        if not (isinstance(keys, str) and KEYS_RE.fullmatch(keys)):
-            raise ValueError("keys: expected keys of 32 lowercase hex digits end to end")
-        keys = [keys[i : i + 32] for i in range(0, len(keys), 32)]
-        if op == "have":
-            return {"ready": self._call(lambda s: s.peer_have(ns, keys))}
-        if op == "reserve":
-            nbytes = msg.get("nbytes")
-            if not isinstance(nbytes, int) or nbytes <= 0:
-                raise ValueError(f"nbytes: expected a positive int, got {nbytes!r}")
-            sealed = msg.get("seal", False) is True  # the pusher's namespace is sealed: it writes sealed
-            offsets, sealed = self._call(
-                lambda s: (s.push_reserve(cid, peer, ns, keys, nbytes, sealed), s.is_sealed(ns) and s.seal_transit)
-            )
-            return {"offsets": offsets, **({"sealed": True} if sealed else {})}
-        if op == "commit_pushed":
-            crcs, nbytes = msg.get("crcs"), msg.get("nbytes")
-            if not (isinstance(crcs, list) and len(crcs) == len(keys) and isinstance(nbytes, int) and nbytes > 0):
-                raise ValueError("commit_pushed: expected one crc per key and nbytes")
-            offsets = self._call(lambda s: s.pending_offsets(cid, keys))
-            with memoryview(self._pool) as view:
-                good = [o is not None and crc32c_update(view[o : o + nbytes]) == c for o, c in zip(offsets, crcs)]
-            if not all(good):
-                self._count("bad_chunks", len(good) - sum(good))
-            n = self._call(lambda s: s.push_commit(cid, keys, good))
-            self._count("received", n)
-            return {"committed": n}
-        if op == "lease":
-            nbytes = msg.get("nbytes")
-            if not isinstance(nbytes, int) or nbytes <= 0:
-                raise ValueError(f"nbytes: expected a positive int, got {nbytes!r}")
-            leased, sealed = self._call(lambda s: (s.peer_lease(cid, ns, keys, nbytes), s.is_sealed(ns)))
-            if msg.get("crc", True):  # every puller asks for them; False: a puller that checks nothing
-                chunks = [[k, off, gen, self._crc(off, gen, nbytes)] for k, off, gen in leased]
-            else:
-                chunks = [[k, off, gen, None] for k, off, gen in leased]
-            with self._lock:
-                self.counters["served"] += len(chunks)
-            # sealed: the chunks are a sealed namespace's, which this node serves only to a sealed read
-            return {"chunks": chunks, "epoch": self._epoch, **({"sealed": True} if sealed else {})}
-        raise ValueError(f"op: expected have, lease, release, reserve, commit_pushed or describe, got {str(op)[:40]!r}")
-
     def committed(self, offset: int, generation: int, nbytes: int) -> None:
-        """A chunk became READY here (loop thread: the index's hook): its CRC32C is computed now, off the loop, so
-        that a peer's lease of it finds it made: the puller checks the bytes it reads against it (as they stream,
-        over tcp; after each NIXL READ), and this node spends no time of the pull hashing what it sends."""
-        if nbytes > 0 and not self._stopping.is_set():
-            self._crc_pool.submit(self._crc, offset, generation, nbytes)
-
-    def _crc(self, offset: int, generation: int, nbytes: int) -> int:
-        """CRC32C of the chunk of ``nbytes`` at ``offset`` in its slot's ``generation`` (kept per slot: a slot's
-        bytes do not change while it is READY, and a new generation is another chunk)."""
-        with self._lock:
-            hit = self._crcs.get(offset)
-        if hit is not None and hit[:2] == (generation, nbytes):
-            return hit[2]
-        with memoryview(self._pool) as view:
-            crc = crc32c_update(view[offset : offset + nbytes])
-        with self._lock:
-            self._crcs[offset] = (generation, nbytes, crc)
-        return crc
+        """A chunk became READY here (loop thread: the index's hook): :meth:`.answers.PeerAnswers.committed`."""
+        if not self._stopping.is_set():
+            self._answers.committed(offset, generation, nbytes)
 
     # ---------------------------------------------------------------- dialing peers
     def _dial(self, address: tuple[str, int], role: str) -> tuple[socket.socket, dict]:
