@@ -39,6 +39,7 @@ log = get_logger(__name__)
 _CRC_PIECE = 256 << 10  # bytes summed at a time as they stream: small enough to be in cache still
 _SOCK_BUF = 4 << 20  # bytes of kernel socket buffer each way (as LMCache's TCP channel)
 _MAX_SPANS = 4096
+_LINGER_S, _LINGER_BYTES = 2.0, 1 << 32  # a refused write's bytes are read and dropped this long, this much at most
 
 
 def tune(sock: socket.socket) -> None:
@@ -86,6 +87,24 @@ def _recv_checked(sock: socket.socket, part: memoryview, left: Callable[[], floa
             crc = crc32c_update(part[checked:got], crc)
             checked = got
     return crc
+
+
+def _refuse_write(sock: socket.socket, error: str) -> None:
+    """Refuse a write whose bytes are coming: send ``error``, then read and drop what the writer still sends until it
+    closes (or is silent :data:`_LINGER_S`, or sent :data:`_LINGER_BYTES`), so that it reads the error before the
+    connection ends. Closing with its bytes unread would reset the connection, and the writer would see only that."""
+    try:
+        handshake.send(sock, {"ok": False, "error": error})
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(_LINGER_S)
+        buf, dropped = bytearray(1 << 20), 0
+        while dropped < _LINGER_BYTES:
+            n = sock.recv_into(buf)
+            if n == 0:
+                return
+            dropped += n
+    except OSError:
+        pass
 
 
 class TcpTransport(Transport):
@@ -309,9 +328,9 @@ class TcpTransport(Transport):
                     "plain one: its chunks cross only encrypted"
                 )
             if error:
-                handshake.send(sock, {"ok": False, "error": error})
                 if op == "write":
-                    return  # the bytes that follow cannot be told from frames: close
+                    return _refuse_write(sock, error)  # the bytes that follow cannot be told from frames: close
+                handshake.send(sock, {"ok": False, "error": error})
                 continue
             ack = {"ok": True, "seal": True} if sealed else {"ok": True}
             left = _left(time.monotonic() + idle_s)
@@ -322,8 +341,7 @@ class TcpTransport(Transport):
                             with view[off : off + n] as part:
                                 session.recv_span(sock, part, off, left)
                     except SealError as e:
-                        handshake.send(sock, {"ok": False, "error": str(e)})
-                        return  # the stream is out of step: close
+                        return _refuse_write(sock, str(e))  # the stream is out of step: close
                     handshake.send(sock, ack)
                 elif op == "write":
                     for off, n in spans:
