@@ -60,7 +60,8 @@ def test_the_home_depends_on_the_pool_epoch():
 
 
 def test_bench_node_directory_quick(tmp_path):
-    """The benchmark's smoke run: crafted key sets look up within 2x of random keys."""
+    """The benchmark's smoke run: crafted key sets take as few probes per key as random keys, within 2x (probes,
+    not the printed lookup times: a count, the same on a busy machine)."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run(
         [sys.executable, os.path.join(repo, "benchmarks", "bench_node_directory.py"), "--quick", "--slots", "512"],
@@ -70,6 +71,6 @@ def test_bench_node_directory_quick(tmp_path):
         env={**os.environ, "PYTHONPATH": repo},
     )
     assert out.returncode == 0, out.stderr
-    ratios = {line.split()[0]: float(line.split("x")[-1]) for line in out.stdout.splitlines() if "probes/key" in line}
-    assert set(ratios) == {"random", "shared8", "counting", "mixinv"}, out.stdout
-    assert all(r < 2 for r in ratios.values()), out.stdout
+    probes = {line.split()[0]: float(line.split()[2]) for line in out.stdout.splitlines() if "probes/key" in line}
+    assert set(probes) == {"random", "shared8", "counting", "mixinv"}, out.stdout
+    assert all(p < 2 * probes["random"] for p in probes.values()), out.stdout
