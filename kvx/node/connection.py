@@ -132,6 +132,15 @@ class Connection:
                 raise
             raise NodeUnavailable(f"kvx node at {self.path}: {e}") from None
 
+    def wait(self, timeout: float) -> None:
+        """Block until a reply (or the node's EOF) is here to :meth:`poll`, or ``timeout`` seconds passed: for a caller
+        with nothing else to do while a posted request is answered (none: at once)."""
+        if self._sock is not None and self._posted and not self._buf:
+            try:
+                select.select([self._sock], [], [], max(0.0, timeout))
+            except (OSError, ValueError):  # closed meanwhile: the next poll says so
+                pass
+
     def drain(self) -> None:
         """Read the replies of every posted request, waiting for those not here yet."""
         try:

@@ -16,8 +16,8 @@ so such a chunk never crosses in the clear, whichever side asked. A sealed read 
 that says ``"seal": true`` (a node of a kvx before sealed transfers ignores the field and would send plaintext), and
 a sealed write is done only when the reply says so too.
 
-Why a channel of its own beside NIXL: UCX's TCP lane (a software GET the serving process answers) moved 0.59x of a plain
-socket stream between two processes here where this channel moved 0.83x (``benchmarks/results/peer_transfer_cpu.md``),
+Why a channel of its own beside NIXL: UCX's TCP lane (a software GET the serving process answers) moved 0.66x of a plain
+socket stream between two processes here where this channel moved 0.88x (``benchmarks/results/peer_transfer_cpu.md``),
 and it opens no UCX port to whoever can reach the host.
 """
 

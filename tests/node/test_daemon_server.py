@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.request
 from collections import Counter
 
@@ -83,6 +84,21 @@ def test_posted_requests_are_answered_in_order_and_read_by_the_next_call(node, c
     eng.post("unpin", keys=[k1])
     eng.drain()
     assert node.stats()["leases"] == 0
+    eng.close()
+
+
+def test_wait_returns_once_a_posted_reply_is_here_and_at_once_with_nothing_posted(node):
+    eng = node.engine(NS_A)
+    t0 = time.monotonic()
+    eng.wait(30)  # nothing posted: nothing to wait for
+    assert time.monotonic() - t0 < 10
+    got = []
+    eng.post("allocate", got.append, key=key(0xB7))
+    eng.wait(30)  # returns when the reply is readable, long before its timeout
+    assert time.monotonic() - t0 < 10
+    eng.poll()
+    assert got and got[0]["slot"] >= 0 and not eng._posted
+    eng.call("abort", key=key(0xB7))
     eng.close()
 
 
