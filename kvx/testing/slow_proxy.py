@@ -7,6 +7,8 @@ rules), never to stand in for a server.
 
 One thread accepts; each connection gets two pump threads (client -> server at full speed, server -> client
 throttled). ``bytes_per_s`` and ``delay_s`` may be changed while it runs (a tier that slows down or recovers).
+``tap(direction, data)``, where given, sees every read on its pump thread ("down": server -> client, "up": client ->
+server) and returns the bytes to pass on (a test's recording or a byte changed in transit).
 """
 
 from __future__ import annotations
@@ -14,11 +16,21 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 
 class SlowProxy:
-    def __init__(self, host: str, port: int, *, bytes_per_s: float | None = None, delay_s: float = 0.0):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        bytes_per_s: float | None = None,
+        delay_s: float = 0.0,
+        tap: Callable[[str, bytes], bytes] | None = None,
+    ):
         self.target = (host, port)
+        self.tap = tap
         self.bytes_per_s = bytes_per_s
         self.delay_s = delay_s
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -69,6 +81,8 @@ class SlowProxy:
                 data = src.recv(1 << 16)
                 if not data:
                     break
+                if self.tap is not None:
+                    data = self.tap("down" if slow else "up", data)
                 if slow:
                     pause = self.delay_s + (len(data) / self.bytes_per_s if self.bytes_per_s else 0.0)
                     if pause > 0:

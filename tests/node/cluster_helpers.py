@@ -12,6 +12,7 @@ import torch
 
 from kvx.node.client import NodeIndex, NodePool
 from kvx.testing.node_procs import Node
+from kvx.testing.slow_proxy import SlowProxy
 from tests.helpers import wait_for
 
 SLOT_BYTES = 1 << 20
@@ -104,56 +105,30 @@ def key(i: int) -> str:
     return f"{i:032x}"
 
 
-class Relay:
+class Relay(SlowProxy):
     """A TCP relay in front of a node's listen port that records what crosses it: ``down`` the bytes from the node
     (what a reader receives), ``up`` the bytes to it (what a writer sends); :meth:`flip` arms it to change one byte
-    of ``down`` or ``up`` in transit. Its threads: one accepting, two pumping per connection."""
+    of ``down`` or ``up`` in transit. A :class:`~kvx.testing.slow_proxy.SlowProxy` at full speed whose tap records
+    (its pump threads); accepting from the start."""
 
     def __init__(self, port: int):
-        self.target = ("127.0.0.1", port)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
+        super().__init__("127.0.0.1", port, tap=self._record)
         self.lock = threading.Lock()  # guards the buffers and the armed flips
         self.down, self.up = bytearray(), bytearray()
         self._flip: dict[str, int] = {}  # direction -> the stream offset of the byte to change
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.__enter__()
 
     def flip(self, direction: str, after: int) -> None:
         """Change the byte ``after`` bytes past what ``direction`` ("down" or "up") has carried so far."""
         with self.lock:
             self._flip[direction] = len(getattr(self, direction)) + after
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.target)
-            threading.Thread(target=self._pump, args=(server, client, "down"), daemon=True).start()
-            threading.Thread(target=self._pump, args=(client, server, "up"), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
-        buf = getattr(self, direction)
-        try:
-            while data := src.recv(1 << 16):
-                data = bytearray(data)
-                with self.lock:
-                    at = self._flip.get(direction)
-                    if at is not None and len(buf) <= at < len(buf) + len(data):
-                        data[at - len(buf)] ^= 0x5A
-                        del self._flip[direction]
-                    buf += data
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()
-
-    def close(self) -> None:
-        self.listener.close()
+    def _record(self, direction: str, data: bytes) -> bytes:
+        buf, data = getattr(self, direction), bytearray(data)
+        with self.lock:
+            at = self._flip.get(direction)
+            if at is not None and len(buf) <= at < len(buf) + len(data):
+                data[at - len(buf)] ^= 0x5A
+                del self._flip[direction]
+            buf += data
+        return bytes(data)
