@@ -31,6 +31,7 @@ from tests.node.cluster_helpers import NAMESPACE, SLOT_BYTES, Member, Relay, fre
 from tests.node.daemon_helpers import NS_A, NS_B, NS_C, SLOT, Peer, check_invariants, make_state
 
 SEALED_NS = bytes(range(1, 17))  # a second namespace on the same node, whose engine seals
+PLAIN_NS = bytes(range(2, 18))  # a namespace no engine seals
 
 
 def _cluster_state(seal_transit: bool = False):
@@ -191,6 +192,41 @@ def test_sealed_chunks_are_pulled_and_pushed_between_tcp_nodes_bit_exact(tmp):
         assert a.node.stats()["cluster"]["peers"][0]["bytes_sealed_out"] == 8 * SLOT_BYTES
         assert b.node.stats()["cluster"]["bytes_sealed_in"] == 3 * SLOT_BYTES
     finally:
+        a.close()
+        b.close()
+
+
+def test_over_nixl_a_sealed_namespace_stays_on_its_host_and_others_still_move(tmp):
+    """Two real nodes on NIXL: the sealed engine's node says no ``seal_transit``, so its engine asks for no pull or
+    push, and a peer asking for the sealed namespace's chunks is told there are none; a plain namespace still moves."""
+    secret = secret_file(tmp)
+    pa, pb = free_port(), free_port()
+    a = Member(tmp, "a", pa, [pb], secret, "--transport", "nixl", sealed=True)
+    b = Member(tmp, "b", pb, [pa], secret, "--transport", "nixl", sealed=True)
+    plain_a, plain_b = (
+        NodeIndex(m.sock, PLAIN_NS, "m", 16, SLOT_BYTES, timeout=10, retry_s=0.05, pull_wait_ms=3000) for m in (a, b)
+    )
+    try:
+        for idx in (plain_a, plain_b):
+            wait_for(lambda i=idx: i.contains_many([key(0)]) is not None and i.pool is not None, 10, "the hello")
+        assert not a.index._seal_transit and not a.index._may_move() and plain_b._may_move()
+        sealed = _chunks(2, 40, 2)
+        for k, data in sealed.items():
+            a.store(k, data)
+        assert not b.index.pulling(list(sealed))  # asks nothing: its chunks stay on the host
+        assert a.index.push(list(sealed), f"127.0.0.1:{pb}") is False
+        plain = _chunks(3, 50, 2)
+        for k, data in plain.items():
+            _store(a, plain_a, k, data)
+        wait_for(lambda: not plain_b.pulling(list(plain)), 30, "the plain namespace's pull")
+        assert plain_b.contains_many(list(plain)) == [True, True]
+        assert b.index.contains_many(list(sealed)) == [False, False]
+        sa = a.node.stats()
+        assert sa["namespaces"][NAMESPACE.hex()]["sealed"] and sa["cluster"]["bytes_sealed_out"] == 0
+        assert sa["cluster"]["served"] == 2  # the plain chunks' lease; none of the sealed namespace's
+    finally:
+        plain_a.close()
+        plain_b.close()
         a.close()
         b.close()
 
