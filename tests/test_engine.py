@@ -16,8 +16,10 @@ from kvx.testing import make_layout, random_fill_
 from tests.helpers import wait_for
 
 
+# ---------------------------------------------------------------- the thread queue (CPU's default; asked for by name,
+# so that these hold under KVX_COPY_QUEUE=deferred too)
 def test_jobs_run_in_submission_order_off_the_caller_thread():
-    eng = make_engine("cpu")
+    eng = make_engine("cpu", mode="thread")
     seen, caller = [], threading.get_ident()
     jobs = [
         eng.submit(lambda s, i=i: (time.sleep(0.002 * (3 - i)), seen.append((i, threading.get_ident()))))
@@ -31,7 +33,7 @@ def test_jobs_run_in_submission_order_off_the_caller_thread():
 
 
 def test_errors_are_kept_and_reraised():
-    eng = make_engine("cpu")
+    eng = make_engine("cpu", mode="thread")
     job = eng.submit(lambda s: 1 / 0, name="boom")
     with pytest.raises(ZeroDivisionError):
         job.wait()
@@ -43,7 +45,7 @@ def test_errors_are_kept_and_reraised():
 
 
 def test_marker_is_a_no_op_on_cpu_and_wait_times_out():
-    eng = make_engine("cpu")
+    eng = make_engine("cpu", mode="thread")
     assert eng.marker() is None
     gate = threading.Event()
     job = eng.submit(lambda s: gate.wait())
@@ -55,7 +57,7 @@ def test_marker_is_a_no_op_on_cpu_and_wait_times_out():
 
 
 def test_close_drains_and_refuses_new_work():
-    eng = make_engine("cpu")
+    eng = make_engine("cpu", mode="thread")
     out = torch.zeros(4)
     eng.submit(lambda s: out.fill_(3))
     eng.close()
