@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff format --check .
 TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/kernels -q --durations=5 "$@"
 .venv/bin/python -m pytest tests -q --ignore=tests/kernels --durations=20 "$@"
-KVX_COPY_QUEUE=deferred .venv/bin/python -m pytest tests/connector tests/worker tests/e2e -q -m "not once" --durations=10 "$@"
+KVX_COPY_QUEUE=deferred .venv/bin/python -m pytest tests/test_engine.py tests/connector tests/worker tests/e2e -q -m "not once" --durations=10 "$@"
 if [ "${KVX_NO_VLLM033:-0}" != "1" ]; then
   ./scripts/setup_vllm033.sh
   VLLM_TARGET_DEVICE=cpu .venv-vllm033/bin/python -m pytest tests/connector tests/worker tests/test_log.py tests/test_serve_cli.py \
