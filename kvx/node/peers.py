@@ -513,7 +513,7 @@ class Cluster:
         if link is None or n == 0:
             self._count("misses")
             return {"pulled": 0, "reason": "miss"}
-        fit = self._fit(link, n, nbytes, deadline)
+        fit = n if leased is not None else self._fit(link, n, nbytes, deadline)  # a lease was asked for: all fit
         if fit < n:
             self._count("declined_slow")
             if fit == 0:
