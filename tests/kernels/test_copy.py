@@ -191,23 +191,25 @@ def _pages_by_head_case(impl, head_major, name, dtype, block_size, device):
     ids = torch.randperm(geom["num_blocks"], generator=g)[:5]
     shape = lay.page_heads_shape(5)
     pin = device == "cuda"
-    if head_major:
-        out = torch.empty((shape[3], *shape[:3], shape[4]), dtype=torch.uint8, pin_memory=pin).movedim(0, 3)
-    else:
-        out = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
-    random_fill_(out, g)
+
+    def host() -> torch.Tensor:  # pinned on a CUDA cache (torch.empty_like does not keep pinning)
+        if head_major:
+            return torch.empty((shape[3], *shape[:3], shape[4]), dtype=torch.uint8, pin_memory=pin).movedim(0, 3)
+        return torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+
+    out = random_fill_(host(), g)
     ops.gather_pages(lay, ids, out, impl=impl)
     if device == "cuda":
         torch.cuda.synchronize()
     expected = ops.gather_pages(ref, ids, impl="reference").cpu()  # [L, S, n, segment_bytes]
     assert_same_bytes(out.contiguous().flatten(-2), expected)
-    src = random_fill_(torch.empty_like(out), g)  # same strides as out (pinned: empty_like keeps it)
+    src = random_fill_(host(), g)  # same strides as out
     ops.scatter_pages(lay, ids, src, impl=impl)
     ops.scatter_pages(ref, ids, src.contiguous().flatten(-2).to(device), impl="reference")
     if device == "cuda":
         torch.cuda.synchronize()
     assert_all_same_bytes(lay.layers, ref.layers)
-    back = ops.gather_pages(ref, ids, torch.empty_like(out), impl="reference")  # the reference's own 5-D path
+    back = ops.gather_pages(ref, ids, host(), impl="reference")  # the reference's own 5-D path
     assert_same_bytes(back.contiguous(), src.contiguous())
 
 
