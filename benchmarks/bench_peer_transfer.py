@@ -251,7 +251,10 @@ def _kvx_tcp_reader(pool, layout: Layout, address):
     from kvx.node.tcp import TcpTransport
 
     # a plain connection: the cluster handshake (kvx.node.handshake.dial) is once per connection, not per read
-    t = TcpTransport(pool, dial=lambda a: socket.create_connection(a, timeout=TIMEOUT_S), bounds=lambda: (0, len(pool)))
+    def dial(a):
+        return socket.create_connection(a, timeout=TIMEOUT_S), None
+
+    t = TcpTransport(pool, dial=dial, bounds=lambda: (0, len(pool)))
     t.connect("server", tuple(address), b"")
     spans = layout.spans()
     return (lambda: t.read("server", spans, TIMEOUT_S)), t.close

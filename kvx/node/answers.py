@@ -83,7 +83,7 @@ class PeerAnswers:
                 good = [o is not None and crc32c_update(view[o : o + nbytes]) == c for o, c in zip(offsets, crcs)]
             if not all(good):
                 self._count("bad_chunks", len(good) - sum(good))
-            n = self._call(lambda s: s.push_commit(cid, keys, good))
+            n = self._call(lambda s: s.push_commit(cid, keys, good, crcs))
             self._count("received", n)
             return {"committed": n}
         if op == "lease":
@@ -100,11 +100,15 @@ class PeerAnswers:
             return {"chunks": chunks, "epoch": self.epoch, **({"sealed": True} if sealed else {})}
         raise ValueError(f"op: expected have, lease, release, reserve, commit_pushed or describe, got {str(op)[:40]!r}")
 
-    def committed(self, offset: int, generation: int, nbytes: int) -> None:
+    def committed(self, offset: int, generation: int, nbytes: int, crc: int | None = None) -> None:
         """A chunk became READY here (loop thread: the index's hook): its CRC32C is computed now, off the loop, so
         that a peer's lease of it finds it made: the puller checks the bytes it reads against it (as they stream,
-        over tcp; after each NIXL READ), and this node spends no time of the pull hashing what it sends."""
-        if nbytes > 0:
+        over tcp; after each NIXL READ), and this node spends no time of the pull hashing what it sends. ``crc``: the
+        CRC32C its writer checked it against (a chunk pulled or pushed here), kept as it is."""
+        if crc is not None and nbytes > 0:
+            with self._lock:
+                self._crcs[offset] = (generation, nbytes, crc)
+        elif nbytes > 0:
             try:
                 self._crc_pool.submit(self._crc, offset, generation, nbytes)
             except RuntimeError:  # closed: the node stops

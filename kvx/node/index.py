@@ -86,7 +86,8 @@ class NodeState:
         self.on_push: Callable[[str, list[str], int, str], bool] | None = None
         self.cluster_stats: Callable[[], dict] | None = None
         # committed(offset, generation, nbytes): a chunk is READY (Cluster.committed: its CRC32C made ahead)
-        self.on_commit: Callable[[int, int, int], None] | None = None  # the cluster's figures for stats (peers, bytes)
+        # committed(offset, generation, nbytes, crc): crc the chunk's CRC32C where it is known (a pull checked it)
+        self.on_commit: Callable[[int, int, int, int | None], None] | None = None
         self.counters = dict.fromkeys(
             (
                 "refused_clients",
@@ -295,8 +296,9 @@ class NodeState:
             self.slots.evict(e)
         return True
 
-    def commit(self, c: Client, key: str) -> None:
-        """``c`` wrote every byte of ``key``'s slot: serve it from now on (most recently used)."""
+    def commit(self, c: Client, key: str, crc: int | None = None) -> None:
+        """``c`` wrote every byte of ``key``'s slot: serve it from now on (most recently used). ``crc``: its CRC32C,
+        where the writer checked it (a pull, a push): not computed again for the peers' leases."""
         e = c.pending.get(key)
         if e is None:
             got = self._describe(c.ns, key)
@@ -311,7 +313,7 @@ class NodeState:
         write_entry(self.table, self.geom, e.slot, bytes.fromhex(key), gen, READY)
         self._dir.insert(bytes.fromhex(key), e.slot)
         if self.on_commit is not None:
-            self.on_commit(self.geom.slot_offset(e.slot), gen, e.ns.chunk_bytes)
+            self.on_commit(self.geom.slot_offset(e.slot), gen, e.ns.chunk_bytes, crc)
 
     @staticmethod
     def _describe(ns: Namespace, key: str) -> str:
@@ -326,17 +328,25 @@ class NodeState:
             self._drop(e)
 
     def pin(self, c: Client, keys: Sequence[str]) -> list[Entry]:
-        """Lease READY chunks to ``c`` for a load (most recently used now). All or nothing."""
+        """Lease chunks to ``c`` for a load (most recently used now): READY ones, or PENDING ones a pull is bringing
+        from a peer (the engine's workers wait for them to turn READY; one the pull does not bring turns FREE in the
+        slot table at once, failing their loads). All or nothing."""
         entries = []
         for k in keys:
             e = c.ns.entries.get(k)
-            if e is None or e.state != READY:
-                raise Refused(f"pin: expected READY keys, got {k} ({self._describe(c.ns, k)}); nothing pinned")
+            if e is None or not (e.state == READY or self._pulled_here(e)):
+                got = self._describe(c.ns, k)
+                raise Refused(f"pin: expected READY keys, got {k} ({got}); nothing pinned")
             entries.append(e)
         for e in entries:
             self._lease(c, e)
             self._touch(e)
         return entries
+
+    def _pulled_here(self, e: Entry) -> bool:
+        """``e`` is PENDING in a slot a pull from a peer is reading into."""
+        owner = self._clients.get(e.owner) if e.state == PENDING and e.owner is not None else None
+        return owner is not None and owner.role == "pull"
 
     def hold(self, c: Client, key: str) -> Entry:
         """Lease a PENDING or READY chunk to ``c`` while its bytes are read for another tier's write."""
@@ -529,15 +539,18 @@ class NodeState:
         }
         return all(off in mine and n <= mine[off] for off, n in spans)
 
-    def push_commit(self, cid: int, keys: Sequence[str], good: Sequence[bool]) -> int:
-        """The pushed ``keys`` arrived (``good``: whole, their CRC32C checked): commit those, free the others."""
+    def push_commit(
+        self, cid: int, keys: Sequence[str], good: Sequence[bool], crcs: Sequence[int | None] | None = None
+    ) -> int:
+        """The pushed ``keys`` arrived (``good``: whole, their CRC32C checked, ``crcs``): commit those, free the
+        others."""
         c = self._clients[cid]
         n = 0
-        for k, ok in zip(keys, good):
+        for i, (k, ok) in enumerate(zip(keys, good)):
             if k not in c.pending:
                 continue
             if ok:
-                self.commit(c, k)
+                self.commit(c, k, crcs[i] if crcs is not None else None)
                 c.ns.pushed += 1
                 n += 1
             else:
@@ -619,15 +632,24 @@ class NodeState:
             out.append((k, self.geom.slot_offset(got["slot"])))
         return out
 
-    def pull_end(self, owner: int, good: Sequence[str]) -> int:
-        """A pull is over: commit its ``good`` keys (checked, in order), free its other slots (quarantined: a
-        transfer that timed out may still land in them) and its client. Returns how many were committed."""
+    def pull_commit(self, owner: int, key: str, crc: int | None = None) -> None:
+        """One chunk of a pull arrived and passed its check against ``crc`` (they arrive in order): READY from now on,
+        before the pull's other chunks are in (an engine's load waiting for it starts)."""
+        c = self._clients.get(owner)
+        if c is not None and key in c.pending:
+            self.commit(c, key, crc)
+            c.committed += 1
+
+    def pull_end(self, owner: int, good: Sequence[str], crcs: Sequence[int | None] | None = None) -> int:
+        """A pull is over: commit its ``good`` keys (checked against ``crcs``, in order; :meth:`pull_commit` made the
+        first ones READY already), free its other slots (quarantined: a transfer that timed out may still land in
+        them) and its client. Returns how many were committed."""
         c = self._clients[owner]
-        n = 0
-        for k in good:
-            if k not in c.pending:
+        n = c.committed
+        for i in range(n, len(good)):
+            if good[i] not in c.pending:
                 break
-            self.commit(c, k)
+            self.commit(c, good[i], crcs[i] if crcs is not None else None)
             n += 1
         if c.ns is not None:
             c.ns.pulled += n
@@ -645,9 +667,13 @@ class NodeState:
 
     def _drop(self, e: Entry, quarantine: bool = False) -> None:
         """Take ``e`` out of the index; free its slot now, or at its last unpin if it is leased (``quarantine``: a
-        PENDING slot of a closed connection, reused after the allocator's ``quarantine_s``)."""
+        PENDING slot of a closed connection, reused after the allocator's ``quarantine_s``). A pull's leased PENDING
+        slot (an engine's load waits for it) reads FREE in the slot table at once: that load fails now."""
+        pulled = self._pulled_here(e)
         self._unindex(e)
         self.slots.drop(e, quarantine)
+        if pulled and e.doomed:
+            write_entry(self.table, self.geom, e.slot, _ZERO_KEY, self.slots.generation[e.slot], FREE)
 
     def _unindex(self, e: Entry) -> None:
         """Take ``e`` out of its namespace, the directory, its writer's pending and the counters."""

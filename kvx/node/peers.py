@@ -14,8 +14,9 @@ asked its node to pull them (the ``pull`` op; the engine puts the request off un
 3. PENDING slots here for that run (:meth:`~.index.NodeState.pull_alloc`), then ``lease`` on the peer: it leases the
    chunks to this connection (no eviction under the read) and answers each one's offset, generation and CRC32C.
 4. The transport reads the chunks' bytes into the slots (:mod:`.transport`: kvx's TCP channel or one NIXL READ).
-5. Each slot's CRC32C is checked, ``release`` on the peer confirms the slots kept their generation, and the chunks
-   that passed, in order, are committed READY here (the rest freed). The engine's next lookup finds them.
+5. Each slot's CRC32C is checked as it lands; the chunks that passed, in order, are committed READY here one by one
+   as they do, and ``release`` on the peer ends the lease (the rest freed). An engine's lookup that finds the
+   pull's slots PENDING reports them as a hit loaded asynchronously; its workers copy each chunk as it turns READY.
 
 **A push** (:meth:`Cluster.push`, P/D): a producer engine names its consumer's node (``kvx_push_to``) and its
 request's chunks; as each becomes READY here, ``reserve`` on the consumer's node allocates PENDING slots for the
@@ -136,14 +137,15 @@ class _Link:
 class Cluster:
     """This node's part of a cluster (module docstring).
 
-    ``call(fn)``: runs ``fn(state)`` on the loop thread (:class:`~.index.NodeState`) and returns its result.
+    ``call(fn, wait=True)``: runs ``fn(state)`` on the loop thread (:class:`~.index.NodeState`) and returns its result
+    (``wait=False``: queued, not waited for; the loop runs calls in order).
     ``reply_later(cid, rid, reply)``: answers request ``rid`` of connection ``cid`` (an engine's pull).
     """
 
     def __init__(
         self,
         config: ClusterConfig,
-        call: Callable[[Callable[[Any], Any]], Any],
+        call: Callable[..., Any],
         reply_later: Callable[[int, int, dict], None],
     ):
         if config.transport not in ("tcp", "nixl"):
@@ -338,10 +340,10 @@ class Cluster:
         finally:
             self._call(lambda s: s.close(cid))
 
-    def committed(self, offset: int, generation: int, nbytes: int) -> None:
+    def committed(self, offset: int, generation: int, nbytes: int, crc: int | None = None) -> None:
         """A chunk became READY here (loop thread: the index's hook): :meth:`.answers.PeerAnswers.committed`."""
         if not self._stopping.is_set():
-            self._answers.committed(offset, generation, nbytes)
+            self._answers.committed(offset, generation, nbytes, crc)
 
     # ---------------------------------------------------------------- dialing peers
     def _dial(self, address: tuple[str, int], role: str) -> tuple[socket.socket, dict]:
@@ -535,7 +537,7 @@ class Cluster:
                 sealed = True
                 self._call(lambda s: s.seal(namespace, f"pulled sealed from node {link.node}"))
             if slots:
-                good = self._read(link, slots, leased, nbytes, deadline, phases, sealed)
+                good = self._read(link, slots, leased, nbytes, deadline, phases, sealed, owner)
             elif leased:
                 self._release(link, leased, deadline)  # no room here: the peer's chunks are free again
         except (OSError, ValueError, TypeError, KeyError, TransferError) as e:
@@ -548,7 +550,8 @@ class Cluster:
         finally:
             if lease is not None:  # this node's slots failed while the lease was asked: end it
                 lease.cancel() or self._release_quietly(link, lease, min(deadline, time.monotonic() + 1.0))
-            pulled = self._call(lambda s: s.pull_end(owner, good))
+            crc_of = {c[0]: c[3] for c in leased or ()}
+            pulled = self._call(lambda s: s.pull_end(owner, good, [crc_of.get(k) for k in good]))
             phases.mark("commit")
         self._count("pulled", pulled)
         with self._lock:
@@ -557,11 +560,15 @@ class Cluster:
             return {"pulled": 0, "reason": "full"}
         return {"pulled": pulled, "from": link.node}
 
-    def _read_checked(self, link: _Link, spans: list[Span], crcs: list, deadline: float, sealed: bool) -> list[bool]:
+    def _read_checked(
+        self, link: _Link, spans: list[Span], crcs: list, deadline: float, sealed: bool, landed
+    ) -> list[bool]:
         """Read ``spans`` in a few transfers, each one's chunks checked against ``crcs`` (the lease's) on a thread
-        while the next one moves: the checks cost little time of their own."""
+        while the next one moves: the checks cost little time of their own. ``landed(i, ok)`` per span, in order, as
+        its check is done."""
         size = max(1, -(-len(spans) // _READ_GROUPS))
         checks = []
+        told = 0
 
         def check(s: Span, crc) -> bool:
             with memoryview(self._pool) as view:
@@ -572,6 +579,12 @@ class Cluster:
                 left = max(0.001, deadline - time.monotonic())
                 self.transport.read(link.node, spans[i : i + size], left, sealed=sealed)
                 checks += [self._checks.submit(check, s, c) for s, c in zip(spans[i : i + size], crcs[i : i + size])]
+                while told < len(checks) and checks[told].done():
+                    landed(told, checks[told].result())
+                    told += 1
+            for f in checks[told:]:
+                landed(told, f.result())
+                told += 1
             return [f.result() for f in checks]
         finally:
             for f in checks:  # none still reading a slot the caller frees
@@ -585,18 +598,32 @@ class Cluster:
         nbytes: int,
         deadline: float,
         phases: _Phases,
-        sealed: bool = False,
+        sealed: bool,
+        owner: int,
     ) -> list[str]:
         """Read ``leased`` chunks of ``link`` into ``slots`` (as many as both have), check them, release the lease:
-        the keys that arrived whole, in order. ``sealed``: the read is sealed (its namespace is sealed here)."""
+        the keys that arrived whole, in order. ``sealed``: the read is sealed (its namespace is sealed here).
+
+        Each chunk is READY here as soon as it and every one before it passed its check (``owner``'s
+        :meth:`~.index.NodeState.pull_commit`, queued to the loop thread, not waited for): an engine whose load waits
+        for the pull copies the first chunks while the rest cross. A CRC32C that matches the lease's is what makes a
+        chunk good (the lease kept it from eviction on the peer); the release after the read stops the commits of
+        the chunks not yet made READY where the peer says its slot changed hands under the read."""
         keys = [k for k, _ in slots]
         spans = [Span(int(c[1]), off, nbytes) for c, (_, off) in zip(leased, slots)]
+        arrived: list[str] = []
+
+        def landed(i: int, ok: bool) -> None:
+            if ok and i == len(arrived):  # in order, every one before it good
+                arrived.append(keys[i])
+                self._call(lambda s, k=keys[i], crc=leased[i][3]: s.pull_commit(owner, k, crc), wait=False)
+
         t0 = time.monotonic()
         if isinstance(self.transport, TcpTransport):  # it checks each chunk against the lease's as it streams
             crcs = [c[3] for c in leased[: len(spans)]]
-            ok = self.transport.read(link.node, spans, max(0.001, deadline - t0), crcs, sealed)
+            ok = self.transport.read(link.node, spans, max(0.001, deadline - t0), crcs, sealed, landed)
         else:
-            ok = self._read_checked(link, spans, [c[3] for c in leased], deadline, sealed)
+            ok = self._read_checked(link, spans, [c[3] for c in leased], deadline, sealed, landed)
         seconds = time.monotonic() - t0
         phases.mark("read")
         good = next((i for i, v in enumerate(ok) if not v), len(ok))
@@ -606,7 +633,7 @@ class Cluster:
             log.warning("kvx node: chunk %s from %s failed its CRC32C check; not served", keys[good], link.name)
         intact = self._release(link, leased, deadline)
         phases.mark("release")
-        good = next((i for i in range(good) if not intact[i]), good)
+        good = max(len(arrived), next((i for i in range(good) if not intact[i]), good))
         with link.lock:
             link.pulls += 1
             link.chunks_in += len(spans)

@@ -55,6 +55,7 @@ class Client:
     pid: int
     role: str | None = None  # None until hello; "engine", "puller" (an engine's pulls), "control", or "peer"
     pulling: int = 0  # a puller's pulls in flight (their replies are deferred), at most protocol.MAX_PULLS
+    committed: int = 0  # a pull's client: its chunks made READY as they arrived (NodeState.pull_commit)
     peer: str | None = None  # a peer's connection: the peer node's id (what its data connection may write)
     ns: Namespace | None = None  # engines only
     pending: dict[str, Entry] = field(default_factory=dict)

@@ -378,15 +378,16 @@ class NodeServer:
         self.state.on_commit = self.cluster.committed
         self.state.cluster_stats = self.cluster.stats
 
-    def call(self, fn: Callable[[NodeState], Any], timeout: float = 30.0) -> Any:
+    def call(self, fn: Callable[[NodeState], Any], timeout: float = 30.0, wait: bool = True) -> Any:
         """``fn(state)`` run on the loop thread, its result (or exception) returned to the calling thread (the
-        cluster's threads: the index has one owner). ``TimeoutError`` if the loop does not get to it in time."""
+        cluster's threads: the index has one owner). ``TimeoutError`` if the loop does not get to it in time.
+        ``wait=False``: queued and not waited for (None returned); the loop runs calls in the order they came."""
         if threading.get_ident() == self._loop_thread:
             return fn(self.state)
         fut: Future = Future()
         self._calls.put((fn, fut))
         self._wake()
-        return fut.result(timeout)
+        return fut.result(timeout) if wait else None
 
     def reply_later(self, cid: int, rid: int, reply: dict) -> None:
         """Answer request ``rid`` of connection ``cid`` (a deferred reply: a pull's), from any thread."""

@@ -111,8 +111,8 @@ class TcpTransport(Transport):
     """Reads spans of peers' pools over TCP, and serves this node's pool to peers that read it.
 
     ``pool``: the local pool file's mapping (writable). ``dial(address)``: an admitted ``data`` connection to the
-    node at ``address``, either a socket (:func:`kvx.node.handshake.dial`: plain transfers only) or a (socket,
-    :class:`~.wire_seal.WireSession`) pair (its keys: sealed transfers too). ``bounds()``: the [start, end) of the pool
+    node at ``address`` and its keys, a (socket, :class:`~.wire_seal.WireSession` or None) pair (None: plain
+    transfers only, as :func:`kvx.node.handshake.dial` admits). ``bounds()``: the [start, end) of the pool
     file's bytes a peer may read (the slots' area). The reading side is called by the node's pull threads, one read
     per peer at a time (a lock per peer); the serving side (:meth:`serve`) runs on the connection's own thread.
     """
@@ -122,7 +122,7 @@ class TcpTransport(Transport):
     def __init__(
         self,
         pool,
-        dial: Callable[[tuple[str, int]], socket.socket],
+        dial: Callable[[tuple[str, int]], tuple[socket.socket, WireSession | None]],
         bounds: Callable[[], tuple[int, int]],
         writable: Callable[[str, list[tuple[int, int]]], bool] | None = None,
         sealed: Callable[[list[tuple[int, int]]], bool] | None = None,
@@ -170,17 +170,20 @@ class TcpTransport(Transport):
         timeout: float,
         crcs: Sequence[int] | None = None,
         sealed: bool = False,
+        landed: Callable[[int, bool], None] | None = None,
     ) -> list[bool]:
         """As :meth:`Transport.read`; checked here: this side computes each span's CRC32C as it receives it (piece by
         piece, while each is in cache: :func:`_recv_checked`) and compares it with ``crcs`` (the lease's,
         computed when each chunk was committed), or without them with the peer's, computed as it sends; each span's
         verdict is returned. ``sealed``: the bytes cross encrypted (module docstring; every GCM tag checked, a bad
-        one fails the read), and without ``crcs`` a span that arrived is a good one (the tags authenticated it)."""
+        one fails the read), and without ``crcs`` a span that arrived is a good one (the tags authenticated it).
+        ``landed(i, ok)``: with ``crcs``, called as each span is in and checked, in order (the caller serves a chunk
+        before the rest of the read is in)."""
         if crcs is not None and len(crcs) != len(spans):
             raise ValueError(f"crcs: expected one per span ({len(spans)}), got {len(crcs)}")
 
         def _read(sock, session, sp, deadline):
-            return self._read(sock, session if sealed else None, sealed, sp, deadline, crcs)
+            return self._read(sock, session if sealed else None, sealed, sp, deadline, crcs, landed)
 
         return self._transfer(peer, spans, timeout, _read)
 
@@ -202,8 +205,7 @@ class TcpTransport(Transport):
             sock, session = self._socks.get(peer), self._sessions.get(peer)
             try:
                 if sock is None:
-                    got = self._dial(address)
-                    sock, session = got if isinstance(got, tuple) else (got, None)
+                    sock, session = self._dial(address)
                     tune(sock)
                     with self._lock:
                         self._socks[peer], self._sessions[peer] = sock, session
@@ -224,6 +226,7 @@ class TcpTransport(Transport):
         spans: Sequence[Span],
         deadline: float,
         expected: Sequence[int] | None,
+        landed: Callable[[int, bool], None] | None = None,
     ) -> list[bool]:
         left = _left(deadline)
         if sealed and session is None:
@@ -245,12 +248,14 @@ class TcpTransport(Transport):
                 raise ValueError(f"span: expected a local range inside the pool, got {s}")
         mine = []
         with memoryview(self.pool) as view:
-            for s in spans:
+            for i, s in enumerate(spans):
                 with view[s.local : s.local + s.nbytes] as part:
                     if session is not None:
                         mine.append(session.recv_span(sock, part, s.remote, left))
                     else:
                         mine.append(_recv_checked(sock, part, left))
+                if landed is not None and expected is not None:
+                    landed(i, mine[i] == expected[i])
         if sealed and expected is None:
             return [True] * len(spans)  # every piece's tag matched
         if expected is None:

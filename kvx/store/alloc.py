@@ -16,7 +16,8 @@ and ``kvx node``'s (:class:`kvx.node.index.NodeState`, one pool per host, a chun
 - Every time a slot changes hands its *generation* goes up: a reader or writer that kept the generation it was given
   sees its chunk unchanged (the node's engines and peers check it around each copy).
 - A run freed with ``quarantine`` is reused only :attr:`quarantine_s` later (the node: a PENDING slot of a connection
-  that closed, whose workers may still be writing it).
+  that closed, whose workers may still be writing it; a pull's slot that did not arrive). A chunk dropped with
+  ``quarantine`` while pinned is quarantined at its last :meth:`unpin`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Chunk:
     units: int = 1  # slots in its run
     pins: int = 0
     doomed: bool = False
+    quarantined: bool = False  # doomed with ``quarantine``: its run is quarantined when its last pin goes
 
 
 class Allocator:
@@ -128,7 +130,7 @@ class Allocator:
         """Undo one :meth:`pin`; True if that freed a doomed chunk's slot."""
         chunk.pins -= 1
         if chunk.doomed and not chunk.pins:
-            self._free(chunk)
+            self._free(chunk, chunk.quarantined)
             return True
         return False
 
@@ -142,6 +144,7 @@ class Allocator:
         self.lru.pop(chunk, None)
         if chunk.pins:
             chunk.doomed = True
+            chunk.quarantined = chunk.quarantined or quarantine  # a late transfer may land until its last unpin
         else:
             self._free(chunk, quarantine)
 

@@ -190,6 +190,41 @@ def test_a_slot_abandoned_pending_is_reused_only_after_the_quarantine(monkeypatc
     check_invariants(state)
 
 
+def test_a_pulls_slots_are_pinned_pending_made_ready_one_by_one_and_freed_at_once_when_they_fail(monkeypatch):
+    """An engine's load may pin the PENDING slots a pull from a peer is filling (its workers wait for them), not those
+    of another engine's save; the pull makes each READY as it arrives; a chunk it does not bring reads FREE in the table
+    at once (the waiting load fails now), and its run is quarantined after the engine's last unpin (a late transfer may
+    still land in it)."""
+    geom = PoolGeometry(4, SLOT)
+    state = NodeState(geom, bytearray(geom.data_offset), "/dev/shm/test.pool", bytes(16), quarantine_s=5.0)
+    now = [100.0]
+    monkeypatch.setattr("kvx.store.alloc.time.monotonic", lambda: now[0])
+    engine, saver = Peer(state, 1), Peer(state, 2)
+    saver.call("allocate", key=key(3))
+    owner = state.open_internal("pull")
+    assert [k for k, _ in state.pull_alloc(owner, NS_A, [key(0), key(1), key(2)])] == [key(0), key(1), key(2)]
+    slot = {k: e.slot for k, e in state._namespaces[NS_A].entries.items()}
+    with pytest.raises(NodeError, match=f"pin: expected READY keys, got {key(3)} .PENDING"):
+        engine.call("pin", keys=[key(3)])  # another engine's save: not a pull's
+    engine.call("pin", keys=[key(0), key(1), key(2)])
+    state.pull_commit(owner, key(0))
+    assert engine.call("lookup", keys=[key(0), key(1)])["states"] == [READY, PENDING]
+    assert entry(state, slot[key(0)])[2] == READY
+    check_invariants(state)
+    assert state.pull_end(owner, [key(0)]) == 1  # keys 1 and 2 did not arrive
+    for k in (key(1), key(2)):
+        assert entry(state, slot[k]) == (bytes(16), 1, FREE)  # at once, though still leased
+    assert engine.call("lookup", keys=[key(0), key(1)])["states"] == [READY, FREE]
+    check_invariants(state)
+    engine.call("unpin", keys=[key(0), key(1), key(2)])
+    assert state.stats()["pool"]["quarantined"] == 2
+    assert saver.call("allocate", key=key(5))["slot"] == slot[key(0)]  # evicted: unpinned, and the LRU
+    assert saver.call("allocate", key=key(6))["reason"] == "full"  # not into a quarantined run
+    now[0] += 5.0
+    assert saver.call("allocate", key=key(7))["slot"] in (slot[key(1)], slot[key(2)])
+    check_invariants(state)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_sequences_keep_the_invariants(seed):
     """Random ops of three engines (two namespaces, one with a quota) and a control connection, with connections

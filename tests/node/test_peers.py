@@ -370,7 +370,7 @@ def test_a_chunk_evicted_on_the_peer_mid_read_keeps_its_bytes_until_released_and
         assert a.index.contains_many([key(90)]) == [False]  # evicted: no engine or peer finds it
         local = bytearray(SLOT_BYTES)
         reader = TcpTransport(
-            local, lambda addr: handshake.dial(addr, secret, "visitor", "data", 10)[0], lambda: (0, SLOT_BYTES)
+            local, lambda addr: (handshake.dial(addr, secret, "visitor", "data", 10)[0], None), lambda: (0, SLOT_BYTES)
         )
         reader.connect("a", ("127.0.0.1", a.port), b"")
         assert reader.read("a", [Span(offset, 0, SLOT_BYTES)], 10, [crc]) == [True]
