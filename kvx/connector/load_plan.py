@@ -62,11 +62,10 @@ class LoadPlanner:
         ledger: ChunkLedger,
         validity: BlockValidity,
         events: KVEvents,
-        load_async: bool,
         stats: Counter,
     ):
         self.config, self.geom, self.cpu, self.ledger = config, geom, cpu, ledger
-        self.validity, self.events, self.load_async, self.stats = validity, events, load_async, stats
+        self.validity, self.events, self.stats = validity, events, stats
         self.chunk_size = config.chunk_size
         self.blocks_per_chunk = config.chunk_size // geom.block_size
 
@@ -86,17 +85,27 @@ class LoadPlanner:
         loaded: dict[int, int] = {}  # block -> the chunk it is loaded from (validity)
         state_loads = []  # loaded after the chunks (the order the workers read them in)
         for s, (slot, slot_xfer) in zip(states, slots[len(spans) :]):
-            load = ChunkLoad(s.key, s.tier, slot, s.block_ids, 0, self.chunk_size, slot_xfer=slot_xfer, state=True)
+            load = ChunkLoad(
+                s.key,
+                s.tier,
+                slot,
+                s.block_ids,
+                0,
+                self.chunk_size,
+                slot_xfer=slot_xfer,
+                state=True,
+                coming=s.key in plan.coming,
+            )
             state_loads.append(load)
             loaded.update((b, len(plan.keys) - 1) for b in s.block_ids)
             t.loaded_from[s.key] = s.tier
         attn = [tables[g] for g in self.geom.attn_groups]
         chunks = [
-            self._chunk_load(t, s, slot, slot_xfer, p, attn, start, end, loaded)
+            self._chunk_load(t, s, slot, slot_xfer, p, attn, start, end, loaded, s.key in plan.coming)
             for s, (slot, slot_xfer), p in zip(spans, slots, promote)
         ]
         self.validity.loading(rid, loaded)
-        return LoadSpec(rid, chunks + state_loads, self.load_async, xfer)
+        return LoadSpec(rid, chunks + state_loads, plan.is_async, xfer)
 
     def _promotes(self, key: str, tier: str) -> bool:
         """A hit from a slower tier is read into a CPU slot too (if the CPU tier lacks it)."""
@@ -125,6 +134,7 @@ class LoadPlanner:
         start: int,
         end: int,
         loaded: dict[int, int],
+        coming: bool = False,
     ) -> ChunkLoad:
         """The load of span ``s`` into the attention groups' ``tables`` (its blocks noted in ``loaded``)."""
         bs = self.geom.block_size
@@ -145,6 +155,7 @@ class LoadPlanner:
             positions=positions,
             span=s.hi - s.lo if positions is not None else 0,
             slot_xfer=slot_xfer,
+            coming=coming,
         )
         loaded.update((b, s.cb0 // self.blocks_per_chunk) for b in ids)
         t.loaded_from[s.key] = s.tier

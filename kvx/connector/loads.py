@@ -24,7 +24,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
@@ -99,6 +99,8 @@ class LoadPipeline:
         self._errors: set[int] = set()  # blocks that failed to load, for vLLM
         self._fenced: set[int] = set()  # layer groups wait_for_layer fenced this step
         self._failed_reqs: set[str] = set()  # several groups: async loads that failed, for failed_recving
+        self.coming_wait_s = 1.5  # how long a chunk still coming into a node's slot (a pull) may take (the worker's)
+        self._waiter: ThreadPoolExecutor | None = None  # waits for coming chunks, in order (one thread)
 
     def attach(self, cache: RegisteredKV | None) -> None:
         """The registered KV cache the copies go to (None: unregistered, during a sleep)."""
@@ -148,7 +150,10 @@ class LoadPipeline:
                 try:  # a node's slot: this chunk's, READY (checked again once copied)
                     generation = c.check_slot(ch.slot, ch.key, reading=True)
                 except ChunkError as e:
-                    self._fail_chunk(load, ch, e)
+                    if ch.coming and ch.slot is not None and ch.slot >= 0:  # a pull is filling it: wait for it
+                        load.pending.append((ch, self._await(ch, load)))
+                    else:
+                        self._fail_chunk(load, ch, e)
                     continue
                 if generation is not None:
                     load.checks.append((ch, generation))
@@ -171,6 +176,26 @@ class LoadPipeline:
         stats["loaded_chunks"] += len(spec.chunks)
         stats["loaded_blocks"] += sum(len(c.block_ids) for c in spec.chunks)
         return load
+
+    def _await(self, ch: ChunkLoad, load: _Load) -> Future:
+        """The future of chunk ``ch``'s slot turning READY (a pull from a peer is filling it), then its view: the
+        copies are queued as each chunk comes (:meth:`poll_async`), while the rest still cross. On the waiter
+        thread, in the order asked (a pull's chunks turn READY in order)."""
+        if self._waiter is None:
+            self._waiter = ThreadPoolExecutor(1, thread_name_prefix="kvx-await")
+        deadline = time.monotonic() + self.coming_wait_s
+        self.results.stats["coming_chunks"] += 1
+
+        def wait() -> torch.Tensor:
+            c = self.cache
+            generation = c.pool.wait_ready(ch.slot, ch.key, deadline)
+            with load.lock:
+                load.checks.append((ch, generation))  # checked again once copied, as any node slot
+            view = c.slot_view(ch.slot, ch.tokens, ch.state)
+            self.results.stats["cpu_read_bytes"] += view.nbytes
+            return view
+
+        return self._waiter.submit(wait)
 
     def _take_ready(self, load: _Load) -> list[tuple[ChunkLoad, torch.Tensor]]:
         """Pop the chunks whose reads are done (failed ones are recorded, not returned)."""
@@ -398,9 +423,11 @@ class LoadPipeline:
             deadline = time.perf_counter() + wait_s if wait_s > 0 else None
             wait_s = 0.0  # one wait per step
             if load.pending:
-                if deadline is not None:
-                    futures_wait([f for _, f in load.pending], timeout=max(0.0, deadline - time.perf_counter()))
                 self._queue_chunks(load, self._take_ready(load))
+                # copies queued as each read comes (a pull's chunks arrive one by one), while the wait lasts
+                while load.pending and deadline is not None and (left := deadline - time.perf_counter()) > 0:
+                    futures_wait([f for _, f in load.pending], timeout=left, return_when=FIRST_COMPLETED)
+                    self._queue_chunks(load, self._take_ready(load))
             if deadline is not None and not load.pending:
                 for plan in load.all_plans():
                     left = deadline - time.perf_counter()
@@ -465,3 +492,5 @@ class LoadPipeline:
             self._resolve(load)
             self._retiring.append(load)
         self._async, self._sync = {}, []
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=True)

@@ -53,6 +53,7 @@ class Lookup:
     partial: Partial | None = None  # the trailing partial chunk
     extra: Partial | None = None  # the partial chunk, added to the hit (a tier holds it)
     state: StateRef | None = None  # hybrid models: the hit's last state object
+    coming: frozenset[str] = frozenset()  # keys found in "cpu" still on their way into it (SlotIndex.coming)
 
 
 class DeclineSlow:

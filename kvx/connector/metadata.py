@@ -58,6 +58,9 @@ class ChunkLoad:
     span: int = 0  # with positions: blocks of each group this load covers (tokens = span * block)
     slot_xfer: int | None = None  # with a slot, for a load from another tier: the transfer writing that slot
     state: bool = False
+    # a node's slot a pull from a peer is still filling (PENDING): the worker copies it once it turns READY, and
+    # fails the chunk if it turns anything else or takes longer than the pull's wait (an async load's only)
+    coming: bool = False
 
 
 @dataclass
@@ -98,7 +101,8 @@ class KVXMetadata(KVConnectorMetadata):
     freed since the last step (finished or preempted requests: the next forwards may write them); the
     worker fences every queued copy of them before the forward (``kvx.engine.BlockOrder``). ``finished``:
     requests finished since the last step. ``pd_waiting``: a request waits for the chunks its producer announced
-    (its lookup this step was put off): a worker's idle step may pause a little (:data:`.worker.PD_IDLE_PAUSE_S`)."""
+    (its lookup this step was put off): a worker's idle step may pause a little (:data:`.worker.PD_IDLE_PAUSE_S`).
+    ``pull_waiting``: a lookup was put off until its node has a pull's slots (:data:`.worker.PULL_IDLE_PAUSE_S`)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[ChunkSave] = field(default_factory=list)
@@ -106,6 +110,7 @@ class KVXMetadata(KVConnectorMetadata):
     finished: list[str] = field(default_factory=list)
     forward_blocks: list[int] = field(default_factory=list)
     pd_waiting: bool = False
+    pull_waiting: bool = False  # a lookup was put off while its node pulls its chunks (a shorter pause: PULL_IDLE_...)
     node: tuple[str, str] | None = None  # the node tier's pool file and epoch (kvx.node.client.NodePool.attach)
 
     def is_empty(self) -> bool:

@@ -157,6 +157,7 @@ class KVXScheduler:
         self.ledger = self._open_ledger()
         self.admission = Admission(config.admit_after, config.admission_capacity) if config.admit_after > 1 else None
         self._new_loads: list[LoadSpec] = []
+        self._pull_waiting = False  # a lookup was put off for a pull since the last step's metadata
         self.validity = BlockValidity(self.blocks_per_chunk)
         self._freed: list[int] = []  # blocks freed since the last step (for the workers)
         self._pending_reported = 0
@@ -204,9 +205,7 @@ class KVXScheduler:
         self._hit_filters = hit_filters(
             config, self.costs, self._chunk_bytes, bool(self.state_groups), self.producer_wait, stats
         )
-        self.load_planner = LoadPlanner(
-            config, self.geom, self.cpu, self.ledger, self.validity, self.events, self.load_async, stats
-        )
+        self.load_planner = LoadPlanner(config, self.geom, self.cpu, self.ledger, self.validity, self.events, stats)
         self.save_planner = SavePlanner(
             config,
             self.geom,
@@ -247,14 +246,23 @@ class KVXScheduler:
         )
         return self._recorder.submit(self.tiers[tier].put, key, record.encode(), {"kind": "record"})
 
-    def _locate(self, keys: list[str]) -> list[str | None] | None:
-        """Per key, the fastest tier holding it ("cpu" or a tier's name; None: none). None: not known yet."""
+    def _locate(self, keys: list[str]) -> tuple[list[str | None], frozenset[str]] | None:
+        """Per key, the fastest tier holding it ("cpu" or a tier's name; None: none), and the keys of those in "cpu"
+        still on their way into it (a pull from a peer node: :meth:`kvx.store.SlotIndex.coming`). None: not known
+        yet."""
         cached = self.cpu.contains_many(keys) if self.cpu is not None else [False] * len(keys)
         first_miss = next((i for i, hit in enumerate(cached) if not hit), len(keys))
-        if self.cpu is not None and first_miss < len(keys) and self.cpu.pulling(keys[first_miss:]):
-            self.stats["lookups_pulling"] += 1
-            self.producer_wait.waiting = True  # an idle step while chunks come: the workers pause, as for P/D
-            return None
+        coming: frozenset[str] = frozenset()
+        if self.cpu is not None and first_miss < len(keys):
+            n = self.cpu.coming(keys[first_miss:])
+            if n:
+                coming = frozenset(keys[first_miss : first_miss + n])
+                cached[first_miss : first_miss + n] = [True] * n
+                self.stats["lookups_coming"] += 1
+            elif self.cpu.pulling(keys[first_miss:]):
+                self.stats["lookups_pulling"] += 1
+                self._pull_waiting = True  # an idle step until the pull's slots are there: the workers pause a little
+                return None
         found: list[str | None] = ["cpu" if hit else None for hit in cached]
         rest = [i for i, f in enumerate(found) if f is None]
         if rest and self.stack:
@@ -263,7 +271,7 @@ class KVXScheduler:
                 return None
             for i, name in zip(rest, more):
                 found[i] = name
-        return found
+        return found, coming
 
     # ------------------------------------------------------------------ step 1: lookup
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -301,9 +309,10 @@ class KVXScheduler:
         partial = self.config.save_partial_chunks and rest and not self.state_groups
         pkey = t.partial_key(len(keys), rest, self.chunk_size) if partial else None
         skeys = [state_key(k) for k in keys] if self.state_groups else []
-        located = self._locate(keys + ([pkey] if pkey else []) + skeys)
-        if located is None:
+        got = self._locate(keys + ([pkey] if pkey else []) + skeys)
+        if got is None:
             return None
+        located, coming = got
         found, stored = located[: len(keys)], located[len(located) - len(skeys) :]  # chunks, state objects
         for key, tier in zip(keys + skeys, found + stored):
             if tier is not None and tier != "cpu":  # that tier holds it: a save of it (declined, or under vLLM's
@@ -316,6 +325,7 @@ class KVXScheduler:
             tiers=list(found[:n]),
             stored=stored,
             partial=Partial(pkey, rest, located[len(keys)]) if pkey else None,
+            coming=coming,
         )
 
     def _report(self, lk: Lookup) -> tuple[int, bool]:
@@ -331,7 +341,9 @@ class KVXScheduler:
         if hit <= lk.num_computed:
             return 0, False
         num_tokens = lk.t.request.num_tokens
-        if not self.load_async and hit >= num_tokens:
+        # a hit still arriving (a pull) is loaded asynchronously: the request waits for it, not the step
+        is_async = self.load_async or not lk.coming.isdisjoint(hit_keys)
+        if not is_async and hit >= num_tokens:
             # A sync load must leave a token to compute: report all but the last one. The block holding
             # it is loaded whole before the forward (ChunkLoad.before_forward), which then writes the
             # last token's KV over the loaded copy; only that one token is recomputed, where vLLM's own
@@ -339,8 +351,11 @@ class KVXScheduler:
             hit = num_tokens - 1
             if hit <= lk.num_computed:
                 return 0, False
-        lk.t.plan = LoadPlan(lk.num_computed, hit, tiers, hit_keys, chunk_tokens, lk.state)
-        return hit - lk.num_computed, self.load_async
+        coming = lk.coming.intersection(hit_keys)
+        lk.t.plan = LoadPlan(lk.num_computed, hit, tiers, hit_keys, chunk_tokens, lk.state, is_async, coming)
+        if coming:
+            self.stats["hits_coming"] += 1
+        return hit - lk.num_computed, is_async
 
     def _sight(self, t: RequestTracker) -> None:
         """admit_after > 1: count the chunks request ``t``'s prompt covers as seen once more (once per request)."""
@@ -378,7 +393,7 @@ class KVXScheduler:
                 f"{num_external_tokens} external tokens but no lookup plan"
             )
         self._new_loads.append(self.load_planner.plan(t, plan, tables, num_external_tokens))
-        t.phase = Phase.LOADING if self.load_async else Phase.RUNNING
+        t.phase = Phase.LOADING if plan.is_async else Phase.RUNNING
         t.plan = None
         self.stats["loads"] += 1
 
@@ -414,10 +429,11 @@ class KVXScheduler:
         meta = KVXMetadata(
             loads=self._new_loads,
             pd_waiting=self.producer_wait.take_waiting(),
+            pull_waiting=self._pull_waiting,
             preempted=sorted(getattr(so, "preempted_req_ids", None) or ()),
             finished=sorted(getattr(so, "finished_req_ids", None) or ()),
         )
-        self._new_loads = []
+        self._new_loads, self._pull_waiting = [], False
         if self.costs is not None:
             self.costs.step_begin(int(getattr(so, "total_num_scheduled_tokens", 0) or 0))
         freed, self._freed = self._freed, []

@@ -48,6 +48,8 @@ class LoadPlan:
     keys: list[str]  # per chunk (the last may be a partial chunk's key)
     chunk_tokens: list[int]
     state: StateRef | None = None  # hybrid models: the last chunk's state object
+    is_async: bool = False  # reported as an async load (load_async, or chunks still coming)
+    coming: frozenset[str] = frozenset()  # chunks of the hit in "cpu" not there yet (a pull): the workers wait
 
 
 @dataclass

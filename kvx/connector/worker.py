@@ -75,6 +75,10 @@ IDLE_STEP_WAIT_S = 0.005
 # the consumer computes the chunks it was waiting for. A pause lets the workers sleep; a chunk that lands is seen at
 # most this much later.
 PD_IDLE_PAUSE_S = 0.01
+# As PD_IDLE_PAUSE_S, while a lookup waits for its node to have the slots of a pull from a peer (KVXMetadata.
+# pull_waiting): that takes a lease round trip to the peer, a few ms; then the lookup is a hit, loaded as the chunks
+# arrive. A shorter pause: the next lookup sees the slots sooner.
+PULL_IDLE_PAUSE_S = 0.002
 
 
 def node_pool(cache: RegisteredKV, page_heads: bool, pin: bool = False) -> NodePool:
@@ -161,11 +165,13 @@ class KVXWorker:
         self._meta: KVXMetadata | None = None
         self._loads_started = False
         self._idle_step = False
-        self._pd_pause = False  # this idle step pauses in get_finished (worker thread)
+        self._pd_pause = 0.0  # how long this idle step pauses in get_finished (worker thread)
         self._save_layers = False  # this step queues its saves layer by layer (save_kv_layer)
         self._group_ends: dict[str, int] = {}  # name of the last layer of each layer group -> the group
         self.results = WorkerResults()  # outcomes, counters, samples: the pipelines report here
         self.loads = LoadPipeline(self.results, self.tiers, fence_loads_at_start, geom.num_groups)
+        if config.node_tier is not None:  # a chunk a pull brings: the pull's wait, and the engine's grace past it
+            self.loads.coming_wait_s = config.node_tier.pull_wait_ms / 1e3 + 1.0
         self.saves = SavePipeline(self.results, self.tiers)
         self._polled_for_stats = False  # take_stats polled the saves since build_worker_meta last ran
         self.totals = Counter()  # every counter since start (take_stats adds to it)
@@ -440,7 +446,9 @@ class KVXWorker:
         # a step that computes nothing (no block written, nothing to save): vLLM steps such steps back to back while
         # requests wait for their async loads, so its result hooks may wait for those a little (poll_async)
         self._idle_step = isinstance(meta, KVXMetadata) and not (meta.forward_blocks or meta.saves or meta.loads)
-        self._pd_pause = self._idle_step and meta.pd_waiting
+        self._pd_pause = 0.0
+        if self._idle_step:  # a lookup put off: for a P/D producer's chunks, or for a pull's slots
+            self._pd_pause = PD_IDLE_PAUSE_S if meta.pd_waiting else PULL_IDLE_PAUSE_S if meta.pull_waiting else 0.0
         if self.pool is not None and isinstance(meta, KVXMetadata):
             self.pool.attach(meta.node)  # the node's pool of this step's plans (mapped anew after a node restart)
         self._loads_started = False
@@ -492,8 +500,8 @@ class KVXWorker:
         ``wait_for_save``: :data:`kvx.testing.RUNNER_ORDERS`)."""
         self.loads.finish_sync()
         if self._pd_pause and not self.loads.has_async():
-            self._pd_pause = False  # once per step
-            time.sleep(PD_IDLE_PAUSE_S)
+            pause, self._pd_pause = self._pd_pause, 0.0  # once per step
+            time.sleep(pause)
         done = self.loads.poll_async(wait_s=IDLE_STEP_WAIT_S if self._idle_step else 0.0)
         self.loads.retire()
         return None, (done or None)

@@ -189,7 +189,8 @@ class NodeIndex(SlotIndex):
         """A node in a cluster: True while the node pulls ``missing`` (a lookup's keys from its first miss on) from a
         peer, for at most ``pull_wait_ms`` (and a second's grace for the node's answer). The first lookup to miss a
         key starts a pull of it and the keys after it, up to :data:`~.protocol.MAX_PULLS` pulls in flight (other
-        requests' lookups); a key a pull did not bring is not pulled again for :data:`_TRIED_S`."""
+        requests' lookups); a key a pull did not bring is not pulled again for :data:`_TRIED_S`. Once the node has
+        the pull's slots, :meth:`coming` counts them and the lookup is a hit (asked first)."""
         if not self._cluster or self.pull_wait_s <= 0 or self._dir is None or not missing or not self._may_move():
             return False
         now = time.monotonic()
@@ -213,6 +214,24 @@ class NodeIndex(SlotIndex):
             return False
         self._pulls.append(p)
         return True
+
+    def coming(self, missing: Sequence[str]) -> int:
+        """How many leading keys of ``missing`` a pull this engine asked for is bringing into the node's slots now
+        (PENDING in the slot table, or READY already): a hit loaded asynchronously, each chunk copied once it is
+        READY (the node makes a pull's chunks READY one by one, in order, as each arrives and passes its check). 0
+        while no pull of ``missing[0]`` is in flight, or before the node has the pull's slots."""
+        if not self._pulls or self._dir is None or not missing:
+            return 0
+        self._poll_pulls(time.monotonic())
+        asked = next((p.asked for p in self._pulls if missing[0] in p.asked), None)
+        if asked is None:
+            return 0
+        keys = list(missing[:_PULL_KEYS])
+        ready, pending = self._dir.slots("".join(keys)), self._dir.pending("".join(keys))
+        return next(
+            (i for i, (k, r, p) in enumerate(zip(keys, ready, pending)) if k not in asked or (r < 0 and p < 0)),
+            len(keys),
+        )
 
     def _poll_pulls(self, now: float) -> None:
         try:
@@ -309,7 +328,8 @@ class NodeIndex(SlotIndex):
 
     def pin(self, keys: Sequence[str]) -> list[int]:
         """Lease pins on READY chunks for a load: their slots as the directory gives them now, -1 for a chunk it
-        does not hold READY or if the node is down (the workers then fail those chunks' loads: recomputed).
+        does not hold READY or if the node is down (the workers then fail those chunks' loads: recomputed). A chunk a
+        pull of this engine is still bringing (:meth:`coming`) gets its PENDING slot (the workers wait for it).
 
         The pin is posted, not waited for: its round trip, slow while vLLM's threads hold the cores, delayed a
         request's first step for every hit. The lease is a guard, not what makes a read safe: the workers
@@ -320,15 +340,28 @@ class NodeIndex(SlotIndex):
             return [-1] * len(keys)
         slots = self._dir.slots("".join(keys))
         ready = [k for k, s in zip(keys, slots) if s >= 0]
+        # chunks a pull of this engine is still bringing (coming): their PENDING slots, pinned apart (all or nothing
+        # each: a pull that fails meanwhile costs those chunks' pins, not the READY ones')
+        wanted = [i for i, s in enumerate(slots) if s < 0 and any(keys[i] in p.asked for p in self._pulls)]
+        coming = []
+        if wanted:
+            for i, s in zip(wanted, self._dir.pending("".join(keys[i] for i in wanted))):
+                if s >= 0:
+                    slots[i] = s
+                    coming.append(keys[i])
 
-        def pinned(reply) -> None:
-            if isinstance(reply, NodeError):  # all or nothing: one of them was evicted since the lookup
-                log.info("kvx: %s", reply)
-            else:
-                self._held.update(ready)
+        def pinned(held: list[str]):
+            def on_reply(reply) -> None:
+                if isinstance(reply, NodeError):  # all or nothing: one of them was evicted since the lookup
+                    log.info("kvx: %s", reply)
+                else:
+                    self._held.update(held)
 
-        if ready and not self._post("pin", pinned, keys="".join(ready)):
-            return [-1] * len(keys)
+            return on_reply
+
+        for group in (ready, coming):
+            if group and not self._post("pin", pinned(group), keys="".join(group)):
+                return [-1] * len(keys)
         return slots
 
     def hold(self, key: str) -> int | None:
@@ -520,6 +553,29 @@ class NodePool(SlotPool):
                 f"{'' if generation is None else f', generation {generation}'}), got {e}"
             )
         return e[1]
+
+    def wait_ready(self, slot: int, key: str, deadline: float) -> int:
+        """As :meth:`kvx.store.SlotPool.wait_ready`: the table entry read every 0.2 ms, then less often (up to every
+        1 ms) while it stays PENDING. The generation returned is the READY one's, which the copy's checks then hold
+        (:meth:`check`). An entry that reads as neither (another key, FREE) is read again before it fails the chunk:
+        the daemon may be writing it (a read that a pause splits may mix its fields)."""
+        from ..store import ChunkError
+
+        pause, odd = 0.0002, 0
+        while True:
+            e = self.entry(slot)
+            if e is not None and e[0] == key and e[2] == READY:
+                return e[1]
+            if e is None or e[0] != key or e[2] != PENDING:
+                odd += 1
+                if odd > 1:
+                    raise ChunkError(f"node slot {slot}: expected chunk {key} coming (pending, then ready), got {e}")
+            else:
+                odd = 0
+            if time.monotonic() >= deadline:
+                raise ChunkError(f"node slot {slot}: chunk {key} still pending at the pull's deadline")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.001)
 
     def close(self) -> None:
         self.data = self._map = self.epoch = None  # unmapped when the last tensor of it goes

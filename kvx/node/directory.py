@@ -124,6 +124,21 @@ class Directory:
         pending = (t["state"] == PENDING) & (t["a"] == np.uint64(a)) & (t["b"] == np.uint64(b))
         return PENDING if pending.any() else FREE
 
+    def pending(self, keys_hex: str) -> list[int]:
+        """Per key (``keys_hex``: 32-hex keys end to end), the slot the table holds it PENDING in now (being written:
+        an engine's save, a pull from a peer), else -1. A scan of the PENDING entries (few), not a probe."""
+        want = np.frombuffer(bytes.fromhex(keys_hex), dtype="<u8").reshape(-1, 2)
+        t = self._table64
+        cand = np.flatnonzero((t[:, 3] & LOW32) == PENDING)
+        out = [-1] * len(want)
+        if len(cand):
+            rows = t[cand]
+            for i, (a, b) in enumerate(want):
+                hit = np.flatnonzero((rows[:, 0] == a) & (rows[:, 1] == b))
+                if len(hit):
+                    out[i] = int(cand[hit[0]])
+        return out
+
     def slots(self, keys_hex: str) -> list[int]:
         """Per key (``keys_hex``: 32-hex keys end to end), its slot if the pool holds it READY now, else -1. On the
         entries as rows of four uint64 (one gather per probe round), not the structured arrays' fields: a lookup

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from .errors import ChunkError
 from .tier import Listener
 
 
@@ -95,6 +96,12 @@ class SlotIndex(abc.ABC):
         tier may start fetching them here. A tier that fetches nothing: False."""
         return False
 
+    def coming(self, missing: Sequence[str]) -> int:
+        """How many leading keys of ``missing`` (a lookup's keys from its first miss on) are on their way into slots
+        of this tier now (a pull from a peer node into PENDING slots): a hit the engine loads asynchronously, its
+        workers copying each chunk once its slot turns READY. A tier that fetches nothing: 0."""
+        return 0
+
     def push(self, keys: Sequence[str], to: str) -> bool:
         """Send ``keys`` (a P/D producer's chunks, in order) to the node at ``to`` (``HOST:PORT``) as each becomes
         READY here, without waiting; False where this tier cannot (the consumer then waits for a shared tier)."""
@@ -132,6 +139,13 @@ class SlotPool(abc.ABC):
         given ``generation``, still that one, else :class:`kvx.store.ChunkError`. A pool of one engine's own
         slots cannot change under it: None."""
         return None
+
+    def wait_ready(self, slot: int, key: str, deadline: float) -> int:
+        """A shared pool: wait until ``slot``, which holds ``key`` PENDING (a pull from a peer is filling it), holds
+        it READY; its generation. :class:`kvx.store.ChunkError` if it turns anything else, or is still PENDING at
+        ``deadline`` (``time.monotonic()``). Any thread (it reads the slot's table entry only). A pool of one
+        engine's own slots has none coming."""
+        raise ChunkError(f"slot {slot}: expected chunk {key} coming into a shared pool, got a pool of this engine's")
 
     def close(self) -> None:  # noqa: B027
         """Release the memory (or its registration with CUDA)."""
