@@ -34,9 +34,11 @@ Model and engine as ``bench_node.py``'s TTFT: a random-weight Llama (``--hidden`
 heads), chunks of 256 tokens, 512 MiB of KV cache.
 
     python benchmarks/bench_cluster.py [--prompts 4] [--readers 2] [--tokens 4096] [--pull-wait-ms 500] [--quick]
-                                       [--out DIR]
+                                       [--link-rate RATE] [--out DIR]
 
-Writes ``cluster_cpu.{md,csv}`` under ``benchmarks/results`` (or ``--out``). Needs root (network namespaces). All the
+``--link-rate 4gbit``: each host sends at most that (a ``tc`` token bucket), so the wire paces a pull, as between
+real hosts, rather than this machine's two cores. Writes ``cluster_cpu.{md,csv}`` (``cluster_<rate>_cpu`` with
+``--link-rate``) under ``benchmarks/results`` (or ``--out``). Needs root (network namespaces). All the
 processes share the machine's cores: a pull's bytes cross a veth pair, served by node A's process and read by node
 B's, beside the engine that waits. Run it on an otherwise idle machine.
 """
@@ -85,6 +87,18 @@ def wait_chunks(node: Node, n: int, what: str, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` ran so far, all its threads (their schedstat: nanoseconds on a core)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return total / 1e9
+
+
 def bench(model: str, work: str, args) -> tuple[list[dict], list[dict]]:
     """The rows of the table, and one line per triple."""
     engine_args = {"dtype": "bfloat16", "kv_cache_bytes": 512 << 20, "max_model_len": max(4608, args.tokens + 512)}
@@ -102,6 +116,9 @@ def bench(model: str, work: str, args) -> tuple[list[dict], list[dict]]:
     pools = [shm(f"{work}-{name}") for name in "ab"]
     with netns.Cluster(2) as c:
         ha, hb = c.hosts
+        if args.link_rate:
+            for h in c.hosts:
+                h.limit(args.link_rate)
         secret = os.path.join(work, "secret")
         with open(secret, "w") as f:
             f.write("kvx-bench-cluster-secret-0123456789\n")
@@ -162,8 +179,15 @@ def bench(model: str, work: str, args) -> tuple[list[dict], list[dict]]:
                         "recompute": (recompute, pulled[j]),
                     }
                     order = KINDS[(i + r) % 3 :] + KINDS[: (i + r) % 3]
-                    got = {k: jobs[k][0].generate([jobs[k][1]], max_tokens=1)[0] for k in order}
-                    triples.append({"reader": r, "prompt": j, "first": order[0], **got})
+                    got, cpu = {}, {}
+                    for k in order:  # the CPU time each kind took of the machine: the nodes' and its engine's
+                        pids = (na.proc.pid, nb.proc.pid, jobs[k][0].proc.pid)
+                        before_s = [cpu_s(p) for p in pids]
+                        got[k] = jobs[k][0].generate([jobs[k][1]], max_tokens=1)[0]
+                        cpu[k] = [cpu_s(p) - b for p, b in zip(pids, before_s)]
+                        if k == "pulled":
+                            got[k]["last_pull"] = nb.stats()["cluster"]["last_pull"]
+                    triples.append({"reader": r, "prompt": j, "first": order[0], "cpu": cpu, **got})
                     t = {k: f"{v['ttft_s'] * 1e3:.1f} ms" for k, v in got.items()}
                     print(f"triple {len(triples) - 1} ({', '.join(order)}): {t}; cached {got['pulled']['cached']}")
                 after = reader.metrics()
@@ -212,6 +236,20 @@ def bench(model: str, work: str, args) -> tuple[list[dict], list[dict]]:
         row("reader_warmup_pulls_missed", warmup_misses),
         row("reader_lookups_put_off_per_pulled_prompt", sum(pulling) / len(triples)),
     ]
+    # where a pulled prompt's time and the machine's cores went (medians over the triples)
+    for phase in ("ask", "slots", "lease", "read", "check", "release", "commit"):
+        got = [t["pulled"]["last_pull"].get(f"{phase}_ms") for t in triples]
+        got = [v for v in got if v is not None]
+        if got:
+            rows.append(row(f"node_b_pull_{phase}_ms", round(statistics.median(got), 1)))
+    for k in ("pulled", "local"):
+        for who, i in (("node_a", 0), ("node_b", 1), ("engine", 2)):
+            rows.append(
+                row(f"cpu_{who}_during_{k}_ms", round(statistics.median(t["cpu"][k][i] for t in triples) * 1e3, 1))
+            )
+    for k in ("pulled", "local"):  # the cores' busy time over the request's wall time: 2.0 = both cores all along
+        busy = statistics.median(sum(t["cpu"][k]) / t[k]["ttft_s"] for t in triples)
+        rows.append(row(f"cores_busy_during_{k}", round(busy, 2)))
     verdict = {
         "pulled <= 1.3x local": med["pulled"] <= 1.3 * med["local"],
         "pulled < recompute": med["pulled"] < med["recompute"],
@@ -230,6 +268,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--pool", default="2GiB", help="each node's pool")
     ap.add_argument("--pull-wait-ms", type=int, default=500, help="the engines' pull_wait_ms (kvx's default: 500)")
+    ap.add_argument("--link-rate", default="", help="cap each host's sends (tc's units, e.g. 4gbit); default: none")
     ap.add_argument("--quick", action="store_true", help="small: 1 prompt of 512 tokens, 1 reader, a 2-layer model")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
@@ -252,7 +291,8 @@ def main(argv=None) -> int:
 
 def write(rows: list[dict], triples: list[dict], args, argv: list[str]) -> None:
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "cluster_cpu.csv"), "w", newline="") as f:
+    name = f"cluster_{args.link_rate}_cpu" if args.link_rate else "cluster_cpu"
+    with open(os.path.join(args.out, f"{name}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["measure", "value", "baseline", "ratio"])
         w.writeheader()
         w.writerows(rows)
@@ -262,7 +302,9 @@ def write(rows: list[dict], triples: list[dict], args, argv: list[str]) -> None:
         f"`python benchmarks/bench_cluster.py {' '.join(argv)}`".replace(" `", "`"),
         "",
         f"{args.tokens}-token prompts, chunks of {CHUNK} tokens, a {args.layers}-layer Llama of width {args.hidden} "
-        f"(bf16); two hosts in network namespaces, a node on each; the readers' pull_wait_ms {args.pull_wait_ms}. "
+        f"(bf16); two hosts in network namespaces, a node on each"
+        f"{f', each sending at most {args.link_rate}' if args.link_rate else ''}; "
+        f"the readers' pull_wait_ms {args.pull_wait_ms}. "
         f"Load average at start: {args.load:.2f}.",
         "",
     ] + rows_md(rows)
@@ -279,7 +321,7 @@ def write(rows: list[dict], triples: list[dict], args, argv: list[str]) -> None:
             f"| {i} | {t['reader']} | {t['first']} | {ms['pulled']:.1f} | {ms['local']:.1f} | {ms['recompute']:.1f} "
             f"| {ms['pulled'] / ms['local']:.2f}x | {t['pulled']['cached']} |"
         )
-    with open(os.path.join(args.out, "cluster_cpu.md"), "w") as f:
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 

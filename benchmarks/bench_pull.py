@@ -6,7 +6,9 @@ measure), in one run, interleaved round by round:
 - **pull, tcp** / **pull, nixl**: two ``kvx node`` processes in a cluster (loopback) on that transport; an engine's
   index on node B misses ``--chunks`` chunks that node A holds and B pulls them: the lease (the serving node's
   CRC32C of each chunk; with A the only peer, B's ask: phase ``ask``), PENDING slots, the bytes, the CRC32C check
-  here, the release, the commit. Timed from the engine's ask to the node's answer; new chunks every round.
+  here, each chunk READY as it passes, the release. Timed as an engine sees it: from its ask until every chunk is
+  READY (its lookup, every 0.5 ms, reports the hit once the pull's slots are there; its load pins them and waits for
+  each to turn READY, as a worker does: :meth:`kvx.node.client.NodePool.wait_ready`); new chunks every round.
 
 Targets: a pull over TCP >= 80% of the socket stream; over NIXL (shared memory) >= 90% of the raw NIXL READ.
 
@@ -75,6 +77,8 @@ class PullPair:
         self.a, self.b = (self._index(n) for n in self.nodes)
         self.pool = NodePool((chunk_bytes,), torch.uint8, None, (chunk_bytes,))
         self.pool.attach(self.a.pool, background=False)
+        self.pool_b = NodePool((chunk_bytes,), torch.uint8, None, (chunk_bytes,))  # B's, as its engine's workers map it
+        self.pool_b.attach(self.b.pool, background=False)
         self.round = 0
         self.phases: list[dict] = []  # node B's account of each pull (kvx node stats: last_pull)
         self.data = torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
@@ -102,10 +106,23 @@ class PullPair:
         t0 = time.perf_counter()
         while True:  # as the scheduler looks up (kvx.connector.scheduler: _locate): a pull from the first miss on
             first_miss = next((i for i, hit in enumerate(self.b.contains_many(keys)) if not hit), len(keys))
-            if first_miss == len(keys) or not self.b.pulling(keys[first_miss:]):
+            if first_miss == len(keys) or self.b.coming(keys[first_miss:]) == len(keys) - first_miss:
+                break  # the hit: an engine reports it and its workers wait for each chunk
+            if not self.b.pulling(keys[first_miss:]):
                 break
-            self.b.puller.wait(0.1)  # until the node answers (an idle engine sleeps between steps too)
+            time.sleep(0.0005)  # the engine's idle steps until the pull's slots are there
+        slots = self.b.pin(keys)  # as the load is planned
+        deadline = time.monotonic() + 30
+        for k, slot in zip(keys, slots):  # as a worker's waiter: each chunk READY in turn
+            if slot >= 0:
+                self.pool_b.wait_ready(slot, k, deadline)
         took = time.perf_counter() - t0
+        self.b.unpin(keys)
+        wait_pull = time.monotonic() + 30
+        while self.b.pulling(keys):  # the node's answer, untimed: the next round starts from a quiet pair
+            if time.monotonic() > wait_pull:
+                raise TimeoutError(f"{self.name}: no answer to the pull")
+            self.b.puller.wait(0.1)
         self.phases.append(self.nodes[1].stats()["cluster"]["last_pull"])
         got = self.b.contains_many(keys)
         if not all(got):
@@ -116,6 +133,7 @@ class PullPair:
         for idx in (self.a, self.b):
             idx.close()
         self.pool.close()
+        self.pool_b.close()
         for n in self.nodes:
             n.stop()
 
@@ -178,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `python benchmarks/bench_pull.py {shown}`",
         "",
         f"{args.chunks} chunks of {chunk_bytes >> 20} MiB ({total >> 20} MiB) per transfer; {args.reps} rounds, the "
-        "variants in turn within each; medians. A pull is timed from the engine's ask to its node's answer (the "
-        "lease with the peer's CRC32C, which with one peer is the ask, the slots, the bytes, the check, the release, "
-        "the commit).",
+        "variants in turn within each; medians. A pull is timed from the engine's ask until every chunk is READY in "
+        "its node (the lease with the peer's CRC32C, which with one peer is the ask, the slots, the bytes, the check; "
+        "each chunk READY as it passes, before the release and the node's answer), as the engine's lookup and its "
+        "workers see the chunks.",
         "",
     ]
     lines += md_table(
@@ -191,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     names = [k for k in next(iter(phases.values()))[0] if k.endswith("_ms")]
     lines += [
         "",
-        "Where a pull's time goes: the pulling node's phases (`kvx node stats`: `last_pull`), medians in ms; the rest "
-        "of a pull's time is the engine's ask and answer.",
+        "Where a pull's time goes: the pulling node's phases (`kvx node stats`: `last_pull`), medians in ms, up to "
+        "its answer (the release and the end of the pull come after the chunks are READY, so they may run past the "
+        "timed pull).",
         "",
     ]
     lines += md_table(

@@ -205,6 +205,12 @@ class Host:
         route. Until :meth:`restore`."""
         _ip("-n", self._switch, "link", "set", self._port, "down")
 
+    def limit(self, rate: str) -> None:
+        """Cap what this host sends at ``rate`` (``tc``'s units: "4gbit"), a token bucket on its ``eth0``: a link
+        slower than the machine's cores, as between real hosts, where the wire, not the CPU, paces a transfer."""
+        tbf = ["qdisc", "replace", "dev", DEV, "root", "tbf", "rate", rate, "burst", "4mb", "latency", "100ms"]
+        subprocess.run(["tc", "-n", self.name, *tbf], check=True, capture_output=True)
+
     def restore(self) -> None:
         """Undo :meth:`cut`; returns once the link forwards again (TCP's pending retransmissions get through)."""
         _ip("-n", self._switch, "link", "set", self._port, "up")
