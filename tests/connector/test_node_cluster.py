@@ -94,16 +94,22 @@ def test_a_fresh_engine_on_another_node_loads_chunks_its_node_pulled(make_env, c
     b.assert_clean()
 
 
-def test_a_hit_still_crossing_is_reported_at_once_and_loaded_as_its_chunks_arrive(make_env, slow_cluster):
-    na, nb, _ = slow_cluster
+def reported_while_crossing(make_env, na, nb, seed: int):
+    """A prompt of 3 chunks stored by an engine on node A; a fresh engine on node B asks for it and steps until its
+    lookup reports the hit while the chunks still cross: (that engine, its request, the prompt)."""
     a = make_env(node_tier(na))
-    ids = prompt(1000, seed=34)
+    ids = prompt(1000, seed=seed)
     a.request("a", ids)
     a.run(settle_writes=True)
     b = make_env(node_tier(nb, pull_wait_ms=30_000))
     r = b.request("b", ids + [5, 6])
     wait_for(lambda: b.step() and b.sched_stats.get("hits_coming"), 30, "a hit reported while its chunks come")
-    assert b.conn.scheduler_side.cpu.pool is not None
+    return b, r, ids
+
+
+def test_a_hit_still_crossing_is_reported_at_once_and_loaded_as_its_chunks_arrive(make_env, slow_cluster):
+    na, nb, _ = slow_cluster
+    b, r, _ = reported_while_crossing(make_env, na, nb, 34)
     assert nb.stats()["pool"]["pending"] >= 1  # reported before the pull was over
     new = first_scheduled(b)
     assert new.num_computed_tokens == 3 * CHUNK
@@ -120,13 +126,7 @@ def test_a_hit_still_crossing_is_reported_at_once_and_loaded_as_its_chunks_arriv
 
 def test_a_hit_still_crossing_when_the_link_is_cut_is_recomputed(make_env, slow_cluster):
     na, nb, proxy = slow_cluster
-    a = make_env(node_tier(na))
-    ids = prompt(1000, seed=35)
-    a.request("a", ids)
-    a.run(settle_writes=True)
-    b = make_env(node_tier(nb, pull_wait_ms=30_000))
-    r = b.request("b", ids + [5, 6])
-    wait_for(lambda: b.step() and b.sched_stats.get("hits_coming"), 30, "a hit reported while its chunks come")
+    b, r, ids = reported_while_crossing(make_env, na, nb, 35)
     proxy.close()  # mid-transfer: the chunks not in yet turn FREE, their loads fail, vLLM recomputes them
     new = first_scheduled(b)
     assert new.num_computed_tokens < 3 * CHUNK and any(b.load_errors)
